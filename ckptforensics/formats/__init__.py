@@ -1,0 +1,82 @@
+"""Checkpoint readers: one module per format behind one read-only, lazy view."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import CheckpointNotFound, UnknownFormat
+from .base import Checkpoint, GroupHyper, OptimizerView, TensorMeta
+from .hf import is_hf_dir, open_hf_dir
+from .safetensors_file import open_safetensors
+from .torchfile import is_torch_zip
+from .torchsave import open_torch_file
+
+__all__ = [
+    "Checkpoint",
+    "GroupHyper",
+    "OptimizerView",
+    "TensorMeta",
+    "open_checkpoint",
+    "FORMATS",
+    "register",
+]
+
+Opener = Callable[[Path], Checkpoint]
+FORMATS: dict[str, Opener] = {}
+
+
+def register(name: str, opener: Opener) -> None:
+    """Add a reader; a second reader under the same name is a programming error."""
+    if name in FORMATS:
+        raise ValueError(f"format {name!r} is already registered")
+    FORMATS[name] = opener
+
+
+register("hf-trainer", open_hf_dir)
+register("safetensors", open_safetensors)
+register("torch", lambda p: open_torch_file(p, "torch"))
+register("nanogpt", lambda p: open_torch_file(p, "nanogpt"))
+register("lightning", lambda p: open_torch_file(p, "lightning"))
+
+
+def sniff(path: Path) -> str:
+    """The format name for `path`, from its layout and first bytes."""
+    if path.is_dir():
+        if is_hf_dir(path):
+            return "hf-trainer"
+        raise UnknownFormat(
+            f"{path}: a directory that is not a known checkpoint layout "
+            "(expected model*.safetensors / pytorch_model*.bin); pass the checkpoint itself"
+        )
+    with path.open("rb") as f:
+        head = f.read(16)
+    if path.suffix == ".safetensors" or (len(head) >= 9 and head[8:9] == b"{"):
+        return "safetensors"
+    if is_torch_zip(path) or head[:2] == b"\x80\x02":
+        return "torch-file"
+    raise UnknownFormat(f"{path}: not a safetensors, torch.save or checkpoint directory")
+
+
+def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
+    """Open any supported checkpoint read-only and lazily.
+
+    Args:
+        path: file or directory.
+        format: force a reader by name (see FORMATS); sniffed when None.
+
+    Raises:
+        CheckpointNotFound, UnknownFormat, CorruptCheckpoint, UnsafeCheckpoint,
+        OptimizerMappingError.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointNotFound(f"{p}: no such file or directory")
+    if format is not None:
+        if format not in FORMATS:
+            raise UnknownFormat(f"unknown format {format!r}; known: {', '.join(sorted(FORMATS))}")
+        return FORMATS[format](p)
+    kind = sniff(p)
+    if kind == "torch-file":
+        return open_torch_file(p)
+    return FORMATS[kind](p)

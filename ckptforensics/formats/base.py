@@ -1,0 +1,189 @@
+"""The read-only, lazy Checkpoint view every format reader provides, and its records."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TensorMeta",
+    "GroupHyper",
+    "OptimizerView",
+    "Checkpoint",
+    "release_pages",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Shape and dtype of a stored tensor, known without reading its data."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class GroupHyper:
+    """Hyper-parameters of one optimizer param group.
+
+    Attributes:
+        lr: learning rate stored in the group (the one the *next* step will use).
+        betas: Adam (beta1, beta2); None for optimizers without moments.
+        eps: Adam epsilon.
+        weight_decay: decoupled (AdamW) or L2 weight decay coefficient.
+        initial_lr: the schedule's base LR when a scheduler recorded it.
+        max_lr: OneCycle-style peak LR when recorded.
+        index: the group's position in `param_groups`.
+    """
+
+    lr: float
+    betas: tuple[float, float] | None = None
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    initial_lr: float | None = None
+    max_lr: float | None = None
+    index: int = 0
+
+
+@dataclass(slots=True)
+class OptimizerView:
+    """Optimizer state keyed by parameter name.
+
+    Attributes:
+        kind: 'adam' (Adam/AdamW moments), 'sgd', or the state's keys when unknown.
+        state: name -> {"exp_avg", "exp_avg_sq", "step", ...}; tensors may be lazy (mmap).
+        hyper: name -> its group's hyper-parameters.
+        groups: one GroupHyper per param group, in order.
+        mapping: how ids were mapped to names ('param_names', 'single group', ...).
+    """
+
+    kind: str
+    state: dict[str, dict[str, Any]]
+    hyper: dict[str, GroupHyper]
+    groups: list[GroupHyper]
+    mapping: str = ""
+
+
+@dataclass
+class Checkpoint:
+    """A read-only, lazy view of one checkpoint (DESIGN §3).
+
+    Readers fill `_meta` and `_get` (name -> loader) without reading tensor data;
+    `tensor(name)` materialises lazily (memory-mapped where the format allows).
+
+    Attributes:
+        path: what was opened.
+        format: reader name ('hf-trainer', 'safetensors', 'torch', 'nanogpt', 'lightning').
+        scalars: global_step, loss_scale, scaler and scheduler state, when present.
+        config: model config when the checkpoint carries one.
+        optimizer: the optimizer view, or None for weights-only checkpoints.
+        notes: what the reader could not do, said plainly (goes into reports).
+        file_backed: every tensor is a clean file mapping, so `release` may drop pages.
+        aliases: tied names left out of `names()` -> the name that holds the data.
+    """
+
+    path: Path
+    format: str
+    _meta: dict[str, TensorMeta] = field(default_factory=dict, repr=False)
+    _get: dict[str, Any] = field(default_factory=dict, repr=False)
+    scalars: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] | None = None
+    optimizer: OptimizerView | None = None
+    notes: list[str] = field(default_factory=list)
+    file_backed: bool = False
+    aliases: dict[str, str] = field(default_factory=dict)
+    _closers: list[Any] = field(default_factory=list, repr=False)
+
+    def names(self) -> list[str]:
+        """Model tensor names, in the checkpoint's own order."""
+        return list(self._meta)
+
+    def meta(self, name: str) -> TensorMeta:
+        """Shape and dtype without reading data."""
+        return self._meta[name]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor, lazily read (mmap-backed where possible); never written to."""
+        return self._get[name]()
+
+    @property
+    def step(self) -> int | None:
+        """Global (trainer) step of this checkpoint, when the format records it."""
+        s = self.scalars.get("global_step")
+        return int(s) if s is not None else None
+
+    def optim_state(self, name: str) -> dict[str, Any]:
+        """Optimizer state of a parameter by name ({} when it has none)."""
+        if self.optimizer is None:
+            return {}
+        return self.optimizer.state.get(name, {})
+
+    def hyper(self, name: str) -> GroupHyper | None:
+        """Hyper-parameters of the param group holding `name`."""
+        if self.optimizer is None:
+            return None
+        return self.optimizer.hyper.get(name)
+
+    def release(self, t: torch.Tensor) -> None:
+        """Let the OS drop pages of a streamed slice of this checkpoint's tensors."""
+        if self.file_backed:
+            release_pages(t)
+
+    def close(self) -> None:
+        for c in self._closers:
+            try:
+                c()
+            except Exception:  # closing is best effort; nothing to lose
+                log.debug("close failed", exc_info=True)
+        self._closers.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4
+_libc: Any = None
+if sys.platform.startswith("linux"):
+    try:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):  # pragma: no cover - exotic libc
+        _libc = None
+
+
+def release_pages(t: torch.Tensor) -> None:
+    """Drop the resident pages of a *file-backed, never-written* mmap tensor.
+
+    Streaming a multi-GB checkpoint through mmap otherwise leaves every touched page
+    resident until the mapping closes. Only whole pages inside the tensor are dropped;
+    clean private file pages are re-read from the file if touched again, so this
+    loses nothing. Readers call it only on tensors they mapped from a file.
+    """
+    if _libc is None or t.numel() == 0 or t.device.type != "cpu":
+        return
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    lo = (start + _PAGE - 1) // _PAGE * _PAGE
+    hi = end // _PAGE * _PAGE
+    if hi > lo:
+        _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)

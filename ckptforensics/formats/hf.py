@@ -1,0 +1,139 @@
+"""HF Trainer `checkpoint-N/` directories and `save_pretrained` model directories."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptCheckpoint
+from .base import Checkpoint
+from .optim import map_optimizer
+from .safetensors_file import SafetensorsFile, add_file
+from .statedict import add_state_dict, scaler_scalars, scheduler_scalars
+from .torchfile import load_torch_file
+
+__all__ = ["open_hf_dir", "is_hf_dir"]
+
+log = logging.getLogger(__name__)
+
+
+def is_hf_dir(path: Path) -> bool:
+    """A directory with HF weights (`model*.safetensors`, `pytorch_model*.bin`) or config."""
+    if not path.is_dir():
+        return False
+    return any(path.glob("model*.safetensors")) or any(path.glob("pytorch_model*.bin")) or (
+        (path / "config.json").is_file() and (path / "optimizer.pt").is_file()
+    )
+
+
+def open_hf_dir(path: Path) -> Checkpoint:
+    """Open an HF Trainer checkpoint directory lazily.
+
+    Weights come from the (sharded) safetensors files; `optimizer.pt` is mapped to
+    names with the parameter order of the model that `config.json` describes (built
+    on the meta device with transformers, the `hf` extra), verified by shape.
+    """
+    ckpt = Checkpoint(path=path, format="hf-trainer", file_backed=True)
+    _weights(ckpt, path)
+    cfg_file = path / "config.json"
+    if cfg_file.is_file():
+        ckpt.config = _json(cfg_file)
+    state_file = path / "trainer_state.json"
+    if state_file.is_file():
+        ts = _json(state_file)
+        if "global_step" in ts:
+            ckpt.scalars["global_step"] = int(ts["global_step"])
+        ckpt.scalars["log_history_tail"] = (ts.get("log_history") or [])[-5:]
+    for fname, parse in (("scheduler.pt", scheduler_scalars), ("scaler.pt", scaler_scalars)):
+        f = path / fname
+        if f.is_file():
+            obj, _ = load_torch_file(f)
+            ckpt.scalars.update(parse(obj))
+    opt = path / "optimizer.pt"
+    if opt.is_file():
+        _optimizer(ckpt, opt)
+    else:
+        ckpt.notes.append("no optimizer.pt: weights only")
+    if (path / "training_args.bin").is_file():
+        ckpt.notes.append("training_args.bin not read (arbitrary pickle)")
+    return ckpt
+
+
+def _json(f: Path) -> dict[str, Any]:
+    try:
+        out = json.loads(f.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpoint(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(out, dict):
+        raise CorruptCheckpoint(f"{f}: expected a JSON object")
+    return out
+
+
+def _weights(ckpt: Checkpoint, path: Path) -> None:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        wm = _json(index).get("weight_map")
+        if not isinstance(wm, dict):
+            raise CorruptCheckpoint(f"{index}: no weight_map")
+        by_file: dict[str, set[str]] = {}
+        for name, fname in wm.items():
+            by_file.setdefault(str(fname), set()).add(name)
+        for fname in sorted(by_file):
+            shard = path / Path(fname).name  # never follow a path out of the checkpoint dir
+            if not shard.is_file():
+                raise CorruptCheckpoint(f"{index}: shard {fname} listed in weight_map is missing")
+            st = SafetensorsFile(shard)
+            missing = by_file[fname] - set(st.entries)
+            if missing:
+                raise CorruptCheckpoint(f"{shard}: lacks {sorted(missing)[0]} that the index places there")
+            add_file(ckpt, st, only=by_file[fname])
+        return
+    files = sorted(path.glob("model*.safetensors"))
+    if files:
+        for f in files:
+            add_file(ckpt, SafetensorsFile(f))
+        return
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise CorruptCheckpoint(f"{path}: HF directory without model*.safetensors or pytorch_model*.bin")
+    for b in bins:
+        obj, mapped = load_torch_file(b)
+        ckpt.file_backed = ckpt.file_backed and mapped
+        add_state_dict(ckpt, obj)
+
+
+def _model_params(ckpt: Checkpoint) -> tuple[list[tuple[str, tuple[int, ...]]] | None, str]:
+    """named_parameters() order of the configured model, built on the meta device."""
+    if not ckpt.config:
+        return None, "no config.json"
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None, "transformers is not installed (pip install 'ckptforensics[hf]')"
+    try:
+        cfg = transformers.AutoConfig.for_model(**ckpt.config)
+        archs = ckpt.config.get("architectures") or []
+        cls = getattr(transformers, archs[0], None) if archs else None
+        with torch.device("meta"):
+            model = cls(cfg) if cls is not None else transformers.AutoModelForCausalLM.from_config(cfg)
+    except Exception as e:  # a config transformers cannot build; said in the report
+        return None, f"transformers cannot build the model from config.json ({type(e).__name__}: {e})"
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad], ""
+
+
+def _optimizer(ckpt: Checkpoint, opt: Path) -> None:
+    osd, mapped = load_torch_file(opt)
+    ckpt.file_backed = ckpt.file_backed and mapped
+    groups = osd.get("param_groups", []) if isinstance(osd, dict) else []
+    if groups and all(g.get("param_names") for g in groups):
+        ckpt.optimizer = map_optimizer(osd, [], str(opt))
+        return
+    params, why = _model_params(ckpt)
+    if params is None:
+        ckpt.notes.append(f"optimizer.pt not mapped to parameter names: {why}; weights-only diff")
+        log.warning("%s: optimizer state not mapped: %s", opt, why)
+        return
+    ckpt.optimizer = map_optimizer(osd, params, str(opt))

@@ -1,0 +1,83 @@
+"""Safe loading of torch.save files: weights-only, memory-mapped, errors made readable."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CorruptCheckpoint, UnsafeCheckpoint
+from .inert import inert_globals
+
+__all__ = ["load_torch_file", "is_torch_zip"]
+
+log = logging.getLogger(__name__)
+
+
+def is_torch_zip(path: Path) -> bool:
+    """True for the zip container torch.save has written since torch 1.6."""
+    try:
+        return zipfile.is_zipfile(path)
+    except OSError:
+        return False
+
+
+def load_torch_file(path: Path) -> tuple[Any, bool]:
+    """Load a torch.save file without executing pickled code.
+
+    Uses torch's weights-only unpickler. Classes that training frameworks pickle into
+    otherwise plain files (Lightning's AttributeDict, argparse.Namespace, ...) are
+    admitted only as inert stand-ins from `inert.py`; anything else is refused.
+
+    Args:
+        path: the file.
+
+    Returns:
+        (object, memory_mapped): tensors are mmap-backed when memory_mapped is True.
+
+    Raises:
+        UnsafeCheckpoint: the pickle asks for a global outside the allowlist.
+        CorruptCheckpoint: truncated or not a torch file.
+    """
+    mm = is_torch_zip(path)
+    try:
+        with torch.serialization.safe_globals(inert_globals()):
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mm)
+    except pickle.UnpicklingError as e:
+        msg = str(e)
+        if "Weights only load failed" in msg or "Unsupported global" in msg or "GLOBAL" in msg:
+            bad = _first_unsafe_global(path) or _global_from_message(msg)
+            raise UnsafeCheckpoint(
+                f"{path}: refused to unpickle {bad or 'a global'} (code execution risk); "
+                "nothing was run. Only tensors, containers and known inert records are read"
+            ) from None
+        raise CorruptCheckpoint(f"{path}: not a readable torch file ({_short(msg)})") from None
+    except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile, KeyError, AttributeError, TypeError) as e:
+        raise CorruptCheckpoint(f"{path}: truncated or not a torch file ({_short(str(e))})") from None
+    return obj, mm
+
+
+def _first_unsafe_global(path: Path) -> str | None:
+    try:
+        bad = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception:  # the file may be too mangled to scan; the refusal stands anyway
+        return None
+    allowed = {f"{g.__module__}.{g.__qualname__}" for g in inert_globals()}
+    rest = [g for g in bad if g not in allowed]
+    return rest[0] if rest else None
+
+
+def _global_from_message(msg: str) -> str | None:
+    for line in msg.splitlines():
+        if "Unsupported global" in line:
+            return line.split("GLOBAL", 1)[-1].strip().split(" ")[0]
+    return None
+
+
+def _short(msg: str) -> str:
+    first = msg.strip().splitlines()[0] if msg.strip() else "unknown error"
+    return first[:160]

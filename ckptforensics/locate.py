@@ -1,0 +1,77 @@
+"""Resolve `--before 41950` inside a run directory to the checkpoint trainers wrote for it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .errors import CheckpointNotFound
+
+__all__ = ["resolve_checkpoint", "list_checkpoints", "STEP_PATTERNS"]
+
+# The names trainers write, with the step as the one group. Order is documentation only:
+# a step that matches several entries is an error, never a silent pick.
+STEP_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("HF Trainer", re.compile(r"^checkpoint-(\d+)$")),
+    ("DeepSpeed", re.compile(r"^global_step(\d+)$")),
+    ("Megatron", re.compile(r"^iter_(\d+)$")),
+    ("torchtitan", re.compile(r"^step-(\d+)$")),
+    ("OLMo-core", re.compile(r"^step(\d+)$")),
+    ("step_N", re.compile(r"^step_(\d+)$")),
+    ("Lightning", re.compile(r"^.*step=(\d+).*\.ckpt$")),
+)
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """All (step, path) pairs in `run_dir` whose names follow a known pattern, by step."""
+    found: list[tuple[int, Path]] = []
+    if not run_dir.is_dir():
+        return found
+    for child in run_dir.iterdir():
+        for _, pattern in STEP_PATTERNS:
+            m = pattern.match(child.name)
+            if m:
+                found.append((int(m.group(1)), child))
+                break
+    # DeepSpeed under an HF dir or a save dir: checkpoint-N/global_stepN is one checkpoint,
+    # already listed through its parent.
+    return sorted(found, key=lambda sp: (sp[0], sp[1].name))
+
+
+def resolve_checkpoint(spec: str | Path, run_dir: str | Path = ".") -> Path:
+    """A step number or a path -> the checkpoint path.
+
+    Args:
+        spec: a step (`"41950"`) resolved in `run_dir`, or a path taken as it is.
+        run_dir: where trainers wrote their checkpoints.
+
+    Returns:
+        The checkpoint file or directory.
+
+    Raises:
+        CheckpointNotFound: no checkpoint, or several, for that step; the message lists
+            what the run directory holds.
+    """
+    text = str(spec)
+    run = Path(run_dir)
+    if not text.isdigit():
+        path = Path(text)
+        if not path.exists():
+            raise CheckpointNotFound(f"{path}: no such file or directory")
+        return path
+    step = int(text)
+    found = list_checkpoints(run)
+    matches = [p for s, p in found if s == step]
+    if len(matches) == 1:
+        return matches[0]
+    if not run.is_dir():
+        raise CheckpointNotFound(f"run directory {run} does not exist; pass --run-dir or a checkpoint path")
+    listing = ", ".join(p.name for _, p in found[:12]) or "no checkpoints"
+    more = f" (+{len(found) - 12} more)" if len(found) > 12 else ""
+    if not matches:
+        raise CheckpointNotFound(
+            f"no checkpoint for step {step} in {run}; found: {listing}{more}. "
+            "Pass another step, --run-dir, or the checkpoint's path"
+        )
+    names = ", ".join(p.name for p in matches)
+    raise CheckpointNotFound(f"step {step} is ambiguous in {run}: {names}; pass the path instead")

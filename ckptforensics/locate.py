@@ -15,9 +15,7 @@ STEP_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("HF Trainer", re.compile(r"^checkpoint-(\d+)$")),
     ("DeepSpeed", re.compile(r"^global_step(\d+)$")),
     ("Megatron", re.compile(r"^iter_(\d+)$")),
-    ("torchtitan", re.compile(r"^step-(\d+)$")),
-    ("OLMo-core", re.compile(r"^step(\d+)$")),
-    ("step_N", re.compile(r"^step_(\d+)$")),
+    ("torchtitan / OLMo-core / step_N", re.compile(r"^step[-_]?(\d+)(?:\.(?:pt|pth|bin|safetensors|ckpt))?$")),
     ("Lightning", re.compile(r"^.*step=(\d+).*\.ckpt$")),
 )
 

@@ -1,0 +1,517 @@
+"""Pairwise streaming diff of two checkpoints: per-tensor statistics of weights and Adam moments.
+
+Tensors are streamed in flat chunks, so memory stays near a few chunks whatever the
+checkpoint size; every statistic is a sum, count or max that composes across chunks.
+Element-level evidence (bound violations) keeps at most `max_candidates` per tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import IncompatibleCheckpoints
+from .formats.base import Checkpoint
+from .tensors import adam_ratio_bound, dtype_limits, dtype_name, flip_bit
+
+__all__ = ["DiffConfig", "Candidate", "TensorDiff", "PairInfo", "DiffResult", "diff_checkpoints", "tensor_role"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DiffConfig:
+    """Options of a diff.
+
+    Attributes:
+        chunk_elems: elements per streamed chunk (memory ~ 10 fp32 chunks).
+        max_candidates: element-level evidence kept per tensor.
+        rho_threshold: |m|/(sqrt(v)+eps) above which an update is called sign-like (Molybog 2304.09871).
+        bound_slack: relative slack on the Adam update bound (rounding of fp32 arithmetic).
+    """
+
+    chunk_elems: int = 1 << 22
+    max_candidates: int = 64
+    rho_threshold: float = 0.9
+    bound_slack: float = 1e-3
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One element that broke a bound no Adam step can break.
+
+    Attributes:
+        where: 'weight', 'exp_avg' or 'exp_avg_sq'.
+        index: position in the tensor (unravelled).
+        before, after: stored values.
+        bound: the largest |change| Adam allows here (same unit as the values).
+        kind: 'bit_flip' when flipping one stored bit of `after` brings it within the
+            bound, else 'out_of_bound'.
+        bit: that bit (0 = least significant) and its field.
+    """
+
+    where: str
+    index: tuple[int, ...]
+    before: float
+    after: float
+    bound: float
+    kind: str
+    bit: int | None = None
+    bit_field: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorDiff:
+    """Statistics of one tensor between *before* (A) and *after* (B).
+
+    Ratios are dimensionless; `k` is the Adam step delta; `lr` the largest LR recorded
+    for the window; NaN marks a statistic that needs state the checkpoints lack.
+    """
+
+    name: str
+    role: str
+    shape: tuple[int, ...]
+    dtype: str
+    numel: int
+    w_norm_a: float
+    dw_norm: float
+    dw_max_abs: float
+    update_ratio: float  # ||dw|| / ||w_A|| / steps
+    max_abs_b: float
+    headroom_b: float  # dtype max / max|w_B|
+    nonfinite_a: int
+    nonfinite_b: int
+    has_moments: bool = False
+    k: int = 0
+    lr: float = math.nan
+    r_v: float = math.nan  # implied gradient energy over the window / v_A (1 = stationary)
+    rho_share_a: float = math.nan
+    rho_share_b: float = math.nan
+    unit_update_share: float = math.nan  # share of |dw|/(k lr) in [0.8, 1.2]
+    vanished_share_a: float = math.nan  # share of sqrt(v) < 10 eps
+    vanished_share_b: float = math.nan
+    nonfinite_m_b: int = 0
+    nonfinite_v_b: int = 0
+    max_abs_m_b: float = math.nan
+    max_v_b: float = math.nan
+    moment_headroom_b: float = math.nan
+    bound_violations: int = 0
+    vfloor_violations: int = 0
+    mbound_violations: int = 0
+    outlier_changes: int = 0  # weights-only: isolated changes far above the tensor's own
+    candidates: tuple[Candidate, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PairInfo:
+    """What the pair says as a whole: steps, skipped steps, loss scale, LR per group."""
+
+    step_a: int | None
+    step_b: int | None
+    adam_step_a: int | None
+    adam_step_b: int | None
+    loss_scale_a: float | None
+    loss_scale_b: float | None
+    lr_a: tuple[float, ...]
+    lr_b: tuple[float, ...]
+    base_lr: tuple[float | None, ...]
+    optimizer: str | None
+    betas: tuple[float, float] | None
+    weights_only: bool
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class DiffResult:
+    """A diff: pair-level info and one TensorDiff per compared tensor."""
+
+    pair: PairInfo
+    tensors: list[TensorDiff] = field(default_factory=list)
+
+
+_ROLES = (
+    ("embedding", re.compile(r"embed|wte|wpe|tok_emb|word_emb|position_emb|shared\.weight")),
+    ("head", re.compile(r"lm_head|output\.weight$|(^|\.)head\.")),
+    ("norm", re.compile(r"norm|ln_|(^|\.)ln\d*\.|layernorm")),
+    ("attention", re.compile(r"attn|attention|q_proj|k_proj|v_proj|o_proj|qkv|query|key|value")),
+    ("mlp", re.compile(r"mlp|ffn|feed_forward|fc|gate|up_proj|down_proj|dense|experts")),
+)
+
+
+def tensor_role(name: str, shape: tuple[int, ...]) -> str:
+    """Comparable-tensor class for robust statistics: role plus 'bias'/'vector' for 1-D."""
+    base = next((r for r, rx in _ROLES if rx.search(name)), "other")
+    if len(shape) < 2 and base != "norm":
+        return f"{base}-vector"
+    return base
+
+
+def _scalar(x: Any) -> float | None:
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return float(x.item())
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _adam_step(state: dict[str, Any]) -> int | None:
+    s = _scalar(state.get("step"))
+    return int(s) if s is not None else None
+
+
+def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
+    oa, ob = a.optimizer, b.optimizer
+    notes = [f"before: {n}" for n in a.notes] + [f"after: {n}" for n in b.notes]
+    if (oa is None) != (ob is None):
+        notes.append("optimizer state present on one side only: weights-only diff")
+    weights_only = oa is None or ob is None
+    if not weights_only and oa.kind != ob.kind:  # type: ignore[union-attr]
+        raise IncompatibleCheckpoints(
+            f"optimizer kinds differ: {a.path} has {oa.kind}, {b.path} has {ob.kind}; "  # type: ignore[union-attr]
+            "compare checkpoints of the same run"
+        )
+    if not weights_only and len(oa.groups) != len(ob.groups):  # type: ignore[union-attr]
+        raise IncompatibleCheckpoints(
+            f"param groups differ: {len(oa.groups)} in {a.path}, {len(ob.groups)} in {b.path}"  # type: ignore[union-attr]
+        )
+
+    def steps(o: Any) -> int | None:
+        vals = [s for s in (_adam_step(st) for st in o.state.values()) if s is not None] if o else []
+        return max(vals) if vals else None
+
+    betas = ob.groups[0].betas if ob and ob.groups else None
+    base = tuple(
+        g.max_lr or g.initial_lr for g in (ob.groups if ob else [])
+    )
+    if ob and all(x is None for x in base):
+        peak = (b.scalars.get("train_config") or {}).get("learning_rate")
+        if isinstance(peak, (int, float)):
+            base = tuple(float(peak) for _ in ob.groups)
+    return PairInfo(
+        step_a=a.step,
+        step_b=b.step,
+        adam_step_a=steps(oa),
+        adam_step_b=steps(ob),
+        loss_scale_a=_scalar(a.scalars.get("loss_scale")),
+        loss_scale_b=_scalar(b.scalars.get("loss_scale")),
+        lr_a=tuple(g.lr for g in oa.groups) if oa else (),
+        lr_b=tuple(g.lr for g in ob.groups) if ob else (),
+        base_lr=base,
+        optimizer=ob.kind if ob else None,
+        betas=betas,
+        weights_only=weights_only,
+        notes=tuple(notes),
+    )
+
+
+def _check_compatible(a: Checkpoint, b: Checkpoint) -> list[str]:
+    na, nb = set(a.names()), set(b.names())
+    if na != nb:
+        missing = sorted(na - nb)
+        extra = sorted(nb - na)
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} only in before (first: {missing[0]})")
+        if extra:
+            parts.append(f"{len(extra)} only in after (first: {extra[0]})")
+        raise IncompatibleCheckpoints(
+            f"parameter sets differ between {a.path} and {b.path}: {'; '.join(parts)}; "
+            "compare two checkpoints of the same model"
+        )
+    for n in a.names():
+        ma, mb = a.meta(n), b.meta(n)
+        if ma.shape != mb.shape:
+            raise IncompatibleCheckpoints(f"{n}: shape {list(ma.shape)} in {a.path} but {list(mb.shape)} in {b.path}")
+    return a.names()
+
+
+def _chunks(t: torch.Tensor, size: int) -> Iterator[tuple[int, torch.Tensor]]:
+    flat = t.reshape(-1)
+    for lo in range(0, flat.numel(), size):
+        yield lo, flat[lo : lo + size]
+
+
+class _Acc:
+    """Running sums/maxima of one tensor, combined across chunks."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.maxes: dict[str, float] = {}
+
+    def add(self, **kv: torch.Tensor) -> None:
+        vals = torch.stack([v.to(torch.float64) for v in kv.values()]).tolist()
+        for k, v in zip(kv, vals, strict=True):
+            self.sums[k] = self.sums.get(k, 0.0) + v
+
+    def max(self, **kv: torch.Tensor) -> None:
+        vals = torch.stack([v.to(torch.float64) for v in kv.values()]).tolist()
+        for k, v in zip(kv, vals, strict=True):
+            self.maxes[k] = max(self.maxes.get(k, -math.inf), v)
+
+
+def _finite_absmax(x: torch.Tensor) -> torch.Tensor:
+    a = x.abs()
+    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).max() if a.numel() else torch.zeros(())
+
+
+def diff_checkpoints(
+    a: Checkpoint,
+    b: Checkpoint,
+    config: DiffConfig | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> DiffResult:
+    """Diff two checkpoints tensor by tensor.
+
+    Args:
+        a: the *before* checkpoint.
+        b: the *after* checkpoint.
+        config: options; defaults suit multi-GB pairs.
+        progress: called with each tensor's name before it is streamed.
+
+    Returns:
+        DiffResult with pair info and one TensorDiff per tensor.
+
+    Raises:
+        IncompatibleCheckpoints: different parameter sets, shapes or optimizers.
+    """
+    cfg = config or DiffConfig()
+    names = _check_compatible(a, b)
+    pair = _pair_info(a, b)
+    result = DiffResult(pair=pair)
+    for name in names:
+        if progress is not None:
+            progress(name)
+        result.tensors.append(_diff_tensor(a, b, name, pair, cfg))
+    return result
+
+
+def _diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: DiffConfig) -> TensorDiff:
+    meta = a.meta(name)
+    wa_full, wb_full = a.tensor(name), b.tensor(name)
+    role = tensor_role(name, meta.shape)
+    lim = dtype_limits(meta.dtype)
+    sa, sb = a.optim_state(name), b.optim_state(name)
+    ha, hb = a.hyper(name), b.hyper(name)
+    moments = (
+        not pair.weights_only
+        and lim is not None
+        and isinstance(sa.get("exp_avg"), torch.Tensor)
+        and isinstance(sb.get("exp_avg"), torch.Tensor)
+        and hb is not None
+        and hb.betas is not None
+    )
+    k = 0
+    if moments:
+        step_a, step_b = _adam_step(sa) or 0, _adam_step(sb) or 0
+        k = step_b - step_a
+        moments = k > 0
+    acc = _Acc()
+    cands: list[Candidate] = []
+    counts = {"bound": 0, "vfloor": 0, "mbound": 0, "outlier": 0}
+    lr = math.nan
+    if moments:
+        assert hb is not None and hb.betas is not None
+        beta1, beta2 = hb.betas
+        lr = max(hb.lr, ha.lr if ha else 0.0)
+        eps, wd = hb.eps, hb.weight_decay
+        c_step = adam_ratio_bound(beta1, beta2, step_a + 1, step_b)
+        c_raw_b = _raw_ratio_bound(beta1, beta2, step_b)
+        decay_k = beta2**k
+        streams = [sa["exp_avg"], sb["exp_avg"], sa["exp_avg_sq"], sb["exp_avg_sq"]]
+        for t in streams:
+            if tuple(t.shape) != meta.shape:
+                raise IncompatibleCheckpoints(
+                    f"{name}: optimizer moment of shape {list(t.shape)} for a parameter of shape {list(meta.shape)}"
+                )
+    is_float = lim is not None
+    for lo, wa in _chunks(wa_full, cfg.chunk_elems):
+        hi = lo + wa.numel()
+        wb = wb_full.reshape(-1)[lo:hi]
+        if not is_float:
+            acc.add(changed=(wa != wb).sum())
+            _release_all(a, b, wa, wb)
+            continue
+        fa, fb = wa.float(), wb.float()
+        d = fb - fa
+        ad = d.abs()
+        fin_a, fin_b = torch.isfinite(fa), torch.isfinite(fb)
+        acc.add(
+            wa2=torch.where(fin_a, fa * fa, 0).sum(),
+            d2=torch.where(torch.isfinite(d), d * d, 0).sum(),
+            nfa=(~fin_a).sum(),
+            nfb=(~fin_b).sum(),
+        )
+        acc.max(dmax=_finite_absmax(d), bmax=_finite_absmax(fb))
+        if moments:
+            ma, mb, va, vb = (s.reshape(-1)[lo:hi].float() for s in streams)
+            sq_a, sq_b = va.sqrt(), vb.sqrt()
+            thr = cfg.rho_threshold
+            unit = ad / (k * lr) if lr > 0 else torch.zeros_like(ad)
+            acc.add(
+                num_v=(vb - decay_k * va).sum(),
+                den_v=((1 - decay_k) * va).sum(),
+                rho_a=(ma.abs() > thr * (sq_a + eps)).sum(),
+                rho_b=(mb.abs() > thr * (sq_b + eps)).sum(),
+                unit=((unit >= 0.8) & (unit <= 1.2)).sum(),
+                van_a=(sq_a < 10 * eps).sum(),
+                van_b=(sq_b < 10 * eps).sum(),
+                nfm=(~torch.isfinite(mb)).sum(),
+                nfv=(~torch.isfinite(vb)).sum(),
+            )
+            acc.max(mmax=_finite_absmax(mb), vmax=_finite_absmax(vb))
+            # Adam update bound: |dw| <= k lr (C + wd |w|) (+ one storage ulp each side).
+            wmax = torch.maximum(fa.abs(), fb.abs())
+            ulp = lim.eps * wmax if lim is not None else 0.0
+            bound = k * lr * (c_step + wd * wmax) * (1 + cfg.bound_slack) + 2 * ulp
+            _collect(cands, counts, "bound", "weight", ad > bound, fa, fb, bound, lo, meta.shape, wb.dtype, cfg)
+            # v floor: v_B >= beta2^k v_A; fp32 rounding allows a few ulps per step.
+            vfl = decay_k * va * (1 - 1e-6 * (k + 4))
+            _collect(cands, counts, "vfloor", "exp_avg_sq", vb < vfl, va, vb, None, lo, meta.shape, torch.float32, cfg)
+            # |m_B| <= C_raw sqrt(v_B): the raw EMAs obey Cauchy-Schwarz at every step.
+            mbound = c_raw_b * sq_b * (1 + cfg.bound_slack) + 1e-30
+            _collect(cands, counts, "mbound", "exp_avg", mb.abs() > mbound, ma, mb, None, lo, meta.shape, torch.float32, cfg)
+            for s in (ma, mb, va, vb):
+                del s
+            _release_all(a, b, *(s.reshape(-1)[lo:hi] for s in streams))
+        elif fa.numel() >= 64:
+            # Weights only: an isolated change far above this chunk's own RMS change.
+            rms = torch.sqrt(torch.where(torch.isfinite(d), d * d, 0).mean())
+            thr_t = 64 * rms + lim.eps * fa.abs()
+            _collect(cands, counts, "outlier", "weight", ad > thr_t, fa, fb, None, lo, meta.shape, wb.dtype, cfg)
+        _release_all(a, b, wa, wb)
+
+    s, m = acc.sums, acc.maxes
+    steps = k if k > 0 else max(1, (pair.step_b or 1) - (pair.step_a or 0)) if pair.step_a is not None else 1
+    w_norm = math.sqrt(s.get("wa2", 0.0))
+    dw_norm = math.sqrt(s.get("d2", 0.0))
+    n = meta.numel or 1
+    bmax = m.get("bmax", 0.0)
+    out: dict[str, Any] = dict(
+        name=name,
+        role=role,
+        shape=meta.shape,
+        dtype=dtype_name(meta.dtype),
+        numel=meta.numel,
+        w_norm_a=w_norm,
+        dw_norm=dw_norm,
+        dw_max_abs=m.get("dmax", 0.0),
+        update_ratio=dw_norm / w_norm / steps if w_norm > 0 else math.nan,
+        max_abs_b=bmax,
+        headroom_b=(lim.max / bmax) if lim and bmax > 0 else math.inf,
+        nonfinite_a=int(s.get("nfa", 0)),
+        nonfinite_b=int(s.get("nfb", 0)),
+        bound_violations=counts["bound"],
+        vfloor_violations=counts["vfloor"],
+        mbound_violations=counts["mbound"],
+        outlier_changes=counts["outlier"],
+        candidates=tuple(cands),
+    )
+    if moments:
+        den = s["den_v"]
+        out.update(
+            has_moments=True,
+            k=k,
+            lr=lr,
+            r_v=s["num_v"] / den if den > 0 else math.inf,
+            rho_share_a=s["rho_a"] / n,
+            rho_share_b=s["rho_b"] / n,
+            unit_update_share=s["unit"] / n,
+            vanished_share_a=s["van_a"] / n,
+            vanished_share_b=s["van_b"] / n,
+            nonfinite_m_b=int(s["nfm"]),
+            nonfinite_v_b=int(s["nfv"]),
+            max_abs_m_b=m["mmax"],
+            max_v_b=m["vmax"],
+            moment_headroom_b=torch.finfo(torch.float32).max / m["vmax"] if m["vmax"] > 0 else math.inf,
+        )
+    return TensorDiff(**out)
+
+
+def _release_all(a: Checkpoint, b: Checkpoint, *ts: torch.Tensor) -> None:
+    for t in ts:
+        a.release(t)
+        b.release(t)
+
+
+def _raw_ratio_bound(beta1: float, beta2: float, t: int) -> float:
+    """sup |m_t| / sqrt(v_t) for the raw (uncorrected) Adam EMAs after t steps."""
+    r = beta1 * beta1 / beta2
+    geo = t if abs(1 - r) < 1e-12 else (1 - r**t) / (1 - r)
+    return (1 - beta1) / math.sqrt(1 - beta2) * math.sqrt(max(geo, 0.0))
+
+
+def _collect(
+    cands: list[Candidate],
+    counts: dict[str, int],
+    counter: str,
+    where: str,
+    mask: torch.Tensor,
+    before: torch.Tensor,
+    after: torch.Tensor,
+    bound: torch.Tensor | None,
+    offset: int,
+    shape: tuple[int, ...],
+    stored: torch.dtype,
+    cfg: DiffConfig,
+) -> None:
+    n = int(mask.sum())
+    if n == 0:
+        return
+    counts[counter] += n
+    room = cfg.max_candidates - len(cands)
+    if room <= 0:
+        return
+    idx = torch.nonzero(mask).flatten()[:room].tolist()
+    for i in idx:
+        bv, av = float(before[i]), float(after[i])
+        lim = float(bound[i]) if bound is not None else abs(bv) * 1e-3
+        kind, bit, fld = _explain_flip(bv, av, lim, stored)
+        cands.append(
+            Candidate(
+                where=where,
+                index=_unravel(offset + i, shape),
+                before=bv,
+                after=av,
+                bound=float(bound[i]) if bound is not None else math.nan,
+                kind=kind,
+                bit=bit,
+                bit_field=fld,
+            )
+        )
+
+
+def _explain_flip(before: float, after: float, bound: float, dtype: torch.dtype) -> tuple[str, int | None, str | None]:
+    """Is `after` one stored bit away from a value Adam could have produced from `before`?"""
+    from .tensors import bit_role
+
+    lim = dtype_limits(dtype)
+    if lim is None:
+        return "out_of_bound", None, None
+    best: tuple[float, int] | None = None
+    for bit in range(lim.bits):
+        cand = flip_bit(after, bit, dtype)
+        if not math.isfinite(cand):
+            continue
+        gap = abs(cand - before)
+        if gap <= max(bound, 0.0) and (best is None or gap < best[0]):
+            best = (gap, bit)
+    if best is None:
+        return "out_of_bound", None, None
+    return "bit_flip", best[1], bit_role(best[1], dtype)
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for s in reversed(shape):
+        out.append(flat % s if s else 0)
+        flat = flat // s if s else 0
+    return tuple(reversed(out))

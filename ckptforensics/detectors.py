@@ -1,0 +1,431 @@
+"""Detectors: pure functions from statistics to Findings, each citing its signature (DESIGN §4).
+
+No detector opens a file, logs or prints. Thresholds are the catalogue's, named here
+once; robust z-scores compare a tensor with tensors of the same role.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .diff import DiffResult, TensorDiff
+from .tensors import robust_z
+
+__all__ = ["Finding", "Thresholds", "diff_findings", "SEVERITIES", "module_of"]
+
+SEVERITIES = ("info", "warning", "critical")
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One piece of evidence, traceable to the statistic and threshold that raised it.
+
+    Attributes:
+        id: stable within a report ('F1', 'F2', ...; assigned by `diff_findings`).
+        kind: the signature ('adam_bound_violation', 'lr_jump', ...).
+        subject: tensor, module or 'run'.
+        score: how far past its threshold (1 = at the threshold; dimensionless).
+        severity: 'info', 'warning' or 'critical'.
+        metrics: the statistic(s) and the threshold used.
+        message: one sentence for people.
+        source: the catalogue row / paper it implements.
+        supports: causes this evidence points to, strongest first.
+        primary: direct evidence of a cause (a recorded LR, a flipped bit) rather than
+            an effect that several causes share (a gradient burst).
+    """
+
+    id: str
+    kind: str
+    subject: str
+    score: float
+    severity: str
+    metrics: dict[str, Any]
+    message: str
+    source: str
+    supports: tuple[str, ...]
+    primary: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Thresholds:
+    """Detector thresholds, each with its source.
+
+    Attributes:
+        z: robust z that marks a tensor as an outlier among its peers (OLMo-core 6 sigma).
+        burst: implied gradient energy r_v that counts as a burst (r_v >> 1; DESIGN §4).
+        update_ratio: ||dw||/||w|| per step; healthy pre-training sits near 1e-3
+            (Karpathy's update:data rule), 100x that moves a weight 10% a step.
+        lr_over_base: LR above the schedule's own base/peak LR by this factor.
+        lr_growth_margin: LR growth beyond what a linear warmup from zero allows, times this.
+        confined_tensors: corruption touches at most this many tensors ...
+        confined_share: ... and at most this share (or 8 elements) of each.
+        headroom_warn: max|x| within this factor of the dtype's max.
+        rho_share: share of sign-like updates (|m|/sqrt(v) > 0.9) (Molybog 2304.09871).
+    """
+
+    z: float = 6.0
+    burst: float = 10.0
+    update_ratio: float = 0.1
+    lr_over_base: float = 1.5
+    lr_growth_margin: float = 2.0
+    confined_tensors: int = 4
+    confined_share: float = 1e-5
+    headroom_warn: float = 2.0
+    rho_share: float = 0.5
+
+
+def module_of(name: str) -> str:
+    """'transformer.h.3.attn.c_proj.weight' -> 'transformer.h.3.attn.c_proj'."""
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def _cap(x: float, hi: float = 1e6) -> float:
+    return float(min(x, hi)) if math.isfinite(x) else hi
+
+
+def diff_findings(diff: DiffResult, th: Thresholds | None = None) -> list[Finding]:
+    """Every detector that needs no replay, over one diff; ids assigned in order."""
+    th = th or Thresholds()
+    raw: list[Finding] = []
+    for det in (
+        detect_corruption,
+        detect_nonfinite,
+        detect_dtype_range,
+        detect_skipped_steps,
+        detect_lr,
+        detect_update_ratio,
+        detect_gradient_burst,
+        detect_sign_like,
+    ):
+        raw.extend(det(diff, th))
+    return [_with_id(f, i + 1) for i, f in enumerate(raw)]
+
+
+def _with_id(f: Finding, i: int) -> Finding:
+    return Finding(f"F{i}", f.kind, f.subject, f.score, f.severity, f.metrics, f.message, f.source, f.supports, f.primary)
+
+
+def _violations(t: TensorDiff) -> int:
+    return t.bound_violations + t.vfloor_violations + t.mbound_violations + t.outlier_changes
+
+
+def detect_corruption(diff: DiffResult, th: Thresholds) -> list[Finding]:
+    """Adam update bound, v floor and |m| <= C sqrt(v): no gradient can break them.
+
+    Violations confined to a few elements are the silent-corruption signature (a bit
+    flip cannot hide there); violations everywhere mean the recorded LR or optimizer
+    is not what ran, which is a different finding.
+    """
+    bad = [t for t in diff.tensors if _violations(t) > 0]
+    if not bad:
+        return []
+    confined = len(bad) <= th.confined_tensors and all(
+        _violations(t) <= max(8, th.confined_share * t.numel) for t in bad
+    )
+    if not confined:
+        total = sum(_violations(t) for t in bad)
+        return [
+            Finding(
+                "",
+                "update_bound_exceeded_widely",
+                "run",
+                _cap(len(bad) / th.confined_tensors),
+                "warning",
+                {"tensors": len(bad), "elements": total, "confined_tensors": th.confined_tensors},
+                f"{total} elements in {len(bad)} tensors moved further than Adam allows at the recorded LR: "
+                "the LR that ran was higher than recorded, or the optimizer is not the recorded Adam",
+                "DESIGN §4 Adam update bound",
+                ("lr_too_high",),
+            )
+        ]
+    out = []
+    for t in bad:
+        flips = [c for c in t.candidates if c.kind == "bit_flip"]
+        elems = [
+            {
+                "where": c.where,
+                "index": list(c.index),
+                "before": c.before,
+                "after": c.after,
+                "bound": c.bound,
+                "kind": c.kind,
+                "bit": c.bit,
+                "bit_field": c.bit_field,
+            }
+            for c in t.candidates
+        ]
+        worst = max((abs(c.after - c.before) / c.bound for c in t.candidates if c.bound and c.bound > 0), default=1.0)
+        what = (
+            f"one stored bit ({flips[0].bit_field} bit {flips[0].bit}) away from a value Adam could reach"
+            if flips
+            else "beyond any Adam step"
+        )
+        out.append(
+            Finding(
+                "",
+                "adam_bound_violation" if not t.outlier_changes else "isolated_change",
+                t.name,
+                _cap(worst) if flips else _cap(worst) / 2,
+                "critical",
+                {
+                    "violations": _violations(t),
+                    "bound_violations": t.bound_violations,
+                    "vfloor_violations": t.vfloor_violations,
+                    "mbound_violations": t.mbound_violations,
+                    "outlier_changes": t.outlier_changes,
+                    "elements": elems,
+                },
+                f"{_violations(t)} element(s) of {t.name} changed {what}: the silent-corruption signature",
+                "DESIGN §4 Adam update bound / v floor / power-of-two jump",
+                ("silent_corruption",),
+                primary=True,
+            )
+        )
+    return out
+
+
+def _overflow_cause(dtype: str) -> tuple[str, ...]:
+    return {"fp16": ("fp16_overflow", "gradient_explosion"), "bf16": ("bf16_overflow", "gradient_explosion")}.get(
+        dtype, ("gradient_explosion",)
+    )
+
+
+def detect_nonfinite(diff: DiffResult, th: Thresholds) -> list[Finding]:
+    """Non-finite weights or moments in *after* that *before* did not have."""
+    out = []
+    for t in diff.tensors:
+        new_w = t.nonfinite_b - t.nonfinite_a
+        if new_w <= 0 and t.nonfinite_m_b == 0 and t.nonfinite_v_b == 0:
+            continue
+        out.append(
+            Finding(
+                "",
+                "nonfinite",
+                t.name,
+                _cap(max(new_w, t.nonfinite_m_b, t.nonfinite_v_b) / max(1, t.numel) * 100 + 1),
+                "critical",
+                {"weights": t.nonfinite_b, "weights_before": t.nonfinite_a, "exp_avg": t.nonfinite_m_b, "exp_avg_sq": t.nonfinite_v_b},
+                f"{t.name}: {max(new_w, 0)} non-finite weights, {t.nonfinite_m_b} in exp_avg, {t.nonfinite_v_b} in exp_avg_sq after the window",
+                "DESIGN §4 dtype range",
+                _overflow_cause(t.dtype),
+                primary=t.dtype in ("fp16", "bf16"),
+            )
+        )
+    return out
+
+
+def detect_dtype_range(diff: DiffResult, th: Thresholds) -> list[Finding]:
+    """max|x| against the storage dtype's max (fp16 65504, bf16 3.39e38)."""
+    out = []
+    for t in diff.tensors:
+        for where, head, mx in (("weight", t.headroom_b, t.max_abs_b), ("exp_avg_sq", t.moment_headroom_b, t.max_v_b)):
+            if not math.isfinite(head) or head >= th.headroom_warn:
+                continue
+            dtype = t.dtype if where == "weight" else "fp32"
+            over = head <= 1.0
+            out.append(
+                Finding(
+                    "",
+                    "dtype_overflow" if over else "dtype_headroom",
+                    t.name,
+                    _cap(th.headroom_warn / max(head, 1e-30)),
+                    "critical" if over else "warning",
+                    {"where": where, "dtype": dtype, "max_abs": mx, "headroom": head, "warn_below": th.headroom_warn},
+                    f"{t.name} ({where}, {dtype}) reaches {mx:.3g}, {'at' if over else 'within 2x of'} the dtype's limit",
+                    "DESIGN §4 dtype range",
+                    _overflow_cause(dtype),
+                    primary=dtype in ("fp16", "bf16"),
+                )
+            )
+    return out
+
+
+def detect_skipped_steps(diff: DiffResult, th: Thresholds) -> list[Finding]:
+    """Optimizer steps vs trainer steps, and the loss scaler's backoff."""
+    p = diff.pair
+    out = []
+    if None not in (p.step_a, p.step_b, p.adam_step_a, p.adam_step_b):
+        g = p.step_b - p.step_a  # type: ignore[operator]
+        k = p.adam_step_b - p.adam_step_a  # type: ignore[operator]
+        if 0 <= k < g:
+            out.append(
+                Finding(
+                    "",
+                    "skipped_steps",
+                    "run",
+                    _cap((g - k) / max(1, g) * 10),
+                    "warning",
+                    {"trainer_steps": g, "optimizer_steps": k},
+                    f"{g - k} of {g} steps skipped the optimizer update (overflowing gradients under a loss scaler)",
+                    "DESIGN §4 skipped steps",
+                    ("fp16_overflow", "loss_scale_collapse"),
+                    primary=True,
+                )
+            )
+    if p.loss_scale_a and p.loss_scale_b is not None and p.loss_scale_b < p.loss_scale_a:
+        drops = math.log2(p.loss_scale_a / max(p.loss_scale_b, 1e-30))
+        collapse = p.loss_scale_b <= 1.0 or drops >= 8
+        out.append(
+            Finding(
+                "",
+                "loss_scale_collapse" if collapse else "loss_scale_backoff",
+                "run",
+                _cap(drops),
+                "critical" if collapse else "warning",
+                {"scale_before": p.loss_scale_a, "scale_after": p.loss_scale_b, "halvings": drops},
+                f"loss scale fell from {p.loss_scale_a:g} to {p.loss_scale_b:g} ({drops:.0f} halvings)",
+                "DESIGN §4 skipped steps",
+                ("loss_scale_collapse", "fp16_overflow") if collapse else ("fp16_overflow",),
+                primary=True,
+            )
+        )
+    return out
+
+
+def detect_lr(diff: DiffResult, th: Thresholds) -> list[Finding]:
+    """The recorded LR: above the schedule's base, or grown faster than warmup can."""
+    p = diff.pair
+    out = []
+    for g, lb in enumerate(p.lr_b):
+        la = p.lr_a[g] if g < len(p.lr_a) else None
+        base = p.base_lr[g] if g < len(p.base_lr) else None
+        if base and lb > th.lr_over_base * base:
+            out.append(
+                Finding(
+                    "",
+                    "lr_above_schedule",
+                    f"param_group[{g}]",
+                    _cap(lb / base / th.lr_over_base),
+                    "critical",
+                    {"lr_after": lb, "base_lr": base, "factor": lb / base, "limit": th.lr_over_base},
+                    f"param group {g} runs at LR {lb:.3g}, {lb / base:.1f}x the schedule's base {base:.3g}",
+                    "DESIGN §4 update/weight ratio; schedules never exceed their base LR",
+                    ("lr_too_high",),
+                    primary=True,
+                )
+            )
+        if la and la > 0 and p.step_a and p.step_b and p.step_a > 0:
+            # A linear warmup from zero grows LR by step_b/step_a at most.
+            allowed = th.lr_growth_margin * max(1.0, p.step_b / p.step_a)
+            if lb / la > allowed:
+                out.append(
+                    Finding(
+                        "",
+                        "lr_jump",
+                        f"param_group[{g}]",
+                        _cap(lb / la / allowed),
+                        "critical",
+                        {"lr_before": la, "lr_after": lb, "growth": lb / la, "allowed": allowed},
+                        f"param group {g}: LR rose {lb / la:.1f}x between steps {p.step_a} and {p.step_b}, "
+                        f"more than any warmup allows ({allowed:.1f}x)",
+                        "DESIGN §4 update/weight ratio",
+                        ("lr_too_high",),
+                        primary=True,
+                    )
+                )
+    return out
+
+
+def detect_update_ratio(diff: DiffResult, th: Thresholds) -> list[Finding]:
+    """||dw||/||w|| per step, uniformly high across weight matrices -> LR too high."""
+    ratios = np.array([t.update_ratio for t in diff.tensors if len(t.shape) >= 2 and math.isfinite(t.update_ratio)])
+    if ratios.size == 0:
+        return []
+    med = float(np.median(ratios))
+    if med <= th.update_ratio:
+        return []
+    return [
+        Finding(
+            "",
+            "update_ratio_high",
+            "run",
+            _cap(med / th.update_ratio),
+            "warning",
+            {"median_update_ratio": med, "max_update_ratio": float(ratios.max()), "threshold": th.update_ratio},
+            f"weight matrices move {med:.2g} of their norm per step (median), {med / th.update_ratio:.0f}x the alarm level",
+            "DESIGN §4 update/weight ratio",
+            ("lr_too_high",),
+        )
+    ]
+
+
+def _z_by_role(tensors: Sequence[TensorDiff], values: np.ndarray) -> np.ndarray:
+    """Robust z of each value among tensors of its role (all tensors if a role has < 4)."""
+    z = np.zeros_like(values)
+    roles = np.array([t.role for t in tensors])
+    overall = robust_z(values, floor=0.05)
+    for role in set(roles):
+        idx = np.flatnonzero(roles == role)
+        z[idx] = robust_z(values[idx], floor=0.05) if idx.size >= 4 else overall[idx]
+    return z
+
+
+def detect_gradient_burst(diff: DiffResult, th: Thresholds) -> list[Finding]:
+    """r_v = implied mean g^2 over the window / v_A; a tensor far above its peers exploded."""
+    ts = [t for t in diff.tensors if t.has_moments and math.isfinite(t.r_v)]
+    if len(ts) < 3:
+        return []
+    rv = np.array([max(t.r_v, 1e-12) for t in ts])
+    logs = np.log10(rv)
+    z = _z_by_role(ts, logs)
+    out = []
+    med = float(np.median(rv))
+    if med > th.burst:
+        out.append(
+            Finding(
+                "",
+                "gradient_burst_global",
+                "run",
+                _cap(med / th.burst),
+                "warning",
+                {"median_r_v": med, "threshold": th.burst},
+                f"gradient energy over the window is {med:.3g}x its running average in the median tensor",
+                "DESIGN §4 gradient burst",
+                ("gradient_explosion", "lr_too_high", "poison_batch"),
+            )
+        )
+    for t, r, zz in sorted(zip(ts, rv, z, strict=True), key=lambda x: -x[2]):
+        if r > th.burst and zz > th.z:
+            out.append(
+                Finding(
+                    "",
+                    "gradient_burst",
+                    t.name,
+                    _cap(min(zz / th.z, r / th.burst)),
+                    "warning",
+                    {"r_v": float(r), "robust_z": float(zz), "role": t.role, "z_threshold": th.z, "burst": th.burst},
+                    f"{module_of(t.name)}: gradient energy {r:.3g}x its running average (robust z {zz:.1f} among {t.role} tensors)",
+                    "DESIGN §4 gradient burst (OLMo-core 6 sigma)",
+                    ("gradient_explosion",),
+                )
+            )
+    return out
+
+
+def detect_sign_like(diff: DiffResult, th: Thresholds) -> list[Finding]:
+    """Sign-like Adam updates rising from A to B: the time-correlation instability."""
+    out = []
+    for t in diff.tensors:
+        if not t.has_moments or not math.isfinite(t.rho_share_b):
+            continue
+        rise = t.rho_share_b - t.rho_share_a
+        if t.rho_share_b > th.rho_share and rise > th.rho_share / 2:
+            out.append(
+                Finding(
+                    "",
+                    "sign_like_updates",
+                    t.name,
+                    _cap(t.rho_share_b / th.rho_share),
+                    "warning",
+                    {"rho_share_before": t.rho_share_a, "rho_share_after": t.rho_share_b, "vanished_share_after": t.vanished_share_b},
+                    f"{module_of(t.name)}: {t.rho_share_b:.0%} of updates are sign-like (was {t.rho_share_a:.0%})",
+                    "DESIGN §4 sign-like updates (Molybog 2304.09871)",
+                    ("adam_instability",),
+                )
+            )
+    return out

@@ -1,0 +1,173 @@
+"""Findings -> ranked causes, culprits and recommended actions (the report's `verdict`)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .detectors import Finding, module_of
+
+__all__ = ["Verdict", "decide", "CAUSES"]
+
+CAUSES = (
+    "gradient_explosion",
+    "lr_too_high",
+    "fp16_overflow",
+    "bf16_overflow",
+    "loss_scale_collapse",
+    "poison_batch",
+    "adam_instability",
+    "attention_logit_growth",
+    "output_logit_divergence",
+    "silent_corruption",
+    "none",
+)
+
+_SEVERITY_WEIGHT = {"info": 0.0, "warning": 1.0, "critical": 3.0}
+
+_ACTIONS = {
+    "silent_corruption": [
+        "Roll back to {rollback} and resume on different hardware; quarantine the node that wrote {after}.",
+        "Run `ckptforensics replay` from {rollback}: a clean replay that misses {after} confirms a hardware fault.",
+    ],
+    "lr_too_high": [
+        "Check the LR schedule and per-group LR multipliers; the recorded LR is above what the schedule allows.",
+        "Resume from {rollback} with the intended LR (or a lower one) and confirm with `ckptforensics whatif --try lr_scale=0.5`.",
+    ],
+    "gradient_explosion": [
+        "Resume from {rollback} with gradient clipping (e.g. 1.0) and inspect the exploding layer's inputs with `ckptforensics replay`.",
+    ],
+    "fp16_overflow": [
+        "Resume from {rollback} in bf16, or lower the initial loss scale; find the overflowing module with `ckptforensics replay`.",
+    ],
+    "bf16_overflow": ["Resume from {rollback}; add QK-norm / z-loss or clip activations of the overflowing module."],
+    "loss_scale_collapse": ["Resume from {rollback} in bf16; the fp16 loss scale collapsed under repeated overflows."],
+    "adam_instability": [
+        "Resume from {rollback} with a larger Adam epsilon or lower beta2 for the affected layers (Molybog 2304.09871).",
+    ],
+    "poison_batch": ["Skip the culprit batch from {rollback} (`ckptforensics bisect` finds the rows)."],
+}
+
+
+@dataclass(slots=True)
+class Verdict:
+    """The report's `verdict` block (DESIGN §3)."""
+
+    summary: str
+    causes: list[dict[str, Any]]
+    reproducible: bool | None = None
+    first_bad_step: int | None = None
+    first_anomalous_module: str | None = None
+    exploding_layers: list[str] = field(default_factory=list)
+    overflowing_tensors: list[dict[str, Any]] = field(default_factory=list)
+    anomalous_samples: list[dict[str, Any]] = field(default_factory=list)
+    corrupted_elements: list[dict[str, Any]] = field(default_factory=list)
+    recommended_actions: list[str] = field(default_factory=list)
+    rollback_checkpoint: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+
+
+def _weight(f: Finding) -> float:
+    return _SEVERITY_WEIGHT[f.severity] * min(1.0 + math.log2(max(f.score, 1.0)), 10.0)
+
+
+def rank_causes(findings: Sequence[Finding]) -> list[dict[str, Any]]:
+    """Causes ranked by evidence: direct evidence first, then total weight.
+
+    A finding supporting several causes gives its full weight to the first and half to
+    the rest; a cause with direct (primary) evidence outranks causes that only have
+    effects shared with others (a gradient burst follows an LR jump, not the reverse).
+    """
+    primary: dict[str, float] = defaultdict(float)
+    total: dict[str, float] = defaultdict(float)
+    evidence: dict[str, list[str]] = defaultdict(list)
+    for f in findings:
+        w = _weight(f)
+        if w <= 0:
+            continue
+        for i, cause in enumerate(f.supports):
+            share = w if i == 0 else w / 2
+            total[cause] += share
+            if f.primary:
+                primary[cause] += share
+            evidence[cause].append(f.id)
+    if not total:
+        return [{"cause": "none", "confidence": 1.0, "evidence": []}]
+    order = sorted(total, key=lambda c: (primary[c], total[c]), reverse=True)
+    norm = sum(total.values())
+    return [{"cause": c, "confidence": round(total[c] / norm, 3), "evidence": evidence[c]} for c in order]
+
+
+def decide(
+    findings: Sequence[Finding],
+    *,
+    before: str,
+    after: str,
+    before_healthy: bool = True,
+    extra: dict[str, Any] | None = None,
+) -> Verdict:
+    """Turn findings into the verdict.
+
+    Args:
+        findings: from the detectors (diff, and replay when it ran).
+        before, after: checkpoint labels for the actions and the rollback.
+        before_healthy: False when *before* itself holds non-finite state.
+        extra: verdict fields a replay determined (reproducible, first_bad_step, ...).
+    """
+    causes = rank_causes(findings)
+    top = causes[0]["cause"]
+    rollback = before if before_healthy else None
+    v = Verdict(summary="", causes=causes, rollback_checkpoint=rollback if top != "none" else None)
+    layers: dict[str, float] = {}
+    for f in findings:
+        if f.kind in ("gradient_burst", "nonfinite", "sign_like_updates"):
+            mod = module_of(f.subject)
+            layers[mod] = max(layers.get(mod, 0.0), f.score)
+        if f.kind in ("dtype_overflow", "dtype_headroom"):
+            m = f.metrics
+            v.overflowing_tensors.append(
+                {"name": f.subject, "dtype": m["dtype"], "max_abs": m["max_abs"], "limit": m["max_abs"] * m["headroom"], "where": m["where"]}
+            )
+        if f.kind in ("adam_bound_violation", "isolated_change"):
+            for e in f.metrics["elements"]:
+                kind = f"bit_flip({e['bit_field']} bit {e['bit']})" if e["kind"] == "bit_flip" else e["kind"]
+                v.corrupted_elements.append(
+                    {"tensor": f.subject, "where": e["where"], "index": e["index"], "before": e["before"], "after": e["after"], "kind": kind}
+                )
+    v.exploding_layers = [m for m, _ in sorted(layers.items(), key=lambda kv: -kv[1])]
+    if extra:
+        for k, val in extra.items():
+            setattr(v, k, val)
+    if top == "none":
+        v.summary = f"No anomaly between {before} and {after}: every tensor moved within Adam's bounds and its peers' range."
+        return v
+    v.recommended_actions = [a.format(rollback=rollback or "an earlier checkpoint", after=after) for a in _ACTIONS.get(top, [])]
+    if not before_healthy:
+        v.recommended_actions.insert(0, f"{before} already holds non-finite state: roll back further than it.")
+    v.summary = _summary(top, causes, findings, v, before, after)
+    return v
+
+
+def _summary(top: str, causes: list[dict[str, Any]], findings: Sequence[Finding], v: Verdict, before: str, after: str) -> str:
+    by_id = {f.id: f for f in findings}
+    lead = [by_id[i] for i in causes[0]["evidence"] if i in by_id]
+    lead.sort(key=lambda f: (not f.primary, -_weight(f)))
+    what = top.replace("_", " ")
+    parts = [f"Most likely cause between {before} and {after}: {what} (confidence {causes[0]['confidence']:.0%})."]
+    if lead:
+        parts.append(lead[0].message[0].upper() + lead[0].message[1:] + ".")
+    if v.corrupted_elements:
+        e = v.corrupted_elements[0]
+        parts.append(f"Corrupted element: {e['tensor']}{e['index']} {e['before']:.6g} -> {e['after']:.6g} ({e['kind']}).")
+    if v.exploding_layers:
+        parts.append(f"Layers standing out: {', '.join(v.exploding_layers[:3])}.")
+    if len(causes) > 1:
+        parts.append("Also consistent with: " + ", ".join(c["cause"] for c in causes[1:3]) + ".")
+    if v.rollback_checkpoint:
+        parts.append(f"Last safe checkpoint: {v.rollback_checkpoint}.")
+    return " ".join(parts)

@@ -1,0 +1,288 @@
+"""Command line: parse, call the library, render. Exit codes: 0 done, 2 bad input, 1 --strict alarm."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+
+from . import __version__
+from .errors import ForensicsError
+
+log = logging.getLogger("ckptforensics")
+
+EXIT_HELP = """
+\b
+Exit codes:
+  0  done (findings or not)
+  1  --strict and a finding at or above --fail-on severity
+  2  bad input or usage (one line on stderr)
+"""
+
+
+class Ctx:
+    debug: bool = False
+    quiet: bool = False
+
+
+def _setup_logging(verbose: int, quiet: bool) -> None:
+    level = logging.WARNING - 10 * verbose if not quiet else logging.ERROR
+    logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+@contextmanager
+def _errors(ctx: click.Context) -> Iterator[None]:
+    """Library errors -> one line on stderr, exit 2; tracebacks only with --debug."""
+    try:
+        yield
+    except ForensicsError as e:
+        if ctx.obj.debug:
+            raise
+        click.echo(f"error: {e}", err=True)
+        ctx.exit(2)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        ctx.exit(130)
+
+
+@contextmanager
+def _progress(total: int, label: str, quiet: bool) -> Iterator[Callable[[str], None]]:
+    """A progress bar on stderr when it is a terminal (tqdm if installed); silent otherwise."""
+    if quiet or not sys.stderr.isatty():
+        yield lambda _name: None
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield lambda _name: None
+        return
+    bar = tqdm(total=total, desc=label, unit="tensor", file=sys.stderr, leave=False)
+    first = [True]
+
+    def step(name: str) -> None:
+        if not first[0]:
+            bar.update(1)
+        first[0] = False
+        bar.set_postfix_str(name[-40:], refresh=False)
+
+    try:
+        yield step
+    finally:
+        bar.close()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_HELP)
+@click.version_option(__version__, prog_name="ckptforensics")
+@click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars or warnings.")
+@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+@click.pass_context
+def cli(ctx: click.Context, verbose: int, quiet: bool, debug: bool) -> None:
+    """Post-mortem forensics for loss spikes in large-model pre-training.
+
+    Point it at the checkpoints around a spike: it says which tensors moved
+    abnormally, which hit their dtype's range, and which changed in a way Adam
+    cannot explain (hardware corruption).
+
+    \b
+    Start here:
+      ckptforensics inspect --run-dir runs/7b 41950
+      ckptforensics diff --run-dir runs/7b --before 41950 --after 42000 --out incident/
+    """
+    ctx.obj = Ctx()
+    ctx.obj.debug = debug
+    ctx.obj.quiet = quiet
+    _setup_logging(verbose, quiet)
+
+
+def _jsonable(x: Any) -> Any:
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return _jsonable(dataclasses.asdict(x))
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+run_dir_option = click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("."),
+    show_default=True,
+    help="Where the trainer wrote its checkpoints; steps are resolved here.",
+)
+format_option = click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["hf-trainer", "safetensors", "torch", "nanogpt", "lightning"]),
+    default=None,
+    help="Force a reader instead of sniffing the format.",
+)
+
+
+@cli.command()
+@click.argument("checkpoint")
+@run_dir_option
+@format_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.option("--all", "show_all", is_flag=True, help="List every tensor, not only the notable ones.")
+@click.pass_context
+def inspect(ctx: click.Context, checkpoint: str, run_dir: Path, fmt: str | None, as_json: bool, show_all: bool) -> None:
+    """Summarise one checkpoint: format, step, sizes, optimizer, scaler, headroom.
+
+    CHECKPOINT is a step number (resolved in --run-dir) or a path.
+
+    \b
+    Example:
+      ckptforensics inspect --run-dir runs/7b 41950
+      ckptforensics inspect runs/7b/checkpoint-41950 --json
+    """
+    from .formats import open_checkpoint
+    from .locate import resolve_checkpoint
+    from .summary import summarize
+
+    with _errors(ctx):
+        path = resolve_checkpoint(checkpoint, run_dir)
+        with open_checkpoint(path, fmt) as ck, _progress(len(ck.names()), "inspect", ctx.obj.quiet) as prog:
+            s = summarize(ck, progress=prog)
+    if as_json:
+        click.echo(json.dumps(_jsonable(s), indent=2))
+        return
+    click.echo(f"{s.path}: {s.format}, step {s.step if s.step is not None else '?'}")
+    click.echo(f"  {s.parameters:,} parameters in {s.tensors} tensors ({', '.join(f'{k}: {v}' for k, v in s.dtypes.items())})")
+    if s.optimizer:
+        o = s.optimizer
+        click.echo(f"  optimizer: {o['kind']}, step {o['step']}, {o['params_with_state']} params with state (ids mapped by {o['mapping']})")
+        for i, g in enumerate(o["groups"]):
+            click.echo(
+                f"    group {i}: {g['params']} params, lr {g['lr']:.4g}, betas {g['betas']}, eps {g['eps']:g}, weight_decay {g['weight_decay']:g}"
+                + (f", initial_lr {g['initial_lr']:.4g}" if g["initial_lr"] else "")
+            )
+    else:
+        click.echo("  optimizer: none (weights only)")
+    if "loss_scale" in s.scalars:
+        click.echo(f"  loss scale: {s.scalars['loss_scale']}")
+    if "scheduler" in s.scalars:
+        click.echo(f"  scheduler: {s.scalars['scheduler']}")
+    for n in s.notes:
+        click.echo(f"  note: {n}")
+    notable = [t for t in s.per_tensor if show_all or t.nonfinite or t.headroom < 2]
+    bad = sum(1 for t in s.per_tensor if t.nonfinite)
+    click.echo(f"  non-finite: {bad} tensors; least headroom: " + _least_headroom(s.per_tensor))
+    for t in notable:
+        click.echo(f"    {t.name} {list(t.shape)} {t.dtype}: max|x| {t.max_abs:.4g}, headroom {t.headroom:.3g}x, non-finite {t.nonfinite}")
+
+
+def _least_headroom(per: list[Any]) -> str:
+    fin = [t for t in per if math.isfinite(t.headroom)]
+    if not fin:
+        return "—"
+    t = min(fin, key=lambda t: t.headroom)
+    return f"{t.name} ({t.dtype}, max|x| {t.max_abs:.3g}, {t.headroom:.3g}x)"
+
+
+def _check_out(out: Path | None, inputs: list[Path]) -> None:
+    """Outputs never go into an input directory."""
+    if out is None:
+        return
+    o = out.resolve()
+    for p in inputs:
+        d = p.resolve() if p.is_dir() else p.resolve().parent
+        if p.is_dir() and (o == d or d in o.parents):
+            raise ForensicsError(f"--out {out} is inside the input checkpoint {p}; choose a directory outside it")
+
+
+@cli.command()
+@click.option("--before", "before", required=True, help="Step (resolved in --run-dir) or path of the healthy checkpoint.")
+@click.option("--after", "after", required=True, help="Step or path of the checkpoint after the spike.")
+@run_dir_option
+@format_option
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Write report.json and report.md here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
+@click.option("--strict", is_flag=True, help="Exit 1 when a finding at or above --fail-on exists.")
+@click.option("--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True)
+@click.option("--chunk-elems", type=click.IntRange(1 << 10), default=1 << 22, show_default=True, help="Elements per streamed chunk.")
+@click.pass_context
+def diff(
+    ctx: click.Context,
+    before: str,
+    after: str,
+    run_dir: Path,
+    fmt: str | None,
+    out: Path | None,
+    as_json: bool,
+    strict: bool,
+    fail_on: str,
+    chunk_elems: int,
+) -> None:
+    """Diff weights and Adam moments of two checkpoints and score every tensor.
+
+    Streams each tensor pair (weights, exp_avg, exp_avg_sq) once, in bounded memory,
+    and reports update/weight ratios, implied gradient bursts, sign-like updates,
+    dtype headroom, skipped steps, and elements that moved further than Adam can
+    move them (bit flips are located to the element and bit).
+
+    \b
+    Example:
+      ckptforensics diff --run-dir runs/7b --before 41950 --after 42000 --out incident/
+      ckptforensics diff --before ckpt_a.pt --after ckpt_b.pt --json | jq .verdict
+    """
+    from .detectors import SEVERITIES, diff_findings
+    from .diff import DiffConfig, diff_checkpoints
+    from .formats import open_checkpoint
+    from .locate import resolve_checkpoint
+    from .report import build_report, to_json, write_report
+    from .verdict import decide
+
+    command = "ckptforensics " + " ".join(sys.argv[1:]) if sys.argv[1:] else "ckptforensics diff"
+    with _errors(ctx):
+        pa, pb = resolve_checkpoint(before, run_dir), resolve_checkpoint(after, run_dir)
+        _check_out(out, [pa, pb])
+        with open_checkpoint(pa, fmt) as a, open_checkpoint(pb, fmt) as b:
+            with _progress(len(a.names()), "diff", ctx.obj.quiet) as prog:
+                result = diff_checkpoints(a, b, DiffConfig(chunk_elems=chunk_elems), progress=prog)
+            findings = diff_findings(result)
+            before_ok = not any(t.nonfinite_a for t in result.tensors)
+            verdict = decide(findings, before=str(pa), after=str(pb), before_healthy=before_ok)
+            doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, diff=result)
+        written = write_report(out, doc) if out else []
+    if as_json:
+        click.echo(to_json(doc), nl=False)
+    else:
+        _echo_verdict(doc)
+        for p in written:
+            click.echo(f"wrote {p}")
+    if strict:
+        floor = SEVERITIES.index(fail_on)
+        if any(SEVERITIES.index(f.severity) >= floor for f in findings):
+            ctx.exit(1)
+
+
+def _echo_verdict(doc: dict[str, Any]) -> None:
+    v = doc["verdict"]
+    click.echo(v["summary"])
+    causes = ", ".join(f"{c['cause']} ({c['confidence']:.0%})" for c in v["causes"])
+    click.echo(f"causes: {causes}")
+    for f in doc["findings"][:8]:
+        click.echo(f"  [{f['severity']}] {f['id']} {f['kind']}: {f['message']}")
+    if len(doc["findings"]) > 8:
+        click.echo(f"  ... {len(doc['findings']) - 8} more findings in the report")
+
+
+def main() -> None:
+    cli(prog_name="ckptforensics")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""report.md: the verdict on the first screen, details in <details> blocks below."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["render_markdown", "fmt"]
+
+
+def fmt(x: Any) -> str:
+    """Numbers for people: 65,504 / 1.2e-03 / 3.4; None -> '—'."""
+    if x is None:
+        return "—"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return f"{x:,}"
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return str(x)
+        if x == 0:
+            return "0"
+        a = abs(x)
+        if a >= 1e5 or a < 1e-2:
+            return f"{x:.2e}"
+        if float(x).is_integer() and a < 1e5:
+            return f"{int(x):,}"
+        return f"{x:.3g}"
+    return str(x)
+
+
+def _row(cells: list[Any]) -> str:
+    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+
+def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
+    return [_row(head), _row(["---"] * len(head)), *(_row(r) for r in rows)]
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    v = doc["verdict"]
+    inc = doc["incident"]
+    b, a = inc["before"], inc["after"]
+    top = v["causes"][0]
+    lines = [
+        f"# ckptforensics: {top['cause'].replace('_', ' ')}",
+        "",
+        f"**{v['summary']}**",
+        "",
+        f"- **Before**: `{b['path']}` (step {fmt(b['step'])}, {b['format']})",
+        f"- **After**: `{a['path']}` (step {fmt(a['step'])}, {a['format']})",
+        "- **Causes**: " + ", ".join(f"{c['cause']} ({c['confidence']:.0%})" for c in v["causes"]),
+        f"- **Reproduces**: {fmt(v['reproducible']) if v['reproducible'] is not None else 'not replayed'}",
+        f"- **Rollback checkpoint**: {('`' + v['rollback_checkpoint'] + '`') if v['rollback_checkpoint'] else '—'}",
+    ]
+    if v["exploding_layers"]:
+        lines.append("- **Layers standing out**: " + ", ".join(f"`{m}`" for m in v["exploding_layers"][:5]))
+    if v["first_anomalous_module"]:
+        lines.append(f"- **First anomalous module**: `{v['first_anomalous_module']}`")
+    if v["corrupted_elements"]:
+        lines += ["", "**Corrupted elements**", ""]
+        lines += _table(
+            ["tensor", "where", "index", "before", "after", "kind"],
+            [[f"`{e['tensor']}`", e["where"], e["index"], fmt(e["before"]), fmt(e["after"]), e["kind"]] for e in v["corrupted_elements"][:10]],
+        )
+    if v["overflowing_tensors"]:
+        lines += ["", "**Tensors at their dtype's limit**", ""]
+        lines += _table(
+            ["tensor", "where", "dtype", "max abs", "limit"],
+            [[f"`{o['name']}`", o["where"], o["dtype"], fmt(o["max_abs"]), fmt(o["limit"])] for o in v["overflowing_tensors"][:10]],
+        )
+    if v["recommended_actions"]:
+        lines += ["", "**Recommended actions**", ""]
+        lines += [f"{i}. {act}" for i, act in enumerate(v["recommended_actions"], 1)]
+    findings = doc.get("findings", [])
+    lines += ["", f"<details><summary>Findings ({len(findings)})</summary>", ""]
+    if findings:
+        lines += _table(
+            ["id", "severity", "kind", "subject", "score", "message"],
+            [[f["id"], f["severity"], f["kind"], f"`{f['subject']}`", fmt(f["score"]), f["message"]] for f in findings],
+        )
+    else:
+        lines.append("No findings.")
+    lines += ["", "</details>"]
+    diff = doc.get("diff") or {}
+    if diff:
+        p = diff["pair"]
+        lines += ["", "<details><summary>Checkpoint pair</summary>", ""]
+        lines += _table(
+            ["", "before", "after"],
+            [
+                ["trainer step", fmt(p["step_a"]), fmt(p["step_b"])],
+                ["optimizer step", fmt(p["adam_step_a"]), fmt(p["adam_step_b"])],
+                ["loss scale", fmt(p["loss_scale_a"]), fmt(p["loss_scale_b"])],
+                ["LR per group", ", ".join(fmt(x) for x in p["lr_a"]) or "—", ", ".join(fmt(x) for x in p["lr_b"]) or "—"],
+            ],
+        )
+        lines += ["", f"Optimizer: {p['optimizer'] or 'none (weights only)'}; betas {p['betas'] or '—'}."]
+        for n in p.get("notes") or []:
+            lines.append(f"- {n}")
+        lines += ["", "</details>", "", f"<details><summary>Per-tensor diff ({len(diff['tensors'])} tensors)</summary>", ""]
+        rows = sorted(diff["tensors"], key=lambda t: -(t["update_ratio"] or 0))
+        lines += _table(
+            ["tensor", "dtype", "update/weight per step", "max abs Δ", "r_v", "sign-like share", "bound violations", "non-finite"],
+            [
+                [
+                    f"`{t['name']}`",
+                    t["dtype"],
+                    fmt(t["update_ratio"]),
+                    fmt(t["dw_max_abs"]),
+                    fmt(t["r_v"]),
+                    fmt(t["rho_share_b"]),
+                    t["bound_violations"] + t["vfloor_violations"] + t["mbound_violations"] + t["outlier_changes"],
+                    t["nonfinite_b"],
+                ]
+                for t in rows
+            ],
+        )
+        lines += ["", "</details>"]
+    lines += ["", f"<sub>{inc['command']} · ckptforensics {inc['tool_version']} · schema {doc['schema']}</sub>", ""]
+    return "\n".join(lines)

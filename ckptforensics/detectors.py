@@ -408,13 +408,21 @@ def detect_gradient_burst(diff: DiffResult, th: Thresholds) -> list[Finding]:
 
 
 def detect_sign_like(diff: DiffResult, th: Thresholds) -> list[Finding]:
-    """Sign-like Adam updates rising from A to B: the time-correlation instability."""
+    """Sign-like Adam updates rising from A to B, far beyond the tensor's peers.
+
+    Early in training small vectors (norm gains, biases) move sign-like as a group;
+    that is not the instability, so the rise must also stand out among tensors of
+    the same role (robust z), not only cross an absolute share; and only weight
+    matrices count, as in the instability's description.
+    """
+    ts = [t for t in diff.tensors if t.has_moments and len(t.shape) >= 2 and math.isfinite(t.rho_share_b)]
+    if len(ts) < 3:
+        return []
+    z = _z_by_role(ts, np.array([t.rho_share_b - t.rho_share_a for t in ts]))
     out = []
-    for t in diff.tensors:
-        if not t.has_moments or not math.isfinite(t.rho_share_b):
-            continue
+    for t, zz in zip(ts, z, strict=True):
         rise = t.rho_share_b - t.rho_share_a
-        if t.rho_share_b > th.rho_share and rise > th.rho_share / 2:
+        if t.rho_share_b > th.rho_share and rise > th.rho_share / 2 and zz > th.z:
             out.append(
                 Finding(
                     "",

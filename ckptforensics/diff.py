@@ -383,10 +383,16 @@ def _diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: D
                 del s
             _release_all(a, b, *(s.reshape(-1)[lo:hi] for s in streams))
         elif fa.numel() >= 64:
-            # Weights only: an isolated change far above this chunk's own RMS change.
-            rms = torch.sqrt(torch.where(torch.isfinite(d), d * d, 0).mean())
-            thr_t = 64 * rms + lim.eps * fa.abs()
-            _collect(cands, counts, "outlier", "weight", ad > thr_t, fa, fb, None, lo, meta.shape, wb.dtype, cfg)
+            # Weights only: no Adam bound to test against. An element counts when its
+            # change dwarfs the tensor's typical change *and* one stored bit flipped
+            # back brings it within the typical change (a weight merely shrinking to
+            # ~0 cannot be told from a legitimate update).
+            fin = torch.isfinite(ad)
+            scale = torch.where(fin, ad, 0).mean() + lim.eps * torch.where(fin_a, fa.abs(), 0).mean()
+            flagged = ad > 16 * scale
+            if 0 < int(flagged.sum()) <= 256:
+                near = (4 * scale).expand_as(ad)
+                _collect(cands, counts, "outlier", "weight", flagged, fa, fb, near, lo, meta.shape, wb.dtype, cfg, only_flips=True)
         _release_all(a, b, wa, wb)
 
     s, m = acc.sums, acc.maxes
@@ -462,19 +468,29 @@ def _collect(
     shape: tuple[int, ...],
     stored: torch.dtype,
     cfg: DiffConfig,
+    only_flips: bool = False,
 ) -> None:
+    """Count the elements in `mask` and keep the first few as located evidence.
+
+    With `only_flips`, an element counts only when one bit flip explains it.
+    """
     n = int(mask.sum())
     if n == 0:
         return
-    counts[counter] += n
+    if not only_flips:
+        counts[counter] += n
     room = cfg.max_candidates - len(cands)
-    if room <= 0:
-        return
-    idx = torch.nonzero(mask).flatten()[:room].tolist()
+    idx = torch.nonzero(mask).flatten().tolist() if only_flips else torch.nonzero(mask).flatten()[: max(room, 0)].tolist()
     for i in idx:
         bv, av = float(before[i]), float(after[i])
         lim = float(bound[i]) if bound is not None else abs(bv) * 1e-3
         kind, bit, fld = _explain_flip(bv, av, lim, stored)
+        if only_flips:
+            if kind != "bit_flip":
+                continue
+            counts[counter] += 1
+        if len(cands) >= cfg.max_candidates:
+            continue
         cands.append(
             Candidate(
                 where=where,
@@ -496,17 +512,21 @@ def _explain_flip(before: float, after: float, bound: float, dtype: torch.dtype)
     lim = dtype_limits(dtype)
     if lim is None:
         return "out_of_bound", None, None
-    best: tuple[float, int] | None = None
+    # Among the bits whose flip lands within the bound, prefer the one that restores
+    # the element's previous magnitude (tiny weights admit several candidates).
+    best: tuple[float, float, int] | None = None
     for bit in range(lim.bits):
         cand = flip_bit(after, bit, dtype)
         if not math.isfinite(cand):
             continue
         gap = abs(cand - before)
-        if gap <= max(bound, 0.0) and (best is None or gap < best[0]):
-            best = (gap, bit)
+        if gap <= max(bound, 0.0):
+            mag = abs(math.log2(abs(cand) + lim.tiny) - math.log2(abs(before) + lim.tiny))
+            if best is None or (mag, gap) < best[:2]:
+                best = (mag, gap, bit)
     if best is None:
         return "out_of_bound", None, None
-    return "bit_flip", best[1], bit_role(best[1], dtype)
+    return "bit_flip", best[2], bit_role(best[2], dtype)
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,0 +1,35 @@
+"""Session fixtures: the zoo is trained once per test session (seconds on CPU)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fixtures.zoo import build  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """name -> run dir for every incident and every library-written format."""
+    return build(tmp_path_factory.mktemp("zoo"))
+
+
+def truth(run: Path) -> dict:
+    return json.loads((run / "truth.json").read_text())
+
+
+def tree_hash(path: Path) -> str:
+    """Hash of every file under `path` (names and bytes): inputs must stay byte-identical."""
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for f in files:
+        h.update(str(f.relative_to(path.parent)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()

@@ -1,0 +1,122 @@
+"""Every reader on files its own library wrote; optimizer ids mapped to names, verified."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptforensics.errors import OptimizerMappingError
+from ckptforensics.formats import open_checkpoint
+from ckptforensics.formats.optim import map_optimizer
+from ckptforensics.locate import resolve_checkpoint
+from fixtures.tinygpt import GPT, GPTConfig
+
+RUNS = {
+    "healthy": "nanogpt",
+    "healthy-torch": "torch",
+    "healthy-safetensors": "safetensors",
+    "lightning": "lightning",
+    "hf-trainer": "hf-trainer",
+}
+
+
+@pytest.mark.parametrize("run,fmt", sorted(RUNS.items()))
+def test_reader_sees_every_tensor_and_its_moments(zoo: dict[str, Path], run: str, fmt: str) -> None:
+    ck = open_checkpoint(resolve_checkpoint("30", zoo[run]))
+    assert ck.format == fmt
+    assert ck.step == 30
+    assert ck.names(), "no tensors"
+    for n in ck.names():
+        t = ck.tensor(n)
+        assert tuple(t.shape) == ck.meta(n).shape and t.dtype == ck.meta(n).dtype
+    if fmt == "safetensors":
+        assert ck.optimizer is None
+        return
+    opt = ck.optimizer
+    assert opt is not None and opt.kind == "adam"
+    # Every trainable tensor has moments of its own shape, and the Adam step is 30.
+    assert set(opt.state) == set(ck.names())
+    for n, st in opt.state.items():
+        assert tuple(st["exp_avg"].shape) == ck.meta(n).shape, n
+        assert int(st["step"]) == 30
+
+
+def test_tied_weights_appear_once(zoo: dict[str, Path]) -> None:
+    ck = open_checkpoint(zoo["healthy"] / "step_30.pt")
+    # GPT ties lm_head to wte: one tensor, the alias recorded.
+    assert ("lm_head.weight" in ck.names()) != ("transformer.wte.weight" in ck.names())
+    assert ck.aliases
+
+
+def test_hf_groups_follow_the_trainer_decay_rule(zoo: dict[str, Path]) -> None:
+    ck = open_checkpoint(zoo["hf-trainer"] / "checkpoint-30")
+    assert ck.optimizer is not None and ck.optimizer.mapping == "HF decay/no-decay groups"
+    assert ck.hyper("model.norm.weight").weight_decay == 0.0
+    assert ck.hyper("model.layers.0.self_attn.q_proj.weight").weight_decay == pytest.approx(0.1)
+    assert ck.scalars["scheduler"]["last_epoch"] == 30
+    assert ck.optimizer.groups[0].initial_lr == pytest.approx(3e-3)
+
+
+def test_id_mapping_matches_names_torch_saved(tmp_path: Path) -> None:
+    """Ground truth from torch itself: an optimizer built from named parameters saves param_names."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2))
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [(n, p) for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=1e-3)
+    ids = torch.randint(0, 64, (2, 16))
+    model(ids, labels=ids).backward()
+    opt.step()
+    osd = opt.state_dict()
+    truth = {pid: name for g in osd["param_groups"] for pid, name in zip(g["params"], g["param_names"], strict=True)}
+    for g in osd["param_groups"]:
+        del g["param_names"]
+    view = map_optimizer(osd, [(n, tuple(p.shape)) for n, p in named], "test")
+    got = {pid: name for name in view.state for pid, st in osd["state"].items() if st is view.state[name]}
+    assert got == truth
+
+
+def test_ambiguous_mapping_is_refused() -> None:
+    params = [("a.scale", (3,)), ("b.bias", (3,)), ("c.scale", (3,)), ("d.bias", (3,))]
+    state = {i: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)} for i in range(4)}
+    osd = {"state": state, "param_groups": [{"params": [0, 1], "lr": 1e-3}, {"params": [2, 3], "lr": 1e-3}]}
+    with pytest.raises(OptimizerMappingError, match="ambiguously"):
+        map_optimizer(osd, params, "optimizer.pt")
+
+
+def test_mapping_failure_names_the_first_mismatch() -> None:
+    params = [("w", (4, 4)), ("b", (4,))]
+    state = {0: {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}, 1: {"exp_avg": torch.zeros(4, 4), "exp_avg_sq": torch.zeros(4, 4)}}
+    osd = {"state": state, "param_groups": [{"params": [0, 1], "lr": 1e-3}]}
+    with pytest.raises(OptimizerMappingError, match=r"id 0 in group 0 has state of shape \(4,\) but w is \(4, 4\)"):
+        map_optimizer(osd, params, "optimizer.pt")
+
+
+def test_compiled_nanogpt_prefix_is_stripped(zoo: dict[str, Path], tmp_path: Path) -> None:
+    ck = torch.load(zoo["healthy"] / "step_30.pt", weights_only=True)
+    ck["model"] = {f"_orig_mod.{k}": v for k, v in ck["model"].items()}
+    torch.save(ck, tmp_path / "ckpt.pt")
+    view = open_checkpoint(tmp_path / "ckpt.pt")
+    assert view.format == "nanogpt"
+    assert not any(n.startswith("_orig_mod.") for n in view.names())
+    assert view.optimizer is not None and len(view.optimizer.state) == len(view.names())
+
+
+def test_sharded_hf_weights_with_index(zoo: dict[str, Path], tmp_path: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    src = zoo["hf-trainer"] / "checkpoint-30"
+    model = LlamaForCausalLM.from_pretrained(src)
+    out = tmp_path / "checkpoint-30"
+    model.save_pretrained(out, max_shard_size="40KB")
+    assert (out / "model.safetensors.index.json").is_file()
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    sharded, single = open_checkpoint(out), open_checkpoint(src)
+    assert sorted(sharded.names()) == sorted(single.names())
+    for n in single.names():
+        assert torch.equal(sharded.tensor(n), single.tensor(n)), n

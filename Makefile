@@ -16,10 +16,14 @@ $(BIN)/.ready: pyproject.toml
 
 venv: $(BIN)/.ready
 
+# A small incident (a silent bit flip in a real training run), then the main job on it.
 demo: venv
-	$(BIN)/python fixtures/make_pairs.py --out build/demo --only lr_jump
-	$(BIN)/ckptforensics diff --run-dir build/demo/lr_jump --before 30 --after 40 --out build/demo/report
+	$(BIN)/python fixtures/zoo.py --out build/demo --only silent_corruption
+	$(BIN)/ckptforensics diff --run-dir build/demo/silent_corruption --before 30 --after 40 --out build/demo/report
 	@echo "report: build/demo/report/report.md"
+
+zoo: venv
+	$(BIN)/python fixtures/zoo.py --out build/zoo
 
 test: venv
 	$(BIN)/ruff check ckptforensics tests fixtures bench

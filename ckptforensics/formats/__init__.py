@@ -53,7 +53,9 @@ def sniff(path: Path) -> str:
         head = f.read(16)
     if path.suffix == ".safetensors" or (len(head) >= 9 and head[8:9] == b"{"):
         return "safetensors"
-    if is_torch_zip(path) or head[:2] == b"\x80\x02":
+    # torch.save zips start with a local file header; a truncated one has lost its
+    # central directory but is still a torch file (to be refused as truncated).
+    if is_torch_zip(path) or head[:4] == b"PK\x03\x04" or head[:2] == b"\x80\x02":
         return "torch-file"
     raise UnknownFormat(f"{path}: not a safetensors, torch.save or checkpoint directory")
 

@@ -1,0 +1,168 @@
+"""The CLI as users type it: exit codes, one-line errors, untouched inputs, refused pickles."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import click
+import torch
+from click.testing import CliRunner
+
+from ckptforensics.cli import cli
+from tests.conftest import tree_hash, truth
+
+
+def invoke(*args: str) -> click.testing.Result:
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def assert_bad_input(result: click.testing.Result, message: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: ")
+    assert message in lines[0], lines[0]
+
+
+def test_every_command_has_help_with_an_example() -> None:
+    for name, cmd in cli.commands.items():
+        result = invoke(name, "--help")
+        assert result.exit_code == 0, name
+        assert "Example" in result.output, name
+        assert cmd.help and cmd.help.splitlines()[0].strip(), name
+    top = invoke("--help")
+    assert "Exit codes" in top.output and "--before 41950 --after 42000" in top.output
+    assert invoke("--version").output.startswith("ckptforensics")
+
+
+def test_diff_writes_reports_and_leaves_inputs_untouched(zoo: dict[str, Path], tmp_path: Path) -> None:
+    run = zoo["silent_corruption"]
+    before = tree_hash(run)
+    result = invoke("diff", "--run-dir", str(run), "--before", "30", "--after", "40", "--out", str(tmp_path / "rep"))
+    assert result.exit_code == 0
+    assert tree_hash(run) == before
+    doc = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert doc["schema"] == "ckptforensics.report/1"
+    assert set(doc) >= {"incident", "verdict", "findings", "diff", "replay", "bisect", "whatif"}
+    assert doc["verdict"]["causes"][0]["cause"] == truth(run)["cause"]
+    assert doc["verdict"]["corrupted_elements"][0]["index"] == truth(run)["corrupted"]["index"]
+    md = (tmp_path / "rep" / "report.md").read_text().splitlines()
+    # Ticket-first: the verdict and the culprit are on the first screen.
+    head = "\n".join(md[:25])
+    assert "silent corruption" in head and truth(run)["corrupted"]["tensor"] in head
+    assert not list((tmp_path / "rep").glob(".report*")), "temp files left behind"
+
+
+def test_json_output_and_strict_exit_codes(zoo: dict[str, Path]) -> None:
+    bad = invoke("diff", "--run-dir", str(zoo["lr_jump"]), "--before", "30", "--after", "40", "--json", "--strict")
+    assert bad.exit_code == 1
+    assert json.loads(bad.stdout)["verdict"]["causes"][0]["cause"] == "lr_too_high"
+    ok = invoke("diff", "--run-dir", str(zoo["healthy"]), "--before", "30", "--after", "40", "--strict")
+    assert ok.exit_code == 0
+    assert "No anomaly" in ok.output
+
+
+def test_inspect_reports_optimizer_and_headroom(zoo: dict[str, Path]) -> None:
+    result = invoke("inspect", "--run-dir", str(zoo["hf-trainer"]), "30", "--json")
+    assert result.exit_code == 0
+    s = json.loads(result.stdout)
+    assert s["format"] == "hf-trainer" and s["step"] == 30
+    assert s["optimizer"]["kind"] == "adam" and len(s["optimizer"]["groups"]) == 2
+    assert all(t["nonfinite"] == 0 and t["headroom"] > 1e30 for t in s["per_tensor"])
+    text = invoke("inspect", str(zoo["lightning"] / "epoch=0-step=30.ckpt"))
+    assert "lightning, step 30" in text.output and "group 1" in text.output
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    assert_bad_input(invoke("inspect", str(tmp_path / "nope.pt")), "no such file or directory")
+
+
+def test_missing_step_lists_checkpoints(zoo: dict[str, Path]) -> None:
+    r = invoke("diff", "--run-dir", str(zoo["healthy"]), "--before", "30", "--after", "45")
+    assert_bad_input(r, "no checkpoint for step 45")
+    assert "step_40.pt" in r.stderr
+
+
+def test_unknown_format(tmp_path: Path) -> None:
+    f = tmp_path / "random.bin"
+    f.write_bytes(os.urandom(4096))
+    assert_bad_input(invoke("inspect", str(f)), "not a safetensors, torch.save or checkpoint directory")
+
+
+def test_truncated_safetensors(zoo: dict[str, Path], tmp_path: Path) -> None:
+    src = zoo["healthy-safetensors"] / "step_30.safetensors"
+    data = src.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
+    assert_bad_input(invoke("inspect", str(tmp_path / "cut.safetensors")), "truncated file")
+    (tmp_path / "head.safetensors").write_bytes(data[:20])
+    assert_bad_input(invoke("inspect", str(tmp_path / "head.safetensors")), "truncated or corrupt safetensors header")
+
+
+def test_truncated_torch_file(zoo: dict[str, Path], tmp_path: Path) -> None:
+    data = (zoo["healthy"] / "step_30.pt").read_bytes()
+    (tmp_path / "step_30.pt").write_bytes(data[: len(data) // 3])
+    assert_bad_input(invoke("inspect", str(tmp_path / "step_30.pt")), "truncated or not a torch file")
+
+
+def test_different_parameter_sets(zoo: dict[str, Path]) -> None:
+    r = invoke("diff", "--before", str(zoo["healthy"] / "step_30.pt"), "--after", str(zoo["lightning"] / "epoch=0-step=30.ckpt"))
+    assert_bad_input(r, "parameter sets differ")
+
+
+def test_shape_mismatch(zoo: dict[str, Path], tmp_path: Path) -> None:
+    ck = torch.load(zoo["healthy-torch"] / "step_40.pt", weights_only=True)
+    ck["model"]["transformer.wpe.weight"] = ck["model"]["transformer.wpe.weight"][:16]
+    torch.save({"model": ck["model"], "step": 40}, tmp_path / "b.pt")
+    r = invoke("diff", "--before", str(zoo["healthy-torch"] / "step_30.pt"), "--after", str(tmp_path / "b.pt"))
+    assert_bad_input(r, "transformer.wpe.weight: shape [32, 32]")
+
+
+def test_missing_optimizer_state_is_a_weights_only_diff(zoo: dict[str, Path], tmp_path: Path) -> None:
+    ck = torch.load(zoo["healthy-torch"] / "step_40.pt", weights_only=True)
+    torch.save({"model": ck["model"], "step": 40}, tmp_path / "b.pt")
+    r = invoke("diff", "--before", str(zoo["healthy-torch"] / "step_30.pt"), "--after", str(tmp_path / "b.pt"), "--out", str(tmp_path / "rep"))
+    assert r.exit_code == 0
+    doc = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert doc["diff"]["pair"]["weights_only"] is True
+    assert any("weights-only" in n for n in doc["diff"]["pair"]["notes"])
+    assert "weights-only diff" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_mismatched_optimizer_kinds(zoo: dict[str, Path], tmp_path: Path) -> None:
+    ck = torch.load(zoo["healthy-torch"] / "step_40.pt", weights_only=True)
+    params = [torch.nn.Parameter(t.clone()) for k, t in ck["model"].items() if k != "lm_head.weight"]
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    sgd.step()
+    torch.save({"model": ck["model"], "optimizer": sgd.state_dict(), "step": 40}, tmp_path / "b.pt")
+    r = invoke("diff", "--before", str(zoo["healthy-torch"] / "step_30.pt"), "--after", str(tmp_path / "b.pt"))
+    assert_bad_input(r, "optimizer kinds differ")
+
+
+def test_pickle_that_runs_code_is_refused(zoo: dict[str, Path], tmp_path: Path) -> None:
+    canary = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):  # noqa: ANN204 - a hostile pickle
+            return (os.system, (f"touch {canary}",))
+
+    ckpt = tmp_path / "checkpoint-30"
+    shutil.copytree(zoo["hf-trainer"] / "checkpoint-30", ckpt)
+    torch.save({"state": {}, "param_groups": [], "payload": Exploit()}, ckpt / "optimizer.pt")
+    r = invoke("inspect", str(ckpt))
+    assert_bad_input(r, "refused to unpickle")
+    assert "system" in r.stderr
+    assert not canary.exists()
+
+
+def test_out_inside_an_input_directory_is_refused(zoo: dict[str, Path]) -> None:
+    ck = zoo["hf-trainer"]
+    before = tree_hash(ck)
+    r = invoke("diff", "--run-dir", str(ck), "--before", "20", "--after", "30", "--out", str(ck / "checkpoint-30" / "rep"))
+    assert_bad_input(r, "inside the input checkpoint")
+    assert tree_hash(ck) == before

@@ -212,7 +212,7 @@ def _check_out(out: Path | None, inputs: list[Path]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
 @click.option("--strict", is_flag=True, help="Exit 1 when a finding at or above --fail-on exists.")
 @click.option("--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True)
-@click.option("--chunk-elems", type=click.IntRange(1 << 10), default=1 << 22, show_default=True, help="Elements per streamed chunk.")
+@click.option("--chunk-elems", type=click.IntRange(1 << 10), default=1 << 19, show_default=True, help="Elements per streamed chunk.")
 @click.pass_context
 def diff(
     ctx: click.Context,

@@ -11,6 +11,7 @@ import logging
 import math
 import re
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,13 +31,14 @@ class DiffConfig:
     """Options of a diff.
 
     Attributes:
-        chunk_elems: elements per streamed chunk (memory ~ 10 fp32 chunks).
+        chunk_elems: elements per streamed chunk; small enough to stay in cache
+            (memory ~ 20 fp32 chunks), large enough to amortise per-op overhead.
         max_candidates: element-level evidence kept per tensor.
         rho_threshold: |m|/(sqrt(v)+eps) above which an update is called sign-like (Molybog 2304.09871).
         bound_slack: relative slack on the Adam update bound (rounding of fp32 arithmetic).
     """
 
-    chunk_elems: int = 1 << 22
+    chunk_elems: int = 1 << 19
     max_candidates: int = 64
     rho_threshold: float = 0.9
     bound_slack: float = 1e-3
@@ -258,6 +260,10 @@ class _Acc:
             self.maxes[k] = max(self.maxes.get(k, -math.inf), v)
 
 
+def _finite_sum(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, 0).sum()
+
+
 def _finite_absmax(x: torch.Tensor) -> torch.Tensor:
     a = x.abs()
     return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).max() if a.numel() else torch.zeros(())
@@ -287,11 +293,24 @@ def diff_checkpoints(
     names = _check_compatible(a, b)
     pair = _pair_info(a, b)
     result = DiffResult(pair=pair)
-    for name in names:
-        if progress is not None:
-            progress(name)
-        result.tensors.append(_diff_tensor(a, b, name, pair, cfg))
+    # A helper thread asks the OS to read the next tensors while this one is computed
+    # on; the main thread never waits for it (a page not yet read simply faults in).
+    ahead = 1
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") as pool:
+        for n in names[:ahead]:
+            pool.submit(_prefetch, a, b, n)
+        for i, name in enumerate(names):
+            if progress is not None:
+                progress(name)
+            if i + ahead < len(names):
+                pool.submit(_prefetch, a, b, names[i + ahead])
+            result.tensors.append(_diff_tensor(a, b, name, pair, cfg))
     return result
+
+
+def _prefetch(a: Checkpoint, b: Checkpoint, name: str) -> None:
+    a.prefetch(name)
+    b.prefetch(name)
 
 
 def _diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: DiffConfig) -> TensorDiff:
@@ -343,52 +362,60 @@ def _diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: D
         fa, fb = wa.float(), wb.float()
         d = fb - fa
         ad = d.abs()
-        fin_a, fin_b = torch.isfinite(fa), torch.isfinite(fb)
-        acc.add(
-            wa2=torch.where(fin_a, fa * fa, 0).sum(),
-            d2=torch.where(torch.isfinite(d), d * d, 0).sum(),
-            nfa=(~fin_a).sum(),
-            nfb=(~fin_b).sum(),
-        )
-        acc.max(dmax=_finite_absmax(d), bmax=_finite_absmax(fb))
-        if moments:
-            ma, mb, va, vb = (s.reshape(-1)[lo:hi].float() for s in streams)
-            sq_a, sq_b = va.sqrt(), vb.sqrt()
-            thr = cfg.rho_threshold
-            unit = ad / (k * lr) if lr > 0 else torch.zeros_like(ad)
+        afa, afb = fa.abs(), fb.abs()
+        # Fast path: plain sums and maxima; any NaN/inf shows in them, and only then is
+        # the chunk recomputed with masks (non-finite values are rare, and data).
+        fast = torch.stack([torch.dot(fa, fa), torch.dot(d, d), ad.max(), afb.max(), afa.max()])
+        if bool(torch.isfinite(fast).all()):
+            acc.add(wa2=fast[0], d2=fast[1])
+            acc.max(dmax=fast[2], bmax=fast[3])
+        else:
+            fin_a, fin_b = torch.isfinite(fa), torch.isfinite(fb)
             acc.add(
-                num_v=(vb - decay_k * va).sum(),
-                den_v=((1 - decay_k) * va).sum(),
-                rho_a=(ma.abs() > thr * (sq_a + eps)).sum(),
-                rho_b=(mb.abs() > thr * (sq_b + eps)).sum(),
-                unit=((unit >= 0.8) & (unit <= 1.2)).sum(),
-                van_a=(sq_a < 10 * eps).sum(),
-                van_b=(sq_b < 10 * eps).sum(),
-                nfm=(~torch.isfinite(mb)).sum(),
-                nfv=(~torch.isfinite(vb)).sum(),
+                wa2=torch.where(fin_a, fa * fa, 0).sum(),
+                d2=torch.where(torch.isfinite(d), d * d, 0).sum(),
+                nfa=(~fin_a).sum(),
+                nfb=(~fin_b).sum(),
             )
-            acc.max(mmax=_finite_absmax(mb), vmax=_finite_absmax(vb))
-            # Adam update bound: |dw| <= k lr (C + wd |w|) (+ one storage ulp each side).
-            wmax = torch.maximum(fa.abs(), fb.abs())
-            ulp = lim.eps * wmax if lim is not None else 0.0
-            bound = k * lr * (c_step + wd * wmax) * (1 + cfg.bound_slack) + 2 * ulp
+            acc.max(dmax=_finite_absmax(d), bmax=_finite_absmax(fb))
+        if moments:
+            ma, mb, va, vb = (t.reshape(-1)[lo:hi].float() for t in streams)
+            sq_a, sq_b = va.sqrt(), vb.sqrt()
+            amb = mb.abs()
+            thr = cfg.rho_threshold
+            klr = k * lr
+            mom = torch.stack([va.sum(), vb.sum(), amb.max(), vb.max()])
+            if not bool(torch.isfinite(mom).all()):
+                acc.add(nfm=(~torch.isfinite(mb)).sum(), nfv=(~torch.isfinite(vb)).sum())
+                mom = torch.stack([_finite_sum(va), _finite_sum(vb), _finite_absmax(mb), _finite_absmax(vb)])
+            acc.add(
+                sum_va=mom[0],
+                sum_vb=mom[1],
+                # |m| > thr (sqrt(v) + eps)  <=>  |m| - thr sqrt(v) > thr eps
+                rho_a=torch.count_nonzero(torch.sub(ma.abs(), sq_a, alpha=thr) > thr * eps),
+                rho_b=torch.count_nonzero(torch.sub(amb, sq_b, alpha=thr) > thr * eps),
+                unit=torch.count_nonzero((ad - klr).abs_() <= 0.2 * klr) if klr > 0 else torch.zeros(()),
+                # sqrt(v) < 10 eps  <=>  v < 100 eps^2
+                van_a=torch.count_nonzero(va < 100 * eps * eps),
+                van_b=torch.count_nonzero(vb < 100 * eps * eps),
+            )
+            acc.max(mmax=mom[2], vmax=mom[3])
+            # Adam update bound: |dw| <= k lr (C + wd |w|), plus one storage ulp each side.
+            slack = 1 + cfg.bound_slack
+            bound = torch.maximum(afa, afb).mul_(klr * slack * wd + 2 * lim.eps).add_(klr * slack * c_step)
             _collect(cands, counts, "bound", "weight", ad > bound, fa, fb, bound, lo, meta.shape, wb.dtype, cfg)
             # v floor: v_B >= beta2^k v_A; fp32 rounding allows a few ulps per step.
-            vfl = decay_k * va * (1 - 1e-6 * (k + 4))
-            _collect(cands, counts, "vfloor", "exp_avg_sq", vb < vfl, va, vb, None, lo, meta.shape, torch.float32, cfg)
+            _collect(cands, counts, "vfloor", "exp_avg_sq", vb < va * (decay_k * (1 - 1e-6 * (k + 4))), va, vb, None, lo, meta.shape, torch.float32, cfg)
             # |m_B| <= C_raw sqrt(v_B): the raw EMAs obey Cauchy-Schwarz at every step.
-            mbound = c_raw_b * sq_b * (1 + cfg.bound_slack) + 1e-30
-            _collect(cands, counts, "mbound", "exp_avg", mb.abs() > mbound, ma, mb, None, lo, meta.shape, torch.float32, cfg)
-            for s in (ma, mb, va, vb):
-                del s
-            _release_all(a, b, *(s.reshape(-1)[lo:hi] for s in streams))
+            _collect(cands, counts, "mbound", "exp_avg", amb > sq_b * (c_raw_b * slack), ma, mb, None, lo, meta.shape, torch.float32, cfg)
+            _release_all(a, b, *(t.reshape(-1)[lo:hi] for t in streams))
         elif fa.numel() >= 64:
             # Weights only: no Adam bound to test against. An element counts when its
             # change dwarfs the tensor's typical change *and* one stored bit flipped
             # back brings it within the typical change (a weight merely shrinking to
             # ~0 cannot be told from a legitimate update).
             fin = torch.isfinite(ad)
-            scale = torch.where(fin, ad, 0).mean() + lim.eps * torch.where(fin_a, fa.abs(), 0).mean()
+            scale = torch.where(fin, ad, 0).mean() + lim.eps * torch.where(torch.isfinite(fa), afa, 0).mean()
             flagged = ad > 16 * scale
             if 0 < int(flagged.sum()) <= 256:
                 near = (4 * scale).expand_as(ad)
@@ -422,19 +449,20 @@ def _diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: D
         candidates=tuple(cands),
     )
     if moments:
-        den = s["den_v"]
+        # r_v = sum(v_B - b2^k v_A) / sum((1 - b2^k) v_A): mean implied g^2 over the window / v_A.
+        den = (1 - decay_k) * s["sum_va"]
         out.update(
             has_moments=True,
             k=k,
             lr=lr,
-            r_v=s["num_v"] / den if den > 0 else math.inf,
+            r_v=(s["sum_vb"] - decay_k * s["sum_va"]) / den if den > 0 else math.inf,
             rho_share_a=s["rho_a"] / n,
             rho_share_b=s["rho_b"] / n,
             unit_update_share=s["unit"] / n,
             vanished_share_a=s["van_a"] / n,
             vanished_share_b=s["van_b"] / n,
-            nonfinite_m_b=int(s["nfm"]),
-            nonfinite_v_b=int(s["nfv"]),
+            nonfinite_m_b=int(s.get("nfm", 0)),
+            nonfinite_v_b=int(s.get("nfv", 0)),
             max_abs_m_b=m["mmax"],
             max_v_b=m["vmax"],
             moment_headroom_b=torch.finfo(torch.float32).max / m["vmax"] if m["vmax"] > 0 else math.inf,
@@ -474,9 +502,9 @@ def _collect(
 
     With `only_flips`, an element counts only when one bit flip explains it.
     """
-    n = int(mask.sum())
-    if n == 0:
+    if not bool(mask.any()):
         return
+    n = int(mask.sum())
     if not only_flips:
         counts[counter] += n
     room = cfg.max_candidates - len(cands)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -108,20 +109,28 @@ def _model_params(ckpt: Checkpoint) -> tuple[list[tuple[str, tuple[int, ...]]] |
     """named_parameters() order of the configured model, built on the meta device."""
     if not ckpt.config:
         return None, "no config.json"
+    params, why = _params_for_config(json.dumps(ckpt.config, sort_keys=True))
+    return (list(params) if params is not None else None), why
+
+
+@functools.lru_cache(maxsize=4)
+def _params_for_config(config_json: str) -> tuple[tuple[tuple[str, tuple[int, ...]], ...] | None, str]:
+    """Cached per config: both checkpoints of a pair share it, and building costs seconds."""
+    config = json.loads(config_json)
     try:
         import torch
         import transformers
     except ImportError:
         return None, "transformers is not installed (pip install 'ckptforensics[hf]')"
     try:
-        cfg = transformers.AutoConfig.for_model(**ckpt.config)
-        archs = ckpt.config.get("architectures") or []
+        cfg = transformers.AutoConfig.for_model(**config)
+        archs = config.get("architectures") or []
         cls = getattr(transformers, archs[0], None) if archs else None
         with torch.device("meta"):
             model = cls(cfg) if cls is not None else transformers.AutoModelForCausalLM.from_config(cfg)
     except Exception as e:  # a config transformers cannot build; said in the report
         return None, f"transformers cannot build the model from config.json ({type(e).__name__}: {e})"
-    return [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad], ""
+    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad), ""
 
 
 def _optimizer(ckpt: Checkpoint, opt: Path) -> None:

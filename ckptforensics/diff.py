@@ -362,10 +362,10 @@ def _diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: D
         fa, fb = wa.float(), wb.float()
         d = fb - fa
         ad = d.abs()
-        afa, afb = fa.abs(), fb.abs()
-        # Fast path: plain sums and maxima; any NaN/inf shows in them, and only then is
+        # Fast path: plain sums and extrema; any NaN/inf shows in them, and only then is
         # the chunk recomputed with masks (non-finite values are rare, and data).
-        fast = torch.stack([torch.dot(fa, fa), torch.dot(d, d), ad.max(), afb.max(), afa.max()])
+        bmin, bmax = torch.aminmax(fb)
+        fast = torch.stack([torch.dot(fa, fa), torch.dot(d, d), ad.max(), torch.maximum(-bmin, bmax)])
         if bool(torch.isfinite(fast).all()):
             acc.add(wa2=fast[0], d2=fast[1])
             acc.max(dmax=fast[2], bmax=fast[3])
@@ -400,14 +400,27 @@ def _diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: D
                 van_b=torch.count_nonzero(vb < 100 * eps * eps),
             )
             acc.max(mmax=mom[2], vmax=mom[3])
-            # Adam update bound: |dw| <= k lr (C + wd |w|), plus one storage ulp each side.
             slack = 1 + cfg.bound_slack
-            bound = torch.maximum(afa, afb).mul_(klr * slack * wd + 2 * lim.eps).add_(klr * slack * c_step)
-            _collect(cands, counts, "bound", "weight", ad > bound, fa, fb, bound, lo, meta.shape, wb.dtype, cfg)
+            # Adam update bound: |dw| <= k lr (C + wd |w|), plus one storage ulp each
+            # side. Only elements past the weight-free part k lr C need the full bound.
+            coarse = ad > klr * slack * c_step
+            if bool(coarse.any()):
+                idx = torch.nonzero(coarse).flatten()
+                wmax = torch.maximum(fa[idx].abs(), fb[idx].abs())
+                bound = wmax * (klr * slack * wd + 2 * lim.eps) + klr * slack * c_step
+                over = ad[idx] > bound
+                _collect(cands, counts, "bound", "weight", idx[over], fa, fb, "near", bound[over], lo, meta.shape, wb.dtype, cfg)
             # v floor: v_B >= beta2^k v_A; fp32 rounding allows a few ulps per step.
-            _collect(cands, counts, "vfloor", "exp_avg_sq", vb < va * (decay_k * (1 - 1e-6 * (k + 4))), va, vb, None, lo, meta.shape, torch.float32, cfg)
+            floor_k = decay_k * (1 - 1e-6 * (k + 4))
+            low = vb < va * floor_k
+            if bool(low.any()):
+                idx = torch.nonzero(low).flatten()
+                _collect(cands, counts, "vfloor", "exp_avg_sq", idx, va, vb, "at_least", va[idx] * floor_k, lo, meta.shape, torch.float32, cfg)
             # |m_B| <= C_raw sqrt(v_B): the raw EMAs obey Cauchy-Schwarz at every step.
-            _collect(cands, counts, "mbound", "exp_avg", amb > sq_b * (c_raw_b * slack), ma, mb, None, lo, meta.shape, torch.float32, cfg)
+            big = amb > sq_b * (c_raw_b * slack)
+            if bool(big.any()):
+                idx = torch.nonzero(big).flatten()
+                _collect(cands, counts, "mbound", "exp_avg", idx, ma, mb, "abs_within", sq_b[idx] * (c_raw_b * slack), lo, meta.shape, torch.float32, cfg)
             _release_all(a, b, *(t.reshape(-1)[lo:hi] for t in streams))
         elif fa.numel() >= 64:
             # Weights only: no Adam bound to test against. An element counts when its
@@ -415,11 +428,13 @@ def _diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: D
             # back brings it within the typical change (a weight merely shrinking to
             # ~0 cannot be told from a legitimate update).
             fin = torch.isfinite(ad)
-            scale = torch.where(fin, ad, 0).mean() + lim.eps * torch.where(torch.isfinite(fa), afa, 0).mean()
+            scale = torch.where(fin, ad, 0).mean() + lim.eps * torch.where(torch.isfinite(fa), fa.abs(), 0).mean()
             flagged = ad > 16 * scale
-            if 0 < int(flagged.sum()) <= 256:
-                near = (4 * scale).expand_as(ad)
-                _collect(cands, counts, "outlier", "weight", flagged, fa, fb, near, lo, meta.shape, wb.dtype, cfg, only_flips=True)
+            n_flag = int(flagged.sum())
+            if 0 < n_flag <= 256:
+                idx = torch.nonzero(flagged).flatten()
+                limits = (4 * scale).expand(n_flag)
+                _collect(cands, counts, "outlier", "weight", idx, fa, fb, "near", limits, lo, meta.shape, wb.dtype, cfg, only_flips=True)
         _release_all(a, b, wa, wb)
 
     s, m = acc.sums, acc.maxes
@@ -483,36 +498,47 @@ def _raw_ratio_bound(beta1: float, beta2: float, t: int) -> float:
     return (1 - beta1) / math.sqrt(1 - beta2) * math.sqrt(max(geo, 0.0))
 
 
+def _acceptable(mode: str, value: float, before: float, limit: float) -> bool:
+    """Could Adam have produced `value`? 'near': within `limit` of the previous value
+    (weights); 'at_least': at or above the v floor; 'abs_within': |m| <= C sqrt(v)."""
+    if mode == "near":
+        return abs(value - before) <= limit
+    if mode == "at_least":
+        return value >= limit
+    return abs(value) <= limit
+
+
 def _collect(
     cands: list[Candidate],
     counts: dict[str, int],
     counter: str,
     where: str,
-    mask: torch.Tensor,
+    idx: torch.Tensor,
     before: torch.Tensor,
     after: torch.Tensor,
-    bound: torch.Tensor | None,
+    mode: str,
+    limits: torch.Tensor,
     offset: int,
     shape: tuple[int, ...],
     stored: torch.dtype,
     cfg: DiffConfig,
     only_flips: bool = False,
 ) -> None:
-    """Count the elements in `mask` and keep the first few as located evidence.
+    """Count the elements at chunk positions `idx` and keep the first few as evidence.
 
-    With `only_flips`, an element counts only when one bit flip explains it.
+    Each kept element is tested for a single stored-bit flip whose result Adam could
+    have produced (`mode`, `limits` aligned with `idx`). With `only_flips`, an element
+    counts only when such a flip explains it.
     """
-    if not bool(mask.any()):
+    n = idx.numel()
+    if n == 0:
         return
-    n = int(mask.sum())
     if not only_flips:
         counts[counter] += n
-    room = cfg.max_candidates - len(cands)
-    idx = torch.nonzero(mask).flatten().tolist() if only_flips else torch.nonzero(mask).flatten()[: max(room, 0)].tolist()
-    for i in idx:
+    take = n if only_flips else max(cfg.max_candidates - len(cands), 0)
+    for i, lim in zip(idx[:take].tolist(), limits[:take].tolist(), strict=True):
         bv, av = float(before[i]), float(after[i])
-        lim = float(bound[i]) if bound is not None else abs(bv) * 1e-3
-        kind, bit, fld = _explain_flip(bv, av, lim, stored)
+        kind, bit, fld = _explain_flip(av, bv, lambda v, bv=bv, lim=lim: _acceptable(mode, v, bv, lim), stored)
         if only_flips:
             if kind != "bit_flip":
                 continue
@@ -525,7 +551,7 @@ def _collect(
                 index=_unravel(offset + i, shape),
                 before=bv,
                 after=av,
-                bound=float(bound[i]) if bound is not None else math.nan,
+                bound=lim,
                 kind=kind,
                 bit=bit,
                 bit_field=fld,
@@ -533,28 +559,28 @@ def _collect(
         )
 
 
-def _explain_flip(before: float, after: float, bound: float, dtype: torch.dtype) -> tuple[str, int | None, str | None]:
-    """Is `after` one stored bit away from a value Adam could have produced from `before`?"""
+def _explain_flip(after: float, before: float, ok: Callable[[float], bool], dtype: torch.dtype) -> tuple[str, int | None, str | None]:
+    """Is `after` one stored bit away from a value Adam could have produced?
+
+    Among the bits whose flip yields an acceptable value, prefer the one that
+    restores the element's previous magnitude (tiny values admit several).
+    """
     from .tensors import bit_role
 
     lim = dtype_limits(dtype)
     if lim is None:
         return "out_of_bound", None, None
-    # Among the bits whose flip lands within the bound, prefer the one that restores
-    # the element's previous magnitude (tiny weights admit several candidates).
-    best: tuple[float, float, int] | None = None
+    best: tuple[float, int] | None = None
     for bit in range(lim.bits):
         cand = flip_bit(after, bit, dtype)
-        if not math.isfinite(cand):
+        if not math.isfinite(cand) or not ok(cand):
             continue
-        gap = abs(cand - before)
-        if gap <= max(bound, 0.0):
-            mag = abs(math.log2(abs(cand) + lim.tiny) - math.log2(abs(before) + lim.tiny))
-            if best is None or (mag, gap) < best[:2]:
-                best = (mag, gap, bit)
+        mag = abs(math.log2(abs(cand) + lim.tiny) - math.log2(abs(before) + lim.tiny))
+        if best is None or mag < best[0]:
+            best = (mag, bit)
     if best is None:
         return "out_of_bound", None, None
-    return "bit_flip", best[2], bit_role(best[2], dtype)
+    return "bit_flip", best[1], bit_role(best[1], dtype)
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -107,3 +107,24 @@ def test_adam_bound_constant() -> None:
     # (1-b1)/sqrt((1-b2)(1-b1^2/b2)) = 1.16 at (0.9, 0.95) (DESIGN §4); the first step moves by lr.
     assert adam_ratio_bound(0.9, 0.95, 10**6, 10**6) == pytest.approx(1.165, abs=1e-3)
     assert adam_ratio_bound(0.9, 0.999, 1, 1) == pytest.approx(1.0)
+
+
+def test_loss_scale_backoff_and_skipped_steps(zoo: dict[str, Path], tmp_path: Path) -> None:
+    """fp16 runs: a scaler that halved and trainer steps that never reached the optimizer."""
+    import json
+
+    src = zoo["hf-trainer"]
+    a, b = tmp_path / "checkpoint-20", tmp_path / "checkpoint-33"
+    shutil.copytree(src / "checkpoint-20", a)
+    shutil.copytree(src / "checkpoint-30", b)
+    torch.save(torch.amp.GradScaler("cpu", init_scale=65536.0).state_dict(), a / "scaler.pt")
+    torch.save(torch.amp.GradScaler("cpu", init_scale=1024.0).state_dict(), b / "scaler.pt")
+    state = json.loads((b / "trainer_state.json").read_text())
+    state["global_step"] = 33  # 13 trainer steps, 10 optimizer steps: 3 skipped on overflow
+    (b / "trainer_state.json").write_text(json.dumps(state))
+    result, findings, verdict = run_diff(tmp_path, "20", "33")
+    assert (result.pair.loss_scale_a, result.pair.loss_scale_b) == (65536.0, 1024.0)
+    kinds = {f.kind: f for f in findings}
+    assert kinds["skipped_steps"].metrics == {"trainer_steps": 13, "optimizer_steps": 10}
+    assert kinds["loss_scale_backoff"].metrics["halvings"] == pytest.approx(6.0)
+    assert verdict.causes[0]["cause"] == "fp16_overflow"

@@ -120,3 +120,15 @@ def test_sharded_hf_weights_with_index(zoo: dict[str, Path], tmp_path: Path) -> 
     assert sorted(sharded.names()) == sorted(single.names())
     for n in single.names():
         assert torch.equal(sharded.tensor(n), single.tensor(n)), n
+
+
+def test_lightning_scaler_state_is_read(zoo: dict[str, Path], tmp_path: Path) -> None:
+    """Lightning stores the GradScaler under the precision plugin's class name."""
+    ck = torch.load(zoo["lightning"] / "epoch=0-step=30.ckpt", weights_only=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14)
+    ck["MixedPrecision"] = scaler.state_dict()
+    torch.save(ck, tmp_path / "epoch=0-step=30.ckpt")
+    view = open_checkpoint(tmp_path / "epoch=0-step=30.ckpt")
+    assert view.format == "lightning"
+    assert view.scalars["loss_scale"] == 2.0**14
+    assert view.scalars["scaler"]["growth_interval"] == 2000

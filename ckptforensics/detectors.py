@@ -100,6 +100,7 @@ def diff_findings(diff: DiffResult, th: Thresholds | None = None) -> list[Findin
         detect_lr,
         detect_update_ratio,
         detect_gradient_burst,
+        detect_vanished_burst,
         detect_sign_like,
     ):
         raw.extend(det(diff, th))
@@ -287,13 +288,32 @@ def detect_skipped_steps(diff: DiffResult, th: Thresholds) -> list[Finding]:
     return out
 
 
+def _group_members(diff: DiffResult, g: int) -> tuple[list[str], float]:
+    """Modules of param group `g` and the group's share of all parameters."""
+    total = sum(t.numel for t in diff.tensors) or 1
+    mine = [t for t in diff.tensors if t.group == g]
+    mods = list(dict.fromkeys(module_of(t.name) for t in mine))
+    return mods, sum(t.numel for t in mine) / total
+
+
+def _lr_supports(share: float) -> tuple[str, ...]:
+    """An LR fault confined to a few modules shows as those modules exploding."""
+    return ("gradient_explosion", "lr_too_high") if share < 0.5 else ("lr_too_high",)
+
+
 def detect_lr(diff: DiffResult, th: Thresholds) -> list[Finding]:
-    """The recorded LR: above the schedule's base, or grown faster than warmup can."""
+    """The recorded LR: above the schedule's base, or grown faster than warmup can.
+
+    A group holding a minority of the parameters (a per-module LR multiplier) names
+    its modules: they are the ones that blow up.
+    """
     p = diff.pair
     out = []
     for g, lb in enumerate(p.lr_b):
         la = p.lr_a[g] if g < len(p.lr_a) else None
         base = p.base_lr[g] if g < len(p.base_lr) else None
+        mods, share = _group_members(diff, g)
+        who = f" ({', '.join(mods[:3])}{', ...' if len(mods) > 3 else ''}; {share:.0%} of parameters)" if share < 0.5 else ""
         if base and lb > th.lr_over_base * base:
             out.append(
                 Finding(
@@ -302,10 +322,10 @@ def detect_lr(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     f"param_group[{g}]",
                     _cap(lb / base / th.lr_over_base),
                     "critical",
-                    {"lr_after": lb, "base_lr": base, "factor": lb / base, "limit": th.lr_over_base},
-                    f"param group {g} runs at LR {lb:.3g}, {lb / base:.1f}x the schedule's base {base:.3g}",
+                    {"lr_after": lb, "base_lr": base, "factor": lb / base, "limit": th.lr_over_base, "modules": mods, "param_share": share},
+                    f"param group {g}{who} runs at LR {lb:.3g}, {lb / base:.1f}x the schedule's base {base:.3g}",
                     "DESIGN §4 update/weight ratio; schedules never exceed their base LR",
-                    ("lr_too_high",),
+                    _lr_supports(share),
                     primary=True,
                 )
             )
@@ -320,11 +340,11 @@ def detect_lr(diff: DiffResult, th: Thresholds) -> list[Finding]:
                         f"param_group[{g}]",
                         _cap(lb / la / allowed),
                         "critical",
-                        {"lr_before": la, "lr_after": lb, "growth": lb / la, "allowed": allowed},
-                        f"param group {g}: LR rose {lb / la:.1f}x between steps {p.step_a} and {p.step_b}, "
+                        {"lr_before": la, "lr_after": lb, "growth": lb / la, "allowed": allowed, "modules": mods, "param_share": share},
+                        f"param group {g}{who}: LR rose {lb / la:.1f}x between steps {p.step_a} and {p.step_b}, "
                         f"more than any warmup allows ({allowed:.1f}x)",
                         "DESIGN §4 update/weight ratio",
-                        ("lr_too_high",),
+                        _lr_supports(share),
                         primary=True,
                     )
                 )
@@ -402,6 +422,36 @@ def detect_gradient_burst(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     f"{module_of(t.name)}: gradient energy {r:.3g}x its running average (robust z {zz:.1f} among {t.role} tensors)",
                     "DESIGN §4 gradient burst (OLMo-core 6 sigma)",
                     ("gradient_explosion",),
+                )
+            )
+    return out
+
+
+def detect_vanished_burst(diff: DiffResult, th: Thresholds) -> list[Finding]:
+    """exp_avg_sq collapsed (sqrt(v) < 10 eps) before a gradient burst: Adam's instability.
+
+    With v near zero, Adam turns any returning gradient into an update of size ~lr on
+    every element at once (Molybog 2304.09871): the burst is the optimizer's doing,
+    so this is direct evidence for adam_instability, not only for a gradient burst.
+    """
+    out = []
+    for t in diff.tensors:
+        if not t.has_moments or not math.isfinite(t.vanished_share_a) or not math.isfinite(t.r_v):
+            continue
+        if t.vanished_share_a > th.rho_share and t.r_v > th.burst:
+            out.append(
+                Finding(
+                    "",
+                    "vanished_v_burst",
+                    t.name,
+                    _cap(t.vanished_share_a / th.rho_share * math.log10(t.r_v)),
+                    "warning",
+                    {"vanished_share_before": t.vanished_share_a, "vanished_share_after": t.vanished_share_b, "r_v": t.r_v, "threshold": th.burst},
+                    f"{module_of(t.name)}: exp_avg_sq had collapsed (sqrt(v) < 10 eps on {t.vanished_share_a:.0%} of elements) "
+                    f"before a gradient burst ({t.r_v:.3g}x): Adam turned it into near-maximal updates",
+                    "DESIGN §4 sign-like updates, sqrt(v) < 10 eps (Molybog 2304.09871)",
+                    ("adam_instability",),
+                    primary=True,
                 )
             )
     return out

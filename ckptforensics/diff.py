@@ -89,6 +89,7 @@ class TensorDiff:
     headroom_b: float  # dtype max / max|w_B|
     nonfinite_a: int
     nonfinite_b: int
+    group: int | None = None  # optimizer param group index
     has_moments: bool = False
     k: int = 0
     lr: float = math.nan
@@ -462,10 +463,13 @@ def _diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: D
         mbound_violations=counts["mbound"],
         outlier_changes=counts["outlier"],
         candidates=tuple(cands),
+        group=hb.index if hb is not None else None,
     )
     if moments:
-        # r_v = sum(v_B - b2^k v_A) / sum((1 - b2^k) v_A): mean implied g^2 over the window / v_A.
-        den = (1 - decay_k) * s["sum_va"]
+        # r_v = sum(v_B - b2^k v_A) / sum((1 - b2^k) v_hat_A): the mean g^2 the window
+        # implies over the running average before it; v_A is bias-corrected, as it is
+        # (1 - b2^t) times too small early in training.
+        den = (1 - decay_k) * s["sum_va"] / (1 - beta2**step_a) if step_a > 0 else math.inf
         out.update(
             has_moments=True,
             k=k,

@@ -125,9 +125,12 @@ def decide(
     v = Verdict(summary="", causes=causes, rollback_checkpoint=rollback if top != "none" else None)
     layers: dict[str, float] = {}
     for f in findings:
-        if f.kind in ("gradient_burst", "nonfinite", "sign_like_updates"):
+        if f.kind in ("gradient_burst", "nonfinite", "sign_like_updates", "vanished_v_burst"):
             mod = module_of(f.subject)
             layers[mod] = max(layers.get(mod, 0.0), f.score)
+        if f.kind in ("lr_above_schedule", "lr_jump") and "gradient_explosion" in f.supports:
+            for mod in f.metrics.get("modules", []):
+                layers[mod] = max(layers.get(mod, 0.0), f.score)
         if f.kind in ("dtype_overflow", "dtype_headroom"):
             m = f.metrics
             v.overflowing_tensors.append(
@@ -144,9 +147,17 @@ def decide(
         for k, val in extra.items():
             setattr(v, k, val)
     if top == "none":
-        v.summary = f"No anomaly between {before} and {after}: every tensor moved within Adam's bounds and its peers' range."
+        v.summary = (
+            f"No anomaly between {before} and {after}: every tensor moved within Adam's bounds and its peers' range. "
+            "A spike that gradient clipping absorbed (one bad batch, say) leaves no trace in the weights: "
+            "replay the window's batches to rule it out."
+        )
         return v
     v.recommended_actions = [a.format(rollback=rollback or "an earlier checkpoint", after=after) for a in _ACTIONS.get(top, [])]
+    lr_groups = [f for f in findings if f.kind in ("lr_above_schedule", "lr_jump") and top in f.supports]
+    if lr_groups and top != "lr_too_high":
+        mods = ", ".join(dict.fromkeys(m for f in lr_groups for m in f.metrics.get("modules", [])))
+        v.recommended_actions.insert(0, f"Fix the LR of {mods}: its param group runs far above the schedule (per-module LR multiplier?).")
     if not before_healthy:
         v.recommended_actions.insert(0, f"{before} already holds non-finite state: roll back further than it.")
     v.summary = _summary(top, causes, findings, v, before, after)

@@ -1,0 +1,174 @@
+"""Scoreboard: the real CLI on every zoo incident, its report compared with the ground truth.
+
+    python bench/zoo.py [--zoo build/zoo] [--rebuild] [--record]
+
+For each run dir holding a `truth.json`, runs the commands a user would type
+(`ckptforensics diff` today; `replay` / `bisect` as they land), reads `report.json`,
+and scores: cause top-1, culprit layer top-1 (equal, parent or child of the truth),
+culprit samples precision/recall, corrupted element exact, reproducible flag, false
+alarm on healthy runs, and wall time. `--record` writes the table to bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# What a diff cannot see, with the reason; the scoreboard says so instead of hiding it.
+DIFF_BLIND = {
+    "poison_batch": "one clipped bad batch leaves weights and moments within normal movement; needs replay (issue #4)",
+}
+
+
+@dataclass(slots=True)
+class Row:
+    """One incident's score; None = the truth has no such field; 'n/p' = not produced yet."""
+
+    incident: str
+    truth_cause: str
+    cause: str
+    cause_ok: bool
+    layer: str | None
+    layer_ok: bool | None
+    samples: str | None
+    samples_ok: bool | None
+    element_ok: bool | None
+    reproducible: str | None
+    reproducible_ok: bool | None
+    false_alarm: bool | None
+    seconds: float
+    note: str = ""
+
+
+def _related(a: str, b: str) -> bool:
+    """Equal, or one is a parent module of the other."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def score_report(name: str, truth: dict[str, Any], doc: dict[str, Any], seconds: float) -> Row:
+    """Compare one report with its truth.json."""
+    v = doc["verdict"]
+    cause = v["causes"][0]["cause"]
+    alarms = [f for f in doc["findings"] if f["severity"] != "info"]
+    layer_ok = None
+    layer = (v.get("first_anomalous_module") or (v["exploding_layers"] or [None])[0]) if truth.get("layers") else None
+    if truth.get("layers"):
+        layer_ok = layer is not None and any(_related(layer, t) for t in truth["layers"])
+    samples = samples_ok = None
+    if truth.get("samples") is not None:
+        got = {s["index"] for s in v.get("anomalous_samples") or []}
+        want = set(truth["samples"])
+        if got:
+            p, r = len(got & want) / len(got), len(got & want) / len(want)
+            samples, samples_ok = f"P {p:.2f} R {r:.2f}", p >= 0.9 and r >= 0.9
+        else:
+            samples, samples_ok = "n/p", False
+    element_ok = None
+    if truth.get("corrupted"):
+        c = truth["corrupted"]
+        got_e = v["corrupted_elements"][:1]
+        element_ok = bool(got_e) and got_e[0]["tensor"] == c["tensor"] and got_e[0]["index"] == c["index"]
+    rep = v.get("reproducible")
+    rep_ok = None if rep is None else rep == truth.get("reproducible")
+    return Row(
+        incident=name,
+        truth_cause=truth["cause"],
+        cause=cause,
+        cause_ok=cause == truth["cause"],
+        layer=layer,
+        layer_ok=layer_ok,
+        samples=samples,
+        samples_ok=samples_ok,
+        element_ok=element_ok,
+        reproducible="n/p" if rep is None else str(rep).lower(),
+        reproducible_ok=rep_ok,
+        false_alarm=bool(alarms) if truth["cause"] == "none" else None,
+        seconds=seconds,
+        note=DIFF_BLIND.get(truth["cause"], "") if cause != truth["cause"] else "",
+    )
+
+
+def run_incident(run: Path, reports: Path) -> Row:
+    """The user's command on one incident, scored."""
+    truth = json.loads((run / "truth.json").read_text())
+    before, after = str(truth.get("before", 30)), str(truth.get("after", 40))
+    out = reports / run.name
+    cmd = [sys.executable, "-m", "ckptforensics.cli", "-q", "diff", "--run-dir", str(run), "--before", before, "--after", after, "--out", str(out)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{run.name}: {' '.join(cmd)} failed: {proc.stderr.strip()}")
+    return score_report(run.name, truth, json.loads((out / "report.json").read_text()), seconds)
+
+
+def score(zoo: Path, reports: Path) -> list[Row]:
+    return [run_incident(d, reports) for d in sorted(zoo.iterdir()) if (d / "truth.json").is_file()]
+
+
+def _mark(ok: bool | None, text: str | None = None) -> str:
+    if ok is None:
+        return "—"
+    return f"{'✓' if ok else '✗'} {text}" if text else ("✓" if ok else "✗")
+
+
+def table(rows: list[Row]) -> str:
+    lines = [
+        "| incident | truth | cause top-1 | culprit layer | samples | corrupted element | reproducible | false alarm | time |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        cause = _mark(r.cause_ok, r.cause) + (f" ({r.note})" if r.note else "")
+        lines.append(
+            f"| {r.incident} | {r.truth_cause} | {cause} | {_mark(r.layer_ok, r.layer or 'none')} | {_mark(r.samples_ok, r.samples)} "
+            f"| {_mark(r.element_ok)} | {r.reproducible if r.reproducible_ok is None else _mark(r.reproducible_ok, r.reproducible)} "
+            f"| {'—' if r.false_alarm is None else ('✗ yes' if r.false_alarm else '✓ no')} | {r.seconds:.1f} s |"
+        )
+    return "\n".join(lines)
+
+
+def record(text: str) -> None:
+    """Replace the scoreboard section of bench/RESULTS.md (other sections stay)."""
+    res = ROOT / "bench" / "RESULTS.md"
+    body = res.read_text() if res.exists() else "# Benchmark results\n\n"
+    start, end = "<!-- zoo:start -->", "<!-- zoo:end -->"
+    block = f"{start}\n{text}\n{end}"
+    if start in body and end in body:
+        body = body[: body.index(start)] + block + body[body.index(end) + len(end) :]
+    else:
+        body = body.rstrip() + "\n\n" + block + "\n"
+    res.write_text(body)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--zoo", type=Path, default=ROOT / "build" / "zoo")
+    ap.add_argument("--rebuild", action="store_true", help="Build the zoo first even if present.")
+    ap.add_argument("--record", action="store_true", help="Write the table into bench/RESULTS.md.")
+    args = ap.parse_args()
+    if args.rebuild or not args.zoo.is_dir():
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, str(ROOT / "fixtures" / "zoo.py"), "--out", str(args.zoo)], check=True, capture_output=True)
+        print(f"built the zoo in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    rows = score(args.zoo, args.zoo.parent / "zoo-reports")
+    head = f"## Zoo scoreboard — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs); commands: `ckptforensics diff`"
+    legend = "✓ matches the truth, ✗ does not, — the truth has no such field, n/p the tool does not produce it yet."
+    text = f"{head}\n\n{table(rows)}\n\n{legend}"
+    print(text)
+    if args.record:
+        record(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -25,9 +25,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# What a diff cannot see, with the reason; the scoreboard says so instead of hiding it.
-DIFF_BLIND = {
-    "poison_batch": "one clipped bad batch leaves weights and moments within normal movement; needs replay (issue #4)",
+# What a diff cannot see, per cause and field, with the reason; the scoreboard says so
+# (n/p) instead of hiding it, and the tests hold every other field to the truth.
+DIFF_BLIND: dict[str, dict[str, str]] = {
+    "poison_batch": {
+        "cause": "one clipped bad batch leaves weights and moments within normal movement: needs replay (#4)",
+        "samples": "rows of a batch: needs replay (#4)",
+    },
+    "fp16_overflow": {"layer": "which module overflowed first: needs replay (#4)"},
 }
 
 
@@ -49,6 +54,7 @@ class Row:
     false_alarm: bool | None
     seconds: float
     note: str = ""
+    blind: tuple[str, ...] = ()
 
 
 def _related(a: str, b: str) -> bool:
@@ -63,8 +69,9 @@ def score_report(name: str, truth: dict[str, Any], doc: dict[str, Any], seconds:
     alarms = [f for f in doc["findings"] if f["severity"] != "info"]
     layer_ok = None
     layer = (v.get("first_anomalous_module") or (v["exploding_layers"] or [None])[0]) if truth.get("layers") else None
+    blind = DIFF_BLIND.get(truth["cause"], {})
     if truth.get("layers"):
-        layer_ok = layer is not None and any(_related(layer, t) for t in truth["layers"])
+        layer_ok = None if layer is None and "layer" in blind else layer is not None and any(_related(layer, t) for t in truth["layers"])
     samples = samples_ok = None
     if truth.get("samples") is not None:
         got = {s["index"] for s in v.get("anomalous_samples") or []}
@@ -73,7 +80,7 @@ def score_report(name: str, truth: dict[str, Any], doc: dict[str, Any], seconds:
             p, r = len(got & want) / len(got), len(got & want) / len(want)
             samples, samples_ok = f"P {p:.2f} R {r:.2f}", p >= 0.9 and r >= 0.9
         else:
-            samples, samples_ok = "n/p", False
+            samples, samples_ok = "n/p", None if "samples" in blind else False
     element_ok = None
     if truth.get("corrupted"):
         c = truth["corrupted"]
@@ -95,7 +102,8 @@ def score_report(name: str, truth: dict[str, Any], doc: dict[str, Any], seconds:
         reproducible_ok=rep_ok,
         false_alarm=bool(alarms) if truth["cause"] == "none" else None,
         seconds=seconds,
-        note=DIFF_BLIND.get(truth["cause"], "") if cause != truth["cause"] else "",
+        note="; ".join(blind.values()) if blind else "",
+        blind=tuple(blind),
     )
 
 
@@ -129,9 +137,10 @@ def table(rows: list[Row]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        cause = _mark(r.cause_ok, r.cause) + (f" ({r.note})" if r.note else "")
+        cause = _mark(r.cause_ok, r.cause)
+        layer = _mark(r.layer_ok, r.layer or "none") if r.layer_ok is not None or r.layer else ("n/p" if "layer" in r.blind else "—")
         lines.append(
-            f"| {r.incident} | {r.truth_cause} | {cause} | {_mark(r.layer_ok, r.layer or 'none')} | {_mark(r.samples_ok, r.samples)} "
+            f"| {r.incident} | {r.truth_cause} | {cause} | {layer} | {r.samples if r.samples_ok is None and r.samples else _mark(r.samples_ok, r.samples)} "
             f"| {_mark(r.element_ok)} | {r.reproducible if r.reproducible_ok is None else _mark(r.reproducible_ok, r.reproducible)} "
             f"| {'—' if r.false_alarm is None else ('✗ yes' if r.false_alarm else '✓ no')} | {r.seconds:.1f} s |"
         )
@@ -164,7 +173,8 @@ def main() -> None:
     rows = score(args.zoo, args.zoo.parent / "zoo-reports")
     head = f"## Zoo scoreboard — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs); commands: `ckptforensics diff`"
     legend = "✓ matches the truth, ✗ does not, — the truth has no such field, n/p the tool does not produce it yet."
-    text = f"{head}\n\n{table(rows)}\n\n{legend}"
+    notes = "\n".join(f"- {r.incident}: {r.note}" for r in rows if r.note)
+    text = f"{head}\n\n{table(rows)}\n\n{legend}\n\n{notes}"
     print(text)
     if args.record:
         record(text)

@@ -44,9 +44,10 @@ def test_lr_jump_is_ranked_first(zoo: dict[str, Path]) -> None:
     assert verdict.corrupted_elements == []
 
 
-def test_bit_flip_is_located_to_the_element_and_bit(zoo: dict[str, Path]) -> None:
-    t = truth(zoo["silent_corruption"])
-    _, findings, verdict = run_diff(zoo["silent_corruption"])
+@pytest.mark.parametrize("run", ["silent_corruption", "silent_corruption-hf"])
+def test_bit_flip_is_located_to_the_element_and_bit(zoo: dict[str, Path], run: str) -> None:
+    t = truth(zoo[run])
+    _, findings, verdict = run_diff(zoo[run])
     assert verdict.causes[0]["cause"] == "silent_corruption"
     assert len(verdict.corrupted_elements) == 1
     e = verdict.corrupted_elements[0]

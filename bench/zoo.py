@@ -51,10 +51,13 @@ class Row:
     element_ok: bool | None
     reproducible: str | None
     reproducible_ok: bool | None
+    first_bad_step: int | None
+    first_bad_step_ok: bool | None
     false_alarm: bool | None
     seconds: float
     note: str = ""
     blind: tuple[str, ...] = ()
+    command: str = "diff"
 
 
 def _related(a: str, b: str) -> bool:
@@ -68,8 +71,10 @@ def score_report(name: str, truth: dict[str, Any], doc: dict[str, Any], seconds:
     cause = v["causes"][0]["cause"]
     alarms = [f for f in doc["findings"] if f["severity"] != "info"]
     layer_ok = None
+    # The culprit the report names first: the replay's first anomalous module, else the
+    # top exploding layer.
     layer = (v.get("first_anomalous_module") or (v["exploding_layers"] or [None])[0]) if truth.get("layers") else None
-    blind = DIFF_BLIND.get(truth["cause"], {})
+    blind = DIFF_BLIND.get(truth["cause"], {}) if doc.get("replay") in (None, {}) else {}
     if truth.get("layers"):
         layer_ok = None if layer is None and "layer" in blind else layer is not None and any(_related(layer, t) for t in truth["layers"])
     samples = samples_ok = None
@@ -88,6 +93,8 @@ def score_report(name: str, truth: dict[str, Any], doc: dict[str, Any], seconds:
         element_ok = bool(got_e) and got_e[0]["tensor"] == c["tensor"] and got_e[0]["index"] == c["index"]
     rep = v.get("reproducible")
     rep_ok = None if rep is None else rep == truth.get("reproducible")
+    fbs = v.get("first_bad_step")
+    fbs_ok = None if truth.get("first_bad_step") is None or (fbs is None and doc.get("replay") in (None, {})) else fbs == truth["first_bad_step"]
     return Row(
         incident=name,
         truth_cause=truth["cause"],
@@ -100,6 +107,8 @@ def score_report(name: str, truth: dict[str, Any], doc: dict[str, Any], seconds:
         element_ok=element_ok,
         reproducible="n/p" if rep is None else str(rep).lower(),
         reproducible_ok=rep_ok,
+        first_bad_step=fbs,
+        first_bad_step_ok=fbs_ok,
         false_alarm=bool(alarms) if truth["cause"] == "none" else None,
         seconds=seconds,
         note="; ".join(blind.values()) if blind else "",
@@ -112,13 +121,22 @@ def run_incident(run: Path, reports: Path) -> Row:
     truth = json.loads((run / "truth.json").read_text())
     before, after = str(truth.get("before", 30)), str(truth.get("after", 40))
     out = reports / run.name
-    cmd = [sys.executable, "-m", "ckptforensics.cli", "-q", "diff", "--run-dir", str(run), "--before", before, "--after", after, "--out", str(out)]
+    cmd = [sys.executable, "-m", "ckptforensics.cli", "-q"]
+    hint = truth.get("replay")
+    if hint:
+        # replay runs the diff too and merges both into one verdict.
+        cmd += ["replay", "--model", hint["model"], "--batch", str(run / hint["batch"])]
+    else:
+        cmd += ["diff"]
+    cmd += ["--run-dir", str(run), "--before", before, "--after", after, "--out", str(out)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{run.name}: {' '.join(cmd)} failed: {proc.stderr.strip()}")
-    return score_report(run.name, truth, json.loads((out / "report.json").read_text()), seconds)
+    row = score_report(run.name, truth, json.loads((out / "report.json").read_text()), seconds)
+    row.command = "replay" if hint else "diff"
+    return row
 
 
 def score(zoo: Path, reports: Path) -> list[Row]:
@@ -133,15 +151,15 @@ def _mark(ok: bool | None, text: str | None = None) -> str:
 
 def table(rows: list[Row]) -> str:
     lines = [
-        "| incident | truth | cause top-1 | culprit layer | samples | corrupted element | reproducible | false alarm | time |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| incident | command | truth | cause top-1 | culprit layer | samples | first bad step | corrupted element | reproducible | false alarm | time |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         cause = _mark(r.cause_ok, r.cause)
         layer = _mark(r.layer_ok, r.layer or "none") if r.layer_ok is not None or r.layer else ("n/p" if "layer" in r.blind else "—")
         lines.append(
-            f"| {r.incident} | {r.truth_cause} | {cause} | {layer} | {r.samples if r.samples_ok is None and r.samples else _mark(r.samples_ok, r.samples)} "
-            f"| {_mark(r.element_ok)} | {r.reproducible if r.reproducible_ok is None else _mark(r.reproducible_ok, r.reproducible)} "
+            f"| {r.incident} | {r.command} | {r.truth_cause} | {cause} | {layer} | {r.samples if r.samples_ok is None and r.samples else _mark(r.samples_ok, r.samples)} "
+            f"| {_mark(r.first_bad_step_ok, str(r.first_bad_step))} | {_mark(r.element_ok)} | {r.reproducible if r.reproducible_ok is None else _mark(r.reproducible_ok, r.reproducible)} "
             f"| {'—' if r.false_alarm is None else ('✗ yes' if r.false_alarm else '✓ no')} | {r.seconds:.1f} s |"
         )
     return "\n".join(lines)
@@ -171,7 +189,7 @@ def main() -> None:
         subprocess.run([sys.executable, str(ROOT / "fixtures" / "zoo.py"), "--out", str(args.zoo)], check=True, capture_output=True)
         print(f"built the zoo in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     rows = score(args.zoo, args.zoo.parent / "zoo-reports")
-    head = f"## Zoo scoreboard — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs); commands: `ckptforensics diff`"
+    head = f"## Zoo scoreboard — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs); `replay` (which merges `diff`) where the run logged its batches, else `diff`"
     legend = "✓ matches the truth, ✗ does not, — the truth has no such field, n/p the tool does not produce it yet."
     notes = "\n".join(f"- {r.incident}: {r.note}" for r in rows if r.note)
     text = f"{head}\n\n{table(rows)}\n\n{legend}\n\n{notes}"

@@ -238,25 +238,42 @@ def diff(
       ckptforensics diff --run-dir runs/7b --before 41950 --after 42000 --out incident/
       ckptforensics diff --before ckpt_a.pt --after ckpt_b.pt --json | jq .verdict
     """
-    from .detectors import SEVERITIES, diff_findings
-    from .diff import DiffConfig, diff_checkpoints
-    from .formats import open_checkpoint
+    from .analysis import run_diff
     from .locate import resolve_checkpoint
-    from .report import build_report, to_json, write_report
-    from .verdict import decide
 
-    command = "ckptforensics " + " ".join(sys.argv[1:]) if sys.argv[1:] else "ckptforensics diff"
     with _errors(ctx):
         pa, pb = resolve_checkpoint(before, run_dir), resolve_checkpoint(after, run_dir)
         _check_out(out, [pa, pb])
-        with open_checkpoint(pa, fmt) as a, open_checkpoint(pb, fmt) as b:
-            with _progress(len(a.names()), "diff", ctx.obj.quiet) as prog:
-                result = diff_checkpoints(a, b, DiffConfig(chunk_elems=chunk_elems), progress=prog)
-            findings = diff_findings(result)
-            before_ok = not any(t.nonfinite_a for t in result.tensors)
-            verdict = decide(findings, before=str(pa), after=str(pb), before_healthy=before_ok)
-            doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, diff=result)
-        written = write_report(out, doc) if out else []
+        with _progress(_count(pa, fmt), "diff", ctx.obj.quiet) as prog:
+            doc, findings = run_diff(pa, pb, command=_command("diff"), fmt=fmt, chunk=chunk_elems, progress=prog)
+        written = _write(out, doc)
+    _finish(ctx, doc, findings, as_json, written, strict, fail_on)
+
+
+def _command(name: str) -> str:
+    return "ckptforensics " + " ".join(sys.argv[1:]) if sys.argv[1:] else f"ckptforensics {name}"
+
+
+def _count(path: Path, fmt: str | None) -> int:
+    """Tensors to stream (for the progress bar); 0 when unknown."""
+    if not sys.stderr.isatty():
+        return 0
+    from .formats import open_checkpoint
+
+    with open_checkpoint(path, fmt) as ck:
+        return len(ck.names())
+
+
+def _write(out: Path | None, doc: dict[str, Any]) -> list[Path]:
+    from .report import write_report
+
+    return write_report(out, doc) if out else []
+
+
+def _finish(ctx: click.Context, doc: dict[str, Any], findings: list[Any], as_json: bool, written: list[Path], strict: bool, fail_on: str) -> None:
+    from .detectors import SEVERITIES
+    from .report import to_json
+
     if as_json:
         click.echo(to_json(doc), nl=False)
     else:
@@ -267,6 +284,70 @@ def diff(
         floor = SEVERITIES.index(fail_on)
         if any(SEVERITIES.index(f.severity) >= floor for f in findings):
             ctx.exit(1)
+
+
+@cli.command()
+@click.option("--before", "before", required=True, help="Step (resolved in --run-dir) or path of the healthy checkpoint.")
+@click.option("--after", "after", default=None, help="Step or path after the spike: replay the whole window and compare.")
+@run_dir_option
+@click.option("--model", "model", default=None, help="module:factory, path/file.py:factory, or an HF config dir (default: the checkpoint's config.json).")
+@click.option("--batch", "batch", required=True, help="Batch log (.h5, one batch per step), a batch file (.pt/.safetensors/.npz/.h5) or module:function.")
+@click.option("--step", type=int, default=None, help="The step to replay when there is no --after (default: before + 1).")
+@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True, help="auto = what the run used (scaler -> fp16, bf16 weights -> bf16).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--clip", type=float, default=None, help="Gradient clipping norm (0 = none); default: from the checkpoint, else calibrated against --after.")
+@click.option("--loss", "loss", default=None, help="module:function(logits, batch) -> per-token loss [B, T-1]; default causal-LM cross-entropy.")
+@click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log (JSONL/CSV) for per-step LR and the spike baseline; discovered when absent.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Write report.json and report.md here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
+@click.option("--strict", is_flag=True, help="Exit 1 when a finding at or above --fail-on exists.")
+@click.option("--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True)
+@click.pass_context
+def replay(
+    ctx: click.Context,
+    before: str,
+    after: str | None,
+    run_dir: Path,
+    model: str | None,
+    batch: str,
+    step: int | None,
+    precision: str,
+    device: str,
+    clip: float | None,
+    loss: str | None,
+    metrics: Path | None,
+    out: Path | None,
+    as_json: bool,
+    strict: bool,
+    fail_on: str,
+) -> None:
+    """Replay the suspect step(s) from the before state with probes on every module.
+
+    Rebuilds model and optimizer from BEFORE, replays each step of the window in the
+    run's precision (and in fp32), and reports the first bad step, the first module
+    to go anomalous, overflowing tensors, the rows that drive the spike, and whether
+    the replay reproduces AFTER (no: a hardware fault, located to the element).
+
+    \b
+    Example:
+      ckptforensics replay --run-dir runs/7b --before 41950 --after 42000 \\
+          --batch runs/7b/batches.h5 --model train.py:build_model --out incident/
+    """
+    from .analysis import run_replay
+    from .locate import resolve_checkpoint
+    from .replay import ReplayConfig
+
+    with _errors(ctx):
+        pa = resolve_checkpoint(before, run_dir)
+        pb = resolve_checkpoint(after, run_dir) if after is not None else None
+        _check_out(out, [p for p in (pa, pb) if p is not None])
+        cfg = ReplayConfig(
+            before=pa, after=pb, model=model, batch=batch, step=step, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics
+        )
+        with _progress(0, "replay", ctx.obj.quiet) as prog:
+            doc, findings = run_replay(cfg, command=_command("replay"), progress=prog)
+        written = _write(out, doc)
+    _finish(ctx, doc, findings, as_json, written, strict, fail_on)
 
 
 def _echo_verdict(doc: dict[str, Any]) -> None:

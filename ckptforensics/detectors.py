@@ -7,6 +7,7 @@ once; robust z-scores compare a tensor with tensors of the same role.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -315,6 +316,9 @@ def detect_lr(diff: DiffResult, th: Thresholds) -> list[Finding]:
         mods, share = _group_members(diff, g)
         who = f" ({', '.join(mods[:3])}{', ...' if len(mods) > 3 else ''}; {share:.0%} of parameters)" if share < 0.5 else ""
         if base and lb > th.lr_over_base * base:
+            # The LR stored in *before* is the one its next step uses: already above the
+            # schedule there means the window's first step is the first bad one.
+            first = (p.step_a + 1) if (la and p.step_a is not None and la > th.lr_over_base * base) else None
             out.append(
                 Finding(
                     "",
@@ -322,7 +326,7 @@ def detect_lr(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     f"param_group[{g}]",
                     _cap(lb / base / th.lr_over_base),
                     "critical",
-                    {"lr_after": lb, "base_lr": base, "factor": lb / base, "limit": th.lr_over_base, "modules": mods, "param_share": share},
+                    {"lr_after": lb, "base_lr": base, "factor": lb / base, "limit": th.lr_over_base, "modules": mods, "param_share": share, "first_step": first},
                     f"param group {g}{who} runs at LR {lb:.3g}, {lb / base:.1f}x the schedule's base {base:.3g}",
                     "DESIGN §4 update/weight ratio; schedules never exceed their base LR",
                     _lr_supports(share),
@@ -446,7 +450,7 @@ def detect_vanished_burst(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     t.name,
                     _cap(t.vanished_share_a / th.rho_share * math.log10(t.r_v)),
                     "warning",
-                    {"vanished_share_before": t.vanished_share_a, "vanished_share_after": t.vanished_share_b, "r_v": t.r_v, "threshold": th.burst},
+                    {"vanished_share_before": t.vanished_share_a, "vanished_share_after": t.vanished_share_b, "r_v": t.r_v, "threshold": th.burst, "eps": t.eps},
                     f"{module_of(t.name)}: exp_avg_sq had collapsed (sqrt(v) < 10 eps on {t.vanished_share_a:.0%} of elements) "
                     f"before a gradient burst ({t.r_v:.3g}x): Adam turned it into near-maximal updates",
                     "DESIGN §4 sign-like updates, sqrt(v) < 10 eps (Molybog 2304.09871)",
@@ -487,3 +491,317 @@ def detect_sign_like(diff: DiffResult, th: Thresholds) -> list[Finding]:
                 )
             )
     return out
+
+
+# ------------------------------------------------------------------ replay detectors
+def _log(v: float) -> float:
+    return math.log10(v) if math.isfinite(v) and v > 0 else (math.inf if not math.isfinite(v) else -12.0)
+
+
+def _z_steps(values: Sequence[float], baseline: Sequence[float] = ()) -> np.ndarray:
+    """Robust z of per-step values on a log scale against the baseline steps (the run's
+    logged history before the window) or, lacking one, the window itself; non-finite = +inf."""
+    x = np.array([_log(v) for v in values])
+    ref = np.array([_log(v) for v in baseline]) if len(baseline) >= 5 else x
+    ref = ref[np.isfinite(ref)]
+    if ref.size < 2:
+        return np.where(np.isfinite(x), 0.0, np.inf)
+    med = float(np.median(ref))
+    mad = float(np.median(np.abs(ref - med))) * 1.4826
+    return np.where(np.isfinite(x), (x - med) / max(mad, 0.02), np.inf)
+
+
+def replay_findings(rep: Any, th: Thresholds | None = None) -> tuple[list[Finding], dict[str, Any]]:
+    """Findings from a replay (replay.ReplayResult) and the verdict fields it settles.
+
+    Returns:
+        (findings without ids, verdict fields: first_bad_step, first_anomalous_module,
+        exploding_layers, overflowing_tensors, anomalous_samples, reproducible).
+    """
+    th = th or Thresholds()
+    out: list[Finding] = []
+    fields: dict[str, Any] = {}
+    recs = rep.records
+    steps = [r.step for r in recs]
+    base = list(rep.baseline.values())
+    zg = _z_steps([r.grad_norm for r in recs], [b["grad_norm"] for b in base if "grad_norm" in b])
+    zl = _z_steps([r.loss for r in recs], [b["loss"] for b in base if "loss" in b])
+    out += _lr_steps(rep, fields, th)
+    bad = [i for i, r in enumerate(recs) if r.skipped or not math.isfinite(r.loss) or zg[i] > th.z or zl[i] > th.z]
+    if bad and (len(recs) > 1 or len(base) >= 5):
+        i = bad[0]
+        fields["first_bad_step"] = min(steps[i], fields.get("first_bad_step", steps[i]))
+        r = recs[i]
+        out.append(
+            Finding(
+                "",
+                "replay_spike",
+                f"step {r.step}",
+                _cap(max(zg[i], zl[i]) / th.z) if math.isfinite(max(zg[i], zl[i])) else 10.0,
+                "warning",
+                {"step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "grad_z": float(zg[i]), "loss_z": float(zl[i]), "skipped": r.skipped},
+                f"replayed step {r.step} spikes: loss {r.loss:.3g}, grad norm {r.grad_norm:.3g} (robust z {float(max(zg[i], zl[i])):.1f} over the window)"
+                + (", optimizer step skipped" if r.skipped else ""),
+                "DESIGN §4 spike onset",
+                ("gradient_explosion", "poison_batch", "lr_too_high"),
+            )
+        )
+    suspect = fields.get("first_bad_step", steps[int(np.argmax(np.where(np.isfinite(zg), zg, 1e9)))] if recs else None)
+    if suspect is not None:
+        out += _localise(rep, suspect, fields, th)
+        out += _overflow(rep, suspect, fields, th)
+        if "first_bad_step" in fields:
+            out += _samples(rep, suspect, fields, th)
+    out += _reproduction(rep, fields, th)
+    return out, fields
+
+
+def _lr_steps(rep: Any, fields: dict[str, Any], th: Thresholds) -> list[Finding]:
+    """A step whose LR (as replayed) jumps past what any warmup allows: the first bad step."""
+    plan = (rep.config.get("lr") or {}).get("value") or {}
+    steps = sorted(plan)
+    for prev, s in zip(steps, steps[1:], strict=False):
+        for g, (la, lb) in enumerate(zip(plan[prev], plan[s], strict=False)):
+            allowed = th.lr_growth_margin * max(1.0, s / max(prev, 1))
+            if la > 0 and lb / la > allowed:
+                fields["first_bad_step"] = s
+                return [
+                    Finding(
+                        "",
+                        "lr_step_jump",
+                        f"step {s}",
+                        _cap(lb / la / allowed),
+                        "critical",
+                        {"step": s, "group": g, "lr_before": la, "lr": lb, "source": rep.config["lr"]["source"]},
+                        f"step {s} runs param group {g} at LR {lb:.3g}, {lb / la:.0f}x step {prev}'s",
+                        "DESIGN §4 update/weight ratio",
+                        ("lr_too_high",),
+                        primary=True,
+                    )
+                ]
+    return []
+
+
+def _localise(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[Finding]:
+    """First module, in forward and in backward order, far outside its own range on other steps."""
+    from .replay.probes import BWD_STATS, FWD_STATS
+
+    p = rep.passes[s]
+    others = [rep.passes[t] for t in rep.passes if t != s]
+    if not others:
+        return []
+    ia, ig = FWD_STATS.index("absmax"), BWD_STATS.index("grad_norm")
+
+    def z_of(table: str, col: int) -> np.ndarray:
+        cur = getattr(p, table)[:, col].double().numpy()
+        ref = np.stack([getattr(o, table)[:, col].double().numpy() for o in others])
+        with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # modules that never ran are all-NaN
+            lc, lr = np.log10(np.maximum(cur, 1e-30)), np.log10(np.maximum(ref, 1e-30))
+            med = np.nanmedian(lr, axis=0)
+            mad = np.nanmedian(np.abs(lr - med), axis=0) * 1.4826
+            return (lc - med) / np.maximum(mad, 0.05)
+
+    zf, zb = z_of("fwd", ia), z_of("bwd", ig)
+    nf_f = p.fwd[:, FWD_STATS.index("nonfinite")].numpy()
+    nf_b = p.bwd[:, BWD_STATS.index("grad_nonfinite")].numpy()
+    out = []
+    fwd_first = next((i for i in p.fwd_order if nf_f[i] > 0 or zf[i] > th.z), None)
+    bwd_first = next((i for i in p.bwd_order if nf_b[i] > 0 or zb[i] > th.z), None)
+    if fwd_first is not None:
+        name = p.modules[fwd_first]
+        fields.setdefault("first_anomalous_module", name)
+        out.append(
+            Finding(
+                "",
+                "first_forward_anomaly",
+                name,
+                _cap(float(zf[fwd_first]) / th.z) if math.isfinite(zf[fwd_first]) else 10.0,
+                "warning",
+                {"step": s, "robust_z": float(zf[fwd_first]), "nonfinite": float(nf_f[fwd_first]), "absmax": float(p.fwd[fwd_first, ia])},
+                f"step {s}: {name} is the first module in forward order whose output leaves its range on the window's other steps "
+                f"(max |x| {float(p.fwd[fwd_first, ia]):.3g}, robust z {float(zf[fwd_first]):.1f})",
+                "DESIGN §4 first anomaly (OLMo-core 6 sigma)",
+                ("gradient_explosion",),
+            )
+        )
+    ranked = sorted((i for i in range(len(p.modules)) if math.isfinite(zb[i]) and zb[i] > th.z), key=lambda i: -zb[i])
+    fields["replay_layers"] = [p.modules[i] for i in ranked[:8]]
+    if bwd_first is not None:
+        name = p.modules[bwd_first]
+        out.append(
+            Finding(
+                "",
+                "first_backward_anomaly",
+                name,
+                _cap(float(zb[bwd_first]) / th.z) if math.isfinite(zb[bwd_first]) else 10.0,
+                "warning",
+                {"step": s, "robust_z": float(zb[bwd_first]), "nonfinite": float(nf_b[bwd_first]), "grad_norm": float(p.bwd[bwd_first, ig])},
+                f"step {s}: {name} is the first module in backward order whose output gradient leaves its range "
+                f"(norm {float(p.bwd[bwd_first, ig]):.3g}, robust z {float(zb[bwd_first]):.1f})",
+                "DESIGN §4 first anomaly (OLMo-core 6 sigma)",
+                ("gradient_explosion",),
+            )
+        )
+    return out
+
+
+def _overflow(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[Finding]:
+    """Non-finite values in the run's precision that the fp32 replay does not have."""
+    from .replay.probes import BWD_STATS, FWD_STATS
+
+    if rep.precision == "fp32":
+        return []
+    out = []
+    for r in rep.records:
+        p, ref = rep.passes[r.step], rep.fp32_passes.get(r.step)
+        nf_f = p.fwd[:, FWD_STATS.index("nonfinite")].numpy()
+        over = p.fwd[:, FWD_STATS.index("over_fp16" if rep.precision == "fp16" else "over_bf16")].numpy()
+        nf_b = p.bwd[:, BWD_STATS.index("grad_nonfinite")].numpy()
+        mods_param = {n.rsplit(".", 1)[0] for n in r.param_grad_nonfinite}
+        pos = {i: k for k, i in enumerate(p.bwd_order)}
+        cands = [i for i in range(len(p.modules)) if nf_b[i] > 0 or p.modules[i] in mods_param]
+        fwd_over = [i for i in p.fwd_order if nf_f[i] > 0 or over[i] > 0]
+        if not cands and not fwd_over:
+            continue
+        fp32_ok = ref is not None and not bool((ref.fwd[:, FWD_STATS.index("nonfinite")] > 0).any()) and not bool((ref.bwd[:, BWD_STATS.index("grad_nonfinite")] > 0).any())
+        if fwd_over:
+            first, where = p.modules[fwd_over[0]], "output"
+        else:
+            first, where = p.modules[min(cands, key=lambda i: pos.get(i, len(pos)))], "gradient"
+        fields.setdefault("first_anomalous_module", first)
+        fields.setdefault("first_bad_step", r.step)
+        fields.setdefault("overflowing_tensors", []).append(
+            {"name": first, "dtype": rep.precision, "max_abs": math.inf, "limit": 65504.0 if rep.precision == "fp16" else 3.39e38, "where": f"{where} at step {r.step}"}
+        )
+        cause = ("fp16_overflow",) if rep.precision == "fp16" else ("bf16_overflow",)
+        out.append(
+            Finding(
+                "",
+                "replay_overflow",
+                first,
+                10.0,
+                "critical",
+                {"step": r.step, "where": where, "precision": rep.precision, "fp32_finite": fp32_ok, "loss_scale": r.loss_scale, "skipped": r.skipped},
+                f"step {r.step}: the {where} of {first} overflows {rep.precision}"
+                + (f" under loss scale {r.loss_scale:g}" if r.loss_scale else "")
+                + ("; the fp32 replay of the same step stays finite" if fp32_ok else "; fp32 overflows too"),
+                "DESIGN §4 dtype range",
+                cause if fp32_ok else ("gradient_explosion", *cause),
+                primary=True,
+            )
+        )
+        break
+    return out
+
+
+def _samples(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[Finding]:
+    """Rows of the spiking batch that carry it: gradient share, loss, data statistics."""
+    r = next(x for x in rep.records if x.step == s)
+    stats = rep.row_stats.get(s, [])
+    b = len(r.sample_loss)
+    if b < 2:
+        return []
+    loss = np.array(r.sample_loss)
+    zl = robust_z(loss, floor=0.05 * float(np.median(np.abs(loss))) + 1e-12)
+    share = np.zeros(b)
+    zs = np.zeros(b)
+    if r.sample_grad_sq is not None and math.isfinite(sum(r.sample_grad_sq)) and sum(r.sample_grad_sq) > 0:
+        sq = np.array(r.sample_grad_sq)
+        share = sq / sq.sum()
+        zs = robust_z(share, floor=0.05 / b)
+    rows = []
+    for i in range(b):
+        why = []
+        if share[i] > max(0.2, 2.0 / b) and zs[i] > th.z:
+            why.append(f"{share[i]:.0%} of the gradient norm^2")
+        if zl[i] > th.z:
+            why.append(f"loss {loss[i]:.3g} (robust z {zl[i]:.1f} in its batch)")
+        st = stats[i] if i < len(stats) else None
+        if st is not None:
+            if st.longest_run >= 32:
+                why.append(f"one token repeated {st.longest_run} times")
+            if st.periodic_repeat >= 32:
+                why.append(f"a pattern of period <= 13 repeated over {st.periodic_repeat} tokens")
+            # A few rare tokens are normal in any window; a quarter of the row is not.
+            if st.unseen >= max(1, 0.25 * st.length):
+                why.append(f"{st.unseen} of {st.length} tokens seen nowhere else in the window")
+        if why:
+            sid = r.sample_ids[i] if r.sample_ids else None
+            rows.append({"index": i, "sample_id": sid, "score": float(max(zs[i], zl[i], 0.0)), "why": "; ".join(why)})
+    if not rows:
+        return []
+    fields["anomalous_samples"] = rows
+    carried = float(sum(share[x["index"]] for x in rows))
+    return [
+        Finding(
+            "",
+            "anomalous_samples",
+            f"step {s}",
+            _cap(carried / 0.5 * 2),
+            "critical" if carried >= 0.5 else "warning",
+            {"step": s, "rows": [x["index"] for x in rows], "grad_share": carried, "batch_size": b},
+            f"step {s}: rows {[x['index'] for x in rows]} carry {carried:.0%} of the gradient norm^2 of a spiking batch",
+            "DESIGN §4 per-sample share / data stats (OLMo-core instance filter)",
+            ("poison_batch",),
+            primary=carried >= 0.5,
+        )
+    ]
+
+
+def _reproduction(rep: Any, fields: dict[str, Any], th: Thresholds) -> list[Finding]:
+    """Replayed state vs *after*: impossible elements confined -> corruption; match -> reproduces."""
+    if rep.matches is None:
+        return []
+    total = sum(m.numel for m in rep.matches) or 1
+    mis = sum(m.mismatched for m in rep.matches)
+    imp = [m for m in rep.matches if m.impossible]
+    confined = 0 < len(imp) <= th.confined_tensors and all(m.impossible <= max(8, th.confined_share * m.numel) for m in imp)
+    if confined:
+        fields["reproducible"] = False
+        return [
+            Finding(
+                "",
+                "replay_mismatch_confined",
+                imp[0].name,
+                10.0,
+                "critical",
+                {"tensors": [m.name for m in imp], "elements": sum(m.impossible for m in imp), "where": [m.where for m in imp]},
+                f"the replay reproduces every tensor except {sum(m.impossible for m in imp)} element(s) of "
+                f"{', '.join(sorted({m.name for m in imp}))}, which no replay of these steps can reach: a hardware fault",
+                "DESIGN §4 reproducibility",
+                ("silent_corruption",),
+                primary=True,
+            )
+        ]
+    if not imp and mis / total <= 0.01:
+        fields["reproducible"] = True
+        return [
+            Finding(
+                "",
+                "replay_reproduces",
+                "run",
+                1.0,
+                "info",
+                {"mismatched_share": mis / total},
+                f"the replay reproduces the after checkpoint ({1 - mis / total:.2%} of elements within tolerance): numerics or data, not hardware",
+                "DESIGN §4 reproducibility",
+                (),
+            )
+        ]
+    fields["reproducible"] = None
+    worst = max(rep.matches, key=lambda m: m.mismatched / max(m.numel, 1))
+    return [
+        Finding(
+            "",
+            "replay_config_mismatch",
+            worst.name,
+            1.0,
+            "info",
+            {"mismatched_share": mis / total, "impossible_tensors": len(imp), "worst": worst.name},
+            f"the replay deviates from after on {mis / total:.1%} of elements (worst: {worst.name} {worst.where}): "
+            "the replay configuration (LR, clipping, precision, loss averaging) differs from the trainer's; see replay.config",
+            "DESIGN §3 reproducibility",
+            (),
+        )
+    ]

@@ -90,6 +90,7 @@ class TensorDiff:
     nonfinite_a: int
     nonfinite_b: int
     group: int | None = None  # optimizer param group index
+    eps: float = math.nan  # Adam epsilon of its group
     has_moments: bool = False
     k: int = 0
     lr: float = math.nan
@@ -464,6 +465,7 @@ def _diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: D
         outlier_changes=counts["outlier"],
         candidates=tuple(cands),
         group=hb.index if hb is not None else None,
+        eps=hb.eps if hb is not None else math.nan,
     )
     if moments:
         # r_v = sum(v_B - b2^k v_A) / sum((1 - b2^k) v_hat_A): the mean g^2 the window

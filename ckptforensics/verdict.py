@@ -158,6 +158,10 @@ def decide(
     if lr_groups and top != "lr_too_high":
         mods = ", ".join(dict.fromkeys(m for f in lr_groups for m in f.metrics.get("modules", [])))
         v.recommended_actions.insert(0, f"Fix the LR of {mods}: its param group runs far above the schedule (per-module LR multiplier?).")
+    if v.anomalous_samples and top == "poison_batch":
+        ids = ", ".join(str(x["sample_id"] if x["sample_id"] is not None else f"row {x['index']}") for x in v.anomalous_samples)
+        at = f" of step {v.first_bad_step}" if v.first_bad_step is not None else ""
+        v.recommended_actions.insert(0, f"Drop samples {ids}{at} from the data and resume from {rollback or 'an earlier checkpoint'}.")
     if not before_healthy:
         v.recommended_actions.insert(0, f"{before} already holds non-finite state: roll back further than it.")
     v.summary = _summary(top, causes, findings, v, before, after)

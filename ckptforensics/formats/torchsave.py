@@ -73,6 +73,11 @@ def _plain(ckpt: Checkpoint, obj: Mapping[str, Any]) -> None:
         ckpt.scalars.update(scaler_scalars(obj.get(k)))
     for k in ("scheduler", "lr_scheduler", "scheduler_state_dict"):
         ckpt.scalars.update(scheduler_scalars(obj.get(k)))
+    for k in ("model_config", "model_args", "config"):
+        cfg = to_plain(obj.get(k)) if isinstance(obj.get(k), Mapping) else None
+        if isinstance(cfg, dict):
+            ckpt.config = cfg
+            break
 
 
 def _nanogpt(ckpt: Checkpoint, obj: Mapping[str, Any]) -> None:

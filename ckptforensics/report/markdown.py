@@ -56,6 +56,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
     ]
     if v["exploding_layers"]:
         lines.append("- **Layers standing out**: " + ", ".join(f"`{m}`" for m in v["exploding_layers"][:5]))
+    if v["first_bad_step"] is not None:
+        lines.append(f"- **First bad step**: {fmt(v['first_bad_step'])}")
     if v["first_anomalous_module"]:
         lines.append(f"- **First anomalous module**: `{v['first_anomalous_module']}`")
     if v["corrupted_elements"]:
@@ -63,6 +65,12 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += _table(
             ["tensor", "where", "index", "before", "after", "kind"],
             [[f"`{e['tensor']}`", e["where"], e["index"], fmt(e["before"]), fmt(e["after"]), e["kind"]] for e in v["corrupted_elements"][:10]],
+        )
+    if v["anomalous_samples"]:
+        lines += ["", "**Anomalous samples**", ""]
+        lines += _table(
+            ["row", "sample id", "score", "why"],
+            [[s["index"], fmt(s["sample_id"]), fmt(s["score"]), s["why"]] for s in v["anomalous_samples"][:16]],
         )
     if v["overflowing_tensors"]:
         lines += ["", "**Tensors at their dtype's limit**", ""]
@@ -117,6 +125,26 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 for t in rows
             ],
         )
+        lines += ["", "</details>"]
+    rep = doc.get("replay") or {}
+    if rep:
+        lines += ["", f"<details><summary>Replay ({len(rep['steps'])} steps, {rep['precision']})</summary>", ""]
+        lines += _table(
+            ["step", "loss", "logged loss", "grad norm", "skipped", "loss scale"],
+            [
+                [r["step"], fmt(r["loss"]), fmt((rep["logged"].get(str(r["step"])) or {}).get("loss")), fmt(r["grad_norm"]), fmt(r["skipped"]), fmt(r["loss_scale"])]
+                for r in rep["steps"]
+            ],
+        )
+        lines += ["", "Configuration (value, source):", ""]
+        for k, c in rep["config"].items():
+            val = c["value"]
+            if isinstance(val, dict) and len(val) > 4:
+                val = f"{len(val)} steps"
+            lines.append(f"- {k}: {val} ({c['source']})")
+        r = rep.get("reproduction")
+        if r:
+            lines += ["", f"Reproduction against after: {r['mismatched']:,} of {r['elements']:,} elements outside tolerance, {r['impossible']:,} beyond any Adam step."]
         lines += ["", "</details>"]
     lines += ["", f"<sub>{inc['command']} · ckptforensics {inc['tool_version']} · schema {doc['schema']}</sub>", ""]
     return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""The commands' library side: run the parts, merge findings, decide, assemble the report."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .detectors import Finding, diff_findings, replay_findings
+from .diff import DiffConfig, DiffResult, diff_checkpoints
+from .formats import open_checkpoint
+from .report import build_report
+from .verdict import decide
+
+__all__ = ["run_diff", "run_replay", "replay_section"]
+
+Progress = Callable[[str], None]
+
+
+def _number(findings: list[Finding]) -> list[Finding]:
+    return [Finding(f"F{i}", *[getattr(f, k) for k in Finding.__slots__[1:]]) for i, f in enumerate(findings, 1)]  # type: ignore[attr-defined]
+
+
+def _diff(a_path: Path, b_path: Path, fmt: str | None, chunk: int, progress: Progress | None) -> tuple[Any, Any, DiffResult, list[Finding]]:
+    a, b = open_checkpoint(a_path, fmt), open_checkpoint(b_path, fmt)
+    result = diff_checkpoints(a, b, DiffConfig(chunk_elems=chunk), progress=progress)
+    return a, b, result, diff_findings(result)
+
+
+def run_diff(a_path: Path, b_path: Path, *, command: str, fmt: str | None = None, chunk: int = 1 << 19, progress: Progress | None = None) -> tuple[dict[str, Any], list[Finding]]:
+    """`ckptforensics diff`: the report document and its findings."""
+    a, b, result, findings = _diff(a_path, b_path, fmt, chunk, progress)
+    try:
+        before_ok = not any(t.nonfinite_a for t in result.tensors)
+        verdict = decide(findings, before=str(a_path), after=str(b_path), before_healthy=before_ok)
+        doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, diff=result)
+    finally:
+        a.close()
+        b.close()
+    return doc, findings
+
+
+def replay_section(rep: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """The report's `replay` block: configuration with sources, per-step records, evidence."""
+    from .replay.probes import BWD_STATS, FWD_STATS
+
+    suspect = fields.get("first_bad_step")
+    per_module = []
+    if suspect in rep.passes:
+        p = rep.passes[suspect]
+        for i, name in enumerate(p.modules):
+            row = {"module": name}
+            row.update({k: float(v) for k, v in zip(FWD_STATS, p.fwd[i].tolist(), strict=True)})
+            row.update({k: float(v) for k, v in zip(BWD_STATS, p.bwd[i].tolist(), strict=True)})
+            per_module.append(row)
+    mism = [asdict(m) for m in (rep.matches or []) if m.mismatched or m.impossible]
+    return {
+        "config": rep.config,
+        "precision": rep.precision,
+        "steps": [asdict(r) for r in rep.records],
+        "logged": {str(k): v for k, v in rep.logged.items()},
+        "suspect_step": suspect,
+        "per_module": per_module,
+        "row_stats": {str(s): [asdict(x) for x in v] for s, v in rep.row_stats.items()},
+        "reproduction": None
+        if rep.matches is None
+        else {
+            "tensors": len(rep.matches),
+            "elements": sum(m.numel for m in rep.matches),
+            "mismatched": sum(m.mismatched for m in rep.matches),
+            "impossible": sum(m.impossible for m in rep.matches),
+            "mismatching_tensors": mism[:50],
+        },
+    }
+
+
+def _first_steps_from_state(dfind: list[Finding], rep: Any) -> list[int]:
+    """First bad steps that the *before* state plus the replay pin down.
+
+    An LR already above the schedule in *before* makes the window's first step bad; a
+    tensor whose exp_avg_sq had collapsed goes bad at the first replayed step whose
+    gradient RMS clears the collapse level (100 eps, ten times the 10 eps floor).
+    """
+    out = []
+    first = rep.records[0].step if rep.records else None
+    for f in dfind:
+        if f.kind == "lr_above_schedule" and f.metrics.get("first_step") is not None:
+            out.append(int(f.metrics["first_step"]))
+        if f.kind == "vanished_v_burst" and first is not None:
+            level = 100 * float(f.metrics.get("eps") or 1e-8)
+            hit = next((r.step for r in rep.records if r.param_grad_rms.get(f.subject, 0.0) > level), None)
+            if hit is not None:
+                out.append(hit)
+    return out
+
+
+def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> tuple[dict[str, Any], list[Finding]]:
+    """`ckptforensics replay`: replay (and diff, when *after* is given), merged into one verdict."""
+    from .replay import replay
+
+    rep = replay(cfg, progress=progress)
+    rfind, fields = replay_findings(rep)
+    a = open_checkpoint(cfg.before)
+    b = open_checkpoint(cfg.after) if cfg.after is not None else a
+    diff = None
+    dfind: list[Finding] = []
+    if cfg.after is not None:
+        _, _, diff, dfind = _diff(cfg.before, cfg.after, None, 1 << 19, None)
+    findings = _number(dfind + rfind)
+    starts = _first_steps_from_state(dfind, rep)
+    if starts:
+        fields["first_bad_step"] = min([*starts, *([fields["first_bad_step"]] if "first_bad_step" in fields else [])])
+    extra = {k: v for k, v in fields.items() if k in ("first_bad_step", "first_anomalous_module", "anomalous_samples", "reproducible")}
+    before_ok = diff is None or not any(t.nonfinite_a for t in diff.tensors)
+    after_label = str(cfg.after) if cfg.after is not None else f"the replay of step {rep.records[0].step}"
+    verdict = decide(findings, before=str(cfg.before), after=after_label, before_healthy=before_ok, extra=extra)
+    verdict.overflowing_tensors = fields.get("overflowing_tensors", []) + verdict.overflowing_tensors
+    verdict.exploding_layers = list(dict.fromkeys(verdict.exploding_layers + fields.get("replay_layers", [])))[:10]
+    if verdict.causes[0]["cause"] == "none" and not verdict.rollback_checkpoint:
+        verdict.summary = verdict.summary.replace(
+            "A spike that gradient clipping absorbed (one bad batch, say) leaves no trace in the weights: replay the window's batches to rule it out.",
+            "The replay of the window's batches shows no spike either.",
+        )
+    doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, diff=diff, sections={"replay": replay_section(rep, fields)})
+    return doc, findings

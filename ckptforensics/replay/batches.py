@@ -1,0 +1,154 @@
+"""Batch sources for replay: a batch file, a batch log (HDF5, one batch per step), or a callable."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ForensicsError
+
+__all__ = ["BatchSource", "open_batches", "read_metrics", "BatchError"]
+
+_KEYS = ("input_ids", "attention_mask", "labels")
+
+
+class BatchError(ForensicsError):
+    """A batch source that is missing, malformed, or lacks a requested step."""
+
+
+@dataclass
+class BatchSource:
+    """Batches by training step, plus per-step training state when the log recorded it.
+
+    Attributes:
+        describe: what was opened (for the report).
+        steps: the steps available (None: any step, e.g. a callable or a single file).
+        lr: step -> LR per param group, when the batch log holds `/lr`.
+        loss_scale: step -> loss scale, when recorded.
+        grad_clip: the clip norm the batch log states, if any.
+        sample_ids: step -> dataset index of each row, when recorded.
+    """
+
+    describe: str
+    get: Callable[[int], dict[str, torch.Tensor]]
+    steps: list[int] | None = None
+    lr: dict[int, list[float]] = field(default_factory=dict)
+    loss_scale: dict[int, float] = field(default_factory=dict)
+    grad_clip: float | None = None
+    sample_ids: dict[int, list[int]] = field(default_factory=dict)
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        if self.steps is not None and step not in self.steps:
+            shown = f"{self.steps[0]}..{self.steps[-1]}" if self.steps else "none"
+            raise BatchError(f"{self.describe}: no batch for step {step} (steps {shown}); record the window's batches")
+        out = self.get(step)
+        if "input_ids" not in out:
+            raise BatchError(f"{self.describe}: batch of step {step} has no input_ids")
+        ids = out["input_ids"]
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise BatchError(f"{self.describe}: input_ids of step {step} must be integer [B, T], got {ids.dtype} {list(ids.shape)}")
+        return {k: v.long() if k != "attention_mask" else v for k, v in out.items()}
+
+
+def open_batches(spec: str) -> BatchSource:
+    """`--batch SPEC`: a .h5 batch log, a .pt/.safetensors/.npz/.h5 batch, or module:function."""
+    path = Path(spec)
+    if path.is_file():
+        if path.suffix in (".h5", ".hdf5"):
+            return _h5(path)
+        return _single(path)
+    if ":" in spec and not path.exists():
+        from .model import load_callable
+
+        fn = load_callable(spec, "--batch")
+        return BatchSource(describe=spec, get=lambda s: {k: torch.as_tensor(v) for k, v in fn(s).items()})
+    raise BatchError(f"--batch {spec}: no such file, and not a module:function")
+
+
+def _single(path: Path) -> BatchSource:
+    """One batch for any step (the suspect batch saved on its own)."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            data = load_file(str(path))
+        elif path.suffix == ".npz":
+            with np.load(path, allow_pickle=False) as z:
+                data = {k: torch.from_numpy(z[k]) for k in z.files}
+        else:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # any decoding failure of an untrusted batch file
+        raise BatchError(f"{path}: not a readable batch file ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    if not isinstance(data, dict):
+        raise BatchError(f"{path}: expected a dict of tensors with input_ids")
+    batch = {k: v for k, v in data.items() if k in _KEYS and isinstance(v, torch.Tensor)}
+    return BatchSource(describe=str(path), get=lambda s: batch)
+
+
+def _h5(path: Path) -> BatchSource:
+    import h5py
+
+    try:
+        h = h5py.File(path, "r")
+    except OSError as e:
+        raise BatchError(f"{path}: not a readable HDF5 file ({e})") from None
+    if "input_ids" not in h:
+        raise BatchError(f"{path}: HDF5 without /input_ids")
+    ids = h["input_ids"]
+    if "step" not in h:
+        # A single batch stored as HDF5 datasets [B, T].
+        batch = {k: torch.from_numpy(np.asarray(h[k])) for k in _KEYS if k in h}
+        return BatchSource(describe=str(path), get=lambda s: batch)
+    steps = [int(s) for s in np.asarray(h["step"])]
+    if ids.ndim != 3 or ids.shape[0] != len(steps):
+        raise BatchError(f"{path}: /input_ids must be [S, B, T] with S = len(/step)")
+    row = {s: i for i, s in enumerate(steps)}
+
+    def get(step: int) -> dict[str, torch.Tensor]:
+        i = row[step]
+        return {k: torch.from_numpy(np.asarray(h[k][i])) for k in _KEYS if k in h}
+
+    src = BatchSource(describe=str(path), get=get, steps=steps)
+    if "lr" in h:
+        lr = np.asarray(h["lr"], dtype=np.float64)
+        src.lr = {s: [float(x) for x in np.atleast_1d(lr[i])] for s, i in row.items()}
+    if "loss_scale" in h:
+        ls = np.asarray(h["loss_scale"], dtype=np.float64)
+        src.loss_scale = {s: float(ls[i]) for s, i in row.items()}
+    if "sample_id" in h:
+        sid = np.asarray(h["sample_id"])
+        src.sample_ids = {s: [int(x) for x in sid[i]] for s, i in row.items()}
+    clip = h.attrs.get("grad_clip")
+    if clip is not None and math.isfinite(float(clip)):
+        src.grad_clip = float(clip)
+    return src
+
+
+def read_metrics(path: Path) -> dict[int, dict[str, float]]:
+    """step -> logged metrics from a JSONL or CSV training log (DESIGN §3)."""
+    rows: dict[int, dict[str, float]] = {}
+    text = path.read_text()
+    if path.suffix == ".csv":
+        import csv
+
+        for r in csv.DictReader(text.splitlines()):
+            if r.get("step"):
+                rows[int(float(r["step"]))] = {k: float(v) for k, v in r.items() if v not in ("", None) and k != "step"}
+        return rows
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            r: dict[str, Any] = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "step" in r:
+            rows[int(r["step"])] = {k: float(v) for k, v in r.items() if k != "step" and isinstance(v, (int, float))}
+    return rows

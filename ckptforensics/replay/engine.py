@@ -1,0 +1,441 @@
+"""Replay the window's steps from the *before* state with probes, and compare with *after*."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import ForensicsError
+from ..formats import open_checkpoint
+from ..formats.base import Checkpoint
+from ..tensors import adam_ratio_bound
+from .batches import BatchSource, open_batches, read_metrics
+from .model import build_model, build_optimizer, load_callable, load_weights
+from .probes import ModuleProbe, PassStats
+from .samples import PerSampleGrad, RowStats, per_token_loss, row_data_stats
+
+__all__ = ["ReplayConfig", "StepRecord", "TensorMatch", "ReplayResult", "replay"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class ReplayConfig:
+    """What to replay and how.
+
+    Attributes:
+        before, after: checkpoint paths (after optional: then one step is replayed).
+        model: `module:factory`, `path/file.py:factory`, an HF config dir, or None (config.json).
+        batch: batch file, batch log (.h5) or `module:function`.
+        step: the step to replay when there is no *after*.
+        precision: 'auto' (what the run used), 'fp32', 'bf16' or 'fp16'.
+        device: 'cpu' or 'cuda'.
+        clip: gradient clipping norm; None = what the checkpoint or batch log states, else calibrated.
+        loss: `module:function(logits, batch) -> per-token loss [B, T']`; None = causal LM CE.
+        metrics: training log for per-step LR (JSONL/CSV); None = discovered beside the checkpoints.
+    """
+
+    before: Path
+    after: Path | None = None
+    model: str | None = None
+    batch: str
+    step: int | None = None
+    precision: str = "auto"
+    device: str = "cpu"
+    clip: float | None = None
+    loss: str | None = None
+    metrics: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One replayed step: loss, pre-clip grad norm, whether the optimizer skipped it."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    skipped: bool
+    lr: tuple[float, ...]
+    loss_scale: float | None
+    sample_loss: tuple[float, ...]
+    sample_grad_sq: tuple[float, ...] | None
+    sample_ids: tuple[int, ...] | None
+    param_grad_nonfinite: tuple[str, ...]
+    param_grad_rms: dict[str, float] = field(default_factory=dict)  # checkpoint name -> RMS of its gradient
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMatch:
+    """Replayed vs *after* for one tensor: max |difference|, elements past tolerance and past the bound."""
+
+    name: str
+    where: str
+    max_abs_diff: float
+    mismatched: int
+    numel: int
+    tolerance: float
+    impossible: int = 0  # elements further from *after* than any Adam step allows
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    """Everything the replay measured; detectors turn it into findings."""
+
+    config: dict[str, dict[str, Any]]
+    precision: str
+    records: list[StepRecord] = field(default_factory=list)
+    passes: dict[int, PassStats] = field(default_factory=dict)
+    fp32_passes: dict[int, PassStats] = field(default_factory=dict)
+    row_stats: dict[int, list[RowStats]] = field(default_factory=dict)
+    matches: list[TensorMatch] | None = None
+    logged: dict[int, dict[str, float]] = field(default_factory=dict)
+    baseline: dict[int, dict[str, float]] = field(default_factory=dict)  # logged steps before the window
+
+
+def _autocast(precision: str, device: str) -> contextlib.AbstractContextManager[Any]:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    return torch.autocast(device_type=device, dtype=dtype)
+
+
+def _logits(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if logits is None and isinstance(out, (tuple, list)):
+        logits = out[0]
+    if not isinstance(logits, torch.Tensor):
+        raise ForensicsError("the model's output has no logits; pass --loss module:function")
+    return logits
+
+
+def _precision(cfg: ReplayConfig, ckpt: Checkpoint) -> tuple[str, str]:
+    if cfg.precision != "auto":
+        return cfg.precision, "--precision"
+    if ckpt.scalars.get("loss_scale") is not None:
+        return "fp16", "loss scaler state in the checkpoint"
+    dtypes = {ckpt.meta(n).dtype for n in ckpt.names()}
+    if torch.bfloat16 in dtypes:
+        return "bf16", "bf16 weights in the checkpoint"
+    return "fp32", "fp32 weights, no loss scaler"
+
+
+def _metrics_file(cfg: ReplayConfig) -> Path | None:
+    if cfg.metrics is not None:
+        return cfg.metrics
+    for d in (cfg.before.parent, cfg.before.parent.parent):
+        for name in ("metrics.jsonl", "metrics.csv"):
+            if (d / name).is_file():
+                return d / name
+    return None
+
+
+def _lr_plan(steps: list[int], ckpt: Checkpoint, batches: BatchSource, logged: dict[int, dict[str, float]]) -> tuple[dict[int, list[float]], str]:
+    """LR per step and group: batch log -> training log -> constant from *before*."""
+    assert ckpt.optimizer is not None
+    base = [g.lr for g in ckpt.optimizer.groups]
+    if all(s in batches.lr for s in steps):
+        return {s: batches.lr[s] if len(batches.lr[s]) == len(base) else [batches.lr[s][0]] * len(base) for s in steps}, "batch log /lr"
+    if all("lr" in logged.get(s, {}) for s in steps):
+        # A single logged LR: groups keep the ratio to it they had at *before*.
+        ref = logged[steps[0]]["lr"]
+        ratios = [b / ref if ref > 0 else 1.0 for b in base]
+        return {s: [logged[s]["lr"] * r for r in ratios] for s in steps}, "training log lr (group ratios from before)"
+    return {s: list(base) for s in steps}, "constant: the LR stored in before"
+
+
+def _clip_from_checkpoint(ckpt: Checkpoint, batches: BatchSource) -> tuple[float | None, str] | None:
+    tc = ckpt.scalars.get("train_config") or {}
+    for key in ("grad_clip", "max_grad_norm", "gradient_clipping", "clip_grad"):
+        if isinstance(tc.get(key), (int, float)):
+            v = float(tc[key])
+            return (v if v > 0 else None), f"checkpoint config {key}"
+    if batches.grad_clip is not None:
+        return (batches.grad_clip if batches.grad_clip > 0 else None), "batch log attribute grad_clip"
+    return None
+
+
+class _Session:
+    """Model, optimizer and probes rebuilt from *before*; one replay of the window."""
+
+    def __init__(self, cfg: ReplayConfig, a: Checkpoint, precision: str, loss_fn: Callable[..., torch.Tensor] | None) -> None:
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.model = build_model(cfg.model, a)
+        self.to_ckpt = load_weights(self.model, a)
+        self.model.to(self.device).train()
+        self.opt = build_optimizer(self.model, a, self.to_ckpt)
+        self.precision = precision
+        self.scaler = None
+        if precision == "fp16":
+            self.scaler = torch.amp.GradScaler(self.device.type)
+            state = a.scalars.get("scaler")
+            if isinstance(state, dict) and "scale" in state:
+                self.scaler.load_state_dict({k: v for k, v in state.items() if k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")})
+        self.probe = ModuleProbe(self.model, self.device)
+        self.psg = PerSampleGrad(self.model)
+        self.loss_fn = loss_fn
+        self.params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def _loss(self, batch: dict[str, torch.Tensor], precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = batch["input_ids"].to(self.device)
+        kwargs = {"input_ids": ids}
+        if "attention_mask" in batch:
+            kwargs["attention_mask"] = batch["attention_mask"].to(self.device)
+        with _autocast(precision, self.device.type):
+            try:
+                out = self.model(**kwargs)
+            except TypeError:
+                out = self.model(ids)
+            logits = _logits(out)
+        labels = batch.get("labels", batch["input_ids"]).to(self.device)
+        if self.loss_fn is not None:
+            tok = self.loss_fn(logits, {k: v.to(self.device) for k, v in batch.items()})
+            mask = torch.ones_like(tok)
+        else:
+            tok = per_token_loss(logits, labels, kwargs.get("attention_mask"))
+            mask = (labels[:, 1:] != -100).to(tok.dtype)
+            if "attention_mask" in kwargs:
+                mask = mask * kwargs["attention_mask"][:, 1:].to(tok.dtype)
+        per_sample = (tok * mask).sum(1) / mask.sum(1).clamp_min(1)
+        return (tok * mask).sum() / mask.sum().clamp_min(1), per_sample
+
+    def probe_pass(self, batch: dict[str, torch.Tensor], precision: str) -> PassStats:
+        """Forward + backward with probes, no update (the fp32 reference pass)."""
+        self.probe.reset()
+        loss, _ = self._loss(batch, precision)
+        loss.backward()
+        stats = self.probe.collect()
+        self.opt.zero_grad(set_to_none=True)
+        return stats
+
+    def step(self, step: int, batch: dict[str, torch.Tensor], lrs: list[float], clip: float | None) -> tuple[StepRecord, PassStats]:
+        for g, lr in zip(self.opt.param_groups, lrs, strict=True):
+            g["lr"] = lr
+        self.probe.reset()
+        self.psg.reset()
+        self.psg.enabled = True
+        self.opt.zero_grad(set_to_none=True)
+        loss, per_sample = self._loss(batch, self.precision)
+        scale = self.scaler.get_scale() if self.scaler is not None else None
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        self.psg.enabled = False
+        stats = self.probe.collect()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        grads = [p.grad for _, p in self.params if p.grad is not None]
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).cpu() if grads else torch.ones(0, dtype=torch.bool)
+        bad = tuple(n for (n, p), ok in zip([(n, p) for n, p in self.params if p.grad is not None], finite.tolist(), strict=True) if not ok)
+        with_grad = [(n, p) for n, p in self.params if p.grad is not None]
+        rms = torch.stack([p.grad.detach().float().pow(2).mean().sqrt() for _, p in with_grad]).cpu().tolist() if with_grad else []
+        grad_rms = {self.to_ckpt(n): v for (n, _), v in zip(with_grad, rms, strict=True)}
+        total = torch.nn.utils.clip_grad_norm_([p for _, p in self.params], clip if clip else float("inf"))
+        if self.scaler is not None:
+            before_scale = self.scaler.get_scale()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < before_scale
+        else:
+            skipped = not math.isfinite(float(total))
+            self.opt.step()
+        sq = self.psg.sq
+        rec = StepRecord(
+            step=step,
+            loss=float(loss.detach()),
+            grad_norm=float(total),
+            skipped=bool(skipped),
+            lr=tuple(lrs),
+            loss_scale=scale,
+            sample_loss=tuple(per_sample.detach().float().cpu().tolist()),
+            sample_grad_sq=tuple(sq.cpu().tolist()) if sq is not None else None,
+            sample_ids=None,
+            param_grad_nonfinite=bad,
+            param_grad_rms=grad_rms,
+        )
+        return rec, stats
+
+    def close(self) -> None:
+        self.probe.remove()
+        self.psg.remove()
+
+
+def _compare(session: _Session, b: Checkpoint, lrs: dict[int, list[float]]) -> list[TensorMatch]:
+    """Replayed weights and moments against *after*, per tensor.
+
+    A weight matches when it is within 1% of one Adam step (k lr) of *after*: a
+    different summation order changes gradients in the last bits, and Adam can turn
+    that into part of an update, never into more than the update bound. Elements past
+    the bound (`impossible`) cannot come from any replay of these steps.
+    """
+    k = len(lrs)
+    out = []
+    state = session.opt.state
+    group_of = {id(p): gi for gi, g in enumerate(session.opt.param_groups) for p in g["params"]}
+    for key, p in session.model.named_parameters():
+        name = session.to_ckpt(key)
+        name = b.aliases.get(name, name)
+        if name not in b.names():
+            continue
+        gi = group_of.get(id(p), 0)
+        g = session.opt.param_groups[gi]
+        lr = max(v[gi] for v in lrs.values())
+        beta1, beta2 = g["betas"]
+        st_p = state.get(p, {})
+        t_end = int(st_p["step"]) if "step" in st_p else k
+        c = adam_ratio_bound(beta1, beta2, max(1, t_end - k + 1), t_end)
+        ref = b.tensor(name).to(torch.float32).view_as(p)
+        mine = p.detach().cpu().to(torch.float32)
+        ulp = torch.finfo(b.meta(name).dtype).eps if b.meta(name).dtype.is_floating_point else 0.0
+        wscale = torch.maximum(mine.abs(), ref.abs())
+        step_tol = 0.01 * k * lr + 4 * ulp * wscale
+        bound = k * lr * (c + g["weight_decay"] * wscale) * 1.001 + 2 * ulp * wscale
+        out.append(_match(name, "weight", mine, ref, step_tol, bound))
+        st = b.optim_state(name)
+        if st_p and st:
+            for where in ("exp_avg", "exp_avg_sq"):
+                x, y = st_p[where].cpu(), st[where].float().view_as(p)
+                # Relative rounding per step, floored at the tensor's own scale: elements
+                # whose true gradient is zero (a key bias, say) hold pure rounding noise.
+                scale = torch.maximum(x.abs(), y.abs())
+                tol = 1e-3 * k * scale + 1e-4 * float(scale.max()) + 1e-30
+                out.append(_match(name, where, x, y, tol, None))
+    return out
+
+
+def _match(name: str, where: str, x: torch.Tensor, y: torch.Tensor, tol: torch.Tensor | float, bound: torch.Tensor | None) -> TensorMatch:
+    diff = (x - y).abs()
+    bad = ~(diff <= tol)
+    impossible = int((~(diff <= bound)).sum()) if bound is not None else 0
+    return TensorMatch(
+        name=name,
+        where=where,
+        max_abs_diff=float(torch.nan_to_num(diff, nan=float("inf")).max()) if diff.numel() else 0.0,
+        mismatched=int(bad.sum()),
+        numel=x.numel(),
+        tolerance=float(torch.as_tensor(tol).max()),
+        impossible=impossible,
+    )
+
+
+def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None) -> ReplayResult:
+    """Replay the window from *before* with probes; compare with *after* when given.
+
+    Raises:
+        ForensicsError: bad checkpoints, model, batches or configuration.
+    """
+    torch.manual_seed(0)
+    a = open_checkpoint(cfg.before)
+    b = open_checkpoint(cfg.after) if cfg.after is not None else None
+    if a.step is None:
+        raise ForensicsError(f"{cfg.before}: the checkpoint does not record its step; pass --step")
+    if b is not None:
+        if b.step is None or b.step <= a.step:
+            raise ForensicsError(f"{cfg.after}: its step ({b.step}) must come after before's ({a.step})")
+        steps = list(range(a.step + 1, b.step + 1))
+    else:
+        steps = [cfg.step if cfg.step is not None else a.step + 1]
+    batches = open_batches(cfg.batch)
+    for s in steps:
+        batches.batch(s)  # fail early on a missing step
+    mfile = _metrics_file(cfg)
+    logged = read_metrics(mfile) if mfile is not None else {}
+    precision, psrc = _precision(cfg, a)
+    if a.optimizer is None:
+        raise ForensicsError(f"{cfg.before}: no optimizer state; replay needs it to reproduce the update")
+    lrs, lsrc = _lr_plan(steps, a, batches, logged)
+    loss_fn = load_callable(cfg.loss, "--loss") if cfg.loss else None
+    clip_opts: list[tuple[float | None, str]]
+    if cfg.clip is not None:
+        clip_opts = [(cfg.clip if cfg.clip > 0 else None, "--clip")]
+    elif (found := _clip_from_checkpoint(a, batches)) is not None:
+        clip_opts = [found]
+    elif b is not None:
+        clip_opts = [(None, "calibrated: none"), (1.0, "calibrated: 1.0")]
+    else:
+        clip_opts = [(None, "assumed: none (no after to calibrate against)")]
+    best: tuple[float, ReplayResult] | None = None
+    for clip, csrc in clip_opts:
+        result = _run(cfg, a, b, steps, batches, lrs, clip, precision, loss_fn, progress)
+        result.config = {
+            "precision": {"value": precision, "source": psrc},
+            "lr": {"value": {s: lrs[s] for s in steps}, "source": lsrc},
+            "clip": {"value": clip, "source": csrc},
+            "loss": {"value": cfg.loss or "causal LM cross-entropy on the logits (shifted)", "source": "--loss" if cfg.loss else "default"},
+            "optimizer": {"value": "AdamW", "source": "checkpoint optimizer state"},
+            "model": {"value": cfg.model or "config.json", "source": "--model" if cfg.model else "checkpoint"},
+            "batches": {"value": batches.describe, "source": "--batch"},
+            "metrics": {"value": str(mfile) if mfile else None, "source": "discovered" if mfile and cfg.metrics is None else "--metrics"},
+        }
+        result.logged = {s: logged[s] for s in steps if s in logged}
+        # The run's own healthy history (up to 128 logged steps before the window) is the
+        # baseline a spike is measured against (OLMo-core's window).
+        result.baseline = {s: logged[s] for s in range(steps[0] - 128, steps[0]) if s in logged}
+        err = _mismatch_score(result)
+        if best is None or err < best[0]:
+            best = (err, result)
+    assert best is not None
+    return best[1]
+
+
+def _mismatch_score(result: ReplayResult) -> float:
+    if not result.matches:
+        return 0.0
+    return float(np.mean([m.mismatched / max(m.numel, 1) for m in result.matches]))
+
+
+def _run(
+    cfg: ReplayConfig,
+    a: Checkpoint,
+    b: Checkpoint | None,
+    steps: list[int],
+    batches: BatchSource,
+    lrs: dict[int, list[float]],
+    clip: float | None,
+    precision: str,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    progress: Callable[[str], None] | None,
+) -> ReplayResult:
+    session = _Session(cfg, a, precision, loss_fn)
+    result = ReplayResult(config={}, precision=precision)
+    window = {s: batches.batch(s) for s in steps}
+    vocab = _vocab_size(session.model)
+    try:
+        for s in steps:
+            if progress is not None:
+                progress(f"step {s}")
+            batch = window[s]
+            ids = batch["input_ids"]
+            if vocab is not None and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+                raise ForensicsError(f"batch of step {s}: token id {int(ids.max())} outside the model's vocabulary of {vocab}")
+            if precision != "fp32":
+                result.fp32_passes[s] = session.probe_pass(batch, "fp32")
+            rec, stats = session.step(s, batch, lrs[s], clip)
+            if batches.sample_ids.get(s):
+                rec = dataclasses.replace(rec, sample_ids=tuple(batches.sample_ids[s]))
+            result.records.append(rec)
+            result.passes[s] = stats
+            others = np.concatenate([window[t]["input_ids"].numpy().ravel() for t in steps if t != s] or [np.zeros(0, dtype=np.int64)])
+            result.row_stats[s] = row_data_stats(ids.numpy(), others)
+        if b is not None:
+            result.matches = _compare(session, b, lrs)
+    finally:
+        session.close()
+    return result
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            return m.num_embeddings
+    return None

@@ -1,0 +1,214 @@
+"""Rebuild the model and its optimizer from a checkpoint, exactly as the trainer left them."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ForensicsError, IncompatibleCheckpoints
+from ..formats.base import Checkpoint
+
+__all__ = ["load_callable", "build_model", "load_weights", "build_optimizer", "ModelSpecError"]
+
+log = logging.getLogger(__name__)
+
+
+class ModelSpecError(ForensicsError):
+    """A --model / --loss / --batch spec that cannot be imported or called."""
+
+
+def load_callable(spec: str, what: str) -> Callable[..., Any]:
+    """`module:function` or `path/file.py:function` -> the function.
+
+    Raises:
+        ModelSpecError: the module or attribute is missing, or importing it failed.
+    """
+    if ":" not in spec:
+        raise ModelSpecError(f"{what} {spec!r}: expected module:function or path/file.py:function")
+    mod_name, _, attr = spec.rpartition(":")
+    try:
+        if mod_name.endswith(".py") or "/" in mod_name:
+            path = Path(mod_name)
+            if not path.is_file():
+                raise ModelSpecError(f"{what} {spec!r}: {path} does not exist")
+            name = f"_ckptforensics_user_{path.stem}"
+            spec_obj = importlib.util.spec_from_file_location(name, path)
+            assert spec_obj is not None and spec_obj.loader is not None
+            module = importlib.util.module_from_spec(spec_obj)
+            sys.modules[name] = module
+            # The user's own code, named on the command line: importing it is the point.
+            sys.path.insert(0, str(path.resolve().parent.parent))
+            try:
+                spec_obj.loader.exec_module(module)
+            finally:
+                sys.path.pop(0)
+        else:
+            module = importlib.import_module(mod_name)
+    except ModelSpecError:
+        raise
+    except Exception as e:  # any import failure of user code is bad input
+        raise ModelSpecError(f"{what} {spec!r}: import failed ({type(e).__name__}: {e})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ModelSpecError(f"{what} {spec!r}: {mod_name} has no callable {attr!r}")
+    return fn
+
+
+def _factory_kwargs(fn: Callable[..., Any], config: dict[str, Any] | None) -> dict[str, Any]:
+    """The checkpoint's model config, restricted to what the factory accepts."""
+    if not config:
+        return {}
+    sig = inspect.signature(fn)
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool)) or v is None}
+    return {k: v for k, v in config.items() if k in sig.parameters}
+
+
+def build_model(spec: str | None, ckpt: Checkpoint) -> nn.Module:
+    """The model named by `spec`, or by the checkpoint's HF config.json when spec is None.
+
+    A factory receives the checkpoint's model config (nanoGPT `model_args`, Lightning
+    hyper-parameters) as keyword arguments it declares.
+    """
+    if spec is None or spec.endswith("config.json") or (Path(spec).is_dir() and (Path(spec) / "config.json").is_file()):
+        return _hf_model(spec, ckpt)
+    fn = load_callable(spec, "--model")
+    kwargs = _factory_kwargs(fn, ckpt.config)
+    try:
+        model = fn(**kwargs)
+    except Exception as e:  # the user's factory failed: say where
+        raise ModelSpecError(f"--model {spec!r}: the factory raised {type(e).__name__}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"--model {spec!r}: returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _hf_model(spec: str | None, ckpt: Checkpoint) -> nn.Module:
+    import json
+
+    if spec is not None:
+        path = Path(spec)
+        cfg = json.loads((path if path.is_file() else path / "config.json").read_text())
+    elif ckpt.config and "model_type" in ckpt.config:
+        cfg = ckpt.config
+    else:
+        raise ModelSpecError(f"{ckpt.path}: no config.json to build the model from; pass --model module:factory")
+    try:
+        import transformers
+    except ImportError:
+        raise ModelSpecError("building the model from config.json needs transformers: pip install 'ckptforensics[hf]'") from None
+    try:
+        config = transformers.AutoConfig.for_model(**cfg)
+        archs = cfg.get("architectures") or []
+        cls = getattr(transformers, archs[0], None) if archs else None
+        return cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # a config transformers cannot build
+        raise ModelSpecError(f"cannot build the model from config.json ({type(e).__name__}: {e})") from None
+
+
+def _prefix_map(model_keys: list[str], ckpt_names: set[str]) -> Callable[[str], str]:
+    """Model key -> checkpoint name, allowing one wrapper prefix ('model.', '_orig_mod.')."""
+    if all(k in ckpt_names for k in model_keys[:8]):
+        return lambda k: k
+    for n in ckpt_names:
+        for k in model_keys[:1]:
+            if n.endswith("." + k):
+                pre = n[: -len(k)]
+                return lambda key, pre=pre: pre + key
+    return lambda k: k
+
+
+def load_weights(model: nn.Module, ckpt: Checkpoint) -> Callable[[str], str]:
+    """Load the checkpoint's weights strictly (tied weights filled from their owner).
+
+    Returns:
+        The model-key -> checkpoint-name mapping used (for optimizer state).
+
+    Raises:
+        IncompatibleCheckpoints: missing, unexpected or mis-shaped tensors, listing the first.
+    """
+    sd = model.state_dict()
+    names = set(ckpt.names()) | set(ckpt.aliases)
+    to_ckpt = _prefix_map(list(sd), names)
+    missing, shapes, new = [], [], {}
+    for key, ref in sd.items():
+        name = to_ckpt(key)
+        src = ckpt.aliases.get(name, name)
+        if src not in ckpt.names():
+            if _is_derived_buffer(model, key):
+                new[key] = ref
+                continue
+            missing.append(key)
+            continue
+        t = ckpt.tensor(src)
+        if tuple(t.shape) != tuple(ref.shape):
+            shapes.append(f"{key} {list(t.shape)} vs model {list(ref.shape)}")
+            continue
+        new[key] = t.to(ref.dtype).clone()
+    used = {ckpt.aliases.get(to_ckpt(k), to_ckpt(k)) for k in sd}
+    unexpected = sorted(n for n in ckpt.names() if n not in used)
+    if missing or shapes or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing in the checkpoint (first: {sorted(missing)[:3]})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} not in the model (first: {unexpected[:3]})")
+        if shapes:
+            parts.append(f"shape mismatch: {shapes[0]}")
+        raise IncompatibleCheckpoints(f"--model does not match {ckpt.path}: " + "; ".join(parts))
+    model.load_state_dict(new, strict=True)
+    return to_ckpt
+
+
+def _is_derived_buffer(model: nn.Module, key: str) -> bool:
+    """Non-persistent-like buffers (rotary inv_freq, causal masks) rebuilt by the model itself."""
+    return key not in dict(model.named_parameters()) and key.endswith(("inv_freq", "attn.bias", "masked_bias", "position_ids"))
+
+
+def build_optimizer(model: nn.Module, ckpt: Checkpoint, to_ckpt: Callable[[str], str]) -> torch.optim.Optimizer:
+    """AdamW with the checkpoint's param groups, hyper-parameters and moments.
+
+    Raises:
+        ForensicsError: no optimizer state, or one that is not Adam(W).
+    """
+    opt = ckpt.optimizer
+    if opt is None:
+        raise ForensicsError(f"{ckpt.path}: no optimizer state; replay needs the moments to reproduce the update")
+    if opt.kind != "adam":
+        raise ForensicsError(f"{ckpt.path}: optimizer state of kind {opt.kind!r}; replay supports Adam/AdamW")
+    groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in opt.groups]
+    for key, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        name = ckpt.aliases.get(to_ckpt(key), to_ckpt(key))
+        h = opt.hyper.get(name)
+        if h is None:
+            raise IncompatibleCheckpoints(f"{ckpt.path}: parameter {name} is in no optimizer param group")
+        groups[h.index].append((name, p))
+    param_groups = []
+    for gi, members in enumerate(groups):
+        h = opt.groups[gi]
+        param_groups.append(
+            {"params": [p for _, p in members], "lr": h.lr, "betas": h.betas, "eps": h.eps, "weight_decay": h.weight_decay}
+        )
+    optim = torch.optim.AdamW(param_groups)
+    for members in groups:
+        for name, p in members:
+            st = opt.state.get(name)
+            if not st:
+                continue
+            optim.state[p] = {
+                "step": torch.tensor(float(st["step"])),
+                "exp_avg": st["exp_avg"].to(p.device, torch.float32).clone().view_as(p),
+                "exp_avg_sq": st["exp_avg_sq"].to(p.device, torch.float32).clone().view_as(p),
+            }
+    return optim

@@ -16,10 +16,12 @@ $(BIN)/.ready: pyproject.toml
 
 venv: $(BIN)/.ready
 
-# A small incident (a silent bit flip in a real training run), then the main job on it.
+# A small incident (a real training run hit by a poisoned batch at step 35), then the
+# main job on it: replay the window from the step-30 checkpoint and write the report.
 demo: venv
-	$(BIN)/python fixtures/zoo.py --out build/demo --only silent_corruption
-	$(BIN)/ckptforensics diff --run-dir build/demo/silent_corruption --before 30 --after 40 --out build/demo/report
+	$(BIN)/python fixtures/zoo.py --out build/demo --only poison_batch
+	$(BIN)/ckptforensics replay --run-dir build/demo/poison_batch --before 30 --after 35 \
+		--model fixtures/tinygpt.py:factory --batch build/demo/poison_batch/batches.h5 --out build/demo/report
 	@echo "report: build/demo/report/report.md"
 
 zoo: venv

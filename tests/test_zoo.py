@@ -17,25 +17,31 @@ def board(zoo: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dic
 
 def test_every_incident_is_scored(board: dict[str, Row]) -> None:
     assert {"healthy-nanogpt", "lr_jump", "silent_corruption", "poison_batch", "gradient_explosion", "adam_instability", "fp16_overflow"} <= set(board)
+    # Runs that logged their batches are judged by replay (which merges the diff).
+    assert {r.command for r in board.values()} == {"replay", "diff"}
+    assert board["poison_batch"].command == "replay"
 
 
 def test_cause_top1(board: dict[str, Row]) -> None:
     for name, row in board.items():
-        if "cause" in DIFF_BLIND.get(row.truth_cause, {}):
-            # Not observable from a diff: the tool must not claim another cause.
-            assert row.cause == "none", name
+        if row.command == "diff" and "cause" in DIFF_BLIND.get(row.truth_cause, {}):
+            assert row.cause == "none", name  # not observable from a diff: no other cause claimed
             continue
         assert row.cause_ok, f"{name}: {row.cause} != {row.truth_cause}"
 
 
-def test_culprit_layer_and_element(board: dict[str, Row]) -> None:
+@pytest.mark.parametrize("field", ["layer_ok", "samples_ok", "first_bad_step_ok", "element_ok", "reproducible_ok"])
+def test_fields_the_tool_produces_match(board: dict[str, Row], field: str) -> None:
     for name, row in board.items():
-        if "cause" in DIFF_BLIND.get(row.truth_cause, {}):
-            continue
-        assert row.layer_ok in (None, True), f"{name}: layer {row.layer}"
-        if row.layer_ok is None and row.truth_cause not in DIFF_BLIND:
-            assert row.layer is None, name
-        assert row.element_ok in (None, True), name
+        assert getattr(row, field) in (None, True), f"{name}: {field}"
+
+
+def test_replay_settles_what_the_diff_cannot(board: dict[str, Row]) -> None:
+    assert board["poison_batch"].samples_ok is True
+    assert board["fp16_overflow"].layer_ok is True
+    assert board["silent_corruption"].reproducible == "false"
+    assert all(board[n].reproducible == "true" for n in ("lr_jump", "poison_batch", "healthy-nanogpt"))
+    assert all(board[n].first_bad_step_ok for n in ("lr_jump", "poison_batch", "gradient_explosion", "fp16_overflow", "adam_instability"))
 
 
 def test_no_false_alarm_on_healthy_runs(board: dict[str, Row]) -> None:

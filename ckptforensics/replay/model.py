@@ -116,13 +116,17 @@ def _hf_model(spec: str | None, ckpt: Checkpoint) -> nn.Module:
 
 
 def _prefix_map(model_keys: list[str], ckpt_names: set[str]) -> Callable[[str], str]:
-    """Model key -> checkpoint name, allowing one wrapper prefix ('model.', '_orig_mod.')."""
-    if all(k in ckpt_names for k in model_keys[:8]):
+    """Model key -> checkpoint name, allowing one wrapper prefix ('model.', '_orig_mod.').
+
+    A prefix is taken only when it maps every parameter of the model onto the checkpoint.
+    """
+    if not model_keys or all(k in ckpt_names for k in model_keys):
         return lambda k: k
-    for n in ckpt_names:
-        for k in model_keys[:1]:
-            if n.endswith("." + k):
-                pre = n[: -len(k)]
+    first = model_keys[0]
+    for n in sorted(ckpt_names):
+        if n.endswith("." + first):
+            pre = n[: -len(first)]
+            if sum(pre + k in ckpt_names for k in model_keys) > sum(k in ckpt_names for k in model_keys):
                 return lambda key, pre=pre: pre + key
     return lambda k: k
 
@@ -138,7 +142,7 @@ def load_weights(model: nn.Module, ckpt: Checkpoint) -> Callable[[str], str]:
     """
     sd = model.state_dict()
     names = set(ckpt.names()) | set(ckpt.aliases)
-    to_ckpt = _prefix_map(list(sd), names)
+    to_ckpt = _prefix_map([k for k, _ in model.named_parameters()], names)
     missing, shapes, new = [], [], {}
     for key, ref in sd.items():
         name = to_ckpt(key)

@@ -60,7 +60,7 @@ def row_data_stats(ids: np.ndarray, others: np.ndarray) -> list[RowStats]:
         rest = set(np.unique(np.delete(ids, b, axis=0)).tolist()) | seen_elsewhere
         out.append(
             RowStats(
-                longest_run=_longest_match(row, 1),
+                longest_run=max(_longest_match(row, 1), 1 if len(row) else 0),
                 periodic_repeat=max((_longest_match(row, p) for p in range(2, 14)), default=0),
                 unique_ratio=len(np.unique(row)) / max(len(row), 1),
                 unseen=int(sum(1 for t in row.tolist() if t not in rest)),

@@ -6,6 +6,7 @@ host reads the whole table once per pass (`collect`), never once per module.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 __all__ = ["FWD_STATS", "BWD_STATS", "PassStats", "ModuleProbe"]
 
 FWD_STATS = ("absmax", "rms", "nonfinite", "over_fp16", "over_bf16", "subnormal_share")
+# nonfinite / over_* are 0/1 flags (any element), derived from the extrema.
 BWD_STATS = ("grad_norm", "grad_absmax", "grad_nonfinite")
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -57,6 +59,23 @@ def _first_tensor(out: object) -> torch.Tensor | None:
     return None
 
 
+def _stats(x: torch.Tensor, with_subnormal: bool) -> torch.Tensor:
+    """[absmax, rms, nonfinite, over_fp16, over_bf16, subnormal_share] in two passes.
+
+    One aminmax and one norm (both propagate NaN/inf), then scalar ops: the flags are
+    0/1 indicators derived from the extrema, not counts, so no pass is spent counting
+    and nothing leaves the device.
+    """
+    if x.numel() == 0:
+        return torch.zeros(len(FWD_STATS), device=x.device)
+    lo, hi = torch.aminmax(x)
+    absmax = torch.maximum(-lo.float(), hi.float())
+    rms = torch.linalg.vector_norm(x, dtype=torch.float32) / math.sqrt(x.numel())
+    nonfinite = (~torch.isfinite(absmax)).float()
+    sub = (((x.abs() < torch.finfo(x.dtype).tiny) & (x != 0)).sum().float() / x.numel()) if with_subnormal else absmax.new_zeros(())
+    return torch.stack([absmax, rms, nonfinite, (absmax > _FP16_MAX).float(), (absmax > _BF16_MAX).float(), sub])
+
+
 class ModuleProbe:
     """Forward hooks on every named module, and a gradient hook on each output."""
 
@@ -78,21 +97,7 @@ class ModuleProbe:
             t = _first_tensor(out)
             if t is None or not t.is_floating_point():
                 return
-            x = t.detach()
-            a = x.abs().float()
-            fin = torch.isfinite(a)
-            n = max(x.numel(), 1)
-            tiny = torch.finfo(x.dtype).tiny
-            self.fwd[i] = torch.stack(
-                [
-                    torch.where(fin, a, 0).amax() if x.numel() else a.new_zeros(()),
-                    torch.sqrt(torch.where(fin, a * a, 0).sum() / n),
-                    (~fin).sum().float(),
-                    (a > _FP16_MAX).sum().float(),
-                    (a > _BF16_MAX).sum().float(),
-                    ((a < tiny) & (a > 0)).sum().float() / n,
-                ]
-            )
+            self.fwd[i] = _stats(t.detach(), with_subnormal=t.dtype in (torch.float16, torch.bfloat16))
             self.fwd_order.append(i)
             if t.requires_grad:
                 t.register_hook(self._backward(i))
@@ -101,11 +106,9 @@ class ModuleProbe:
 
     def _backward(self, i: int):  # noqa: ANN202 - hook factory
         def hook(g: torch.Tensor) -> None:
-            a = g.detach().abs().float()
-            fin = torch.isfinite(a)
-            self.bwd[i] = torch.stack(
-                [torch.sqrt(torch.where(fin, a * a, 0).sum()), torch.where(fin, a, 0).amax(), (~fin).sum().float()]
-            )
+            st = _stats(g.detach(), with_subnormal=False)
+            # grad_norm = rms * sqrt(n); absmax; non-finite flag.
+            self.bwd[i] = torch.stack([st[1] * math.sqrt(max(g.numel(), 1)), st[0], st[2]])
             self.bwd_order.append(i)
 
         return hook

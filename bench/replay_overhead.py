@@ -1,0 +1,129 @@
+"""Benchmark: probed forward+backward vs plain, and per-sample gradient shares vs one backward.
+
+In one run, on the same model and batch (the project's GPT at a mid size, CPU):
+  plain        forward + backward
+  probes       forward + backward with ckptforensics' ModuleProbe on every module
+  per-sample   forward + backward with probes and PerSampleGrad (Gram trick)
+  HF debug     transformers' DebugUnderflowOverflow (when transformers is installed)
+  anomaly      torch.autograd.detect_anomaly
+Targets (issue #4): probes <= 1.3x plain; per-sample shares <= 2x one batched backward.
+
+    python bench/replay_overhead.py [--layers 6] [--width 384] [--seq 256] [--batch 8] [--record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ckptforensics.replay.probes import ModuleProbe  # noqa: E402
+from ckptforensics.replay.samples import PerSampleGrad, per_token_loss  # noqa: E402
+from fixtures.tinygpt import GPT, GPTConfig  # noqa: E402
+
+
+def timed(fn: Callable[[], None], reps: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--width", type=int, default=384)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--record", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.width // 64, n_embd=args.width)
+    model = GPT(cfg)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq))
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        per_token_loss(model(ids), ids).mean().backward()
+
+    plain = timed(step, args.reps)
+    probe = ModuleProbe(model)
+
+    def probed() -> None:
+        probe.reset()
+        step()
+        probe.collect()
+
+    with_probes = timed(probed, args.reps)
+    psg = PerSampleGrad(model)
+
+    def per_sample() -> None:
+        psg.reset()
+        psg.enabled = True
+        probed()
+        psg.enabled = False
+
+    with_samples = timed(per_sample, args.reps)
+    psg.remove()
+    probe.remove()
+    rows = [("plain forward+backward", plain), ("ckptforensics probes", with_probes), ("probes + per-sample gradient shares", with_samples)]
+    try:
+        from transformers.debug_utils import DebugUnderflowOverflow
+
+        dbg = DebugUnderflowOverflow(model, max_frames_to_save=1)
+        rows.append(("transformers DebugUnderflowOverflow", timed(step, args.reps)))
+        for h in getattr(model, "_forward_hooks", {}).copy():
+            del h
+        model = GPT(cfg)  # a fresh model: the debug hooks cannot be removed cleanly
+        del dbg
+    except ImportError:
+        pass
+
+    def anomaly() -> None:
+        with torch.autograd.detect_anomaly(check_nan=True):
+            step()
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows.append(("torch.autograd.detect_anomaly", timed(anomaly, args.reps)))
+    lines = [
+        f"### replay_overhead — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs, torch {torch.__version__})",
+        "",
+        f"GPT {args.layers} layers x {args.width} wide, vocab {args.vocab}, batch {args.batch} x {args.seq} tokens; best of {args.reps}.",
+        "",
+        "| pass | seconds | vs plain |",
+        "| --- | --- | --- |",
+        *(f"| {name} | {t:.3f} | {t / plain:.2f}× |" for name, t in rows),
+        "",
+        f"- probes: {with_probes / plain:.2f}× plain (target ≤ 1.3×) → {'met' if with_probes / plain <= 1.3 else 'NOT met'}",
+        f"- per-sample shares: {with_samples / with_probes:.2f}× the probed backward they ride on, {with_samples / plain:.2f}× plain (target ≤ 2×) → {'met' if with_samples / plain <= 2 else 'NOT met'}",
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.record:
+        res = Path(__file__).with_name("RESULTS.md")
+        body = res.read_text() if res.exists() else "# Benchmark results\n\n"
+        start, end = "<!-- replay:start -->", "<!-- replay:end -->"
+        block = f"{start}\n{text}\n{end}"
+        body = body[: body.index(start)] + block + body[body.index(end) + len(end) :] if start in body else body.rstrip() + "\n\n" + block + "\n"
+        res.write_text(body)
+
+
+if __name__ == "__main__":
+    main()

@@ -73,6 +73,7 @@ class Thresholds:
     burst: float = 10.0
     update_ratio: float = 0.1
     lr_over_base: float = 1.5
+    logit_max: float = 30.0
     lr_growth_margin: float = 2.0
     confined_tensors: int = 4
     confined_share: float = 1e-5
@@ -552,8 +553,33 @@ def replay_findings(rep: Any, th: Thresholds | None = None) -> tuple[list[Findin
         out += _overflow(rep, suspect, fields, th)
         if "first_bad_step" in fields:
             out += _samples(rep, suspect, fields, th)
+    out += _logits(rep, th)
     out += _reproduction(rep, fields, th)
     return out, fields
+
+
+def _logits(rep: Any, th: Thresholds) -> list[Finding]:
+    """Output logits past the soft-cap level and growing across the window (log Z drift)."""
+    recs = [r for r in rep.records if math.isfinite(r.logit_absmax)]
+    if len(recs) < 2:
+        return []
+    first, peak = recs[0], max(recs, key=lambda r: r.logit_absmax)
+    if peak.logit_absmax > th.logit_max and peak.logit_absmax > 2 * first.logit_absmax:
+        return [
+            Finding(
+                "",
+                "output_logit_growth",
+                f"step {peak.step}",
+                _cap(peak.logit_absmax / th.logit_max),
+                "warning",
+                {"max_abs_logit": peak.logit_absmax, "first_max_abs_logit": first.logit_absmax, "log_z": peak.log_z, "first_log_z": first.log_z, "limit": th.logit_max},
+                f"max |logit| grows from {first.logit_absmax:.3g} to {peak.logit_absmax:.3g} by step {peak.step} "
+                f"(log Z {first.log_z:.3g} -> {peak.log_z:.3g}); past {th.logit_max:g} softmax saturates",
+                "DESIGN §4 output logits (PaLM z-loss; Gemma 2 soft-cap)",
+                ("output_logit_divergence",),
+            )
+        ]
+    return []
 
 
 def _lr_steps(rep: Any, fields: dict[str, Any], th: Thresholds) -> list[Finding]:

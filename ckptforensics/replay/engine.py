@@ -72,6 +72,8 @@ class StepRecord:
     sample_ids: tuple[int, ...] | None
     param_grad_nonfinite: tuple[str, ...]
     param_grad_rms: dict[str, float] = field(default_factory=dict)  # checkpoint name -> RMS of its gradient
+    logit_absmax: float = math.nan  # max |logit| of the step's batch
+    log_z: float = math.nan  # mean logsumexp of the logits (softmax normaliser, nats)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +211,10 @@ class _Session:
             if "attention_mask" in kwargs:
                 mask = mask * kwargs["attention_mask"][:, 1:].to(tok.dtype)
         per_sample = (tok * mask).sum(1) / mask.sum(1).clamp_min(1)
+        with torch.no_grad():
+            lg = logits.detach()
+            lo, hi = torch.aminmax(lg)
+            self.logit_stats = torch.stack([torch.maximum(-lo.float(), hi.float()), torch.logsumexp(lg.float(), -1).mean()])
         return (tok * mask).sum() / mask.sum().clamp_min(1), per_sample
 
     def probe_pass(self, batch: dict[str, torch.Tensor], precision: str) -> PassStats:
@@ -250,6 +256,7 @@ class _Session:
             skipped = not math.isfinite(float(total))
             self.opt.step()
         sq = self.psg.sq
+        logit_absmax, log_z = self.logit_stats.cpu().tolist()
         rec = StepRecord(
             step=step,
             loss=float(loss.detach()),
@@ -262,6 +269,8 @@ class _Session:
             sample_ids=None,
             param_grad_nonfinite=bad,
             param_grad_rms=grad_rms,
+            logit_absmax=logit_absmax,
+            log_z=log_z,
         )
         return rec, stats
 

@@ -130,9 +130,18 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if rep:
         lines += ["", f"<details><summary>Replay ({len(rep['steps'])} steps, {rep['precision']})</summary>", ""]
         lines += _table(
-            ["step", "loss", "logged loss", "grad norm", "skipped", "loss scale"],
+            ["step", "loss", "logged loss", "grad norm", "skipped", "loss scale", "max abs logit", "log Z"],
             [
-                [r["step"], fmt(r["loss"]), fmt((rep["logged"].get(str(r["step"])) or {}).get("loss")), fmt(r["grad_norm"]), fmt(r["skipped"]), fmt(r["loss_scale"])]
+                [
+                    r["step"],
+                    fmt(r["loss"]),
+                    fmt((rep["logged"].get(str(r["step"])) or {}).get("loss")),
+                    fmt(r["grad_norm"]),
+                    fmt(r["skipped"]),
+                    fmt(r["loss_scale"]),
+                    fmt(r["logit_absmax"]),
+                    fmt(r["log_z"]),
+                ]
                 for r in rep["steps"]
             ],
         )

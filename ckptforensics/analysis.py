@@ -124,3 +124,64 @@ def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> t
         )
     doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, diff=diff, sections={"replay": replay_section(rep, fields)})
     return doc, findings
+
+
+def run_bisect(cfg: Any, *, command: str, progress: Progress | None = None) -> tuple[dict[str, Any], list[Finding], dict[str, Any]]:
+    """`ckptforensics bisect`: replay + step and sample bisection; returns (doc, findings, skip list)."""
+    from .bisect import bisect
+
+    res, rep = bisect(cfg, progress)
+    rfind, fields = replay_findings(rep)
+    if res.rows:
+        fields["anomalous_samples"] = [
+            {"index": i, "sample_id": (res.sample_ids[k] if res.sample_ids else None), "score": 1.0, "why": res.evidence.get(i, "needed to reproduce the spike")}
+            for k, i in enumerate(res.rows)
+        ]
+    a = open_checkpoint(cfg.before)
+    b = open_checkpoint(cfg.after) if cfg.after is not None else a
+    findings = _number(rfind)
+    extra = {k: v for k, v in fields.items() if k in ("first_bad_step", "first_anomalous_module", "anomalous_samples", "reproducible")}
+    verdict = decide(findings, before=str(cfg.before), after=str(cfg.after or cfg.before), extra=extra)
+    skip = {"steps": [res.first_bad_step] if res.first_bad_step is not None and res.rows else [], "sample_ids": res.sample_ids, "rows": {str(res.first_bad_step): res.rows} if res.rows else {}}
+    section = asdict(res)
+    section["skip"] = skip
+    doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, sections={"replay": replay_section(rep, fields), "bisect": section})
+    return doc, findings, skip
+
+
+def run_whatif(cfg: Any, n_steps: int, tries: list[str], skip_rows: dict[int, list[int]] | None, *, command: str, progress: Progress | None = None) -> tuple[dict[str, Any], list[Finding]]:
+    """`ckptforensics whatif`: the baseline and each mitigation replayed from *before*."""
+    from .whatif import parse_mitigation, whatif
+
+    mitigations = [parse_mitigation(t) for t in tries]
+    auto = skip_rows
+    if any(k == "skip_samples" and v == "auto" for m in mitigations for k, v in m.knobs) and not auto:
+        from .bisect import bisect
+
+        first = _step_of(cfg.before) + 1
+        res, _ = bisect(cfg, progress, steps=list(range(first, first + n_steps)))
+        auto = {res.first_bad_step: res.rows} if res.rows else {}
+    outcomes, best, info = whatif(cfg, n_steps, mitigations, auto, progress)
+    a = open_checkpoint(cfg.before)
+    msg = (
+        f"{best} keeps the run on track over {n_steps} steps (least invasive that does)"
+        if best
+        else ("the baseline stays on track: no mitigation needed" if info["baseline_on_track"] else "no mitigation tried keeps the run on track")
+    )
+    finding = Finding("F1", "whatif", best or "run", 1.0, "info", {"recommended": best, **info}, msg, "DESIGN §1 what-if", ())
+    verdict = decide([], before=str(cfg.before), after=f"{n_steps} replayed steps")
+    verdict.summary = f"What-if from {cfg.before} over {n_steps} steps: {msg}."
+    verdict.causes = [{"cause": "none", "confidence": 1.0, "evidence": []}]
+    verdict.recommended_actions = [f"Resume from {cfg.before} with {best}."] if best else []
+    section = {"outcomes": [asdict(o) for o in outcomes], "recommended": best, **info, "auto_rows": {str(k): v for k, v in (auto or {}).items()}}
+    doc = build_report(command=command, before=a, after=a, verdict=verdict, findings=[finding], sections={"whatif": section})
+    return doc, [finding]
+
+
+def _step_of(path: Path) -> int:
+    with open_checkpoint(path) as c:
+        if c.step is None:
+            from .errors import ForensicsError
+
+            raise ForensicsError(f"{path}: the checkpoint does not record its step")
+        return c.step

@@ -350,6 +350,129 @@ def replay(
     _finish(ctx, doc, findings, as_json, written, strict, fail_on)
 
 
+def _replay_options(f: Any) -> Any:
+    """Options every replay-based command shares."""
+    for opt in reversed(
+        [
+            click.option("--model", "model", default=None, help="module:factory, path/file.py:factory, or an HF config dir (default: the checkpoint's config.json)."),
+            click.option("--batch", "batch", required=True, help="Batch log (.h5, one batch per step), a batch file or module:function."),
+            click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True),
+            click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
+            click.option("--clip", type=float, default=None, help="Gradient clipping norm (0 = none); default: from the checkpoint, else calibrated."),
+            click.option("--loss", "loss", default=None, help="module:function(logits, batch) -> per-token loss; default causal-LM cross-entropy."),
+            click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log (JSONL/CSV); discovered when absent."),
+            click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Write the report (and skip.json for bisect) here."),
+            click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout."),
+        ]
+    ):
+        f = opt(f)
+    return f
+
+
+@cli.command("bisect")
+@click.option("--before", "before", required=True, help="Step or path of the healthy checkpoint.")
+@click.option("--after", "after", required=True, help="Step or path after the spike (the window's end).")
+@run_dir_option
+@_replay_options
+@click.pass_context
+def bisect_cmd(
+    ctx: click.Context,
+    before: str,
+    after: str,
+    run_dir: Path,
+    model: str | None,
+    batch: str,
+    precision: str,
+    device: str,
+    clip: float | None,
+    loss: str | None,
+    metrics: Path | None,
+    out: Path | None,
+    as_json: bool,
+) -> None:
+    """Find the first bad step of the window and the rows of its batch that cause it.
+
+    Replays the window, takes the first robust outlier against the run's own history
+    as the bad step, then bisects its batch from the state just before it: rows are
+    swapped for rows of the last healthy batch until the smallest set whose removal
+    removes the spike is found (seeded by per-sample gradient shares, so a handful of
+    evaluations). Writes skip.json ({steps, sample_ids}) for the trainer to resume past it.
+
+    \b
+    Example:
+      ckptforensics bisect --run-dir runs/7b --before 41950 --after 42000 \\
+          --batch runs/7b/batches.h5 --model train.py:build_model --out incident/
+    """
+    from .analysis import run_bisect
+    from .locate import resolve_checkpoint
+    from .replay import ReplayConfig
+
+    with _errors(ctx):
+        pa, pb = resolve_checkpoint(before, run_dir), resolve_checkpoint(after, run_dir)
+        _check_out(out, [pa, pb])
+        cfg = ReplayConfig(before=pa, after=pb, model=model, batch=batch, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
+        with _progress(0, "bisect", ctx.obj.quiet) as prog:
+            doc, findings, skip = run_bisect(cfg, command=_command("bisect"), progress=prog)
+        written = _write(out, doc)
+        if out is not None:
+            from .report import atomic_write
+
+            atomic_write(out / "skip.json", json.dumps(skip, indent=2) + "\n")
+            written.append(out / "skip.json")
+    _finish(ctx, doc, findings, as_json, written, False, "warning")
+
+
+@cli.command("whatif")
+@click.option("--before", "before", required=True, help="Step or path to replay from (the rollback checkpoint).")
+@click.option("--steps", "n_steps", type=click.IntRange(1), required=True, help="How many steps to replay.")
+@click.option("--try", "tries", multiple=True, required=True, help="A mitigation: clip=1.0, precision=bf16|fp32, lr_scale=0.5, skip_samples=auto|ID+ID, skip_step=S, eps=1e-6, reset_moments=GLOB; combine with commas. Repeat --try.")
+@run_dir_option
+@_replay_options
+@click.pass_context
+def whatif_cmd(
+    ctx: click.Context,
+    before: str,
+    n_steps: int,
+    tries: tuple[str, ...],
+    run_dir: Path,
+    model: str | None,
+    batch: str,
+    precision: str,
+    device: str,
+    clip: float | None,
+    loss: str | None,
+    metrics: Path | None,
+    out: Path | None,
+    as_json: bool,
+) -> None:
+    """Replay from BEFORE under each mitigation and say which keeps the run on track.
+
+    The baseline (no mitigation) is replayed first. A run is on track when every step
+    stays finite (no overflow skips) and its loss and grad norm stay under the
+    pre-spike level plus a robust band from the training log. The least invasive
+    mitigation on track is recommended (clip < eps < lr_scale < precision <
+    skip_samples < skip_step < reset_moments).
+
+    \b
+    Example:
+      ckptforensics whatif --run-dir runs/7b --before 41950 --steps 50 \\
+          --batch runs/7b/batches.h5 --model train.py:build_model \\
+          --try clip=1.0 --try precision=bf16 --try lr_scale=0.5 --try skip_samples=auto
+    """
+    from .analysis import run_whatif
+    from .locate import resolve_checkpoint
+    from .replay import ReplayConfig
+
+    with _errors(ctx):
+        pa = resolve_checkpoint(before, run_dir)
+        _check_out(out, [pa])
+        cfg = ReplayConfig(before=pa, model=model, batch=batch, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
+        with _progress(0, "whatif", ctx.obj.quiet) as prog:
+            doc, findings = run_whatif(cfg, n_steps, list(tries), None, command=_command("whatif"), progress=prog)
+        written = _write(out, doc)
+    _finish(ctx, doc, findings, as_json, written, False, "warning")
+
+
 def _echo_verdict(doc: dict[str, Any]) -> None:
     v = doc["verdict"]
     click.echo(v["summary"])

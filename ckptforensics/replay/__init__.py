@@ -1,5 +1,5 @@
 """Replay: rebuild model and optimizer from *before*, re-run the window's steps with probes."""
 
-from .engine import ReplayConfig, ReplayResult, StepRecord, TensorMatch, replay
+from .engine import Plan, ReplayConfig, ReplayResult, Session, StepRecord, TensorMatch, plan, replay
 
-__all__ = ["ReplayConfig", "ReplayResult", "StepRecord", "TensorMatch", "replay"]
+__all__ = ["Plan", "ReplayConfig", "ReplayResult", "Session", "StepRecord", "TensorMatch", "plan", "replay"]

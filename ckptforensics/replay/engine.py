@@ -24,7 +24,7 @@ from .model import build_model, build_optimizer, load_callable, load_weights
 from .probes import ModuleProbe, PassStats
 from .samples import PerSampleGrad, RowStats, per_token_loss, row_data_stats
 
-__all__ = ["ReplayConfig", "StepRecord", "TensorMatch", "ReplayResult", "replay"]
+__all__ = ["ReplayConfig", "StepRecord", "TensorMatch", "ReplayResult", "Plan", "Session", "plan", "replay"]
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def _clip_from_checkpoint(ckpt: Checkpoint, batches: BatchSource) -> tuple[float
     return None
 
 
-class _Session:
+class Session:
     """Model, optimizer and probes rebuilt from *before*; one replay of the window."""
 
     def __init__(self, cfg: ReplayConfig, a: Checkpoint, precision: str, loss_fn: Callable[..., torch.Tensor] | None) -> None:
@@ -226,7 +226,23 @@ class _Session:
         self.opt.zero_grad(set_to_none=True)
         return stats
 
-    def step(self, step: int, batch: dict[str, torch.Tensor], lrs: list[float], clip: float | None) -> tuple[StepRecord, PassStats]:
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+        """(loss, pre-clip grad norm) of a batch at the current state; no update, no probes."""
+        self.probe.enabled = False
+        try:
+            self.opt.zero_grad(set_to_none=True)
+            loss, _ = self._loss(batch, self.precision)
+            loss.backward()
+            grads = [p.grad for _, p in self.params if p.grad is not None]
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))) if grads else 0.0
+            return float(loss.detach()), norm
+        finally:
+            self.opt.zero_grad(set_to_none=True)
+            self.probe.enabled = True
+
+    def step(
+        self, step: int, batch: dict[str, torch.Tensor], lrs: list[float], clip: float | None, update: bool = True
+    ) -> tuple[StepRecord, PassStats]:
         for g, lr in zip(self.opt.param_groups, lrs, strict=True):
             g["lr"] = lr
         self.probe.reset()
@@ -247,7 +263,9 @@ class _Session:
         rms = torch.stack([p.grad.detach().float().pow(2).mean().sqrt() for _, p in with_grad]).cpu().tolist() if with_grad else []
         grad_rms = {self.to_ckpt(n): v for (n, _), v in zip(with_grad, rms, strict=True)}
         total = torch.nn.utils.clip_grad_norm_([p for _, p in self.params], clip if clip else float("inf"))
-        if self.scaler is not None:
+        if not update:
+            skipped = True  # the mitigation skips this step's update
+        elif self.scaler is not None:
             before_scale = self.scaler.get_scale()
             self.scaler.step(self.opt)
             self.scaler.update()
@@ -279,7 +297,7 @@ class _Session:
         self.psg.remove()
 
 
-def _compare(session: _Session, b: Checkpoint, lrs: dict[int, list[float]]) -> list[TensorMatch]:
+def _compare(session: Session, b: Checkpoint, lrs: dict[int, list[float]]) -> list[TensorMatch]:
     """Replayed weights and moments against *after*, per tensor.
 
     A weight matches when it is within 1% of one Adam step (k lr) of *after*: a
@@ -337,23 +355,69 @@ def _match(name: str, where: str, x: torch.Tensor, y: torch.Tensor, tol: torch.T
     )
 
 
-def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None) -> ReplayResult:
-    """Replay the window from *before* with probes; compare with *after* when given.
+@dataclass(slots=True)
+class Plan:
+    """Everything a replay of the window needs, resolved once: checkpoints, steps,
+    batches, LR per step, clipping candidates, precision, loss; each with its source."""
+
+    cfg: ReplayConfig
+    a: Checkpoint
+    b: Checkpoint | None
+    steps: list[int]
+    batches: BatchSource
+    lrs: dict[int, list[float]]
+    lr_source: str
+    clips: list[tuple[float | None, str]]
+    precision: str
+    precision_source: str
+    loss_fn: Callable[..., torch.Tensor] | None
+    logged: dict[int, dict[str, float]]
+    metrics_file: Path | None
+
+    def config(self, clip: float | None, clip_source: str) -> dict[str, dict[str, Any]]:
+        """replay.config: every assumption with its source (DESIGN §3)."""
+        cfg = self.cfg
+        return {
+            "precision": {"value": self.precision, "source": self.precision_source},
+            "lr": {"value": {s: self.lrs[s] for s in self.steps}, "source": self.lr_source},
+            "clip": {"value": clip, "source": clip_source},
+            "loss": {"value": cfg.loss or "causal LM cross-entropy on the logits (shifted)", "source": "--loss" if cfg.loss else "default"},
+            "optimizer": {"value": "AdamW", "source": "checkpoint optimizer state"},
+            "model": {"value": cfg.model or "config.json", "source": "--model" if cfg.model else "checkpoint"},
+            "batches": {"value": self.batches.describe, "source": "--batch"},
+            "metrics": {"value": str(self.metrics_file) if self.metrics_file else None, "source": "discovered" if self.metrics_file and cfg.metrics is None else "--metrics"},
+        }
+
+    def baseline(self) -> dict[int, dict[str, float]]:
+        """The run's own logged history, up to 128 steps before the window (OLMo-core's window)."""
+        first = self.steps[0]
+        return {s: self.logged[s] for s in range(first - 128, first) if s in self.logged}
+
+    def session(self) -> Session:
+        return Session(self.cfg, self.a, self.precision, self.loss_fn)
+
+
+def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
+    """Resolve a replay: open the checkpoints, check the batches, settle LR, clip, precision.
+
+    Args:
+        cfg: the replay configuration.
+        steps: override the window (whatif replays N steps from *before*).
 
     Raises:
-        ForensicsError: bad checkpoints, model, batches or configuration.
+        ForensicsError: bad checkpoints, batches or configuration.
     """
-    torch.manual_seed(0)
     a = open_checkpoint(cfg.before)
     b = open_checkpoint(cfg.after) if cfg.after is not None else None
     if a.step is None:
         raise ForensicsError(f"{cfg.before}: the checkpoint does not record its step; pass --step")
-    if b is not None:
-        if b.step is None or b.step <= a.step:
-            raise ForensicsError(f"{cfg.after}: its step ({b.step}) must come after before's ({a.step})")
-        steps = list(range(a.step + 1, b.step + 1))
-    else:
-        steps = [cfg.step if cfg.step is not None else a.step + 1]
+    if steps is None:
+        if b is not None:
+            if b.step is None or b.step <= a.step:
+                raise ForensicsError(f"{cfg.after}: its step ({b.step}) must come after before's ({a.step})")
+            steps = list(range(a.step + 1, b.step + 1))
+        else:
+            steps = [cfg.step if cfg.step is not None else a.step + 1]
     batches = open_batches(cfg.batch)
     for s in steps:
         batches.batch(s)  # fail early on a missing step
@@ -364,32 +428,35 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None) -> 
         raise ForensicsError(f"{cfg.before}: no optimizer state; replay needs it to reproduce the update")
     lrs, lsrc = _lr_plan(steps, a, batches, logged)
     loss_fn = load_callable(cfg.loss, "--loss") if cfg.loss else None
-    clip_opts: list[tuple[float | None, str]]
+    clips: list[tuple[float | None, str]]
     if cfg.clip is not None:
-        clip_opts = [(cfg.clip if cfg.clip > 0 else None, "--clip")]
+        clips = [(cfg.clip if cfg.clip > 0 else None, "--clip")]
     elif (found := _clip_from_checkpoint(a, batches)) is not None:
-        clip_opts = [found]
+        clips = [found]
     elif b is not None:
-        clip_opts = [(None, "calibrated: none"), (1.0, "calibrated: 1.0")]
+        clips = [(None, "calibrated: none"), (1.0, "calibrated: 1.0")]
     else:
-        clip_opts = [(None, "assumed: none (no after to calibrate against)")]
+        clips = [(None, "assumed: none (no after to calibrate against)")]
+    return Plan(cfg, a, b, steps, batches, lrs, lsrc, clips, precision, psrc, loss_fn, logged, mfile)
+
+
+def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, steps: list[int] | None = None) -> ReplayResult:
+    """Replay the window from *before* with probes; compare with *after* when given.
+
+    With no clipping stated anywhere, the window is replayed under each usual setting
+    and the one that reproduces *after* best is kept (calibration, said in the report).
+
+    Raises:
+        ForensicsError: bad checkpoints, model, batches or configuration.
+    """
+    torch.manual_seed(0)
+    p = plan(cfg, steps)
     best: tuple[float, ReplayResult] | None = None
-    for clip, csrc in clip_opts:
-        result = _run(cfg, a, b, steps, batches, lrs, clip, precision, loss_fn, progress)
-        result.config = {
-            "precision": {"value": precision, "source": psrc},
-            "lr": {"value": {s: lrs[s] for s in steps}, "source": lsrc},
-            "clip": {"value": clip, "source": csrc},
-            "loss": {"value": cfg.loss or "causal LM cross-entropy on the logits (shifted)", "source": "--loss" if cfg.loss else "default"},
-            "optimizer": {"value": "AdamW", "source": "checkpoint optimizer state"},
-            "model": {"value": cfg.model or "config.json", "source": "--model" if cfg.model else "checkpoint"},
-            "batches": {"value": batches.describe, "source": "--batch"},
-            "metrics": {"value": str(mfile) if mfile else None, "source": "discovered" if mfile and cfg.metrics is None else "--metrics"},
-        }
-        result.logged = {s: logged[s] for s in steps if s in logged}
-        # The run's own healthy history (up to 128 logged steps before the window) is the
-        # baseline a spike is measured against (OLMo-core's window).
-        result.baseline = {s: logged[s] for s in range(steps[0] - 128, steps[0]) if s in logged}
+    for clip, csrc in p.clips:
+        result = _run(p, clip, progress)
+        result.config = p.config(clip, csrc)
+        result.logged = {s: p.logged[s] for s in p.steps if s in p.logged}
+        result.baseline = p.baseline()
         err = _mismatch_score(result)
         if best is None or err < best[0]:
             best = (err, result)
@@ -403,19 +470,9 @@ def _mismatch_score(result: ReplayResult) -> float:
     return float(np.mean([m.mismatched / max(m.numel, 1) for m in result.matches]))
 
 
-def _run(
-    cfg: ReplayConfig,
-    a: Checkpoint,
-    b: Checkpoint | None,
-    steps: list[int],
-    batches: BatchSource,
-    lrs: dict[int, list[float]],
-    clip: float | None,
-    precision: str,
-    loss_fn: Callable[..., torch.Tensor] | None,
-    progress: Callable[[str], None] | None,
-) -> ReplayResult:
-    session = _Session(cfg, a, precision, loss_fn)
+def _run(p: Plan, clip: float | None, progress: Callable[[str], None] | None) -> ReplayResult:
+    b, steps, batches, lrs, precision = p.b, p.steps, p.batches, p.lrs, p.precision
+    session = p.session()
     result = ReplayResult(config={}, precision=precision)
     window = {s: batches.batch(s) for s in steps}
     vocab = _vocab_size(session.model)

@@ -44,7 +44,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
     b, a = inc["before"], inc["after"]
     top = v["causes"][0]
     lines = [
-        f"# ckptforensics: {top['cause'].replace('_', ' ')}",
+        f"# ckptforensics: {'what-if' if doc.get('whatif') else top['cause'].replace('_', ' ')}",
         "",
         f"**{v['summary']}**",
         "",
@@ -155,5 +155,25 @@ def render_markdown(doc: dict[str, Any]) -> str:
         if r:
             lines += ["", f"Reproduction against after: {r['mismatched']:,} of {r['elements']:,} elements outside tolerance, {r['impossible']:,} beyond any Adam step."]
         lines += ["", "</details>"]
+    bis = doc.get("bisect") or {}
+    if bis:
+        lines += ["", "**Bisection**", ""]
+        lines.append(f"- first bad step: {fmt(bis['first_bad_step'])}; culprit rows: {bis['rows'] or '—'} (sample ids {bis['sample_ids'] or '—'})")
+        lines.append(f"- minimal set whose removal removes the spike: {bis['minimal_rows'] or '—'}; alone with healthy rows it {'spikes' if bis['presence_spikes'] else 'does not spike' if bis['presence_spikes'] is False else '—'}")
+        lines.append(f"- evaluations: {bis['replays']} (budget {bis['budget']})" + (f"; {bis['note']}" if bis.get("note") else ""))
+        if bis["disagreements"]:
+            lines.append(f"- replayed loss differs from the training log at steps {[d['step'] for d in bis['disagreements']]}")
+        if bis["trials"]:
+            lines += ["", "<details><summary>Bisection trials</summary>", ""]
+            lines += _table(["trial", "loss", "grad norm", "robust z", "spikes"], [[t["label"], fmt(t["loss"]), fmt(t["grad_norm"]), fmt(t["robust_z"]), fmt(t["spiked"])] for t in bis["trials"]])
+            lines += ["", "</details>"]
+    wi = doc.get("whatif") or {}
+    if wi:
+        lines += ["", "**What-if**", ""]
+        lines += _table(
+            ["mitigation", "on track", "max loss", "max grad norm", "final loss"],
+            [[o["mitigation"], fmt(o["on_track"]), fmt(o["max_loss"]), fmt(o["max_grad_norm"]), fmt(o["final_loss"])] for o in wi["outcomes"]],
+        )
+        lines += ["", f"Band: loss ≤ {fmt(wi['level'])} + {fmt(wi['band'])}, grad norm ≤ {fmt(wi['grad_norm_level'])} + {fmt(wi['grad_norm_band'])} ({wi['source']})."]
     lines += ["", f"<sub>{inc['command']} · ckptforensics {inc['tool_version']} · schema {doc['schema']}</sub>", ""]
     return "\n".join(lines)

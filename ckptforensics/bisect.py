@@ -1,0 +1,148 @@
+"""Bisection: which step of the window goes bad, and which rows of its batch make it so."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .detectors import _z_steps, replay_findings
+from .replay import ReplayConfig, plan, replay
+from .replay.engine import ReplayResult
+
+__all__ = ["BisectResult", "bisect"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class BisectResult:
+    """What bisection found.
+
+    Attributes:
+        first_bad_step: first robust outlier of the replayed window (None: no spike).
+        rows: culprit rows of that batch: the minimal set whose removal removes the
+            spike, with every row the per-sample evidence flags.
+        minimal_rows: the minimal removal set alone.
+        presence_spikes: the minimal set alone, with healthy filler rows, still spikes.
+        sample_ids: dataset ids of `rows` (batch log `/sample_id`), when recorded.
+        replays: forward+backward evaluations spent on sample bisection; budget: 2 k log2(B) + 4.
+        disagreements: steps where the replayed loss differs from the training log.
+        trials: (rows kept or removed, loss, grad norm, spiked) per evaluation.
+    """
+
+    first_bad_step: int | None
+    rows: list[int] = field(default_factory=list)
+    minimal_rows: list[int] = field(default_factory=list)
+    presence_spikes: bool | None = None
+    sample_ids: list[int] = field(default_factory=list)
+    replays: int = 0
+    budget: int = 0
+    disagreements: list[dict[str, float]] = field(default_factory=list)
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    evidence: dict[int, str] = field(default_factory=dict)
+    note: str = ""
+
+
+def _disagreements(rep: ReplayResult) -> list[dict[str, float]]:
+    out = []
+    for r in rep.records:
+        logged = rep.logged.get(r.step, {}).get("loss")
+        if logged is not None and math.isfinite(r.loss) and abs(r.loss - logged) > 1e-3 * max(1.0, abs(logged)):
+            out.append({"step": r.step, "replayed_loss": r.loss, "logged_loss": logged})
+    return out
+
+
+def bisect(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, steps: list[int] | None = None) -> tuple[BisectResult, ReplayResult]:
+    """Replay the window, find its first bad step, then the rows that make it bad.
+
+    Sample bisection runs on the state just before the bad step: a candidate batch keeps
+    some rows and replaces the others by rows of the last healthy step (same batch size,
+    so the loss averaging is the trainer's). The per-sample gradient shares seed the
+    search, so the common case costs a handful of evaluations.
+    """
+    rep = replay(cfg, progress, steps)
+    _, fields = replay_findings(rep)
+    res = BisectResult(first_bad_step=fields.get("first_bad_step"), disagreements=_disagreements(rep))
+    s = res.first_bad_step
+    if s is None or s == rep.records[0].step and len(rep.records) == 1 and not rep.baseline:
+        return res, rep
+    p = plan(cfg, steps)
+    clip = rep.config["clip"]["value"]
+    sess = p.session()
+    try:
+        for t in p.steps:
+            if t >= s:
+                break
+            sess.step(t, p.batches.batch(t), p.lrs[t], clip)
+        batch = p.batches.batch(s)
+        filler_step = max((t for t in p.steps if t < s), default=None)
+        if filler_step is None:
+            filler_step = next((t for t in (p.batches.steps or []) if t < s), None)
+        if filler_step is None:
+            res.note = f"no healthy batch before step {s} to fill rows with; sample bisection skipped"
+            return res, rep
+        filler = p.batches.batch(filler_step)
+        base_loss = [v["loss"] for v in rep.baseline.values() if "loss" in v] or [r.loss for r in rep.records if r.step < s]
+        base_grad = [v["grad_norm"] for v in rep.baseline.values() if "grad_norm" in v] or [r.grad_norm for r in rep.records if r.step < s]
+        n = batch["input_ids"].shape[0]
+
+        def spikes(keep: set[int], label: str) -> bool:
+            mixed = {k: torch.where(_rows_mask(n, keep, v), v, filler[k][:n]) for k, v in batch.items() if k in filler}
+            loss, grad = sess.evaluate(mixed)
+            res.replays += 1
+            z = max(float(_z_steps([loss], base_loss)[0]), float(_z_steps([grad], base_grad)[0]))
+            hit = not math.isfinite(z) or z > 6.0
+            res.trials.append({"rows": sorted(keep), "label": label, "loss": loss, "grad_norm": grad, "robust_z": z, "spiked": hit})
+            return hit
+
+        everything = set(range(n))
+        if not spikes(everything, "whole batch"):
+            res.note = (
+                f"the batch of step {s} does not spike on its own from the replayed state: "
+                "the step went bad through the update (LR, optimizer state), not through its data"
+            )
+            log.info(res.note)
+            return res, rep
+        rec = next(r for r in rep.records if r.step == s)
+        order = _by_share(rec)
+        flagged = {x["index"] for x in fields.get("anomalous_samples", [])}
+        res.evidence = {x["index"]: x["why"] for x in fields.get("anomalous_samples", [])}
+        culprits = set(flagged) or {order[0]}
+        # 1) grow until removing the culprits removes the spike (largest shares first)
+        for r in order:
+            if not spikes(everything - culprits, f"without {sorted(culprits)}"):
+                break
+            culprits.add(r)
+        # 2) shrink: a row whose removal is not needed goes back (smallest share first)
+        for r in sorted(culprits, key=order.index, reverse=True):
+            trial = culprits - {r}
+            if trial and not spikes(everything - trial, f"without {sorted(trial)}"):
+                culprits = trial
+        res.minimal_rows = sorted(culprits)
+        res.presence_spikes = spikes(culprits, f"only {sorted(culprits)}")
+        res.rows = sorted(culprits | flagged)
+        k = max(1, len(res.rows))
+        res.budget = int(2 * k * math.ceil(math.log2(max(n, 2))) + 4)
+        ids = p.batches.sample_ids.get(s)
+        res.sample_ids = [ids[i] for i in res.rows] if ids else []
+    finally:
+        sess.close()
+    return res, rep
+
+
+def _rows_mask(n: int, keep: set[int], v: torch.Tensor) -> torch.Tensor:
+    m = torch.zeros(n, dtype=torch.bool)
+    m[sorted(keep)] = True
+    return m.view(n, *([1] * (v.dim() - 1)))
+
+
+def _by_share(rec: Any) -> list[int]:
+    """Rows by their share of the gradient norm^2 (then loss), largest first."""
+    n = len(rec.sample_loss)
+    sq = rec.sample_grad_sq if rec.sample_grad_sq is not None else [0.0] * n
+    return sorted(range(n), key=lambda i: (-(sq[i] if math.isfinite(sq[i]) else math.inf), -rec.sample_loss[i]))

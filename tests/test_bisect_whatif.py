@@ -1,0 +1,80 @@
+"""bisect and whatif on the zoo, against the planted truth."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from ckptforensics.cli import cli
+from tests.conftest import truth
+from tests.test_cli import assert_bad_input
+
+MODEL = "fixtures/tinygpt.py:factory"
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_bisect_finds_the_poisoned_step_and_rows(zoo: dict[str, Path], tmp_path: Path) -> None:
+    run = zoo["poison_batch"]
+    t = truth(run)
+    r = invoke("bisect", "--run-dir", str(run), "--before", "30", "--after", "35", "--model", MODEL, "--batch", str(run / "batches.h5"), "--out", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "report.json").read_text())
+    b = doc["bisect"]
+    assert b["first_bad_step"] == t["first_bad_step"]
+    got, want = set(b["rows"]), set(t["samples"])
+    assert len(got & want) / len(got) >= 0.9 and len(got & want) / len(want) >= 0.9
+    assert b["replays"] <= b["budget"]
+    assert b["presence_spikes"] is True
+    skip = json.loads((tmp_path / "skip.json").read_text())
+    assert skip["steps"] == [t["first_bad_step"]] and len(skip["sample_ids"]) == len(b["rows"])
+
+
+def test_bisect_finds_no_bad_step_on_a_healthy_window(zoo: dict[str, Path]) -> None:
+    run = zoo["healthy"]
+    r = invoke("bisect", "--run-dir", str(run), "--before", "30", "--after", "40", "--model", MODEL, "--batch", str(run / "batches.h5"), "--json")
+    assert r.exit_code == 0
+    b = json.loads(r.stdout)["bisect"]
+    assert b["first_bad_step"] is None and b["rows"] == [] and b["replays"] == 0
+
+
+def _whatif(run: Path, *tries: str) -> dict:
+    args = ["whatif", "--run-dir", str(run), "--before", "30", "--steps", "10", "--model", MODEL, "--batch", str(run / "batches.h5"), "--json"]
+    for t in tries:
+        args += ["--try", t]
+    r = invoke(*args)
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)["whatif"]
+
+
+def test_whatif_skipping_the_poisoned_rows_holds(zoo: dict[str, Path]) -> None:
+    w = _whatif(zoo["poison_batch"], "clip=0.5", "skip_samples=auto")
+    out = {o["mitigation"]: o for o in w["outcomes"]}
+    assert not out["baseline"]["on_track"]
+    assert out["skip_samples=auto"]["on_track"]
+    assert w["recommended"] == "skip_samples=auto"
+    assert sorted(w["auto_rows"]["35"]) == truth(zoo["poison_batch"])["samples"]
+
+
+def test_whatif_lowering_the_lr_holds_the_lr_jump(zoo: dict[str, Path]) -> None:
+    w = _whatif(zoo["lr_jump"], "clip=0.5", "lr_scale=0.01")
+    out = {o["mitigation"]: o for o in w["outcomes"]}
+    assert not out["baseline"]["on_track"] and not out["clip=0.5"]["on_track"]
+    assert w["recommended"] == "lr_scale=0.01"
+
+
+def test_whatif_higher_precision_removes_the_fp16_overflow(zoo: dict[str, Path]) -> None:
+    w = _whatif(zoo["fp16_overflow"], "precision=bf16", "precision=fp32")
+    out = {o["mitigation"]: o for o in w["outcomes"]}
+    assert out["baseline"]["skipped_updates"], "the fp16 baseline must still overflow"
+    assert out["precision=bf16"]["skipped_updates"] == [] and out["precision=fp32"]["skipped_updates"] == []
+
+
+def test_whatif_rejects_unknown_knobs(zoo: dict[str, Path]) -> None:
+    run = zoo["healthy"]
+    r = invoke("whatif", "--run-dir", str(run), "--before", "30", "--steps", "3", "--model", MODEL, "--batch", str(run / "batches.h5"), "--try", "warp=9")
+    assert_bad_input(r, "unknown knob 'warp'")

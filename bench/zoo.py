@@ -143,6 +143,48 @@ def score(zoo: Path, reports: Path) -> list[Row]:
     return [run_incident(d, reports) for d in sorted(zoo.iterdir()) if (d / "truth.json").is_file()]
 
 
+MENU = ("clip=1.0", "clip=0.5", "lr_scale=0.1", "lr_scale=0.01", "precision=bf16", "skip_samples=auto")
+
+
+def run_whatif(run: Path, reports: Path) -> dict[str, Any] | None:
+    """`whatif` with the usual menu of mitigations from the incident's *before*."""
+    truth = json.loads((run / "truth.json").read_text())
+    hint = truth.get("replay")
+    if not hint or truth["cause"] == "none":
+        return None
+    before, after = int(truth.get("before", 30)), int(truth.get("after", 40))
+    out = reports / f"{run.name}-whatif"
+    cmd = [sys.executable, "-m", "ckptforensics.cli", "-q", "whatif", "--run-dir", str(run), "--before", str(before), "--steps", str(max(after - before, 5))]
+    cmd += ["--model", hint["model"], "--batch", str(run / hint["batch"]), "--out", str(out)]
+    for m in MENU:
+        cmd += ["--try", m]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        return {"incident": run.name, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+    w = json.loads((out / "report.json").read_text())["whatif"]
+    on = [o["mitigation"] for o in w["outcomes"][1:] if o["on_track"] and not o.get("note")]
+    return {
+        "incident": run.name,
+        "baseline_on_track": w["baseline_on_track"],
+        "on_track": on,
+        "recommended": w["recommended"],
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def whatif_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| incident | baseline on track | mitigations on track | recommended | time |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['incident']} | error: {r['error']} | | | |")
+            continue
+        lines.append(
+            f"| {r['incident']} | {'yes' if r['baseline_on_track'] else 'no (spikes)'} | {', '.join(r['on_track']) or 'none'} | {r['recommended'] or '—'} | {r['seconds']:.1f} s |"
+        )
+    return "\n".join(lines)
+
+
 def _mark(ok: bool | None, text: str | None = None) -> str:
     if ok is None:
         return "—"
@@ -192,7 +234,12 @@ def main() -> None:
     head = f"## Zoo scoreboard — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs); `replay` (which merges `diff`) where the run logged its batches, else `diff`"
     legend = "✓ matches the truth, ✗ does not, — the truth has no such field, n/p the tool does not produce it yet."
     notes = "\n".join(f"- {r.incident}: {r.note}" for r in rows if r.note)
-    text = f"{head}\n\n{table(rows)}\n\n{legend}\n\n{notes}"
+    reports = args.zoo.parent / "zoo-reports"
+    wrows = [w for d in sorted(args.zoo.iterdir()) if (d / "truth.json").is_file() and (w := run_whatif(d, reports))]
+    menu = ", ".join(f"`{m}`" for m in MENU)
+    text = (
+        f"{head}\n\n{table(rows)}\n\n{legend}\n\n{notes}\n\n### What-if from each incident's *before* ({menu})\n\n{whatif_table(wrows)}"
+    )
     print(text)
     if args.record:
         record(text)

@@ -66,6 +66,7 @@ class Outcome:
     on_track: bool = False
     skipped_rows: dict[int, list[int]] = field(default_factory=dict)
     skipped_updates: list[int] = field(default_factory=list)  # overflow skips (not --try skip_step)
+    note: str = ""
 
 
 def _band(logged: dict[int, dict[str, float]], first: int, key: str = "loss") -> tuple[float, float] | None:
@@ -110,7 +111,7 @@ def whatif(
         if progress is not None:
             progress(m.text)
         outcomes.append(_replay_with(cfg, base_plan, m, auto_rows or {}, band, gband))
-    ranked = sorted(((m.rank, i) for i, (o, m) in enumerate(zip(outcomes[1:], tries, strict=True)) if o.on_track))
+    ranked = sorted(((m.rank, i) for i, (o, m) in enumerate(zip(outcomes[1:], tries, strict=True)) if o.on_track and not o.note))
     best = tries[ranked[0][1]].text if ranked and not outcomes[0].on_track else None
     info = {
         "level": band[0] if band else None,
@@ -153,6 +154,8 @@ def _replay_with(cfg: ReplayConfig, base: Any, m: Mitigation, auto_rows: dict[in
         scale = float(knobs.get("lr_scale", 1.0))
         skip_step = int(float(knobs["skip_step"])) if "skip_step" in knobs else None
         rows = _rows(knobs.get("skip_samples"), auto_rows, p)
+        if "skip_samples" in knobs and not rows:
+            out.note = "no culprit rows found in these steps: nothing skipped"
         for s in p.steps:
             batch = p.batches.batch(s)
             if s in rows:
@@ -185,9 +188,7 @@ def _rows(spec: str | None, auto_rows: dict[int, list[int]], p: Any) -> dict[int
     if spec is None:
         return {}
     if spec == "auto":
-        if not auto_rows:
-            raise ForensicsError("--try skip_samples=auto needs culprit rows: run bisect first or pass sample ids")
-        return auto_rows
+        return auto_rows  # bisect found none: nothing to skip (the outcome says so)
     wanted = {int(x) for x in spec.replace(";", " ").replace("+", " ").split()}
     out: dict[int, list[int]] = {}
     for s in p.steps:

@@ -473,6 +473,77 @@ def whatif_cmd(
     _finish(ctx, doc, findings, as_json, written, False, "warning")
 
 
+@cli.command("triage")
+@click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log: JSONL, CSV, trainer_state.json or TensorBoard events; discovered in --run-dir when absent.")
+@run_dir_option
+@click.option("--loss-key", default="loss", show_default=True, help="Column holding the loss.")
+@click.option("--grad-key", default="grad_norm", show_default=True, help="Column holding the (pre-clip) grad norm.")
+@click.option("--lr-key", default="lr", show_default=True, help="Column holding the learning rate.")
+@click.option("--window", type=click.IntRange(4), default=128, show_default=True, help="Steps of history each step is judged against.")
+@click.option("--z", "z", type=float, default=6.0, show_default=True, help="Robust z that marks a spike.")
+@click.option("--margin", type=click.IntRange(0), default=0, show_default=True, help="Steps the rollback checkpoint must precede the onset by.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def triage_cmd(
+    ctx: click.Context,
+    metrics: Path | None,
+    run_dir: Path,
+    loss_key: str,
+    grad_key: str,
+    lr_key: str,
+    window: int,
+    z: float,
+    margin: int,
+    as_json: bool,
+) -> None:
+    """Find the spike onset in the training log and the checkpoint to roll back to.
+
+    Robust z of the grad norm (the first signal to move) and the loss against the
+    previous --window steps, LR jumps and loss-scale backoffs; then the last
+    checkpoint before the onset, and the diff/replay/bisect commands to run next.
+
+    \b
+    Example:
+      ckptforensics triage --run-dir runs/7b
+      ckptforensics triage --metrics runs/7b/metrics.csv --grad-key train/grad_norm --json
+    """
+    from .triage import TriageConfig, as_dict, triage
+
+    with _errors(ctx):
+        path = metrics or _discover_metrics(run_dir)
+        res = triage(path, run_dir, TriageConfig(window=window, z=z, margin=margin), {"loss": loss_key, "grad_norm": grad_key, "lr": lr_key})
+    if as_json:
+        click.echo(json.dumps(_jsonable(as_dict(res)), indent=2))
+        return
+    click.echo(f"read {res.metrics_file} ({res.steps} steps)")
+    if res.first_bad_step is None:
+        click.echo("no spike onset found")
+        return
+    click.echo(f"first bad step: {res.first_bad_step}")
+    for o in res.onsets[:8]:
+        click.echo(f"  {o.message}")
+    if res.drift:
+        click.echo(f"  {res.drift}")
+    click.echo(f"rollback checkpoint: {res.rollback or 'none before the onset'}")
+    for c in res.commands:
+        click.echo(f"  {c}")
+
+
+def _discover_metrics(run_dir: Path) -> Path:
+    """DESIGN §3 discovery order; the first found wins."""
+    from .locate import list_checkpoints
+
+    cands = [run_dir / "metrics.jsonl", run_dir / "metrics.csv"]
+    ckpts = list_checkpoints(run_dir)
+    if ckpts:
+        cands.append(ckpts[-1][1] / "trainer_state.json")
+    cands += sorted(run_dir.glob("lightning_logs/*/metrics.csv")) + sorted(run_dir.glob("events.out.tfevents.*"))
+    for c in cands:
+        if c.is_file():
+            return c
+    raise ForensicsError(f"no training log in {run_dir} (looked for metrics.jsonl, metrics.csv, trainer_state.json, lightning_logs, TensorBoard events); pass --metrics")
+
+
 def _echo_verdict(doc: dict[str, Any]) -> None:
     v = doc["verdict"]
     click.echo(v["summary"])

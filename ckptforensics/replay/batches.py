@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import ForensicsError
 
-__all__ = ["BatchSource", "open_batches", "read_metrics", "BatchError"]
+__all__ = ["BatchSource", "open_batches", "BatchError"]
 
 _KEYS = ("input_ids", "attention_mask", "labels")
 
@@ -129,26 +127,3 @@ def _h5(path: Path) -> BatchSource:
     if clip is not None and math.isfinite(float(clip)):
         src.grad_clip = float(clip)
     return src
-
-
-def read_metrics(path: Path) -> dict[int, dict[str, float]]:
-    """step -> logged metrics from a JSONL or CSV training log (DESIGN §3)."""
-    rows: dict[int, dict[str, float]] = {}
-    text = path.read_text()
-    if path.suffix == ".csv":
-        import csv
-
-        for r in csv.DictReader(text.splitlines()):
-            if r.get("step"):
-                rows[int(float(r["step"]))] = {k: float(v) for k, v in r.items() if v not in ("", None) and k != "step"}
-        return rows
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            r: dict[str, Any] = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "step" in r:
-            rows[int(r["step"])] = {k: float(v) for k, v in r.items() if k != "step" and isinstance(v, (int, float))}
-    return rows

@@ -19,7 +19,8 @@ from ..errors import ForensicsError
 from ..formats import open_checkpoint
 from ..formats.base import Checkpoint
 from ..tensors import adam_ratio_bound
-from .batches import BatchSource, open_batches, read_metrics
+from ..triage import read_metrics
+from .batches import BatchSource, open_batches
 from .model import build_model, build_optimizer, load_callable, load_weights
 from .probes import ModuleProbe, PassStats
 from .samples import PerSampleGrad, RowStats, per_token_loss, row_data_stats

@@ -1,0 +1,53 @@
+"""triage on the zoo's training logs, and its log readers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ckptforensics.cli import cli
+from ckptforensics.triage import read_metrics, triage
+from tests.conftest import truth
+
+# The logs carry these incidents at their planted step; the other two (a per-group LR
+# multiplier, a gated layer) leave no trace in loss / grad norm / LR logs at +-0 and
+# are found by diff and replay instead (see the scoreboard).
+LOG_VISIBLE = ["poison_batch", "lr_jump", "fp16_overflow"]
+
+
+@pytest.mark.parametrize("name", LOG_VISIBLE)
+def test_triage_finds_the_planted_step_and_a_rollback_before_it(zoo: dict[str, Path], name: str) -> None:
+    run = zoo[name]
+    res = triage(run / "metrics.jsonl", run)
+    assert res.first_bad_step == truth(run)["first_bad_step"]
+    assert res.rollback_step is not None and res.rollback_step < res.first_bad_step
+    assert any("replay" in c and f"--before {res.rollback_step}" in c for c in res.commands)
+
+
+@pytest.mark.parametrize("name", ["healthy", "healthy-torch", "silent_corruption"])
+def test_triage_finds_nothing_in_clean_logs(zoo: dict[str, Path], name: str) -> None:
+    assert triage(zoo[name] / "metrics.jsonl", zoo[name]).first_bad_step is None
+
+
+def test_readers_agree_on_jsonl_csv_and_trainer_state(zoo: dict[str, Path], tmp_path: Path) -> None:
+    rows = read_metrics(zoo["poison_batch"] / "metrics.jsonl")
+    with (tmp_path / "metrics.csv").open("w") as f:
+        f.write("step,train/loss,grad_norm\n")
+        for s, r in rows.items():
+            f.write(f"{s},{r['loss']},{r['grad_norm']}\n")
+    csv_rows = read_metrics(tmp_path / "metrics.csv", {"loss": "train/loss"})
+    assert csv_rows[35]["loss"] == pytest.approx(rows[35]["loss"])
+    hf = read_metrics(zoo["hf-trainer"] / "checkpoint-40" / "trainer_state.json")
+    assert len(hf) == 40 and "grad_norm" in hf[10] and "lr" in hf[10]
+    res = triage(tmp_path / "metrics.csv", None, keys={"loss": "train/loss"})
+    assert res.first_bad_step == 35
+
+
+def test_triage_cli_discovers_the_log(zoo: dict[str, Path]) -> None:
+    r = CliRunner().invoke(cli, ["triage", "--run-dir", str(zoo["lr_jump"]), "--json"])
+    assert r.exit_code == 0
+    doc = json.loads(r.stdout)
+    assert doc["first_bad_step"] == 35 and doc["rollback_step"] == 30 and doc["metrics_file"].endswith("metrics.jsonl")

@@ -55,6 +55,15 @@ def replay_section(rep: Any, fields: dict[str, Any]) -> dict[str, Any]:
             row.update({k: float(v) for k, v in zip(BWD_STATS, p.bwd[i].tolist(), strict=True)})
             per_module.append(row)
     mism = [asdict(m) for m in (rep.matches or []) if m.mismatched or m.impossible]
+    modules = list(next(iter(rep.passes.values())).modules) if rep.passes else []
+    per_step = {
+        str(s): {
+            "absmax": [float(x) for x in p.fwd[:, FWD_STATS.index("absmax")].tolist()],
+            "rms": [float(x) for x in p.fwd[:, FWD_STATS.index("rms")].tolist()],
+            "grad_norm": [float(x) for x in p.bwd[:, BWD_STATS.index("grad_norm")].tolist()],
+        }
+        for s, p in rep.passes.items()
+    }
     return {
         "config": rep.config,
         "precision": rep.precision,
@@ -62,6 +71,8 @@ def replay_section(rep: Any, fields: dict[str, Any]) -> dict[str, Any]:
         "logged": {str(k): v for k, v in rep.logged.items()},
         "suspect_step": suspect,
         "per_module": per_module,
+        "modules": modules,
+        "per_module_steps": per_step,
         "row_stats": {str(s): [asdict(x) for x in v] for s, v in rep.row_stats.items()},
         "reproduction": None
         if rep.matches is None

@@ -544,6 +544,33 @@ def _discover_metrics(run_dir: Path) -> Path:
     raise ForensicsError(f"no training log in {run_dir} (looked for metrics.jsonl, metrics.csv, trainer_state.json, lightning_logs, TensorBoard events); pass --metrics")
 
 
+@cli.command("report")
+@click.argument("source", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--format", "out_format", type=click.Choice(["md", "html", "json"]), default="md", show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write here instead of stdout.")
+@click.pass_context
+def report_cmd(ctx: click.Context, source: Path, out_format: str, out: Path | None) -> None:
+    """Re-render a report from evidence.h5 or report.json, without re-running anything.
+
+    \b
+    Example:
+      ckptforensics report incident/evidence.h5 --format html --out ticket.html
+    """
+    from .report import atomic_write, render_markdown, to_json
+    from .report.evidence import load_report
+    from .report.html import render_html
+
+    with _errors(ctx):
+        doc = load_report(source)
+        text = {"md": render_markdown, "html": render_html, "json": to_json}[out_format](doc)
+        if out is not None:
+            atomic_write(out, text)
+    if out is None:
+        click.echo(text, nl=False)
+    else:
+        click.echo(f"wrote {out}")
+
+
 def _echo_verdict(doc: dict[str, Any]) -> None:
     v = doc["verdict"]
     click.echo(v["summary"])

@@ -18,7 +18,7 @@ from ..formats.base import Checkpoint
 from ..verdict import Verdict
 from .markdown import render_markdown
 
-__all__ = ["SCHEMA", "build_report", "write_report", "atomic_write", "to_json", "render_markdown"]
+__all__ = ["SCHEMA", "build_report", "write_report", "atomic_write", "to_json", "render_markdown", "schema"]
 
 SCHEMA = "ckptforensics.report/1"
 
@@ -92,15 +92,32 @@ def atomic_write(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report is for sharing
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_report(out_dir: Path, doc: dict[str, Any]) -> list[Path]:
-    """report.json and report.md under `out_dir`; returns the paths written."""
-    out = [out_dir / "report.json", out_dir / "report.md"]
+    """report.json, report.md, report.html and evidence.h5 under `out_dir`, each atomically."""
+    from .evidence import write_evidence
+    from .html import render_html
+
+    out = [out_dir / "report.json", out_dir / "report.md", out_dir / "report.html", out_dir / "evidence.h5"]
     atomic_write(out[0], to_json(doc))
     atomic_write(out[1], render_markdown(doc))
+    atomic_write(out[2], render_html(doc))
+    write_evidence(out[3], doc)
     return out
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema of report.json (shipped in the package)."""
+    return json.loads((Path(__file__).with_name("schema.json")).read_text())

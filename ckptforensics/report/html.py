@@ -1,0 +1,169 @@
+"""report.html: one self-contained file (no network), plots inline where matplotlib is installed."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from typing import Any
+
+from .markdown import fmt
+
+__all__ = ["render_html"]
+
+_CSS = """body{font:14px/1.45 system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid #ddd}
+.summary{background:#fff6e5;border-left:4px solid #e8a33d;padding:.6em 1em}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
+th{background:#f5f5f5}code{background:#f3f3f3;padding:0 3px}.plots img{max-width:100%;border:1px solid #eee;margin:.4em 0}"""
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _table(head: list[str], rows: list[list[Any]]) -> str:
+    h = "".join(f"<th>{_e(c)}</th>" for c in head)
+    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><tr>{h}</tr>{body}</table>"
+
+
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return f'<img alt="plot" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
+
+
+def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """(title, <img>) for each plot the document has data for; [] without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out = []
+    v = doc["verdict"]
+    rep = doc.get("replay") or {}
+    if rep.get("steps"):
+        steps = [s["step"] for s in rep["steps"]]
+        fig, ax = plt.subplots(1, 2, figsize=(10, 3))
+        ax[0].plot(steps, [s["loss"] for s in rep["steps"]], "o-", label="replayed")
+        logged = rep.get("logged") or {}
+        ls = [s for s in steps if str(s) in logged and "loss" in logged[str(s)]]
+        if ls:
+            ax[0].plot(ls, [logged[str(s)]["loss"] for s in ls], "x--", label="logged")
+        ax[1].semilogy(steps, [s["grad_norm"] if math.isfinite(s["grad_norm"]) else float("nan") for s in rep["steps"]], "o-")
+        for a, t in zip(ax, ("loss", "grad norm (pre-clip)"), strict=True):
+            a.set_title(t)
+            a.set_xlabel("step")
+            if v.get("first_bad_step") is not None:
+                a.axvline(v["first_bad_step"], color="r", ls=":", label="first bad step")
+        ax[0].legend()
+        out.append(("Loss and grad norm around the spike", _png(fig)))
+        per, mods = rep.get("per_module_steps") or {}, rep.get("modules") or []
+        s0 = v.get("first_bad_step")
+        if per and mods and s0 is not None and str(s0) in per:
+            others = [per[k]["grad_norm"] for k in per if k != str(s0)]
+            if others:
+                import warnings
+
+                import numpy as np
+
+                cur = np.array(per[str(s0)]["grad_norm"], float)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)  # modules without gradients
+                    base = np.nanmedian(np.array(others, float), axis=0)
+                keep = np.isfinite(cur) & np.isfinite(base) & (cur > 0)
+                fig, ax = plt.subplots(figsize=(10, 3))
+                idx = np.flatnonzero(keep)
+                ax.semilogy(range(len(idx)), cur[idx], label=f"step {s0}")
+                ax.semilogy(range(len(idx)), base[idx], label="other steps (median)")
+                ax.set_title("per-module output-gradient norm (forward order of modules)")
+                ax.legend()
+                out.append(("Per-layer gradient norm: suspect step vs baseline", _png(fig)))
+        srow = next((s for s in rep["steps"] if s["step"] == s0), None)
+        if srow and srow.get("sample_grad_sq"):
+            sq = srow["sample_grad_sq"]
+            tot = sum(x for x in sq if math.isfinite(x)) or 1.0
+            fig, ax = plt.subplots(figsize=(6, 2.6))
+            ax.bar(range(len(sq)), [x / tot for x in sq])
+            ax.set_title(f"share of the gradient norm² per row, step {s0}")
+            ax.set_xlabel("row")
+            out.append(("Per-sample gradient share", _png(fig)))
+    diff = doc.get("diff") or {}
+    if diff.get("tensors"):
+        ts = diff["tensors"]
+        fig, ax = plt.subplots(1, 2, figsize=(10, 3))
+        ax[0].semilogy([t["update_ratio"] or float("nan") for t in ts], ".")
+        ax[0].set_title("update/weight ratio per step, per tensor")
+        ax[1].semilogy([t["headroom_b"] or float("nan") for t in ts], ".")
+        ax[1].set_title("dtype headroom (max / max|x|), per tensor")
+        out.append(("Update/weight ratio and dtype headroom", _png(fig)))
+    wi = doc.get("whatif") or {}
+    if wi.get("outcomes"):
+        fig, ax = plt.subplots(figsize=(10, 3))
+        for o in wi["outcomes"]:
+            ax.plot(o["steps"], o["losses"], "o-", label=o["mitigation"])
+        if wi.get("level") is not None:
+            ax.axhline(wi["level"] + wi["band"], color="k", ls=":", label="band")
+        ax.set_title("what-if: loss per mitigation")
+        ax.legend(fontsize=8)
+        out.append(("What-if trajectories", _png(fig)))
+    return out
+
+
+def render_html(doc: dict[str, Any]) -> str:
+    v, inc = doc["verdict"], doc["incident"]
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>ckptforensics report</title>",
+        f"<style>{_CSS}</style></head><body>",
+        f"<h1>ckptforensics: {_e(v['causes'][0]['cause'].replace('_', ' '))}</h1>",
+        f"<p class='summary'>{_e(v['summary'])}</p>",
+        _table(
+            ["", ""],
+            [
+                ["before", f"{inc['before']['path']} (step {fmt(inc['before']['step'])}, {inc['before']['format']})"],
+                ["after", f"{inc['after']['path']} (step {fmt(inc['after']['step'])}, {inc['after']['format']})"],
+                ["causes", ", ".join(f"{c['cause']} ({c['confidence']:.0%})" for c in v["causes"])],
+                ["reproduces", fmt(v["reproducible"]) if v["reproducible"] is not None else "not replayed"],
+                ["first bad step", fmt(v["first_bad_step"])],
+                ["first anomalous module", v["first_anomalous_module"] or "—"],
+                ["layers standing out", ", ".join(v["exploding_layers"][:5]) or "—"],
+                ["rollback checkpoint", v["rollback_checkpoint"] or "—"],
+            ],
+        ),
+    ]
+    if v["recommended_actions"]:
+        parts.append("<h2>Recommended actions</h2><ol>" + "".join(f"<li>{_e(a)}</li>" for a in v["recommended_actions"]) + "</ol>")
+    if v["anomalous_samples"]:
+        parts.append("<h2>Anomalous samples</h2>" + _table(["row", "sample id", "why"], [[s["index"], fmt(s["sample_id"]), s["why"]] for s in v["anomalous_samples"]]))
+    if v["corrupted_elements"]:
+        parts.append(
+            "<h2>Corrupted elements</h2>"
+            + _table(["tensor", "index", "before", "after", "kind"], [[e["tensor"], e["index"], fmt(e["before"]), fmt(e["after"]), e["kind"]] for e in v["corrupted_elements"]])
+        )
+    if v["overflowing_tensors"]:
+        parts.append("<h2>Overflowing tensors</h2>" + _table(["name", "dtype", "where"], [[o["name"], o["dtype"], o["where"]] for o in v["overflowing_tensors"]]))
+    plots = _plots(doc)
+    if plots:
+        parts.append("<h2>Plots</h2><div class='plots'>" + "".join(f"<h3>{_e(t)}</h3>{img}" for t, img in plots) + "</div>")
+    else:
+        parts.append("<p><em>Plots need the plots extra (matplotlib); tables follow.</em></p>")
+    parts.append(
+        "<h2>Findings</h2>"
+        + _table(["id", "severity", "kind", "subject", "message"], [[f["id"], f["severity"], f["kind"], f["subject"], f["message"]] for f in doc["findings"]])
+    )
+    wi = doc.get("whatif") or {}
+    if wi.get("outcomes"):
+        parts.append(
+            "<h2>What-if</h2>"
+            + _table(["mitigation", "on track", "max loss", "max grad norm"], [[o["mitigation"], fmt(o["on_track"]), fmt(o["max_loss"]), fmt(o["max_grad_norm"])] for o in wi["outcomes"]])
+        )
+    parts.append(f"<p><small>{_e(inc['command'])} · ckptforensics {_e(inc['tool_version'])} · {_e(doc['schema'])}</small></p></body></html>")
+    return "\n".join(parts)

@@ -1,0 +1,72 @@
+"""Reports: JSON Schema, self-contained HTML with plots, evidence.h5 that re-renders identically."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+from click.testing import CliRunner
+
+from ckptforensics.cli import cli
+from ckptforensics.report import schema
+from tests.test_cli import assert_bad_input
+
+MODEL = "fixtures/tinygpt.py:factory"
+
+
+@pytest.fixture(scope="module")
+def reports(zoo: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One report directory per command, on zoo incidents."""
+    root = tmp_path_factory.mktemp("reports")
+    run = zoo["poison_batch"]
+    common = ["--run-dir", str(run), "--model", MODEL, "--batch", str(run / "batches.h5")]
+    cmds = {
+        "diff": ["diff", "--run-dir", str(zoo["silent_corruption"]), "--before", "30", "--after", "40"],
+        "replay": ["replay", "--before", "30", "--after", "35", *common],
+        "bisect": ["bisect", "--before", "30", "--after", "35", *common],
+        "whatif": ["whatif", "--before", "30", "--steps", "6", "--try", "skip_samples=auto", *common],
+    }
+    out = {}
+    for name, args in cmds.items():
+        r = CliRunner().invoke(cli, [*args, "--out", str(root / name)], catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        out[name] = root / name
+    return out
+
+
+def test_every_report_validates_against_the_schema(reports: dict[str, Path]) -> None:
+    for name, d in reports.items():
+        jsonschema.validate(json.loads((d / "report.json").read_text()), schema()), name
+
+
+def test_html_is_self_contained_with_plots(reports: dict[str, Path]) -> None:
+    page = (reports["replay"] / "report.html").read_text()
+    assert "http://" not in page and "https://" not in page  # nothing fetched from a network
+    assert page.count("data:image/png;base64,") >= 3
+    assert "Anomalous samples" in page and "poison batch" in page
+
+
+@pytest.mark.parametrize("fmt,name", [("md", "report.md"), ("html", "report.html"), ("json", "report.json")])
+def test_report_rerenders_from_evidence_identically(reports: dict[str, Path], fmt: str, name: str, tmp_path: Path) -> None:
+    for d in reports.values():
+        r = CliRunner().invoke(cli, ["report", str(d / "evidence.h5"), "--format", fmt, "--out", str(tmp_path / name)])
+        assert r.exit_code == 0, r.output
+        assert (tmp_path / name).read_text() == (d / name).read_text()
+
+
+def test_evidence_holds_per_module_per_step_statistics(reports: dict[str, Path]) -> None:
+    import h5py
+
+    with h5py.File(reports["replay"] / "evidence.h5") as h:
+        steps = h["replay/step"][()]
+        assert list(steps) == [31, 32, 33, 34, 35]
+        assert h["replay/module_grad_norm"].shape == (5, len(h["replay/modules"]))
+        assert h["replay/sample_grad_sq"].shape[0] == 5
+
+
+def test_report_refuses_other_files(tmp_path: Path) -> None:
+    (tmp_path / "x.json").write_text("{}")
+    r = CliRunner().invoke(cli, ["report", str(tmp_path / "x.json")])
+    assert_bad_input(r, "not a ckptforensics.report/1 document")

@@ -131,6 +131,25 @@ format_option = click.option(
 )
 
 
+def _replay_options(f: Any) -> Any:
+    """Options every replay-based command shares."""
+    for opt in reversed(
+        [
+            click.option("--model", "model", default=None, help="module:factory, path/file.py:factory, or an HF config dir (default: the checkpoint's config.json)."),
+            click.option("--batch", "batch", required=True, help="Batch log (.h5, one batch per step), a batch file or module:function."),
+            click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True),
+            click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
+            click.option("--clip", type=float, default=None, help="Gradient clipping norm (0 = none); default: from the checkpoint, else calibrated."),
+            click.option("--loss", "loss", default=None, help="module:function(logits, batch) -> per-token loss; default causal-LM cross-entropy."),
+            click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log (JSONL/CSV); discovered when absent."),
+            click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Write the report (and skip.json for bisect) here."),
+            click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout."),
+        ]
+    ):
+        f = opt(f)
+    return f
+
+
 @cli.command()
 @click.argument("checkpoint")
 @run_dir_option
@@ -290,37 +309,12 @@ def _finish(ctx: click.Context, doc: dict[str, Any], findings: list[Any], as_jso
 @click.option("--before", "before", required=True, help="Step (resolved in --run-dir) or path of the healthy checkpoint.")
 @click.option("--after", "after", default=None, help="Step or path after the spike: replay the whole window and compare.")
 @run_dir_option
-@click.option("--model", "model", default=None, help="module:factory, path/file.py:factory, or an HF config dir (default: the checkpoint's config.json).")
-@click.option("--batch", "batch", required=True, help="Batch log (.h5, one batch per step), a batch file (.pt/.safetensors/.npz/.h5) or module:function.")
 @click.option("--step", type=int, default=None, help="The step to replay when there is no --after (default: before + 1).")
-@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True, help="auto = what the run used (scaler -> fp16, bf16 weights -> bf16).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--clip", type=float, default=None, help="Gradient clipping norm (0 = none); default: from the checkpoint, else calibrated against --after.")
-@click.option("--loss", "loss", default=None, help="module:function(logits, batch) -> per-token loss [B, T-1]; default causal-LM cross-entropy.")
-@click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log (JSONL/CSV) for per-step LR and the spike baseline; discovered when absent.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Write report.json and report.md here.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
+@_replay_options
 @click.option("--strict", is_flag=True, help="Exit 1 when a finding at or above --fail-on exists.")
 @click.option("--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True)
 @click.pass_context
-def replay(
-    ctx: click.Context,
-    before: str,
-    after: str | None,
-    run_dir: Path,
-    model: str | None,
-    batch: str,
-    step: int | None,
-    precision: str,
-    device: str,
-    clip: float | None,
-    loss: str | None,
-    metrics: Path | None,
-    out: Path | None,
-    as_json: bool,
-    strict: bool,
-    fail_on: str,
-) -> None:
+def replay(ctx: click.Context, before: str, after: str | None, run_dir: Path, out: Path | None, as_json: bool, strict: bool, fail_on: str, **opts: Any) -> None:
     """Replay the suspect step(s) from the before state with probes on every module.
 
     Rebuilds model and optimizer from BEFORE, replays each step of the window in the
@@ -341,32 +335,11 @@ def replay(
         pa = resolve_checkpoint(before, run_dir)
         pb = resolve_checkpoint(after, run_dir) if after is not None else None
         _check_out(out, [p for p in (pa, pb) if p is not None])
-        cfg = ReplayConfig(
-            before=pa, after=pb, model=model, batch=batch, step=step, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics
-        )
+        cfg = ReplayConfig(before=pa, after=pb, **opts)
         with _progress(0, "replay", ctx.obj.quiet) as prog:
             doc, findings = run_replay(cfg, command=_command("replay"), progress=prog)
         written = _write(out, doc)
     _finish(ctx, doc, findings, as_json, written, strict, fail_on)
-
-
-def _replay_options(f: Any) -> Any:
-    """Options every replay-based command shares."""
-    for opt in reversed(
-        [
-            click.option("--model", "model", default=None, help="module:factory, path/file.py:factory, or an HF config dir (default: the checkpoint's config.json)."),
-            click.option("--batch", "batch", required=True, help="Batch log (.h5, one batch per step), a batch file or module:function."),
-            click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True),
-            click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
-            click.option("--clip", type=float, default=None, help="Gradient clipping norm (0 = none); default: from the checkpoint, else calibrated."),
-            click.option("--loss", "loss", default=None, help="module:function(logits, batch) -> per-token loss; default causal-LM cross-entropy."),
-            click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log (JSONL/CSV); discovered when absent."),
-            click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Write the report (and skip.json for bisect) here."),
-            click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout."),
-        ]
-    ):
-        f = opt(f)
-    return f
 
 
 @cli.command("bisect")
@@ -375,21 +348,7 @@ def _replay_options(f: Any) -> Any:
 @run_dir_option
 @_replay_options
 @click.pass_context
-def bisect_cmd(
-    ctx: click.Context,
-    before: str,
-    after: str,
-    run_dir: Path,
-    model: str | None,
-    batch: str,
-    precision: str,
-    device: str,
-    clip: float | None,
-    loss: str | None,
-    metrics: Path | None,
-    out: Path | None,
-    as_json: bool,
-) -> None:
+def bisect_cmd(ctx: click.Context, before: str, after: str, run_dir: Path, out: Path | None, as_json: bool, **opts: Any) -> None:
     """Find the first bad step of the window and the rows of its batch that cause it.
 
     Replays the window, takes the first robust outlier against the run's own history
@@ -410,7 +369,7 @@ def bisect_cmd(
     with _errors(ctx):
         pa, pb = resolve_checkpoint(before, run_dir), resolve_checkpoint(after, run_dir)
         _check_out(out, [pa, pb])
-        cfg = ReplayConfig(before=pa, after=pb, model=model, batch=batch, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
+        cfg = ReplayConfig(before=pa, after=pb, **opts)
         with _progress(0, "bisect", ctx.obj.quiet) as prog:
             doc, findings, skip = run_bisect(cfg, command=_command("bisect"), progress=prog)
         written = _write(out, doc)
@@ -429,22 +388,7 @@ def bisect_cmd(
 @run_dir_option
 @_replay_options
 @click.pass_context
-def whatif_cmd(
-    ctx: click.Context,
-    before: str,
-    n_steps: int,
-    tries: tuple[str, ...],
-    run_dir: Path,
-    model: str | None,
-    batch: str,
-    precision: str,
-    device: str,
-    clip: float | None,
-    loss: str | None,
-    metrics: Path | None,
-    out: Path | None,
-    as_json: bool,
-) -> None:
+def whatif_cmd(ctx: click.Context, before: str, n_steps: int, tries: tuple[str, ...], run_dir: Path, out: Path | None, as_json: bool, **opts: Any) -> None:
     """Replay from BEFORE under each mitigation and say which keeps the run on track.
 
     The baseline (no mitigation) is replayed first. A run is on track when every step
@@ -466,7 +410,7 @@ def whatif_cmd(
     with _errors(ctx):
         pa = resolve_checkpoint(before, run_dir)
         _check_out(out, [pa])
-        cfg = ReplayConfig(before=pa, model=model, batch=batch, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
+        cfg = ReplayConfig(before=pa, **opts)
         with _progress(0, "whatif", ctx.obj.quiet) as prog:
             doc, findings = run_whatif(cfg, n_steps, list(tries), None, command=_command("whatif"), progress=prog)
         written = _write(out, doc)

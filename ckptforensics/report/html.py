@@ -29,6 +29,11 @@ def _table(head: list[str], rows: list[list[Any]]) -> str:
     return f"<table><tr>{h}</tr>{body}</table>"
 
 
+def _n(x: Any) -> float:
+    """Report numbers are JSON: non-finite values were stored as null."""
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else float("nan")
+
+
 def _png(fig: Any) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
@@ -53,12 +58,12 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
     if rep.get("steps"):
         steps = [s["step"] for s in rep["steps"]]
         fig, ax = plt.subplots(1, 2, figsize=(10, 3))
-        ax[0].plot(steps, [s["loss"] for s in rep["steps"]], "o-", label="replayed")
+        ax[0].plot(steps, [_n(s["loss"]) for s in rep["steps"]], "o-", label="replayed")
         logged = rep.get("logged") or {}
         ls = [s for s in steps if str(s) in logged and "loss" in logged[str(s)]]
         if ls:
-            ax[0].plot(ls, [logged[str(s)]["loss"] for s in ls], "x--", label="logged")
-        ax[1].semilogy(steps, [s["grad_norm"] if math.isfinite(s["grad_norm"]) else float("nan") for s in rep["steps"]], "o-")
+            ax[0].plot(ls, [_n(logged[str(s)]["loss"]) for s in ls], "x--", label="logged")
+        ax[1].semilogy(steps, [_n(s["grad_norm"]) for s in rep["steps"]], "o-")
         for a, t in zip(ax, ("loss", "grad norm (pre-clip)"), strict=True):
             a.set_title(t)
             a.set_xlabel("step")
@@ -75,10 +80,10 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
 
                 import numpy as np
 
-                cur = np.array(per[str(s0)]["grad_norm"], float)
+                cur = np.array([_n(x) for x in per[str(s0)]["grad_norm"]], float)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)  # modules without gradients
-                    base = np.nanmedian(np.array(others, float), axis=0)
+                    base = np.nanmedian(np.array([[_n(x) for x in o] for o in others], float), axis=0)
                 keep = np.isfinite(cur) & np.isfinite(base) & (cur > 0)
                 fig, ax = plt.subplots(figsize=(10, 3))
                 idx = np.flatnonzero(keep)
@@ -89,7 +94,7 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
                 out.append(("Per-layer gradient norm: suspect step vs baseline", _png(fig)))
         srow = next((s for s in rep["steps"] if s["step"] == s0), None)
         if srow and srow.get("sample_grad_sq"):
-            sq = srow["sample_grad_sq"]
+            sq = [_n(x) for x in srow["sample_grad_sq"]]
             tot = sum(x for x in sq if math.isfinite(x)) or 1.0
             fig, ax = plt.subplots(figsize=(6, 2.6))
             ax.bar(range(len(sq)), [x / tot for x in sq])
@@ -100,16 +105,16 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
     if diff.get("tensors"):
         ts = diff["tensors"]
         fig, ax = plt.subplots(1, 2, figsize=(10, 3))
-        ax[0].semilogy([t["update_ratio"] or float("nan") for t in ts], ".")
+        ax[0].semilogy([_n(t["update_ratio"]) for t in ts], ".")
         ax[0].set_title("update/weight ratio per step, per tensor")
-        ax[1].semilogy([t["headroom_b"] or float("nan") for t in ts], ".")
+        ax[1].semilogy([_n(t["headroom_b"]) for t in ts], ".")
         ax[1].set_title("dtype headroom (max / max|x|), per tensor")
         out.append(("Update/weight ratio and dtype headroom", _png(fig)))
     wi = doc.get("whatif") or {}
     if wi.get("outcomes"):
         fig, ax = plt.subplots(figsize=(10, 3))
         for o in wi["outcomes"]:
-            ax.plot(o["steps"], o["losses"], "o-", label=o["mitigation"])
+            ax.plot(o["steps"], [_n(x) for x in o["losses"]], "o-", label=o["mitigation"])
         if wi.get("level") is not None:
             ax.axhline(wi["level"] + wi["band"], color="k", ls=":", label="band")
         ax.set_title("what-if: loss per mitigation")

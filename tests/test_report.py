@@ -70,3 +70,29 @@ def test_report_refuses_other_files(tmp_path: Path) -> None:
     (tmp_path / "x.json").write_text("{}")
     r = CliRunner().invoke(cli, ["report", str(tmp_path / "x.json")])
     assert_bad_input(r, "not a ckptforensics.report/1 document")
+
+
+def _chromium() -> str | None:
+    import shutil
+
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium on this machine (.ci/run installs Debian's)")
+def test_html_renders_in_headless_chromium(reports: dict[str, Path], tmp_path: Path) -> None:
+    import subprocess
+
+    import numpy as np
+    from matplotlib.image import imread
+
+    shot = tmp_path / "shot.png"
+    page = (reports["replay"] / "report.html").resolve()
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars"]
+    subprocess.run([_chromium(), *flags, f"--screenshot={shot}", "--window-size=1200,2400", page.as_uri()], check=True, capture_output=True, timeout=120)
+    img = imread(shot)[..., :3]
+    ink = (img.mean(axis=2) < 0.9).mean()  # share of pixels that are not near-white
+    assert ink > 0.02, f"screenshot looks blank ({ink:.1%} ink)"
+    # The plots are coloured (matplotlib's blue/orange): the page is more than text.
+    colour = (np.abs(img[..., 0] - img[..., 2]) > 0.2).mean()
+    assert colour > 0.001, f"no plot colours in the screenshot ({colour:.2%})"

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned: 2.13.0 is the CPU build; an unpinned torch pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: venv demo test lint bench clean zoo
+.PHONY: venv demo test lint bench clean zoo fuzz
 
 $(BIN)/.ready: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,10 @@ zoo: venv
 test: venv
 	$(BIN)/ruff check ckptforensics tests fixtures bench
 	$(BIN)/python -m pytest -q
+
+# A longer fuzzing campaign than CI's seeded one.
+fuzz: venv
+	CKPTFORENSICS_FUZZ_EXAMPLES=2000 $(BIN)/python -m pytest -q tests/test_fuzz.py
 
 lint: venv
 	$(BIN)/ruff check ckptforensics tests fixtures bench

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import click
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -166,3 +167,37 @@ def test_out_inside_an_input_directory_is_refused(zoo: dict[str, Path]) -> None:
     r = invoke("diff", "--run-dir", str(ck), "--before", "20", "--after", "30", "--out", str(ck / "checkpoint-30" / "rep"))
     assert_bad_input(r, "inside the input checkpoint")
     assert tree_hash(ck) == before
+
+
+HOSTILE = {
+    "os.system": "(os.system, ('touch {canary}',))",
+    "subprocess.call": "(__import__('subprocess').call, (['touch', '{canary}'],))",
+    "builtins.eval": "(eval, (\"open('{canary}', 'w').close()\",))",
+}
+
+
+@pytest.mark.parametrize("where", ["optimizer.pt", "scaler.pt", "scheduler.pt", "lightning.ckpt", "nested"])
+@pytest.mark.parametrize("how", sorted(HOSTILE))
+def test_hostile_pickles_are_refused(zoo: dict[str, Path], tmp_path: Path, where: str, how: str) -> None:
+    """Every pickle that would run code is refused with one line, and the canary proves nothing ran."""
+    canary = tmp_path / "ran"
+    reduce_src = HOSTILE[how].format(canary=canary)
+
+    class Exploit:
+        def __reduce__(self):  # noqa: ANN204 - a hostile pickle
+            return eval(reduce_src)  # noqa: S307 - builds the hostile payload in the test
+
+    if where == "lightning.ckpt":
+        ck = torch.load(zoo["lightning"] / "epoch=0-step=30.ckpt", weights_only=True)
+        ck["callbacks"] = {"x": Exploit()}
+        target = tmp_path / "epoch=0-step=30.ckpt"
+        torch.save(ck, target)
+    else:
+        target = tmp_path / "checkpoint-30"
+        shutil.copytree(zoo["hf-trainer"] / "checkpoint-30", target)
+        name = "optimizer.pt" if where == "nested" else where
+        payload = {"state": {}, "param_groups": [{"params": [], "extra": [{"deep": Exploit()}]}]} if where == "nested" else {"scale": Exploit()}
+        torch.save(payload, target / name)
+    r = invoke("inspect", str(target))
+    assert_bad_input(r, "refused to unpickle")
+    assert not canary.exists()

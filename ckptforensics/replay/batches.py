@@ -99,7 +99,11 @@ def _h5(path: Path) -> BatchSource:
         raise BatchError(f"{path}: not a readable HDF5 file ({e})") from None
     if "input_ids" not in h:
         raise BatchError(f"{path}: HDF5 without /input_ids")
-    ids = h["input_ids"]
+    try:
+        ids = h["input_ids"]
+        np.asarray(h["step"]) if "step" in h else None
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise BatchError(f"{path}: malformed batch log ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
     if "step" not in h:
         # A single batch stored as HDF5 datasets [B, T].
         batch = {k: torch.from_numpy(np.asarray(h[k])) for k in _KEYS if k in h}
@@ -111,7 +115,10 @@ def _h5(path: Path) -> BatchSource:
 
     def get(step: int) -> dict[str, torch.Tensor]:
         i = row[step]
-        return {k: torch.from_numpy(np.asarray(h[k][i])) for k in _KEYS if k in h}
+        try:
+            return {k: torch.from_numpy(np.asarray(h[k][i])) for k in _KEYS if k in h}
+        except (OSError, ValueError, TypeError, IndexError, KeyError) as e:
+            raise BatchError(f"{path}: batch of step {step} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
 
     src = BatchSource(describe=str(path), get=get, steps=steps)
     if "lr" in h:

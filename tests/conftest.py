@@ -14,6 +14,8 @@ sys.path.insert(0, str(ROOT))
 
 from fixtures.zoo import build  # noqa: E402
 
+__all__ = ["ROOT", "build"]
+
 
 @pytest.fixture(scope="session")
 def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

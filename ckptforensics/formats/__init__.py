@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..errors import CheckpointNotFound, UnknownFormat
 from .base import Checkpoint, GroupHyper, OptimizerView, TensorMeta
+from .dcp import is_dcp_dir, open_dcp
 from .hf import is_hf_dir, open_hf_dir
 from .safetensors_file import open_safetensors
 from .torchfile import is_torch_zip
@@ -38,11 +39,14 @@ register("safetensors", open_safetensors)
 register("torch", lambda p: open_torch_file(p, "torch"))
 register("nanogpt", lambda p: open_torch_file(p, "nanogpt"))
 register("lightning", lambda p: open_torch_file(p, "lightning"))
+register("dcp", open_dcp)
 
 
 def sniff(path: Path) -> str:
     """The format name for `path`, from its layout and first bytes."""
     if path.is_dir():
+        if is_dcp_dir(path):
+            return "dcp"
         if is_hf_dir(path):
             return "hf-trainer"
         raise UnknownFormat(

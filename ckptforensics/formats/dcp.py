@@ -1,0 +1,241 @@
+"""torch.distributed.checkpoint directories (FSDP2, torchtitan, OLMo-core), read in one
+process without a process group, one tensor at a time, never the whole checkpoint."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CorruptCheckpoint, UnsafeCheckpoint
+from ..locate import STEP_PATTERNS
+from .base import Checkpoint, OptimizerView, TensorMeta
+from .optim import group_hyper, optimizer_kind
+
+__all__ = ["is_dcp_dir", "open_dcp", "read_metadata"]
+
+_MODEL_PREFIXES = ("model.", "")
+_OPTIM_PREFIXES = ("optim.", "optimizer.")
+
+
+def _dcp_root(path: Path) -> Path | None:
+    """The directory holding `.metadata`: the path itself or OLMo-core's model_and_optim/."""
+    for d in (path, path / "model_and_optim"):
+        if (d / ".metadata").is_file():
+            return d
+    return None
+
+
+def is_dcp_dir(path: Path) -> bool:
+    return path.is_dir() and _dcp_root(path) is not None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a plain pickle: admit only DCP's own metadata records,
+    torch.Size / dtypes / layouts and paths; refuse every other global."""
+
+    _ALLOWED = {
+        ("torch.distributed.checkpoint.metadata", n)
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    } | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpoint(f"refused to unpickle {module}.{name} from DCP metadata (code execution risk); nothing was run")
+
+
+def read_metadata(root: Path) -> Any:
+    """The DCP Metadata record, through the restricted unpickler."""
+    f = root / ".metadata"
+    try:
+        with f.open("rb") as fh:
+            md = _MetadataUnpickler(fh).load()
+    except UnsafeCheckpoint as e:
+        raise UnsafeCheckpoint(f"{f}: {e}") from None
+    except Exception as e:  # any decoding failure of untrusted metadata is corruption
+        raise CorruptCheckpoint(f"{f}: unreadable DCP metadata ({type(e).__name__}: {str(e)[:120]})") from None
+    if not hasattr(md, "state_dict_metadata") or not hasattr(md, "storage_data"):
+        raise CorruptCheckpoint(f"{f}: not DCP metadata")
+    return md
+
+
+class _Store:
+    """Reads chunks and byte items of one DCP directory on demand."""
+
+    def __init__(self, root: Path, md: Any) -> None:
+        self.root, self.md = root, md
+        self.by_fqn: dict[str, list[tuple[Any, Any]]] = {}
+        for idx, info in md.storage_data.items():
+            self.by_fqn.setdefault(idx.fqn, []).append((idx, info))
+
+    def _blob(self, info: Any) -> Any:
+        path = self.root / Path(str(info.relative_path)).name  # never leave the checkpoint dir
+        try:
+            with path.open("rb") as fh:
+                fh.seek(int(info.offset))
+                data = fh.read(int(info.length))
+        except OSError as e:
+            raise CorruptCheckpoint(f"{path}: {e}") from None
+        if len(data) != int(info.length):
+            raise CorruptCheckpoint(f"{path}: truncated (wanted {info.length} bytes at {info.offset})")
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            raise UnsafeCheckpoint(f"{path}: refused to unpickle an item (code execution risk); nothing was run") from None
+        except Exception as e:  # a mangled chunk
+            raise CorruptCheckpoint(f"{path}: unreadable chunk at {info.offset} ({type(e).__name__})") from None
+
+    def tensor(self, fqn: str) -> torch.Tensor:
+        meta = self.md.state_dict_metadata[fqn]
+        out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for idx, info in self.by_fqn.get(fqn, []):
+            chunk = self._blob(info)
+            if not isinstance(chunk, torch.Tensor):
+                raise CorruptCheckpoint(f"{self.root}: chunk of {fqn} is not a tensor")
+            sl = tuple(slice(o, o + s) for o, s in zip(idx.offset, chunk.shape, strict=False))
+            try:
+                out[sl] = chunk
+            except RuntimeError:
+                raise CorruptCheckpoint(f"{self.root}: chunk of {fqn} at {list(idx.offset)} does not fit {list(meta.size)}") from None
+        return out
+
+    def value(self, fqn: str) -> Any:
+        items = self.by_fqn.get(fqn)
+        return self._blob(items[0][1]) if items else None
+
+
+def _step_from_name(path: Path) -> int | None:
+    for p in (path, path.parent):
+        for _, rx in STEP_PATTERNS:
+            m = rx.match(p.name)
+            if m:
+                return int(m.group(1))
+    return None
+
+
+def open_dcp(path: Path) -> Checkpoint:
+    """Open a DCP checkpoint: model tensors by FQN, optimizer state keyed by FQN (no id mapping)."""
+    root = _dcp_root(path)
+    if root is None:
+        raise CorruptCheckpoint(f"{path}: no .metadata")
+    md = read_metadata(root)
+    store = _Store(root, md)
+    ckpt = Checkpoint(path=path, format="dcp")
+    planner = md.planner_data if isinstance(getattr(md, "planner_data", None), dict) else {}
+    state: dict[str, dict[str, Any]] = {}
+    groups: dict[int, dict[str, Any]] = {}
+    opt_prefix = None
+    for key, meta in md.state_dict_metadata.items():
+        parts = planner.get(key) or _split(key)
+        if parts and parts[0] in ("optim", "optimizer"):
+            opt_prefix = parts[0]
+            if len(parts) >= 4 and parts[1] == "state":
+                fqn, field = ".".join(map(str, parts[2:-1])), str(parts[-1])
+                state.setdefault(fqn, {})[field] = _lazy(store, key)
+            elif len(parts) >= 4 and parts[1] == "param_groups":
+                groups.setdefault(int(parts[2]), {})[str(parts[3])] = key
+            continue
+        if not hasattr(meta, "size"):
+            ckpt.scalars.setdefault("extra", []).append(key)  # bytes items (train state ...)
+            continue
+        name = ".".join(map(str, parts[1:])) if parts and parts[0] == "model" and len(parts) > 1 else key
+        ckpt._meta[name] = TensorMeta(tuple(meta.size), meta.properties.dtype)
+        ckpt._get[name] = _getter(store, key)
+    step = _step_from_name(path)
+    if step is not None:
+        ckpt.scalars["global_step"] = step
+    if state:
+        ckpt.optimizer = _optimizer(store, state, groups, opt_prefix)
+    else:
+        ckpt.notes.append("no optimizer state in this DCP checkpoint: weights only")
+    return ckpt
+
+
+def _split(key: str) -> tuple[str, ...]:
+    """Without planner data: 'optim.state.<fqn>.<field>' / 'model.<fqn>'."""
+    for p in _OPTIM_PREFIXES:
+        if key.startswith(p + "state."):
+            rest = key[len(p) + len("state.") :]
+            fqn, _, field = rest.rpartition(".")
+            return (p[:-1], "state", fqn, field)
+    return ("model", key[len("model.") :]) if key.startswith("model.") else (key,)
+
+
+def _getter(store: _Store, key: str) -> Callable[[], torch.Tensor]:
+    return lambda: store.tensor(key)
+
+
+class _LazyTensor:
+    """Optimizer tensors are read only when a diff asks for them."""
+
+    def __init__(self, store: _Store, key: str) -> None:
+        self.store, self.key = store, key
+        self._t: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        if self._t is None:
+            self._t = self.store.tensor(self.key)
+        return self._t
+
+
+def _lazy(store: _Store, key: str) -> _LazyTensor:
+    return _LazyTensor(store, key)
+
+
+class _LazyState(dict):
+    """A param's optimizer state whose tensors load on first access."""
+
+    def __getitem__(self, k: str) -> Any:
+        v = super().__getitem__(k)
+        return v.get() if isinstance(v, _LazyTensor) else v
+
+    def get(self, k: str, default: Any = None) -> Any:
+        return self[k] if k in self else default  # noqa: SIM401 - must load lazily via __getitem__
+
+    def values(self) -> Any:  # type: ignore[override]
+        return [self[k] for k in self]
+
+    def items(self) -> Any:  # type: ignore[override]
+        return [(k, self[k]) for k in self]
+
+
+def _optimizer(store: _Store, state: dict[str, dict[str, Any]], groups: dict[int, dict[str, str]], prefix: str | None) -> OptimizerView:
+    by_name = {fqn: _LazyState(fields) for fqn, fields in state.items()}
+    hypers, hyper_of = [], {}
+    for gi in sorted(groups):
+        g = {field: store.value(key) for field, key in groups[gi].items()}
+        h = group_hyper({k: v for k, v in g.items() if k != "params"}, gi)
+        hypers.append(h)
+        for fqn in g.get("params") or []:
+            hyper_of[str(fqn)] = h
+    if not hypers:
+        hypers = [group_hyper({"lr": 0.0}, 0)]
+    for fqn in by_name:
+        hyper_of.setdefault(fqn, hypers[0])
+    kind = optimizer_kind({k: dict.fromkeys(v) for k, v in state.items()})
+    return OptimizerView(kind=kind, state=by_name, hyper=hyper_of, groups=hypers, mapping="by FQN (DCP)")

@@ -1,0 +1,76 @@
+"""torch.distributed.checkpoint read without a process group: FSDP2-written (2 ranks), vs the gathered state."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptforensics.cli import cli
+from ckptforensics.formats import open_checkpoint
+from tests.conftest import ROOT
+from tests.test_cli import assert_bad_input
+
+
+@pytest.fixture(scope="session")
+def dcp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dcp")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", "29571", str(ROOT / "fixtures" / "fsdp_dcp.py"), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+def test_dcp_matches_the_gathered_state(dcp_run: Path) -> None:
+    ck = open_checkpoint(dcp_run / "step-3")
+    full = torch.load(dcp_run / "gathered_3.pt", weights_only=True)
+    assert ck.format == "dcp" and ck.step == 3
+    assert set(ck.names()) == set(full["model"])
+    for n in ck.names():
+        assert torch.equal(ck.tensor(n), full["model"][n]), n
+    assert ck.optimizer is not None and ck.optimizer.kind == "adam"
+    for fqn, st in full["optim"]["state"].items():
+        mine = ck.optim_state(fqn)
+        assert torch.equal(mine["exp_avg"], st["exp_avg"]), fqn
+        assert torch.equal(mine["exp_avg_sq"], st["exp_avg_sq"]), fqn
+        assert float(mine["step"]) == float(st["step"]) == 3.0
+    assert ck.hyper("transformer.h.0.mlp.c_fc.weight").betas == (0.9, 0.95)
+
+
+def test_dcp_inspect_and_diff(dcp_run: Path, tmp_path: Path) -> None:
+    r = CliRunner().invoke(cli, ["diff", "--run-dir", str(dcp_run), "--before", "2", "--after", "3", "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert "No anomaly" in r.output
+    r = CliRunner().invoke(cli, ["inspect", "--run-dir", str(dcp_run), "3"])
+    assert r.exit_code == 0 and "dcp, step 3" in r.output
+
+
+def test_hostile_dcp_metadata_is_refused(dcp_run: Path, tmp_path: Path) -> None:
+    canary = tmp_path / "ran"
+
+    class Exploit:
+        def __reduce__(self):  # noqa: ANN204 - a hostile pickle
+            return (os.system, (f"touch {canary}",))
+
+    d = tmp_path / "step-3"
+    shutil.copytree(dcp_run / "step-3", d)
+    (d / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": Exploit()}))
+    assert_bad_input(CliRunner().invoke(cli, ["inspect", str(d)]), "refused to unpickle posix.system")
+    assert not canary.exists()
+
+
+def test_truncated_dcp_chunk(dcp_run: Path, tmp_path: Path) -> None:
+    d = tmp_path / "step-3"
+    shutil.copytree(dcp_run / "step-3", d)
+    f = d / "__1_0.distcp"
+    f.write_bytes(f.read_bytes()[:1000])
+    assert_bad_input(CliRunner().invoke(cli, ["inspect", str(d)]), "truncated")

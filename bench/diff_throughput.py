@@ -209,9 +209,11 @@ def main() -> None:
     print(text)
     if args.record:
         res = Path(__file__).with_name("RESULTS.md")
-        head = "" if res.exists() else "# Benchmark results\n\nFigures from `bench/` scripts, newest last; each names its date and machine.\n\n"
-        with res.open("a") as f:
-            f.write(head + text + "\n")
+        body = res.read_text() if res.exists() else "# Benchmark results\n\nFigures from `bench/` scripts; each names its date and machine.\n"
+        start, end = "<!-- diff:start -->", "<!-- diff:end -->"
+        block = f"{start}\n{text}\n{end}"
+        body = body[: body.index(start)] + block + body[body.index(end) + len(end) :] if start in body else body.rstrip() + "\n\n" + block + "\n"
+        res.write_text(body)
 
 
 if __name__ == "__main__":

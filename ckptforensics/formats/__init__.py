@@ -8,6 +8,7 @@ from pathlib import Path
 from ..errors import CheckpointNotFound, UnknownFormat
 from .base import Checkpoint, GroupHyper, OptimizerView, TensorMeta
 from .dcp import is_dcp_dir, open_dcp
+from .deepspeed import is_deepspeed_dir, open_deepspeed
 from .hf import is_hf_dir, open_hf_dir
 from .safetensors_file import open_safetensors
 from .torchfile import is_torch_zip
@@ -40,6 +41,7 @@ register("torch", lambda p: open_torch_file(p, "torch"))
 register("nanogpt", lambda p: open_torch_file(p, "nanogpt"))
 register("lightning", lambda p: open_torch_file(p, "lightning"))
 register("dcp", open_dcp)
+register("deepspeed", open_deepspeed)
 
 
 def sniff(path: Path) -> str:
@@ -47,6 +49,8 @@ def sniff(path: Path) -> str:
     if path.is_dir():
         if is_dcp_dir(path):
             return "dcp"
+        if is_deepspeed_dir(path):
+            return "deepspeed"
         if is_hf_dir(path):
             return "hf-trainer"
         raise UnknownFormat(

@@ -1,0 +1,216 @@
+"""DeepSpeed ZeRO checkpoints (`global_stepN/`, `latest`): weights from the model states,
+Adam moments unflattened per parameter from the per-rank flat partitions, read lazily."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CorruptCheckpoint
+from .base import Checkpoint, GroupHyper, OptimizerView, TensorMeta
+from .optim import group_hyper
+from .statedict import add_state_dict, attach_optimizer, to_plain
+from .torchfile import load_torch_file
+
+__all__ = ["is_deepspeed_dir", "open_deepspeed"]
+
+_RANK = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+
+
+def _tag_dir(path: Path) -> Path | None:
+    """The `global_stepN` directory: the path itself, or the one `latest` names."""
+    if any(path.glob("*mp_rank_00_model_states.pt")):
+        return path
+    latest = path / "latest"
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        d = path / Path(tag).name  # a tag is a name, never a path out of the save dir
+        if d.is_dir() and any(d.glob("*mp_rank_00_model_states.pt")):
+            return d
+    return None
+
+
+def is_deepspeed_dir(path: Path) -> bool:
+    return path.is_dir() and _tag_dir(path) is not None
+
+
+def open_deepspeed(path: Path) -> Checkpoint:
+    """Open a DeepSpeed checkpoint (ZeRO stage 0, 1, 2 or 3) without DeepSpeed installed.
+
+    Its files pickle a few DeepSpeed classes; they load as inert records (formats/inert.py).
+    """
+    tag = _tag_dir(path)
+    if tag is None:
+        raise CorruptCheckpoint(f"{path}: no DeepSpeed model states (mp_rank_00_model_states.pt)")
+    model_files = sorted(tag.glob("*mp_rank_00_model_states.pt"))
+    ms, mapped = load_torch_file(model_files[0])
+    if not isinstance(ms, dict) or "module" not in ms:
+        raise CorruptCheckpoint(f"{model_files[0]}: not DeepSpeed model states (no module)")
+    ckpt = Checkpoint(path=path, format="deepspeed", file_backed=mapped)
+    # ZeRO-0 saves no param_shapes: its optimizer is a plain torch state_dict.
+    shapes: list[list[tuple[str, tuple[int, ...]]]] = [[(n, tuple(s)) for n, s in g.items()] for g in (ms.get("param_shapes") or [])]
+    ranks = sorted(((int(m.group(1)), f) for f in tag.iterdir() if (m := _RANK.match(f.name))), key=lambda x: x[0])
+    optim = [load_torch_file(f)[0] for _, f in ranks]
+    stage = _stage(optim)
+    if stage == 3:
+        _stage3_weights(ckpt, shapes, optim, ms)
+    else:
+        add_state_dict(ckpt, ms.get("module") or {})
+    ckpt.scalars["global_step"] = int(ms.get("global_steps", 0))
+    ckpt.scalars["skipped_steps"] = int(ms.get("skipped_steps", 0))
+    ckpt.scalars["zero_stage"] = stage
+    ckpt.scalars["dp_world_size"] = int(ms.get("dp_world_size", len(ranks) or 1))
+    cfg = ms.get("ds_config")
+    if isinstance(cfg, dict):
+        ckpt.scalars["train_config"] = {"grad_clip": cfg.get("gradient_clipping"), **{k: v for k, v in to_plain(cfg).items() if not isinstance(v, dict)}}
+    if optim:
+        ls = optim[0]["optimizer_state_dict"].get("loss_scaler")
+        scale = ls.get("cur_scale") if hasattr(ls, "get") else None
+        if scale is not None:
+            ckpt.scalars["loss_scale"] = float(scale)
+        ckpt.optimizer = _partitioned(optim, shapes, stage, str(tag))
+    elif isinstance(ms.get("optimizer"), dict):
+        if shapes:
+            ckpt.optimizer = _stage0(ms["optimizer"], shapes, str(model_files[0]))
+        else:
+            attach_optimizer(ckpt, ms["optimizer"], f"{model_files[0]}:optimizer")
+    else:
+        ckpt.notes.append("no DeepSpeed optimizer state: weights only")
+    return ckpt
+
+
+def _stage(optim: list[dict[str, Any]]) -> int:
+    if not optim:
+        return 0
+    z = optim[0]["optimizer_state_dict"].get("zero_stage")
+    args = getattr(z, "_args", None) or (z,)
+    try:
+        return int(args[0])
+    except (TypeError, ValueError):
+        return 3 if "fp32_flat_groups" in optim[0]["optimizer_state_dict"] else 2
+
+
+def _stage0(osd: dict[str, Any], shapes: list[list[tuple[str, tuple[int, ...]]]], source: str) -> OptimizerView:
+    """ZeRO-0: a plain torch state_dict whose groups follow param_shapes exactly."""
+    from .optim import map_optimizer
+
+    for g, members in zip(osd["param_groups"], shapes, strict=False):
+        g["param_names"] = [n for n, _ in members]
+    return map_optimizer(osd, [], source)
+
+
+def _inner(o: dict[str, Any]) -> dict[str, Any]:
+    """The torch optimizer state over the flat partitions (stage 1/2 and stage 3 name it differently)."""
+    osd = o["optimizer_state_dict"]
+    inner = osd.get("base_optimizer_state") or osd.get("optimizer_state_dict")
+    if not isinstance(inner, dict) or "state" not in inner:
+        raise CorruptCheckpoint("DeepSpeed optimizer states without a base optimizer state")
+    return inner
+
+
+def _fragments(optim: list[dict[str, Any]], g: int, name: str, field: str) -> list[torch.Tensor]:
+    """Stage 1/2: the pieces of `name` in each rank's flat partition of group g, in rank order."""
+    pieces = []
+    for o in optim:
+        osd = o["optimizer_state_dict"]
+        frag = osd["param_slice_mappings"][g].get(name)
+        if frag is None:
+            continue
+        flat = _inner(o)["state"][g][field]
+        start, numel = int(frag.get("start")), int(frag.get("numel"))
+        pieces.append(flat.narrow(0, start, numel))
+    return pieces
+
+
+def _stage3_piece(optim: list[dict[str, Any]], g: int, offset: int, numel: int, field: str | None) -> torch.Tensor:
+    """Stage 3: every rank holds ceil(numel / ws) elements of each parameter, in order."""
+    ws = len(optim)
+    part = math.ceil(numel / ws)
+    pieces = []
+    for o in optim:
+        osd = o["optimizer_state_dict"]
+        flat = _inner(o)["state"][g][field] if field else osd["fp32_flat_groups"][g]
+        pieces.append(flat.narrow(0, offset, part))
+    return torch.cat(pieces)[:numel]
+
+
+def _stage3_offsets(members: list[tuple[str, tuple[int, ...]]], ws: int) -> dict[str, int]:
+    out, off = {}, 0
+    for name, shape in members:
+        out[name] = off
+        off += math.ceil(math.prod(shape) / ws)
+    return out
+
+
+def _stage3_weights(ckpt: Checkpoint, shapes: list[list[tuple[str, tuple[int, ...]]]], optim: list[dict[str, Any]], ms: dict[str, Any]) -> None:
+    ws = len(optim)
+    for g, members in enumerate(shapes):
+        offs = _stage3_offsets(members, ws)
+        for name, shape in members:
+            ckpt._meta[name] = TensorMeta(shape, torch.float32)
+            ckpt._get[name] = _lazy3(optim, g, offs[name], shape, None)
+    ckpt.notes.append("ZeRO-3: weights are the fp32 master partitions, gathered")
+
+
+def _lazy3(optim: list[dict[str, Any]], g: int, off: int, shape: tuple[int, ...], field: str | None) -> Callable[[], torch.Tensor]:
+    return lambda: _stage3_piece(optim, g, off, math.prod(shape), field).view(shape)
+
+
+class _State(dict):
+    """One parameter's moments, assembled from the rank partitions on first access."""
+
+    def __init__(self, build: dict[str, Callable[[], Any]]) -> None:
+        super().__init__(build)
+        self._cache: dict[str, Any] = {}
+
+    def __getitem__(self, k: str) -> Any:
+        if k not in self._cache:
+            self._cache[k] = super().__getitem__(k)()
+        return self._cache[k]
+
+    def get(self, k: str, default: Any = None) -> Any:
+        return self[k] if k in self else default  # noqa: SIM401 - must build lazily via __getitem__
+
+    def values(self) -> Any:  # type: ignore[override]
+        return [self[k] for k in self]
+
+    def items(self) -> Any:  # type: ignore[override]
+        return [(k, self[k]) for k in self]
+
+
+def _partitioned(optim: list[dict[str, Any]], shapes: list[list[tuple[str, tuple[int, ...]]]], stage: int, source: str) -> OptimizerView:
+    base = _inner(optim[0])
+    hypers: list[GroupHyper] = [group_hyper({k: v for k, v in g.items() if k != "params"}, i) for i, g in enumerate(base["param_groups"])]
+    state: dict[str, dict[str, Any]] = {}
+    hyper: dict[str, GroupHyper] = {}
+    for g, members in enumerate(shapes):
+        if g >= len(hypers):
+            raise CorruptCheckpoint(f"{source}: {len(shapes)} parameter groups but {len(hypers)} optimizer groups")
+        step = base["state"][g].get("step")
+        offs = _stage3_offsets(members, len(optim)) if stage == 3 else {}
+        for name, shape in members:
+            hyper[name] = hypers[g]
+            build: dict[str, Callable[[], Any]] = {"step": (lambda s=step: s)}
+            for field in ("exp_avg", "exp_avg_sq"):
+                if stage == 3:
+                    build[field] = _lazy3(optim, g, offs[name], shape, field)
+                else:
+                    build[field] = _lazy12(optim, g, name, field, shape, source)
+            state[name] = _State(build)
+    return OptimizerView(kind="adam", state=state, hyper=hyper, groups=hypers, mapping=f"ZeRO-{stage} partitions by param_shapes")
+
+
+def _lazy12(optim: list[dict[str, Any]], g: int, name: str, field: str, shape: tuple[int, ...], source: str) -> Callable[[], torch.Tensor]:
+    def build() -> torch.Tensor:
+        pieces = _fragments(optim, g, name, field)
+        flat = torch.cat(pieces) if len(pieces) > 1 else (pieces[0] if pieces else torch.empty(0))
+        if flat.numel() != math.prod(shape):
+            raise CorruptCheckpoint(f"{source}: {name} has {flat.numel()} {field} elements across ranks, expected {math.prod(shape)}")
+        return flat.view(shape)
+
+    return build

@@ -1,0 +1,71 @@
+"""DeepSpeed ZeRO 0-3 written by real DeepSpeed (2 ranks, gloo, CPU), read without DeepSpeed's code."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptforensics.cli import cli
+from ckptforensics.formats import open_checkpoint
+from tests.conftest import ROOT
+from tests.test_cli import assert_bad_input
+
+pytest.importorskip("deepspeed")
+
+
+@pytest.fixture(scope="session")
+def zero_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("deepspeed")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = {}
+    for stage in (0, 1, 2, 3):
+        d = root / f"zero{stage}"
+        cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(29600 + stage), str(ROOT / "fixtures" / "deepspeed_zero.py"), str(d), str(stage)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out[stage] = d
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_unflattened_moments_match_zero0(zero_runs: dict[int, Path], stage: int) -> None:
+    ref, got = open_checkpoint(zero_runs[0] / "global_step3"), open_checkpoint(zero_runs[stage])  # via `latest`
+    assert got.format == "deepspeed" and got.scalars["zero_stage"] == stage and got.step == 3
+    assert set(got.names()) == set(ref.names())
+    for n in ref.names():
+        torch.testing.assert_close(got.tensor(n).float(), ref.tensor(n).float(), rtol=1e-4, atol=1e-5)
+        a, b = ref.optim_state(n), got.optim_state(n)
+        torch.testing.assert_close(b["exp_avg"], a["exp_avg"], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(b["exp_avg_sq"], a["exp_avg_sq"], rtol=1e-4, atol=1e-9)
+    assert got.hyper("transformer.h.0.mlp.c_fc.weight").weight_decay == pytest.approx(0.1)
+
+
+def test_deepspeed_diff_is_healthy(zero_runs: dict[int, Path]) -> None:
+    r = CliRunner().invoke(cli, ["diff", "--run-dir", str(zero_runs[2]), "--before", "2", "--after", "3"])
+    assert r.exit_code == 0, r.output
+    assert "No anomaly" in r.output
+
+
+def test_foreign_class_in_a_deepspeed_file_is_refused(zero_runs: dict[int, Path], tmp_path: Path) -> None:
+    canary = tmp_path / "ran"
+
+    class Exploit:
+        def __reduce__(self):  # noqa: ANN204 - a hostile pickle
+            return (os.system, (f"touch {canary}",))
+
+    d = tmp_path / "global_step3"
+    shutil.copytree(zero_runs[2] / "global_step3", d)
+    f = d / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    obj = torch.load(f, weights_only=False)
+    obj["optimizer_state_dict"]["loss_scaler"] = Exploit()
+    torch.save(obj, f)
+    assert_bad_input(CliRunner().invoke(cli, ["inspect", str(d)]), "refused to unpickle posix.system")
+    assert not canary.exists()

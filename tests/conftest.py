@@ -14,13 +14,22 @@ sys.path.insert(0, str(ROOT))
 
 from fixtures.zoo import build  # noqa: E402
 
-__all__ = ["ROOT", "build"]
+__all__ = ["ROOT", "build", "free_port"]
 
 
 @pytest.fixture(scope="session")
 def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """name -> run dir for every incident and every library-written format."""
     return build(tmp_path_factory.mktemp("zoo"))
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (torchrun's rendezvous; fixed ports collide)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def truth(run: Path) -> dict:

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from ckptforensics.cli import cli
 from ckptforensics.formats import open_checkpoint
-from tests.conftest import ROOT
+from tests.conftest import ROOT, free_port
 from tests.test_cli import assert_bad_input
 
 
@@ -24,7 +24,7 @@ def dcp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dcp")
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", "29571", str(ROOT / "fixtures" / "fsdp_dcp.py"), str(out)]
+    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()), str(ROOT / "fixtures" / "fsdp_dcp.py"), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out

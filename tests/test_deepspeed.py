@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from ckptforensics.cli import cli
 from ckptforensics.formats import open_checkpoint
-from tests.conftest import ROOT
+from tests.conftest import ROOT, free_port
 from tests.test_cli import assert_bad_input
 
 pytest.importorskip("deepspeed")
@@ -28,7 +28,7 @@ def zero_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     out = {}
     for stage in (0, 1, 2, 3):
         d = root / f"zero{stage}"
-        cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(29600 + stage), str(ROOT / "fixtures" / "deepspeed_zero.py"), str(d), str(stage)]
+        cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()), str(ROOT / "fixtures" / "deepspeed_zero.py"), str(d), str(stage)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
         out[stage] = d

@@ -74,3 +74,28 @@ def test_truncated_dcp_chunk(dcp_run: Path, tmp_path: Path) -> None:
     f = d / "__1_0.distcp"
     f.write_bytes(f.read_bytes()[:1000])
     assert_bad_input(CliRunner().invoke(cli, ["inspect", str(d)]), "truncated")
+
+
+def test_mangled_dcp_metadata(dcp_run: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Truncated and bit-mangled `.metadata`: one-line error or a clean read, never a traceback."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    data = (dcp_run / "step-3" / ".metadata").read_bytes()
+
+    @settings(max_examples=60, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(cut=st.integers(0, len(data)), flips=st.lists(st.tuples(st.integers(0, len(data) - 1), st.integers(0, 255)), max_size=4))
+    def check(cut: int, flips: list[tuple[int, int]]) -> None:
+        d = tmp_path_factory.mktemp("md") / "step-3"
+        shutil.copytree(dcp_run / "step-3", d)
+        b = bytearray(data)
+        for pos, val in flips:
+            b[pos] = val
+        (d / ".metadata").write_bytes(bytes(b[: len(b) - cut]))
+        r = CliRunner().invoke(cli, ["inspect", str(d)])
+        assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+        assert r.exit_code in (0, 2)
+        if r.exit_code == 2:
+            assert len(r.stderr.strip().splitlines()) == 1
+
+    check()

@@ -117,12 +117,9 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.record:
-        res = Path(__file__).with_name("RESULTS.md")
-        body = res.read_text() if res.exists() else "# Benchmark results\n\n"
-        start, end = "<!-- replay:start -->", "<!-- replay:end -->"
-        block = f"{start}\n{text}\n{end}"
-        body = body[: body.index(start)] + block + body[body.index(end) + len(end) :] if start in body else body.rstrip() + "\n\n" + block + "\n"
-        res.write_text(body)
+        from _results import record_section
+
+        record_section("replay", text)
 
 
 if __name__ == "__main__":

@@ -207,19 +207,6 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def record(text: str) -> None:
-    """Replace the scoreboard section of bench/RESULTS.md (other sections stay)."""
-    res = ROOT / "bench" / "RESULTS.md"
-    body = res.read_text() if res.exists() else "# Benchmark results\n\n"
-    start, end = "<!-- zoo:start -->", "<!-- zoo:end -->"
-    block = f"{start}\n{text}\n{end}"
-    if start in body and end in body:
-        body = body[: body.index(start)] + block + body[body.index(end) + len(end) :]
-    else:
-        body = body.rstrip() + "\n\n" + block + "\n"
-    res.write_text(body)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--zoo", type=Path, default=ROOT / "build" / "zoo")
@@ -242,7 +229,10 @@ def main() -> None:
     )
     print(text)
     if args.record:
-        record(text)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from _results import record_section
+
+        record_section("zoo", text)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ __all__ = [
     "Checkpoint",
     "release_pages",
     "prefetch_pages",
+    "LazyState",
 ]
 
 log = logging.getLogger(__name__)
@@ -214,3 +215,30 @@ def release_pages(t: torch.Tensor) -> None:
     loses nothing. Readers call it only on tensors they mapped from a file.
     """
     _madvise(t, _MADV_DONTNEED, outward=False)
+
+
+class LazyState(dict):
+    """One parameter's optimizer state whose tensors are read on first access.
+
+    Values are callables building the tensor (from chunks or rank partitions) or plain
+    values; a built tensor is kept, so a diff reading exp_avg twice reads it once.
+    """
+
+    def __init__(self, build: dict[str, Any]) -> None:
+        super().__init__(build)
+        self._cache: dict[str, Any] = {}
+
+    def __getitem__(self, k: str) -> Any:
+        if k not in self._cache:
+            v = super().__getitem__(k)
+            self._cache[k] = v() if callable(v) else v
+        return self._cache[k]
+
+    def get(self, k: str, default: Any = None) -> Any:
+        return self[k] if k in self else default  # noqa: SIM401 - must build lazily via __getitem__
+
+    def values(self) -> Any:  # type: ignore[override]
+        return [self[k] for k in self]
+
+    def items(self) -> Any:  # type: ignore[override]
+        return [(k, self[k]) for k in self]

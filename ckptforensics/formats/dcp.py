@@ -13,7 +13,7 @@ import torch
 
 from ..errors import CorruptCheckpoint, UnsafeCheckpoint
 from ..locate import STEP_PATTERNS
-from .base import Checkpoint, OptimizerView, TensorMeta
+from .base import Checkpoint, LazyState, OptimizerView, TensorMeta
 from .optim import group_hyper, optimizer_kind
 
 __all__ = ["is_dcp_dir", "open_dcp", "read_metadata"]
@@ -156,7 +156,7 @@ def open_dcp(path: Path) -> Checkpoint:
             opt_prefix = parts[0]
             if len(parts) >= 4 and parts[1] == "state":
                 fqn, field = ".".join(map(str, parts[2:-1])), str(parts[-1])
-                state.setdefault(fqn, {})[field] = _lazy(store, key)
+                state.setdefault(fqn, {})[field] = _getter(store, key)
             elif len(parts) >= 4 and parts[1] == "param_groups":
                 groups.setdefault(int(parts[2]), {})[str(parts[3])] = key
             continue
@@ -190,42 +190,8 @@ def _getter(store: _Store, key: str) -> Callable[[], torch.Tensor]:
     return lambda: store.tensor(key)
 
 
-class _LazyTensor:
-    """Optimizer tensors are read only when a diff asks for them."""
-
-    def __init__(self, store: _Store, key: str) -> None:
-        self.store, self.key = store, key
-        self._t: torch.Tensor | None = None
-
-    def get(self) -> torch.Tensor:
-        if self._t is None:
-            self._t = self.store.tensor(self.key)
-        return self._t
-
-
-def _lazy(store: _Store, key: str) -> _LazyTensor:
-    return _LazyTensor(store, key)
-
-
-class _LazyState(dict):
-    """A param's optimizer state whose tensors load on first access."""
-
-    def __getitem__(self, k: str) -> Any:
-        v = super().__getitem__(k)
-        return v.get() if isinstance(v, _LazyTensor) else v
-
-    def get(self, k: str, default: Any = None) -> Any:
-        return self[k] if k in self else default  # noqa: SIM401 - must load lazily via __getitem__
-
-    def values(self) -> Any:  # type: ignore[override]
-        return [self[k] for k in self]
-
-    def items(self) -> Any:  # type: ignore[override]
-        return [(k, self[k]) for k in self]
-
-
 def _optimizer(store: _Store, state: dict[str, dict[str, Any]], groups: dict[int, dict[str, str]], prefix: str | None) -> OptimizerView:
-    by_name = {fqn: _LazyState(fields) for fqn, fields in state.items()}
+    by_name = {fqn: LazyState(fields) for fqn, fields in state.items()}
     hypers, hyper_of = [], {}
     for gi in sorted(groups):
         g = {field: store.value(key) for field, key in groups[gi].items()}

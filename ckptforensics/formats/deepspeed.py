@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpoint
-from .base import Checkpoint, GroupHyper, OptimizerView, TensorMeta
+from .base import Checkpoint, GroupHyper, LazyState, OptimizerView, TensorMeta
 from .optim import group_hyper
 from .statedict import add_state_dict, attach_optimizer, to_plain
 from .torchfile import load_torch_file
@@ -161,28 +161,6 @@ def _lazy3(optim: list[dict[str, Any]], g: int, off: int, shape: tuple[int, ...]
     return lambda: _stage3_piece(optim, g, off, math.prod(shape), field).view(shape)
 
 
-class _State(dict):
-    """One parameter's moments, assembled from the rank partitions on first access."""
-
-    def __init__(self, build: dict[str, Callable[[], Any]]) -> None:
-        super().__init__(build)
-        self._cache: dict[str, Any] = {}
-
-    def __getitem__(self, k: str) -> Any:
-        if k not in self._cache:
-            self._cache[k] = super().__getitem__(k)()
-        return self._cache[k]
-
-    def get(self, k: str, default: Any = None) -> Any:
-        return self[k] if k in self else default  # noqa: SIM401 - must build lazily via __getitem__
-
-    def values(self) -> Any:  # type: ignore[override]
-        return [self[k] for k in self]
-
-    def items(self) -> Any:  # type: ignore[override]
-        return [(k, self[k]) for k in self]
-
-
 def _partitioned(optim: list[dict[str, Any]], shapes: list[list[tuple[str, tuple[int, ...]]]], stage: int, source: str) -> OptimizerView:
     base = _inner(optim[0])
     hypers: list[GroupHyper] = [group_hyper({k: v for k, v in g.items() if k != "params"}, i) for i, g in enumerate(base["param_groups"])]
@@ -195,13 +173,13 @@ def _partitioned(optim: list[dict[str, Any]], shapes: list[list[tuple[str, tuple
         offs = _stage3_offsets(members, len(optim)) if stage == 3 else {}
         for name, shape in members:
             hyper[name] = hypers[g]
-            build: dict[str, Callable[[], Any]] = {"step": (lambda s=step: s)}
+            build: dict[str, Any] = {"step": step}
             for field in ("exp_avg", "exp_avg_sq"):
                 if stage == 3:
                     build[field] = _lazy3(optim, g, offs[name], shape, field)
                 else:
                     build[field] = _lazy12(optim, g, name, field, shape, source)
-            state[name] = _State(build)
+            state[name] = LazyState(build)
     return OptimizerView(kind="adam", state=state, hyper=hyper, groups=hypers, mapping=f"ZeRO-{stage} partitions by param_shapes")
 
 

@@ -125,7 +125,7 @@ run_dir_option = click.option(
 format_option = click.option(
     "--format",
     "fmt",
-    type=click.Choice(["hf-trainer", "safetensors", "torch", "nanogpt", "lightning", "dcp", "deepspeed"]),
+    type=click.Choice(["hf-trainer", "safetensors", "torch", "nanogpt", "lightning", "dcp", "deepspeed", "megatron"]),
     default=None,
     help="Force a reader instead of sniffing the format.",
 )

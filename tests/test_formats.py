@@ -19,6 +19,7 @@ RUNS = {
     "healthy-safetensors": "safetensors",
     "lightning": "lightning",
     "hf-trainer": "hf-trainer",
+    "healthy-megatron": "megatron",
 }
 
 
@@ -132,3 +133,17 @@ def test_lightning_scaler_state_is_read(zoo: dict[str, Path], tmp_path: Path) ->
     assert view.format == "lightning"
     assert view.scalars["loss_scale"] == 2.0**14
     assert view.scalars["scaler"]["growth_interval"] == 2000
+
+
+def test_megatron_args_and_distributed_optimizer_limit(zoo: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    src = zoo["healthy-megatron"] / "iter_0000030"
+    ck = open_checkpoint(src)
+    assert ck.config["clip_grad"] == 1.0 and ck.scalars["train_config"]["learning_rate"] == 3e-3
+    d = tmp_path / "iter_0000030"
+    shutil.copytree(src, d)
+    torch.save({"buckets": [torch.zeros(4)]}, d / "mp_rank_00" / "distrib_optim.pt")
+    limited = open_checkpoint(d)
+    assert limited.optimizer is None
+    assert any("distributed optimizer" in n for n in limited.notes)

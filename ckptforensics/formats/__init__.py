@@ -10,6 +10,7 @@ from .base import Checkpoint, GroupHyper, OptimizerView, TensorMeta
 from .dcp import is_dcp_dir, open_dcp
 from .deepspeed import is_deepspeed_dir, open_deepspeed
 from .hf import is_hf_dir, open_hf_dir
+from .megatron import is_megatron_dir, open_megatron
 from .safetensors_file import open_safetensors
 from .torchfile import is_torch_zip
 from .torchsave import open_torch_file
@@ -42,6 +43,7 @@ register("nanogpt", lambda p: open_torch_file(p, "nanogpt"))
 register("lightning", lambda p: open_torch_file(p, "lightning"))
 register("dcp", open_dcp)
 register("deepspeed", open_deepspeed)
+register("megatron", open_megatron)
 
 
 def sniff(path: Path) -> str:
@@ -51,6 +53,8 @@ def sniff(path: Path) -> str:
             return "dcp"
         if is_deepspeed_dir(path):
             return "deepspeed"
+        if is_megatron_dir(path):
+            return "megatron"
         if is_hf_dir(path):
             return "hf-trainer"
         raise UnknownFormat(

@@ -173,6 +173,38 @@ def run_whatif(run: Path, reports: Path) -> dict[str, Any] | None:
     }
 
 
+def run_bisect(run: Path, reports: Path) -> dict[str, Any] | None:
+    """`bisect` on incidents that have a first bad step: step, rows vs truth, evaluations vs budget."""
+    truth = json.loads((run / "truth.json").read_text())
+    hint = truth.get("replay")
+    if not hint or truth.get("first_bad_step") is None and truth["cause"] != "none":
+        return None
+    out = reports / f"{run.name}-bisect"
+    cmd = [sys.executable, "-m", "ckptforensics.cli", "-q", "bisect", "--run-dir", str(run), "--before", str(truth.get("before", 30)), "--after", str(truth.get("after", 40))]
+    cmd += ["--model", hint["model"], "--batch", str(run / hint["batch"]), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        return {"incident": run.name, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+    b = json.loads((out / "report.json").read_text())["bisect"]
+    want = set(truth.get("samples") or [])
+    got = set(b["rows"])
+    pr = f"P {len(got & want) / len(got):.2f} R {len(got & want) / len(want):.2f}" if want and got else ("none planted" if not want else "n/p")
+    return {"incident": run.name, "truth_step": truth.get("first_bad_step"), "step": b["first_bad_step"], "rows": b["rows"], "pr": pr, "replays": b["replays"], "budget": b["budget"], "note": b.get("note", "")}
+
+
+def bisect_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| incident | first bad step (truth) | culprit rows | vs planted rows | evaluations / budget | note |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['incident']} | error: {r['error']} | | | | |")
+            continue
+        lines.append(
+            f"| {r['incident']} | {r['step'] if r['step'] is not None else 'none'} ({r['truth_step'] if r['truth_step'] is not None else 'none'}) "
+            f"| {r['rows'] or '—'} | {r['pr']} | {r['replays']} / {r['budget']} | {r['note'][:90]} |"
+        )
+    return "\n".join(lines)
+
+
 def whatif_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| incident | baseline on track | mitigations on track | recommended | time |", "| --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -223,9 +255,11 @@ def main() -> None:
     notes = "\n".join(f"- {r.incident}: {r.note}" for r in rows if r.note)
     reports = args.zoo.parent / "zoo-reports"
     wrows = [w for d in sorted(args.zoo.iterdir()) if (d / "truth.json").is_file() and (w := run_whatif(d, reports))]
+    brows = [b for d in sorted(args.zoo.iterdir()) if (d / "truth.json").is_file() and (b := run_bisect(d, reports))]
     menu = ", ".join(f"`{m}`" for m in MENU)
     text = (
-        f"{head}\n\n{table(rows)}\n\n{legend}\n\n{notes}\n\n### What-if from each incident's *before* ({menu})\n\n{whatif_table(wrows)}"
+        f"{head}\n\n{table(rows)}\n\n{legend}\n\n{notes}\n\n### bisect (budget 2·k·⌈log2 B⌉ + 4)\n\n{bisect_table(brows)}"
+        f"\n\n### What-if from each incident's *before* ({menu})\n\n{whatif_table(wrows)}"
     )
     print(text)
     if args.record:

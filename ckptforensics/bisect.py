@@ -90,6 +90,7 @@ def bisect(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
         base_loss = [v["loss"] for v in rep.baseline.values() if "loss" in v] or [r.loss for r in rep.records if r.step < s]
         base_grad = [v["grad_norm"] for v in rep.baseline.values() if "grad_norm" in v] or [r.grad_norm for r in rep.records if r.step < s]
         n = batch["input_ids"].shape[0]
+        res.budget = int(2 * math.ceil(math.log2(max(n, 2))) + 4)  # k = 1 until culprits are known
 
         def spikes(keep: set[int], label: str) -> bool:
             mixed = {k: torch.where(_rows_mask(n, keep, v), v, filler[k][:n]) for k, v in batch.items() if k in filler}

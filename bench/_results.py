@@ -18,3 +18,10 @@ def record_section(key: str, text: str) -> None:
     else:
         body = body.rstrip() + "\n\n" + block + "\n"
     RESULTS.write_text(body)
+
+
+def publish(key: str, text: str, record: bool) -> None:
+    """Print a benchmark's figures and, with --record, keep them in RESULTS.md."""
+    print(text)
+    if record:
+        record_section(key, text)

@@ -115,11 +115,9 @@ def main() -> None:
         "",
     ]
     text = "\n".join(lines)
-    print(text)
-    if args.record:
-        from _results import record_section
+    from _results import publish
 
-        record_section("replay", text)
+    publish("replay", text, args.record)
 
 
 if __name__ == "__main__":

@@ -146,6 +146,16 @@ def score(zoo: Path, reports: Path) -> list[Row]:
 MENU = ("clip=1.0", "clip=0.5", "lr_scale=0.1", "lr_scale=0.01", "precision=bf16", "skip_samples=auto")
 
 
+def _cli(command: str, run: Path, hint: dict[str, str], out: Path, args: list[str]) -> tuple[dict[str, Any] | None, str]:
+    """Run a replay-based command on an incident as a user would: (report, "") or (None, error)."""
+    cmd = [sys.executable, "-m", "ckptforensics.cli", "-q", command, "--run-dir", str(run), *args]
+    cmd += ["--model", hint["model"], "--batch", str(run / hint["batch"]), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        return None, (proc.stderr.strip().splitlines() or ["failed"])[-1]
+    return json.loads((out / "report.json").read_text()), ""
+
+
 def run_whatif(run: Path, reports: Path) -> dict[str, Any] | None:
     """`whatif` with the usual menu of mitigations from the incident's *before*."""
     truth = json.loads((run / "truth.json").read_text())
@@ -153,16 +163,12 @@ def run_whatif(run: Path, reports: Path) -> dict[str, Any] | None:
     if not hint or truth["cause"] == "none":
         return None
     before, after = int(truth.get("before", 30)), int(truth.get("after", 40))
-    out = reports / f"{run.name}-whatif"
-    cmd = [sys.executable, "-m", "ckptforensics.cli", "-q", "whatif", "--run-dir", str(run), "--before", str(before), "--steps", str(max(after - before, 5))]
-    cmd += ["--model", hint["model"], "--batch", str(run / hint["batch"]), "--out", str(out)]
-    for m in MENU:
-        cmd += ["--try", m]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        return {"incident": run.name, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
-    w = json.loads((out / "report.json").read_text())["whatif"]
+    tries = [x for m in MENU for x in ("--try", m)]
+    doc, err = _cli("whatif", run, hint, reports / f"{run.name}-whatif", ["--before", str(before), "--steps", str(max(after - before, 5)), *tries])
+    if doc is None:
+        return {"incident": run.name, "error": err}
+    w = doc["whatif"]
     on = [o["mitigation"] for o in w["outcomes"][1:] if o["on_track"] and not o.get("note")]
     return {
         "incident": run.name,
@@ -179,13 +185,10 @@ def run_bisect(run: Path, reports: Path) -> dict[str, Any] | None:
     hint = truth.get("replay")
     if not hint or truth.get("first_bad_step") is None and truth["cause"] != "none":
         return None
-    out = reports / f"{run.name}-bisect"
-    cmd = [sys.executable, "-m", "ckptforensics.cli", "-q", "bisect", "--run-dir", str(run), "--before", str(truth.get("before", 30)), "--after", str(truth.get("after", 40))]
-    cmd += ["--model", hint["model"], "--batch", str(run / hint["batch"]), "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        return {"incident": run.name, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
-    b = json.loads((out / "report.json").read_text())["bisect"]
+    doc, err = _cli("bisect", run, hint, reports / f"{run.name}-bisect", ["--before", str(truth.get("before", 30)), "--after", str(truth.get("after", 40))])
+    if doc is None:
+        return {"incident": run.name, "error": err}
+    b = doc["bisect"]
     want = set(truth.get("samples") or [])
     got = set(b["rows"])
     pr = f"P {len(got & want) / len(got):.2f} R {len(got & want) / len(want):.2f}" if want and got else ("none planted" if not want else "n/p")

@@ -143,7 +143,7 @@ def score(zoo: Path, reports: Path) -> list[Row]:
     return [run_incident(d, reports) for d in sorted(zoo.iterdir()) if (d / "truth.json").is_file()]
 
 
-MENU = ("clip=1.0", "clip=0.5", "lr_scale=0.1", "lr_scale=0.01", "precision=bf16", "skip_samples=auto")
+MENU = ("clip=1.0", "clip=0.5", "lr_scale=0.1", "lr_scale=0.01", "precision=bf16", "precision=fp32", "skip_samples=auto")
 
 
 def _cli(command: str, run: Path, hint: dict[str, str], out: Path, args: list[str]) -> tuple[dict[str, Any] | None, str]:

@@ -681,13 +681,15 @@ def _overflow(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[
     out = []
     for r in rep.records:
         p, ref = rep.passes[r.step], rep.fp32_passes.get(r.step)
+        # Non-finite outputs only: under autocast, fp32 tensors (the residual stream,
+        # norms) may legitimately exceed the low-precision range; a low-precision
+        # tensor that overflows holds inf.
         nf_f = p.fwd[:, FWD_STATS.index("nonfinite")].numpy()
-        over = p.fwd[:, FWD_STATS.index("over_fp16" if rep.precision == "fp16" else "over_bf16")].numpy()
         nf_b = p.bwd[:, BWD_STATS.index("grad_nonfinite")].numpy()
         mods_param = {n.rsplit(".", 1)[0] for n in r.param_grad_nonfinite}
         pos = {i: k for k, i in enumerate(p.bwd_order)}
         cands = [i for i in range(len(p.modules)) if nf_b[i] > 0 or p.modules[i] in mods_param]
-        fwd_over = [i for i in p.fwd_order if nf_f[i] > 0 or over[i] > 0]
+        fwd_over = [i for i in p.fwd_order if nf_f[i] > 0]
         if not cands and not fwd_over:
             continue
         fp32_ok = ref is not None and not bool((ref.fwd[:, FWD_STATS.index("nonfinite")] > 0).any()) and not bool((ref.bwd[:, BWD_STATS.index("grad_nonfinite")] > 0).any())
@@ -729,7 +731,10 @@ def _samples(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[F
     if b < 2:
         return []
     loss = np.array(r.sample_loss)
-    zl = robust_z(loss, floor=0.05 * float(np.median(np.abs(loss))) + 1e-12)
+    fin = np.isfinite(loss)
+    zl = np.zeros(b)
+    if fin.sum() >= 2:
+        zl[fin] = robust_z(loss[fin], floor=0.05 * float(np.median(np.abs(loss[fin]))) + 1e-12)
     share = np.zeros(b)
     zs = np.zeros(b)
     if r.sample_grad_sq is not None and math.isfinite(sum(r.sample_grad_sq)) and sum(r.sample_grad_sq) > 0:
@@ -737,28 +742,51 @@ def _samples(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[F
         share = sq / sq.sum()
         zs = robust_z(share, floor=0.05 / b)
     rows = []
+    evidence = False  # finite, data-level evidence (a non-finite loss alone is a numerics symptom)
     for i in range(b):
         why = []
         if share[i] > max(0.2, 2.0 / b) and zs[i] > th.z:
             why.append(f"{share[i]:.0%} of the gradient norm^2")
         if zl[i] > th.z:
             why.append(f"loss {loss[i]:.3g} (robust z {zl[i]:.1f} in its batch)")
+        evidence |= bool(why)
         st = stats[i] if i < len(stats) else None
         if st is not None:
+            data = []
             if st.longest_run >= 32:
-                why.append(f"one token repeated {st.longest_run} times")
+                data.append(f"one token repeated {st.longest_run} times")
             if st.periodic_repeat >= 32:
-                why.append(f"a pattern of period <= 13 repeated over {st.periodic_repeat} tokens")
+                data.append(f"a pattern of period <= 13 repeated over {st.periodic_repeat} tokens")
             # A few rare tokens are normal in any window; a quarter of the row is not.
             if st.unseen >= max(1, 0.25 * st.length):
-                why.append(f"{st.unseen} of {st.length} tokens seen nowhere else in the window")
+                data.append(f"{st.unseen} of {st.length} tokens seen nowhere else in the window")
+            evidence |= bool(data)
+            why += data
+        if not fin[i] and fin.any():
+            why.append("its loss is not finite while other rows' are")
         if why:
             sid = r.sample_ids[i] if r.sample_ids else None
             rows.append({"index": i, "sample_id": sid, "score": float(max(zs[i], zl[i], 0.0)), "why": "; ".join(why)})
     if not rows:
         return []
-    fields["anomalous_samples"] = rows
     carried = float(sum(share[x["index"]] for x in rows))
+    idx = [x["index"] for x in rows]
+    if not evidence:
+        # Rows that only overflowed: they triggered the numerics, they are not bad data.
+        return [
+            Finding(
+                "",
+                "overflowing_samples",
+                f"step {s}",
+                1.0,
+                "info",
+                {"step": s, "rows": idx, "batch_size": b},
+                f"step {s}: rows {idx} have a non-finite loss while the others' are finite; their data is unremarkable",
+                "DESIGN §4 per-sample share / data stats",
+                ("fp16_overflow", "bf16_overflow", "gradient_explosion"),
+            )
+        ]
+    fields["anomalous_samples"] = rows
     return [
         Finding(
             "",

@@ -71,7 +71,10 @@ def test_whatif_higher_precision_removes_the_fp16_overflow(zoo: dict[str, Path])
     w = _whatif(zoo["fp16_overflow"], "precision=bf16", "precision=fp32")
     out = {o["mitigation"]: o for o in w["outcomes"]}
     assert out["baseline"]["skipped_updates"], "the fp16 baseline must still overflow"
-    assert out["precision=bf16"]["skipped_updates"] == [] and out["precision=fp32"]["skipped_updates"] == []
+    assert not out["baseline"]["on_track"]
+    for m in ("precision=bf16", "precision=fp32"):
+        assert out[m]["skipped_updates"] == [] and out[m]["on_track"], m
+    assert w["recommended"] == "precision=bf16"
 
 
 def test_whatif_rejects_unknown_knobs(zoo: dict[str, Path]) -> None:

@@ -172,7 +172,7 @@ def _replay_with(cfg: ReplayConfig, base: Any, m: Mitigation, auto_rows: dict[in
         sess.close()
     fin = [x for x in out.losses if math.isfinite(x)]
     out.max_loss = max(fin) if len(fin) == len(out.losses) and fin else math.inf
-    out.max_grad_norm = max(out.grad_norms) if out.grad_norms else math.nan
+    out.max_grad_norm = (max(out.grad_norms) if all(math.isfinite(g) for g in out.grad_norms) else math.inf) if out.grad_norms else math.nan
     out.final_loss = out.losses[-1] if out.losses else math.nan
     # On track: every step finite (no overflow, no skipped update), every loss and every
     # (pre-clip) grad norm under its pre-spike level plus band.

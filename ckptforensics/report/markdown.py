@@ -30,6 +30,11 @@ def fmt(x: Any) -> str:
     return str(x)
 
 
+def _finite(x: Any) -> str:
+    """A replayed figure; JSON carries inf/NaN as null, which here means 'not finite'."""
+    return "not finite" if x is None or (isinstance(x, float) and not math.isfinite(x)) else fmt(x)
+
+
 def _row(cells: list[Any]) -> str:
     return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
@@ -49,11 +54,18 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"**{v['summary']}**",
         "",
         f"- **Before**: `{b['path']}` (step {fmt(b['step'])}, {b['format']})",
-        f"- **After**: `{a['path']}` (step {fmt(a['step'])}, {a['format']})",
-        "- **Causes**: " + ", ".join(f"{c['cause']} ({c['confidence']:.0%})" for c in v["causes"]),
-        f"- **Reproduces**: {fmt(v['reproducible']) if v['reproducible'] is not None else 'not replayed'}",
-        f"- **Rollback checkpoint**: {('`' + v['rollback_checkpoint'] + '`') if v['rollback_checkpoint'] else '—'}",
     ]
+    if doc.get("whatif") and not doc.get("replay"):
+        # A what-if replays forward from *before*: there is no *after* and no diagnosis.
+        w = doc["whatif"]
+        lines.append(f"- **Replayed**: {len(w['outcomes'][0]['steps']) if w['outcomes'] else 0} steps per mitigation, {len(w['outcomes'])} runs")
+    else:
+        lines += [
+            f"- **After**: `{a['path']}` (step {fmt(a['step'])}, {a['format']})",
+            "- **Causes**: " + ", ".join(f"{c['cause']} ({c['confidence']:.0%})" for c in v["causes"]),
+            f"- **Reproduces**: {fmt(v['reproducible']) if v['reproducible'] is not None else 'not replayed'}",
+            f"- **Rollback checkpoint**: {('`' + v['rollback_checkpoint'] + '`') if v['rollback_checkpoint'] else '—'}",
+        ]
     if v["exploding_layers"]:
         lines.append("- **Layers standing out**: " + ", ".join(f"`{m}`" for m in v["exploding_layers"][:5]))
     if v["first_bad_step"] is not None:
@@ -171,8 +183,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if wi:
         lines += ["", "**What-if**", ""]
         lines += _table(
-            ["mitigation", "on track", "max loss", "max grad norm", "final loss"],
-            [[o["mitigation"], fmt(o["on_track"]), fmt(o["max_loss"]), fmt(o["max_grad_norm"]), fmt(o["final_loss"])] for o in wi["outcomes"]],
+            ["mitigation", "on track", "max loss", "max grad norm", "final loss", "overflow-skipped steps"],
+            [
+                [o["mitigation"], fmt(o["on_track"]), _finite(o["max_loss"]), _finite(o["max_grad_norm"]), _finite(o["final_loss"]), ", ".join(map(str, o["skipped_updates"])) or "none"]
+                for o in wi["outcomes"]
+            ],
         )
         lines += ["", f"Band: loss ≤ {fmt(wi['level'])} + {fmt(wi['band'])}, grad norm ≤ {fmt(wi['grad_norm_level'])} + {fmt(wi['grad_norm_band'])} ({wi['source']})."]
     lines += ["", f"<sub>{inc['command']} · ckptforensics {inc['tool_version']} · schema {doc['schema']}</sub>", ""]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,39 @@ import numpy as np
 from .errors import ForensicsError
 from .locate import list_checkpoints
 
-__all__ = ["TriageConfig", "Onset", "TriageResult", "read_metrics", "triage"]
+__all__ = ["TriageConfig", "Onset", "TriageResult", "read_metrics", "triage", "lr_columns", "group_lrs", "param_grad_columns"]
+
+# Per-group LR: OLMo-core's "optim/LR (group 0)", Lightning's LearningRateMonitor
+# "lr-AdamW/pg1" (1-based); per-parameter grad norms: OLMo's "optim/grad/<param>.norm",
+# or "grad_norm/<param>".
+_GROUP_LR = (re.compile(r"^optim/LR \(group (\d+)\)$"), re.compile(r"^lr-[^/]+/pg(\d+)$"))
+_PARAM_GRAD = re.compile(r"^(?:optim/grad/|grad_norm/|grad/)(.+?)(?:\.norm)?$")
+
+
+def lr_columns(row: dict[str, float]) -> list[str]:
+    """The row's LR columns: `lr` and every per-group LR the trainer logged."""
+    return [k for k in row if k == "lr" or any(p.match(k) for p in _GROUP_LR)]
+
+
+def group_lrs(row: dict[str, float], n: int) -> list[float] | None:
+    """LR of each of `n` param groups when the log has them all, else None."""
+    found: dict[int, float] = {}
+    for k, v in row.items():
+        for i, p in enumerate(_GROUP_LR):
+            m = p.match(k)
+            if m:
+                found[int(m.group(1)) - (1 if i == 1 else 0)] = v
+    return [found[i] for i in range(n)] if n > 0 and all(i in found for i in range(n)) else None
+
+
+def param_grad_columns(row: dict[str, float]) -> dict[str, str]:
+    """Column -> parameter name for per-parameter gradient norms."""
+    out = {}
+    for k in row:
+        m = _PARAM_GRAD.match(k)
+        if m and "total" not in m.group(1):
+            out[k] = m.group(1)
+    return out
 
 
 def read_metrics(path: Path, keys: dict[str, str] | None = None) -> dict[int, dict[str, float]]:
@@ -163,14 +196,63 @@ def _spikes(rows: dict[int, dict[str, float]], key: str, cfg: TriageConfig) -> l
 
 
 def _lr_jumps(rows: dict[int, dict[str, float]]) -> list[Onset]:
-    """Logged LR rising faster than a linear warmup from zero can (2x step ratio)."""
+    """Any logged LR (the main one or a group's) rising faster than a linear warmup from
+    zero can (2x the step ratio); one onset per step, naming the columns that jumped."""
+    cols = sorted({k for r in rows.values() for k in lr_columns(r)})
+    jumps: dict[int, list[tuple[str, float, float]]] = {}
+    for col in cols:
+        steps = [s for s in rows if col in rows[s]]
+        for a, b in zip(steps, steps[1:], strict=False):
+            la, lb = rows[a][col], rows[b][col]
+            if la > 0 and lb / la > 2 * max(1.0, b / max(a, 1)):
+                jumps.setdefault(b, []).append((col, la, lb))
     out = []
-    steps = [s for s in rows if "lr" in rows[s]]
-    for a, b in zip(steps, steps[1:], strict=False):
-        la, lb = rows[a]["lr"], rows[b]["lr"]
-        if la > 0 and lb / la > 2 * max(1.0, b / max(a, 1)):
-            out.append(Onset(b, "lr", lb, la, math.inf, f"lr jumps {lb / la:.0f}x at step {b} ({la:.3g} -> {lb:.3g})"))
+    for b, hits in sorted(jumps.items()):
+        col, la, lb = max(hits, key=lambda h: h[2] / h[1])
+        where = "" if col == "lr" else f" in {col}" + (f" (and {len(hits) - 1} more)" if len(hits) > 1 else "")
+        out.append(Onset(b, "lr", lb, la, math.inf, f"lr jumps {lb / la:.0f}x at step {b}{where} ({la:.3g} -> {lb:.3g})"))
     return out
+
+
+def _gradient_returns(rows: dict[int, dict[str, float]], cfg: TriageConfig) -> list[Onset]:
+    """A parameter whose gradient norm sat >= 1000x below its peers' for `min_history`
+    steps and comes back >= 1000x at once. Adam's second moment has decayed meanwhile,
+    so its next updates are sign-like and lr-sized (Molybog et al. 2023, Adam instability)."""
+    cols = sorted({k: None for r in rows.values() for k in param_grad_columns(r)})
+    if len(cols) < 3:
+        return []
+    steps = [s for s in rows if sum(c in rows[s] for c in cols) >= 3]
+    first: dict[str, tuple[int, float, int]] = {}  # module -> (step, jump, quiet steps)
+    ratio_hist: dict[str, list[float]] = {c: [] for c in cols}
+    for s in steps:
+        vals = {c: rows[s][c] for c in cols if c in rows[s] and math.isfinite(rows[s][c])}
+        if len(vals) < 3:
+            continue
+        peers = float(np.median(list(vals.values())))
+        if peers <= 0:
+            continue
+        for c, v in vals.items():
+            r = v / peers
+            h = ratio_hist[c]
+            if len(h) >= cfg.min_history:
+                quiet = float(np.median(h[-cfg.min_history :]))
+                if quiet < 1e-3 and r >= 1e3 * quiet:
+                    mod = param_grad_columns({c: 0.0})[c].rsplit(".", 1)[0]
+                    if mod not in first:
+                        first[mod] = (s, r / max(quiet, 1e-30), len(h))
+            h.append(r)
+    return [
+        Onset(
+            s,
+            "param_grad",
+            jump,
+            0.0,
+            math.inf,
+            f"{mod}: its gradient sat >= 1000x below its peers' for {n} steps and returns {jump:.0e}x at step {s}; "
+            "Adam's second moment has decayed, so its next updates are sign-like (Adam instability)",
+        )
+        for mod, (s, jump, n) in first.items()
+    ]
 
 
 def _scale_drops(rows: dict[int, dict[str, float]]) -> list[Onset]:
@@ -192,8 +274,8 @@ def triage(metrics: Path, run_dir: Path | None, cfg: TriageConfig | None = None,
     res = TriageResult(metrics_file=str(metrics), steps=len(rows))
     # The grad norm is the seed signal (it moves first); loss, LR and loss scale follow.
     res.onsets = sorted(
-        _spikes(rows, "grad_norm", cfg) + _spikes(rows, "loss", cfg) + _lr_jumps(rows) + _scale_drops(rows),
-        key=lambda o: (o.step, ["lr", "loss_scale", "grad_norm", "loss"].index(o.signal)),
+        _spikes(rows, "grad_norm", cfg) + _spikes(rows, "loss", cfg) + _lr_jumps(rows) + _scale_drops(rows) + _gradient_returns(rows, cfg),
+        key=lambda o: (o.step, ["lr", "param_grad", "loss_scale", "grad_norm", "loss"].index(o.signal)),
     )
     if res.onsets:
         res.first_bad_step = res.onsets[0].step

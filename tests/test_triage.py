@@ -12,10 +12,10 @@ from ckptforensics.cli import cli
 from ckptforensics.triage import read_metrics, triage
 from tests.conftest import truth
 
-# The logs carry these incidents at their planted step; the other two (a per-group LR
-# multiplier, a gated layer) leave no trace in loss / grad norm / LR logs at +-0 and
-# are found by diff and replay instead (see the scoreboard).
-LOG_VISIBLE = ["poison_batch", "lr_jump", "fp16_overflow"]
+# Every incident of the zoo, from its log alone: the per-group LR (gradient_explosion's
+# module LR bug) and per-parameter grad norms (adam_instability's gated layer) are
+# logged under OLMo's names, as trainers that log them do.
+LOG_VISIBLE = ["poison_batch", "lr_jump", "fp16_overflow", "gradient_explosion", "adam_instability"]
 
 
 @pytest.mark.parametrize("name", LOG_VISIBLE)
@@ -27,7 +27,7 @@ def test_triage_finds_the_planted_step_and_a_rollback_before_it(zoo: dict[str, P
     assert any("replay" in c and f"--before {res.rollback_step}" in c for c in res.commands)
 
 
-@pytest.mark.parametrize("name", ["healthy", "healthy-torch", "silent_corruption"])
+@pytest.mark.parametrize("name", ["healthy", "healthy-torch", "healthy-safetensors", "healthy-megatron", "silent_corruption"])
 def test_triage_finds_nothing_in_clean_logs(zoo: dict[str, Path], name: str) -> None:
     assert triage(zoo[name] / "metrics.jsonl", zoo[name]).first_bad_step is None
 
@@ -51,3 +51,19 @@ def test_triage_cli_discovers_the_log(zoo: dict[str, Path]) -> None:
     assert r.exit_code == 0
     doc = json.loads(r.stdout)
     assert doc["first_bad_step"] == 35 and doc["rollback_step"] == 30 and doc["metrics_file"].endswith("metrics.jsonl")
+
+
+def test_triage_names_the_signal(zoo: dict[str, Path]) -> None:
+    """The onset says why: the group whose LR jumped, the layer whose gradient came back."""
+    ge = triage(zoo["gradient_explosion"] / "metrics.jsonl", None).onsets[0]
+    assert ge.signal == "lr" and "optim/LR (group" in ge.message
+    ai = triage(zoo["adam_instability"] / "metrics.jsonl", None).onsets[0]
+    assert ai.signal == "param_grad" and ai.message.startswith(truth(zoo["adam_instability"])["layers"][0] + ":")
+
+
+def test_group_lr_columns() -> None:
+    from ckptforensics.triage import group_lrs
+
+    assert group_lrs({"optim/LR (group 0)": 1.0, "optim/LR (group 1)": 2.0}, 2) == [1.0, 2.0]
+    assert group_lrs({"lr-AdamW/pg1": 1.0, "lr-AdamW/pg2": 2.0}, 2) == [1.0, 2.0]
+    assert group_lrs({"optim/LR (group 0)": 1.0}, 2) is None

@@ -19,7 +19,7 @@ from ..errors import ForensicsError
 from ..formats import open_checkpoint
 from ..formats.base import Checkpoint
 from ..tensors import adam_ratio_bound
-from ..triage import read_metrics
+from ..triage import group_lrs, read_metrics
 from .batches import BatchSource, open_batches
 from .model import build_model, build_optimizer, load_callable, load_weights
 from .probes import ModuleProbe, PassStats
@@ -150,6 +150,9 @@ def _lr_plan(steps: list[int], ckpt: Checkpoint, batches: BatchSource, logged: d
     base = [g.lr for g in ckpt.optimizer.groups]
     if all(s in batches.lr for s in steps):
         return {s: batches.lr[s] if len(batches.lr[s]) == len(base) else [batches.lr[s][0]] * len(base) for s in steps}, "batch log /lr"
+    per_group = {s: group_lrs(logged.get(s, {}), len(base)) for s in steps}
+    if all(v is not None for v in per_group.values()):
+        return {s: list(v) for s, v in per_group.items() if v is not None}, "training log, LR per group"
     if all("lr" in logged.get(s, {}) for s in steps):
         # A single logged LR: groups keep the ratio to it they had at *before*.
         ref = logged[steps[0]]["lr"]

@@ -443,7 +443,10 @@ def triage_cmd(
     """Find the spike onset in the training log and the checkpoint to roll back to.
 
     Robust z of the grad norm (the first signal to move) and the loss against the
-    previous --window steps, LR jumps and loss-scale backoffs; then the last
+    previous --window steps, LR jumps (the main LR and any per-group LR the log has:
+    "optim/LR (group N)", "lr-AdamW/pgN"), loss-scale backoffs, and a parameter whose
+    gradient comes back after vanishing (per-parameter norms "optim/grad/<param>.norm":
+    Adam's second moment has decayed, its next updates are sign-like). Then the last
     checkpoint before the onset, and the diff/replay/bisect commands to run next.
 
     \b

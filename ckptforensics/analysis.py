@@ -22,15 +22,43 @@ def _number(findings: list[Finding]) -> list[Finding]:
     return [Finding(f"F{i}", *[getattr(f, k) for k in Finding.__slots__[1:]]) for i, f in enumerate(findings, 1)]  # type: ignore[attr-defined]
 
 
-def _diff(a_path: Path, b_path: Path, fmt: str | None, chunk: int, progress: Progress | None) -> tuple[Any, Any, DiffResult, list[Finding]]:
+def _diff(a_path: Path, b_path: Path, fmt: str | None, chunk: int, progress: Progress | None, workers: int = 1) -> tuple[Any, Any, DiffResult, list[Finding]]:
     a, b = open_checkpoint(a_path, fmt), open_checkpoint(b_path, fmt)
-    result = diff_checkpoints(a, b, DiffConfig(chunk_elems=chunk), progress=progress)
+    result = diff_checkpoints(a, b, DiffConfig(chunk_elems=chunk), progress=progress, workers=workers)
+    assert result is not None
     return a, b, result, diff_findings(result)
 
 
-def run_diff(a_path: Path, b_path: Path, *, command: str, fmt: str | None = None, chunk: int = 1 << 19, progress: Progress | None = None) -> tuple[dict[str, Any], list[Finding]]:
-    """`ckptforensics diff`: the report document and its findings."""
-    a, b, result, findings = _diff(a_path, b_path, fmt, chunk, progress)
+def run_diff(
+    a_path: Path, b_path: Path, *, command: str, fmt: str | None = None, chunk: int = 1 << 19, progress: Progress | None = None, workers: int = 1
+) -> tuple[dict[str, Any], list[Finding]] | None:
+    """`ckptforensics diff`: the report document and its findings.
+
+    Under torchrun (WORLD_SIZE > 1) every rank streams its share of the tensors and
+    rank 0 gathers the statistics and returns the report; the other ranks return None.
+    """
+    from .shard import dist_world
+
+    rank, world = dist_world()
+    if world == 1:
+        a, b, result, findings = _diff(a_path, b_path, fmt, chunk, progress, workers)
+    else:
+        import torch.distributed as dist
+
+        own = not dist.is_initialized()
+        if own:
+            dist.init_process_group("gloo")
+        try:
+            a, b = open_checkpoint(a_path, fmt), open_checkpoint(b_path, fmt)
+            got = diff_checkpoints(a, b, DiffConfig(chunk_elems=chunk), progress=progress, workers=workers, distributed=True)
+        finally:
+            if own:
+                dist.destroy_process_group()
+        if got is None:
+            a.close()
+            b.close()
+            return None
+        result, findings = got, diff_findings(got)
     try:
         before_ok = not any(t.nonfinite_a for t in result.tensors)
         verdict = decide(findings, before=str(a_path), after=str(b_path), before_healthy=before_ok)

@@ -232,6 +232,12 @@ def _check_out(out: Path | None, inputs: list[Path]) -> None:
 @click.option("--strict", is_flag=True, help="Exit 1 when a finding at or above --fail-on exists.")
 @click.option("--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True)
 @click.option("--chunk-elems", type=click.IntRange(1 << 10), default=1 << 19, show_default=True, help="Elements per streamed chunk.")
+@click.option(
+    "--workers",
+    type=click.IntRange(1),
+    default=None,
+    help="Processes sharing the tensors, one thread each [default: one per CPU core, at most 8, for pairs of 512 MiB and more; else 1]. Under torchrun, per rank. The report does not depend on it.",
+)
 @click.pass_context
 def diff(
     ctx: click.Context,
@@ -244,6 +250,7 @@ def diff(
     strict: bool,
     fail_on: str,
     chunk_elems: int,
+    workers: int | None,
 ) -> None:
     """Diff weights and Adam moments of two checkpoints and score every tensor.
 
@@ -252,25 +259,42 @@ def diff(
     dtype headroom, skipped steps, and elements that moved further than Adam can
     move them (bit flips are located to the element and bit).
 
+    Pairs too large for one machine: run it under torchrun; each rank streams its
+    share of the tensors and rank 0 gathers the statistics and writes the report.
+
     \b
     Example:
       ckptforensics diff --run-dir runs/7b --before 41950 --after 42000 --out incident/
       ckptforensics diff --before ckpt_a.pt --after ckpt_b.pt --json | jq .verdict
+      torchrun --nnodes 4 --nproc-per-node 1 ... -m ckptforensics.cli diff --before A --after B --out incident/
     """
     from .analysis import run_diff
     from .locate import resolve_checkpoint
+    from .shard import default_workers, dist_world
 
+    rank, _ = dist_world()
     with _errors(ctx):
         pa, pb = resolve_checkpoint(before, run_dir), resolve_checkpoint(after, run_dir)
         _check_out(out, [pa, pb])
-        with _progress(_count(pa, fmt), "diff", ctx.obj.quiet) as prog:
-            doc, findings = run_diff(pa, pb, command=_command("diff"), fmt=fmt, chunk=chunk_elems, progress=prog)
+        with _progress(_count(pa, fmt), "diff", ctx.obj.quiet or rank != 0) as prog:
+            nworkers = workers or default_workers(_bytes(pa) + _bytes(pb))
+            got = run_diff(pa, pb, command=_command("diff"), fmt=fmt, chunk=chunk_elems, progress=prog, workers=nworkers)
+        if got is None:  # a torchrun rank other than 0: rank 0 reports
+            return
+        doc, findings = got
         written = _write(out, doc)
     _finish(ctx, doc, findings, as_json, written, strict, fail_on)
 
 
 def _command(name: str) -> str:
     return "ckptforensics " + " ".join(sys.argv[1:]) if sys.argv[1:] else f"ckptforensics {name}"
+
+
+def _bytes(path: Path) -> int:
+    """Size on disk of a checkpoint file or directory."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def _count(path: Path, fmt: str | None) -> int:

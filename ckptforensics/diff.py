@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .errors import IncompatibleCheckpoints
+from .errors import ForensicsError, IncompatibleCheckpoints
 from .formats.base import Checkpoint
 from .tensors import adam_ratio_bound, dtype_limits, dtype_name, flip_bit
 
@@ -276,25 +276,60 @@ def diff_checkpoints(
     b: Checkpoint,
     config: DiffConfig | None = None,
     progress: Callable[[str], None] | None = None,
-) -> DiffResult:
+    *,
+    workers: int = 1,
+    distributed: bool = False,
+) -> DiffResult | None:
     """Diff two checkpoints tensor by tensor.
 
     Args:
         a: the *before* checkpoint.
         b: the *after* checkpoint.
         config: options; defaults suit multi-GB pairs.
-        progress: called with each tensor's name before it is streamed.
+        progress: called with each tensor's name as it is streamed (or finished).
+        workers: processes sharing the tensors (1: this process only).
+        distributed: this process is one torchrun rank (torch.distributed initialised):
+            it diffs its share, and rank 0 gathers everything.
 
     Returns:
-        DiffResult with pair info and one TensorDiff per tensor.
+        DiffResult with pair info and one TensorDiff per tensor, in checkpoint order;
+        None on the ranks other than 0.
 
     Raises:
         IncompatibleCheckpoints: different parameter sets, shapes or optimizers.
     """
+    from . import shard
+
     cfg = config or DiffConfig()
     names = _check_compatible(a, b)
     pair = _pair_info(a, b)
-    result = DiffResult(pair=pair)
+    mine = names
+    if distributed:
+        import torch.distributed as dist
+
+        mine = shard.balanced(names, [a.meta(n).numel for n in names], dist.get_world_size())[dist.get_rank()]
+    error = None
+    local: list[TensorDiff] = []
+    try:
+        if workers > 1 and len(mine) > 1:
+            local = shard.diff_in_workers(a, b, mine, pair, cfg, min(workers, len(mine)), progress)
+        else:
+            with shard.single_threaded():
+                local = _diff_serial(a, b, mine, pair, cfg, progress)
+    except ForensicsError as e:
+        if not distributed:
+            raise
+        error = str(e)
+    if distributed:
+        gathered = shard.gather_to_rank0(local, error, names)
+        if gathered is None:
+            return None
+        local = gathered
+    return DiffResult(pair=pair, tensors=local)
+
+
+def _diff_serial(a: Checkpoint, b: Checkpoint, names: list[str], pair: PairInfo, cfg: DiffConfig, progress: Callable[[str], None] | None) -> list[TensorDiff]:
+    out = []
     # A helper thread asks the OS to read the next tensors while this one is computed
     # on; the main thread never waits for it (a page not yet read simply faults in).
     ahead = 1
@@ -306,8 +341,8 @@ def diff_checkpoints(
                 progress(name)
             if i + ahead < len(names):
                 pool.submit(_prefetch, a, b, names[i + ahead])
-            result.tensors.append(_diff_tensor(a, b, name, pair, cfg))
-    return result
+            out.append(_diff_tensor(a, b, name, pair, cfg))
+    return out
 
 
 def _prefetch(a: Checkpoint, b: Checkpoint, name: str) -> None:

@@ -1,0 +1,139 @@
+"""Sharing a diff's tensors: across worker processes (`--workers`), and across
+torchrun ranks, where each rank streams its share and rank 0 gathers the statistics.
+
+Tensors are independent, so the work splits by tensor: a balanced partition by bytes
+(largest first onto the least-loaded share) keeps the shares within one tensor of each
+other. Every worker opens the checkpoints itself (read-only, lazily); only the small
+per-tensor statistics travel back.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import multiprocessing as mp
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from contextlib import contextmanager
+from typing import Any
+
+from .errors import ForensicsError
+
+__all__ = ["balanced", "dist_world", "default_workers", "single_threaded", "diff_in_workers", "gather_to_rank0"]
+
+log = logging.getLogger(__name__)
+
+
+def default_workers(total_bytes: int) -> int:
+    """Worker processes when --workers is not given: one per core (at most 8) for pairs
+    of 512 MiB and more; below that, starting processes costs more than it saves."""
+    return max(1, min(8, os.cpu_count() or 1)) if total_bytes >= 512 << 20 else 1
+
+
+@contextmanager
+def single_threaded() -> Iterator[None]:
+    """torch on one thread while diffing: a sum's rounding depends on how many threads
+    split it, and a report must not depend on --workers or the number of ranks.
+    Parallelism comes from processes instead."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def balanced(names: Sequence[str], sizes: Sequence[int], parts: int) -> list[list[str]]:
+    """Split `names` into `parts` shares of near-equal total size; each share keeps the
+    checkpoint's order (so its reads stay sequential)."""
+    heap = [(0, i) for i in range(parts)]
+    owner: dict[str, int] = {}
+    for size, name in sorted(zip(sizes, names, strict=True), key=lambda x: -x[0]):
+        load, i = heapq.heappop(heap)
+        owner[name] = i
+        heapq.heappush(heap, (load + size, i))
+    return [[n for n in names if owner[n] == i] for i in range(parts)]
+
+
+def dist_world() -> tuple[int, int]:
+    """(rank, world size) under torchrun (its environment variables), else (0, 1)."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0, 1
+    return (rank, world) if world > 1 else (0, 1)
+
+
+# ------------------------------------------------------------------ worker processes
+_STATE: dict[str, Any] = {}
+
+
+def _init(a: tuple[str, str], b: tuple[str, str], pair: Any, cfg: Any) -> None:
+    import torch
+
+    from .formats import open_checkpoint
+
+    torch.set_num_threads(1)
+    _STATE.update(a=open_checkpoint(a[0], a[1]), b=open_checkpoint(b[0], b[1]), pair=pair, cfg=cfg)
+
+
+def _one(name: str) -> tuple[str, Any, str | None]:
+    from .diff import _diff_tensor
+
+    try:
+        return name, _diff_tensor(_STATE["a"], _STATE["b"], name, _STATE["pair"], _STATE["cfg"]), None
+    except ForensicsError as e:  # errors cross the process boundary as text
+        return name, None, str(e)
+
+
+def diff_in_workers(
+    a: Any, b: Any, names: Sequence[str], pair: Any, cfg: Any, workers: int, progress: Callable[[str], None] | None = None
+) -> list[Any]:
+    """TensorDiffs for `names` (in that order), computed by `workers` processes."""
+    sizes = {n: a.meta(n).numel for n in names}
+    ctx = mp.get_context("spawn")  # no fork: torch's thread pools do not survive it
+    out: dict[str, Any] = {}
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=((str(a.path), a.format), (str(b.path), b.format), pair, cfg)) as pool:
+        # Largest first, so no worker is left with a big tensor at the end.
+        futs = [pool.submit(_one, n) for n in sorted(names, key=lambda n: -sizes[n])]
+        pending = set(futs)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for f in done:
+                name, td, err = f.result()
+                if err is not None:
+                    for p in pending:
+                        p.cancel()
+                    raise ForensicsError(err)
+                out[name] = td
+                if progress is not None:
+                    progress(name)
+    return [out[n] for n in names]
+
+
+# ------------------------------------------------------------------ torchrun ranks
+def gather_to_rank0(local: list[Any], error: str | None, names: Sequence[str]) -> list[Any] | None:
+    """Rank 0: every rank's TensorDiffs in checkpoint order; other ranks: None.
+
+    A rank that failed sends its error instead; every rank then raises it, so no rank
+    waits forever on one that stopped.
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    parts: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
+    dist.gather_object((local, error), parts if rank == 0 else None, dst=0)
+    # Rank 0 tells everyone whether the whole diff succeeded.
+    errors = [e for _, e in parts if e] if rank == 0 else []
+    verdict = [errors[0] if errors else None]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise ForensicsError(verdict[0])
+    if rank != 0:
+        return None
+    by_name = {t.name: t for tensors, _ in parts for t in tensors}
+    return [by_name[n] for n in names]

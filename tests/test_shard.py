@@ -1,0 +1,80 @@
+"""Sharing a diff: --workers processes and torchrun ranks give the single-process report."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from ckptforensics.cli import cli
+from ckptforensics.shard import balanced
+from tests.conftest import ROOT, free_port
+from tests.test_dcp import dcp_run  # noqa: F401 - the session fixture: a real FSDP2 run
+
+
+def _report(path: Path) -> dict:
+    doc = json.loads(path.read_text())
+    doc["incident"].pop("command")  # the command line is the only thing allowed to differ
+    return doc
+
+
+def _single(run: Path, before: str, after: str, out: Path) -> dict:
+    r = CliRunner().invoke(cli, ["-q", "diff", "--run-dir", str(run), "--before", before, "--after", after, "--workers", "1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    return _report(out / "report.json")
+
+
+def _torchrun(run: Path, before: str, after: str, out: Path) -> subprocess.CompletedProcess:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "ckptforensics.cli", "-q", "diff"]
+    cmd += ["--run-dir", str(run), "--before", before, "--after", after, "--out", str(out)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_balanced_shares() -> None:
+    names = [f"t{i}" for i in range(7)]
+    sizes = [100, 1, 1, 50, 50, 1, 1]
+    parts = balanced(names, sizes, 2)
+    assert sorted(n for p in parts for n in p) == sorted(names)
+    loads = [sum(sizes[names.index(n)] for n in p) for p in parts]
+    assert max(loads) - min(loads) <= max(sizes)
+    assert all(p == sorted(p, key=names.index) for p in parts)  # checkpoint order kept
+
+
+def test_workers_give_the_single_process_report(zoo: dict[str, Path], tmp_path: Path) -> None:
+    run = zoo["lr_jump"]
+    one = _single(run, "30", "40", tmp_path / "one")
+    r = CliRunner().invoke(cli, ["-q", "diff", "--run-dir", str(run), "--before", "30", "--after", "40", "--workers", "2", "--out", str(tmp_path / "two")])
+    assert r.exit_code == 0, r.output
+    assert _report(tmp_path / "two" / "report.json") == one
+    assert one["verdict"]["causes"][0]["cause"] == "lr_too_high"
+
+
+def test_torchrun_two_ranks_give_the_single_process_report(dcp_run: Path, tmp_path: Path) -> None:  # noqa: F811
+    one = _single(dcp_run, "2", "3", tmp_path / "one")
+    proc = _torchrun(dcp_run, "2", "3", tmp_path / "two")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _report(tmp_path / "two" / "report.json") == one
+    assert len(one["diff"]["tensors"]) >= 4
+
+
+def test_a_rank_that_fails_fails_the_run_with_one_line(dcp_run: Path, tmp_path: Path) -> None:  # noqa: F811
+    run = tmp_path / "run"
+    for s in ("step-2", "step-3"):
+        shutil.copytree(dcp_run / s, run / s)
+    f = run / "step-3" / "__1_0.distcp"
+    f.write_bytes(f.read_bytes()[:1000])  # rank 1's share reads from here
+    proc = _torchrun(run, "2", "3", tmp_path / "out")
+    # Both ranks stop with the one-line error and exit 2 (torchrun then reports its own
+    # ChildFailedError, a launcher traceback that names no frame of ours).
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 2 and all("__1_0.distcp: truncated" in e for e in errors), proc.stderr[-2000:]
+    assert "exitcode  : 2" in proc.stderr
+    assert "ckptforensics/" not in proc.stderr.replace(str(run), "")
+    assert not (tmp_path / "out" / "report.json").exists()

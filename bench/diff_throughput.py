@@ -136,10 +136,12 @@ def main() -> None:
     if args.stream_only:  # --dir and --layers carry the two checkpoint paths here
         from ckptforensics.diff import diff_checkpoints
         from ckptforensics.formats import open_checkpoint
+        from ckptforensics.shard import default_workers
 
         ca, cb = open_checkpoint(args.dir), open_checkpoint(str(args.layers))
+        size = sum(f.stat().st_size for d in (Path(args.dir), Path(args.layers)) for f in d.iterdir())
         t0 = time.perf_counter()
-        diff_checkpoints(ca, cb)
+        diff_checkpoints(ca, cb, workers=default_workers(size))  # as the CLI runs it
         print(time.perf_counter() - t0)
         return
     if args.write_only:

@@ -81,6 +81,12 @@ def _init(a: tuple[str, str], b: tuple[str, str], pair: Any, cfg: Any) -> None:
     _STATE.update(a=open_checkpoint(a[0], a[1]), b=open_checkpoint(b[0], b[1]), pair=pair, cfg=cfg)
 
 
+def _init_forked() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def _one(name: str) -> tuple[str, Any, str | None]:
     from .diff import _diff_tensor
 
@@ -95,9 +101,22 @@ def diff_in_workers(
 ) -> list[Any]:
     """TensorDiffs for `names` (in that order), computed by `workers` processes."""
     sizes = {n: a.meta(n).numel for n in names}
-    ctx = mp.get_context("spawn")  # no fork: torch's thread pools do not survive it
+    if "fork" in mp.get_all_start_methods():
+        # Forked workers inherit the open, memory-mapped checkpoints (no re-open, no
+        # re-import); each sets torch to one thread first, as DataLoader workers do.
+        _STATE.update(a=a, b=b, pair=pair, cfg=cfg)
+        ctx, init, initargs = mp.get_context("fork"), _init_forked, ()
+    else:
+        ctx, init, initargs = mp.get_context("spawn"), _init, ((str(a.path), a.format), (str(b.path), b.format), pair, cfg)
     out: dict[str, Any] = {}
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=((str(a.path), a.format), (str(b.path), b.format), pair, cfg)) as pool:
+    try:
+        return _run_pool(ctx, init, initargs, names, sizes, workers, progress, out)
+    finally:
+        _STATE.clear()
+
+
+def _run_pool(ctx: Any, init: Any, initargs: tuple, names: Sequence[str], sizes: dict[str, int], workers: int, progress: Callable[[str], None] | None, out: dict[str, Any]) -> list[Any]:
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=init, initargs=initargs) as pool:
         # Largest first, so no worker is left with a big tensor at the end.
         futs = [pool.submit(_one, n) for n in sorted(names, key=lambda n: -sizes[n])]
         pending = set(futs)

@@ -34,7 +34,9 @@ def test_dcp_matches_the_gathered_state(dcp_run: Path) -> None:
     ck = open_checkpoint(dcp_run / "step-3")
     full = torch.load(dcp_run / "gathered_3.pt", weights_only=True)
     assert ck.format == "dcp" and ck.step == 3
-    assert set(ck.names()) == set(full["model"])
+    # The tied lm_head is saved under both names; it is read once, as an alias.
+    assert ck.aliases == {"lm_head.weight": "transformer.wte.weight"}
+    assert set(ck.names()) | set(ck.aliases) == set(full["model"])
     for n in ck.names():
         assert torch.equal(ck.tensor(n), full["model"][n]), n
     assert ck.optimizer is not None and ck.optimizer.kind == "adam"
@@ -44,6 +46,22 @@ def test_dcp_matches_the_gathered_state(dcp_run: Path) -> None:
         assert torch.equal(mine["exp_avg_sq"], st["exp_avg_sq"]), fqn
         assert float(mine["step"]) == float(st["step"]) == 3.0
     assert ck.hyper("transformer.h.0.mlp.c_fc.weight").betas == (0.9, 0.95)
+
+
+def test_accelerate_fsdp_layout_matches_the_gathered_state(dcp_run: Path, tmp_path: Path) -> None:
+    """checkpoint-N/pytorch_model_fsdp_0 + optimizer_0 (accelerate's sharded FSDP save)."""
+    run = dcp_run / "accelerate"
+    ck = open_checkpoint(run / "checkpoint-3")
+    full = torch.load(dcp_run / "gathered_3.pt", weights_only=True)
+    assert ck.format == "dcp" and ck.step == 3
+    assert set(ck.names()) | set(ck.aliases) == set(full["model"])
+    assert ck.optimizer is not None
+    for n in ck.names():
+        assert torch.equal(ck.tensor(n), full["model"][n]), n
+        assert torch.equal(ck.optim_state(n)["exp_avg_sq"], full["optim"]["state"][n]["exp_avg_sq"]), n
+    r = CliRunner().invoke(cli, ["diff", "--run-dir", str(run), "--before", "2", "--after", "3", "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert "No anomaly" in r.output
 
 
 def test_dcp_inspect_and_diff(dcp_run: Path, tmp_path: Path) -> None:

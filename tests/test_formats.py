@@ -6,12 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from ckptforensics.cli import cli
 from ckptforensics.errors import OptimizerMappingError
 from ckptforensics.formats import open_checkpoint
 from ckptforensics.formats.optim import map_optimizer
 from ckptforensics.locate import resolve_checkpoint
 from fixtures.tinygpt import GPT, GPTConfig
+from tests.test_cli import assert_bad_input
 
 RUNS = {
     "healthy": "nanogpt",
@@ -147,3 +150,39 @@ def test_megatron_args_and_distributed_optimizer_limit(zoo: dict[str, Path], tmp
     limited = open_checkpoint(d)
     assert limited.optimizer is None
     assert any("distributed optimizer" in n for n in limited.notes)
+
+
+def test_megatron_torch_dist_matches_the_legacy_save(zoo: dict[str, Path], tmp_path: Path) -> None:
+    """The same run saved both ways: stacked torch_dist keys hold the legacy per-layer tensors."""
+    from fixtures.zoo import mcore_name
+
+    dist = open_checkpoint(resolve_checkpoint("30", zoo["healthy-megatron-dist"]))
+    legacy = open_checkpoint(resolve_checkpoint("30", zoo["healthy-megatron"]))
+    assert dist.format == "megatron-dist" and dist.step == 30
+    assert dist.config["clip_grad"] == 1.0  # args came through the inert unpickler
+    assert dist.optimizer is not None and dist.optimizer.kind == "adam"
+    seen = set()
+    for n in legacy.names():
+        key, layer = mcore_name(legacy.aliases.get(n, n))
+        seen.add(key)
+        w, st = dist.tensor(key), dist.optim_state(key)
+        pick = (lambda t: t) if layer is None else (lambda t, i=layer: t[i])  # noqa: E731
+        assert torch.equal(pick(w), legacy.tensor(n)), n
+        assert torch.equal(pick(st["exp_avg_sq"]), legacy.optim_state(n)["exp_avg_sq"]), n
+    assert seen == set(dist.names())
+    assert dist.hyper("decoder.layers.mlp.linear_fc1.bias").weight_decay == 0.0
+    assert dist.hyper("decoder.layers.mlp.linear_fc1.weight").weight_decay == pytest.approx(0.1)
+    r = CliRunner().invoke(cli, ["diff", "--run-dir", str(zoo["healthy-megatron-dist"]), "--before", "30", "--after", "40", "--out", str(tmp_path)])
+    assert r.exit_code == 0 and "No anomaly" in r.output, r.output
+
+
+def test_megatron_bucket_keyed_optimizer_is_refused_with_the_reason(tmp_path: Path) -> None:
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    d = tmp_path / "iter_0000010"
+    key = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0.exp_avg"
+    dcp.save({"decoder.final_layernorm.weight": torch.ones(4), key: torch.zeros(16)}, checkpoint_id=str(d), no_dist=True)
+    (d / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    assert_bad_input(CliRunner().invoke(cli, ["inspect", str(d)]), "bucket format")

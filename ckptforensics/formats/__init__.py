@@ -10,7 +10,7 @@ from .base import Checkpoint, GroupHyper, OptimizerView, TensorMeta
 from .dcp import is_dcp_dir, open_dcp
 from .deepspeed import is_deepspeed_dir, open_deepspeed
 from .hf import is_hf_dir, open_hf_dir
-from .megatron import is_megatron_dir, open_megatron
+from .megatron import is_megatron_dir, is_megatron_dist_dir, open_megatron, open_megatron_dist
 from .safetensors_file import open_safetensors
 from .torchfile import is_torch_zip
 from .torchsave import open_torch_file
@@ -44,11 +44,14 @@ register("lightning", lambda p: open_torch_file(p, "lightning"))
 register("dcp", open_dcp)
 register("deepspeed", open_deepspeed)
 register("megatron", open_megatron)
+register("megatron-dist", open_megatron_dist)
 
 
 def sniff(path: Path) -> str:
     """The format name for `path`, from its layout and first bytes."""
     if path.is_dir():
+        if is_megatron_dist_dir(path):
+            return "megatron-dist"
         if is_dcp_dir(path):
             return "dcp"
         if is_deepspeed_dir(path):

@@ -4,7 +4,9 @@ process without a process group, one tensor at a time, never the whole checkpoin
 from __future__ import annotations
 
 import io
+import json
 import pickle
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,16 +24,19 @@ _MODEL_PREFIXES = ("model.", "")
 _OPTIM_PREFIXES = ("optim.", "optimizer.")
 
 
-def _dcp_root(path: Path) -> Path | None:
-    """The directory holding `.metadata`: the path itself or OLMo-core's model_and_optim/."""
+def _dcp_roots(path: Path) -> list[Path]:
+    """The directories holding `.metadata`: the path itself, OLMo-core's
+    `model_and_optim/`, or accelerate's FSDP pair `pytorch_model_fsdp_0/` + `optimizer_0/`."""
     for d in (path, path / "model_and_optim"):
         if (d / ".metadata").is_file():
-            return d
-    return None
+            return [d]
+    if (path / "pytorch_model_fsdp_0" / ".metadata").is_file():
+        return [path / "pytorch_model_fsdp_0"] + ([path / "optimizer_0"] if (path / "optimizer_0" / ".metadata").is_file() else [])
+    return []
 
 
 def is_dcp_dir(path: Path) -> bool:
-    return path.is_dir() and _dcp_root(path) is not None
+    return path.is_dir() and bool(_dcp_roots(path))
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -140,40 +145,68 @@ def _step_from_name(path: Path) -> int | None:
 
 def open_dcp(path: Path) -> Checkpoint:
     """Open a DCP checkpoint: model tensors by FQN, optimizer state keyed by FQN (no id mapping)."""
-    root = _dcp_root(path)
-    if root is None:
+    roots = _dcp_roots(path)
+    if not roots:
         raise CorruptCheckpoint(f"{path}: no .metadata")
-    md = read_metadata(root)
-    store = _Store(root, md)
     ckpt = Checkpoint(path=path, format="dcp")
-    planner = md.planner_data if isinstance(getattr(md, "planner_data", None), dict) else {}
     state: dict[str, dict[str, Any]] = {}
     groups: dict[int, dict[str, Any]] = {}
-    opt_prefix = None
-    for key, meta in md.state_dict_metadata.items():
-        parts = planner.get(key) or _split(key)
-        if parts and parts[0] in ("optim", "optimizer"):
-            opt_prefix = parts[0]
-            if len(parts) >= 4 and parts[1] == "state":
-                fqn, field = ".".join(map(str, parts[2:-1])), str(parts[-1])
-                state.setdefault(fqn, {})[field] = _getter(store, key)
-            elif len(parts) >= 4 and parts[1] == "param_groups":
-                groups.setdefault(int(parts[2]), {})[str(parts[3])] = key
-            continue
-        if not hasattr(meta, "size"):
-            ckpt.scalars.setdefault("extra", []).append(key)  # bytes items (train state ...)
-            continue
-        name = ".".join(map(str, parts[1:])) if parts and parts[0] == "model" and len(parts) > 1 else key
-        ckpt._meta[name] = TensorMeta(tuple(meta.size), meta.properties.dtype)
-        ckpt._get[name] = _getter(store, key)
-    step = _step_from_name(path)
+    opt_store = None
+    for root in roots:
+        md = read_metadata(root)
+        store = _Store(root, md)
+        planner = md.planner_data if isinstance(getattr(md, "planner_data", None), dict) else {}
+        for key, meta in md.state_dict_metadata.items():
+            parts = planner.get(key) or _split(key)
+            if parts and parts[0] in ("optim", "optimizer"):
+                opt_store = store
+                if len(parts) >= 4 and parts[1] == "state":
+                    fqn, field = ".".join(map(str, parts[2:-1])), str(parts[-1])
+                    state.setdefault(fqn, {})[field] = _getter(store, key)
+                elif len(parts) >= 4 and parts[1] == "param_groups":
+                    groups.setdefault(int(parts[2]), {})[str(parts[3])] = key
+                continue
+            if not hasattr(meta, "size"):
+                ckpt.scalars.setdefault("extra", []).append(key)  # bytes items (train state ...)
+                continue
+            name = ".".join(map(str, parts[1:])) if parts and parts[0] == "model" and len(parts) > 1 else key
+            ckpt._meta[name] = TensorMeta(tuple(meta.size), meta.properties.dtype)
+            ckpt._get[name] = _getter(store, key)
+    step = _step_from_name(path) if _step_from_name(path) is not None else _trainer_step(path)
     if step is not None:
         ckpt.scalars["global_step"] = step
-    if state:
-        ckpt.optimizer = _optimizer(store, state, groups, opt_prefix)
+    if state and opt_store is not None:
+        _untie(ckpt, state)
+        ckpt.optimizer = _optimizer(opt_store, state, groups)
     else:
         ckpt.notes.append("no optimizer state in this DCP checkpoint: weights only")
     return ckpt
+
+
+_HEAD = re.compile(r"(^|\.)(lm_head|output|output_layer)\.weight$")
+_EMBED = re.compile(r"embed|wte|tok_emb|word_emb")
+
+
+def _untie(ckpt: Checkpoint, state: dict[str, dict[str, Any]]) -> None:
+    """get_state_dict saves a tied output head under its own name too, while the
+    optimizer holds one state for the shared parameter: an output head without state,
+    shaped like an embedding with state, is that embedding (recorded as an alias)."""
+    for name in [n for n in ckpt._meta if n not in state and _HEAD.search(n)]:
+        meta = ckpt._meta[name]
+        twins = [e for e in state if _EMBED.search(e) and ckpt._meta.get(e) == meta]
+        if len(twins) == 1:
+            ckpt.aliases[name] = twins[0]
+            del ckpt._meta[name], ckpt._get[name]
+            ckpt.notes.append(f"{name} has no optimizer state and is shaped like {twins[0]}: read as tied to it")
+
+
+def _trainer_step(path: Path) -> int | None:
+    """HF Trainer's `trainer_state.json` beside accelerate's FSDP folders."""
+    try:
+        step = json.loads((path / "trainer_state.json").read_text()).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(step) if isinstance(step, int) else None
 
 
 def _split(key: str) -> tuple[str, ...]:
@@ -190,7 +223,7 @@ def _getter(store: _Store, key: str) -> Callable[[], torch.Tensor]:
     return lambda: store.tensor(key)
 
 
-def _optimizer(store: _Store, state: dict[str, dict[str, Any]], groups: dict[int, dict[str, str]], prefix: str | None) -> OptimizerView:
+def _optimizer(store: _Store, state: dict[str, dict[str, Any]], groups: dict[int, dict[str, str]]) -> OptimizerView:
     by_name = {fqn: LazyState(fields) for fqn, fields in state.items()}
     hypers, hyper_of = [], {}
     for gi in sorted(groups):

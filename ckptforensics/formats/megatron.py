@@ -1,15 +1,20 @@
-"""Megatron-LM legacy checkpoints: `iter_NNNNNNN/mp_rank_XX[_YYY]/model_optim_rng.pt`."""
+"""Megatron-LM checkpoints: legacy `iter_NNNNNNN/mp_rank_XX[_YYY]/model_optim_rng.pt`,
+and torch_dist (`iter_NNNNNNN/` = a DCP directory + `metadata.json` + `common.pt`)."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
+from typing import Any
 
-from ..errors import CorruptCheckpoint
-from .base import Checkpoint
+from ..errors import CorruptCheckpoint, OptimizerMappingError
+from .base import Checkpoint, LazyState, OptimizerView, TensorMeta
+from .optim import group_hyper, optimizer_kind
 from .statedict import add_state_dict, attach_optimizer, scaler_scalars, to_plain
 from .torchfile import load_torch_file
 
-__all__ = ["is_megatron_dir", "open_megatron"]
+__all__ = ["is_megatron_dir", "open_megatron", "is_megatron_dist_dir", "open_megatron_dist"]
 
 
 def _rank_files(path: Path) -> list[Path]:
@@ -72,3 +77,94 @@ def _flatten(d: dict, prefix: str = "") -> dict:
         else:
             out[name] = v
     return out
+
+
+# ------------------------------------------------------------------ torch_dist
+def is_megatron_dist_dir(path: Path) -> bool:
+    """A DCP directory whose `metadata.json` names Megatron's torch_dist backend."""
+    try:
+        meta = json.loads((path / "metadata.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist" and (path / ".metadata").is_file()
+
+
+_NO_DECAY = re.compile(r"bias$|norm|layer_norm")
+
+
+def open_megatron_dist(path: Path) -> Checkpoint:
+    """Megatron-core torch_dist: tensors by their sharded keys (per-layer parameters
+    stacked on a leading num_layers dim), moments under `optimizer.state.<field>.<key>`.
+
+    The distributed optimizer's bucket format (`optimizer.distributed...bucket_idx...`)
+    stores moments as flat per-bucket buffers; mapping them back needs Megatron's bucket
+    layout, so it is refused with an error that says so rather than guessed.
+    """
+    from .dcp import _getter, _Store, read_metadata
+
+    md = read_metadata(path)
+    keys = list(md.state_dict_metadata)
+    buckets = [k for k in keys if k.startswith("optimizer.distributed.") and "bucket_idx" in k]
+    if buckets:
+        raise OptimizerMappingError(
+            f"{path}: Megatron distributed-optimizer state in bucket format ({buckets[0]}): moments are flat "
+            "per-bucket buffers that cannot be mapped to parameters without Megatron's bucket layout; "
+            "save with the non-distributed optimizer or a fully-sharded model-space format"
+        )
+    store = _Store(path, md)
+    ckpt = Checkpoint(path=path, format="megatron-dist")
+    state: dict[str, dict[str, Any]] = {}
+    for key, meta in md.state_dict_metadata.items():
+        if key.startswith("optimizer.state."):
+            field, _, fqn = key[len("optimizer.state.") :].partition(".")
+            state.setdefault(fqn, {})[field] = _getter(store, key)
+        elif hasattr(meta, "size") and not key.startswith(("optimizer.", "rng_state")):
+            ckpt._meta[key] = TensorMeta(tuple(meta.size), meta.properties.dtype)
+            ckpt._get[key] = _getter(store, key)
+    common = _common(path)
+    it = common.get("iteration")
+    step = int(it) if isinstance(it, (int, float)) else _iter_of(path)
+    if step is not None:
+        ckpt.scalars["global_step"] = step
+    args = common.get("args")
+    if args is not None and hasattr(args, "__dict__"):
+        a = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool)) or v is None}
+        ckpt.config = a
+        ckpt.scalars["train_config"] = {"grad_clip": a.get("clip_grad"), "learning_rate": a.get("lr")}
+    opt = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
+    ckpt.scalars.update(scaler_scalars(opt.get("grad_scaler")))
+    inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else opt
+    groups = [g for g in inner.get("param_groups") or [] if isinstance(g, dict)]
+    ckpt.notes.append("torch_dist: per-layer parameters are stacked on a leading num_layers dim (one tensor per kind, all layers)")
+    if state:
+        ckpt.optimizer = _dist_optimizer(state, groups, list(ckpt._meta))
+    else:
+        ckpt.notes.append("no optimizer state: weights only")
+    return ckpt
+
+
+def _common(path: Path) -> dict[str, Any]:
+    f = path / "common.pt"
+    if not f.is_file():
+        return {}
+    obj, _ = load_torch_file(f)
+    return obj if isinstance(obj, dict) else {}
+
+
+def _iter_of(path: Path) -> int | None:
+    m = re.match(r"iter_(\d+)$", path.name)
+    return int(m.group(1)) if m else None
+
+
+def _dist_optimizer(state: dict[str, dict[str, Any]], groups: list[dict[str, Any]], names: list[str]) -> OptimizerView:
+    """Moments by key. Megatron keeps param groups' members out of the checkpoint, so
+    groups are matched by Megatron's own rule: biases and norms take the group without
+    weight decay, everything else the one with it."""
+    hypers = [group_hyper({k: v for k, v in g.items() if k != "params"}, i) for i, g in enumerate(groups)] or [group_hyper({"lr": 0.0}, 0)]
+    decay = next((h for h in hypers if h.weight_decay > 0), hypers[0])
+    no_decay = next((h for h in hypers if h.weight_decay == 0), hypers[0])
+    hyper_of = {n: (no_decay if _NO_DECAY.search(n) else decay) for n in state}
+    for n in names:
+        hyper_of.setdefault(n, decay)
+    kind = optimizer_kind({k: dict.fromkeys(v) for k, v in state.items()})
+    return OptimizerView(kind=kind, state={n: LazyState(f) for n, f in state.items()}, hyper=hyper_of, groups=hypers, mapping="by sharded key (Megatron torch_dist)")

@@ -208,6 +208,32 @@ def bisect_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def run_triage(run: Path) -> dict[str, Any] | None:
+    """`triage` on the run's own training log: onset vs the planted first bad step."""
+    from ckptforensics.triage import triage
+
+    if not (run / "metrics.jsonl").is_file():
+        return None
+    truth = json.loads((run / "truth.json").read_text())
+    res = triage(run / "metrics.jsonl", run)
+    return {
+        "incident": run.name,
+        "truth_step": truth.get("first_bad_step"),
+        "step": res.first_bad_step,
+        "rollback": res.rollback_step,
+        "signal": res.onsets[0].message if res.onsets else "",
+    }
+
+
+def triage_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| incident | onset (truth) | | rollback checkpoint | first signal |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        ok = r["step"] == r["truth_step"] and (r["step"] is None or (r["rollback"] is not None and r["rollback"] < r["step"]))
+        step = lambda x: "none" if x is None else str(x)  # noqa: E731
+        lines.append(f"| {r['incident']} | {step(r['step'])} ({step(r['truth_step'])}) | {'✓' if ok else '✗'} | {step(r['rollback'])} | {r['signal'][:110]} |")
+    return "\n".join(lines)
+
+
 def whatif_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| incident | baseline on track | mitigations on track | recommended | time |", "| --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -259,10 +285,12 @@ def main() -> None:
     reports = args.zoo.parent / "zoo-reports"
     wrows = [w for d in sorted(args.zoo.iterdir()) if (d / "truth.json").is_file() and (w := run_whatif(d, reports))]
     brows = [b for d in sorted(args.zoo.iterdir()) if (d / "truth.json").is_file() and (b := run_bisect(d, reports))]
+    trows = [t for d in sorted(args.zoo.iterdir()) if (d / "truth.json").is_file() and (t := run_triage(d))]
     menu = ", ".join(f"`{m}`" for m in MENU)
     text = (
         f"{head}\n\n{table(rows)}\n\n{legend}\n\n{notes}\n\n### bisect (budget 2·k·⌈log2 B⌉ + 4)\n\n{bisect_table(brows)}"
         f"\n\n### What-if from each incident's *before* ({menu})\n\n{whatif_table(wrows)}"
+        f"\n\n### triage on each run's metrics.jsonl (onset ±0, rollback before it)\n\n{triage_table(trows)}"
     )
     print(text)
     if args.record:

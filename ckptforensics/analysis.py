@@ -165,11 +165,11 @@ def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> t
     return doc, findings
 
 
-def run_bisect(cfg: Any, *, command: str, progress: Progress | None = None) -> tuple[dict[str, Any], list[Finding], dict[str, Any]]:
+def run_bisect(cfg: Any, *, command: str, progress: Progress | None = None, tokenizer: Path | None = None) -> tuple[dict[str, Any], list[Finding], dict[str, Any]]:
     """`ckptforensics bisect`: replay + step and sample bisection; returns (doc, findings, skip list)."""
     from .bisect import bisect
 
-    res, rep = bisect(cfg, progress)
+    res, rep = bisect(cfg, progress, tokenizer=tokenizer)
     rfind, fields = replay_findings(rep)
     if res.rows:
         fields["anomalous_samples"] = [

@@ -6,11 +6,13 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .detectors import _z_steps, replay_findings
+from .errors import ForensicsError
 from .replay import ReplayConfig, plan, replay
 from .replay.engine import ReplayResult
 
@@ -45,6 +47,7 @@ class BisectResult:
     disagreements: list[dict[str, float]] = field(default_factory=list)
     trials: list[dict[str, Any]] = field(default_factory=list)
     evidence: dict[int, str] = field(default_factory=dict)
+    texts: dict[int, str] = field(default_factory=dict)  # row -> decoded text (--tokenizer)
     note: str = ""
 
 
@@ -57,7 +60,9 @@ def _disagreements(rep: ReplayResult) -> list[dict[str, float]]:
     return out
 
 
-def bisect(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, steps: list[int] | None = None) -> tuple[BisectResult, ReplayResult]:
+def bisect(
+    cfg: ReplayConfig, progress: Callable[[str], None] | None = None, steps: list[int] | None = None, tokenizer: Path | None = None
+) -> tuple[BisectResult, ReplayResult]:
     """Replay the window, find its first bad step, then the rows that make it bad.
 
     Sample bisection runs on the state just before the bad step: a candidate batch keeps
@@ -131,6 +136,8 @@ def bisect(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
         res.budget = int(2 * k * math.ceil(math.log2(max(n, 2))) + 4)
         ids = p.batches.sample_ids.get(s)
         res.sample_ids = [ids[i] for i in res.rows] if ids else []
+        if tokenizer is not None:
+            res.texts = decode_rows(tokenizer, batch["input_ids"], res.rows)
     finally:
         sess.close()
     return res, rep
@@ -147,3 +154,20 @@ def _by_share(rec: Any) -> list[int]:
     n = len(rec.sample_loss)
     sq = rec.sample_grad_sq if rec.sample_grad_sq is not None else [0.0] * n
     return sorted(range(n), key=lambda i: (-(sq[i] if math.isfinite(sq[i]) else math.inf), -rec.sample_loss[i]))
+
+
+def decode_rows(tokenizer: Path, input_ids: torch.Tensor, rows: list[int], max_tokens: int = 256) -> dict[int, str]:
+    """The culprit rows as text, with an HF tokenizer directory (the `hf` extra).
+
+    Loaded with `local_files_only` and without remote code: a tokenizer directory is
+    data (tokenizer.json, vocab files), never code to run.
+    """
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ForensicsError("--tokenizer needs the hf extra (transformers)") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - any failure to load is bad input, said in one line
+        raise ForensicsError(f"{tokenizer}: not a loadable tokenizer directory ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    return {r: tok.decode(input_ids[r][:max_tokens].tolist()) for r in rows}

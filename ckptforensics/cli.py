@@ -371,8 +371,9 @@ def replay(ctx: click.Context, before: str, after: str | None, run_dir: Path, ou
 @click.option("--after", "after", required=True, help="Step or path after the spike (the window's end).")
 @run_dir_option
 @_replay_options
+@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="HF tokenizer directory: the culprit rows are decoded into the report.")
 @click.pass_context
-def bisect_cmd(ctx: click.Context, before: str, after: str, run_dir: Path, out: Path | None, as_json: bool, **opts: Any) -> None:
+def bisect_cmd(ctx: click.Context, before: str, after: str, run_dir: Path, out: Path | None, as_json: bool, tokenizer: Path | None, **opts: Any) -> None:
     """Find the first bad step of the window and the rows of its batch that cause it.
 
     Replays the window, takes the first robust outlier against the run's own history
@@ -395,7 +396,7 @@ def bisect_cmd(ctx: click.Context, before: str, after: str, run_dir: Path, out: 
         _check_out(out, [pa, pb])
         cfg = ReplayConfig(before=pa, after=pb, **opts)
         with _progress(0, "bisect", ctx.obj.quiet) as prog:
-            doc, findings, skip = run_bisect(cfg, command=_command("bisect"), progress=prog)
+            doc, findings, skip = run_bisect(cfg, command=_command("bisect"), progress=prog, tokenizer=tokenizer)
         written = _write(out, doc)
         if out is not None:
             from .report import atomic_write

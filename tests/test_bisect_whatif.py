@@ -18,19 +18,37 @@ def invoke(*args: str):
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
+def _word_tokenizer(d: Path) -> Path:
+    """An HF tokenizer directory for the zoo's 64-id vocabulary: id i <-> word 'w{i}'."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(d))
+    return d
+
+
 def test_bisect_finds_the_poisoned_step_and_rows(zoo: dict[str, Path], tmp_path: Path) -> None:
     run = zoo["poison_batch"]
     t = truth(run)
-    r = invoke("bisect", "--run-dir", str(run), "--before", "30", "--after", "35", "--model", MODEL, "--batch", str(run / "batches.h5"), "--out", str(tmp_path))
+    tok = _word_tokenizer(tmp_path / "tokenizer")
+    out = tmp_path / "out"
+    r = invoke("bisect", "--run-dir", str(run), "--before", "30", "--after", "35", "--model", MODEL, "--batch", str(run / "batches.h5"), "--out", str(out), "--tokenizer", str(tok))
     assert r.exit_code == 0, r.output
-    doc = json.loads((tmp_path / "report.json").read_text())
+    doc = json.loads((out / "report.json").read_text())
     b = doc["bisect"]
     assert b["first_bad_step"] == t["first_bad_step"]
     got, want = set(b["rows"]), set(t["samples"])
     assert len(got & want) / len(got) >= 0.9 and len(got & want) / len(want) >= 0.9
     assert b["replays"] <= b["budget"]
     assert b["presence_spikes"] is True
-    skip = json.loads((tmp_path / "skip.json").read_text())
+    # The one-token row (planted: id 7 throughout) decodes as that word repeated.
+    assert b["texts"]["1"].split() == ["w7"] * 32
+    assert "Culprit rows, decoded" in (out / "report.md").read_text()
+    skip = json.loads((out / "skip.json").read_text())
     assert skip["steps"] == [t["first_bad_step"]] and len(skip["sample_ids"]) == len(b["rows"])
 
 

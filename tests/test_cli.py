@@ -176,7 +176,7 @@ HOSTILE = {
 }
 
 
-@pytest.mark.parametrize("where", ["optimizer.pt", "scaler.pt", "scheduler.pt", "lightning.ckpt", "nested"])
+@pytest.mark.parametrize("where", ["optimizer.pt", "scaler.pt", "scheduler.pt", "lightning.ckpt", "nested", "torch_dist common.pt"])
 @pytest.mark.parametrize("how", sorted(HOSTILE))
 def test_hostile_pickles_are_refused(zoo: dict[str, Path], tmp_path: Path, where: str, how: str) -> None:
     """Every pickle that would run code is refused with one line, and the canary proves nothing ran."""
@@ -187,7 +187,11 @@ def test_hostile_pickles_are_refused(zoo: dict[str, Path], tmp_path: Path, where
         def __reduce__(self):  # noqa: ANN204 - a hostile pickle
             return eval(reduce_src)  # noqa: S307 - builds the hostile payload in the test
 
-    if where == "lightning.ckpt":
+    if where == "torch_dist common.pt":
+        target = tmp_path / "iter_0000030"
+        shutil.copytree(zoo["healthy-megatron-dist"] / "iter_0000030", target)
+        torch.save({"args": Exploit(), "iteration": 30}, target / "common.pt")
+    elif where == "lightning.ckpt":
         ck = torch.load(zoo["lightning"] / "epoch=0-step=30.ckpt", weights_only=True)
         ck["callbacks"] = {"x": Exploit()}
         target = tmp_path / "epoch=0-step=30.ckpt"

@@ -173,6 +173,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines.append(f"- first bad step: {fmt(bis['first_bad_step'])}; culprit rows: {bis['rows'] or '—'} (sample ids {bis['sample_ids'] or '—'})")
         lines.append(f"- minimal set whose removal removes the spike: {bis['minimal_rows'] or '—'}; alone with healthy rows it {'spikes' if bis['presence_spikes'] else 'does not spike' if bis['presence_spikes'] is False else '—'}")
         lines.append(f"- evaluations: {bis['replays']} (budget {bis['budget']})" + (f"; {bis['note']}" if bis.get("note") else ""))
+        if bis.get("texts"):
+            lines += ["", "Culprit rows, decoded:", ""]
+            lines += _table(["row", "text (first 256 tokens)"], [[r, "`" + t.replace("`", "'").replace("\n", " ")[:300] + "`"] for r, t in bis["texts"].items()])
+            lines.append("")
         if bis["disagreements"]:
             lines.append(f"- replayed loss differs from the training log at steps {[d['step'] for d in bis['disagreements']]}")
         if bis["trials"]:

@@ -697,11 +697,18 @@ def _overflow(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[
             first, where = p.modules[fwd_over[0]], "output"
         else:
             first, where = p.modules[min(cands, key=lambda i: pos.get(i, len(pos)))], "gradient"
+        limit = 65504.0 if rep.precision == "fp16" else 3.39e38
+        # What the value would have been: the fp32 replay of the same step, same module.
+        true_max = math.nan
+        if ref is not None and first in ref.modules:
+            j = ref.modules.index(first)
+            true_max = float(ref.fwd[j, FWD_STATS.index("absmax")] if where == "output" else ref.bwd[j, BWD_STATS.index("grad_absmax")] * (r.loss_scale or 1.0))
         fields.setdefault("first_anomalous_module", first)
         fields.setdefault("first_bad_step", r.step)
         fields.setdefault("overflowing_tensors", []).append(
-            {"name": first, "dtype": rep.precision, "max_abs": math.inf, "limit": 65504.0 if rep.precision == "fp16" else 3.39e38, "where": f"{where} at step {r.step}"}
+            {"name": first, "dtype": rep.precision, "max_abs": true_max if math.isfinite(true_max) else math.inf, "limit": limit, "where": f"{where} at step {r.step}"}
         )
+        reach = f" (in fp32 it reaches {true_max:.4g}, {true_max / limit:.2f}x the limit)" if math.isfinite(true_max) and true_max > 0 else ""
         cause = ("fp16_overflow",) if rep.precision == "fp16" else ("bf16_overflow",)
         out.append(
             Finding(
@@ -710,9 +717,9 @@ def _overflow(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[
                 first,
                 10.0,
                 "critical",
-                {"step": r.step, "where": where, "precision": rep.precision, "fp32_finite": fp32_ok, "loss_scale": r.loss_scale, "skipped": r.skipped},
-                f"step {r.step}: the {where} of {first} overflows {rep.precision}"
-                + (f" under loss scale {r.loss_scale:g}" if r.loss_scale else "")
+                {"step": r.step, "where": where, "precision": rep.precision, "fp32_finite": fp32_ok, "loss_scale": r.loss_scale, "skipped": r.skipped, "fp32_max_abs": true_max},
+                f"step {r.step}: the {where} of {first} overflows {rep.precision}{reach}"
+                + (f" under loss scale {r.loss_scale:g}" if r.loss_scale and where == "gradient" else "")
                 + ("; the fp32 replay of the same step stays finite" if fp32_ok else "; fp32 overflows too"),
                 "DESIGN §4 dtype range",
                 cause if fp32_ok else ("gradient_explosion", *cause),

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .detectors import Finding, diff_findings, replay_findings
+from .detectors import Finding, diff_findings, first_steps_from_state, replay_findings
 from .diff import DiffConfig, DiffResult, diff_checkpoints
 from .formats import open_checkpoint
 from .report import build_report
@@ -114,26 +114,6 @@ def replay_section(rep: Any, fields: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _first_steps_from_state(dfind: list[Finding], rep: Any) -> list[int]:
-    """First bad steps that the *before* state plus the replay pin down.
-
-    An LR already above the schedule in *before* makes the window's first step bad; a
-    tensor whose exp_avg_sq had collapsed goes bad at the first replayed step whose
-    gradient RMS clears the collapse level (100 eps, ten times the 10 eps floor).
-    """
-    out = []
-    first = rep.records[0].step if rep.records else None
-    for f in dfind:
-        if f.kind == "lr_above_schedule" and f.metrics.get("first_step") is not None:
-            out.append(int(f.metrics["first_step"]))
-        if f.kind == "vanished_v_burst" and first is not None:
-            level = 100 * float(f.metrics.get("eps") or 1e-8)
-            hit = next((r.step for r in rep.records if r.param_grad_rms.get(f.subject, 0.0) > level), None)
-            if hit is not None:
-                out.append(hit)
-    return out
-
-
 def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> tuple[dict[str, Any], list[Finding]]:
     """`ckptforensics replay`: replay (and diff, when *after* is given), merged into one verdict."""
     from .replay import replay
@@ -147,7 +127,7 @@ def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> t
     if cfg.after is not None:
         _, _, diff, dfind = _diff(cfg.before, cfg.after, None, 1 << 19, None)
     findings = _number(dfind + rfind)
-    starts = _first_steps_from_state(dfind, rep)
+    starts = first_steps_from_state(dfind, rep)
     if starts:
         fields["first_bad_step"] = min([*starts, *([fields["first_bad_step"]] if "first_bad_step" in fields else [])])
     extra = {k: v for k, v in fields.items() if k in ("first_bad_step", "first_anomalous_module", "anomalous_samples", "reproducible")}
@@ -169,8 +149,16 @@ def run_bisect(cfg: Any, *, command: str, progress: Progress | None = None, toke
     """`ckptforensics bisect`: replay + step and sample bisection; returns (doc, findings, skip list)."""
     from .bisect import bisect
 
-    res, rep = bisect(cfg, progress, tokenizer=tokenizer)
+    diff = None
+    dfind: list[Finding] = []
+    if cfg.after is not None:
+        # The pair's state evidence pins bad steps that do not spike (an LR already off
+        # schedule in *before*, a collapsed second moment), as in `replay`.
+        _, _, diff, dfind = _diff(cfg.before, cfg.after, None, 1 << 19, None)
+    res, rep = bisect(cfg, progress, tokenizer=tokenizer, state_findings=dfind)
     rfind, fields = replay_findings(rep)
+    if res.first_bad_step is not None:
+        fields["first_bad_step"] = res.first_bad_step
     if res.rows:
         fields["anomalous_samples"] = [
             {"index": i, "sample_id": (res.sample_ids[k] if res.sample_ids else None), "score": 1.0, "why": res.evidence.get(i, "needed to reproduce the spike")}
@@ -178,13 +166,13 @@ def run_bisect(cfg: Any, *, command: str, progress: Progress | None = None, toke
         ]
     a = open_checkpoint(cfg.before)
     b = open_checkpoint(cfg.after) if cfg.after is not None else a
-    findings = _number(rfind)
+    findings = _number(dfind + rfind)
     extra = {k: v for k, v in fields.items() if k in ("first_bad_step", "first_anomalous_module", "anomalous_samples", "reproducible")}
     verdict = decide(findings, before=str(cfg.before), after=str(cfg.after or cfg.before), extra=extra)
     skip = {"steps": [res.first_bad_step] if res.first_bad_step is not None and res.rows else [], "sample_ids": res.sample_ids, "rows": {str(res.first_bad_step): res.rows} if res.rows else {}}
     section = asdict(res)
     section["skip"] = skip
-    doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, sections={"replay": replay_section(rep, fields), "bisect": section})
+    doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, diff=diff, sections={"replay": replay_section(rep, fields), "bisect": section})
     return doc, findings, skip
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .detectors import _z_steps, replay_findings
+from .detectors import Finding, _z_steps, first_steps_from_state, replay_findings
 from .errors import ForensicsError
 from .replay import ReplayConfig, plan, replay
 from .replay.engine import ReplayResult
@@ -61,7 +61,11 @@ def _disagreements(rep: ReplayResult) -> list[dict[str, float]]:
 
 
 def bisect(
-    cfg: ReplayConfig, progress: Callable[[str], None] | None = None, steps: list[int] | None = None, tokenizer: Path | None = None
+    cfg: ReplayConfig,
+    progress: Callable[[str], None] | None = None,
+    steps: list[int] | None = None,
+    tokenizer: Path | None = None,
+    state_findings: list[Finding] | None = None,
 ) -> tuple[BisectResult, ReplayResult]:
     """Replay the window, find its first bad step, then the rows that make it bad.
 
@@ -72,7 +76,10 @@ def bisect(
     """
     rep = replay(cfg, progress, steps)
     _, fields = replay_findings(rep)
-    res = BisectResult(first_bad_step=fields.get("first_bad_step"), disagreements=_disagreements(rep))
+    starts = first_steps_from_state(state_findings or [], rep)
+    if "first_bad_step" in fields:
+        starts.append(fields["first_bad_step"])
+    res = BisectResult(first_bad_step=min(starts) if starts else None, disagreements=_disagreements(rep))
     s = res.first_bad_step
     if s is None or s == rep.records[0].step and len(rep.records) == 1 and not rep.baseline:
         return res, rep

@@ -17,7 +17,7 @@ import numpy as np
 from .diff import DiffResult, TensorDiff
 from .tensors import robust_z
 
-__all__ = ["Finding", "Thresholds", "diff_findings", "SEVERITIES", "module_of"]
+__all__ = ["Finding", "Thresholds", "diff_findings", "replay_findings", "first_steps_from_state", "SEVERITIES", "module_of"]
 
 SEVERITIES = ("info", "warning", "critical")
 
@@ -556,6 +556,26 @@ def replay_findings(rep: Any, th: Thresholds | None = None) -> tuple[list[Findin
     out += _logits(rep, th)
     out += _reproduction(rep, fields, th)
     return out, fields
+
+
+def first_steps_from_state(dfind: list[Finding], rep: Any) -> list[int]:
+    """First bad steps that the *before* state plus the replay pin down.
+
+    An LR already above the schedule in *before* makes the window's first step bad; a
+    tensor whose exp_avg_sq had collapsed goes bad at the first replayed step whose
+    gradient RMS clears the collapse level (100 eps, ten times the 10 eps floor).
+    """
+    out = []
+    first = rep.records[0].step if rep.records else None
+    for f in dfind:
+        if f.kind == "lr_above_schedule" and f.metrics.get("first_step") is not None:
+            out.append(int(f.metrics["first_step"]))
+        if f.kind == "vanished_v_burst" and first is not None:
+            level = 100 * float(f.metrics.get("eps") or 1e-8)
+            hit = next((r.step for r in rep.records if r.param_grad_rms.get(f.subject, 0.0) > level), None)
+            if hit is not None:
+                out.append(hit)
+    return out
 
 
 def _logits(rep: Any, th: Thresholds) -> list[Finding]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
@@ -99,3 +100,18 @@ def test_whatif_rejects_unknown_knobs(zoo: dict[str, Path]) -> None:
     run = zoo["healthy"]
     r = invoke("whatif", "--run-dir", str(run), "--before", "30", "--steps", "3", "--model", MODEL, "--batch", str(run / "batches.h5"), "--try", "warp=9")
     assert_bad_input(r, "unknown knob 'warp'")
+
+
+@pytest.mark.parametrize("name", ["gradient_explosion", "adam_instability"])
+def test_bisect_pins_bad_updates_that_do_not_spike(zoo: dict[str, Path], name: str) -> None:
+    """A module LR bug and a collapsed second moment: the pair's state evidence names the
+    step, and the batch alone does not spike, so no rows are blamed."""
+    run = zoo[name]
+    t = truth(run)
+    r = invoke("bisect", "--run-dir", str(run), "--before", str(t["before"]), "--after", str(t["after"]), "--model", MODEL, "--batch", str(run / "batches.h5"), "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    b = doc["bisect"]
+    assert b["first_bad_step"] == t["first_bad_step"]
+    assert b["rows"] == [] and "went bad through the update" in b["note"]
+    assert doc["verdict"]["causes"][0]["cause"] == t["cause"]

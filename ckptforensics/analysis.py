@@ -69,6 +69,14 @@ def run_diff(
     return doc, findings
 
 
+_CORE = ("loss", "grad_norm", "lr", "loss_scale")
+
+
+def _core(row: dict[str, float]) -> dict[str, float]:
+    """The logged figures a report keeps (per-parameter columns stay in the log)."""
+    return {k: row[k] for k in _CORE if k in row}
+
+
 def replay_section(rep: Any, fields: dict[str, Any]) -> dict[str, Any]:
     """The report's `replay` block: configuration with sources, per-step records, evidence."""
     from .replay.probes import BWD_STATS, FWD_STATS
@@ -96,7 +104,8 @@ def replay_section(rep: Any, fields: dict[str, Any]) -> dict[str, Any]:
         "config": rep.config,
         "precision": rep.precision,
         "steps": [asdict(r) for r in rep.records],
-        "logged": {str(k): v for k, v in rep.logged.items()},
+        "logged": {str(k): _core(v) for k, v in rep.logged.items()},
+        "history": {str(k): _core(v) for k, v in rep.baseline.items()},
         "suspect_step": suspect,
         "per_module": per_module,
         "modules": modules,

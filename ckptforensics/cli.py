@@ -452,6 +452,7 @@ def whatif_cmd(ctx: click.Context, before: str, n_steps: int, tries: tuple[str, 
 @click.option("--z", "z", type=float, default=6.0, show_default=True, help="Robust z that marks a spike.")
 @click.option("--margin", type=click.IntRange(0), default=0, show_default=True, help="Steps the rollback checkpoint must precede the onset by.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Write triage.json, triage.md and triage.html (with a timeline) here.")
 @click.pass_context
 def triage_cmd(
     ctx: click.Context,
@@ -464,6 +465,7 @@ def triage_cmd(
     z: float,
     margin: int,
     as_json: bool,
+    out: Path | None,
 ) -> None:
     """Find the spike onset in the training log and the checkpoint to roll back to.
 
@@ -484,12 +486,24 @@ def triage_cmd(
     with _errors(ctx):
         path = metrics or _discover_metrics(run_dir)
         res = triage(path, run_dir, TriageConfig(window=window, z=z, margin=margin), {"loss": loss_key, "grad_norm": grad_key, "lr": lr_key})
+        written: list[Path] = []
+        if out is not None:
+            from .report import atomic_write
+            from .report.timeline import render_triage_html, render_triage_markdown
+
+            _check_out(out, [run_dir] if run_dir is not None else [])
+            doc = _jsonable(as_dict(res))
+            for name, text in (("triage.json", json.dumps(doc, indent=2) + "\n"), ("triage.md", render_triage_markdown(doc)), ("triage.html", render_triage_html(doc))):
+                atomic_write(out / name, text)
+                written.append(out / name)
     if as_json:
         click.echo(json.dumps(_jsonable(as_dict(res)), indent=2))
         return
     click.echo(f"read {res.metrics_file} ({res.steps} steps)")
     if res.first_bad_step is None:
         click.echo("no spike onset found")
+        for w in written:
+            click.echo(f"wrote {w}")
         return
     click.echo(f"first bad step: {res.first_bad_step}")
     for o in res.onsets[:8]:
@@ -499,6 +513,8 @@ def triage_cmd(
     click.echo(f"rollback checkpoint: {res.rollback or 'none before the onset'}")
     for c in res.commands:
         click.echo(f"  {c}")
+    for w in written:
+        click.echo(f"wrote {w}")
 
 
 def _discover_metrics(run_dir: Path) -> Path:

@@ -167,6 +167,7 @@ class TriageResult:
     after_step: int | None = None
     drift: str | None = None
     commands: list[str] = field(default_factory=list)
+    timeline: dict[str, list[float]] = field(default_factory=dict)  # step, loss, grad_norm, checkpoints
 
 
 def _robust(hist: np.ndarray) -> tuple[float, float]:
@@ -281,6 +282,12 @@ def triage(metrics: Path, run_dir: Path | None, cfg: TriageConfig | None = None,
         res.first_bad_step = res.onsets[0].step
         res.drift = _drift(rows, res.first_bad_step, cfg)
     ckpts = list_checkpoints(run_dir) if run_dir is not None else []
+    res.timeline = {
+        "step": list(rows),
+        "loss": [rows[s].get("loss", math.nan) for s in rows],
+        "grad_norm": [rows[s].get("grad_norm", math.nan) for s in rows],
+        "checkpoints": [s for s, _ in ckpts],
+    }
     if res.first_bad_step is not None and ckpts:
         # The checkpoint of step c holds the state after c's update: safe only if c < onset.
         safe = [(s, p) for s, p in ckpts if s < res.first_bad_step - cfg.margin]

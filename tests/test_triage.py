@@ -67,3 +67,18 @@ def test_group_lr_columns() -> None:
     assert group_lrs({"optim/LR (group 0)": 1.0, "optim/LR (group 1)": 2.0}, 2) == [1.0, 2.0]
     assert group_lrs({"lr-AdamW/pg1": 1.0, "lr-AdamW/pg2": 2.0}, 2) == [1.0, 2.0]
     assert group_lrs({"optim/LR (group 0)": 1.0}, 2) is None
+
+
+def test_triage_out_writes_a_page_with_its_timeline(zoo: dict[str, Path], tmp_path: Path) -> None:
+    from tests.conftest import tree_hash
+
+    run = zoo["poison_batch"]
+    before = tree_hash(run)
+    r = CliRunner().invoke(cli, ["triage", "--run-dir", str(run), "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "triage.json").read_text())
+    assert doc["first_bad_step"] == 35 and doc["timeline"]["checkpoints"][:2] == [5, 10]
+    page = (tmp_path / "triage.html").read_text()
+    assert "data:image/png;base64," in page and "http" not in page.split("<body>")[0]  # plot inline, nothing fetched
+    assert (tmp_path / "triage.md").read_text().startswith("# ckptforensics: triage\n\n**First bad step: 35**")
+    assert tree_hash(run) == before

@@ -58,18 +58,26 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
     if rep.get("steps"):
         steps = [s["step"] for s in rep["steps"]]
         fig, ax = plt.subplots(1, 2, figsize=(10, 3))
-        ax[0].plot(steps, [_n(s["loss"]) for s in rep["steps"]], "o-", label="replayed")
-        logged = rep.get("logged") or {}
-        ls = [s for s in steps if str(s) in logged and "loss" in logged[str(s)]]
-        if ls:
-            ax[0].plot(ls, [_n(logged[str(s)]["loss"]) for s in ls], "x--", label="logged")
-        ax[1].semilogy(steps, [_n(s["grad_norm"]) for s in rep["steps"]], "o-")
+        # The run's own log before the window (grey), the window logged and replayed,
+        # the two checkpoints and the first bad step.
+        logged = {**(rep.get("history") or {}), **(rep.get("logged") or {})}
+        for a, key in ((ax[0], "loss"), (ax[1], "grad_norm")):
+            ls = sorted(int(s) for s in logged if key in logged[s])
+            if ls:
+                a.plot(ls, [_n(logged[str(s)][key]) for s in ls], "-", color="0.6", lw=1, label="training log")
+            a.plot(steps, [_n(s[key]) for s in rep["steps"]], "o-", ms=3, label="replayed")
+        ax[1].set_yscale("log")
+        inc = doc["incident"]
         for a, t in zip(ax, ("loss", "grad norm (pre-clip)"), strict=True):
             a.set_title(t)
             a.set_xlabel("step")
+            for side, style in (("before", "-"), ("after", "--")):
+                st = (inc.get(side) or {}).get("step")
+                if st is not None:
+                    a.axvline(st, color="g", ls=style, lw=0.8, label=f"{side} checkpoint")
             if v.get("first_bad_step") is not None:
                 a.axvline(v["first_bad_step"], color="r", ls=":", label="first bad step")
-        ax[0].legend()
+        ax[0].legend(fontsize=7)
         out.append(("Loss and grad norm around the spike", _png(fig)))
         per, mods = rep.get("per_module_steps") or {}, rep.get("modules") or []
         s0 = v.get("first_bad_step")

@@ -1,0 +1,89 @@
+"""triage's own page: the onset, the rollback checkpoint and a timeline of the log."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from .html import _CSS, _n, _png, _table
+from .markdown import fmt
+
+__all__ = ["render_triage_markdown", "render_triage_html"]
+
+
+def _head(t: dict[str, Any]) -> list[tuple[str, str]]:
+    return [
+        ("training log", t["metrics_file"]),
+        ("steps read", fmt(t["steps"])),
+        ("first bad step", fmt(t["first_bad_step"])),
+        ("rollback checkpoint", t["rollback"] or "none before the onset"),
+        ("checkpoint after the onset", t["after"] or "—"),
+    ]
+
+
+def render_triage_markdown(t: dict[str, Any]) -> str:
+    """Verdict first: onset, rollback, the commands; then every signal."""
+    first = t["first_bad_step"]
+    lines = ["# ckptforensics: triage", "", f"**{'First bad step: ' + fmt(first) if first is not None else 'No spike onset in the log.'}**", ""]
+    lines += [f"- **{k}**: {v}" for k, v in _head(t)[1:]]
+    if t["drift"]:
+        lines.append(f"- **drift**: {t['drift']}")
+    if t["commands"]:
+        lines += ["", "**Next**", "", "```", *t["commands"], "```"]
+    if t["onsets"]:
+        lines += ["", f"<details><summary>Signals ({len(t['onsets'])})</summary>", "", "| step | signal | message |", "| --- | --- | --- |"]
+        lines += [f"| {o['step']} | {o['signal']} | {o['message'].replace('|', '/')} |" for o in t["onsets"]]
+        lines += ["", "</details>"]
+    return "\n".join(lines) + "\n"
+
+
+def _timeline(t: dict[str, Any]) -> str:
+    """Loss and grad norm over the whole log, checkpoints, onset and rollback marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ""
+    tl = t.get("timeline") or {}
+    steps = tl.get("step") or []
+    if not steps:
+        return ""
+    fig, ax = plt.subplots(2, 1, figsize=(10, 4), sharex=True)
+    for a, key, log in ((ax[0], "loss", False), (ax[1], "grad_norm", True)):
+        a.plot(steps, [_n(x) for x in tl.get(key) or [float("nan")] * len(steps)], "-", lw=1)
+        if log:
+            a.set_yscale("log")
+        a.set_ylabel(key.replace("_", " "))
+        for c in tl.get("checkpoints") or []:
+            a.axvline(c, color="0.8", lw=0.6)
+        if t["rollback_step"] is not None:
+            a.axvline(t["rollback_step"], color="g", lw=1.2, label="rollback checkpoint")
+        if t["first_bad_step"] is not None:
+            a.axvline(t["first_bad_step"], color="r", ls=":", lw=1.5, label="first bad step")
+    ax[1].set_xlabel("step (grey lines: checkpoints)")
+    if t["first_bad_step"] is not None:
+        ax[0].legend(fontsize=7)
+    return _png(fig)
+
+
+def render_triage_html(t: dict[str, Any]) -> str:
+    """One self-contained page; the timeline degrades to nothing without matplotlib."""
+    first = t["first_bad_step"]
+    head = f"First bad step: {fmt(first)}" if first is not None else "No spike onset in the log."
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>ckptforensics triage</title>",
+        f"<style>{_CSS}</style></head><body><h1>ckptforensics: triage</h1>",
+        f"<p class='summary'>{html.escape(head)}</p>",
+        _table(["", ""], [[k, v] for k, v in _head(t)]),
+    ]
+    plot = _timeline(t)
+    if plot:
+        parts.append(f"<h2>Timeline</h2><div class='plots'>{plot}</div>")
+    if t["commands"]:
+        parts.append("<h2>Next</h2><pre>" + html.escape("\n".join(t["commands"])) + "</pre>")
+    if t["onsets"]:
+        parts.append("<h2>Signals</h2>" + _table(["step", "signal", "message"], [[o["step"], o["signal"], o["message"]] for o in t["onsets"]]))
+    parts.append("</body></html>")
+    return "\n".join(parts)

@@ -205,3 +205,28 @@ def test_hostile_pickles_are_refused(zoo: dict[str, Path], tmp_path: Path, where
     r = invoke("inspect", str(target))
     assert_bad_input(r, "refused to unpickle")
     assert not canary.exists()
+
+
+def test_every_command_leaves_its_inputs_byte_identical(zoo: dict[str, Path], tmp_path: Path) -> None:
+    """inspect, diff, replay, bisect, whatif, triage and report, run on one run dir."""
+    run = zoo["poison_batch"]
+    before = tree_hash(run)
+    model, batch = "fixtures/tinygpt.py:factory", str(run / "batches.h5")
+    window = ["--run-dir", str(run), "--before", "30", "--after", "35"]
+    replayed = ["--model", model, "--batch", batch]
+    for i, args in enumerate(
+        [
+            ["inspect", "--run-dir", str(run), "30"],
+            ["diff", *window],
+            ["replay", *window, *replayed],
+            ["bisect", *window, *replayed],
+            ["whatif", "--run-dir", str(run), "--before", "30", "--steps", "3", *replayed, "--try", "clip=0.5"],
+            ["triage", "--run-dir", str(run)],
+        ]
+    ):
+        out = ["--out", str(tmp_path / str(i))] if args[0] != "inspect" else []
+        r = invoke("-q", *args, *out)
+        assert r.exit_code == 0, (args[0], r.output)
+    r = invoke("report", str(tmp_path / "2" / "evidence.h5"), "--format", "md", "--out", str(tmp_path / "again.md"))
+    assert r.exit_code == 0, r.output
+    assert tree_hash(run) == before

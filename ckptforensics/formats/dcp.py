@@ -237,4 +237,4 @@ def _optimizer(store: _Store, state: dict[str, dict[str, Any]], groups: dict[int
     for fqn in by_name:
         hyper_of.setdefault(fqn, hypers[0])
     kind = optimizer_kind({k: dict.fromkeys(v) for k, v in state.items()})
-    return OptimizerView(kind=kind, state=by_name, hyper=hyper_of, groups=hypers, mapping="by FQN (DCP)")
+    return OptimizerView(kind=kind, state=by_name, hyper=hyper_of, groups=hypers, mapping="FQN (DCP)")

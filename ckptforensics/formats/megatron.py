@@ -90,6 +90,7 @@ def is_megatron_dist_dir(path: Path) -> bool:
 
 
 _NO_DECAY = re.compile(r"bias$|norm|layer_norm")
+_STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)")  # stacked: no layer index in the key
 
 
 def open_megatron_dist(path: Path) -> Checkpoint:
@@ -100,7 +101,7 @@ def open_megatron_dist(path: Path) -> Checkpoint:
     stores moments as flat per-bucket buffers; mapping them back needs Megatron's bucket
     layout, so it is refused with an error that says so rather than guessed.
     """
-    from .dcp import _getter, _Store, read_metadata
+    from .dcp import _Store, read_metadata
 
     md = read_metadata(path)
     keys = list(md.state_dict_metadata)
@@ -113,15 +114,20 @@ def open_megatron_dist(path: Path) -> Checkpoint:
         )
     store = _Store(path, md)
     ckpt = Checkpoint(path=path, format="megatron-dist")
+    common = _common(path)
+    layers = _stacked_layers(md, common)
+    stacked = _StackCache(store)
     state: dict[str, dict[str, Any]] = {}
     for key, meta in md.state_dict_metadata.items():
         if key.startswith("optimizer.state."):
             field, _, fqn = key[len("optimizer.state.") :].partition(".")
-            state.setdefault(fqn, {})[field] = _getter(store, key)
+            for name, get in _views(fqn, key, layers, stacked):
+                state.setdefault(name, {})[field] = get
         elif hasattr(meta, "size") and not key.startswith(("optimizer.", "rng_state")):
-            ckpt._meta[key] = TensorMeta(tuple(meta.size), meta.properties.dtype)
-            ckpt._get[key] = _getter(store, key)
-    common = _common(path)
+            shape = tuple(meta.size)
+            for name, get in _views(key, key, layers, stacked):
+                ckpt._meta[name] = TensorMeta(shape[1:] if name != key else shape, meta.properties.dtype)
+                ckpt._get[name] = get
     it = common.get("iteration")
     step = int(it) if isinstance(it, (int, float)) else _iter_of(path)
     if step is not None:
@@ -135,12 +141,49 @@ def open_megatron_dist(path: Path) -> Checkpoint:
     ckpt.scalars.update(scaler_scalars(opt.get("grad_scaler")))
     inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else opt
     groups = [g for g in inner.get("param_groups") or [] if isinstance(g, dict)]
-    ckpt.notes.append("torch_dist: per-layer parameters are stacked on a leading num_layers dim (one tensor per kind, all layers)")
+    if layers:
+        ckpt.notes.append(f"torch_dist: per-layer tensors are stacked on a leading dim of {layers} layers; read as decoder.layers.<i>.<name>")
     if state:
         ckpt.optimizer = _dist_optimizer(state, groups, list(ckpt._meta))
     else:
         ckpt.notes.append("no optimizer state: weights only")
     return ckpt
+
+
+def _stacked_layers(md: Any, common: dict[str, Any]) -> int:
+    """Layers stacked on the leading dim of `decoder.layers.*` tensors: `args.num_layers`
+    when it matches every such tensor, else their common leading dim (0: not stacked)."""
+    lead = {tuple(m.size)[0] for k, m in md.state_dict_metadata.items() if _STACKED.match(k) and hasattr(m, "size") and len(m.size) >= 1}
+    n = getattr(common.get("args"), "num_layers", None)
+    if isinstance(n, int) and lead == {n}:
+        return n
+    return next(iter(lead)) if len(lead) == 1 else 0
+
+
+class _StackCache:
+    """The last few stacked tensors read: per-layer views are read in order, so each
+    stacked tensor is read once (memory: what reading it whole already took)."""
+
+    def __init__(self, store: Any, keep: int = 4) -> None:
+        self.store, self.keep = store, keep
+        self.cache: dict[str, Any] = {}
+
+    def layer(self, key: str, i: int) -> Any:
+        if key not in self.cache:
+            if len(self.cache) >= self.keep:
+                self.cache.pop(next(iter(self.cache)))
+            self.cache[key] = self.store.tensor(key)
+        return self.cache[key][i]
+
+
+def _views(name: str, key: str, layers: int, stacked: _StackCache) -> list[tuple[str, Any]]:
+    """(name, getter) pairs: one per layer for a stacked `decoder.layers.*` tensor."""
+    from .dcp import _getter
+
+    if layers and _STACKED.match(name):
+        rest = name[len("decoder.layers.") :]
+        return [(f"decoder.layers.{i}.{rest}", (lambda i=i: stacked.layer(key, i))) for i in range(layers)]
+    return [(name, _getter(stacked.store, key))]
 
 
 def _common(path: Path) -> dict[str, Any]:
@@ -167,4 +210,4 @@ def _dist_optimizer(state: dict[str, dict[str, Any]], groups: list[dict[str, Any
     for n in names:
         hyper_of.setdefault(n, decay)
     kind = optimizer_kind({k: dict.fromkeys(v) for k, v in state.items()})
-    return OptimizerView(kind=kind, state={n: LazyState(f) for n, f in state.items()}, hyper=hyper_of, groups=hypers, mapping="by sharded key (Megatron torch_dist)")
+    return OptimizerView(kind=kind, state={n: LazyState(f) for n, f in state.items()}, hyper=hyper_of, groups=hypers, mapping="sharded key (Megatron torch_dist)")

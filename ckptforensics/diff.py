@@ -474,6 +474,8 @@ def _diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: D
                 _collect(cands, counts, "outlier", "weight", idx, fa, fb, "near", limits, lo, meta.shape, wb.dtype, cfg, only_flips=True)
         _release_all(a, b, wa, wb)
 
+    a.forget(name)
+    b.forget(name)
     s, m = acc.sums, acc.maxes
     steps = k if k > 0 else max(1, (pair.step_b or 1) - (pair.step_a or 0)) if pair.step_a is not None else 1
     w_norm = math.sqrt(s.get("wa2", 0.0))

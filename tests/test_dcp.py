@@ -117,3 +117,14 @@ def test_mangled_dcp_metadata(dcp_run: Path, tmp_path_factory: pytest.TempPathFa
             assert len(r.stderr.strip().splitlines()) == 1
 
     check()
+
+
+def test_diff_holds_one_tensors_moments_at_a_time(dcp_run: Path) -> None:
+    """Lazily read moments are dropped once their tensor is diffed (bounded memory)."""
+    from ckptforensics.diff import diff_checkpoints
+
+    a, b = open_checkpoint(dcp_run / "step-2"), open_checkpoint(dcp_run / "step-3")
+    res = diff_checkpoints(a, b)
+    assert res is not None and all(t.has_moments for t in res.tensors)
+    assert a.optimizer is not None and b.optimizer is not None
+    assert not any(st._cache for o in (a.optimizer, b.optimizer) for st in o.state.values())

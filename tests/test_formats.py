@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,34 @@ def test_megatron_bucket_keyed_optimizer_is_refused_with_the_reason(tmp_path: Pa
         dcp.save({"decoder.final_layernorm.weight": torch.ones(4), key: torch.zeros(16)}, checkpoint_id=str(d), no_dist=True)
     (d / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
     assert_bad_input(CliRunner().invoke(cli, ["inspect", str(d)]), "bucket format")
+
+
+def test_megatron_torch_dist_bit_flip_is_located_to_its_layer(zoo: dict[str, Path], tmp_path: Path) -> None:
+    """A flipped exponent bit in one layer of a stacked tensor: found in that layer, at that element."""
+    import shutil
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from ckptforensics.formats.dcp import _Store, read_metadata
+    from ckptforensics.tensors import flip_bit
+
+    run = tmp_path / "run"
+    shutil.copytree(zoo["healthy-megatron-dist"] / "iter_0000030", run / "iter_0000030")
+    src = zoo["healthy-megatron-dist"] / "iter_0000040"
+    store = _Store(src, read_metadata(src))
+    sd = {k: store.tensor(k) for k, m in store.md.state_dict_metadata.items() if hasattr(m, "size")}
+    key = "decoder.layers.mlp.linear_fc1.weight"
+    sd[key][2, 5, 7] = flip_bit(float(sd[key][2, 5, 7]), 30, torch.float32)
+    dst = run / "iter_0000040"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(sd, checkpoint_id=str(dst), no_dist=True)
+    for f in ("common.pt", "metadata.json"):
+        shutil.copy(src / f, dst / f)
+    r = CliRunner().invoke(cli, ["diff", "--run-dir", str(run), "--before", "30", "--after", "40", "--json"])
+    assert r.exit_code == 0, r.output
+    v = json.loads(r.stdout)["verdict"]
+    assert v["causes"][0]["cause"] == "silent_corruption"
+    hit = v["corrupted_elements"][0]
+    assert hit["tensor"] == "decoder.layers.2.mlp.linear_fc1.weight" and hit["index"] == [5, 7]

@@ -142,6 +142,13 @@ class Checkpoint:
             return None
         return self.optimizer.hyper.get(name)
 
+    def forget(self, name: str) -> None:
+        """Drop the optimizer state built for `name` (lazily read formats: DCP, DeepSpeed,
+        torch_dist): a streaming diff then holds one tensor's state at a time."""
+        st = self.optim_state(name)
+        if isinstance(st, LazyState):
+            st.forget()
+
     def release(self, t: torch.Tensor) -> None:
         """Let the OS drop pages of a streamed slice of this checkpoint's tensors."""
         if self.file_backed:
@@ -236,6 +243,10 @@ class LazyState(dict):
 
     def get(self, k: str, default: Any = None) -> Any:
         return self[k] if k in self else default  # noqa: SIM401 - must build lazily via __getitem__
+
+    def forget(self) -> None:
+        """Drop the built tensors (they are rebuilt on the next access)."""
+        self._cache.clear()
 
     def values(self) -> Any:  # type: ignore[override]
         return [self[k] for k in self]

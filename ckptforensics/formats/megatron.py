@@ -210,4 +210,10 @@ def _dist_optimizer(state: dict[str, dict[str, Any]], groups: list[dict[str, Any
     for n in names:
         hyper_of.setdefault(n, decay)
     kind = optimizer_kind({k: dict.fromkeys(v) for k, v in state.items()})
-    return OptimizerView(kind=kind, state={n: LazyState(f) for n, f in state.items()}, hyper=hyper_of, groups=hypers, mapping="sharded key (Megatron torch_dist)")
+    # Fused Adams (TransformerEngine, apex) count steps per group, not per parameter.
+    steps = {h.index: g.get("step") for h, g in zip(hypers, groups, strict=False)}
+    built = {}
+    for n, fields in state.items():
+        st = steps.get(hyper_of[n].index)
+        built[n] = LazyState({**fields, "step": int(st)} if isinstance(st, (int, float)) and "step" not in fields else fields)
+    return OptimizerView(kind=kind, state=built, hyper=hyper_of, groups=hypers, mapping="sharded key (Megatron torch_dist)")

@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from typing import Any
 
@@ -101,6 +102,7 @@ def diff_in_workers(
 ) -> list[Any]:
     """TensorDiffs for `names` (in that order), computed by `workers` processes."""
     sizes = {n: a.meta(n).numel for n in names}
+    log.info("diffing %d tensors in %d worker processes", len(names), workers)
     if "fork" in mp.get_all_start_methods():
         # Forked workers inherit the open, memory-mapped checkpoints (no re-open, no
         # re-import); each sets torch to one thread first, as DataLoader workers do.
@@ -108,14 +110,16 @@ def diff_in_workers(
         ctx, init, initargs = mp.get_context("fork"), _init_forked, ()
     else:
         ctx, init, initargs = mp.get_context("spawn"), _init, ((str(a.path), a.format), (str(b.path), b.format), pair, cfg)
-    out: dict[str, Any] = {}
     try:
-        return _run_pool(ctx, init, initargs, names, sizes, workers, progress, out)
+        return _run_pool(ctx, init, initargs, names, sizes, workers, progress)
+    except BrokenProcessPool:
+        raise ForensicsError(f"a diff worker process died (killed by a signal, or out of memory) diffing {a.path} and {b.path}; rerun with --workers 1") from None
     finally:
         _STATE.clear()
 
 
-def _run_pool(ctx: Any, init: Any, initargs: tuple, names: Sequence[str], sizes: dict[str, int], workers: int, progress: Callable[[str], None] | None, out: dict[str, Any]) -> list[Any]:
+def _run_pool(ctx: Any, init: Any, initargs: tuple, names: Sequence[str], sizes: dict[str, int], workers: int, progress: Callable[[str], None] | None) -> list[Any]:
+    out: dict[str, Any] = {}
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=init, initargs=initargs) as pool:
         # Largest first, so no worker is left with a big tensor at the end.
         futs = [pool.submit(_one, n) for n in sorted(names, key=lambda n: -sizes[n])]

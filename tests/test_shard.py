@@ -78,3 +78,24 @@ def test_a_rank_that_fails_fails_the_run_with_one_line(dcp_run: Path, tmp_path: 
     assert "exitcode  : 2" in proc.stderr
     assert "ckptforensics/" not in proc.stderr.replace(str(run), "")
     assert not (tmp_path / "out" / "report.json").exists()
+
+
+def _die(name: str) -> None:
+    os._exit(9)  # a worker killed mid-diff
+
+
+def test_a_worker_that_dies_is_one_clear_error(zoo: dict[str, Path], monkeypatch) -> None:  # noqa: ANN001
+    import ckptforensics.shard as shard
+    from ckptforensics.diff import diff_checkpoints
+    from ckptforensics.errors import ForensicsError
+    from ckptforensics.formats import open_checkpoint
+
+    monkeypatch.setattr(shard, "_one", _die)
+    run = zoo["lr_jump"]
+    a, b = open_checkpoint(run / "step_30.pt"), open_checkpoint(run / "step_40.pt")
+    try:
+        diff_checkpoints(a, b, workers=2)
+    except ForensicsError as e:
+        assert "worker process died" in str(e) and "--workers 1" in str(e)
+    else:
+        raise AssertionError("a dead worker went unnoticed")

@@ -217,7 +217,7 @@ def _lr_jumps(rows: dict[int, dict[str, float]]) -> list[Onset]:
 
 def _gradient_returns(rows: dict[int, dict[str, float]], cfg: TriageConfig) -> list[Onset]:
     """A parameter whose gradient norm sat >= 1000x below its peers' for `min_history`
-    steps and comes back >= 1000x at once. Adam's second moment has decayed meanwhile,
+    steps and comes back >= 1000x at once, to within 100x of its peers. Adam's second moment has decayed meanwhile,
     so its next updates are sign-like and lr-sized (Molybog et al. 2023, Adam instability)."""
     cols = sorted({k: None for r in rows.values() for k in param_grad_columns(r)})
     if len(cols) < 3:
@@ -237,7 +237,9 @@ def _gradient_returns(rows: dict[int, dict[str, float]], cfg: TriageConfig) -> l
             h = ratio_hist[c]
             if len(h) >= cfg.min_history:
                 quiet = float(np.median(h[-cfg.min_history :]))
-                if quiet < 1e-3 and r >= 1e3 * quiet:
+                # Back to within 100x of its peers: a gradient that stays tiny moves Adam's
+                # v as little as it moves the update.
+                if quiet < 1e-3 and r >= 1e3 * quiet and r >= 1e-2:
                     mod = param_grad_columns({c: 0.0})[c].rsplit(".", 1)[0]
                     if mod not in first:
                         first[mod] = (s, r / max(quiet, 1e-30), len(h))

@@ -230,3 +230,15 @@ def test_every_command_leaves_its_inputs_byte_identical(zoo: dict[str, Path], tm
     r = invoke("report", str(tmp_path / "2" / "evidence.h5"), "--format", "md", "--out", str(tmp_path / "again.md"))
     assert r.exit_code == 0, r.output
     assert tree_hash(run) == before
+
+
+def test_a_run_dir_given_as_a_checkpoint_lists_its_steps(zoo: dict[str, Path]) -> None:
+    assert_bad_input(invoke("inspect", str(zoo["lr_jump"])), "a run directory with checkpoints at steps 10, 20, 30, 40, 50, 60")
+
+
+def test_a_megatron_save_dir_stands_for_its_latest_iteration(zoo: dict[str, Path]) -> None:
+    for run, fmt in (("healthy-megatron", "megatron"), ("healthy-megatron-dist", "megatron-dist")):
+        latest = int((zoo[run] / "latest_checkpointed_iteration.txt").read_text())
+        r = invoke("inspect", str(zoo[run]))
+        assert r.exit_code == 0, r.output
+        assert f"iter_{latest:07d}: {fmt}, step {latest}" in r.output

@@ -60,6 +60,13 @@ def sniff(path: Path) -> str:
             return "megatron"
         if is_hf_dir(path):
             return "hf-trainer"
+        from ..locate import list_checkpoints
+
+        found = list_checkpoints(path)
+        if found:
+            steps = [s for s, _ in found]
+            shown = ", ".join(map(str, steps[:6])) + (f", ... {steps[-1]}" if len(steps) > 6 else "")
+            raise UnknownFormat(f"{path}: a run directory with checkpoints at steps {shown}; pass one of them, or --run-dir {path} and a step")
         raise UnknownFormat(
             f"{path}: a directory that is not a known checkpoint layout "
             "(expected model*.safetensors / pytorch_model*.bin); pass the checkpoint itself"
@@ -73,6 +80,17 @@ def sniff(path: Path) -> str:
     if is_torch_zip(path) or head[:4] == b"PK\x03\x04" or head[:2] == b"\x80\x02":
         return "torch-file"
     raise UnknownFormat(f"{path}: not a safetensors, torch.save or checkpoint directory")
+
+
+def _megatron_latest(path: Path) -> Path:
+    """A Megatron save dir stands for its latest iteration (`latest_checkpointed_iteration.txt`),
+    as a DeepSpeed save dir stands for the tag in `latest`."""
+    marker = path / "latest_checkpointed_iteration.txt"
+    if path.is_dir() and marker.is_file():
+        text = marker.read_text().strip()
+        if text.isdigit() and (path / f"iter_{int(text):07d}").is_dir():
+            return path / f"iter_{int(text):07d}"
+    return path
 
 
 def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
@@ -89,6 +107,7 @@ def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
     p = Path(path)
     if not p.exists():
         raise CheckpointNotFound(f"{p}: no such file or directory")
+    p = _megatron_latest(p)
     if format is not None:
         if format not in FORMATS:
             raise UnknownFormat(f"unknown format {format!r}; known: {', '.join(sorted(FORMATS))}")

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .diff import DiffResult, TensorDiff
+from .diff import DiffResult, TensorDiff, tensor_role
 from .tensors import robust_z
 
 __all__ = ["Finding", "Thresholds", "diff_findings", "replay_findings", "first_steps_from_state", "SEVERITIES", "module_of"]
@@ -554,8 +554,50 @@ def replay_findings(rep: Any, th: Thresholds | None = None) -> tuple[list[Findin
         if "first_bad_step" in fields:
             out += _samples(rep, suspect, fields, th)
     out += _logits(rep, th)
+    rms = _rms_t(rep, th)
+    for f in rms:
+        if f.primary:  # a second moment two orders of magnitude stale: that step goes bad
+            fields["first_bad_step"] = min(f.metrics["step"], fields.get("first_bad_step", f.metrics["step"]))
+            fields.setdefault("first_anomalous_module", module_of(f.subject))
+    out += rms
     out += _reproduction(rep, fields, th)
     return out, fields
+
+
+def _rms_t(rep: Any, th: Thresholds) -> list[Finding]:
+    """A parameter whose gradient outgrew Adam's second moment: RMS_t = sqrt(mean(g^2/v_hat))
+    is ~1 in steady state; > 1 and a robust outlier (log scale) among the step's
+    parameters means its updates turn sign-like and lr-sized (StableAdamW). Embeddings
+    are left out: their gradients are row-sparse, so rows idle for a while always have a
+    stale v (SPAM's observation), which is normal for them."""
+    for r in rep.records:
+        names = [n for n in r.param_rms_t if tensor_role(n, (2, 2)) != "embedding" and r.param_rms_t[n] > 0]
+        if len(names) < 4:
+            continue
+        vals = np.array([r.param_rms_t[n] for n in names])
+        z = robust_z(np.log10(vals), floor=0.1)
+        hits = [i for i in np.argsort(-vals) if vals[i] > 1.0 and z[i] > th.z]
+        if not hits:
+            continue
+        i = int(hits[0])
+        name, v = names[i], float(vals[i])
+        spikes = r.param_spikes.get(name, 0)
+        return [
+            Finding(
+                "",
+                "rms_t",
+                name,
+                _cap(float(z[i]) / th.z),
+                "warning",
+                {"step": r.step, "rms_t": v, "robust_z": float(z[i]), "spam_spikes": spikes, "flagged": [names[int(j)] for j in hits[:8]]},
+                f"step {r.step}: {name}'s gradient is {v:.3g}x what Adam's second moment expects (RMS_t; robust z {float(z[i]):.1f} "
+                f"among the step's parameters){f', {spikes} elements with g^2 > 5000 v' if spikes else ''}: its updates go sign-like",
+                "DESIGN §4 RMS_t (StableAdamW 2304.13013), per-element spike (SPAM 2501.06842)",
+                ("adam_instability", "gradient_explosion"),
+                primary=v > 100,
+            )
+        ]
+    return []
 
 
 def first_steps_from_state(dfind: list[Finding], rep: Any) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ from click.testing import CliRunner
 from ckptforensics.cli import cli
 from ckptforensics.replay.samples import PerSampleGrad, per_token_loss, row_data_stats
 from fixtures.tinygpt import GPT, GPTConfig
+from tests.conftest import truth
 from tests.test_cli import assert_bad_input
 
 MODEL = "fixtures/tinygpt.py:factory"
@@ -107,3 +109,15 @@ def test_weights_only_checkpoint_cannot_be_replayed(zoo: dict[str, Path]) -> Non
     run = zoo["healthy-safetensors"]
     r = invoke("replay", "--run-dir", str(run), "--before", "30", "--model", MODEL, "--batch", str(run / "batches.h5"))
     assert_bad_input(r, "no optimizer state")
+
+
+def test_one_replayed_step_names_a_stale_second_moment(zoo: dict[str, Path]) -> None:
+    """No *after*, one step: RMS_t (the gradient against Adam's second moment before the
+    step) finds the gated layer of adam_instability on its own."""
+    run = zoo["adam_instability"]
+    t = truth(run)
+    r = invoke("replay", "--run-dir", str(run), "--before", "32", "--step", str(t["first_bad_step"]), "--model", "fixtures/tinygpt.py:factory", "--batch", str(run / "batches.h5"), "--json")
+    assert r.exit_code == 0, r.output
+    v = json.loads(r.stdout)["verdict"]
+    assert v["causes"][0]["cause"] == "adam_instability"
+    assert v["first_bad_step"] == t["first_bad_step"] and v["first_anomalous_module"] in t["layers"]

@@ -73,6 +73,10 @@ class StepRecord:
     sample_ids: tuple[int, ...] | None
     param_grad_nonfinite: tuple[str, ...]
     param_grad_rms: dict[str, float] = field(default_factory=dict)  # checkpoint name -> RMS of its gradient
+    # RMS_t = sqrt(mean(g^2 / v_hat)) against the second moment before this step
+    # (StableAdamW, Wortsman 2304.13013), and elements with g^2 > 5000 v (SPAM 2501.06842).
+    param_rms_t: dict[str, float] = field(default_factory=dict)
+    param_spikes: dict[str, int] = field(default_factory=dict)
     logit_absmax: float = math.nan  # max |logit| of the step's batch
     log_z: float = math.nan  # mean logsumexp of the logits (softmax normaliser, nats)
 
@@ -193,6 +197,7 @@ class Session:
         self.psg = PerSampleGrad(self.model)
         self.loss_fn = loss_fn
         self.params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self._group_of = {id(p): g for g in self.opt.param_groups for p in g["params"]}
 
     def _loss(self, batch: dict[str, torch.Tensor], precision: str) -> tuple[torch.Tensor, torch.Tensor]:
         ids = batch["input_ids"].to(self.device)
@@ -264,8 +269,10 @@ class Session:
         finite = torch.stack([torch.isfinite(g).all() for g in grads]).cpu() if grads else torch.ones(0, dtype=torch.bool)
         bad = tuple(n for (n, p), ok in zip([(n, p) for n, p in self.params if p.grad is not None], finite.tolist(), strict=True) if not ok)
         with_grad = [(n, p) for n, p in self.params if p.grad is not None]
-        rms = torch.stack([p.grad.detach().float().pow(2).mean().sqrt() for _, p in with_grad]).cpu().tolist() if with_grad else []
-        grad_rms = {self.to_ckpt(n): v for (n, _), v in zip(with_grad, rms, strict=True)}
+        table = torch.stack([self._grad_stats(p) for _, p in with_grad]).cpu().tolist() if with_grad else []  # one sync
+        grad_rms = {self.to_ckpt(n): row[0] for (n, _), row in zip(with_grad, table, strict=True)}
+        rms_t = {self.to_ckpt(n): row[1] for (n, _), row in zip(with_grad, table, strict=True) if math.isfinite(row[1])}
+        spikes = {self.to_ckpt(n): int(row[2]) for (n, _), row in zip(with_grad, table, strict=True) if row[2] > 0}
         total = torch.nn.utils.clip_grad_norm_([p for _, p in self.params], clip if clip else float("inf"))
         if not update:
             skipped = True  # the mitigation skips this step's update
@@ -291,10 +298,24 @@ class Session:
             sample_ids=None,
             param_grad_nonfinite=bad,
             param_grad_rms=grad_rms,
+            param_rms_t=rms_t,
+            param_spikes=spikes,
             logit_absmax=logit_absmax,
             log_z=log_z,
         )
         return rec, stats
+
+    def _grad_stats(self, p: torch.Tensor) -> torch.Tensor:
+        """[RMS(g), RMS_t, SPAM spike count] of one parameter's gradient, on its device."""
+        g2 = p.grad.detach().float().pow(2)
+        st = self.opt.state.get(p) or {}
+        v = st.get("exp_avg_sq")
+        if v is None or float(st.get("step", 0)) <= 0:
+            return torch.stack([g2.mean().sqrt(), g2.new_tensor(math.nan), g2.new_zeros(())])
+        group = self._group_of[id(p)]
+        beta2, eps = group["betas"][1], group["eps"]
+        vhat = v.float() / (1 - beta2 ** float(st["step"]))
+        return torch.stack([g2.mean().sqrt(), (g2 / (vhat + eps * eps)).mean().sqrt(), (g2 > 5000 * v.float()).sum().float()])
 
     def close(self) -> None:
         self.probe.remove()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -121,3 +122,20 @@ def test_one_replayed_step_names_a_stale_second_moment(zoo: dict[str, Path]) -> 
     v = json.loads(r.stdout)["verdict"]
     assert v["causes"][0]["cause"] == "adam_instability"
     assert v["first_bad_step"] == t["first_bad_step"] and v["first_anomalous_module"] in t["layers"]
+
+
+def test_param_grad_stats_match_their_definitions() -> None:
+    """RMS_t against the bias-corrected second moment, and SPAM's g^2 > 5000 v count."""
+    from ckptforensics.replay.probes import param_grad_stats
+
+    g = torch.Generator().manual_seed(0)
+    v = torch.rand(1000, generator=g) * 1e-6 + 1e-8
+    grad = torch.randn(1000, generator=g) * v.sqrt()
+    grad[[3, 77]] = 100 * v[[3, 77]].sqrt()  # two elements far past their second moment
+    state, group = {"exp_avg_sq": v, "step": torch.tensor(7.0)}, {"betas": (0.9, 0.95), "eps": 1e-8}
+    rms, rms_t, spikes = param_grad_stats(grad, state, group).tolist()
+    vhat = v / (1 - 0.95**7)
+    assert rms == pytest.approx(float(grad.pow(2).mean().sqrt()), rel=1e-5)
+    assert rms_t == pytest.approx(float((grad.pow(2) / (vhat + 1e-16)).mean().sqrt()), rel=1e-4)
+    assert spikes == 2
+    assert torch.equal(grad[[3, 77]], 100 * v[[3, 77]].sqrt())  # the gradient itself is untouched

@@ -22,7 +22,7 @@ from ..tensors import adam_ratio_bound
 from ..triage import group_lrs, read_metrics
 from .batches import BatchSource, open_batches
 from .model import build_model, build_optimizer, load_callable, load_weights
-from .probes import ModuleProbe, PassStats
+from .probes import ModuleProbe, PassStats, param_grad_stats
 from .samples import PerSampleGrad, RowStats, per_token_loss, row_data_stats
 
 __all__ = ["ReplayConfig", "StepRecord", "TensorMatch", "ReplayResult", "Plan", "Session", "plan", "replay"]
@@ -306,16 +306,7 @@ class Session:
         return rec, stats
 
     def _grad_stats(self, p: torch.Tensor) -> torch.Tensor:
-        """[RMS(g), RMS_t, SPAM spike count] of one parameter's gradient, on its device."""
-        g2 = p.grad.detach().float().pow(2)
-        st = self.opt.state.get(p) or {}
-        v = st.get("exp_avg_sq")
-        if v is None or float(st.get("step", 0)) <= 0:
-            return torch.stack([g2.mean().sqrt(), g2.new_tensor(math.nan), g2.new_zeros(())])
-        group = self._group_of[id(p)]
-        beta2, eps = group["betas"][1], group["eps"]
-        vhat = v.float() / (1 - beta2 ** float(st["step"]))
-        return torch.stack([g2.mean().sqrt(), (g2 / (vhat + eps * eps)).mean().sqrt(), (g2 > 5000 * v.float()).sum().float()])
+        return param_grad_stats(p.grad, self.opt.state.get(p) or {}, self._group_of[id(p)])
 
     def close(self) -> None:
         self.probe.remove()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["FWD_STATS", "BWD_STATS", "PassStats", "ModuleProbe"]
+__all__ = ["FWD_STATS", "BWD_STATS", "PassStats", "ModuleProbe", "param_grad_stats"]
 
 FWD_STATS = ("absmax", "rms", "nonfinite", "over_fp16", "over_bf16", "subnormal_share")
 # nonfinite / over_* are 0/1 flags (any element), derived from the extrema.
@@ -127,3 +127,23 @@ class ModuleProbe:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def param_grad_stats(grad: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+    """[RMS(g), RMS_t, SPAM spike count] of one parameter's gradient, on its device.
+
+    RMS_t = sqrt(mean(g^2 / v_hat)) against Adam's second moment *before* this step
+    (StableAdamW, Wortsman 2304.13013): ~1 in steady state, >> 1 when v is stale.
+    Spikes: elements with g^2 > 5000 v (SPAM 2501.06842; v floored by Adam's eps^2 / c).
+    NaN / 0 without Adam state. One ratio tensor serves both: with v_hat = c v (c the
+    bias correction), g^2 / (v_hat + eps^2) = (g^2 / (v + eps^2 / c)) / c.
+    """
+    g2 = grad.detach().float().pow(2)
+    v = state.get("exp_avg_sq")
+    if v is None or float(state.get("step", 0)) <= 0 or "betas" not in group:
+        return torch.stack([g2.mean().sqrt(), g2.new_tensor(math.nan), g2.new_zeros(())])
+    beta2, eps = group["betas"][1], group["eps"]
+    c = 1.0 / (1 - beta2 ** float(state["step"]))  # v_hat = c v
+    rms = g2.mean().sqrt()
+    r = g2.div_(v.float().add(eps * eps / c))  # g2 is our own temporary; r = c g^2 / (v_hat + eps^2)
+    return torch.stack([rms, (r.mean() / c).sqrt(), (r > 5000).sum().float()])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ sys.path.insert(0, str(ROOT))
 
 from fixtures.zoo import build  # noqa: E402
 
-__all__ = ["ROOT", "build", "free_port"]
+__all__ = ["ROOT", "build", "free_port", "torchrun"]
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +31,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def torchrun(args: list[str], env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node 2 ARGS` on a free port. A launch that fails is tried once
+    more on a new port: the port found free can be taken before torchrun binds it, and a
+    rendezvous lost that way says nothing about the code under test (a real failure
+    fails twice)."""
+    exe = Path(sys.executable).with_name("torchrun")
+    for attempt in (1, 2):
+        cmd = [str(exe), "--nproc_per_node", "2", "--master_port", str(free_port()), *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+        if proc.returncode == 0 or attempt == 2 or "error: " in proc.stderr:
+            return proc
+    return proc
 
 
 def truth(run: Path) -> dict:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,17 +13,14 @@ from click.testing import CliRunner
 
 from ckptforensics.cli import cli
 from ckptforensics.formats import open_checkpoint
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, torchrun
 from tests.test_cli import assert_bad_input
 
 
 @pytest.fixture(scope="session")
 def dcp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dcp")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()), str(ROOT / "fixtures" / "fsdp_dcp.py"), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    proc = torchrun([str(ROOT / "fixtures" / "fsdp_dcp.py"), str(out)], {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ from click.testing import CliRunner
 
 from ckptforensics.cli import cli
 from ckptforensics.formats import open_checkpoint
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, torchrun
 from tests.test_cli import assert_bad_input
 
 pytest.importorskip("deepspeed")
@@ -24,12 +22,10 @@ pytest.importorskip("deepspeed")
 def zero_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     root = tmp_path_factory.mktemp("deepspeed")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    torchrun = Path(sys.executable).with_name("torchrun")
     out = {}
     for stage in (0, 1, 2, 3):
         d = root / f"zero{stage}"
-        cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()), str(ROOT / "fixtures" / "deepspeed_zero.py"), str(d), str(stage)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+        proc = torchrun([str(ROOT / "fixtures" / "deepspeed_zero.py"), str(d), str(stage)], env)
         assert proc.returncode == 0, proc.stderr[-2000:]
         out[stage] = d
     return out

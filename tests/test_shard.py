@@ -6,14 +6,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
 from ckptforensics.shard import balanced
-from tests.conftest import ROOT, free_port
+from tests.conftest import torchrun
 from tests.test_dcp import dcp_run  # noqa: F401 - the session fixture: a real FSDP2 run
 
 
@@ -30,10 +29,8 @@ def _single(run: Path, before: str, after: str, out: Path) -> dict:
 
 
 def _torchrun(run: Path, before: str, after: str, out: Path) -> subprocess.CompletedProcess:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "ckptforensics.cli", "-q", "diff"]
-    cmd += ["--run-dir", str(run), "--before", before, "--after", after, "--out", str(out)]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = ["-m", "ckptforensics.cli", "-q", "diff", "--run-dir", str(run), "--before", before, "--after", after, "--out", str(out)]
+    return torchrun(args, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
 
 
 def test_balanced_shares() -> None:

@@ -697,41 +697,40 @@ def _localise(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[
     fwd_first = next((i for i in p.fwd_order if nf_f[i] > 0 or zf[i] > th.z), None)
     bwd_first = next((i for i in p.bwd_order if nf_b[i] > 0 or zb[i] > th.z), None)
     if fwd_first is not None:
-        name = p.modules[fwd_first]
-        fields.setdefault("first_anomalous_module", name)
+        fields.setdefault("first_anomalous_module", p.modules[fwd_first])
         out.append(
-            Finding(
-                "",
-                "first_forward_anomaly",
-                name,
-                _cap(float(zf[fwd_first]) / th.z) if math.isfinite(zf[fwd_first]) else 10.0,
-                "warning",
-                {"step": s, "robust_z": float(zf[fwd_first]), "nonfinite": float(nf_f[fwd_first]), "absmax": float(p.fwd[fwd_first, ia])},
-                f"step {s}: {name} is the first module in forward order whose output leaves its range on the window's other steps "
-                f"(max |x| {float(p.fwd[fwd_first, ia]):.3g}, robust z {float(zf[fwd_first]):.1f})",
-                "DESIGN §4 first anomaly (OLMo-core 6 sigma)",
-                ("gradient_explosion",),
+            _first_anomaly(
+                "forward", s, p.modules[fwd_first], float(zf[fwd_first]), float(nf_f[fwd_first]), th,
+                ("absmax", float(p.fwd[fwd_first, ia]), "output", "max |x|"),
             )
         )
     ranked = sorted((i for i in range(len(p.modules)) if math.isfinite(zb[i]) and zb[i] > th.z), key=lambda i: -zb[i])
     fields["replay_layers"] = [p.modules[i] for i in ranked[:8]]
     if bwd_first is not None:
-        name = p.modules[bwd_first]
         out.append(
-            Finding(
-                "",
-                "first_backward_anomaly",
-                name,
-                _cap(float(zb[bwd_first]) / th.z) if math.isfinite(zb[bwd_first]) else 10.0,
-                "warning",
-                {"step": s, "robust_z": float(zb[bwd_first]), "nonfinite": float(nf_b[bwd_first]), "grad_norm": float(p.bwd[bwd_first, ig])},
-                f"step {s}: {name} is the first module in backward order whose output gradient leaves its range "
-                f"(norm {float(p.bwd[bwd_first, ig]):.3g}, robust z {float(zb[bwd_first]):.1f})",
-                "DESIGN §4 first anomaly (OLMo-core 6 sigma)",
-                ("gradient_explosion",),
+            _first_anomaly(
+                "backward", s, p.modules[bwd_first], float(zb[bwd_first]), float(nf_b[bwd_first]), th,
+                ("grad_norm", float(p.bwd[bwd_first, ig]), "output gradient", "norm"),
             )
         )
     return out
+
+
+def _first_anomaly(order: str, s: int, name: str, z: float, nonfinite: float, th: Thresholds, stat: tuple[str, float, str, str]) -> Finding:
+    """The first module, in forward or backward order, whose statistic leaves its range."""
+    key, value, what, label = stat
+    extra = " on the window's other steps" if order == "forward" else ""
+    return Finding(
+        "",
+        f"first_{order}_anomaly",
+        name,
+        _cap(z / th.z) if math.isfinite(z) else 10.0,
+        "warning",
+        {"step": s, "robust_z": z, "nonfinite": nonfinite, key: value},
+        f"step {s}: {name} is the first module in {order} order whose {what} leaves its range{extra} ({label} {value:.3g}, robust z {z:.1f})",
+        "DESIGN §4 first anomaly (OLMo-core 6 sigma)",
+        ("gradient_explosion",),
+    )
 
 
 def _overflow(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[Finding]:

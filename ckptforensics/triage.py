@@ -217,16 +217,17 @@ def _lr_jumps(rows: dict[int, dict[str, float]]) -> list[Onset]:
 
 def _gradient_returns(rows: dict[int, dict[str, float]], cfg: TriageConfig) -> list[Onset]:
     """A parameter whose gradient norm sat >= 1000x below its peers' for `min_history`
-    steps and comes back >= 1000x at once, to within 100x of its peers. Adam's second moment has decayed meanwhile,
-    so its next updates are sign-like and lr-sized (Molybog et al. 2023, Adam instability)."""
-    cols = sorted({k: None for r in rows.values() for k in param_grad_columns(r)})
+    steps and comes back >= 1000x at once, to within 100x of its peers. Adam's second
+    moment has decayed meanwhile, so its next updates are sign-like and lr-sized
+    (Molybog et al. 2023, Adam instability)."""
+    param_of = {k: v for r in rows.values() for k, v in param_grad_columns(r).items()}  # column -> parameter
+    cols = sorted(param_of)
     if len(cols) < 3:
         return []
-    steps = [s for s in rows if sum(c in rows[s] for c in cols) >= 3]
     first: dict[str, tuple[int, float, int]] = {}  # module -> (step, jump, quiet steps)
     ratio_hist: dict[str, list[float]] = {c: [] for c in cols}
-    for s in steps:
-        vals = {c: rows[s][c] for c in cols if c in rows[s] and math.isfinite(rows[s][c])}
+    for s, row in rows.items():
+        vals = {c: row[c] for c in cols if c in row and math.isfinite(row[c])}
         if len(vals) < 3:
             continue
         peers = float(np.median(list(vals.values())))
@@ -240,9 +241,7 @@ def _gradient_returns(rows: dict[int, dict[str, float]], cfg: TriageConfig) -> l
                 # Back to within 100x of its peers: a gradient that stays tiny moves Adam's
                 # v as little as it moves the update.
                 if quiet < 1e-3 and r >= 1e3 * quiet and r >= 1e-2:
-                    mod = param_grad_columns({c: 0.0})[c].rsplit(".", 1)[0]
-                    if mod not in first:
-                        first[mod] = (s, r / max(quiet, 1e-30), len(h))
+                    first.setdefault(param_of[c].rsplit(".", 1)[0], (s, r / max(quiet, 1e-30), len(h)))
             h.append(r)
     return [
         Onset(

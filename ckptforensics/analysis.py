@@ -9,7 +9,7 @@ from typing import Any
 
 from .detectors import Finding, diff_findings, first_steps_from_state, replay_findings
 from .diff import DiffConfig, DiffResult, diff_checkpoints
-from .formats import open_checkpoint
+from .formats import open_checkpoint, open_pair
 from .report import build_report
 from .verdict import decide
 
@@ -23,7 +23,7 @@ def _number(findings: list[Finding]) -> list[Finding]:
 
 
 def _diff(a_path: Path, b_path: Path, fmt: str | None, chunk: int, progress: Progress | None, workers: int = 1) -> tuple[Any, Any, DiffResult, list[Finding]]:
-    a, b = open_checkpoint(a_path, fmt), open_checkpoint(b_path, fmt)
+    a, b = open_pair(a_path, b_path, fmt)
     result = diff_checkpoints(a, b, DiffConfig(chunk_elems=chunk), progress=progress, workers=workers)
     assert result is not None
     return a, b, result, diff_findings(result)
@@ -49,7 +49,7 @@ def run_diff(
         if own:
             dist.init_process_group("gloo")
         try:
-            a, b = open_checkpoint(a_path, fmt), open_checkpoint(b_path, fmt)
+            a, b = open_pair(a_path, b_path, fmt)
             got = diff_checkpoints(a, b, DiffConfig(chunk_elems=chunk), progress=progress, workers=workers, distributed=True)
         finally:
             if own:
@@ -129,8 +129,7 @@ def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> t
 
     rep = replay(cfg, progress=progress)
     rfind, fields = replay_findings(rep)
-    a = open_checkpoint(cfg.before)
-    b = open_checkpoint(cfg.after) if cfg.after is not None else a
+    a, b = open_pair(cfg.before, cfg.after) if cfg.after is not None else (open_checkpoint(cfg.before),) * 2
     diff = None
     dfind: list[Finding] = []
     if cfg.after is not None:
@@ -173,8 +172,7 @@ def run_bisect(cfg: Any, *, command: str, progress: Progress | None = None, toke
             {"index": i, "sample_id": (res.sample_ids[k] if res.sample_ids else None), "score": 1.0, "why": res.evidence.get(i, "needed to reproduce the spike")}
             for k, i in enumerate(res.rows)
         ]
-    a = open_checkpoint(cfg.before)
-    b = open_checkpoint(cfg.after) if cfg.after is not None else a
+    a, b = open_pair(cfg.before, cfg.after) if cfg.after is not None else (open_checkpoint(cfg.before),) * 2
     findings = _number(dfind + rfind)
     extra = {k: v for k, v in fields.items() if k in ("first_bad_step", "first_anomalous_module", "anomalous_samples", "reproducible")}
     verdict = decide(findings, before=str(cfg.before), after=str(cfg.after or cfg.before), extra=extra)

@@ -76,10 +76,12 @@ _STATE: dict[str, Any] = {}
 def _init(a: tuple[str, str], b: tuple[str, str], pair: Any, cfg: Any) -> None:
     import torch
 
-    from .formats import open_checkpoint
+    from .formats import open_checkpoint, settle_pair
 
     torch.set_num_threads(1)
-    _STATE.update(a=open_checkpoint(a[0], a[1]), b=open_checkpoint(b[0], b[1]), pair=pair, cfg=cfg)
+    ca, cb = open_checkpoint(a[0], a[1]), open_checkpoint(b[0], b[1])
+    settle_pair(ca, cb)
+    _STATE.update(a=ca, b=cb, pair=pair, cfg=cfg)
 
 
 def _init_forked() -> None:

@@ -78,7 +78,7 @@ def test_single_step_from_a_batch_file_with_hf_config(zoo: dict[str, Path], tmp_
 
     doc = json.loads(r.stdout)
     assert doc["replay"]["steps"][0]["step"] == 31
-    assert doc["replay"]["config"]["model"]["source"] == "checkpoint"
+    assert doc["replay"]["config"]["model"]["source"] == "checkpoint config.json"
 
 
 def test_batch_out_of_vocabulary(zoo: dict[str, Path], tmp_path: Path) -> None:

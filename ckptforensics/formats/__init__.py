@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from ..errors import CheckpointNotFound, UnknownFormat
 from .base import Checkpoint, GroupHyper, OptimizerView, TensorMeta
 from .dcp import is_dcp_dir, open_dcp
 from .deepspeed import is_deepspeed_dir, open_deepspeed
 from .hf import is_hf_dir, open_hf_dir
 from .megatron import is_megatron_dir, is_megatron_dist_dir, open_megatron, open_megatron_dist
+from .optim import settle_by_evidence, view_from_ids
 from .safetensors_file import open_safetensors
 from .torchfile import is_torch_zip
 from .torchsave import open_torch_file
@@ -21,6 +24,8 @@ __all__ = [
     "OptimizerView",
     "TensorMeta",
     "open_checkpoint",
+    "open_pair",
+    "settle_pair",
     "FORMATS",
     "register",
 ]
@@ -41,6 +46,7 @@ register("safetensors", open_safetensors)
 register("torch", lambda p: open_torch_file(p, "torch"))
 register("nanogpt", lambda p: open_torch_file(p, "nanogpt"))
 register("lightning", lambda p: open_torch_file(p, "lightning"))
+register("litgpt", lambda p: open_torch_file(p, "litgpt"))
 register("dcp", open_dcp)
 register("deepspeed", open_deepspeed)
 register("megatron", open_megatron)
@@ -60,6 +66,8 @@ def sniff(path: Path) -> str:
             return "megatron"
         if is_hf_dir(path):
             return "hf-trainer"
+        if single_file(path) is not None:
+            return "torch-file"
         from ..locate import list_checkpoints
 
         found = list_checkpoints(path)
@@ -80,6 +88,18 @@ def sniff(path: Path) -> str:
     if is_torch_zip(path) or head[:4] == b"PK\x03\x04" or head[:2] == b"\x80\x02":
         return "torch-file"
     raise UnknownFormat(f"{path}: not a safetensors, torch.save or checkpoint directory")
+
+
+# One-file checkpoints that trainers write inside a step directory: nanoGPT-style loops
+# (`step_N/ckpt.pt`), LitGPT (`step-00000040/lit_model.pth`), Lightning (`*.ckpt`).
+SINGLE_FILES = ("ckpt.pt", "model.pt", "checkpoint.pt", "state.pt", "lit_model.pth", "model.pth", "checkpoint.pth", "state.pth")
+
+
+def single_file(path: Path) -> Path | None:
+    """The one checkpoint file of a known kind inside `path`, or None (none, or several)."""
+    found = [path / n for n in SINGLE_FILES if (path / n).is_file()]
+    found += [f for f in sorted(path.glob("*.ckpt")) if f.is_file()]
+    return found[0] if len(found) == 1 else None
 
 
 def _megatron_latest(path: Path) -> Path:
@@ -111,8 +131,55 @@ def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
     if format is not None:
         if format not in FORMATS:
             raise UnknownFormat(f"unknown format {format!r}; known: {', '.join(sorted(FORMATS))}")
+        if p.is_dir() and format in ("torch", "nanogpt", "lightning", "litgpt") and single_file(p) is not None:
+            p = single_file(p)  # type: ignore[assignment]
         return FORMATS[format](p)
     kind = sniff(p)
     if kind == "torch-file":
+        if p.is_dir():
+            f = single_file(p)
+            assert f is not None
+            return open_torch_file(f)
         return open_torch_file(p)
     return FORMATS[kind](p)
+
+
+def settle_pair(a: Checkpoint, b: Checkpoint) -> None:
+    """Map optimizer ids that one checkpoint alone leaves ambiguous, from the pair's updates.
+
+    Ids are positions in the run's param groups, the same in both checkpoints; the
+    assignment whose Adam directions (*after*'s -m/(sqrt(v)+eps)) agree with the weight
+    change b - a is applied to both.
+
+    Raises:
+        OptimizerMappingError: the updates do not single one out (names the tensors).
+    """
+    pend_a, pend_b = a.pending_optimizer, b.pending_optimizer
+    if a is b or pend_a is None or pend_b is None:
+        return
+
+    def delta(name: str) -> torch.Tensor:
+        return b.tensor(b.aliases.get(name, name)).double() - a.tensor(a.aliases.get(name, name)).double()
+
+    ids, label = settle_by_evidence(pend_b, delta, pend_b.osd)
+    for ck, pend in ((a, pend_a), (b, pend_b)):
+        ck.optimizer = view_from_ids(pend, ids, label)
+        ck.pending_optimizer = None
+        ck.notes = [n for n in ck.notes if "map ambiguously" not in n]
+        ck.notes.append(f"optimizer ids: {label}")
+
+
+def open_pair(a: str | Path, b: str | Path, format: str | None = None) -> tuple[Checkpoint, Checkpoint]:
+    """Open *before* and *after* and settle what only the pair can (see `settle_pair`)."""
+    ca = open_checkpoint(a, format)
+    try:
+        cb = open_checkpoint(b, format)
+        try:
+            settle_pair(ca, cb)
+        except BaseException:
+            cb.close()
+            raise
+    except BaseException:
+        ca.close()
+        raise
+    return ca, cb

@@ -52,6 +52,8 @@ class GroupHyper:
         initial_lr: the schedule's base LR when a scheduler recorded it.
         max_lr: OneCycle-style peak LR when recorded.
         index: the group's position in `param_groups`.
+        fused: the group's `fused` flag as saved (torch's fused AdamW rounds differently
+            from the foreach one; a replay that must land on *after* uses the same).
     """
 
     lr: float
@@ -61,6 +63,7 @@ class GroupHyper:
     initial_lr: float | None = None
     max_lr: float | None = None
     index: int = 0
+    fused: bool | None = None
 
 
 @dataclass(slots=True)
@@ -98,6 +101,8 @@ class Checkpoint:
         notes: what the reader could not do, said plainly (goes into reports).
         file_backed: every tensor is a clean file mapping, so `release` may drop pages.
         aliases: tied names left out of `names()` -> the name that holds the data.
+        pending_optimizer: optimizer state whose ids only a pair of checkpoints can map
+            (same-shaped tensors in several groups); see `formats.settle_pair`.
     """
 
     path: Path
@@ -110,6 +115,7 @@ class Checkpoint:
     notes: list[str] = field(default_factory=list)
     file_backed: bool = False
     aliases: dict[str, str] = field(default_factory=dict)
+    pending_optimizer: Any = None
     _closers: list[Any] = field(default_factory=list, repr=False)
 
     def names(self) -> list[str]:

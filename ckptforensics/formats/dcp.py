@@ -15,7 +15,8 @@ import torch
 
 from ..errors import CorruptCheckpoint, UnsafeCheckpoint
 from ..locate import STEP_PATTERNS
-from .base import Checkpoint, LazyState, OptimizerView, TensorMeta
+from .base import Checkpoint, GroupHyper, LazyState, OptimizerView, TensorMeta
+from .inert import dcp_inert_classes, safe_load_globals
 from .optim import group_hyper, optimizer_kind
 
 __all__ = ["is_dcp_dir", "open_dcp", "read_metadata"]
@@ -67,6 +68,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module: str, name: str) -> Any:
+        inert = dcp_inert_classes().get((module, name))
+        if inert is not None:
+            return inert
         if (module, name) in self._ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -109,7 +113,8 @@ class _Store:
         if len(data) != int(info.length):
             raise CorruptCheckpoint(f"{path}: truncated (wanted {info.length} bytes at {info.offset})")
         try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            with torch.serialization.safe_globals(safe_load_globals()):
+                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError:
             raise UnsafeCheckpoint(f"{path}: refused to unpickle an item (code execution risk); nothing was run") from None
         except Exception as e:  # a mangled chunk
@@ -158,13 +163,18 @@ def open_dcp(path: Path) -> Checkpoint:
         planner = md.planner_data if isinstance(getattr(md, "planner_data", None), dict) else {}
         for key, meta in md.state_dict_metadata.items():
             parts = planner.get(key) or _split(key)
+            if parts and parts[0] in ("optim", "optimizer") and len(parts) < 4:
+                parts = _split(key)  # OLMo-core's planner data keeps 'state.<fqn>.<field>' whole
             if parts and parts[0] in ("optim", "optimizer"):
                 opt_store = store
                 if len(parts) >= 4 and parts[1] == "state":
                     fqn, field = ".".join(map(str, parts[2:-1])), str(parts[-1])
                     state.setdefault(fqn, {})[field] = _getter(store, key)
                 elif len(parts) >= 4 and parts[1] == "param_groups":
-                    groups.setdefault(int(parts[2]), {})[str(parts[3])] = key
+                    # torch's get_state_dict keys groups by index; OLMo-core flattens them per
+                    # parameter (`optim.param_groups.<fqn>.lr`), without a group index.
+                    gid = ".".join(map(str, parts[2:-1]))
+                    groups.setdefault(int(gid) if gid.isdigit() else gid, {})[str(parts[-1])] = key
                 continue
             if not hasattr(meta, "size"):
                 ckpt.scalars.setdefault("extra", []).append(key)  # bytes items (train state ...)
@@ -172,15 +182,31 @@ def open_dcp(path: Path) -> Checkpoint:
             name = ".".join(map(str, parts[1:])) if parts and parts[0] == "model" and len(parts) > 1 else key
             ckpt._meta[name] = TensorMeta(tuple(meta.size), meta.properties.dtype)
             ckpt._get[name] = _getter(store, key)
+    trained = _olmo_train_state(path)
     step = _step_from_name(path) if _step_from_name(path) is not None else _trainer_step(path)
+    if trained is not None:
+        step = trained
     if step is not None:
         ckpt.scalars["global_step"] = step
     if state and opt_store is not None:
         _untie(ckpt, state)
         ckpt.optimizer = _optimizer(opt_store, state, groups)
+        _note_adam_step(ckpt)
     else:
         ckpt.notes.append("no optimizer state in this DCP checkpoint: weights only")
     return ckpt
+
+
+def _note_adam_step(ckpt: Checkpoint) -> None:
+    """OLMo-core's step-0 save initialises Adam with one zero-LR step, so Adam's counter
+    runs one ahead of the trainer's: say so, since per-step figures use the trainer's."""
+    if ckpt.step is None or ckpt.optimizer is None or not ckpt.optimizer.state:
+        return
+    first = next(iter(ckpt.optimizer.state.values()))
+    st = first.get("step")
+    adam = int(float(st)) if st is not None else None
+    if adam is not None and adam == ckpt.step + 1:
+        ckpt.notes.append(f"Adam's step counter is {adam}, one ahead of the trainer's {ckpt.step} (a step-0 save initialises Adam with one zero-LR step)")
 
 
 _HEAD = re.compile(r"(^|\.)(lm_head|output|output_layer)\.weight$")
@@ -200,6 +226,18 @@ def _untie(ckpt: Checkpoint, state: dict[str, dict[str, Any]]) -> None:
             ckpt.notes.append(f"{name} has no optimizer state and is shaped like {twins[0]}: read as tied to it")
 
 
+def _olmo_train_state(path: Path) -> int | None:
+    """OLMo-core's `train/rank0.pt` global_step (its RNG state holds numpy arrays: data)."""
+    f = path / "train" / "rank0.pt"
+    if not f.is_file():
+        return None
+    from .torchfile import load_torch_file
+
+    obj, _ = load_torch_file(f)
+    step = obj.get("global_step") if isinstance(obj, dict) else None
+    return int(step) if isinstance(step, int) else None
+
+
 def _trainer_step(path: Path) -> int | None:
     """HF Trainer's `trainer_state.json` beside accelerate's FSDP folders."""
     try:
@@ -210,12 +248,14 @@ def _trainer_step(path: Path) -> int | None:
 
 
 def _split(key: str) -> tuple[str, ...]:
-    """Without planner data: 'optim.state.<fqn>.<field>' / 'model.<fqn>'."""
+    """Without (or with partial) planner data: 'optim.state.<fqn>.<field>',
+    'optim.param_groups.<index or fqn>.<field>' / 'model.<fqn>'. Field names hold no dots."""
     for p in _OPTIM_PREFIXES:
-        if key.startswith(p + "state."):
-            rest = key[len(p) + len("state.") :]
-            fqn, _, field = rest.rpartition(".")
-            return (p[:-1], "state", fqn, field)
+        for part in ("state", "param_groups"):
+            if key.startswith(f"{p}{part}."):
+                rest = key[len(p) + len(part) + 1 :]
+                fqn, _, field = rest.rpartition(".")
+                return (p[:-1], part, fqn, field)
     return ("model", key[len("model.") :]) if key.startswith("model.") else (key,)
 
 
@@ -223,18 +263,32 @@ def _getter(store: _Store, key: str) -> Callable[[], torch.Tensor]:
     return lambda: store.tensor(key)
 
 
-def _optimizer(store: _Store, state: dict[str, dict[str, Any]], groups: dict[int, dict[str, str]]) -> OptimizerView:
+def _optimizer(store: _Store, state: dict[str, dict[str, Any]], groups: dict[Any, dict[str, str]]) -> OptimizerView:
     by_name = {fqn: LazyState(fields) for fqn, fields in state.items()}
     hypers, hyper_of = [], {}
-    for gi in sorted(groups):
+    per_param = {k: v for k, v in groups.items() if isinstance(k, str)}
+    for gi in sorted(k for k in groups if isinstance(k, int)):
         g = {field: store.value(key) for field, key in groups[gi].items()}
         h = group_hyper({k: v for k, v in g.items() if k != "params"}, gi)
         hypers.append(h)
         for fqn in g.get("params") or []:
             hyper_of[str(fqn)] = h
+    if per_param:
+        # One record per parameter: parameters with equal hyper-parameters form a group,
+        # numbered in the order the optimizer lists them.
+        seen: dict[tuple, GroupHyper] = {}
+        for fqn, fields in per_param.items():
+            g = {field: store.value(key) for field, key in fields.items()}
+            h = group_hyper(g, len(hypers))
+            key = (h.lr, h.betas, h.eps, h.weight_decay, h.initial_lr, h.max_lr)
+            if key not in seen:
+                seen[key] = h
+                hypers.append(h)
+            hyper_of[fqn] = seen[key]
     if not hypers:
         hypers = [group_hyper({"lr": 0.0}, 0)]
     for fqn in by_name:
         hyper_of.setdefault(fqn, hypers[0])
     kind = optimizer_kind({k: dict.fromkeys(v) for k, v in state.items()})
-    return OptimizerView(kind=kind, state=by_name, hyper=hyper_of, groups=hypers, mapping="FQN (DCP)")
+    label = "FQN (DCP); param groups stored per parameter, grouped by equal values" if per_param else "FQN (DCP)"
+    return OptimizerView(kind=kind, state=by_name, hyper=hyper_of, groups=hypers, mapping=label)

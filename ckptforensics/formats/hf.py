@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpoint
 from .base import Checkpoint
-from .optim import map_optimizer
+from .optim import AmbiguousMapping, map_optimizer
 from .safetensors_file import SafetensorsFile, add_file
 from .statedict import add_state_dict, scaler_scalars, scheduler_scalars
 from .torchfile import load_torch_file
@@ -145,4 +145,8 @@ def _optimizer(ckpt: Checkpoint, opt: Path) -> None:
         ckpt.notes.append(f"optimizer.pt not mapped to parameter names: {why}; weights-only diff")
         log.warning("%s: optimizer state not mapped: %s", opt, why)
         return
-    ckpt.optimizer = map_optimizer(osd, params, str(opt))
+    try:
+        ckpt.optimizer = map_optimizer(osd, params, str(opt))
+    except AmbiguousMapping as e:
+        ckpt.pending_optimizer = e.pending
+        ckpt.notes.append(f"{e}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-__all__ = ["InertRecord", "InertDict", "inert_globals", "ALLOWLIST"]
+__all__ = ["InertRecord", "InertDict", "inert_globals", "numpy_globals", "safe_load_globals", "allowed_names", "dcp_inert_classes", "ALLOWLIST", "DCP_ALLOWLIST"]
 
 
 class InertRecord:
@@ -58,11 +58,80 @@ ALLOWLIST: tuple[tuple[str, str, type], ...] = (
 )
 
 
+# Records that DCP `.metadata` files pickle beside torch's own metadata classes: megatron-core
+# 0.19 keeps its cached SavePlan (torch's planner records), OLMo-core 3.0 its own
+# `_StorageInfo` (relative_path, offset, length, ...). Read by their fields, never imported.
+DCP_ALLOWLIST: tuple[tuple[str, str, type], ...] = tuple(
+    ("torch.distributed.checkpoint.planner", n, InertRecord)
+    for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData", "LoadPlan", "ReadItem", "LoadItemType")
+) + (("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo", InertRecord),)
+
+
+def _stand_ins(entries: tuple[tuple[str, str, type], ...]) -> list[type]:
+    return [type(q, (base,), {"__module__": m, "__qualname__": q}) for m, q, base in entries]
+
+
 @cache
 def inert_globals() -> list[type]:
     """Stand-in classes, named as the originals, for torch's safe_globals."""
-    out: list[type] = []
-    for module, qualname, base in ALLOWLIST:
-        cls = type(qualname, (base,), {"__module__": module, "__qualname__": qualname})
-        out.append(cls)
+    return _stand_ins(ALLOWLIST)
+
+
+@cache
+def dcp_inert_classes() -> dict[tuple[str, str], type]:
+    """(module, name) -> stand-in, for the DCP metadata unpickler."""
+    return {(c.__module__, c.__qualname__): c for c in _stand_ins(DCP_ALLOWLIST)}
+
+
+# numpy kinds that hold plain numbers, bytes or text. Object ('O') and structured void ('V')
+# dtypes are left out: an object array's payload is more pickle, a structured one can hold
+# object fields. A pickle that builds one of them is refused at its BUILD opcode.
+_PLAIN_DTYPES = (
+    "Bool", "Int8", "Int16", "Int32", "Int64", "Long", "LongLong", "Short", "Byte",
+    "UInt8", "UInt16", "UInt32", "UInt64", "ULong", "ULongLong", "UShort", "UByte",
+    "Float16", "Float32", "Float64", "LongDouble", "Complex64", "Complex128", "CLongDouble",
+    "Bytes", "Str", "DateTime64", "TimeDelta64",
+)
+
+
+@cache
+def numpy_globals() -> list[Any]:
+    """numpy arrays, dtypes and scalars of plain kinds, admitted as data.
+
+    Every real Megatron-LM save and HF `rng_state.pth` holds `np.random.get_state()`:
+    a uint32 array, its dtype and scalars. They pickle through `_reconstruct` /
+    `scalar` (numpy 2 writes `numpy._core.multiarray`, numpy 1 `numpy.core.multiarray`),
+    `ndarray`, `dtype`, and BUILD on the dtype's class. Those are admitted under both
+    names; nothing that runs code or holds Python objects is.
+    """
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a core dependency
+        return []
+    try:
+        from numpy._core import multiarray as ma
+    except ImportError:  # numpy 1
+        from numpy.core import multiarray as ma  # type: ignore[no-redef]
+    out: list[Any] = []
+    for mod in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        out += [(ma._reconstruct, f"{mod}._reconstruct"), (ma.scalar, f"{mod}.scalar")]
+    out += [(np.ndarray, "numpy.ndarray"), (np.dtype, "numpy.dtype")]
+    dtypes = getattr(np, "dtypes", None)
+    for name in _PLAIN_DTYPES:
+        cls = getattr(dtypes, f"{name}DType", None) if dtypes is not None else None
+        if cls is not None:
+            out.append((cls, f"numpy.dtypes.{name}DType"))
     return out
+
+
+def safe_load_globals() -> list[Any]:
+    """Everything `torch.load(weights_only=True)` may build beyond its own defaults."""
+    return [*inert_globals(), *numpy_globals()]
+
+
+@cache
+def allowed_names() -> frozenset[str]:
+    """Qualified names of the admitted globals (for naming what a refused file wanted)."""
+    names = {f"{g.__module__}.{g.__qualname__}" for g in inert_globals()}
+    names |= {n for _, n in numpy_globals()}
+    return frozenset(names)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,7 +13,17 @@ import torch
 from ..errors import CorruptCheckpoint, OptimizerMappingError
 from .base import GroupHyper, OptimizerView
 
-__all__ = ["map_optimizer", "hf_no_decay", "group_hyper", "optimizer_kind"]
+__all__ = [
+    "map_optimizer",
+    "hf_no_decay",
+    "group_hyper",
+    "optimizer_kind",
+    "order_preserving",
+    "AmbiguousMapping",
+    "PendingMapping",
+    "settle_by_evidence",
+    "view_from_ids",
+]
 
 Param = tuple[str, tuple[int, ...]]
 
@@ -51,6 +63,7 @@ def group_hyper(group: dict[str, Any], index: int) -> GroupHyper:
         initial_lr=float(_num(group["initial_lr"])) if group.get("initial_lr") is not None else None,
         max_lr=float(_num(group["max_lr"])) if group.get("max_lr") is not None else None,
         index=index,
+        fused=bool(group["fused"]) if isinstance(group.get("fused"), bool) else None,
     )
 
 
@@ -123,20 +136,241 @@ def map_optimizer(
             failures.append(f"{label}: {why}")
         else:
             verified.append((label, mapping))
+    if verified and all(m == verified[0][1] for _, m in verified[1:]):
+        return _view(kind, state, groups, hypers, verified[0][1], verified[0][0])
+    # 2) Any grouping whose groups list parameters in model order (name filters in
+    # `configure_optimizers`: no-decay, per-module LR, embeddings apart): every
+    # assignment consistent with the shapes of the saved state.
+    ids = [list(g["params"]) for g in groups]
+    if sum(sizes) == len(params):
+        found = order_preserving(params, ids, _state_shapes(state))
+        if found.mapping is not None:
+            return _view(kind, state, groups, hypers, found.mapping, "groups in model order by shape (unique)")
+        if found.ambiguous:
+            raise AmbiguousMapping(
+                PendingMapping(osd=osd, params=list(params), source=source, ambiguous=found.ambiguous),
+                f"{source}: optimizer ids map ambiguously: {_name_ambiguous(found.ambiguous)} have same-shaped "
+                "candidates in several groups; the pair's own updates settle it (diff/replay with --after)",
+            )
+        failures.append(f"no order-preserving assignment by shape ({found.why})")
+    elif not verified:
+        failures.append(f"the groups hold {sum(sizes)} ids for {len(params)} trainable parameters")
     if not verified:
         raise OptimizerMappingError(
             f"{source}: cannot map optimizer ids to parameter names ({len(params)} trainable parameters, "
             f"groups of {sizes}); {failures[0]}. Pass the matching model (--model) or a checkpoint that stores param_names"
         )
     first_label, first = verified[0]
-    for label, other in verified[1:]:
-        if other != first:
-            diff = next(i for i in first if first[i] != other.get(i))
-            raise OptimizerMappingError(
-                f"{source}: optimizer ids map ambiguously ({first_label} gives id {diff} = {first[diff]}, "
-                f"{label} gives {other.get(diff)}); refusing to guess"
-            )
-    return _view(kind, state, groups, hypers, first, first_label)
+    label, other = next((lb, m) for lb, m in verified[1:] if m != first)
+    diff = next(i for i in first if first[i] != other.get(i))
+    raise OptimizerMappingError(
+        f"{source}: optimizer ids map ambiguously ({first_label} gives id {diff} = {first[diff]}, "
+        f"{label} gives {other.get(diff)}); refusing to guess"
+    )
+
+
+def _name_ambiguous(amb: dict[str, list[Any]]) -> str:
+    names = sorted(amb)
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _state_shapes(state: dict[Any, dict[str, Any]]) -> dict[Any, tuple[int, ...]]:
+    out = {}
+    for pid, st in state.items():
+        t = st.get("exp_avg", st.get("momentum_buffer")) if st else None
+        if isinstance(t, torch.Tensor):
+            out[pid] = tuple(t.shape)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """Result of `order_preserving`.
+
+    Attributes:
+        mapping: id -> name when exactly one assignment fits (or evidence chose one).
+        ambiguous: name -> the ids it could hold, when several assignments fit.
+        why: why none fits.
+    """
+
+    mapping: dict[Any, str] | None
+    ambiguous: dict[str, list[Any]]
+    why: str = ""
+
+
+_MAX_STATES = 2_000_000
+
+
+def order_preserving(
+    params: Sequence[Param],
+    ids: list[list[Any]],
+    shapes: dict[Any, tuple[int, ...]],
+    score: Callable[[str, Any], float] | None = None,
+) -> Assignment:
+    """Assign parameters (model order) to groups whose id lists keep model order.
+
+    A state is how far each group's id list has been consumed; parameter i = the sum
+    of those counts goes to any group whose next id has its shape (an id without state
+    fits any shape). The graph has at most prod(len(group)+1) states. With `score`
+    (evidence for name holding id), the assignment of highest total score is returned.
+
+    Returns:
+        Assignment: the mapping if unique (or chosen by score), else the candidates.
+    """
+    k = len(ids)
+    sizes = tuple(len(g) for g in ids)
+    if math.prod(s + 1 for s in sizes) > _MAX_STATES:
+        return Assignment(None, {}, f"{k} groups of {list(sizes)} are too many to enumerate")
+
+    def fits(i: int, g: int, c: int) -> bool:
+        want = shapes.get(ids[g][c])
+        return want is None or want == tuple(params[i][1])
+
+    # Forward: the states reachable after assigning the first i parameters.
+    start = (0,) * k
+    layers: list[set[tuple[int, ...]]] = [{start}]
+    for i in range(len(params)):
+        nxt: set[tuple[int, ...]] = set()
+        for st in layers[-1]:
+            for g in range(k):
+                c = st[g]
+                if c < sizes[g] and fits(i, g, c):
+                    nxt.add(st[:g] + (c + 1,) + st[g + 1 :])
+        if not nxt:
+            name, shape = params[i]
+            return Assignment(None, {}, f"{name} {tuple(shape)} fits no group's next id")
+        layers.append(nxt)
+    if sizes not in layers[-1]:
+        return Assignment(None, {}, "the groups' ids cannot all be consumed")
+    # Backward: keep the states that still reach the end; collect each parameter's ids.
+    live_layers: list[set[tuple[int, ...]]] = [set() for _ in layers]
+    live_layers[-1] = {sizes}
+    cand: dict[int, set[Any]] = {}
+    for i in range(len(params) - 1, -1, -1):
+        for st in layers[i]:
+            for g in range(k):
+                c = st[g]
+                if c < sizes[g] and fits(i, g, c) and st[:g] + (c + 1,) + st[g + 1 :] in live_layers[i + 1]:
+                    live_layers[i].add(st)
+                    cand.setdefault(i, set()).add(ids[g][c])
+    ambiguous = {params[i][0]: sorted(v, key=str) for i, v in cand.items() if len(v) > 1}
+    if ambiguous and score is None:
+        return Assignment(None, ambiguous)
+    # One path (or the best-scoring one): dynamic programme over the live states.
+    best: dict[tuple[int, ...], tuple[float, tuple[int, ...] | None, Any]] = {start: (0.0, None, None)}
+    for i in range(len(params)):
+        nb: dict[tuple[int, ...], tuple[float, tuple[int, ...] | None, Any]] = {}
+        for st in live_layers[i]:
+            if st not in best:
+                continue
+            base = best[st][0]
+            for g in range(k):
+                c = st[g]
+                to = st[:g] + (c + 1,) + st[g + 1 :]
+                if c < sizes[g] and fits(i, g, c) and to in live_layers[i + 1]:
+                    pid = ids[g][c]
+                    v = base + (score(params[i][0], pid) if score is not None and params[i][0] in ambiguous else 0.0)
+                    if to not in nb or v > nb[to][0]:
+                        nb[to] = (v, st, pid)
+        best.update(nb)
+    mapping: dict[Any, str] = {}
+    st = sizes
+    for i in range(len(params) - 1, -1, -1):
+        _, prev, pid = best[st]
+        mapping[pid] = params[i][0]
+        assert prev is not None
+        st = prev
+    return Assignment(mapping, ambiguous)
+
+
+@dataclass(slots=True)
+class PendingMapping:
+    """An optimizer state_dict that several order-preserving assignments explain.
+
+    Settled by `settle_by_evidence` from a pair of checkpoints of the same run.
+    """
+
+    osd: dict[str, Any]
+    params: list[Param]
+    source: str
+    ambiguous: dict[str, list[Any]]
+
+
+class AmbiguousMapping(OptimizerMappingError):
+    """Same-shaped tensors in several groups: the ids need the pair's evidence."""
+
+    def __init__(self, pending: PendingMapping, message: str) -> None:
+        super().__init__(message)
+        self.pending = pending
+
+
+# Evidence thresholds. Over k Adam steps, Δw ≈ -lr Σ m̂/(√v̂+ε): the right id's direction
+# has a clearly positive cosine with -Δw (0.5-1 measured on the zoo's Lightning run), a
+# wrong id's is that of two independent tensors (|cos| ~ 1/√numel). A choice needs the
+# right one above 0.2 and 0.1 clear of every alternative.
+_EVIDENCE_MIN = 0.2
+_EVIDENCE_MARGIN = 0.1
+
+
+def settle_by_evidence(
+    pending: PendingMapping,
+    delta: Callable[[str], torch.Tensor],
+    after_osd: dict[str, Any],
+) -> tuple[dict[Any, str], str]:
+    """Choose the assignment whose Adam directions explain the weights' change.
+
+    Args:
+        pending: the ambiguous state_dict (ids are the same in both checkpoints).
+        delta: name -> w_after - w_before.
+        after_osd: the *after* checkpoint's optimizer state_dict (its m, v).
+
+    Raises:
+        OptimizerMappingError: the evidence does not single out one assignment; names
+            the tensors still ambiguous.
+    """
+    state = after_osd["state"]
+    cache: dict[tuple[str, Any], float] = {}
+
+    def cos(name: str, pid: Any) -> float:
+        key = (name, pid)
+        if key not in cache:
+            st = state.get(pid) or {}
+            m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+            if not isinstance(m, torch.Tensor) or not isinstance(v, torch.Tensor):
+                cache[key] = 0.0
+            else:
+                u = (m.double() / (v.double().sqrt() + 1e-8)).flatten()
+                d = -delta(name).double().flatten()
+                den = float(u.norm() * d.norm())
+                cache[key] = float(u @ d) / den if den > 0 else 0.0
+        return cache[key]
+
+    groups = pending.osd["param_groups"]
+    ids = [list(g["params"]) for g in groups]
+    found = order_preserving(pending.params, ids, _state_shapes(pending.osd["state"]), score=cos)
+    unclear = []
+    assert found.mapping is not None
+    chosen = {n: pid for pid, n in found.mapping.items()}
+    for name, cands in found.ambiguous.items():
+        c = cos(name, chosen[name])
+        rest = max((cos(name, o) for o in cands if o != chosen[name]), default=-1.0)
+        if c < _EVIDENCE_MIN or c - rest < _EVIDENCE_MARGIN:
+            unclear.append(name)
+    if unclear:
+        raise OptimizerMappingError(
+            f"{pending.source}: optimizer ids map ambiguously and the pair's updates do not settle it "
+            f"({_name_ambiguous(dict.fromkeys(unclear, []))}: no candidate's -m/(sqrt(v)+eps) agrees with its weight change "
+            f"by cos >= {_EVIDENCE_MIN} and {_EVIDENCE_MARGIN} clear of the others); pass a checkpoint that stores param_names"
+        )
+    return found.mapping, f"groups in model order by shape; {len(found.ambiguous)} same-shaped tensors settled by the pair's updates"
+
+
+def view_from_ids(pending: PendingMapping, id_to_name: dict[Any, str], label: str) -> OptimizerView:
+    """The OptimizerView of a pending state_dict under a settled id -> name mapping."""
+    osd = pending.osd
+    groups = osd["param_groups"]
+    hypers = [group_hyper(g, i) for i, g in enumerate(groups)]
+    return _view(optimizer_kind(osd["state"]), osd["state"], groups, hypers, id_to_name, label)
 
 
 def _try(

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import CorruptCheckpoint
 from .base import Checkpoint, TensorMeta
-from .optim import map_optimizer, trainable_order
+from .optim import AmbiguousMapping, map_optimizer, trainable_order
 
 __all__ = ["add_state_dict", "attach_optimizer", "scaler_scalars", "scheduler_scalars", "to_plain"]
 
@@ -45,7 +45,11 @@ def attach_optimizer(ckpt: Checkpoint, osd: Any, source: str) -> None:
         lambda n: (ckpt._meta[n].shape, ckpt._meta[n].dtype),
         {},
     )
-    ckpt.optimizer = map_optimizer(dict(osd), order, source)
+    try:
+        ckpt.optimizer = map_optimizer(dict(osd), order, source)
+    except AmbiguousMapping as e:
+        ckpt.pending_optimizer = e.pending
+        ckpt.notes.append(f"{e}")
 
 
 def to_plain(x: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpoint, UnsafeCheckpoint
-from .inert import inert_globals
+from .inert import allowed_names, safe_load_globals
 
 __all__ = ["load_torch_file", "is_torch_zip"]
 
@@ -45,7 +46,7 @@ def load_torch_file(path: Path) -> tuple[Any, bool]:
     """
     mm = is_torch_zip(path)
     try:
-        with torch.serialization.safe_globals(inert_globals()):
+        with torch.serialization.safe_globals(safe_load_globals()):
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mm)
     except pickle.UnpicklingError as e:
         msg = str(e)
@@ -66,12 +67,14 @@ def _first_unsafe_global(path: Path) -> str | None:
         bad = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     except Exception:  # the file may be too mangled to scan; the refusal stands anyway
         return None
-    allowed = {f"{g.__module__}.{g.__qualname__}" for g in inert_globals()}
-    rest = [g for g in bad if g not in allowed]
+    rest = [g for g in bad if g not in allowed_names()]
     return rest[0] if rest else None
 
 
 def _global_from_message(msg: str) -> str | None:
+    m = re.search(r"but got <class '([\w.]+)'>", msg)
+    if m:  # BUILD of a class outside the allowlist (a numpy object array's dtype, ...)
+        return m.group(1) + (" (a numpy object array: Python objects, not data)" if m.group(1).endswith("ObjectDType") else "")
     for line in msg.splitlines():
         if "Unsupported global" in line:
             return line.split("GLOBAL", 1)[-1].strip().split(" ")[0]

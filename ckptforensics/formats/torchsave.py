@@ -26,6 +26,8 @@ def sniff_torch_object(obj: Any) -> str:
         return "unknown"
     if "state_dict" in obj and ("optimizer_states" in obj or "pytorch-lightning_version" in obj or "loops" in obj):
         return "lightning"
+    if "model" in obj and "step_count" in obj and ("iter_num" in obj or "train_dataloader" in obj):
+        return "litgpt"
     if "model" in obj and ("model_args" in obj or "iter_num" in obj):
         return "nanogpt"
     if any(isinstance(obj.get(k), Mapping) for k in _MODEL_KEYS):
@@ -47,7 +49,7 @@ def open_torch_file(path: Path, want: str | None = None) -> Checkpoint:
             "expected model/state_dict tensors"
         )
     ckpt = Checkpoint(path=path, format=kind, file_backed=mapped)
-    {"lightning": _lightning, "nanogpt": _nanogpt, "torch": _plain}[kind](ckpt, obj)
+    {"lightning": _lightning, "nanogpt": _nanogpt, "litgpt": _litgpt, "torch": _plain}[kind](ckpt, obj)
     if ckpt.optimizer is None:
         ckpt.notes.append("no optimizer state in this checkpoint: weights only")
     return ckpt
@@ -112,3 +114,39 @@ def _lightning(ckpt: Checkpoint, obj: Mapping[str, Any]) -> None:
         ckpt.scalars.update(scheduler_scalars(scheds[0]))
     hp = to_plain(dict(obj["hyper_parameters"])) if isinstance(obj.get("hyper_parameters"), Mapping) else None
     ckpt.config = hp
+
+
+def _litgpt(ckpt: Checkpoint, obj: Mapping[str, Any]) -> None:
+    """LitGPT `step-N/lit_model.pth`: `model`, `optimizer` (torch AdamW, int ids),
+    `iter_num` (micro-batches), `step_count` (optimizer steps); beside it
+    `model_config.yaml` (the litgpt.Config) and `hyperparameters.yaml` (the run's arguments)."""
+    add_state_dict(ckpt, obj["model"])
+    if isinstance(obj.get("optimizer"), Mapping):
+        attach_optimizer(ckpt, obj["optimizer"], f"{ckpt.path}:optimizer")
+    ckpt.scalars["global_step"] = int(obj["step_count"])
+    if isinstance(obj.get("iter_num"), int):
+        ckpt.scalars["iter_num"] = int(obj["iter_num"])
+    cfg = _yaml(ckpt.path.parent / "model_config.yaml")
+    if isinstance(cfg, dict):
+        ckpt.config = cfg
+    hp = _yaml(ckpt.path.parent / "hyperparameters.yaml")
+    if isinstance(hp, dict):
+        train = hp.get("train") if isinstance(hp.get("train"), dict) else {}
+        opt = hp.get("optimizer") if isinstance(hp.get("optimizer"), dict) else {}
+        init = opt.get("init_args") if isinstance(opt.get("init_args"), dict) else {}
+        tc = {"grad_clip": train.get("max_norm"), "learning_rate": init.get("lr")}
+        ckpt.scalars["train_config"] = {k: v for k, v in tc.items() if v is not None}
+
+
+def _yaml(path: Path) -> Any:
+    """A YAML side file read as data (safe_load: no tags, no objects); None if absent."""
+    if not path.is_file():
+        return None
+    try:
+        import yaml
+    except ImportError:  # PyYAML comes with lightning/transformers; without it, say so
+        return None
+    try:
+        return yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError, OSError):
+        return None

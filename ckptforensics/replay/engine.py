@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import ForensicsError
-from ..formats import open_checkpoint
+from ..formats import open_checkpoint, open_pair
 from ..formats.base import Checkpoint
 from ..tensors import adam_ratio_bound
 from ..triage import group_lrs, read_metrics
@@ -182,7 +182,7 @@ class Session:
     def __init__(self, cfg: ReplayConfig, a: Checkpoint, precision: str, loss_fn: Callable[..., torch.Tensor] | None) -> None:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
-        self.model = build_model(cfg.model, a)
+        self.model, self.model_source = build_model(cfg.model, a)
         self.to_ckpt = load_weights(self.model, a)
         self.model.to(self.device).train()
         self.opt = build_optimizer(self.model, a, self.to_ckpt)
@@ -389,6 +389,7 @@ class Plan:
     loss_fn: Callable[..., torch.Tensor] | None
     logged: dict[int, dict[str, float]]
     metrics_file: Path | None
+    model_source: str = ""
 
     def config(self, clip: float | None, clip_source: str) -> dict[str, dict[str, Any]]:
         """replay.config: every assumption with its source (DESIGN §3)."""
@@ -399,7 +400,7 @@ class Plan:
             "clip": {"value": clip, "source": clip_source},
             "loss": {"value": cfg.loss or "causal LM cross-entropy on the logits (shifted)", "source": "--loss" if cfg.loss else "default"},
             "optimizer": {"value": "AdamW", "source": "checkpoint optimizer state"},
-            "model": {"value": cfg.model or "config.json", "source": "--model" if cfg.model else "checkpoint"},
+            "model": {"value": self.model_source or cfg.model or "config.json", "source": "--model" if cfg.model else "checkpoint config.json"},
             "batches": {"value": self.batches.describe, "source": "--batch"},
             "metrics": {"value": str(self.metrics_file) if self.metrics_file else None, "source": "discovered" if self.metrics_file and cfg.metrics is None else "--metrics"},
         }
@@ -410,7 +411,9 @@ class Plan:
         return {s: self.logged[s] for s in range(first - 128, first) if s in self.logged}
 
     def session(self) -> Session:
-        return Session(self.cfg, self.a, self.precision, self.loss_fn)
+        sess = Session(self.cfg, self.a, self.precision, self.loss_fn)
+        self.model_source = sess.model_source
+        return sess
 
 
 def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
@@ -423,8 +426,7 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
     Raises:
         ForensicsError: bad checkpoints, batches or configuration.
     """
-    a = open_checkpoint(cfg.before)
-    b = open_checkpoint(cfg.after) if cfg.after is not None else None
+    a, b = open_pair(cfg.before, cfg.after) if cfg.after is not None else (open_checkpoint(cfg.before), None)
     if a.step is None:
         raise ForensicsError(f"{cfg.before}: the checkpoint does not record its step; pass --step")
     if steps is None:
@@ -440,6 +442,8 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
     mfile = _metrics_file(cfg)
     logged = read_metrics(mfile) if mfile is not None else {}
     precision, psrc = _precision(cfg, a)
+    if a.optimizer is None and a.pending_optimizer is not None:
+        raise ForensicsError(f"{a.pending_optimizer.source}: optimizer ids map ambiguously ({', '.join(sorted(a.pending_optimizer.ambiguous)[:3])} ...); pass --after so the pair's updates settle the mapping")
     if a.optimizer is None:
         raise ForensicsError(f"{cfg.before}: no optimizer state; replay needs it to reproduce the update")
     lrs, lsrc = _lr_plan(steps, a, batches, logged)

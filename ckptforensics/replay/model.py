@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -63,33 +64,82 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
     return fn
 
 
-def _factory_kwargs(fn: Callable[..., Any], config: dict[str, Any] | None) -> dict[str, Any]:
-    """The checkpoint's model config, restricted to what the factory accepts."""
+def _factory_kwargs(fn: Callable[..., Any], config: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+    """The checkpoint's model config restricted to what the factory's signature accepts.
+
+    Returns:
+        (kwargs, open): `open` is True when the factory takes **kwargs, so whatever it
+        passes on may still refuse a key (then dropped and said; see `_call_factory`).
+    """
     if not config:
-        return {}
-    sig = inspect.signature(fn)
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        return {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool)) or v is None}
-    return {k: v for k, v in config.items() if k in sig.parameters}
+        return {}, False
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to match against
+        return {}, False
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return {k: v for k, v in config.items() if _plain_value(v) or (k in params and params[k].kind in named)}, True
+    return {k: v for k, v in config.items() if k in params and params[k].kind in named}, False
 
 
-def build_model(spec: str | None, ckpt: Checkpoint) -> nn.Module:
+def _plain_value(v: Any) -> bool:
+    return isinstance(v, (int, float, str, bool)) or v is None
+
+
+_UNEXPECTED = re.compile(r"unexpected keyword argument '(\w+)'")
+
+
+def _call_factory(fn: Callable[..., Any], spec: str, config: dict[str, Any] | None) -> tuple[Any, str]:
+    """Call a `--model` factory with the checkpoint config's keys that it accepts.
+
+    Lightning's `hyper_parameters` mix model settings with training ones (`lr`, `betas`);
+    a factory that forwards **kwargs to a config class refuses those: each refused key is
+    dropped and the call retried, and the description says what was passed and what not.
+    """
+    kwargs, open_kw = _factory_kwargs(fn, config)
+    refused: list[str] = []
+    while True:
+        try:
+            model = fn(**kwargs)
+            break
+        except TypeError as e:
+            m = _UNEXPECTED.search(str(e))
+            if open_kw and m and m.group(1) in kwargs:
+                refused.append(m.group(1))
+                del kwargs[m.group(1)]
+                continue
+            raise ModelSpecError(f"--model {spec!r}: the factory raised TypeError: {e}") from None
+        except Exception as e:  # the user's factory failed: say where
+            raise ModelSpecError(f"--model {spec!r}: the factory raised {type(e).__name__}: {e}") from None
+    passed = ", ".join(f"{k}={kwargs[k]!r}" for k in kwargs) if kwargs else "no arguments"
+    ignored = sorted(set(config or {}) - set(kwargs))
+    desc = f"{spec}({passed})"
+    if config:
+        desc += " from the checkpoint's model config"
+    if refused:
+        desc += f"; refused by the factory: {', '.join(refused)}"
+    if ignored and not refused:
+        desc += f"; not in its signature: {', '.join(ignored[:12])}{' ...' if len(ignored) > 12 else ''}"
+    return model, desc
+
+
+def build_model(spec: str | None, ckpt: Checkpoint) -> tuple[nn.Module, str]:
     """The model named by `spec`, or by the checkpoint's HF config.json when spec is None.
 
     A factory receives the checkpoint's model config (nanoGPT `model_args`, Lightning
-    hyper-parameters) as keyword arguments it declares.
+    hyper-parameters) as the keyword arguments its signature accepts.
+
+    Returns:
+        (model, how it was built: the call with its arguments, for `replay.config`).
     """
     if spec is None or spec.endswith("config.json") or (Path(spec).is_dir() and (Path(spec) / "config.json").is_file()):
-        return _hf_model(spec, ckpt)
+        return _hf_model(spec, ckpt), f"transformers from {'config.json' if spec is None else spec}"
     fn = load_callable(spec, "--model")
-    kwargs = _factory_kwargs(fn, ckpt.config)
-    try:
-        model = fn(**kwargs)
-    except Exception as e:  # the user's factory failed: say where
-        raise ModelSpecError(f"--model {spec!r}: the factory raised {type(e).__name__}: {e}") from None
+    model, desc = _call_factory(fn, spec, ckpt.config)
     if not isinstance(model, nn.Module):
         raise ModelSpecError(f"--model {spec!r}: returned {type(model).__name__}, not an nn.Module")
-    return model
+    return model, desc
 
 
 def _hf_model(spec: str | None, ckpt: Checkpoint) -> nn.Module:
@@ -143,6 +193,7 @@ def load_weights(model: nn.Module, ckpt: Checkpoint) -> Callable[[str], str]:
     sd = model.state_dict()
     names = set(ckpt.names()) | set(ckpt.aliases)
     to_ckpt = _prefix_map([k for k, _ in model.named_parameters()], names)
+    ties = _model_ties(model)
     missing, shapes, new = [], [], {}
     for key, ref in sd.items():
         name = to_ckpt(key)
@@ -151,8 +202,14 @@ def load_weights(model: nn.Module, ckpt: Checkpoint) -> Callable[[str], str]:
             if _is_derived_buffer(model, key):
                 new[key] = ref
                 continue
-            missing.append(key)
-            continue
+            # A weight the model ties to another (GPT-2's lm_head to wte): HF stores it once.
+            twin = next((t for t in ties.get(key, ()) if ckpt.aliases.get(to_ckpt(t), to_ckpt(t)) in ckpt.names()), None)
+            if twin is not None:
+                ckpt.aliases.setdefault(name, ckpt.aliases.get(to_ckpt(twin), to_ckpt(twin)))
+                src = ckpt.aliases[name]
+            else:
+                missing.append(key)
+                continue
         t = ckpt.tensor(src)
         if tuple(t.shape) != tuple(ref.shape):
             shapes.append(f"{key} {list(t.shape)} vs model {list(ref.shape)}")
@@ -171,6 +228,14 @@ def load_weights(model: nn.Module, ckpt: Checkpoint) -> Callable[[str], str]:
         raise IncompatibleCheckpoints(f"--model does not match {ckpt.path}: " + "; ".join(parts))
     model.load_state_dict(new, strict=True)
     return to_ckpt
+
+
+def _model_ties(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Parameter name -> the other names of the same Parameter (tied weights)."""
+    by_param: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(p), []).append(n)
+    return {n: tuple(o for o in group if o != n) for group in by_param.values() if len(group) > 1 for n in group}
 
 
 def _is_derived_buffer(model: nn.Module, key: str) -> bool:
@@ -204,7 +269,9 @@ def build_optimizer(model: nn.Module, ckpt: Checkpoint, to_ckpt: Callable[[str],
         param_groups.append(
             {"params": [p for _, p in members], "lr": h.lr, "betas": h.betas, "eps": h.eps, "weight_decay": h.weight_decay}
         )
-    optim = torch.optim.AdamW(param_groups)
+    # The saved implementation: HF Trainer's default is fused AdamW, whose rounding differs.
+    fused = bool(opt.groups) and all(h.fused for h in opt.groups)
+    optim = torch.optim.AdamW(param_groups, fused=True) if fused else torch.optim.AdamW(param_groups)
     for members in groups:
         for name, p in members:
             st = opt.state.get(name)

@@ -1,0 +1,275 @@
+"""What real trainers write (issue: every format backed by files the framework wrote).
+
+Runs written in the test session by the framework itself (transformers' Trainer with a
+tied GPT-2, Lightning with name-filtered param groups), plus files that a framework that
+cannot be installed in CI wrote once, committed under `fixtures/data/` beside the script
+that wrote them. Each test checks what the tool read against what the framework recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptforensics.cli import cli
+from ckptforensics.errors import OptimizerMappingError
+from ckptforensics.formats import open_checkpoint, open_pair
+from ckptforensics.formats.optim import AmbiguousMapping, map_optimizer, settle_by_evidence
+from ckptforensics.formats.torchfile import load_torch_file
+from tests.test_cli import assert_bad_input
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+# ------------------------------------------------------------------ HF GPT-2, tied head
+def test_hf_gpt2_tied_head_replays_without_model(zoo: dict[str, Path], tmp_path: Path) -> None:
+    run = zoo["hf-gpt2"]
+    ck = open_checkpoint(run / "checkpoint-20")
+    assert "lm_head.weight" not in ck.names()  # HF never stores the tied head
+    assert ck.optimizer is not None and set(ck.optimizer.state) == set(ck.names())
+    r = invoke("replay", "--run-dir", str(run), "--before", "20", "--after", "30", "--batch", str(run / "batches.h5"), "--out", str(tmp_path / "rep"))
+    assert r.exit_code == 0, r.output
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())["replay"]
+    assert rep["config"]["model"]["value"].startswith("transformers from config.json")
+    assert [s["step"] for s in rep["steps"]] == list(range(21, 31))
+
+
+# ------------------------------------------------------------------ Lightning groups
+def _lightning(zoo: dict[str, Path], step: int) -> Path:
+    return zoo["lightning"] / f"epoch=0-step={step}.ckpt"
+
+
+def test_lightning_name_filtered_groups_map_every_id(zoo: dict[str, Path]) -> None:
+    """Three groups whose members interleave in model order (decay, no-decay, embedding
+    with its own LR): every id maps to its parameter, shape-checked, with its group's LR."""
+    raw = torch.load(_lightning(zoo, 30), weights_only=True)
+    ck = open_checkpoint(_lightning(zoo, 30))
+    opt = ck.optimizer
+    assert opt is not None and opt.kind == "adam" and len(opt.groups) == 3
+    assert [len(g["params"]) for g in raw["optimizer_states"][0]["param_groups"]] == [9, 18, 1]
+    for name, st in opt.state.items():
+        assert tuple(st["exp_avg"].shape) == ck.meta(name).shape, name
+        assert int(st["step"]) == 30
+    assert opt.hyper["model.transformer.wte.weight"].lr == pytest.approx(1.5e-3)
+    assert opt.hyper["model.transformer.wte.weight"].index == 2
+    assert opt.hyper["model.transformer.h.0.ln_1.weight"].weight_decay == 0.0
+    assert opt.hyper["model.transformer.h.1.mlp.c_fc.weight"].weight_decay == pytest.approx(0.1)
+
+
+def _regrouped(osd: dict, params: list[tuple[str, tuple[int, ...]]], rng: random.Random) -> tuple[dict, dict[int, str]]:
+    """The real state under a random name-filter-like grouping (each group in model order)."""
+    by_name = dict(zip([n for n, _ in params], range(len(params)), strict=True))
+    k = rng.randint(2, 5)
+    owner = [rng.randrange(k) for _ in params]
+    groups, state, truth, nid = [], {}, {}, 0
+    for g in range(k):
+        ids = []
+        for i, (name, _) in enumerate(params):
+            if owner[i] == g:
+                state[nid] = osd["state"][by_name[name]]
+                truth[nid] = name
+                ids.append(nid)
+                nid += 1
+        if ids:
+            groups.append({"params": ids, "lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0})
+    return {"state": state, "param_groups": groups}, truth
+
+
+def _model_order_state(ck) -> tuple[list[tuple[str, tuple[int, ...]]], dict]:
+    names = list(ck.optimizer.state)  # model order, as Lightning's state_dict lists them
+    return [(n, ck.meta(n).shape) for n in names], {"state": {i: ck.optimizer.state[n] for i, n in enumerate(names)}}
+
+
+def _ambiguous_seed(params: list, osd: dict) -> int:
+    for seed in range(100):
+        grouped, _ = _regrouped(osd, params, random.Random(seed))
+        try:
+            map_optimizer(grouped, params, "x")
+        except AmbiguousMapping:
+            return seed
+    raise AssertionError("no random layout is ambiguous")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_group_layouts_are_settled_by_the_pairs_updates(zoo: dict[str, Path], seed: int) -> None:
+    """Random groupings of the real Lightning pair's state: same-shaped tensors of different
+    layers leave several assignments; the pair's Δw against -m/(sqrt(v)+eps) picks the true one."""
+    a, b = open_checkpoint(_lightning(zoo, 20)), open_checkpoint(_lightning(zoo, 30))
+    params, osd = _model_order_state(b)
+    grouped, truth = _regrouped(osd, params, random.Random(seed))
+    try:
+        view = map_optimizer(grouped, params, "regrouped")
+        got = {pid: next(n for n, st in view.state.items() if st is grouped["state"][pid]) for pid in truth}
+    except AmbiguousMapping as e:
+
+        def delta(n: str) -> torch.Tensor:
+            return b.tensor(n).double() - a.tensor(n).double()
+
+        got, label = settle_by_evidence(e.pending, delta, grouped)
+        assert "settled by the pair's updates" in label
+    assert got == truth
+
+
+def test_still_ambiguous_mapping_names_the_tensors(zoo: dict[str, Path]) -> None:
+    """Without updates to tell them apart (no weight change) the mapping is refused,
+    naming the ambiguous tensors, never guessed."""
+    ck = open_checkpoint(_lightning(zoo, 20))
+    params, osd = _model_order_state(ck)
+    grouped, _ = _regrouped(osd, params, random.Random(_ambiguous_seed(params, osd)))
+    with pytest.raises(AmbiguousMapping) as err:
+        map_optimizer(grouped, params, "optimizer_states[0]")
+    with pytest.raises(OptimizerMappingError, match="do not settle it") as err2:
+        settle_by_evidence(err.value.pending, lambda n: torch.zeros(ck.meta(n).shape), grouped)
+    assert "transformer" in str(err2.value)
+
+
+def test_pair_settles_ambiguous_ids_end_to_end(zoo: dict[str, Path], tmp_path: Path) -> None:
+    """Real Lightning checkpoints saved under an ambiguous grouping: alone, `inspect` says
+    the ids are ambiguous; `diff` and `replay` settle them from the pair and run."""
+    cks = [open_checkpoint(_lightning(zoo, s)) for s in (20, 30)]
+    params, osd = _model_order_state(cks[1])
+    seed = _ambiguous_seed(params, osd)
+    paths = []
+    for step, ck in zip((20, 30), cks, strict=True):
+        obj = torch.load(_lightning(zoo, step), weights_only=True)
+        _, own = _model_order_state(ck)
+        grouped, truth = _regrouped(own, params, random.Random(seed))
+        obj["optimizer_states"][0] = grouped
+        p = tmp_path / f"epoch=0-step={step}.ckpt"
+        torch.save(obj, p)
+        paths.append(p)
+    r = invoke("inspect", str(paths[0]))
+    assert r.exit_code == 0 and "map ambiguously" in r.output, r.output
+    a, b = open_pair(*paths)
+    for ck, ref in zip((a, b), cks, strict=True):
+        assert "settled by the pair's updates" in ck.optimizer.mapping
+        for n, st in ck.optimizer.state.items():
+            assert torch.equal(st["exp_avg"], ref.optimizer.state[n]["exp_avg"]), n
+    r = invoke("diff", "--before", str(paths[0]), "--after", str(paths[1]), "--json")
+    assert r.exit_code == 0, r.output
+    r = invoke("replay", "--before", str(paths[0]), "--model", "fixtures/tinygpt.py:from_hparams", "--batch", str(zoo["lightning"] / "batches.h5"))
+    assert_bad_input(r, "pass --after so the pair's updates settle the mapping")
+
+
+def test_factory_gets_the_hyper_parameters_its_signature_accepts(zoo: dict[str, Path], tmp_path: Path) -> None:
+    """A factory forwarding **kwargs to its config class refuses Lightning's `lr`: dropped,
+    and replay.config says what was passed and what refused."""
+    run = zoo["lightning"]
+    r = invoke(
+        "replay", "--before", str(_lightning(zoo, 20)), "--after", str(_lightning(zoo, 30)),
+        "--model", "fixtures/tinygpt.py:from_hparams", "--batch", str(run / "batches.h5"), "--out", str(tmp_path / "rep"),
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())["replay"]
+    model = rep["config"]["model"]["value"]
+    assert "n_layer=2" in model and "n_embd=32" in model and "refused by the factory: lr" in model
+    assert rep["reproduction"]["mismatched"] == 0  # the replay lands on after
+
+
+# ------------------------------------------------------------------ step dir with one file
+def test_step_dir_holding_one_checkpoint_file(zoo: dict[str, Path], tmp_path: Path) -> None:
+    """`step_N/ckpt.pt` (a nanoGPT dict inside a step directory) is read, and a run dir of them lists its steps."""
+    run = tmp_path / "run"
+    for s in (20, 30):
+        (run / f"step_{s}").mkdir(parents=True)
+        shutil.copy(zoo["healthy"] / f"step_{s}.pt", run / f"step_{s}" / "ckpt.pt")
+    r = invoke("inspect", "--run-dir", str(run), "30", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["step"] == 30
+    r = invoke("diff", "--run-dir", str(run), "--before", "20", "--after", "30", "--json")
+    assert r.exit_code == 0, r.output
+
+
+# ------------------------------------------------------------------ numpy is data
+def test_numpy_rng_state_is_data(tmp_path: Path) -> None:
+    """np.random.get_state() (uint32 array, dtype, scalars), as every Megatron save holds."""
+    f = tmp_path / "rng.pt"
+    torch.save({"rng_state": [{"np_rng_state": np.random.get_state(), "x": np.float64(2.5), "a": np.arange(4, dtype=np.int16)}]}, f)
+    obj, _ = load_torch_file(f)
+    st = obj["rng_state"][0]["np_rng_state"]
+    assert st[0] == "MT19937" and st[1].dtype == np.uint32 and st[1].shape == (624,)
+    assert float(obj["rng_state"][0]["x"]) == 2.5
+
+
+@pytest.mark.parametrize("payload", ["object array", "structured object"])
+def test_numpy_object_arrays_are_refused(tmp_path: Path, payload: str) -> None:
+    """An object array holds more pickle, not data: refused, and the canary proves nothing ran."""
+    canary = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):  # noqa: ANN204 - a hostile pickle
+            return (os.system, (f"touch {canary}",))
+
+    arr = np.array([1, Evil()], dtype=object) if payload == "object array" else np.array([(Evil(),)], dtype=[("a", "O")])
+    f = tmp_path / "model_optim_rng.pt"
+    torch.save({"model": {"w": torch.zeros(2)}, "rng_state": arr}, f)
+    r = invoke("inspect", str(f))
+    assert_bad_input(r, "refused to unpickle")
+    assert not canary.exists()
+
+
+# ------------------------------------------------------------------ files frameworks wrote once
+DATA = Path(__file__).resolve().parent.parent / "fixtures" / "data"
+
+
+def _sums(t: torch.Tensor) -> tuple[float, float]:
+    t = t.double()
+    return float(t.sum()), float(t.abs().sum())
+
+
+def _assert_matches_truth(ck, want: dict, name_of=lambda n: n) -> None:
+    """Every parameter the framework recorded: shape, weights, moments, Adam step, its group's LR."""
+    opt = ck.optimizer
+    assert opt is not None and opt.kind == "adam"
+    for fqn, p in want.items():
+        name = name_of(fqn)
+        assert ck.meta(name).shape == tuple(p["shape"]), name
+        assert _sums(ck.tensor(name)) == pytest.approx((p["param"]["sum"], p["param"]["abs_sum"]), rel=1e-9, abs=1e-12), name
+        st = opt.state[name]
+        for field in ("exp_avg", "exp_avg_sq"):
+            assert tuple(st[field].shape) == tuple(p["shape"]), (name, field)
+            assert _sums(st[field]) == pytest.approx((p[field]["sum"], p[field]["abs_sum"]), rel=1e-9, abs=1e-15), (name, field)
+        assert float(st["step"]) == p["step"], name
+        h = opt.hyper[name]
+        assert h.lr == pytest.approx(p["lr"], rel=1e-12) and h.weight_decay == pytest.approx(p["weight_decay"]), name
+        if p.get("betas"):
+            assert h.betas == pytest.approx(tuple(p["betas"]))
+
+
+OLMO = DATA / "olmo-core-3.0"
+
+
+@pytest.mark.parametrize("step", ["0", "10", "20", "30"])
+def test_olmo_core_checkpoint_matches_what_olmo_core_recorded(step: str) -> None:
+    """OLMo-core 3.0's own Trainer wrote it: its `.metadata` pickles OLMo's `_StorageInfo`
+    (read by its fields, never imported), param groups are flattened per parameter, and
+    Adam's step runs one ahead of the trainer's (the step-0 save initialises Adam)."""
+    want = json.loads((OLMO / "truth.json").read_text())["checkpoints"][step]
+    ck = open_checkpoint(OLMO / "run" / f"step{step}")
+    assert ck.format == "dcp" and ck.step == want["global_step"]
+    assert sorted(ck.names()) == sorted(want["params"])
+    _assert_matches_truth(ck, want["params"])
+    groups = {frozenset(g["params"]) for g in want["param_groups"]}
+    got = {}
+    for n, h in ck.optimizer.hyper.items():
+        got.setdefault(h.index, set()).add(n)
+    assert {frozenset(v) for v in got.values()} == groups
+    if step != "0":
+        assert any("one ahead of the trainer's" in n for n in ck.notes)
+
+
+def test_olmo_core_healthy_pair_raises_no_alarm(tmp_path: Path) -> None:
+    r = invoke("diff", "--run-dir", str(OLMO / "run"), "--before", "10", "--after", "20", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["verdict"]["causes"][0]["cause"] == "none", doc["verdict"]

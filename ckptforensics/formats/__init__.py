@@ -161,7 +161,7 @@ def settle_pair(a: Checkpoint, b: Checkpoint) -> None:
     def delta(name: str) -> torch.Tensor:
         return b.tensor(b.aliases.get(name, name)).double() - a.tensor(a.aliases.get(name, name)).double()
 
-    ids, label = settle_by_evidence(pend_b, delta, pend_b.osd)
+    ids, label = settle_by_evidence(pend_b, delta, pend_b.osd, pend_a.osd)
     for ck, pend in ((a, pend_a), (b, pend_b)):
         ck.optimizer = view_from_ids(pend, ids, label)
         ck.pending_optimizer = None

@@ -326,3 +326,39 @@ def test_hostile_olmo_core_files_are_refused(tmp_path: Path, where: str) -> None
         torch.save({"global_step": 10, "rng": _Canary(canary)}, target)
     assert_bad_input(invoke("inspect", str(ck)), "refused to unpickle")
     assert not canary.exists()
+
+
+LITGPT = DATA / "litgpt-0.5"
+
+
+@pytest.mark.parametrize("step", [10, 20, 30])
+def test_litgpt_step_dir_matches_what_litgpt_recorded(step: int) -> None:
+    """`litgpt pretrain` wrote `step-000000NN/lit_model.pth` + its YAML side files: the step
+    directory is read as the one checkpoint file it holds, ids map in named_parameters order."""
+    want = json.loads((LITGPT / "truth.json").read_text())["checkpoints"][f"step-{step:08d}"]
+    ck = open_checkpoint(LITGPT / f"step-{step:08d}")
+    assert ck.format == "litgpt" and ck.step == want["step_count"] == step
+    assert sorted(ck.names()) == sorted(want["params"])
+    params = {n: {**p, "step": p["adam_step"]} for n, p in want["params"].items()}
+    _assert_matches_truth(ck, params)
+    assert ck.config is not None and ck.config["n_layer"] == 2 and ck.config["n_query_groups"] == 2
+    assert ck.scalars["train_config"]["grad_clip"] == 1.0
+
+
+def test_litgpt_run_dir_lists_its_steps_and_a_healthy_pair_raises_no_alarm() -> None:
+    r = invoke("diff", "--run-dir", str(LITGPT), "--before", "10", "--after", "20", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["verdict"]["causes"][0]["cause"] == "none"
+    r = invoke("inspect", str(LITGPT))
+    assert_bad_input(r, "a run directory with checkpoints at steps 10, 20, 30")
+
+
+def test_hostile_litgpt_checkpoint_is_refused(tmp_path: Path) -> None:
+    canary = tmp_path / "ran"
+    ck = tmp_path / "step-00000010"
+    shutil.copytree(LITGPT / "step-00000010", ck)
+    obj = torch.load(ck / "lit_model.pth", weights_only=True)
+    obj["train_dataloader"] = _Canary(canary)
+    torch.save(obj, ck / "lit_model.pth")
+    assert_bad_input(invoke("inspect", str(ck)), "refused to unpickle")
+    assert not canary.exists()

@@ -362,3 +362,19 @@ def test_hostile_litgpt_checkpoint_is_refused(tmp_path: Path) -> None:
     torch.save(obj, ck / "lit_model.pth")
     assert_bad_input(invoke("inspect", str(ck)), "refused to unpickle")
     assert not canary.exists()
+
+
+def test_litgpt_replay_lands_on_after(tmp_path: Path) -> None:
+    """The window 11..20 replayed with litgpt.GPT built from model_config.yaml, on the
+    batches LitGPT's loader produced (targets already shifted), lands on step 20 exactly.
+    litgpt is not a dev dependency (it pins huggingface_hub below transformers' floor):
+    this runs where litgpt is installed, as in the fixture's own venv."""
+    pytest.importorskip("litgpt")
+    r = invoke(
+        "replay", "--run-dir", str(LITGPT), "--before", "10", "--after", "20",
+        "--model", "fixtures/litgpt_run.py:build_model", "--batch", str(LITGPT / "batches.h5"), "--out", str(tmp_path / "rep"),
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())["replay"]
+    assert rep["config"]["clip"] == {"value": 1.0, "source": "checkpoint config grad_clip"}
+    assert rep["reproduction"]["mismatched"] == 0

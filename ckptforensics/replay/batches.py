@@ -32,6 +32,8 @@ class BatchSource:
         loss_scale: step -> loss scale, when recorded.
         grad_clip: the clip norm the batch log states, if any.
         sample_ids: step -> dataset index of each row, when recorded.
+        labels_shifted: `/labels` are next-token targets (OLMo-core, LitGPT: `labels[t]` is
+            the token after `t`) rather than HF-style inputs shifted inside the loss.
     """
 
     describe: str
@@ -41,6 +43,7 @@ class BatchSource:
     loss_scale: dict[int, float] = field(default_factory=dict)
     grad_clip: float | None = None
     sample_ids: dict[int, list[int]] = field(default_factory=dict)
+    labels_shifted: bool = False
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         if self.steps is not None and step not in self.steps:
@@ -130,6 +133,7 @@ def _h5(path: Path) -> BatchSource:
     if "sample_id" in h:
         sid = np.asarray(h["sample_id"])
         src.sample_ids = {s: [int(x) for x in sid[i]] for s, i in row.items()}
+    src.labels_shifted = bool(h.attrs.get("labels_shifted", False))
     clip = h.attrs.get("grad_clip")
     if clip is not None and math.isfinite(float(clip)):
         src.grad_clip = float(clip)

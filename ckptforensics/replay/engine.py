@@ -196,6 +196,7 @@ class Session:
         self.probe = ModuleProbe(self.model, self.device)
         self.psg = PerSampleGrad(self.model)
         self.loss_fn = loss_fn
+        self.labels_shifted = False
         self.params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._group_of = {id(p): g for g in self.opt.param_groups for p in g["params"]}
 
@@ -215,10 +216,11 @@ class Session:
             tok = self.loss_fn(logits, {k: v.to(self.device) for k, v in batch.items()})
             mask = torch.ones_like(tok)
         else:
-            tok = per_token_loss(logits, labels, kwargs.get("attention_mask"))
-            mask = (labels[:, 1:] != -100).to(tok.dtype)
+            shifted = self.labels_shifted and "labels" in batch
+            tok = per_token_loss(logits, labels, kwargs.get("attention_mask"), shifted=shifted)
+            mask = ((labels if shifted else labels[:, 1:]) != -100).to(tok.dtype)
             if "attention_mask" in kwargs:
-                mask = mask * kwargs["attention_mask"][:, 1:].to(tok.dtype)
+                mask = mask * (kwargs["attention_mask"] if shifted else kwargs["attention_mask"][:, 1:]).to(tok.dtype)
         per_sample = (tok * mask).sum(1) / mask.sum(1).clamp_min(1)
         with torch.no_grad():
             lg = logits.detach()
@@ -412,6 +414,7 @@ class Plan:
 
     def session(self) -> Session:
         sess = Session(self.cfg, self.a, self.precision, self.loss_fn)
+        sess.labels_shifted = self.batches.labels_shifted
         self.model_source = sess.model_source
         return sess
 

@@ -120,7 +120,7 @@ def _call_factory(fn: Callable[..., Any], spec: str, config: dict[str, Any] | No
     if refused:
         desc += f"; refused by the factory: {', '.join(refused)}"
     if ignored and not refused:
-        desc += f"; not in its signature: {', '.join(ignored[:12])}{' ...' if len(ignored) > 12 else ''}"
+        desc += f"; not passed: {', '.join(ignored[:12])}{' ...' if len(ignored) > 12 else ''}"
     return model, desc
 
 

@@ -11,14 +11,18 @@ from torch import nn
 __all__ = ["RowStats", "row_data_stats", "PerSampleGrad", "per_token_loss"]
 
 
-def per_token_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal-LM cross entropy per token, shifted as HF does: [B, T-1] (ignored tokens 0)."""
-    lg = logits[:, :-1].float()
-    tgt = labels[:, 1:]
+def per_token_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None, shifted: bool = False) -> torch.Tensor:
+    """Causal-LM cross entropy per token (ignored tokens 0).
+
+    HF's labels are the inputs, shifted inside the loss: [B, T-1]. OLMo-core and LitGPT
+    hand the model targets already shifted (`labels[t]` is the token after `t`): with
+    `shifted`, every position is scored as is: [B, T].
+    """
+    lg, tgt = (logits.float(), labels) if shifted else (logits[:, :-1].float(), labels[:, 1:])
     loss = nn.functional.cross_entropy(lg.reshape(-1, lg.size(-1)), tgt.reshape(-1), reduction="none", ignore_index=-100)
     loss = loss.view(tgt.shape)
     if mask is not None:
-        loss = loss * mask[:, 1:].to(loss.dtype)
+        loss = loss * (mask if shifted else mask[:, 1:]).to(loss.dtype)
     return loss
 
 

@@ -378,3 +378,74 @@ def test_litgpt_replay_lands_on_after(tmp_path: Path) -> None:
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())["replay"]
     assert rep["config"]["clip"] == {"value": 1.0, "source": "checkpoint config grad_clip"}
     assert rep["reproduction"]["mismatched"] == 0
+
+
+MCORE = DATA / "megatron-core-0.19"
+# The local spec's norms are saved under TransformerEngine's names in torch_dist.
+_TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight", "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+def _dist_name(name: str) -> str:
+    for mod, te in _TE_NAMES.items():
+        if name.endswith(mod):
+            return name[: -len(mod)] + te
+    return name
+
+
+@pytest.mark.parametrize("variant", ["plain", "distopt", "legacy"])
+@pytest.mark.parametrize("it", ["10", "20"])
+def test_megatron_core_checkpoint_matches_what_megatron_recorded(variant: str, it: str) -> None:
+    """megatron-core 0.19 + Megatron-LM's save_checkpoint wrote these: torch_dist without
+    common.pt (its common state and a SavePlan in `.metadata`), the distributed optimizer's
+    dp_reshardable buckets, and the legacy file with numpy RNG state and enums in `args`."""
+    want = json.loads((MCORE / "truth.json").read_text())["variants"][variant]["saves"][it]
+    ck = open_checkpoint(MCORE / variant / f"iter_{int(it):07d}")
+    assert ck.step == want["iteration"]
+    rename = (lambda n: n) if variant == "legacy" else _dist_name
+    assert sorted(ck.names()) == sorted(rename(n) for n in want["params"])
+    _assert_matches_truth(ck, want["params"], rename)
+
+
+def test_megatron_distributed_optimizer_unflattens_to_the_plain_run() -> None:
+    """The buckets' fp32 `param` slices are the model's weights bit for bit (the layout is
+    right), and the moments equal the same run saved with the plain optimizer up to the
+    grad-norm summation order (7.5e-9: megatron sums per-tensor norms in buffer order)."""
+    from ckptforensics.formats.dcp import _Store, read_metadata
+
+    d = MCORE / "distopt" / "iter_0000010"
+    dist, plain = open_checkpoint(d), open_checkpoint(MCORE / "plain" / "iter_0000010")
+    md = read_metadata(d)
+    flat = _Store(d, md).tensor(next(k for k in md.state_dict_metadata if k.endswith("bucket_idx_0.param")))
+    seen = 0
+    for name in dist.names():
+        st = dist.optimizer.state[name]
+        assert set(st) >= {"exp_avg", "exp_avg_sq"}
+        for field in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(st[field], plain.optimizer.state[name][field], rtol=0, atol=1e-8), (name, field)
+            assert torch.isfinite(st[field]).all()  # padding (uninitialised memory) is never read
+        w = dist.tensor(name).flatten()
+        seen += sum(torch.equal(flat[i : i + w.numel()], w) for i in range(0, flat.numel() - w.numel() + 1, 32))
+    assert seen >= len(dist.names())
+    r = invoke("diff", "--run-dir", str(MCORE / "distopt"), "--before", "10", "--after", "20", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["verdict"]["causes"][0]["cause"] == "none"
+
+
+@pytest.mark.parametrize("where", ["legacy", "common_state"])
+def test_hostile_megatron_files_are_refused(tmp_path: Path, where: str) -> None:
+    canary = tmp_path / "ran"
+    if where == "legacy":
+        ck = tmp_path / "iter_0000010"
+        shutil.copytree(MCORE / "legacy" / "iter_0000010", ck)
+        f = ck / "mp_rank_00" / "model_optim_rng.pt"
+        real, _ = load_torch_file(f)  # memory-mapped: write the hostile copy beside it
+        torch.save({"model": real["model"], "iteration": 10, "rng_state": real["rng_state"], "args": _Canary(canary)}, tmp_path / "h.pt")
+        del real
+        os.replace(tmp_path / "h.pt", f)
+    else:
+        ck = tmp_path / "iter_0000010"
+        shutil.copytree(MCORE / "plain" / "iter_0000010", ck)
+        (ck / "common.pt").write_bytes(b"")
+        torch.save({"args": _Canary(canary)}, ck / "common.pt")
+    assert_bad_input(invoke("inspect", str(ck)), "refused to unpickle")
+    assert not canary.exists()

@@ -116,7 +116,7 @@ class _Store:
             with torch.serialization.safe_globals(safe_load_globals()):
                 return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError:
-            raise UnsafeCheckpoint(f"{path}: refused to unpickle an item (code execution risk); nothing was run") from None
+            raise UnsafeCheckpoint(f"{path}: refused to unpickle {_unsafe_name(data) or 'an item'} (code execution risk); nothing was run") from None
         except Exception as e:  # a mangled chunk
             raise CorruptCheckpoint(f"{path}: unreadable chunk at {info.offset} ({type(e).__name__})") from None
 
@@ -137,6 +137,18 @@ class _Store:
     def value(self, fqn: str) -> Any:
         items = self.by_fqn.get(fqn)
         return self._blob(items[0][1]) if items else None
+
+
+def _unsafe_name(data: bytes) -> str | None:
+    """The first global outside the allowlist in a torch.save blob (for the refusal message)."""
+    from .inert import allowed_names
+
+    try:
+        bad = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
+    except Exception:  # too mangled to scan: the refusal stands anyway
+        return None
+    rest = [g for g in bad if g not in allowed_names()]
+    return rest[0] if rest else None
 
 
 def _step_from_name(path: Path) -> int | None:

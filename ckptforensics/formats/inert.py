@@ -55,6 +55,15 @@ ALLOWLIST: tuple[tuple[str, str, type], ...] = (
     ("deepspeed.runtime.zero.config", "ZeroStageEnum", InertRecord),
     ("deepspeed.utils.tensor_fragment", "fragment_address", InertRecord),
     ("deepspeed.checkpoint.utils", "fragment_address", InertRecord),
+    # Enums in Megatron's `args` (every real save has them; `signal.Signals` is exit_signal).
+    ("megatron.core.enums", "ModelType", InertRecord),
+    ("megatron.core.transformer.enums", "AttnBackend", InertRecord),
+    ("megatron.core.transformer.enums", "AttnMaskType", InertRecord),
+    ("megatron.core.transformer.enums", "InferenceCudaGraphScope", InertRecord),
+    ("megatron.core.transformer.enums", "CudaGraphScope", InertRecord),
+    ("megatron.core.rerun_state_machine", "RerunMode", InertRecord),
+    ("megatron.core.rerun_state_machine", "RerunState", InertRecord),
+    ("signal", "Signals", InertRecord),
 )
 
 

@@ -52,7 +52,9 @@ def open_megatron(path: Path) -> Checkpoint:
     if len(files) > 1:
         ckpt.notes.append(f"{len(files)} model-parallel ranks: only {files[0].parent.name} is read (a shard of each split tensor)")
     opt = obj.get("optimizer")
-    inner = opt.get("optimizer") if isinstance(opt, dict) else None
+    # fp16/bf16 runs wrap the torch state dict (`optimizer.optimizer`, grad_scaler, fp32
+    # copies); an fp32 run saves the torch optimizer's state dict itself.
+    inner = (opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else opt) if isinstance(opt, dict) else None
     if isinstance(opt, dict):
         ckpt.scalars.update(scaler_scalars(opt.get("grad_scaler")))
     if list(files[0].parent.glob("distrib_optim.pt")):
@@ -104,30 +106,32 @@ def open_megatron_dist(path: Path) -> Checkpoint:
     from .dcp import _Store, read_metadata
 
     md = read_metadata(path)
-    keys = list(md.state_dict_metadata)
-    buckets = [k for k in keys if k.startswith("optimizer.distributed.") and "bucket_idx" in k]
-    if buckets:
-        raise OptimizerMappingError(
-            f"{path}: Megatron distributed-optimizer state in bucket format ({buckets[0]}): moments are flat "
-            "per-bucket buffers that cannot be mapped to parameters without Megatron's bucket layout; "
-            "save with the non-distributed optimizer or a fully-sharded model-space format"
-        )
     store = _Store(path, md)
     ckpt = Checkpoint(path=path, format="megatron-dist")
-    common = _common(path)
+    common = _common(path, store)
     layers = _stacked_layers(md, common)
     stacked = _StackCache(store)
     state: dict[str, dict[str, Any]] = {}
+    buckets: dict[tuple[str, int], dict[str, str]] = {}
     for key, meta in md.state_dict_metadata.items():
         if key.startswith("optimizer.state."):
             field, _, fqn = key[len("optimizer.state.") :].partition(".")
             for name, get in _views(fqn, key, layers, stacked):
                 state.setdefault(name, {})[field] = get
+        elif (m := _BUCKET.match(key)) is not None:
+            buckets.setdefault((m.group("buf"), int(m.group("idx"))), {})[m.group("field")] = key
         elif hasattr(meta, "size") and not key.startswith(("optimizer.", "rng_state")):
             shape = tuple(meta.size)
             for name, get in _views(key, key, layers, stacked):
                 ckpt._meta[name] = TensorMeta(shape[1:] if name != key else shape, meta.properties.dtype)
                 ckpt._get[name] = get
+    dist_groups: list[dict[str, Any]] = []
+    if buckets:
+        state = _unflatten_buckets(path, md, store, ckpt, buckets, stacked)
+        shard = next((store.value(k) for k in md.state_dict_metadata if _DIST_OPT.match(k)), None)
+        shard = shard[0] if isinstance(shard, list) and shard else shard
+        dist_groups = [g for g in (shard or {}).get("param_groups") or [] if isinstance(g, dict)]
+        ckpt.notes.append("distributed optimizer (dp_reshardable buckets): moments unflattened per parameter in the grad buffer's reverse order, starts padded to 64 elements")
     it = common.get("iteration")
     step = int(it) if isinstance(it, (int, float)) else _iter_of(path)
     if step is not None:
@@ -140,7 +144,11 @@ def open_megatron_dist(path: Path) -> Checkpoint:
     opt = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
     ckpt.scalars.update(scaler_scalars(opt.get("grad_scaler")))
     inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else opt
-    groups = [g for g in inner.get("param_groups") or [] if isinstance(g, dict)]
+    groups = dist_groups or [g for g in inner.get("param_groups") or [] if isinstance(g, dict)]
+    common_step = (inner.get("state") or {}).get("common_step") if isinstance(inner.get("state"), dict) else None
+    if common_step is not None:  # megatron-core 0.19's plain optimizer: one step for all
+        for g in groups:
+            g.setdefault("step", float(common_step))
     if layers:
         ckpt.notes.append(f"torch_dist: per-layer tensors are stacked on a leading dim of {layers} layers; read as decoder.layers.<i>.<name>")
     if state:
@@ -175,6 +183,14 @@ class _StackCache:
             self.cache[key] = self.store.tensor(key)
         return self.cache[key][i]
 
+    def flat(self, key: str) -> Any:
+        """A whole flat tensor (a distributed-optimizer bucket), kept like a stacked one."""
+        if key not in self.cache:
+            if len(self.cache) >= self.keep:
+                self.cache.pop(next(iter(self.cache)))
+            self.cache[key] = self.store.tensor(key)
+        return self.cache[key]
+
 
 def _views(name: str, key: str, layers: int, stacked: _StackCache) -> list[tuple[str, Any]]:
     """(name, getter) pairs: one per layer for a stacked `decoder.layers.*` tensor."""
@@ -186,12 +202,79 @@ def _views(name: str, key: str, layers: int, stacked: _StackCache) -> list[tuple
     return [(name, _getter(stacked.store, key))]
 
 
-def _common(path: Path) -> dict[str, Any]:
+def _common(path: Path, store: Any) -> dict[str, Any]:
+    """The common state: `common.pt` (megatron-core <= 0.18) or, from 0.19, the bytes entry
+    `common_state/shard_0_1` (a one-element list), through the restricted unpickler."""
     f = path / "common.pt"
-    if not f.is_file():
-        return {}
-    obj, _ = load_torch_file(f)
+    if f.is_file():
+        obj, _ = load_torch_file(f)
+        return obj if isinstance(obj, dict) else {}
+    key = next((k for k in store.md.state_dict_metadata if k.startswith("common_state/")), None)
+    obj = store.value(key) if key is not None else None
+    obj = obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
     return obj if isinstance(obj, dict) else {}
+
+
+_BUCKET = re.compile(r"^optimizer\.distributed\.(?P<buf>dp_group_idx_\d+\.gbuf_idx_\d+\.dtype_.*)\.bucket_idx_(?P<idx>\d+)\.(?P<field>param|exp_avg|exp_avg_sq)$")
+_DIST_OPT = re.compile(r"^optimizer\.distributed\.dp_group_idx_0\.optimizer/")
+_PARAM_ALIGN = 64  # megatron-core optimizer/param_layout.py pad_param_start: starts at multiples of 64
+
+
+def _model_order(ckpt: Checkpoint, layers: int) -> list[str]:
+    """named_parameters() order of megatron-core's GPTModel: embedding, each layer's
+    parameters in module order (as the stacked keys list them), final norm, output layer."""
+    names = list(ckpt._meta)
+    per_layer = [n for n in names if n.startswith("decoder.layers.0.")]
+    rest = [n[len("decoder.layers.0.") :] for n in per_layer]
+    head = [n for n in names if n.startswith("embedding.")]
+    tail = [n for n in names if n.startswith("decoder.") and not n.startswith("decoder.layers.")] + [n for n in names if n.startswith("output_layer.")]
+    body = [f"decoder.layers.{i}.{r}" for i in range(max(layers, 1)) for r in rest]
+    order = head + body + tail
+    missing = [n for n in names if n not in order]
+    return order + missing
+
+
+def _unflatten_buckets(path: Path, md: Any, store: Any, ckpt: Checkpoint, buckets: dict, stacked: Any) -> dict[str, dict[str, Any]]:
+    """Per-parameter moments from the distributed optimizer's flat buckets.
+
+    megatron-core lays each grad buffer out over the parameters in reverse
+    named_parameters() order, each start rounded up to a multiple of 64 elements
+    (distrib_optimizer `_compute_per_buffer_param_layout`); the saved bucket is that
+    buffer up to its last parameter. The layout is checked against the bucket's size and,
+    where the save kept one chunk per parameter, every chunk boundary.
+    """
+    order = _model_order(ckpt, _stacked_layers(md, {}))
+    todo = list(reversed(order))
+    out: dict[str, dict[str, Any]] = {}
+    for (buf, idx) in sorted(buckets, key=lambda b: (b[0], b[1])):
+        fields = buckets[(buf, idx)]
+        key = fields.get("exp_avg")
+        if key is None or "exp_avg_sq" not in fields:
+            raise CorruptCheckpoint(f"{path}: bucket {idx} of {buf} lacks exp_avg/exp_avg_sq")
+        meta = md.state_dict_metadata[key]
+        total = int(meta.size[0])
+        off, placed = 0, []
+        while todo and off < total:
+            name = todo.pop(0)
+            n = ckpt._meta[name].numel
+            off = -(-off // _PARAM_ALIGN) * _PARAM_ALIGN
+            placed.append((name, off, n))
+            off += n
+        if off != total:
+            raise OptimizerMappingError(
+                f"{path}: distributed-optimizer bucket {idx} holds {total} elements but the parameters in reverse order "
+                f"with 64-element aligned starts end at {off}; the layout does not match this model"
+            )
+        starts = {tuple(c.offsets)[0] for c in getattr(meta, "chunks", [])}
+        if len(starts) > 1 and not all(o in starts for _, o, _ in placed):
+            bad = next(nm for nm, o, _ in placed if o not in starts)
+            raise OptimizerMappingError(f"{path}: distributed-optimizer bucket {idx}: no saved chunk starts where {bad} would")
+        for name, o, n in placed:
+            shape = ckpt._meta[name].shape
+            out[name] = {f: (lambda k=fields[f], o=o, n=n, shape=shape: stacked.flat(k)[o : o + n].view(shape)) for f in ("exp_avg", "exp_avg_sq")}
+    if todo:
+        raise OptimizerMappingError(f"{path}: {len(todo)} parameters (first {todo[0]}) are in no distributed-optimizer bucket")
+    return out
 
 
 def _iter_of(path: Path) -> int | None:

@@ -125,7 +125,7 @@ def run_incident(run: Path, reports: Path) -> Row:
     hint = truth.get("replay")
     if hint:
         # replay runs the diff too and merges both into one verdict.
-        cmd += ["replay", "--model", hint["model"], "--batch", str(run / hint["batch"])]
+        cmd += ["replay", *(["--model", hint["model"]] if hint.get("model") else []), "--batch", str(run / hint["batch"])]
     else:
         cmd += ["diff"]
     cmd += ["--run-dir", str(run), "--before", before, "--after", after, "--out", str(out)]
@@ -149,7 +149,7 @@ MENU = ("clip=1.0", "clip=0.5", "lr_scale=0.1", "lr_scale=0.01", "precision=bf16
 def _cli(command: str, run: Path, hint: dict[str, str], out: Path, args: list[str]) -> tuple[dict[str, Any] | None, str]:
     """Run a replay-based command on an incident as a user would: (report, "") or (None, error)."""
     cmd = [sys.executable, "-m", "ckptforensics.cli", "-q", command, "--run-dir", str(run), *args]
-    cmd += ["--model", hint["model"], "--batch", str(run / hint["batch"]), "--out", str(out)]
+    cmd += [*(["--model", hint["model"]] if hint.get("model") else []), "--batch", str(run / hint["batch"]), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         return None, (proc.stderr.strip().splitlines() or ["failed"])[-1]

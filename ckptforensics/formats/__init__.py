@@ -131,16 +131,11 @@ def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
     if format is not None:
         if format not in FORMATS:
             raise UnknownFormat(f"unknown format {format!r}; known: {', '.join(sorted(FORMATS))}")
-        if p.is_dir() and format in ("torch", "nanogpt", "lightning", "litgpt") and single_file(p) is not None:
-            p = single_file(p)  # type: ignore[assignment]
-        return FORMATS[format](p)
+        inner = single_file(p) if p.is_dir() and format in ("torch", "nanogpt", "lightning", "litgpt") else None
+        return FORMATS[format](inner or p)
     kind = sniff(p)
     if kind == "torch-file":
-        if p.is_dir():
-            f = single_file(p)
-            assert f is not None
-            return open_torch_file(f)
-        return open_torch_file(p)
+        return open_torch_file((single_file(p) if p.is_dir() else None) or p)
     return FORMATS[kind](p)
 
 
@@ -148,8 +143,8 @@ def settle_pair(a: Checkpoint, b: Checkpoint) -> None:
     """Map optimizer ids that one checkpoint alone leaves ambiguous, from the pair's updates.
 
     Ids are positions in the run's param groups, the same in both checkpoints; the
-    assignment whose Adam directions (*after*'s -m/(sqrt(v)+eps)) agree with the weight
-    change b - a is applied to both.
+    assignment whose Adam directions (m/(sqrt(v)+eps) at *before* and *after*) best explain
+    the weight change a -> b is applied to both.
 
     Raises:
         OptimizerMappingError: the updates do not single one out (names the tensors).

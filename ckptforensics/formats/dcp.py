@@ -194,10 +194,9 @@ def open_dcp(path: Path) -> Checkpoint:
             name = ".".join(map(str, parts[1:])) if parts and parts[0] == "model" and len(parts) > 1 else key
             ckpt._meta[name] = TensorMeta(tuple(meta.size), meta.properties.dtype)
             ckpt._get[name] = _getter(store, key)
-    trained = _olmo_train_state(path)
-    step = _step_from_name(path) if _step_from_name(path) is not None else _trainer_step(path)
-    if trained is not None:
-        step = trained
+    # The trainer's own record first (OLMo-core's train state), then the directory name,
+    # then HF's trainer_state.json beside accelerate's folders.
+    step = next((s for s in (_olmo_train_state(path), _step_from_name(path), _trainer_step(path)) if s is not None), None)
     if step is not None:
         ckpt.scalars["global_step"] = step
     if state and opt_store is not None:

@@ -127,7 +127,7 @@ def open_megatron_dist(path: Path) -> Checkpoint:
                 ckpt._get[name] = get
     dist_groups: list[dict[str, Any]] = []
     if buckets:
-        state = _unflatten_buckets(path, md, store, ckpt, buckets, stacked)
+        state = _unflatten_buckets(path, md, ckpt, buckets, stacked, layers)
         shard = next((store.value(k) for k in md.state_dict_metadata if _DIST_OPT.match(k)), None)
         shard = shard[0] if isinstance(shard, list) and shard else shard
         dist_groups = [g for g in (shard or {}).get("param_groups") or [] if isinstance(g, dict)]
@@ -177,14 +177,10 @@ class _StackCache:
         self.cache: dict[str, Any] = {}
 
     def layer(self, key: str, i: int) -> Any:
-        if key not in self.cache:
-            if len(self.cache) >= self.keep:
-                self.cache.pop(next(iter(self.cache)))
-            self.cache[key] = self.store.tensor(key)
-        return self.cache[key][i]
+        return self.whole(key)[i]
 
-    def flat(self, key: str) -> Any:
-        """A whole flat tensor (a distributed-optimizer bucket), kept like a stacked one."""
+    def whole(self, key: str) -> Any:
+        """The whole stored tensor (a stacked one, or a distributed-optimizer bucket)."""
         if key not in self.cache:
             if len(self.cache) >= self.keep:
                 self.cache.pop(next(iter(self.cache)))
@@ -234,7 +230,7 @@ def _model_order(ckpt: Checkpoint, layers: int) -> list[str]:
     return order + missing
 
 
-def _unflatten_buckets(path: Path, md: Any, store: Any, ckpt: Checkpoint, buckets: dict, stacked: Any) -> dict[str, dict[str, Any]]:
+def _unflatten_buckets(path: Path, md: Any, ckpt: Checkpoint, buckets: dict, stacked: _StackCache, layers: int) -> dict[str, dict[str, Any]]:
     """Per-parameter moments from the distributed optimizer's flat buckets.
 
     megatron-core lays each grad buffer out over the parameters in reverse
@@ -243,7 +239,7 @@ def _unflatten_buckets(path: Path, md: Any, store: Any, ckpt: Checkpoint, bucket
     buffer up to its last parameter. The layout is checked against the bucket's size and,
     where the save kept one chunk per parameter, every chunk boundary.
     """
-    order = _model_order(ckpt, _stacked_layers(md, {}))
+    order = _model_order(ckpt, layers)
     todo = list(reversed(order))
     out: dict[str, dict[str, Any]] = {}
     for (buf, idx) in sorted(buckets, key=lambda b: (b[0], b[1])):
@@ -271,7 +267,7 @@ def _unflatten_buckets(path: Path, md: Any, store: Any, ckpt: Checkpoint, bucket
             raise OptimizerMappingError(f"{path}: distributed-optimizer bucket {idx}: no saved chunk starts where {bad} would")
         for name, o, n in placed:
             shape = ckpt._meta[name].shape
-            out[name] = {f: (lambda k=fields[f], o=o, n=n, shape=shape: stacked.flat(k)[o : o + n].view(shape)) for f in ("exp_avg", "exp_avg_sq")}
+            out[name] = {f: (lambda k=fields[f], o=o, n=n, shape=shape: stacked.whole(k)[o : o + n].view(shape)) for f in ("exp_avg", "exp_avg_sq")}
     if todo:
         raise OptimizerMappingError(f"{path}: {len(todo)} parameters (first {todo[0]}) are in no distributed-optimizer bucket")
     return out

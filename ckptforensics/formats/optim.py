@@ -225,68 +225,60 @@ def order_preserving(
     if math.prod(s + 1 for s in sizes) > _MAX_STATES:
         return Assignment(None, {}, f"{k} groups of {list(sizes)} are too many to enumerate")
 
-    def fits(i: int, g: int, c: int) -> bool:
-        want = shapes.get(ids[g][c])
-        return want is None or want == tuple(params[i][1])
+    State = tuple[int, ...]
+
+    def moves(i: int, st: State) -> list[tuple[State, Any]]:
+        """(next state, id) for each group whose next id can hold parameter i."""
+        out = []
+        for g in range(k):
+            c = st[g]
+            if c < sizes[g]:
+                want = shapes.get(ids[g][c])
+                if want is None or want == tuple(params[i][1]):
+                    out.append((st[:g] + (c + 1,) + st[g + 1 :], ids[g][c]))
+        return out
 
     # Forward: the states reachable after assigning the first i parameters.
-    start = (0,) * k
-    layers: list[set[tuple[int, ...]]] = [{start}]
+    start: State = (0,) * k
+    layers: list[set[State]] = [{start}]
     for i in range(len(params)):
-        nxt: set[tuple[int, ...]] = set()
-        for st in layers[-1]:
-            for g in range(k):
-                c = st[g]
-                if c < sizes[g] and fits(i, g, c):
-                    nxt.add(st[:g] + (c + 1,) + st[g + 1 :])
+        nxt = {to for st in layers[-1] for to, _ in moves(i, st)}
         if not nxt:
             name, shape = params[i]
             return Assignment(None, {}, f"{name} {tuple(shape)} fits no group's next id")
         layers.append(nxt)
     if sizes not in layers[-1]:
         return Assignment(None, {}, "the groups' ids cannot all be consumed")
-    # Backward: keep the states that still reach the end; collect each parameter's ids.
-    live_layers: list[set[tuple[int, ...]]] = [set() for _ in layers]
-    live_layers[-1] = {sizes}
-    cand: dict[int, set[Any]] = {}
+    # Backward: keep the moves that still reach the end; they list each parameter's ids.
+    live: set[State] = {sizes}
+    layer_edges: list[list[tuple[State, State, Any]]] = [[] for _ in params]
     for i in range(len(params) - 1, -1, -1):
-        for st in layers[i]:
-            for g in range(k):
-                c = st[g]
-                if c < sizes[g] and fits(i, g, c) and st[:g] + (c + 1,) + st[g + 1 :] in live_layers[i + 1]:
-                    live_layers[i].add(st)
-                    cand.setdefault(i, set()).add(ids[g][c])
-    ambiguous = {params[i][0]: sorted(v, key=str) for i, v in cand.items() if len(v) > 1}
+        layer_edges[i] = [(st, to, pid) for st in layers[i] for to, pid in moves(i, st) if to in live]
+        live = {st for st, _, _ in layer_edges[i]}
+    cand = [{pid for _, _, pid in es} for es in layer_edges]
+    ambiguous = {params[i][0]: sorted(v, key=str) for i, v in enumerate(cand) if len(v) > 1}
     if ambiguous and score is None:
         return Assignment(None, ambiguous)
-    # One path (or the best-scoring one): forward and backward best scores over the live
-    # states; the best path through an edge is F(from) + w + G(to), so each parameter's
-    # margin (best path minus the best that gives it another id) costs no extra search.
-    def edges(i: int) -> list[tuple[tuple[int, ...], tuple[int, ...], Any, float]]:
-        out = []
-        for st in live_layers[i]:
-            for g in range(k):
-                c = st[g]
-                to = st[:g] + (c + 1,) + st[g + 1 :]
-                if c < sizes[g] and fits(i, g, c) and to in live_layers[i + 1]:
-                    pid = ids[g][c]
-                    w = score(params[i][0], pid) if score is not None and params[i][0] in ambiguous else 0.0
-                    out.append((st, to, pid, w))
-        return out
 
-    layer_edges = [edges(i) for i in range(len(params))]
-    fwd: dict[tuple[int, ...], float] = {start: 0.0}
-    back: dict[tuple[int, ...], tuple[tuple[int, ...], Any]] = {}
-    for es in layer_edges:
-        for st, to, pid, w in es:
-            v = fwd[st] + w
+    # One path (or the best-scoring one): forward and backward best scores over the live
+    # moves; the best path through a move is F(from) + w + G(to), so each parameter's
+    # margin (best path minus the best that gives it another id) costs no extra search.
+    def weight(i: int, pid: Any) -> float:
+        name = params[i][0]
+        return score(name, pid) if score is not None and name in ambiguous else 0.0
+
+    fwd: dict[State, float] = {start: 0.0}
+    back: dict[State, tuple[State, Any]] = {}
+    for i, es in enumerate(layer_edges):
+        for st, to, pid in es:
+            v = fwd[st] + weight(i, pid)
             if to not in fwd or v > fwd[to]:
                 fwd[to] = v
                 back[to] = (st, pid)
-    bwd: dict[tuple[int, ...], float] = {sizes: 0.0}
-    for es in reversed(layer_edges):
-        for st, to, _, w in es:
-            v = bwd[to] + w
+    bwd: dict[State, float] = {sizes: 0.0}
+    for i in range(len(params) - 1, -1, -1):
+        for st, to, pid in layer_edges[i]:
+            v = bwd[to] + weight(i, pid)
             if st not in bwd or v > bwd[st]:
                 bwd[st] = v
     mapping: dict[Any, str] = {}
@@ -300,7 +292,7 @@ def order_preserving(
     for i, es in enumerate(layer_edges):
         name = params[i][0]
         if name in ambiguous:
-            rival = max((fwd[a] + w + bwd[b] for a, b, pid, w in es if pid != chosen[name]), default=-math.inf)
+            rival = max((fwd[a] + weight(i, pid) + bwd[b] for a, b, pid in es if pid != chosen[name]), default=-math.inf)
             margins[name] = total - rival
     return Assignment(mapping, ambiguous, margins=margins)
 
@@ -387,7 +379,8 @@ def settle_by_evidence(
     found = order_preserving(pending.params, ids, _state_shapes(pending.osd["state"]), score=cos)
     assert found.mapping is not None
     chosen = {n: pid for pid, n in found.mapping.items()}
-    unclear = [n for n in found.ambiguous if cos(n, chosen[n]) < _EVIDENCE_MIN and found.margins[n] < 2 * _EVIDENCE_MARGIN or found.margins[n] < _EVIDENCE_MARGIN]
+    need = {n: 2 * _EVIDENCE_MARGIN if cos(n, chosen[n]) < _EVIDENCE_MIN else _EVIDENCE_MARGIN for n in found.ambiguous}
+    unclear = [n for n in found.ambiguous if found.margins[n] < need[n]]
     if unclear:
         raise OptimizerMappingError(
             f"{pending.source}: optimizer ids map ambiguously and the pair's updates do not settle it "

@@ -179,7 +179,9 @@ def _clip_from_checkpoint(ckpt: Checkpoint, batches: BatchSource) -> tuple[float
 class Session:
     """Model, optimizer and probes rebuilt from *before*; one replay of the window."""
 
-    def __init__(self, cfg: ReplayConfig, a: Checkpoint, precision: str, loss_fn: Callable[..., torch.Tensor] | None) -> None:
+    def __init__(
+        self, cfg: ReplayConfig, a: Checkpoint, precision: str, loss_fn: Callable[..., torch.Tensor] | None, labels_shifted: bool = False
+    ) -> None:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.model, self.model_source = build_model(cfg.model, a)
@@ -196,7 +198,7 @@ class Session:
         self.probe = ModuleProbe(self.model, self.device)
         self.psg = PerSampleGrad(self.model)
         self.loss_fn = loss_fn
-        self.labels_shifted = False
+        self.labels_shifted = labels_shifted
         self.params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._group_of = {id(p): g for g in self.opt.param_groups for p in g["params"]}
 
@@ -413,8 +415,7 @@ class Plan:
         return {s: self.logged[s] for s in range(first - 128, first) if s in self.logged}
 
     def session(self) -> Session:
-        sess = Session(self.cfg, self.a, self.precision, self.loss_fn)
-        sess.labels_shifted = self.batches.labels_shifted
+        sess = Session(self.cfg, self.a, self.precision, self.loss_fn, self.batches.labels_shifted)
         self.model_source = sess.model_source
         return sess
 

@@ -518,18 +518,15 @@ def triage_cmd(
 
 
 def _discover_metrics(run_dir: Path) -> Path:
-    """DESIGN §3 discovery order; the first found wins."""
-    from .locate import list_checkpoints
+    from .triage import find_metrics
 
-    cands = [run_dir / "metrics.jsonl", run_dir / "metrics.csv"]
-    ckpts = list_checkpoints(run_dir)
-    if ckpts:
-        cands.append(ckpts[-1][1] / "trainer_state.json")
-    cands += sorted(run_dir.glob("lightning_logs/*/metrics.csv")) + sorted(run_dir.glob("events.out.tfevents.*"))
-    for c in cands:
-        if c.is_file():
-            return c
-    raise ForensicsError(f"no training log in {run_dir} (looked for metrics.jsonl, metrics.csv, trainer_state.json, lightning_logs, TensorBoard events); pass --metrics")
+    found = find_metrics(run_dir)
+    if found is None:
+        raise ForensicsError(
+            f"no training log in {run_dir} (looked for metrics.jsonl, metrics.csv, trainer_state.json, lightning_logs, "
+            "LitGPT logs/csv, OLMo-core metrics_step*.json, TensorBoard events); pass --metrics"
+        )
+    return found
 
 
 @cli.command("report")

@@ -15,7 +15,7 @@ import numpy as np
 from .errors import ForensicsError
 from .locate import list_checkpoints
 
-__all__ = ["TriageConfig", "Onset", "TriageResult", "read_metrics", "triage", "lr_columns", "group_lrs", "param_grad_columns"]
+__all__ = ["TriageConfig", "Onset", "TriageResult", "read_metrics", "find_metrics", "triage", "lr_columns", "group_lrs", "param_grad_columns"]
 
 # Per-group LR: OLMo-core's "optim/LR (group 0)", Lightning's LearningRateMonitor
 # "lr-AdamW/pg1" (1-based); per-parameter grad norms: OLMo's "optim/grad/<param>.norm",
@@ -68,11 +68,18 @@ def read_metrics(path: Path, keys: dict[str, str] | None = None) -> dict[int, di
     try:
         if path.name.startswith("events.out.tfevents"):
             rows = _tensorboard(path)
+        elif _OLMO_METRICS.match(path.name):
+            rows = _olmo_metrics(path.parent)
         elif path.suffix == ".csv":
-            for r in csv.DictReader(path.read_text().splitlines()):
-                if r.get("step") not in (None, ""):
-                    rows.setdefault(int(float(r["step"])), {}).update(
-                        {k: float(v) for k, v in r.items() if k and k != "step" and v not in ("", None) and _is_number(v)}
+            records = list(csv.DictReader(path.read_text().splitlines()))
+            # LitGPT logs each iteration at logger step iter_num - 1; its checkpoints count
+            # optimizer steps (step_count = iter_num without gradient accumulation).
+            litgpt = bool(records) and {"iter", "iter_time", "remaining_time"} <= set(records[0])
+            col = "iter" if litgpt else "step"
+            for r in records:
+                if r.get(col) not in (None, ""):
+                    rows.setdefault(int(float(r[col])), {}).update(
+                        {k: float(v) for k, v in r.items() if k and k not in ("step", col) and v not in ("", None) and _is_number(v)}
                     )
         elif path.suffix == ".json":
             state = json.loads(path.read_text())
@@ -94,11 +101,48 @@ def read_metrics(path: Path, keys: dict[str, str] | None = None) -> dict[int, di
                     rows.setdefault(int(r["step"]), {}).update({k: float(v) for k, v in r.items() if k != "step" and isinstance(v, (int, float))})
     except (OSError, UnicodeDecodeError, ValueError, json.JSONDecodeError) as e:
         raise ForensicsError(f"{path}: not a readable training log ({e})") from None
-    for ours, theirs in keys.items():
+    for ours, theirs in {**dict.fromkeys(_ALIASES, ""), **keys}.items():
         for d in rows.values():
             if theirs in d:
                 d[ours] = d[theirs]
+            elif ours not in d:
+                alias = next((a for a in _ALIASES.get(ours, ()) if a in d), None)
+                if alias is not None:
+                    d[ours] = d[alias]
     return dict(sorted(rows.items()))
+
+
+# What trainers call the loss and the total grad norm when not "loss" / "grad_norm":
+# OLMo-core's MetricSaverCallback keys, Megatron-LM's TensorBoard tags.
+_ALIASES = {
+    "loss": ("train/CE loss", "lm loss", "train/loss"),
+    "grad_norm": ("optim/total grad norm", "grad-norm", "train/grad_norm"),
+}
+_OLMO_METRICS = re.compile(r"^metrics_step(\d+)\.json$")
+
+
+def _olmo_metrics(folder: Path) -> dict[int, dict[str, float]]:
+    """OLMo-core's MetricSaverCallback: one `metrics_step{N}.json` per step in the save folder."""
+    rows: dict[int, dict[str, float]] = {}
+    for f in folder.iterdir():
+        m = _OLMO_METRICS.match(f.name)
+        if m:
+            doc = json.loads(f.read_text())
+            rows[int(m.group(1))] = {k: float(v) for k, v in doc.items() if isinstance(v, (int, float))}
+    return rows
+
+
+def find_metrics(run_dir: Path) -> Path | None:
+    """The run's training log, in this order: metrics.jsonl / metrics.csv, the newest
+    checkpoint's trainer_state.json (HF), Lightning's and LitGPT's CSVLogger files,
+    OLMo-core's metrics_step{N}.json, TensorBoard events. None when there is none."""
+    cands = [run_dir / "metrics.jsonl", run_dir / "metrics.csv"]
+    ckpts = list_checkpoints(run_dir) if run_dir.is_dir() else []
+    if ckpts:
+        cands.append(Path(ckpts[-1][1]) / "trainer_state.json")
+    for pattern in ("lightning_logs/*/metrics.csv", "logs/csv/*/metrics.csv", "metrics_step*.json", "events.out.tfevents.*"):
+        cands += sorted(run_dir.glob(pattern))
+    return next((c for c in cands if c.is_file()), None)
 
 
 def _is_number(v: str) -> bool:

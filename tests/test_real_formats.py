@@ -301,6 +301,26 @@ def test_olmo_core_healthy_pair_raises_no_alarm(tmp_path: Path) -> None:
     assert doc["verdict"]["causes"][0]["cause"] == "none", doc["verdict"]
 
 
+def test_olmo_core_replays_onto_after_with_the_reference_model(tmp_path: Path) -> None:
+    """No --model: the reference OLMo-core Transformer is built from the experiment's
+    config.json (reordered-norm blocks, QK-norm, RoPE theta 5e5, three param groups).
+    Each replayed step's loss is OLMo-core's own and the window lands on step 20; the
+    config's clip is used and SkipStepAdamW's skipping is said."""
+    truth = json.loads((OLMO / "truth.json").read_text())["steps"]
+    out = tmp_path / "rep"
+    r = invoke("replay", "--run-dir", str(OLMO / "run"), "--before", "10", "--after", "20", "--batch", str(OLMO / "batches.h5"), "--out", str(out))
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "report.json").read_text())
+    rep = doc["replay"]
+    assert rep["config"]["model"]["value"].startswith("reference OLMo-core Transformer from config.json (reordered_norm")
+    assert rep["config"]["clip"] == {"value": 1.0, "source": "checkpoint config grad_clip"}
+    want = truth[10:20] if isinstance(truth, list) else [truth[str(i)] for i in range(11, 21)]
+    assert [s["loss"] for s in rep["steps"]] == pytest.approx([w["loss"] for w in want], rel=1e-5)
+    assert rep["reproduction"]["mismatched"] == 0
+    assert doc["verdict"]["causes"][0]["cause"] == "none"
+    assert any("SkipStepAdamW" in n for n in open_checkpoint(OLMO / "run" / "step10").notes)
+
+
 class _Canary:
     """A pickle that would touch a file if it ever ran."""
 
@@ -370,14 +390,44 @@ def test_litgpt_replay_lands_on_after(tmp_path: Path) -> None:
     litgpt is not a dev dependency (it pins huggingface_hub below transformers' floor):
     this runs where litgpt is installed, as in the fixture's own venv."""
     pytest.importorskip("litgpt")
-    r = invoke(
-        "replay", "--run-dir", str(LITGPT), "--before", "10", "--after", "20",
-        "--model", "fixtures/litgpt_run.py:build_model", "--batch", str(LITGPT / "batches.h5"), "--out", str(tmp_path / "rep"),
-    )  # fmt: skip
-    assert r.exit_code == 0, r.output
-    rep = json.loads((tmp_path / "rep" / "report.json").read_text())["replay"]
-    assert rep["config"]["clip"] == {"value": 1.0, "source": "checkpoint config grad_clip"}
-    assert rep["reproduction"]["mismatched"] == 0
+    for model in ("fixtures/litgpt_run.py:build_model", None):
+        extra = ["--model", model] if model else []
+        out = tmp_path / f"rep{len(extra)}"
+        r = invoke("replay", "--run-dir", str(LITGPT), "--before", "10", "--after", "20", *extra, "--batch", str(LITGPT / "batches.h5"), "--out", str(out))
+        assert r.exit_code == 0, r.output
+        rep = json.loads((out / "report.json").read_text())["replay"]
+        assert rep["config"]["clip"] == {"value": 1.0, "source": "checkpoint config grad_clip"}
+        assert rep["reproduction"]["mismatched"] == 0
+    assert rep["config"]["model"]["value"] == "litgpt.GPT from model_config.yaml"
+
+
+def test_litgpt_without_litgpt_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "litgpt", None)  # import litgpt -> ImportError
+    r = invoke("replay", "--run-dir", str(LITGPT), "--before", "10", "--after", "20", "--batch", str(LITGPT / "batches.h5"))
+    assert_bad_input(r, "needs litgpt")
+
+
+def test_litgpt_and_olmo_core_logs_are_found_and_keyed_by_the_checkpoints_step() -> None:
+    """LitGPT's CSVLogger writes iteration i at logger step i-1 (the `iter` column is the
+    checkpoint's step); OLMo-core writes one metrics_step{N}.json per step with its own
+    key names. Both are discovered in the run directory and read at the right step."""
+    from ckptforensics.triage import find_metrics, read_metrics
+
+    log = find_metrics(LITGPT)
+    assert log is not None and log.name == "metrics.csv"
+    rows = read_metrics(log)
+    for rec in json.loads((LITGPT / "truth.json").read_text())["log"]:
+        assert rows[rec["step"]]["loss"] == pytest.approx(rec["loss"], rel=1e-9)
+    log = find_metrics(OLMO / "run")
+    assert log is not None and log.name.startswith("metrics_step")
+    rows = read_metrics(log)
+    truth = json.loads((OLMO / "truth.json").read_text())["steps"]
+    want = truth if isinstance(truth, list) else list(truth.values())
+    for rec in want:
+        assert rows[rec["step"]]["loss"] == pytest.approx(rec["loss"], rel=1e-6)
+        assert rows[rec["step"]]["grad_norm"] == pytest.approx(rec["grad_norm"], rel=1e-6)
 
 
 MCORE = DATA / "megatron-core-0.19"
@@ -390,6 +440,32 @@ def _dist_name(name: str) -> str:
         if name.endswith(mod):
             return name[: -len(mod)] + te
     return name
+
+
+@pytest.mark.parametrize("variant", ["plain", "distopt", "legacy"])
+def test_megatron_core_replays_onto_after_with_the_reference_model(variant: str, tmp_path: Path) -> None:
+    """No --model: the reference Megatron GPT is built from the checkpoint's `args` (GQA,
+    RoPE, RMSNorm, SwiGLU, untied head; TE norm names in torch_dist, local ones in legacy).
+    Its first step's loss is megatron-core's own, and the window lands on iteration 20."""
+    steps = json.loads((MCORE / "truth.json").read_text())["variants"][variant]["steps"]
+    out = tmp_path / "rep"
+    r = invoke("replay", "--run-dir", str(MCORE / variant), "--before", "10", "--after", "20", "--batch", str(MCORE / "batches.h5"), "--out", str(out))
+    assert r.exit_code == 0, r.output
+    rep = json.loads((out / "report.json").read_text())["replay"]
+    assert rep["config"]["model"]["value"].startswith("reference Megatron GPT from the checkpoint's args")
+    assert rep["config"]["clip"]["value"] == 1.0
+    assert rep["steps"][0]["loss"] == pytest.approx(steps[10]["loss"], rel=1e-5)
+    assert rep["steps"][0]["grad_norm"] == pytest.approx(steps[10]["grad_norm"], rel=1e-4)
+    assert rep["reproduction"]["mismatched"] == 0 and rep["reproduction"]["tensors"] == 45
+
+
+def test_megatron_option_the_reference_lacks_is_refused_by_name() -> None:
+    from ckptforensics.replay.model import ModelSpecError, build_model
+
+    ck = open_checkpoint(MCORE / "legacy" / "iter_0000010")
+    ck.config = {**(ck.config or {}), "num_experts": 8}
+    with pytest.raises(ModelSpecError, match="does not implement mixture of experts; pass --model"):
+        build_model(None, ck)
 
 
 @pytest.mark.parametrize("variant", ["plain", "distopt", "legacy"])

@@ -199,6 +199,7 @@ def open_dcp(path: Path) -> Checkpoint:
     step = next((s for s in (_olmo_train_state(path), _step_from_name(path), _trainer_step(path)) if s is not None), None)
     if step is not None:
         ckpt.scalars["global_step"] = step
+    _olmo_config(ckpt, path)
     if state and opt_store is not None:
         _untie(ckpt, state)
         ckpt.optimizer = _optimizer(opt_store, state, groups)
@@ -235,6 +236,33 @@ def _untie(ckpt: Checkpoint, state: dict[str, dict[str, Any]]) -> None:
             ckpt.aliases[name] = twins[0]
             del ckpt._meta[name], ckpt._get[name]
             ckpt.notes.append(f"{name} has no optimizer state and is shaped like {twins[0]}: read as tied to it")
+
+
+def _olmo_config(ckpt: Checkpoint, path: Path) -> None:
+    """OLMo-core's experiment config.json beside `model_and_optim/`: the model section builds
+    the model (`replay.reference`), the train module states the clip and the optimizer."""
+    for d in (path, path.parent):
+        f = d / "config.json"
+        if not f.is_file():
+            continue
+        try:
+            cfg = json.loads(f.read_text())
+        except (OSError, ValueError):
+            return
+        model = cfg.get("model") if isinstance(cfg, dict) else None
+        if not (isinstance(model, dict) and str(model.get("_CLASS_", "")).startswith("olmo_core.")):
+            return
+        ckpt.config = model
+        tm = cfg.get("train_module") or {}
+        optim = tm.get("optim") or {}
+        ckpt.scalars["train_config"] = {"grad_clip": tm.get("max_grad_norm"), "learning_rate": optim.get("lr")}
+        if "skip_step" in str(optim.get("type", "")) or "SkipStep" in str(optim.get("_CLASS_", "")):
+            ckpt.notes.append(
+                f"the optimizer is OLMo-core's {optim.get('_CLASS_', 'SkipStepAdamW').rsplit('.', 1)[-1]}: it skips a step whose loss or "
+                f"grad norm exceeds the mean of the last {optim.get('rolling_interval_length', 128)} by "
+                f"{optim.get('sigma_factor', 6)} standard deviations (a replay applies every step)"
+            )
+        return
 
 
 def _olmo_train_state(path: Path) -> int | None:

@@ -138,14 +138,20 @@ def _precision(cfg: ReplayConfig, ckpt: Checkpoint) -> tuple[str, str]:
     return "fp32", "fp32 weights, no loss scaler"
 
 
+def _model_source(spec: str | None, desc: str | None) -> str:
+    if spec:
+        return "--model"
+    if desc and not desc.startswith("transformers"):
+        return "the run's recorded config (args, config.json or model_config.yaml)"
+    return "checkpoint config.json"
+
+
 def _metrics_file(cfg: ReplayConfig) -> Path | None:
     if cfg.metrics is not None:
         return cfg.metrics
-    for d in (cfg.before.parent, cfg.before.parent.parent):
-        for name in ("metrics.jsonl", "metrics.csv"):
-            if (d / name).is_file():
-                return d / name
-    return None
+    from ..triage import find_metrics
+
+    return next((f for f in (find_metrics(d) for d in (cfg.before.parent, cfg.before.parent.parent)) if f is not None), None)
 
 
 def _lr_plan(steps: list[int], ckpt: Checkpoint, batches: BatchSource, logged: dict[int, dict[str, float]]) -> tuple[dict[int, list[float]], str]:
@@ -404,7 +410,7 @@ class Plan:
             "clip": {"value": clip, "source": clip_source},
             "loss": {"value": cfg.loss or "causal LM cross-entropy on the logits (shifted)", "source": "--loss" if cfg.loss else "default"},
             "optimizer": {"value": "AdamW", "source": "checkpoint optimizer state"},
-            "model": {"value": self.model_source or cfg.model or "config.json", "source": "--model" if cfg.model else "checkpoint config.json"},
+            "model": {"value": self.model_source or cfg.model or "config.json", "source": _model_source(cfg.model, self.model_source)},
             "batches": {"value": self.batches.describe, "source": "--batch"},
             "metrics": {"value": str(self.metrics_file) if self.metrics_file else None, "source": "discovered" if self.metrics_file and cfg.metrics is None else "--metrics"},
         }

@@ -125,7 +125,9 @@ def _call_factory(fn: Callable[..., Any], spec: str, config: dict[str, Any] | No
 
 
 def build_model(spec: str | None, ckpt: Checkpoint) -> tuple[nn.Module, str]:
-    """The model named by `spec`, or by the checkpoint's HF config.json when spec is None.
+    """The model named by `spec`, or, when spec is None, by the config the run recorded:
+    HF config.json (transformers), Megatron `args` or OLMo-core config.json (reference
+    models, `replay.reference`), LitGPT model_config.yaml (litgpt).
 
     A factory receives the checkpoint's model config (nanoGPT `model_args`, Lightning
     hyper-parameters) as the keyword arguments its signature accepts.
@@ -133,6 +135,10 @@ def build_model(spec: str | None, ckpt: Checkpoint) -> tuple[nn.Module, str]:
     Returns:
         (model, how it was built: the call with its arguments, for `replay.config`).
     """
+    if spec is None:
+        built = _from_recorded_config(ckpt)
+        if built is not None:
+            return built
     if spec is None or spec.endswith("config.json") or (Path(spec).is_dir() and (Path(spec) / "config.json").is_file()):
         return _hf_model(spec, ckpt), f"transformers from {'config.json' if spec is None else spec}"
     fn = load_callable(spec, "--model")
@@ -140,6 +146,31 @@ def build_model(spec: str | None, ckpt: Checkpoint) -> tuple[nn.Module, str]:
     if not isinstance(model, nn.Module):
         raise ModelSpecError(f"--model {spec!r}: returned {type(model).__name__}, not an nn.Module")
     return model, desc
+
+
+def _from_recorded_config(ckpt: Checkpoint) -> tuple[nn.Module, str] | None:
+    """A model from what a non-HF run recorded: Megatron `args`, OLMo-core's config.json,
+    LitGPT's model_config.yaml (with litgpt installed). None when none of them applies."""
+    from . import reference
+
+    cfg = ckpt.config
+    try:
+        if reference.is_megatron_args(cfg):
+            return reference.megatron_gpt(cfg, ckpt.names())
+        if reference.is_olmo_model_config(cfg):
+            return reference.olmo_transformer(cfg)
+    except reference.ReferenceError as e:
+        raise ModelSpecError(f"{ckpt.path}: {e}; pass --model module:factory") from None
+    if ckpt.format == "litgpt" and cfg:
+        try:
+            from litgpt import GPT, Config  # type: ignore[import-not-found]
+        except ImportError:
+            raise ModelSpecError(f"{ckpt.path}: building a LitGPT model needs litgpt (pip install litgpt), or pass --model module:factory") from None
+        import dataclasses
+
+        known = {f.name for f in dataclasses.fields(Config)}
+        return GPT(Config(**{k: v for k, v in cfg.items() if k in known})), "litgpt.GPT from model_config.yaml"
+    return None
 
 
 def _hf_model(spec: str | None, ckpt: Checkpoint) -> nn.Module:

@@ -23,8 +23,8 @@ RUNS = {
     "healthy-safetensors": "safetensors",
     "lightning": "lightning",
     "hf-trainer": "hf-trainer",
-    "healthy-megatron": "megatron",
 }
+MCORE = Path(__file__).resolve().parent.parent / "fixtures" / "data" / "megatron-core-0.19"
 
 
 @pytest.mark.parametrize("run,fmt", sorted(RUNS.items()))
@@ -139,13 +139,15 @@ def test_lightning_scaler_state_is_read(zoo: dict[str, Path], tmp_path: Path) ->
     assert view.scalars["scaler"]["growth_interval"] == 2000
 
 
-def test_megatron_args_and_distributed_optimizer_limit(zoo: dict[str, Path], tmp_path: Path) -> None:
+def test_megatron_args_and_distributed_optimizer_limit(tmp_path: Path) -> None:
+    """A legacy save whose optimizer state lives in distrib_optim.pt (the legacy distributed
+    optimizer) is read weights-only, and says so."""
     import shutil
 
-    src = zoo["healthy-megatron"] / "iter_0000030"
+    src = MCORE / "legacy" / "iter_0000010"
     ck = open_checkpoint(src)
-    assert ck.config["clip_grad"] == 1.0 and ck.scalars["train_config"]["learning_rate"] == 3e-3
-    d = tmp_path / "iter_0000030"
+    assert ck.config["clip_grad"] == 1.0 and ck.scalars["train_config"]["learning_rate"] == 1e-3
+    d = tmp_path / "iter_0000010"
     shutil.copytree(src, d)
     torch.save({"buckets": [torch.zeros(4)]}, d / "mp_rank_00" / "distrib_optim.pt")
     limited = open_checkpoint(d)
@@ -153,30 +155,26 @@ def test_megatron_args_and_distributed_optimizer_limit(zoo: dict[str, Path], tmp
     assert any("distributed optimizer" in n for n in limited.notes)
 
 
-def test_megatron_torch_dist_matches_the_legacy_save(zoo: dict[str, Path], tmp_path: Path) -> None:
-    """The same run saved both ways: stacked torch_dist keys hold the legacy per-layer tensors."""
-    from fixtures.zoo import mcore_name
-
-    dist = open_checkpoint(resolve_checkpoint("30", zoo["healthy-megatron-dist"]))
-    legacy = open_checkpoint(resolve_checkpoint("30", zoo["healthy-megatron"]))
-    assert dist.format == "megatron-dist" and dist.step == 30
+def test_megatron_torch_dist_matches_the_legacy_save() -> None:
+    """The same megatron-core run saved both ways: torch_dist's stacked layer tensors, read per
+    layer as `decoder.layers.<i>.<name>` (the local spec's norms under TE's fused names),
+    hold the legacy file's tensors and moments bit for bit."""
+    te = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight", "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+    dist = open_checkpoint(resolve_checkpoint("20", MCORE / "plain"))
+    legacy = open_checkpoint(resolve_checkpoint("20", MCORE / "legacy"))
+    assert dist.format == "megatron-dist" and dist.step == 20 and legacy.format == "megatron"
     assert dist.config["clip_grad"] == 1.0  # args came through the inert unpickler
     assert dist.optimizer is not None and dist.optimizer.kind == "adam"
-    # Stacked per-layer tensors are read as one tensor per layer, named as mcore names
-    # its unstacked layers: decoder.layers.<i>.<name>.
     seen = set()
     for n in legacy.names():
-        key, layer = mcore_name(legacy.aliases.get(n, n))
-        name = key if layer is None else key.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
+        name = next((n[: -len(k)] + v for k, v in te.items() if n.endswith(k)), n)
         seen.add(name)
-        assert dist.meta(name).shape == legacy.meta(n).shape, n
         assert torch.equal(dist.tensor(name), legacy.tensor(n)), n
-        assert torch.equal(dist.optim_state(name)["exp_avg_sq"], legacy.optim_state(n)["exp_avg_sq"]), n
+        for where in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(dist.optim_state(name)[where], legacy.optim_state(n)[where]), (n, where)
     assert seen == set(dist.names())
-    assert dist.hyper("decoder.layers.1.mlp.linear_fc1.bias").weight_decay == 0.0
+    assert dist.hyper("decoder.final_layernorm.weight").weight_decay == 0.0
     assert dist.hyper("decoder.layers.1.mlp.linear_fc1.weight").weight_decay == pytest.approx(0.1)
-    r = CliRunner().invoke(cli, ["diff", "--run-dir", str(zoo["healthy-megatron-dist"]), "--before", "30", "--after", "40", "--out", str(tmp_path)])
-    assert r.exit_code == 0 and "No anomaly" in r.output, r.output
 
 
 def test_megatron_bucket_that_does_not_fit_the_model_is_refused_with_the_reason(tmp_path: Path) -> None:
@@ -194,32 +192,33 @@ def test_megatron_bucket_that_does_not_fit_the_model_is_refused_with_the_reason(
     assert_bad_input(CliRunner().invoke(cli, ["inspect", str(d)]), "the layout does not match this model")
 
 
-def test_megatron_torch_dist_bit_flip_is_located_to_its_layer(zoo: dict[str, Path], tmp_path: Path) -> None:
-    """A flipped exponent bit in one layer of a stacked tensor: found in that layer, at that element."""
+def test_megatron_torch_dist_bit_flip_is_located_to_its_layer(tmp_path: Path) -> None:
+    """A flipped exponent bit in layer 1 of a stacked tensor that megatron-core wrote (the
+    chunk rewritten in place, same length): found in that layer, at that element."""
+    import io
     import shutil
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
 
     from ckptforensics.formats.dcp import _Store, read_metadata
     from ckptforensics.tensors import flip_bit
 
     run = tmp_path / "run"
-    shutil.copytree(zoo["healthy-megatron-dist"] / "iter_0000030", run / "iter_0000030")
-    src = zoo["healthy-megatron-dist"] / "iter_0000040"
-    store = _Store(src, read_metadata(src))
-    sd = {k: store.tensor(k) for k, m in store.md.state_dict_metadata.items() if hasattr(m, "size")}
-    key = "decoder.layers.mlp.linear_fc1.weight"
-    sd[key][2, 5, 7] = flip_bit(float(sd[key][2, 5, 7]), 30, torch.float32)
-    dst = run / "iter_0000040"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(sd, checkpoint_id=str(dst), no_dist=True)
-    for f in ("common.pt", "metadata.json"):
-        shutil.copy(src / f, dst / f)
-    r = CliRunner().invoke(cli, ["diff", "--run-dir", str(run), "--before", "30", "--after", "40", "--json"])
+    for it in ("iter_0000010", "iter_0000020"):
+        shutil.copytree(MCORE / "plain" / it, run / it)
+    dst = run / "iter_0000020"
+    store = _Store(dst, read_metadata(dst))
+    # one chunk per layer of the stacked [2, 128, 32] tensor: take layer 1's
+    info = next(info for idx, info in store.by_fqn["decoder.layers.mlp.linear_fc1.weight"] if idx.offset[0] == 1)
+    t = store._blob(info)
+    t[0, 5, 7] = flip_bit(float(t[0, 5, 7]), 30, torch.float32)
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    assert len(buf.getvalue()) == int(info.length)
+    with (dst / str(info.relative_path)).open("r+b") as fh:
+        fh.seek(int(info.offset))
+        fh.write(buf.getvalue())
+    r = CliRunner().invoke(cli, ["diff", "--run-dir", str(run), "--before", "10", "--after", "20", "--json"])
     assert r.exit_code == 0, r.output
     v = json.loads(r.stdout)["verdict"]
     assert v["causes"][0]["cause"] == "silent_corruption"
     hit = v["corrupted_elements"][0]
-    assert hit["tensor"] == "decoder.layers.2.mlp.linear_fc1.weight" and hit["index"] == [5, 7]
+    assert hit["tensor"] == "decoder.layers.1.mlp.linear_fc1.weight" and hit["index"] == [5, 7]

@@ -27,7 +27,7 @@ def test_triage_finds_the_planted_step_and_a_rollback_before_it(zoo: dict[str, P
     assert any("replay" in c and f"--before {res.rollback_step}" in c for c in res.commands)
 
 
-@pytest.mark.parametrize("name", ["healthy", "healthy-torch", "healthy-safetensors", "healthy-megatron", "silent_corruption"])
+@pytest.mark.parametrize("name", ["healthy", "healthy-torch", "healthy-safetensors", "silent_corruption"])
 def test_triage_finds_nothing_in_clean_logs(zoo: dict[str, Path], name: str) -> None:
     assert triage(zoo[name] / "metrics.jsonl", zoo[name]).first_bad_step is None
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .diff import DiffResult, TensorDiff, tensor_role
-from .tensors import robust_z
+from .tensors import CURVE_FLOOR, CURVE_MIN_HISTORY, log_curve, robust_z, trend_z
 
 __all__ = ["Finding", "Thresholds", "diff_findings", "replay_findings", "first_steps_from_state", "SEVERITIES", "module_of"]
 
@@ -495,21 +495,14 @@ def detect_sign_like(diff: DiffResult, th: Thresholds) -> list[Finding]:
 
 
 # ------------------------------------------------------------------ replay detectors
-def _log(v: float) -> float:
-    return math.log10(v) if math.isfinite(v) and v > 0 else (math.inf if not math.isfinite(v) else -12.0)
-
-
 def _z_steps(values: Sequence[float], baseline: Sequence[float] = ()) -> np.ndarray:
-    """Robust z of per-step values on a log scale against the baseline steps (the run's
-    logged history before the window) or, lacking one, the window itself; non-finite = +inf."""
-    x = np.array([_log(v) for v in values])
-    ref = np.array([_log(v) for v in baseline]) if len(baseline) >= 5 else x
-    ref = ref[np.isfinite(ref)]
-    if ref.size < 2:
-        return np.where(np.isfinite(x), 0.0, np.inf)
-    med = float(np.median(ref))
-    mad = float(np.median(np.abs(ref - med))) * 1.4826
-    return np.where(np.isfinite(x), (x - med) / max(mad, 0.02), np.inf)
+    """Robust z of per-step values (log scale) against the run's own trend: the logged
+    history before the window leads into the window (`tensors.trend_z`, as triage judges
+    the log); lacking that history, against the window itself. Non-finite = +inf."""
+    if len(baseline) >= CURVE_MIN_HISTORY:
+        return trend_z([*baseline, *values], judge_from=len(baseline))[0][len(baseline) :]
+    x = log_curve(values)
+    return np.where(np.isfinite(x), robust_z(x, floor=CURVE_FLOOR), np.inf)
 
 
 def replay_findings(rep: Any, th: Thresholds | None = None) -> tuple[list[Finding], dict[str, Any]]:

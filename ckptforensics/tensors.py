@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,6 +106,71 @@ def robust_z(values: np.ndarray, floor: float = 0.0) -> np.ndarray:
     out[finite] = (x[finite] - med) / scale
     out[~finite] = np.inf
     return out
+
+
+# Per-step training curves (loss, grad norm) on a log10 scale. The rolling median is the
+# shortest whose own noise stays under half the per-step noise (1.25/sqrt(8) = 0.44 sigma);
+# the noise floor of 0.02 (4.7%) keeps a curve quieter than float noise from turning any
+# wiggle into an alarm; 128 steps of history is OLMo-core's SkipStepAdamW window.
+CURVE_SHORT = 8
+CURVE_WINDOW = 128
+CURVE_FLOOR = 0.02
+CURVE_MIN_HISTORY = 8
+
+
+def log_curve(values: Sequence[float]) -> np.ndarray:
+    """log10 of a positive curve; non-finite values -> +inf, non-positive -> -12 (far below)."""
+    x = np.asarray(values, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(x > 0, np.log10(np.where(x > 0, x, 1.0)), -12.0)
+    return np.where(np.isfinite(x), out, np.inf)
+
+
+def trend_z(
+    values: Sequence[float],
+    judge_from: int = 0,
+    z: float = 6.0,
+    floor: float = CURVE_FLOOR,
+    window: int = CURVE_WINDOW,
+    min_history: int = CURVE_MIN_HISTORY,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Robust z of each step of a curve against a baseline that follows the run's own trend.
+
+    Walking the curve in order, a step is compared with the median of the last
+    `CURVE_SHORT` accepted steps; the noise scale is the robust spread of the accepted
+    steps' residuals to their own rolling medians over the last `window`, centred by
+    their median (a falling loss sits a constant lag below its rolling median, which is not
+    a spike). A step whose z exceeds `z` does not enter the baseline, so a spike cannot
+    hide the next one; a smooth lift (a data-mixture switch) is followed. Steps before
+    `judge_from`, and steps with fewer than `min_history` accepted before them, get
+    z = 0 (history only). Non-finite values get +inf.
+
+    Returns:
+        (z per step, the baseline level per step in the curve's units; NaN where unjudged).
+    """
+    lv = log_curve(values)
+    out = np.zeros(lv.size)
+    level = np.full(lv.size, np.nan)
+    acc: list[float] = []
+    res: list[float] = []
+    for i, v in enumerate(lv):
+        if len(acc) >= min_history:
+            base = float(np.median(acc[-CURVE_SHORT:]))
+            r = np.asarray(res[-window:]) if len(res) >= 3 else np.zeros(1)
+            c = float(np.median(r))
+            scale = max(1.4826 * float(np.median(np.abs(r - c))), floor)
+            zi = (v - base - c) / scale if math.isfinite(v) else math.inf
+            if i >= judge_from:
+                out[i], level[i] = zi, 10 ** (base + c)
+            if zi > z:
+                continue
+            res.append(v - base)
+        elif not math.isfinite(v):
+            if i >= judge_from:
+                out[i] = math.inf
+            continue
+        acc.append(v)
+    return out, level
 
 
 def adam_ratio_bound(beta1: float, beta2: float, t_first: int, t_last: int) -> float:

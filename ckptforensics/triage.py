@@ -14,6 +14,7 @@ import numpy as np
 
 from .errors import ForensicsError
 from .locate import list_checkpoints
+from .tensors import trend_z
 
 __all__ = ["TriageConfig", "Onset", "TriageResult", "read_metrics", "find_metrics", "triage", "lr_columns", "group_lrs", "param_grad_columns"]
 
@@ -178,6 +179,9 @@ class TriageConfig:
         loss_factor: a loss this many times the window median is a spike whatever z (Megatron: 10).
         min_history: steps of history needed before a step can be judged.
         margin: extra steps the rollback checkpoint must precede the onset by.
+        follow: steps within which the loss must follow a grad-norm spike or a loss-scale
+            backoff for it to count as an onset (a bad update shows in the next steps'
+            loss; 16 is twice the rolling median, measured on the zoo's tuning split).
     """
 
     window: int = 128
@@ -185,6 +189,7 @@ class TriageConfig:
     loss_factor: float = 10.0
     min_history: int = 8
     margin: int = 0
+    follow: int = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +209,7 @@ class TriageResult:
     metrics_file: str
     steps: int
     onsets: list[Onset] = field(default_factory=list)
+    ignored: list[Onset] = field(default_factory=list)  # grad-norm blips / backoffs the loss did not follow
     first_bad_step: int | None = None
     rollback: str | None = None
     rollback_step: int | None = None
@@ -214,30 +220,37 @@ class TriageResult:
     timeline: dict[str, list[float]] = field(default_factory=dict)  # step, loss, grad_norm, checkpoints
 
 
-def _robust(hist: np.ndarray) -> tuple[float, float]:
-    med = float(np.median(hist))
-    mad = float(np.median(np.abs(hist - med))) * 1.4826
-    return med, max(mad, 0.02)
-
-
 def _spikes(rows: dict[int, dict[str, float]], key: str, cfg: TriageConfig) -> list[Onset]:
-    """Steps whose log10(value) is a robust outlier against the previous `window` steps."""
+    """Steps whose log10(value) leaves the run's own trend (`tensors.trend_z`), or a loss
+    `loss_factor` times its baseline whatever the noise (Megatron-LM's 10x rule)."""
     steps = [s for s in rows if key in rows[s]]
     vals = [rows[s][key] for s in steps]
+    z, level = trend_z(vals, z=cfg.z, window=cfg.window, min_history=cfg.min_history)
     out = []
-    hist: list[float] = []
-    for s, v in zip(steps, vals, strict=True):
-        lv = math.log10(v) if math.isfinite(v) and v > 0 else math.inf
-        if len(hist) >= cfg.min_history:
-            med, mad = _robust(np.array(hist[-cfg.window :]))
-            z = (lv - med) / mad if math.isfinite(lv) else math.inf
-            factor = (not math.isfinite(v)) or (key == "loss" and v >= cfg.loss_factor * 10**med)
-            if z > cfg.z or factor:
-                out.append(Onset(s, key, v, 10**med, z, f"{key} {v:.4g} at step {s} vs {10**med:.4g} (robust z {z:.1f} over {min(len(hist), cfg.window)} steps)"))
-                continue  # a spike does not enter the baseline
-        if math.isfinite(lv):
-            hist.append(lv)
+    for s, v, zi, base in zip(steps, vals, z, level, strict=True):
+        factor = (not math.isfinite(v)) or (key == "loss" and math.isfinite(base) and v >= cfg.loss_factor * base)
+        if zi > cfg.z or factor:
+            out.append(Onset(s, key, v, float(base), float(zi), f"{key} {v:.4g} at step {s} vs {base:.4g} on its trend (robust z {zi:.1f})"))
     return out
+
+
+def _followed(onset: Onset, loss_spikes: list[Onset], z_loss: dict[int, float], cfg: TriageConfig) -> bool:
+    """A grad-norm spike or a loss-scale backoff starts an incident only when the loss
+    follows: a loss spike within `follow` steps, the loss at half the spike z on that step
+    or the next (a poisoned batch's own loss, a bad update's first effect), or two steps at
+    half the spike z within `follow`. A grad-norm blip the loss ignores, and dynamic loss
+    scaling's routine backoff (every growth_interval steps), are normal operation. Where
+    the log ends before the loss could answer, the onset is kept."""
+    horizon = range(onset.step, onset.step + cfg.follow + 1)
+    if any(o.step in horizon for o in loss_spikes):
+        return True
+    half = cfg.z / 2
+    if any(z_loss.get(s, 0.0) >= half for s in (onset.step, onset.step + 1)):
+        return True
+    seen = [z_loss[s] for s in horizon if s in z_loss]
+    if len(seen) < cfg.follow // 2:
+        return True
+    return sum(v >= half for v in seen) >= 2
 
 
 def _lr_jumps(rows: dict[int, dict[str, float]]) -> list[Onset]:
@@ -318,9 +331,15 @@ def triage(metrics: Path, run_dir: Path | None, cfg: TriageConfig | None = None,
     if not rows:
         raise ForensicsError(f"{metrics}: no rows with a step")
     res = TriageResult(metrics_file=str(metrics), steps=len(rows))
-    # The grad norm is the seed signal (it moves first); loss, LR and loss scale follow.
+    # The grad norm is the seed signal (it moves first), but only where the loss follows.
+    loss = _spikes(rows, "loss", cfg)
+    steps = [s for s in rows if "loss" in rows[s]]
+    z_loss = dict(zip(steps, trend_z([rows[s]["loss"] for s in steps], z=cfg.z, window=cfg.window, min_history=cfg.min_history)[0].tolist(), strict=True)) if steps else {}
+    seeds = _spikes(rows, "grad_norm", cfg) + _scale_drops(rows)
+    kept = [o for o in seeds if not z_loss or _followed(o, loss, z_loss, cfg)]
+    res.ignored = [o for o in seeds if o not in kept]
     res.onsets = sorted(
-        _spikes(rows, "grad_norm", cfg) + _spikes(rows, "loss", cfg) + _lr_jumps(rows) + _scale_drops(rows) + _gradient_returns(rows, cfg),
+        kept + loss + _lr_jumps(rows) + _gradient_returns(rows, cfg),
         key=lambda o: (o.step, ["lr", "param_grad", "loss_scale", "grad_norm", "loss"].index(o.signal)),
     )
     if res.onsets:

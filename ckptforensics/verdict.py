@@ -77,11 +77,12 @@ def _weight(f: Finding) -> float:
 
 
 def rank_causes(findings: Sequence[Finding]) -> list[dict[str, Any]]:
-    """Causes ranked by evidence: direct evidence first, then total weight.
+    """Causes ranked by evidence, ordered by confidence.
 
     A finding supporting several causes gives its full weight to the first and half to
-    the rest; a cause with direct (primary) evidence outranks causes that only have
-    effects shared with others (a gradient burst follows an LR jump, not the reverse).
+    the rest; direct (primary) evidence counts twice, so a cause it supports outranks
+    causes that only have effects shared with others (a gradient burst follows an LR
+    jump, not the reverse) unless their evidence is much heavier.
     """
     primary: dict[str, float] = defaultdict(float)
     total: dict[str, float] = defaultdict(float)
@@ -98,9 +99,12 @@ def rank_causes(findings: Sequence[Finding]) -> list[dict[str, Any]]:
             evidence[cause].append(f.id)
     if not total:
         return [{"cause": "none", "confidence": 1.0, "evidence": []}]
-    order = sorted(total, key=lambda c: (primary[c], total[c]), reverse=True)
-    norm = sum(total.values())
-    return [{"cause": c, "confidence": round(total[c] / norm, 3), "evidence": evidence[c]} for c in order]
+    # Direct evidence counts twice: it outweighs shared effects, yet a cause's confidence
+    # is its share of the one score it is ranked by, so the first listed is the most confident.
+    score = {c: total[c] + primary[c] for c in total}
+    order = sorted(score, key=lambda c: (score[c], primary[c]), reverse=True)
+    norm = sum(score.values())
+    return [{"cause": c, "confidence": round(score[c] / norm, 3), "evidence": evidence[c]} for c in order]
 
 
 def decide(

@@ -61,7 +61,7 @@ def run_diff(
         result, findings = got, diff_findings(got)
     try:
         before_ok = not any(t.nonfinite_a for t in result.tensors)
-        verdict = decide(findings, before=str(a_path), after=str(b_path), before_healthy=before_ok)
+        verdict = decide(findings, before=str(a_path), after=str(b_path), before_healthy=before_ok, weights_only=result.pair.weights_only)
         doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, diff=result)
     finally:
         a.close()
@@ -205,7 +205,12 @@ def run_whatif(cfg: Any, n_steps: int, tries: list[str], skip_rows: dict[int, li
     finding = Finding("F1", "whatif", best or "run", 1.0, "info", {"recommended": best, **info}, msg, "DESIGN §1 what-if", ())
     verdict = decide([], before=str(cfg.before), after=f"{n_steps} replayed steps")
     verdict.summary = f"What-if from {cfg.before} over {n_steps} steps: {msg}."
-    verdict.causes = [{"cause": "none", "confidence": 1.0, "evidence": []}]
+    # whatif compares mitigations; it diagnoses nothing. "none" only where its own baseline
+    # stays on track, else "undiagnosed" (run replay / bisect for the cause).
+    on_track = bool(info["baseline_on_track"])
+    verdict.causes = [{"cause": "none", "confidence": 1.0, "evidence": []} if on_track else {"cause": "undiagnosed", "confidence": 0.0, "evidence": ["F1"]}]
+    if not on_track:
+        verdict.summary += " The baseline replay leaves its track: `ckptforensics replay` names the cause."
     verdict.recommended_actions = [f"Resume from {cfg.before} with {best}."] if best else []
     section = {"outcomes": [asdict(o) for o in outcomes], "recommended": best, **info, "auto_rows": {str(k): v for k, v in (auto or {}).items()}}
     doc = build_report(command=command, before=a, after=a, verdict=verdict, findings=[finding], sections={"whatif": section})

@@ -121,6 +121,13 @@ def bisect(
             )
             log.info(res.note)
             return res, rep
+        if spikes(set(), f"only rows of step {filler_step}"):
+            res.note = (
+                f"rows of the healthy step {filler_step} spike too from the state before step {s}: "
+                "the update went bad (LR, optimizer state), not the data; no row is to blame"
+            )
+            log.info(res.note)
+            return res, rep
         rec = next(r for r in rep.records if r.step == s)
         order = _by_share(rec)
         flagged = {x["index"] for x in fields.get("anomalous_samples", [])}
@@ -136,6 +143,10 @@ def bisect(
             trial = culprits - {r}
             if trial and not spikes(everything - trial, f"without {sorted(trial)}"):
                 culprits = trial
+        if culprits >= everything:
+            res.note = f"no subset of the rows of step {s} carries its spike: every row spikes, so the state did, not the data"
+            log.info(res.note)
+            return res, rep
         res.minimal_rows = sorted(culprits)
         res.presence_spikes = spikes(culprits, f"only {sorted(culprits)}")
         res.rows = sorted(culprits | flagged)

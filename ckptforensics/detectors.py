@@ -67,6 +67,9 @@ class Thresholds:
         confined_share: ... and at most this share (or 8 elements) of each.
         headroom_warn: max|x| within this factor of the dtype's max.
         rho_share: share of sign-like updates (|m|/sqrt(v) > 0.9) (Molybog 2304.09871).
+        routine_backoffs: loss-scale halvings between two checkpoints that dynamic loss
+            scaling makes in normal operation (one per growth_interval; a window of a few
+            hundred steps meets one or two with torch's default interval of 2000).
     """
 
     z: float = 6.0
@@ -79,6 +82,7 @@ class Thresholds:
     confined_share: float = 1e-5
     headroom_warn: float = 2.0
     rho_share: float = 0.5
+    routine_backoffs: int = 2
 
 
 def module_of(name: str) -> str:
@@ -249,30 +253,56 @@ def detect_dtype_range(diff: DiffResult, th: Thresholds) -> list[Finding]:
 
 
 def detect_skipped_steps(diff: DiffResult, th: Thresholds) -> list[Finding]:
-    """Optimizer steps vs trainer steps, and the loss scaler's backoff."""
+    """Optimizer steps vs trainer steps, and the loss scaler's backoff.
+
+    Dynamic loss scaling backs off (and skips that step) by design whenever the scale has
+    grown into an overflow, once per growth_interval (torch GradScaler, DeepSpeed, Megatron):
+    up to `th.routine_backoffs` halvings, each with its one skipped step, is normal
+    operation (info, no cause). More, or a scale driven to 1 / by 8 halvings, is evidence.
+    """
     p = diff.pair
     out = []
+    drops = 0.0
+    collapse = False
+    if p.loss_scale_a and p.loss_scale_b is not None and p.loss_scale_b < p.loss_scale_a:
+        drops = math.log2(p.loss_scale_a / max(p.loss_scale_b, 1e-30))
+        collapse = p.loss_scale_b <= 1.0 or drops >= 8
+    routine = not collapse and drops <= th.routine_backoffs
     if None not in (p.step_a, p.step_b, p.adam_step_a, p.adam_step_b):
         g = p.step_b - p.step_a  # type: ignore[operator]
         k = p.adam_step_b - p.adam_step_a  # type: ignore[operator]
         if 0 <= k < g:
+            normal = routine and p.loss_scale_a is not None and g - k <= max(1, round(drops))
             out.append(
                 Finding(
                     "",
                     "skipped_steps",
                     "run",
                     _cap((g - k) / max(1, g) * 10),
-                    "warning",
+                    "info" if normal else "warning",
                     {"trainer_steps": g, "optimizer_steps": k},
-                    f"{g - k} of {g} steps skipped the optimizer update (overflowing gradients under a loss scaler)",
+                    f"{g - k} of {g} steps skipped the optimizer update (overflowing gradients under a loss scaler)"
+                    + (": one per loss-scale backoff, dynamic loss scaling's normal operation" if normal else ""),
                     "DESIGN §4 skipped steps",
-                    ("fp16_overflow", "loss_scale_collapse"),
-                    primary=True,
+                    () if normal else ("fp16_overflow", "loss_scale_collapse"),
+                    primary=not normal,
                 )
             )
-    if p.loss_scale_a and p.loss_scale_b is not None and p.loss_scale_b < p.loss_scale_a:
-        drops = math.log2(p.loss_scale_a / max(p.loss_scale_b, 1e-30))
-        collapse = p.loss_scale_b <= 1.0 or drops >= 8
+    if drops > 0 and routine:
+        out.append(
+            Finding(
+                "",
+                "loss_scale_backoff",
+                "run",
+                _cap(drops),
+                "info",
+                {"scale_before": p.loss_scale_a, "scale_after": p.loss_scale_b, "halvings": drops},
+                f"loss scale fell from {p.loss_scale_a:g} to {p.loss_scale_b:g} ({drops:.0f} halvings): routine under dynamic loss scaling",
+                "DESIGN §4 skipped steps; torch.amp.GradScaler backoff_factor 0.5 per overflow",
+                (),
+            )
+        )
+    elif drops > 0:
         out.append(
             Finding(
                 "",

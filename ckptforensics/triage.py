@@ -113,11 +113,13 @@ def read_metrics(path: Path, keys: dict[str, str] | None = None) -> dict[int, di
     return dict(sorted(rows.items()))
 
 
-# What trainers call the loss and the total grad norm when not "loss" / "grad_norm":
-# OLMo-core's MetricSaverCallback keys, Megatron-LM's TensorBoard tags.
+# What trainers call the training loss, total grad norm, LR and loss scale: OLMo-core's
+# MetricSaverCallback keys, Megatron-LM's TensorBoard tags, HF Trainer's TensorBoard tags.
 _ALIASES = {
     "loss": ("train/CE loss", "lm loss", "train/loss"),
     "grad_norm": ("optim/total grad norm", "grad-norm", "train/grad_norm"),
+    "lr": ("learning-rate", "train/learning_rate"),
+    "loss_scale": ("loss-scale",),
 }
 _OLMO_METRICS = re.compile(r"^metrics_step(\d+)\.json$")
 
@@ -163,9 +165,10 @@ def _tensorboard(path: Path) -> dict[int, dict[str, float]]:
     acc.Reload()
     rows: dict[int, dict[str, float]] = {}
     for tag in acc.Tags().get("scalars", []):
-        short = tag.split("/")[-1]
+        # Whole tags: `train/loss` and `eval/loss` are different curves, and
+        # `optim/LR (group 1)` names its group; `_ALIASES` maps the known ones.
         for ev in acc.Scalars(tag):
-            rows.setdefault(int(ev.step), {})[short] = float(ev.value)
+            rows.setdefault(int(ev.step), {})[tag] = float(ev.value)
     return rows
 
 

@@ -114,6 +114,7 @@ def decide(
     after: str,
     before_healthy: bool = True,
     extra: dict[str, Any] | None = None,
+    weights_only: bool = False,
 ) -> Verdict:
     """Turn findings into the verdict.
 
@@ -122,6 +123,8 @@ def decide(
         before, after: checkpoint labels for the actions and the rollback.
         before_healthy: False when *before* itself holds non-finite state.
         extra: verdict fields a replay determined (reproducible, first_bad_step, ...).
+        weights_only: the pair has no optimizer state, so no update was checked against
+            Adam's bounds (the summary must not claim it was).
     """
     causes = rank_causes(findings)
     top = causes[0]["cause"]
@@ -152,8 +155,13 @@ def decide(
             setattr(v, k, val)
     if top == "none":
         v.summary = (
-            f"No anomaly between {before} and {after}: every tensor moved within Adam's bounds and its peers' range. "
-            "A spike that gradient clipping absorbed (one bad batch, say) leaves no trace in the weights: "
+            f"No anomaly between {before} and {after}: "
+            + (
+                "every tensor moved within its peers' range (weights only: no optimizer state, so Adam's bounds were not checked). "
+                if weights_only
+                else "every tensor moved within Adam's bounds and its peers' range. "
+            )
+            + "A spike that gradient clipping absorbed (one bad batch, say) leaves no trace in the weights: "
             "replay the window's batches to rule it out."
         )
         return v

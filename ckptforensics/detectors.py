@@ -572,7 +572,10 @@ def replay_findings(rep: Any, th: Thresholds | None = None) -> tuple[list[Findin
         )
     suspect = fields.get("first_bad_step", steps[int(np.argmax(np.where(np.isfinite(zg), zg, 1e9)))] if recs else None)
     if suspect is not None:
-        out += _localise(rep, suspect, fields, th)
+        # A module "leaving its range" means something only on a step that went bad: on a
+        # healthy window the step with the largest grad norm always has a largest module.
+        if "first_bad_step" in fields:
+            out += _localise(rep, suspect, fields, th)
         out += _overflow(rep, suspect, fields, th)
         if "first_bad_step" in fields:
             out += _samples(rep, suspect, fields, th)

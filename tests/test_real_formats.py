@@ -42,6 +42,43 @@ def test_hf_gpt2_tied_head_replays_without_model(zoo: dict[str, Path], tmp_path:
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())["replay"]
     assert rep["config"]["model"]["value"].startswith("transformers from config.json")
     assert [s["step"] for s in rep["steps"]] == list(range(21, 31))
+    # GPT-2's loss_type is None, so the Trainer counts num_items_in_batch over the unshifted
+    # labels: its logged loss is (T-1)/T of the mean, and the replay divides the same way.
+    assert "before the shift" in rep["config"]["loss"]["value"] and rep["config"]["loss"]["source"] == "the run's trainer"
+    assert rep["config"]["clip"] == {"value": 1.0, "source": "checkpoint config grad_clip"}  # training_args.bin
+    logged = {int(k): v["loss"] for k, v in rep["logged"].items()}
+    assert [s["loss"] for s in rep["steps"]] == pytest.approx([logged[s["step"]] for s in rep["steps"]], rel=1e-5)
+    assert rep["reproduction"]["mismatched"] == 0
+
+
+def test_hf_padded_rows_with_gradient_accumulation_reproduce(zoo: dict[str, Path], tmp_path: Path) -> None:
+    """Rows of 10-32 tokens padded with -100 labels and attention mask 0, two micro-batches
+    per step: the replay divides by the Trainer's num_items_in_batch (labels[..., 1:] over
+    both micro-batches), takes the clip from training_args.bin, and lands on step 30."""
+    run = zoo["hf-padded"]
+    ck = open_checkpoint(run / "checkpoint-20")
+    tc = ck.scalars["train_config"]
+    assert tc["max_grad_norm"] == 1.0 and tc["gradient_accumulation_steps"] == 2 and tc["per_device_train_batch_size"] == 4
+    out = tmp_path / "rep"
+    r = invoke("replay", "--run-dir", str(run), "--before", "20", "--after", "30", "--batch", str(run / "batches.h5"), "--out", str(out))
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "report.json").read_text())
+    rep = doc["replay"]
+    assert "labels[..., 1:]" in rep["config"]["loss"]["value"]
+    logged = {int(k): v["loss"] for k, v in rep["logged"].items()}
+    assert [s["loss"] for s in rep["steps"]] == pytest.approx([logged[s["step"]] for s in rep["steps"]], rel=1e-5)
+    assert rep["reproduction"]["mismatched"] == 0
+    assert doc["verdict"]["causes"][0]["cause"] == "none", doc["verdict"]
+
+
+def test_hostile_training_args_is_refused_and_the_rest_read(zoo: dict[str, Path], tmp_path: Path) -> None:
+    canary = tmp_path / "ran"
+    ck = tmp_path / "checkpoint-20"
+    shutil.copytree(zoo["hf-padded"] / "checkpoint-20", ck)
+    torch.save({"max_grad_norm": 1.0, "x": _Canary(canary)}, ck / "training_args.bin")
+    c = open_checkpoint(ck)
+    assert any("training_args.bin not read" in n and "refused" in n for n in c.notes)
+    assert c.optimizer is not None and not canary.exists()
 
 
 # ------------------------------------------------------------------ Lightning groups

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint, UnsafeCheckpoint
 from .base import Checkpoint
 from .optim import AmbiguousMapping, map_optimizer
 from .safetensors_file import SafetensorsFile, add_file
@@ -58,8 +58,27 @@ def open_hf_dir(path: Path) -> Checkpoint:
     else:
         ckpt.notes.append("no optimizer.pt: weights only")
     if (path / "training_args.bin").is_file():
-        ckpt.notes.append("training_args.bin not read (arbitrary pickle)")
+        _training_args(ckpt, path / "training_args.bin")
     return ckpt
+
+
+# What a replay needs from TrainingArguments (transformers' own field names).
+_TRAINING_ARGS = ("max_grad_norm", "learning_rate", "gradient_accumulation_steps", "per_device_train_batch_size", "seed", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "bf16", "fp16")
+
+
+def _training_args(ckpt: Checkpoint, f: Path) -> None:
+    """training_args.bin through the inert unpickler: the clip (`max_grad_norm`) and the
+    batch settings. A class outside the allowlist is refused: said, and the rest is read."""
+    try:
+        obj, _ = load_torch_file(f)
+    except UnsafeCheckpoint as e:
+        ckpt.notes.append(f"training_args.bin not read: {e}")
+        return
+    fields = obj.as_dict() if hasattr(obj, "as_dict") else (obj if isinstance(obj, dict) else {})
+    tc = {k: fields[k] for k in _TRAINING_ARGS if isinstance(fields.get(k), (int, float, bool))}
+    if "max_grad_norm" in tc:
+        tc["grad_clip"] = float(tc["max_grad_norm"]) if tc["max_grad_norm"] > 0 else None
+    ckpt.scalars["train_config"] = {**ckpt.scalars.get("train_config", {}), **tc}
 
 
 def _json(f: Path) -> dict[str, Any]:

@@ -64,6 +64,20 @@ ALLOWLIST: tuple[tuple[str, str, type], ...] = (
     ("megatron.core.rerun_state_machine", "RerunMode", InertRecord),
     ("megatron.core.rerun_state_machine", "RerunState", InertRecord),
     ("signal", "Signals", InertRecord),
+    # HF Trainer's training_args.bin: the TrainingArguments dataclass, its str enums, and the
+    # accelerate state records it holds (transformers 4.4x-5.x).
+    ("transformers.training_args", "TrainingArguments", InertRecord),
+    ("transformers.training_args", "OptimizerNames", InertRecord),
+    ("transformers.training_args", "ParallelMode", InertRecord),
+    ("transformers.trainer_utils", "SchedulerType", InertRecord),
+    ("transformers.trainer_utils", "IntervalStrategy", InertRecord),
+    ("transformers.trainer_utils", "SaveStrategy", InertRecord),
+    ("transformers.trainer_utils", "HubStrategy", InertRecord),
+    ("transformers.trainer_utils", "FSDPOption", InertRecord),
+    ("transformers.debug_utils", "DebugOption", InertRecord),
+    ("transformers.trainer_pt_utils", "AcceleratorConfig", InertRecord),
+    ("accelerate.state", "PartialState", InertRecord),
+    ("accelerate.utils.dataclasses", "DistributedType", InertRecord),
 )
 
 

@@ -34,6 +34,8 @@ class BatchSource:
         sample_ids: step -> dataset index of each row, when recorded.
         labels_shifted: `/labels` are next-token targets (OLMo-core, LitGPT: `labels[t]` is
             the token after `t`) rather than HF-style inputs shifted inside the loss.
+        micro_batch_size: rows per forward/backward when the step accumulated gradients
+            (the `micro_batch_size` attribute), for losses averaged per micro-batch.
     """
 
     describe: str
@@ -44,6 +46,7 @@ class BatchSource:
     grad_clip: float | None = None
     sample_ids: dict[int, list[int]] = field(default_factory=dict)
     labels_shifted: bool = False
+    micro_batch_size: int | None = None
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         if self.steps is not None and step not in self.steps:
@@ -134,6 +137,8 @@ def _h5(path: Path) -> BatchSource:
         sid = np.asarray(h["sample_id"])
         src.sample_ids = {s: [int(x) for x in sid[i]] for s, i in row.items()}
     src.labels_shifted = bool(h.attrs.get("labels_shifted", False))
+    mbs = h.attrs.get("micro_batch_size")
+    src.micro_batch_size = int(mbs) if mbs is not None and int(mbs) > 0 else None
     clip = h.attrs.get("grad_clip")
     if clip is not None and math.isfinite(float(clip)):
         src.grad_clip = float(clip)

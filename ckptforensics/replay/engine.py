@@ -21,7 +21,14 @@ from ..formats.base import Checkpoint
 from ..tensors import adam_ratio_bound
 from ..triage import group_lrs, read_metrics
 from .batches import BatchSource, open_batches
-from .model import build_model, build_optimizer, load_callable, load_weights
+from .model import (
+    LossNorm,
+    build_model,
+    build_optimizer,
+    load_callable,
+    load_weights,
+    trainer_loss_norm,
+)
 from .probes import ModuleProbe, PassStats, param_grad_stats
 from .samples import PerSampleGrad, RowStats, per_token_loss, row_data_stats
 
@@ -186,11 +193,19 @@ class Session:
     """Model, optimizer and probes rebuilt from *before*; one replay of the window."""
 
     def __init__(
-        self, cfg: ReplayConfig, a: Checkpoint, precision: str, loss_fn: Callable[..., torch.Tensor] | None, labels_shifted: bool = False
+        self,
+        cfg: ReplayConfig,
+        a: Checkpoint,
+        precision: str,
+        loss_fn: Callable[..., torch.Tensor] | None,
+        labels_shifted: bool = False,
+        micro_batch_size: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.model, self.model_source = build_model(cfg.model, a)
+        self.loss_norm = trainer_loss_norm(self.model, a)
+        self.micro_batch_size = micro_batch_size
         self.to_ckpt = load_weights(self.model, a)
         self.model.to(self.device).train()
         self.opt = build_optimizer(self.model, a, self.to_ckpt)
@@ -230,11 +245,22 @@ class Session:
             if "attention_mask" in kwargs:
                 mask = mask * (kwargs["attention_mask"] if shifted else kwargs["attention_mask"][:, 1:]).to(tok.dtype)
         per_sample = (tok * mask).sum(1) / mask.sum(1).clamp_min(1)
+        loss = self._normalise(tok * mask, mask, labels, shifted=self.labels_shifted and "labels" in batch)
         with torch.no_grad():
             lg = logits.detach()
             lo, hi = torch.aminmax(lg)
             self.logit_stats = torch.stack([torch.maximum(-lo.float(), hi.float()), torch.logsumexp(lg.float(), -1).mean()])
-        return (tok * mask).sum() / mask.sum().clamp_min(1), per_sample
+        return loss, per_sample
+
+    def _normalise(self, tok: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
+        """The step's loss as its trainer averaged it (`trainer_loss_norm`)."""
+        kind = self.loss_norm.kind if self.loss_fn is None else "targets"
+        if kind == "labels" and not shifted:
+            return tok.sum() / (labels != -100).sum().clamp_min(1)
+        if kind == "micro" and self.micro_batch_size and self.micro_batch_size < tok.shape[0]:
+            parts = [(t.sum() / m.sum().clamp_min(1)) for t, m in zip(tok.split(self.micro_batch_size), mask.split(self.micro_batch_size), strict=True)]
+            return torch.stack(parts).mean()
+        return tok.sum() / mask.sum().clamp_min(1)
 
     def probe_pass(self, batch: dict[str, torch.Tensor], precision: str) -> PassStats:
         """Forward + backward with probes, no update (the fp32 reference pass)."""
@@ -400,6 +426,7 @@ class Plan:
     logged: dict[int, dict[str, float]]
     metrics_file: Path | None
     model_source: str = ""
+    loss_norm: LossNorm | None = None
 
     def config(self, clip: float | None, clip_source: str) -> dict[str, dict[str, Any]]:
         """replay.config: every assumption with its source (DESIGN §3)."""
@@ -408,7 +435,10 @@ class Plan:
             "precision": {"value": self.precision, "source": self.precision_source},
             "lr": {"value": {s: self.lrs[s] for s in self.steps}, "source": self.lr_source},
             "clip": {"value": clip, "source": clip_source},
-            "loss": {"value": cfg.loss or "causal LM cross-entropy on the logits (shifted)", "source": "--loss" if cfg.loss else "default"},
+            "loss": {
+                "value": cfg.loss or f"causal LM cross-entropy on the logits (shifted); {self.loss_norm.source if self.loss_norm else 'mean over target tokens'}",
+                "source": "--loss" if cfg.loss else ("the run's trainer" if self.loss_norm and self.loss_norm.kind != "targets" else "default"),
+            },
             "optimizer": {"value": "AdamW", "source": "checkpoint optimizer state"},
             "model": {"value": self.model_source or cfg.model or "config.json", "source": _model_source(cfg.model, self.model_source)},
             "batches": {"value": self.batches.describe, "source": "--batch"},
@@ -421,8 +451,8 @@ class Plan:
         return {s: self.logged[s] for s in range(first - 128, first) if s in self.logged}
 
     def session(self) -> Session:
-        sess = Session(self.cfg, self.a, self.precision, self.loss_fn, self.batches.labels_shifted)
-        self.model_source = sess.model_source
+        sess = Session(self.cfg, self.a, self.precision, self.loss_fn, self.batches.labels_shifted, self.batches.micro_batch_size)
+        self.model_source, self.loss_norm = sess.model_source, sess.loss_norm
         return sess
 
 
@@ -482,7 +512,11 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
     torch.manual_seed(0)
     p = plan(cfg, steps)
     best: tuple[float, ReplayResult] | None = None
-    for clip, csrc in p.clips:
+    todo = list(p.clips)
+    tried: set[float | None] = set()
+    while todo:
+        clip, csrc = todo.pop(0)
+        tried.add(clip)
         result = _run(p, clip, progress)
         result.config = p.config(clip, csrc)
         result.logged = {s: p.logged[s] for s in p.steps if s in p.logged}
@@ -490,8 +524,18 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
         err = _mismatch_score(result)
         if best is None or err < best[0]:
             best = (err, result)
+        if not todo and best[0] > 0 and csrc.startswith("calibrated"):
+            # Neither usual setting lands on *after*: the other clip norms trainers use,
+            # where they would have clipped at all (below the window's largest grad norm).
+            top = max((r.grad_norm for r in result.records if math.isfinite(r.grad_norm)), default=0.0)
+            todo = [(c, f"calibrated: {c:g}") for c in CLIP_CANDIDATES if c not in tried and c < top]
     assert best is not None
     return best[1]
+
+
+# Clip norms seen in practice beyond 1.0 (HF/Megatron/OLMo default): 0.5 (GPT-NeoX
+# configs), 0.3 (some Llama recipes), 2.0 and 5.0 (loose clipping in small-batch runs).
+CLIP_CANDIDATES = (0.3, 0.5, 2.0, 5.0)
 
 
 def _mismatch_score(result: ReplayResult) -> float:

@@ -9,6 +9,7 @@ import logging
 import re
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch import nn
 from ..errors import ForensicsError, IncompatibleCheckpoints
 from ..formats.base import Checkpoint
 
-__all__ = ["load_callable", "build_model", "load_weights", "build_optimizer", "ModelSpecError"]
+__all__ = ["load_callable", "build_model", "load_weights", "build_optimizer", "ModelSpecError", "LossNorm", "trainer_loss_norm"]
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,46 @@ def _from_recorded_config(ckpt: Checkpoint) -> tuple[nn.Module, str] | None:
         known = {f.name for f in dataclasses.fields(Config)}
         return GPT(Config(**{k: v for k, v in cfg.items() if k in known})), "litgpt.GPT from model_config.yaml"
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class LossNorm:
+    """What the trainer divides the summed token losses of a step by.
+
+    kind: 'targets' (the step's next-token targets: the mean every framework's own loop
+    takes), 'labels' (every label != -100 before the causal shift: HF Trainer's
+    num_items_in_batch for a model whose loss_type it does not know to shift, GPT-2),
+    'micro' (each micro-batch's mean, averaged: Trainer without loss kwargs).
+    """
+
+    kind: str
+    source: str
+
+
+def trainer_loss_norm(model: nn.Module, ckpt: Checkpoint) -> LossNorm:
+    """The loss normalisation the run's trainer used, from what transformers' Trainer does
+    with this model (`Trainer.__init__` / `get_batch_samples` / `compute_loss`, 5.x)."""
+    if ckpt.format != "hf-trainer":
+        return LossNorm("targets", "mean over the step's target tokens")
+    if hasattr(model, "accepts_loss_kwargs"):
+        accepts = bool(model.accepts_loss_kwargs)
+    else:
+        accepts = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+    if not accepts:
+        return LossNorm("micro", "HF Trainer: the model takes no loss kwargs, so each micro-batch's mean / gradient_accumulation_steps")
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:
+        return LossNorm("targets", "HF Trainer num_items_in_batch (transformers not importable: assumed shifted)")
+    loss_type = getattr(model, "loss_type", None)
+    enc_dec = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    if LOSS_MAPPING.get(loss_type) is ForCausalLMLoss and not enc_dec:
+        return LossNorm("targets", f"HF Trainer: sum / num_items_in_batch, counted over labels[..., 1:] (loss_type {loss_type!r})")
+    return LossNorm(
+        "labels",
+        f"HF Trainer: sum / num_items_in_batch, counted over every label != -100 before the shift (loss_type {loss_type!r}: "
+        "Trainer._loss_shifts_labels is False), so the logged loss is (T-1)/T of the mean",
+    )
 
 
 def _hf_model(spec: str | None, ckpt: Checkpoint) -> nn.Module:

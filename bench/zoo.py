@@ -126,6 +126,7 @@ def run_incident(run: Path, reports: Path) -> Row:
     if hint:
         # replay runs the diff too and merges both into one verdict.
         cmd += ["replay", *(["--model", hint["model"]] if hint.get("model") else []), "--batch", str(run / hint["batch"])]
+        cmd += ["--precision", hint["precision"]] if hint.get("precision") else []
     else:
         cmd += ["diff"]
     cmd += ["--run-dir", str(run), "--before", before, "--after", after, "--out", str(out)]
@@ -268,12 +269,80 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def score_draws(split: str, root: Path, seeds: list[int] | None = None) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Build (if absent) and score the draws of one split: replay as a user would, triage
+    on the run's log. Returns (per-draw rows, aggregate figures)."""
+    sys.path.insert(0, str(ROOT))
+    from ckptforensics.triage import triage
+    from fixtures.draws import SPLITS, build_draw
+
+    rows = []
+    for seed in seeds or SPLITS[split]:
+        run = root / f"draw-{seed}"
+        if not (run / "truth.json").is_file():
+            build_draw(seed, root)
+        truth = json.loads((run / "truth.json").read_text())
+        r = run_incident(run, root.parent / f"{root.name}-reports")
+        tri = triage(run / "metrics.jsonl", run)
+        d = truth["draw"]
+        rows.append(
+            {
+                "seed": seed, "cause": truth["cause"], "got": r.cause, "cause_ok": r.cause_ok, "layer_ok": r.layer_ok,
+                "samples": r.samples, "samples_ok": r.samples_ok, "fbs": r.first_bad_step, "fbs_ok": r.first_bad_step_ok,
+                "onset": tri.first_bad_step, "onset_ok": tri.first_bad_step == truth["first_bad_step"],
+                "false_alarm": (bool(r.false_alarm) or tri.first_bad_step is not None) if truth["cause"] == "none" else None,
+                "shape": f"{d['position']} {d['schedule']} L{d['n_layer']} d{d['n_embd']} T{d['seq']} {d['precision']} {d['fmt']}",
+                "trap": d["trap"], "at": truth["first_bad_step"], "seconds": r.seconds,
+            }
+        )  # fmt: skip
+
+    def rate(key: str) -> str:
+        vals = [x[key] for x in rows if x[key] is not None]
+        return f"{sum(vals)}/{len(vals)}" if vals else "—"
+
+    healthy = [x for x in rows if x["cause"] == "none"]
+    agg = {
+        "cause top-1": rate("cause_ok"),
+        "culprit layer": rate("layer_ok"),
+        "culprit rows P,R >= 0.9": rate("samples_ok"),
+        "first bad step exact": rate("fbs_ok"),
+        "triage onset exact": rate("onset_ok"),
+        "false alarms on healthy": f"{sum(bool(x['false_alarm']) for x in healthy)}/{len(healthy)}",
+    }
+    return rows, agg
+
+
+def draws_table(split: str, rows: list[dict[str, Any]], agg: dict[str, str]) -> str:
+    head = f"### Drawn incidents, {split} split ({len(rows)} draws, `fixtures/draws.py`)\n\n"
+    summary = " · ".join(f"{k}: **{v}**" for k, v in agg.items())
+    lines = ["| seed | truth (step) | verdict | rows | first bad step | triage onset | shape | trap |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for x in rows:
+        lines.append(
+            f"| {x['seed']} | {x['cause']} ({x['at'] if x['at'] is not None else '—'}) | {_mark(x['cause_ok'], x['got'])} | {x['samples'] or '—'} "
+            f"| {_mark(x['fbs_ok'], str(x['fbs']))} | {_mark(x['onset_ok'], str(x['onset']))} | {x['shape']} | {x['trap']} |"
+        )
+    return head + summary + "\n\n" + "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--zoo", type=Path, default=ROOT / "build" / "zoo")
     ap.add_argument("--rebuild", action="store_true", help="Build the zoo first even if present.")
     ap.add_argument("--record", action="store_true", help="Write the table into bench/RESULTS.md.")
+    ap.add_argument("--draws", choices=("tuning", "heldout"), help="Score the drawn incidents of this split instead of the zoo.")
+    ap.add_argument("--draws-dir", type=Path, default=ROOT / "build" / "draws")
+    ap.add_argument("--seeds", type=int, nargs="*", help="Only these draws.")
     args = ap.parse_args()
+    if args.draws:
+        rows, agg = score_draws(args.draws, args.draws_dir / args.draws, args.seeds)
+        text = draws_table(args.draws, rows, agg)
+        print(text)
+        if args.record and args.draws == "heldout" and not args.seeds:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from _results import record_section
+
+            record_section("draws-heldout", text)
+        return
     if args.rebuild or not args.zoo.is_dir():
         t0 = time.perf_counter()
         subprocess.run([sys.executable, str(ROOT / "fixtures" / "zoo.py"), "--out", str(args.zoo)], check=True, capture_output=True)

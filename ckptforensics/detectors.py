@@ -15,7 +15,16 @@ from typing import Any
 import numpy as np
 
 from .diff import DiffResult, TensorDiff, tensor_role
-from .tensors import CURVE_FLOOR, CURVE_MIN_HISTORY, log_curve, robust_z, trend_z
+from .tensors import (
+    CURVE_FLOOR,
+    CURVE_MIN_HISTORY,
+    LR_GROWTH_MARGIN,
+    log_curve,
+    loss_follows,
+    lr_growth_limit,
+    robust_z,
+    trend_z,
+)
 
 __all__ = ["Finding", "Thresholds", "diff_findings", "replay_findings", "first_steps_from_state", "SEVERITIES", "module_of"]
 
@@ -70,6 +79,8 @@ class Thresholds:
         routine_backoffs: loss-scale halvings between two checkpoints that dynamic loss
             scaling makes in normal operation (one per growth_interval; a window of a few
             hundred steps meets one or two with torch's default interval of 2000).
+        routine_overflow: a scaled gradient within this factor of fp16's limit is the
+            scaler probing its ceiling (two halvings undo it), not an overflow incident.
     """
 
     z: float = 6.0
@@ -77,12 +88,13 @@ class Thresholds:
     update_ratio: float = 0.1
     lr_over_base: float = 1.5
     logit_max: float = 30.0
-    lr_growth_margin: float = 2.0
+    lr_growth_margin: float = LR_GROWTH_MARGIN
     confined_tensors: int = 4
     confined_share: float = 1e-5
     headroom_warn: float = 2.0
     rho_share: float = 0.5
     routine_backoffs: int = 2
+    routine_overflow: float = 4.0
 
 
 def module_of(name: str) -> str:
@@ -272,7 +284,9 @@ def detect_skipped_steps(diff: DiffResult, th: Thresholds) -> list[Finding]:
         g = p.step_b - p.step_a  # type: ignore[operator]
         k = p.adam_step_b - p.adam_step_a  # type: ignore[operator]
         if 0 <= k < g:
-            normal = routine and p.loss_scale_a is not None and g - k <= max(1, round(drops))
+            # One skipped step per backoff (a single one even where the scaler state was not
+            # saved, as nanoGPT does not) is the scaler's routine.
+            normal = routine and g - k <= max(1, round(drops))
             out.append(
                 Finding(
                     "",
@@ -366,7 +380,7 @@ def detect_lr(diff: DiffResult, th: Thresholds) -> list[Finding]:
             )
         if la and la > 0 and p.step_a and p.step_b and p.step_a > 0:
             # A linear warmup from zero grows LR by step_b/step_a at most.
-            allowed = th.lr_growth_margin * max(1.0, p.step_b / p.step_a)
+            allowed = lr_growth_limit(p.step_a, p.step_b, th.lr_growth_margin)
             if lb / la > allowed:
                 out.append(
                     Finding(
@@ -551,7 +565,12 @@ def replay_findings(rep: Any, th: Thresholds | None = None) -> tuple[list[Findin
     zg = _z_steps([r.grad_norm for r in recs], [b["grad_norm"] for b in base if "grad_norm" in b])
     zl = _z_steps([r.loss for r in recs], [b["loss"] for b in base if "loss" in b])
     out += _lr_steps(rep, fields, th)
-    bad = [i for i, r in enumerate(recs) if r.skipped or not math.isfinite(r.loss) or zg[i] > th.z or zl[i] > th.z]
+    # A grad-norm outlier the loss ignores is a blip (as triage judges the log), not a spike.
+    bad = [
+        i
+        for i, r in enumerate(recs)
+        if r.skipped or not math.isfinite(r.loss) or zl[i] > th.z or (zg[i] > th.z and (not math.isfinite(zg[i]) or loss_follows(zl, i, th.z, z_grad=zg)))
+    ]
     if bad and (len(recs) > 1 or len(base) >= 5):
         i = bad[0]
         fields["first_bad_step"] = min(steps[i], fields.get("first_bad_step", steps[i]))
@@ -675,24 +694,30 @@ def _lr_steps(rep: Any, fields: dict[str, Any], th: Thresholds) -> list[Finding]
     plan = (rep.config.get("lr") or {}).get("value") or {}
     steps = sorted(plan)
     for prev, s in zip(steps, steps[1:], strict=False):
-        for g, (la, lb) in enumerate(zip(plan[prev], plan[s], strict=False)):
-            allowed = th.lr_growth_margin * max(1.0, s / max(prev, 1))
-            if la > 0 and lb / la > allowed:
-                fields["first_bad_step"] = s
-                return [
-                    Finding(
-                        "",
-                        "lr_step_jump",
-                        f"step {s}",
-                        _cap(lb / la / allowed),
-                        "critical",
-                        {"step": s, "group": g, "lr_before": la, "lr": lb, "source": rep.config["lr"]["source"]},
-                        f"step {s} runs param group {g} at LR {lb:.3g}, {lb / la:.0f}x step {prev}'s",
-                        "DESIGN §4 update/weight ratio",
-                        ("lr_too_high",),
-                        primary=True,
-                    )
-                ]
+        allowed = lr_growth_limit(prev, s, th.lr_growth_margin)
+        jumped = [g for g, (la, lb) in enumerate(zip(plan[prev], plan[s], strict=False)) if la > 0 and lb / la > allowed]
+        if not jumped:
+            continue
+        g = jumped[0]
+        la, lb = plan[prev][g], plan[s][g]
+        fields["first_bad_step"] = s
+        # Only some groups jumping is a per-module LR fault: those modules explode.
+        confined = len(jumped) < len(plan[s])
+        return [
+            Finding(
+                "",
+                "lr_step_jump",
+                f"step {s}",
+                _cap(lb / la / allowed),
+                "critical",
+                {"step": s, "group": g, "groups": jumped, "lr_before": la, "lr": lb, "source": rep.config["lr"]["source"]},
+                f"step {s} runs param group {g} at LR {lb:.3g}, {lb / la:.0f}x step {prev}'s"
+                + (f" ({len(jumped)} of {len(plan[s])} groups)" if confined else ""),
+                "DESIGN §4 update/weight ratio",
+                ("gradient_explosion", "lr_too_high") if confined else ("lr_too_high",),
+                primary=True,
+            )
+        ]
     return []
 
 
@@ -790,6 +815,24 @@ def _overflow(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[
         if ref is not None and first in ref.modules:
             j = ref.modules.index(first)
             true_max = float(ref.fwd[j, FWD_STATS.index("absmax")] if where == "output" else ref.bwd[j, BWD_STATS.index("grad_absmax")] * (r.loss_scale or 1.0))
+        # Dynamic loss scaling grows the scale until a scaled gradient overflows, then halves
+        # it: an overflow that one or two halvings (x4) undo is its normal operation.
+        if where == "gradient" and (r.loss_scale or 0) > 1 and fp32_ok and math.isfinite(true_max) and true_max < th.routine_overflow * limit:
+            out.append(
+                Finding(
+                    "",
+                    "routine_scale_overflow",
+                    first,
+                    1.0,
+                    "info",
+                    {"step": r.step, "loss_scale": r.loss_scale, "scaled_max_abs": true_max, "limit": limit},
+                    f"step {r.step}: the scaled gradient of {first} reaches {true_max:.4g} under loss scale {r.loss_scale:g} "
+                    f"({true_max / limit:.2f}x fp16's limit): the scaler's routine backoff, not an incident",
+                    "DESIGN §4 skipped steps; torch.amp.GradScaler growth/backoff",
+                    (),
+                )
+            )
+            continue
         fields.setdefault("first_anomalous_module", first)
         fields.setdefault("first_bad_step", r.step)
         fields.setdefault("overflowing_tensors", []).append(
@@ -826,15 +869,29 @@ def _samples(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[F
         return []
     loss = np.array(r.sample_loss)
     fin = np.isfinite(loss)
+    # Rows are judged against the window's other steps' rows first (a batch that is mostly
+    # junk has junk for its median), then against their own batch.
+    others = [x for x in rep.records if x.step != s]
+    ref_loss = np.array([v for x in others for v in x.sample_loss if math.isfinite(v)])
     zl = np.zeros(b)
     if fin.sum() >= 2:
         zl[fin] = robust_z(loss[fin], floor=0.05 * float(np.median(np.abs(loss[fin]))) + 1e-12)
+    zw = np.zeros(b)
+    if ref_loss.size >= 3 * b and fin.any():
+        med = float(np.median(ref_loss))
+        mad = max(1.4826 * float(np.median(np.abs(ref_loss - med))), 0.05 * abs(med) + 1e-12)
+        zw[fin] = (loss[fin] - med) / mad
     share = np.zeros(b)
     zs = np.zeros(b)
     if r.sample_grad_sq is not None and math.isfinite(sum(r.sample_grad_sq)) and sum(r.sample_grad_sq) > 0:
         sq = np.array(r.sample_grad_sq)
         share = sq / sq.sum()
         zs = robust_z(share, floor=0.05 / b)
+    # Natural data has long runs and repeats too (indentation, tables): a row's are
+    # anomalous only past every other row of the window's other steps, and over half the row.
+    ref_stats = [st for t, v in rep.row_stats.items() if t != s for st in v]
+    run_cap = max((st.longest_run for st in ref_stats), default=0)
+    rep_cap = max((st.periodic_repeat for st in ref_stats), default=0)
     rows = []
     evidence = False  # finite, data-level evidence (a non-finite loss alone is a numerics symptom)
     for i in range(b):
@@ -843,14 +900,16 @@ def _samples(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[F
             why.append(f"{share[i]:.0%} of the gradient norm^2")
         if zl[i] > th.z:
             why.append(f"loss {loss[i]:.3g} (robust z {zl[i]:.1f} in its batch)")
+        elif zw[i] > th.z:
+            why.append(f"loss {loss[i]:.3g} (robust z {zw[i]:.1f} against the window's other steps' rows)")
         evidence |= bool(why)
         st = stats[i] if i < len(stats) else None
         if st is not None:
             data = []
-            if st.longest_run >= 32:
-                data.append(f"one token repeated {st.longest_run} times")
-            if st.periodic_repeat >= 32:
-                data.append(f"a pattern of period <= 13 repeated over {st.periodic_repeat} tokens")
+            if st.longest_run > run_cap and st.longest_run >= st.length / 2:
+                data.append(f"one token repeated {st.longest_run} times (other steps' rows: at most {run_cap})")
+            elif st.periodic_repeat > rep_cap and st.periodic_repeat >= st.length / 2:
+                data.append(f"a pattern of period <= 13 repeated over {st.periodic_repeat} tokens (other steps' rows: at most {rep_cap})")
             # A few rare tokens are normal in any window; a quarter of the row is not.
             if st.unseen >= max(1, 0.25 * st.length):
                 data.append(f"{st.unseen} of {st.length} tokens seen nowhere else in the window")

@@ -118,6 +118,16 @@ CURVE_FLOOR = 0.02
 CURVE_MIN_HISTORY = 8
 
 
+# A linear warmup from zero multiplies the LR by step_b / step_a between two steps at most;
+# growth beyond LR_GROWTH_MARGIN times that is no schedule (DESIGN §4 update/weight ratio).
+LR_GROWTH_MARGIN = 2.0
+
+
+def lr_growth_limit(step_a: int, step_b: int, margin: float = LR_GROWTH_MARGIN) -> float:
+    """The largest LR ratio lr(step_b) / lr(step_a) any warmup-then-decay schedule gives."""
+    return margin * max(1.0, step_b / max(step_a, 1))
+
+
 def log_curve(values: Sequence[float]) -> np.ndarray:
     """log10 of a positive curve; non-finite values -> +inf, non-positive -> -12 (far below)."""
     x = np.asarray(values, dtype=np.float64)
@@ -171,6 +181,38 @@ def trend_z(
             continue
         acc.append(v)
     return out, level
+
+
+# Steps within which the loss must answer a grad-norm spike for it to start an incident: a
+# bad update shows in the next steps' loss; twice the rolling median, measured on the tuning
+# draws (fixtures/draws.py), where natural grad-norm blips the loss ignores are 2-4x.
+LOSS_FOLLOW = 16
+
+
+def loss_follows(
+    z_loss: Sequence[float], i: int, z: float = 6.0, follow: int = LOSS_FOLLOW, z_grad: Sequence[float] | None = None, benefit: bool = True
+) -> bool:
+    """Whether the loss follows a grad-norm spike (or loss-scale backoff) at index i: the loss
+    at half the spike z on that step or the next (a poisoned batch's own loss, a bad update's
+    first effect), or, within `follow` steps, a loss spike or two steps at half z reached
+    while the grad norm stays up (z_grad >= z/2 on every step between: one excursion, not a
+    blip followed by an unrelated spike). Where the curve ends before the loss could
+    answer, it is given the benefit unless `benefit` is False (signals that are routine
+    by design, a loss-scale backoff)."""
+    seen = [float(v) for v in z_loss[i : i + follow + 1]]
+    half = z / 2
+    if any(v >= half for v in seen[:2]):
+        return True
+    if len(seen) <= follow // 2:
+        return benefit
+    if z_grad is not None:
+        run = 2
+        for g in z_grad[i + 2 : i + len(seen)]:
+            if not g >= half:
+                break
+            run += 1
+        seen = seen[:run]
+    return any(v > z for v in seen) or sum(v >= half for v in seen) >= 2
 
 
 def adam_ratio_bound(beta1: float, beta2: float, t_first: int, t_last: int) -> float:

@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import ForensicsError
 from .locate import list_checkpoints
-from .tensors import trend_z
+from .tensors import LOSS_FOLLOW, loss_follows, lr_growth_limit, trend_z
 
 __all__ = ["TriageConfig", "Onset", "TriageResult", "read_metrics", "find_metrics", "triage", "lr_columns", "group_lrs", "param_grad_columns"]
 
@@ -183,8 +183,7 @@ class TriageConfig:
         min_history: steps of history needed before a step can be judged.
         margin: extra steps the rollback checkpoint must precede the onset by.
         follow: steps within which the loss must follow a grad-norm spike or a loss-scale
-            backoff for it to count as an onset (a bad update shows in the next steps'
-            loss; 16 is twice the rolling median, measured on the zoo's tuning split).
+            backoff for it to count as an onset (`tensors.LOSS_FOLLOW`).
     """
 
     window: int = 128
@@ -192,7 +191,7 @@ class TriageConfig:
     loss_factor: float = 10.0
     min_history: int = 8
     margin: int = 0
-    follow: int = 16
+    follow: int = LOSS_FOLLOW
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,23 +236,15 @@ def _spikes(rows: dict[int, dict[str, float]], key: str, cfg: TriageConfig) -> l
     return out
 
 
-def _followed(onset: Onset, loss_spikes: list[Onset], z_loss: dict[int, float], cfg: TriageConfig) -> bool:
-    """A grad-norm spike or a loss-scale backoff starts an incident only when the loss
-    follows: a loss spike within `follow` steps, the loss at half the spike z on that step
-    or the next (a poisoned batch's own loss, a bad update's first effect), or two steps at
-    half the spike z within `follow`. A grad-norm blip the loss ignores, and dynamic loss
-    scaling's routine backoff (every growth_interval steps), are normal operation. Where
-    the log ends before the loss could answer, the onset is kept."""
-    horizon = range(onset.step, onset.step + cfg.follow + 1)
-    if any(o.step in horizon for o in loss_spikes):
-        return True
-    half = cfg.z / 2
-    if any(z_loss.get(s, 0.0) >= half for s in (onset.step, onset.step + 1)):
-        return True
-    seen = [z_loss[s] for s in horizon if s in z_loss]
-    if len(seen) < cfg.follow // 2:
-        return True
-    return sum(v >= half for v in seen) >= 2
+def _followed(onset: Onset, steps: list[int], z_loss: np.ndarray, z_grad: np.ndarray | None, cfg: TriageConfig, scaled: bool = False) -> bool:
+    """A grad-norm spike or a loss-scale backoff starts an incident only where the loss
+    follows (`tensors.loss_follows`): a grad-norm blip the loss ignores, and dynamic loss
+    scaling's routine backoff (every growth_interval steps), are normal operation."""
+    i = next((k for k, s in enumerate(steps) if s >= onset.step), len(steps))
+    # An overflow under a loss scaler (a backoff, an inf grad norm) is routine by design:
+    # at the end of the log it needs the loss to say otherwise.
+    routine = onset.signal == "loss_scale" or (onset.signal == "grad_norm" and not math.isfinite(onset.value) and scaled)
+    return loss_follows(z_loss, i, cfg.z, cfg.follow, z_grad, benefit=not routine)
 
 
 def _lr_jumps(rows: dict[int, dict[str, float]]) -> list[Onset]:
@@ -265,7 +256,7 @@ def _lr_jumps(rows: dict[int, dict[str, float]]) -> list[Onset]:
         steps = [s for s in rows if col in rows[s]]
         for a, b in zip(steps, steps[1:], strict=False):
             la, lb = rows[a][col], rows[b][col]
-            if la > 0 and lb / la > 2 * max(1.0, b / max(a, 1)):
+            if la > 0 and lb / la > lr_growth_limit(a, b):
                 jumps.setdefault(b, []).append((col, la, lb))
     out = []
     for b, hits in sorted(jumps.items()):
@@ -337,9 +328,13 @@ def triage(metrics: Path, run_dir: Path | None, cfg: TriageConfig | None = None,
     # The grad norm is the seed signal (it moves first), but only where the loss follows.
     loss = _spikes(rows, "loss", cfg)
     steps = [s for s in rows if "loss" in rows[s]]
-    z_loss = dict(zip(steps, trend_z([rows[s]["loss"] for s in steps], z=cfg.z, window=cfg.window, min_history=cfg.min_history)[0].tolist(), strict=True)) if steps else {}
+    z_loss = trend_z([rows[s]["loss"] for s in steps], z=cfg.z, window=cfg.window, min_history=cfg.min_history)[0]
     seeds = _spikes(rows, "grad_norm", cfg) + _scale_drops(rows)
-    kept = [o for o in seeds if not z_loss or _followed(o, loss, z_loss, cfg)]
+    z_grad = None
+    if steps and all("grad_norm" in rows[s] for s in steps):
+        z_grad = trend_z([rows[s]["grad_norm"] for s in steps], z=cfg.z, window=cfg.window, min_history=cfg.min_history)[0]
+    scaled = any("loss_scale" in r for r in rows.values())
+    kept = [o for o in seeds if not steps or _followed(o, steps, z_loss, z_grad, cfg, scaled)]
     res.ignored = [o for o in seeds if o not in kept]
     res.onsets = sorted(
         kept + loss + _lr_jumps(rows) + _gradient_returns(rows, cfg),

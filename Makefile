@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned: 2.13.0 is the CPU build; an unpinned torch pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: venv demo test lint bench clean zoo fuzz
+.PHONY: venv demo test lint bench clean zoo zoo-heldout zoo-tuning fuzz
 
 $(BIN)/.ready: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,15 @@ demo: venv
 
 zoo: venv
 	$(BIN)/python fixtures/zoo.py --out build/zoo
+
+# Drawn incidents (fixtures/draws.py): the tuning split is looked at while developing; the
+# held-out split (48 draws) is only scored, and recorded in bench/RESULTS.md.
+zoo-tuning: venv
+	$(BIN)/python bench/zoo.py --draws tuning
+
+zoo-heldout: venv
+	rm -rf build/draws/heldout build/draws/heldout-reports
+	$(BIN)/python bench/zoo.py --draws heldout --record
 
 test: venv
 	$(BIN)/ruff check ckptforensics tests fixtures bench

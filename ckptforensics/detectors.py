@@ -122,6 +122,20 @@ def diff_findings(diff: DiffResult, th: Thresholds | None = None) -> list[Findin
         detect_sign_like,
     ):
         raw.extend(det(diff, th))
+    if diff.pair.weights_only:
+        raw.append(
+            Finding(
+                "",
+                "weights_only",
+                "run",
+                1.0,
+                "info",
+                {},
+                "no optimizer state in the pair: weights compared among peers only, no update checked against Adam's bounds",
+                "DESIGN §4 Adam update bound",
+                (),
+            )
+        )
     return [_with_id(f, i + 1) for i, f in enumerate(raw)]
 
 

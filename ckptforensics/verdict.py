@@ -128,6 +128,7 @@ def decide(
     """
     causes = rank_causes(findings)
     top = causes[0]["cause"]
+    weights_only = weights_only or any(f.kind == "weights_only" for f in findings)
     rollback = before if before_healthy else None
     v = Verdict(summary="", causes=causes, rollback_checkpoint=rollback if top != "none" else None)
     layers: dict[str, float] = {}

@@ -32,6 +32,10 @@ def test_healthy_pairs_raise_no_alarm(zoo: dict[str, Path], run: str, pair: tupl
     assert [f for f in findings if f.severity != "info"] == []
     assert verdict.causes[0]["cause"] == "none"
     assert verdict.rollback_checkpoint is None
+    # A weights-only pair says it checked no Adam bound; a pair with moments says it did.
+    weights_only = run == "healthy-safetensors"
+    assert ("Adam's bounds were not checked" in verdict.summary) == weights_only
+    assert ("moved within Adam's bounds" in verdict.summary) == (not weights_only)
 
 
 def test_lr_jump_is_ranked_first(zoo: dict[str, Path]) -> None:

@@ -1,0 +1,111 @@
+"""Drawn incident runs (fixtures/draws.py): a small fixed subset of the tuning split.
+
+Each draw is a fresh training run of its own shape; the tool must name what the draw
+planted. The held-out split is only scored (`make zoo-heldout`, bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptforensics.cli import cli
+from ckptforensics.triage import triage
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from fixtures.draws import TUNING, build_draw, draw  # noqa: E402
+
+# mid-descent poison (escalated), an LR jump, a plateau poison after a natural grad-norm
+# blip, a per-module LR bug, and three healthy traps: a window inside warmup, grad-norm blips
+# far before the window, fp16 with routine loss-scale backoffs.
+SUBSET = (1002, 1010, 1012, 1013, 1009, 1022, 1015)
+
+
+@pytest.fixture(scope="session")
+def draws(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("draws")
+    return {seed: build_draw(seed, root) for seed in SUBSET}
+
+
+def _replay(run: Path, out: Path) -> dict:
+    t = json.loads((run / "truth.json").read_text())
+    hint = t["replay"]
+    args = ["replay", "--run-dir", str(run), "--before", str(t["before"]), "--after", str(t["after"]), "--model", hint["model"], "--batch", str(run / hint["batch"])]
+    args += ["--precision", hint["precision"]] if hint.get("precision") else []
+    r = CliRunner().invoke(cli, [*args, "--out", str(out)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return json.loads((out / "report.json").read_text())
+
+
+def test_the_subset_is_of_the_tuning_split_and_covers_every_cause() -> None:
+    assert set(SUBSET) <= set(TUNING)
+    assert {draw(s).cause for s in SUBSET} == {"none", "poison_batch", "lr_too_high", "gradient_explosion"}
+
+
+@pytest.mark.parametrize("seed", SUBSET)
+def test_drawn_incident_is_named(draws: dict[int, Path], seed: int, tmp_path: Path) -> None:
+    run = draws[seed]
+    t = json.loads((run / "truth.json").read_text())
+    doc = _replay(run, tmp_path / "rep")
+    v = doc["verdict"]
+    conf = [c["confidence"] for c in v["causes"]]
+    assert conf == sorted(conf, reverse=True), v["causes"]  # ranked by the confidence shown
+    assert v["causes"][0]["cause"] == t["cause"], v["summary"]
+    assert v["first_bad_step"] == t["first_bad_step"]
+    onset = triage(run / "metrics.jsonl", run).first_bad_step
+    assert onset == t["first_bad_step"]
+    if t["samples"]:
+        assert sorted(s["index"] for s in v["anomalous_samples"]) == t["samples"]
+    if t["layers"]:
+        culprit = v["first_anomalous_module"] or v["exploding_layers"][0]
+        assert any(culprit == m or culprit.startswith(m + ".") or m.startswith(culprit + ".") for m in t["layers"]), culprit
+    if t["cause"] == "none":
+        assert not [f for f in doc["findings"] if f["severity"] != "info"], doc["findings"]
+
+
+def test_a_spike_on_a_falling_loss_is_an_onset(draws: dict[int, Path]) -> None:
+    """Draw 1002 spikes while its loss is still falling fast: the trend, not the last 128
+    steps' median, is the baseline, so the spike step is the onset."""
+    run = draws[1002]
+    t = json.loads((run / "truth.json").read_text())
+    losses = {int(k): v for k, v in t["losses"].items()}
+    at = t["first_bad_step"]
+    assert losses[at - 1] < 0.8 * losses[max(1, at - 40)]  # still descending
+    assert triage(run / "metrics.jsonl", run).first_bad_step == at
+
+
+def test_blips_the_loss_ignores_are_not_onsets_on_a_long_quiet_run(tmp_path: Path) -> None:
+    """1010 quiet steps, grad-norm blips (x4) at 578 and 640 that the loss ignores, junk rows
+    at 1001: the onset is 1001 and the rollback the checkpoint just before it, not 500."""
+    from fixtures.tinygpt import GPTConfig
+    from fixtures.zoo import SEEN, Run, train
+
+    def junk(ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.clone()
+        ids[:6] = torch.randint(0, SEEN, ids[:6].shape, generator=torch.Generator().manual_seed(0))
+        return ids
+
+    run = Run(
+        name="quiet",
+        out=tmp_path / "quiet",
+        steps=1010,
+        save_every=100,
+        lr=lambda s: 3e-3 * min(1.0, s / 20),
+        cfg=GPTConfig(n_layer=1, n_embd=16, n_head=2),
+        grad_scale={"": lambda s: 4.0 if s in (578, 640) else 1.0},
+        poison={1001: junk},
+    )
+    train(run)
+    assert run.grad_norms[578] > 2.5 * run.grad_norms[577] and run.losses[1001] > 1.5 * run.losses[1000]
+    res = triage(run.out / "metrics.jsonl", run.out)
+    assert res.first_bad_step == 1001, [o.message for o in res.onsets]
+    assert res.rollback_step == 1000
+    assert {o.step for o in res.ignored} >= {578, 640}
+    assert all(math.isfinite(o.value) for o in res.ignored)

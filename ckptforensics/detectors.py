@@ -7,7 +7,6 @@ once; robust z-scores compare a tensor with tensors of the same role.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -748,12 +747,11 @@ def _localise(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[
     def z_of(table: str, col: int) -> np.ndarray:
         cur = getattr(p, table)[:, col].double().numpy()
         ref = np.stack([getattr(o, table)[:, col].double().numpy() for o in others])
-        with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # modules that never ran are all-NaN
+        with np.errstate(divide="ignore", invalid="ignore"):
             lc, lr = np.log10(np.maximum(cur, 1e-30)), np.log10(np.maximum(ref, 1e-30))
-            med = np.nanmedian(lr, axis=0)
-            mad = np.nanmedian(np.abs(lr - med), axis=0) * 1.4826
-            return (lc - med) / np.maximum(mad, 0.05)
+            # per module across the other steps; floor 0.05 in log10 (12%): a module's own
+            # step-to-step spread on a quiet window
+            return robust_z(lc, floor=0.05, reference=lr, axis=0)
 
     zf, zb = z_of("fwd", ia), z_of("bwd", ig)
     nf_f = p.fwd[:, FWD_STATS.index("nonfinite")].numpy()
@@ -892,9 +890,7 @@ def _samples(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[F
         zl[fin] = robust_z(loss[fin], floor=0.05 * float(np.median(np.abs(loss[fin]))) + 1e-12)
     zw = np.zeros(b)
     if ref_loss.size >= 3 * b and fin.any():
-        med = float(np.median(ref_loss))
-        mad = max(1.4826 * float(np.median(np.abs(ref_loss - med))), 0.05 * abs(med) + 1e-12)
-        zw[fin] = (loss[fin] - med) / mad
+        zw[fin] = robust_z(loss[fin], floor=0.05 * abs(float(np.median(ref_loss))) + 1e-12, reference=ref_loss)
     share = np.zeros(b)
     zs = np.zeros(b)
     if r.sample_grad_sq is not None and math.isfinite(sum(r.sample_grad_sq)) and sum(r.sample_grad_sq) > 0:

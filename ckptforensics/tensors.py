@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -88,20 +89,37 @@ def bit_role(bit: int, dtype: torch.dtype) -> str:
     return "exponent" if bit >= lim.mantissa_bits else "mantissa"
 
 
-def robust_z(values: np.ndarray, floor: float = 0.0) -> np.ndarray:
+# MAD -> standard deviation for normal data (the one consistency constant; Rousseeuw & Croux 1993).
+MAD_TO_SIGMA = 1.4826
+
+
+def robust_z(values: np.ndarray, floor: float = 0.0, reference: np.ndarray | None = None, axis: int | None = None) -> np.ndarray:
     """Robust z-scores: (x - median) / (1.4826 * MAD), MAD floored to stay finite.
 
-    The floor keeps a population of near-identical values from turning a tiny
-    absolute difference into a huge z; pass a scale-aware floor (e.g. 5% of the
-    median) where the statistic is a ratio.
+    The one robust z of the package. `reference` (default: the values themselves) gives
+    the population the values are judged against (the window's other steps, say); with
+    `axis`, medians run along that axis of the reference (per module across steps) and
+    NaN entries of the reference are ignored. The floor keeps a population of
+    near-identical values from turning a tiny absolute difference into a huge z; pass a
+    scale-aware floor (e.g. 5% of the median) where the statistic is a ratio.
+    Non-finite values get +inf.
     """
     x = np.asarray(values, dtype=np.float64)
+    if axis is not None:
+        ref = np.asarray(reference, dtype=np.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: modules that never ran
+            med = np.nanmedian(ref, axis=axis)
+            mad = np.nanmedian(np.abs(ref - med), axis=axis) * MAD_TO_SIGMA
+        return (x - med) / np.maximum(mad, max(floor, 1e-12))
     out = np.zeros_like(x)
     finite = np.isfinite(x)
-    if finite.sum() < 3:
+    ref = x[finite] if reference is None else np.asarray(reference, dtype=np.float64)
+    ref = ref[np.isfinite(ref)]
+    if ref.size < 3 or not finite.any():
         return out
-    med = float(np.median(x[finite]))
-    mad = float(np.median(np.abs(x[finite] - med))) * 1.4826
+    med = float(np.median(ref))
+    mad = float(np.median(np.abs(ref - med))) * MAD_TO_SIGMA
     scale = max(mad, floor, 1e-12)
     out[finite] = (x[finite] - med) / scale
     out[~finite] = np.inf
@@ -168,7 +186,7 @@ def trend_z(
             base = float(np.median(acc[-CURVE_SHORT:]))
             r = np.asarray(res[-window:]) if len(res) >= 3 else np.zeros(1)
             c = float(np.median(r))
-            scale = max(1.4826 * float(np.median(np.abs(r - c))), floor)
+            scale = max(MAD_TO_SIGMA * float(np.median(np.abs(r - c))), floor)
             zi = (v - base - c) / scale if math.isfinite(v) else math.inf
             if i >= judge_from:
                 out[i], level[i] = zi, 10 ** (base + c)

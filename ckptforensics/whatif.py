@@ -13,6 +13,7 @@ import torch
 
 from .errors import ForensicsError
 from .replay import ReplayConfig, plan
+from .tensors import MAD_TO_SIGMA
 
 __all__ = ["Mitigation", "Outcome", "parse_mitigation", "whatif", "INVASIVENESS"]
 
@@ -80,7 +81,7 @@ def _band(logged: dict[int, dict[str, float]], first: int, key: str = "loss") ->
     slope, icpt = np.polyfit(x, y, 1)
     res = y - (slope * x + icpt)
     level = float(np.median(y[-8:]))
-    band = max(6 * 1.4826 * float(np.median(np.abs(res - np.median(res)))), 0.05 * level)
+    band = max(6 * MAD_TO_SIGMA * float(np.median(np.abs(res - np.median(res)))), 0.05 * level)
     return level, band
 
 

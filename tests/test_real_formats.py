@@ -562,3 +562,15 @@ def test_hostile_megatron_files_are_refused(tmp_path: Path, where: str) -> None:
         torch.save({"args": _Canary(canary)}, ck / "common.pt")
     assert_bad_input(invoke("inspect", str(ck)), "refused to unpickle")
     assert not canary.exists()
+
+
+def test_hf_precision_comes_from_training_args(zoo: dict[str, Path]) -> None:
+    """A Trainer run with bf16=True keeps fp32 weights: the replay's precision is read from
+    training_args.bin, not guessed from the weights."""
+    from ckptforensics.replay.engine import ReplayConfig, _precision
+
+    ck = open_checkpoint(zoo["hf-padded"] / "checkpoint-20")
+    cfg = ReplayConfig(before=ck.path, batch="unused")
+    assert _precision(cfg, ck) == ("fp32", "fp32 weights, no loss scaler")
+    ck.scalars["train_config"]["bf16"] = True
+    assert _precision(cfg, ck) == ("bf16", "training_args.bin bf16=True")

@@ -139,6 +139,10 @@ def _precision(cfg: ReplayConfig, ckpt: Checkpoint) -> tuple[str, str]:
         return cfg.precision, "--precision"
     if ckpt.scalars.get("loss_scale") is not None:
         return "fp16", "loss scaler state in the checkpoint"
+    tc = ckpt.scalars.get("train_config") or {}
+    for flag in ("bf16", "fp16"):  # HF TrainingArguments (autocast over fp32 weights)
+        if tc.get(flag) is True:
+            return flag, f"training_args.bin {flag}=True"
     dtypes = {ckpt.meta(n).dtype for n in ckpt.names()}
     if torch.bfloat16 in dtypes:
         return "bf16", "bf16 weights in the checkpoint"

@@ -704,8 +704,19 @@ def _logits(rep: Any, th: Thresholds) -> list[Finding]:
 
 def _lr_steps(rep: Any, fields: dict[str, Any], th: Thresholds) -> list[Finding]:
     """A step whose LR (as replayed) jumps past what any warmup allows: the first bad step."""
-    plan = (rep.config.get("lr") or {}).get("value") or {}
+    from .triage import group_lrs
+
+    plan = dict((rep.config.get("lr") or {}).get("value") or {})
     steps = sorted(plan)
+    # The window's first step against the last logged step before it (a jump on the very
+    # first replayed step has no replayed predecessor).
+    if steps and rep.baseline:
+        last = max(rep.baseline)
+        n = len(plan[steps[0]])
+        prev_lr = group_lrs(rep.baseline[last], n) or ([rep.baseline[last]["lr"]] * n if "lr" in rep.baseline[last] else None)
+        if prev_lr is not None and last < steps[0]:
+            plan[last] = list(prev_lr)
+            steps = [last, *steps]
     for prev, s in zip(steps, steps[1:], strict=False):
         allowed = lr_growth_limit(prev, s, th.lr_growth_margin)
         jumped = [g for g, (la, lb) in enumerate(zip(plan[prev], plan[s], strict=False)) if la > 0 and lb / la > allowed]

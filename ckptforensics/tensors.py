@@ -171,7 +171,8 @@ def trend_z(
     a spike). A step whose z exceeds `z` does not enter the baseline, so a spike cannot
     hide the next one; a smooth lift (a data-mixture switch) is followed. Steps before
     `judge_from`, and steps with fewer than `min_history` accepted before them, get
-    z = 0 (history only). Non-finite values get +inf.
+    z = 0 (history only). A new level held for `CURVE_SHORT` steps in a row becomes the
+    baseline (its first step was flagged). Non-finite values get +inf.
 
     Returns:
         (z per step, the baseline level per step in the curve's units; NaN where unjudged).
@@ -181,6 +182,7 @@ def trend_z(
     level = np.full(lv.size, np.nan)
     acc: list[float] = []
     res: list[float] = []
+    pending: list[tuple[float, float]] = []  # consecutive rejected (value, residual)
     for i, v in enumerate(lv):
         if len(acc) >= min_history:
             base = float(np.median(acc[-CURVE_SHORT:]))
@@ -191,7 +193,16 @@ def trend_z(
             if i >= judge_from:
                 out[i], level[i] = zi, 10 ** (base + c)
             if zi > z:
+                if math.isfinite(v):
+                    pending.append((v, v - base))
+                if len(pending) >= CURVE_SHORT:
+                    # A level the curve holds for CURVE_SHORT steps is its new level (a phase
+                    # of training, a data switch): re-anchor, having flagged its start.
+                    acc.extend(p[0] for p in pending)
+                    res.extend(p[1] - pending[-1][1] for p in pending)
+                    pending.clear()
                 continue
+            pending.clear()
             res.append(v - base)
         elif not math.isfinite(v):
             if i >= judge_from:

@@ -16,6 +16,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -344,6 +345,8 @@ def main() -> None:
             record_section("draws-heldout", text)
         return
     if args.rebuild or not args.zoo.is_dir():
+        if args.zoo.is_dir():
+            shutil.rmtree(args.zoo)  # a rebuilt zoo keeps no run an older build left
         t0 = time.perf_counter()
         subprocess.run([sys.executable, str(ROOT / "fixtures" / "zoo.py"), "--out", str(args.zoo)], check=True, capture_output=True)
         print(f"built the zoo in {time.perf_counter() - t0:.0f} s", file=sys.stderr)

@@ -72,6 +72,11 @@ class Verdict:
         return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
 
 
+def _related(a: str, b: str) -> bool:
+    """Equal, or one is a parent module of the other."""
+    return bool(a) and (a == b or a.startswith(b + ".") or b.startswith(a + "."))
+
+
 def _weight(f: Finding) -> float:
     return _SEVERITY_WEIGHT[f.severity] * min(1.0 + math.log2(max(f.score, 1.0)), 10.0)
 
@@ -169,8 +174,13 @@ def decide(
     v.recommended_actions = [a.format(rollback=rollback or "an earlier checkpoint", after=after) for a in _ACTIONS.get(top, [])]
     lr_groups = [f for f in findings if f.kind in ("lr_above_schedule", "lr_jump") and top in f.supports]
     if lr_groups and top != "lr_too_high":
-        mods = ", ".join(dict.fromkeys(m for f in lr_groups for m in f.metrics.get("modules", [])))
+        members = list(dict.fromkeys(m for f in lr_groups for m in f.metrics.get("modules", [])))
+        mods = ", ".join(members)
         v.recommended_actions.insert(0, f"Fix the LR of {mods}: its param group runs far above the schedule (per-module LR multiplier?).")
+        # The modules whose own LR jumped are the ones that explode first (their update is
+        # the fault); a neighbour the replay saw move first is its effect.
+        if members and not any(_related(v.first_anomalous_module or "", m) for m in members):
+            v.first_anomalous_module = members[0]
     if v.anomalous_samples and top == "poison_batch":
         ids = ", ".join(str(x["sample_id"] if x["sample_id"] is not None else f"row {x['index']}") for x in v.anomalous_samples)
         at = f" of step {v.first_bad_step}" if v.first_bad_step is not None else ""

@@ -180,7 +180,10 @@ class TriageConfig:
         window: steps of history a step is compared with (OLMo-core: 128).
         z: robust z that marks a spike (OLMo-core: 6).
         loss_factor: a loss this many times the window median is a spike whatever z (Megatron: 10).
-        min_history: steps of history needed before a step can be judged.
+        min_history: steps of quiet a parameter's gradient needs before its return counts.
+        judge_after: steps of a curve's own history needed before a step is judged: twice
+            the rolling median, since early-training curves move faster than a shorter
+            baseline follows (tuning draw 1039: a grad-norm transient at step 10).
         margin: extra steps the rollback checkpoint must precede the onset by.
         follow: steps within which the loss must follow a grad-norm spike or a loss-scale
             backoff for it to count as an onset (`tensors.LOSS_FOLLOW`).
@@ -190,6 +193,7 @@ class TriageConfig:
     z: float = 6.0
     loss_factor: float = 10.0
     min_history: int = 8
+    judge_after: int = 16
     margin: int = 0
     follow: int = LOSS_FOLLOW
 
@@ -227,7 +231,7 @@ def _spikes(rows: dict[int, dict[str, float]], key: str, cfg: TriageConfig) -> l
     `loss_factor` times its baseline whatever the noise (Megatron-LM's 10x rule)."""
     steps = [s for s in rows if key in rows[s]]
     vals = [rows[s][key] for s in steps]
-    z, level = trend_z(vals, z=cfg.z, window=cfg.window, min_history=cfg.min_history)
+    z, level = trend_z(vals, z=cfg.z, window=cfg.window, min_history=cfg.judge_after)
     out = []
     for s, v, zi, base in zip(steps, vals, z, level, strict=True):
         factor = (not math.isfinite(v)) or (key == "loss" and math.isfinite(base) and v >= cfg.loss_factor * base)
@@ -328,11 +332,11 @@ def triage(metrics: Path, run_dir: Path | None, cfg: TriageConfig | None = None,
     # The grad norm is the seed signal (it moves first), but only where the loss follows.
     loss = _spikes(rows, "loss", cfg)
     steps = [s for s in rows if "loss" in rows[s]]
-    z_loss = trend_z([rows[s]["loss"] for s in steps], z=cfg.z, window=cfg.window, min_history=cfg.min_history)[0]
+    z_loss = trend_z([rows[s]["loss"] for s in steps], z=cfg.z, window=cfg.window, min_history=cfg.judge_after)[0]
     seeds = _spikes(rows, "grad_norm", cfg) + _scale_drops(rows)
     z_grad = None
     if steps and all("grad_norm" in rows[s] for s in steps):
-        z_grad = trend_z([rows[s]["grad_norm"] for s in steps], z=cfg.z, window=cfg.window, min_history=cfg.min_history)[0]
+        z_grad = trend_z([rows[s]["grad_norm"] for s in steps], z=cfg.z, window=cfg.window, min_history=cfg.judge_after)[0]
     scaled = any("loss_scale" in r for r in rows.values())
     kept = [o for o in seeds if not steps or _followed(o, steps, z_loss, z_grad, cfg, scaled)]
     res.ignored = [o for o in seeds if o not in kept]

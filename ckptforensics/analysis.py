@@ -13,7 +13,7 @@ from .formats import open_checkpoint, open_pair
 from .report import build_report
 from .verdict import decide
 
-__all__ = ["run_diff", "run_replay", "replay_section"]
+__all__ = ["run_diff", "run_replay", "run_bisect", "run_whatif", "replay_section"]
 
 Progress = Callable[[str], None]
 

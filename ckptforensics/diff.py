@@ -36,7 +36,7 @@ class DiffConfig:
         max_candidates: element-level evidence kept per tensor.
         rho_threshold: |m|/(sqrt(v)+eps) above which an update is called sign-like (Molybog 2304.09871).
         bound_slack: relative slack on the Adam update bound (rounding of fp32 arithmetic).
-        share_stride: the share statistics (sign-like, unit-step, vanished second moment)
+        share_stride: the share statistics (sign-like, vanished second moment)
             of chunks of 64K elements and more are estimated on every share_stride-th
             element (a sample of 16K+ per chunk: standard error < 0.4 points); the
             bounds that locate single elements always see every element.
@@ -102,7 +102,6 @@ class TensorDiff:
     r_v: float = math.nan  # implied gradient energy over the window / v_A (1 = stationary)
     rho_share_a: float = math.nan
     rho_share_b: float = math.nan
-    unit_update_share: float = math.nan  # share of |dw|/(k lr) in [0.8, 1.2]
     vanished_share_a: float = math.nan  # share of sqrt(v) < 10 eps
     vanished_share_b: float = math.nan
     nonfinite_m_b: int = 0
@@ -431,7 +430,7 @@ def _diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: D
                 acc.add(nfm=(~torch.isfinite(mb)).sum(), nfv=(~torch.isfinite(vb)).sum())
                 mom = torch.stack([_finite_sum(va), _finite_sum(vb), _finite_absmax(mb), _finite_absmax(vb)])
             st = cfg.share_stride if ma.numel() >= 1 << 16 else 1
-            ma_s, va_s, vb_s, amb_s, sqb_s, ad_s = (x[::st] for x in (ma, va, vb, amb, sq_b, ad))
+            ma_s, va_s, vb_s, amb_s, sqb_s = (x[::st] for x in (ma, va, vb, amb, sq_b))
             acc.add(
                 sum_va=mom[0],
                 sum_vb=mom[1],
@@ -439,7 +438,6 @@ def _diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: D
                 # |m| > thr (sqrt(v) + eps)  <=>  |m| - thr sqrt(v) > thr eps
                 rho_a=torch.count_nonzero(torch.sub(ma_s.abs(), va_s.sqrt(), alpha=thr) > thr * eps),
                 rho_b=torch.count_nonzero(torch.sub(amb_s, sqb_s, alpha=thr) > thr * eps),
-                unit=torch.count_nonzero((ad_s - klr).abs_() <= 0.2 * klr) if klr > 0 else torch.zeros(()),
                 # sqrt(v) < 10 eps  <=>  v < 100 eps^2
                 van_a=torch.count_nonzero(va_s < 100 * eps * eps),
                 van_b=torch.count_nonzero(vb_s < 100 * eps * eps),
@@ -523,7 +521,6 @@ def _diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: D
             r_v=(s["sum_vb"] - decay_k * s["sum_va"]) / den if den > 0 else math.inf,
             rho_share_a=s["rho_a"] / s["sampled"],
             rho_share_b=s["rho_b"] / s["sampled"],
-            unit_update_share=s["unit"] / s["sampled"],
             vanished_share_a=s["van_a"] / s["sampled"],
             vanished_share_b=s["van_b"] / s["sampled"],
             nonfinite_m_b=int(s.get("nfm", 0)),

@@ -24,6 +24,7 @@ CAUSES = (
     "output_logit_divergence",
     "silent_corruption",
     "none",
+    "undiagnosed",  # whatif: mitigations compared, no cause named
 )
 
 _SEVERITY_WEIGHT = {"info": 0.0, "warning": 1.0, "critical": 3.0}

@@ -41,6 +41,13 @@ def test_every_report_validates_against_the_schema(reports: dict[str, Path]) -> 
         jsonschema.validate(json.loads((d / "report.json").read_text()), schema()), name
 
 
+def test_the_schema_names_exactly_the_causes_the_verdict_knows() -> None:
+    from ckptforensics.verdict import CAUSES
+
+    cause = schema()["properties"]["verdict"]["properties"]["causes"]["items"]["properties"]["cause"]
+    assert set(cause["enum"]) == set(CAUSES)
+
+
 def test_html_is_self_contained_with_plots(reports: dict[str, Path]) -> None:
     page = (reports["replay"] / "report.html").read_text()
     assert "http://" not in page and "https://" not in page  # nothing fetched from a network

@@ -226,14 +226,30 @@ class TriageResult:
     timeline: dict[str, list[float]] = field(default_factory=dict)  # step, loss, grad_norm, checkpoints
 
 
-def _spikes(rows: dict[int, dict[str, float]], key: str, cfg: TriageConfig) -> list[Onset]:
-    """Steps whose log10(value) leaves the run's own trend (`tensors.trend_z`), or a loss
-    `loss_factor` times its baseline whatever the noise (Megatron-LM's 10x rule)."""
+@dataclass(frozen=True, slots=True)
+class _Curve:
+    """One logged signal judged against its own trend (`tensors.trend_z`), once."""
+
+    key: str
+    steps: list[int]
+    values: list[float]
+    z: np.ndarray
+    level: np.ndarray
+
+
+def _curve(rows: dict[int, dict[str, float]], key: str, cfg: TriageConfig) -> _Curve:
     steps = [s for s in rows if key in rows[s]]
     vals = [rows[s][key] for s in steps]
     z, level = trend_z(vals, z=cfg.z, window=cfg.window, min_history=cfg.judge_after)
+    return _Curve(key, steps, vals, z, level)
+
+
+def _spikes(c: _Curve, cfg: TriageConfig) -> list[Onset]:
+    """Steps whose log10(value) leaves the run's own trend, or a loss `loss_factor` times
+    its baseline whatever the noise (Megatron-LM's 10x rule)."""
+    key = c.key
     out = []
-    for s, v, zi, base in zip(steps, vals, z, level, strict=True):
+    for s, v, zi, base in zip(c.steps, c.values, c.z, c.level, strict=True):
         factor = (not math.isfinite(v)) or (key == "loss" and math.isfinite(base) and v >= cfg.loss_factor * base)
         if zi > cfg.z or factor:
             out.append(Onset(s, key, v, float(base), float(zi), f"{key} {v:.4g} at step {s} vs {base:.4g} on its trend (robust z {zi:.1f})"))
@@ -330,15 +346,12 @@ def triage(metrics: Path, run_dir: Path | None, cfg: TriageConfig | None = None,
         raise ForensicsError(f"{metrics}: no rows with a step")
     res = TriageResult(metrics_file=str(metrics), steps=len(rows))
     # The grad norm is the seed signal (it moves first), but only where the loss follows.
-    loss = _spikes(rows, "loss", cfg)
-    steps = [s for s in rows if "loss" in rows[s]]
-    z_loss = trend_z([rows[s]["loss"] for s in steps], z=cfg.z, window=cfg.window, min_history=cfg.judge_after)[0]
-    seeds = _spikes(rows, "grad_norm", cfg) + _scale_drops(rows)
-    z_grad = None
-    if steps and all("grad_norm" in rows[s] for s in steps):
-        z_grad = trend_z([rows[s]["grad_norm"] for s in steps], z=cfg.z, window=cfg.window, min_history=cfg.judge_after)[0]
+    lc, gc = _curve(rows, "loss", cfg), _curve(rows, "grad_norm", cfg)
+    loss = _spikes(lc, cfg)
+    seeds = _spikes(gc, cfg) + _scale_drops(rows)
+    z_grad = gc.z if gc.steps == lc.steps else None  # aligned with the loss steps, or not used
     scaled = any("loss_scale" in r for r in rows.values())
-    kept = [o for o in seeds if not steps or _followed(o, steps, z_loss, z_grad, cfg, scaled)]
+    kept = [o for o in seeds if not lc.steps or _followed(o, lc.steps, lc.z, z_grad, cfg, scaled)]
     res.ignored = [o for o in seeds if o not in kept]
     res.onsets = sorted(
         kept + loss + _lr_jumps(rows) + _gradient_returns(rows, cfg),

@@ -239,17 +239,18 @@ class Session:
                 out = self.model(ids)
             logits = _logits(out)
         labels = batch.get("labels", batch["input_ids"]).to(self.device)
+        shifted = self.labels_shifted and "labels" in batch
         if self.loss_fn is not None:
             tok = self.loss_fn(logits, {k: v.to(self.device) for k, v in batch.items()})
             mask = torch.ones_like(tok)
         else:
-            shifted = self.labels_shifted and "labels" in batch
             tok = per_token_loss(logits, labels, kwargs.get("attention_mask"), shifted=shifted)
             mask = ((labels if shifted else labels[:, 1:]) != -100).to(tok.dtype)
             if "attention_mask" in kwargs:
                 mask = mask * (kwargs["attention_mask"] if shifted else kwargs["attention_mask"][:, 1:]).to(tok.dtype)
-        per_sample = (tok * mask).sum(1) / mask.sum(1).clamp_min(1)
-        loss = self._normalise(tok * mask, mask, labels, shifted=self.labels_shifted and "labels" in batch)
+        masked = tok * mask
+        per_sample = masked.sum(1) / mask.sum(1).clamp_min(1)
+        loss = self._normalise(masked, mask, labels, shifted)
         with torch.no_grad():
             lg = logits.detach()
             lo, hi = torch.aminmax(lg)

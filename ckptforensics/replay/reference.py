@@ -133,11 +133,6 @@ class _NormLinear(nn.Module):
         return F.linear(h, self.weight, self.bias)
 
 
-class _Identity(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-
 class _MegatronAttention(nn.Module):
     def __init__(self, args: dict[str, Any], a: Attn, fused_norm: bool) -> None:
         super().__init__()
@@ -212,9 +207,9 @@ class _MegatronLayer(nn.Module):
     def __init__(self, args: dict[str, Any], a: Attn, fused_norm: bool) -> None:
         super().__init__()
         h = args["hidden_size"]
-        self.input_layernorm = _Identity() if fused_norm else _megatron_norm(args, h)
+        self.input_layernorm = nn.Identity() if fused_norm else _megatron_norm(args, h)
         self.self_attention = _MegatronAttention(args, a, fused_norm)
-        self.pre_mlp_layernorm = _Identity() if fused_norm else _megatron_norm(args, h)
+        self.pre_mlp_layernorm = nn.Identity() if fused_norm else _megatron_norm(args, h)
         self.mlp = _MegatronMLP(args, fused_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -321,7 +316,7 @@ def is_olmo_model_config(cfg: dict[str, Any] | None) -> bool:
 
 def _olmo_norm(cfg: dict[str, Any] | None, dim: int) -> nn.Module:
     if cfg is None:
-        return _Identity()
+        return nn.Identity()
     name = str(cfg.get("name", "default"))
     kind = {"rms": "rms", "fused_rms": "rms", "default": "layer"}.get(name)
     if kind is None:

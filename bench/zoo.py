@@ -274,7 +274,7 @@ def score_draws(split: str, root: Path, seeds: list[int] | None = None) -> tuple
     """Build (if absent) and score the draws of one split: replay as a user would, triage
     on the run's log. Returns (per-draw rows, aggregate figures)."""
     sys.path.insert(0, str(ROOT))
-    from ckptforensics.triage import triage
+    from ckptforensics.triage import find_metrics, triage
     from fixtures.draws import SPLITS, build_draw
 
     rows = []
@@ -284,7 +284,9 @@ def score_draws(split: str, root: Path, seeds: list[int] | None = None) -> tuple
             build_draw(seed, root)
         truth = json.loads((run / "truth.json").read_text())
         r = run_incident(run, root.parent / f"{root.name}-reports")
-        tri = triage(run / "metrics.jsonl", run)
+        log = find_metrics(run)  # HF Trainer draws keep only the Trainer's own trainer_state.json
+        assert log is not None, f"{run}: no training log"
+        tri = triage(log, run)
         d = truth["draw"]
         rows.append(
             {
@@ -292,7 +294,7 @@ def score_draws(split: str, root: Path, seeds: list[int] | None = None) -> tuple
                 "samples": r.samples, "samples_ok": r.samples_ok, "fbs": r.first_bad_step, "fbs_ok": r.first_bad_step_ok,
                 "onset": tri.first_bad_step, "onset_ok": tri.first_bad_step == truth["first_bad_step"],
                 "false_alarm": (bool(r.false_alarm) or tri.first_bad_step is not None) if truth["cause"] == "none" else None,
-                "shape": f"{d['position']} {d['schedule']} L{d['n_layer']} d{d['n_embd']} T{d['seq']} {d['precision']} {d['fmt']}",
+                "shape": _shape(d),
                 "trap": d["trap"], "at": truth["first_bad_step"], "seconds": r.seconds,
             }
         )  # fmt: skip
@@ -311,6 +313,13 @@ def score_draws(split: str, root: Path, seeds: list[int] | None = None) -> tuple
         "false alarms on healthy": f"{sum(bool(x['false_alarm']) for x in healthy)}/{len(healthy)}",
     }
     return rows, agg
+
+
+def _shape(d: dict[str, Any]) -> str:
+    hf = ""
+    if d.get("trainer") == "hf":
+        hf = f" {d['family']}" + (" padded" if d.get("padded") else "") + (f" ga{d['accum']}" if d.get("accum", 1) > 1 else "")
+    return f"{d['position']} {d['schedule']} L{d['n_layer']} d{d['n_embd']} T{d['seq']} {d['precision']} {d['fmt']}{hf}"
 
 
 def draws_table(split: str, rows: list[dict[str, Any]], agg: dict[str, str]) -> str:

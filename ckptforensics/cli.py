@@ -122,12 +122,27 @@ run_dir_option = click.option(
     show_default=True,
     help="Where the trainer wrote its checkpoints; steps are resolved here.",
 )
+class _FormatName(click.ParamType):
+    """A registered reader's name, checked against the registry only when given (the
+    registry imports torch; `--help` must not)."""
+
+    name = "format"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        from .formats import format_names
+
+        names = format_names()
+        if value not in names:
+            self.fail(f"{value!r} is not a registered format; choose from {', '.join(names)}", param, ctx)
+        return str(value)
+
+
 format_option = click.option(
     "--format",
     "fmt",
-    type=click.Choice(["hf-trainer", "safetensors", "torch", "nanogpt", "lightning", "dcp", "deepspeed", "megatron"]),
+    type=_FormatName(),
     default=None,
-    help="Force a reader instead of sniffing the format.",
+    help="Force a reader instead of sniffing the format (`ckptforensics formats` lists them, plugins included).",
 )
 
 
@@ -148,6 +163,17 @@ def _replay_options(f: Any) -> Any:
     ):
         f = opt(f)
     return f
+
+
+@cli.command("formats")
+def formats_cmd() -> None:
+    """List the checkpoint readers: built-in, and those plugins register through the
+    `ckptforensics.formats` entry point."""
+    from .formats import FORMATS, SNIFFERS, format_names, is_builtin
+
+    for name in format_names():
+        how = "sniffed" if name in SNIFFERS else "with --format"
+        click.echo(f"{name:16} {'built-in' if is_builtin(name) else 'plugin':9} {how}")
 
 
 @cli.command()

@@ -1,4 +1,4 @@
-"""Detectors: pure functions from statistics to Findings, each citing its signature (DESIGN §4).
+"""Detectors: pure functions from statistics to Findings, each citing its signature (docs/signatures.md).
 
 No detector opens a file, logs or prints. Thresholds are the catalogue's, named here
 once; robust z-scores compare a tensor with tensors of the same role.
@@ -66,7 +66,7 @@ class Thresholds:
 
     Attributes:
         z: robust z that marks a tensor as an outlier among its peers (OLMo-core 6 sigma).
-        burst: implied gradient energy r_v that counts as a burst (r_v >> 1; DESIGN §4).
+        burst: implied gradient energy r_v that counts as a burst (r_v >> 1; docs/signatures.md#gradient-burst).
         update_ratio: ||dw||/||w|| per step; healthy pre-training sits near 1e-3
             (Karpathy's update:data rule), 100x that moves a weight 10% a step.
         lr_over_base: LR above the schedule's own base/peak LR by this factor.
@@ -131,7 +131,7 @@ def diff_findings(diff: DiffResult, th: Thresholds | None = None) -> list[Findin
                 "info",
                 {},
                 "no optimizer state in the pair: weights compared among peers only, no update checked against Adam's bounds",
-                "DESIGN §4 Adam update bound",
+                "docs/signatures.md#adam-update-bound",
                 (),
             )
         )
@@ -171,7 +171,7 @@ def detect_corruption(diff: DiffResult, th: Thresholds) -> list[Finding]:
                 {"tensors": len(bad), "elements": total, "confined_tensors": th.confined_tensors},
                 f"{total} elements in {len(bad)} tensors moved further than Adam allows at the recorded LR: "
                 "the LR that ran was higher than recorded, or the optimizer is not the recorded Adam",
-                "DESIGN §4 Adam update bound",
+                "docs/signatures.md#adam-update-bound",
                 ("lr_too_high",),
             )
         ]
@@ -213,7 +213,7 @@ def detect_corruption(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     "elements": elems,
                 },
                 f"{_violations(t)} element(s) of {t.name} changed {what}: the silent-corruption signature",
-                "DESIGN §4 Adam update bound / v floor / power-of-two jump",
+                "docs/signatures.md#adam-update-bound, #v-floor, #power-of-two-jump",
                 ("silent_corruption",),
                 primary=True,
             )
@@ -243,7 +243,7 @@ def detect_nonfinite(diff: DiffResult, th: Thresholds) -> list[Finding]:
                 "critical",
                 {"weights": t.nonfinite_b, "weights_before": t.nonfinite_a, "exp_avg": t.nonfinite_m_b, "exp_avg_sq": t.nonfinite_v_b},
                 f"{t.name}: {max(new_w, 0)} non-finite weights, {t.nonfinite_m_b} in exp_avg, {t.nonfinite_v_b} in exp_avg_sq after the window",
-                "DESIGN §4 dtype range",
+                "docs/signatures.md#dtype-range",
                 _overflow_cause(t.dtype),
                 primary=t.dtype in ("fp16", "bf16"),
             )
@@ -269,7 +269,7 @@ def detect_dtype_range(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     "critical" if over else "warning",
                     {"where": where, "dtype": dtype, "max_abs": mx, "headroom": head, "warn_below": th.headroom_warn},
                     f"{t.name} ({where}, {dtype}) reaches {mx:.3g}, {'at' if over else 'within 2x of'} the dtype's limit",
-                    "DESIGN §4 dtype range",
+                    "docs/signatures.md#dtype-range",
                     _overflow_cause(dtype),
                     primary=dtype in ("fp16", "bf16"),
                 )
@@ -310,7 +310,7 @@ def detect_skipped_steps(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     {"trainer_steps": g, "optimizer_steps": k},
                     f"{g - k} of {g} steps skipped the optimizer update (overflowing gradients under a loss scaler)"
                     + (": one per loss-scale backoff, dynamic loss scaling's normal operation" if normal else ""),
-                    "DESIGN §4 skipped steps",
+                    "docs/signatures.md#skipped-steps",
                     () if normal else ("fp16_overflow", "loss_scale_collapse"),
                     primary=not normal,
                 )
@@ -325,7 +325,7 @@ def detect_skipped_steps(diff: DiffResult, th: Thresholds) -> list[Finding]:
                 "info",
                 {"scale_before": p.loss_scale_a, "scale_after": p.loss_scale_b, "halvings": drops},
                 f"loss scale fell from {p.loss_scale_a:g} to {p.loss_scale_b:g} ({drops:.0f} halvings): routine under dynamic loss scaling",
-                "DESIGN §4 skipped steps; torch.amp.GradScaler backoff_factor 0.5 per overflow",
+                "docs/signatures.md#skipped-steps; torch.amp.GradScaler backoff_factor 0.5 per overflow",
                 (),
             )
         )
@@ -339,7 +339,7 @@ def detect_skipped_steps(diff: DiffResult, th: Thresholds) -> list[Finding]:
                 "critical" if collapse else "warning",
                 {"scale_before": p.loss_scale_a, "scale_after": p.loss_scale_b, "halvings": drops},
                 f"loss scale fell from {p.loss_scale_a:g} to {p.loss_scale_b:g} ({drops:.0f} halvings)",
-                "DESIGN §4 skipped steps",
+                "docs/signatures.md#skipped-steps",
                 ("loss_scale_collapse", "fp16_overflow") if collapse else ("fp16_overflow",),
                 primary=True,
             )
@@ -386,7 +386,7 @@ def detect_lr(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     "critical",
                     {"lr_after": lb, "base_lr": base, "factor": lb / base, "limit": th.lr_over_base, "modules": mods, "param_share": share, "first_step": first},
                     f"param group {g}{who} runs at LR {lb:.3g}, {lb / base:.1f}x the schedule's base {base:.3g}",
-                    "DESIGN §4 update/weight ratio; schedules never exceed their base LR",
+                    "docs/signatures.md#update-weight-ratio; schedules never exceed their base LR",
                     _lr_supports(share),
                     primary=True,
                 )
@@ -405,7 +405,7 @@ def detect_lr(diff: DiffResult, th: Thresholds) -> list[Finding]:
                         {"lr_before": la, "lr_after": lb, "growth": lb / la, "allowed": allowed, "modules": mods, "param_share": share},
                         f"param group {g}{who}: LR rose {lb / la:.1f}x between steps {p.step_a} and {p.step_b}, "
                         f"more than any warmup allows ({allowed:.1f}x)",
-                        "DESIGN §4 update/weight ratio",
+                        "docs/signatures.md#update-weight-ratio",
                         _lr_supports(share),
                         primary=True,
                     )
@@ -430,7 +430,7 @@ def detect_update_ratio(diff: DiffResult, th: Thresholds) -> list[Finding]:
             "warning",
             {"median_update_ratio": med, "max_update_ratio": float(ratios.max()), "threshold": th.update_ratio},
             f"weight matrices move {med:.2g} of their norm per step (median), {med / th.update_ratio:.0f}x the alarm level",
-            "DESIGN §4 update/weight ratio",
+            "docs/signatures.md#update-weight-ratio",
             ("lr_too_high",),
         )
     ]
@@ -467,7 +467,7 @@ def detect_gradient_burst(diff: DiffResult, th: Thresholds) -> list[Finding]:
                 "warning",
                 {"median_r_v": med, "threshold": th.burst},
                 f"gradient energy over the window is {med:.3g}x its running average in the median tensor",
-                "DESIGN §4 gradient burst",
+                "docs/signatures.md#gradient-burst",
                 ("gradient_explosion", "lr_too_high", "poison_batch"),
             )
         )
@@ -482,7 +482,7 @@ def detect_gradient_burst(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     "warning",
                     {"r_v": float(r), "robust_z": float(zz), "role": t.role, "z_threshold": th.z, "burst": th.burst},
                     f"{module_of(t.name)}: gradient energy {r:.3g}x its running average (robust z {zz:.1f} among {t.role} tensors)",
-                    "DESIGN §4 gradient burst (OLMo-core 6 sigma)",
+                    "docs/signatures.md#gradient-burst (OLMo-core 6 sigma)",
                     ("gradient_explosion",),
                 )
             )
@@ -511,7 +511,7 @@ def detect_vanished_burst(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     {"vanished_share_before": t.vanished_share_a, "vanished_share_after": t.vanished_share_b, "r_v": t.r_v, "threshold": th.burst, "eps": t.eps},
                     f"{module_of(t.name)}: exp_avg_sq had collapsed (sqrt(v) < 10 eps on {t.vanished_share_a:.0%} of elements) "
                     f"before a gradient burst ({t.r_v:.3g}x): Adam turned it into near-maximal updates",
-                    "DESIGN §4 sign-like updates, sqrt(v) < 10 eps (Molybog 2304.09871)",
+                    "docs/signatures.md#sign-like-updates, sqrt(v) < 10 eps (Molybog 2304.09871)",
                     ("adam_instability",),
                     primary=True,
                 )
@@ -544,7 +544,7 @@ def detect_sign_like(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     "warning",
                     {"rho_share_before": t.rho_share_a, "rho_share_after": t.rho_share_b, "vanished_share_after": t.vanished_share_b},
                     f"{module_of(t.name)}: {t.rho_share_b:.0%} of updates are sign-like (was {t.rho_share_a:.0%})",
-                    "DESIGN §4 sign-like updates (Molybog 2304.09871)",
+                    "docs/signatures.md#sign-like-updates (Molybog 2304.09871)",
                     ("adam_instability",),
                 )
             )
@@ -598,7 +598,7 @@ def replay_findings(rep: Any, th: Thresholds | None = None) -> tuple[list[Findin
                 {"step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "grad_z": float(zg[i]), "loss_z": float(zl[i]), "skipped": r.skipped},
                 f"replayed step {r.step} spikes: loss {r.loss:.3g}, grad norm {r.grad_norm:.3g} (robust z {float(max(zg[i], zl[i])):.1f} over the window)"
                 + (", optimizer step skipped" if r.skipped else ""),
-                "DESIGN §4 spike onset",
+                "docs/signatures.md#spike-onset",
                 ("gradient_explosion", "poison_batch", "lr_too_high"),
             )
         )
@@ -650,7 +650,7 @@ def _rms_t(rep: Any, th: Thresholds) -> list[Finding]:
                 {"step": r.step, "rms_t": v, "robust_z": float(z[i]), "spam_spikes": spikes, "flagged": [names[int(j)] for j in hits[:8]]},
                 f"step {r.step}: {name}'s gradient is {v:.3g}x what Adam's second moment expects (RMS_t; robust z {float(z[i]):.1f} "
                 f"among the step's parameters){f', {spikes} elements with g^2 > 5000 v' if spikes else ''}: its updates go sign-like",
-                "DESIGN §4 RMS_t (StableAdamW 2304.13013), per-element spike (SPAM 2501.06842)",
+                "docs/signatures.md#rms-t (StableAdamW 2304.13013), per-element spike (SPAM 2501.06842)",
                 ("adam_instability", "gradient_explosion"),
                 primary=v > 100,
             )
@@ -695,7 +695,7 @@ def _logits(rep: Any, th: Thresholds) -> list[Finding]:
                 {"max_abs_logit": peak.logit_absmax, "first_max_abs_logit": first.logit_absmax, "log_z": peak.log_z, "first_log_z": first.log_z, "limit": th.logit_max},
                 f"max |logit| grows from {first.logit_absmax:.3g} to {peak.logit_absmax:.3g} by step {peak.step} "
                 f"(log Z {first.log_z:.3g} -> {peak.log_z:.3g}); past {th.logit_max:g} softmax saturates",
-                "DESIGN §4 output logits (PaLM z-loss; Gemma 2 soft-cap)",
+                "docs/signatures.md#output-logits (PaLM z-loss; Gemma 2 soft-cap)",
                 ("output_logit_divergence",),
             )
         ]
@@ -737,7 +737,7 @@ def _lr_steps(rep: Any, fields: dict[str, Any], th: Thresholds) -> list[Finding]
                 {"step": s, "group": g, "groups": jumped, "lr_before": la, "lr": lb, "source": rep.config["lr"]["source"]},
                 f"step {s} runs param group {g} at LR {lb:.3g}, {lb / la:.0f}x step {prev}'s"
                 + (f" ({len(jumped)} of {len(plan[s])} groups)" if confined else ""),
-                "DESIGN §4 update/weight ratio",
+                "docs/signatures.md#update-weight-ratio",
                 ("gradient_explosion", "lr_too_high") if confined else ("lr_too_high",),
                 primary=True,
             )
@@ -802,7 +802,7 @@ def _first_anomaly(order: str, s: int, name: str, z: float, nonfinite: float, th
         "warning",
         {"step": s, "robust_z": z, "nonfinite": nonfinite, key: value},
         f"step {s}: {name} is the first module in {order} order whose {what} leaves its range{extra} ({label} {value:.3g}, robust z {z:.1f})",
-        "DESIGN §4 first anomaly (OLMo-core 6 sigma)",
+        "docs/signatures.md#first-anomaly (OLMo-core 6 sigma)",
         ("gradient_explosion",),
     )
 
@@ -851,7 +851,7 @@ def _overflow(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[
                     {"step": r.step, "loss_scale": r.loss_scale, "scaled_max_abs": true_max, "limit": limit},
                     f"step {r.step}: the scaled gradient of {first} reaches {true_max:.4g} under loss scale {r.loss_scale:g} "
                     f"({true_max / limit:.2f}x fp16's limit): the scaler's routine backoff, not an incident",
-                    "DESIGN §4 skipped steps; torch.amp.GradScaler growth/backoff",
+                    "docs/signatures.md#skipped-steps; torch.amp.GradScaler growth/backoff",
                     (),
                 )
             )
@@ -874,7 +874,7 @@ def _overflow(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[
                 f"step {r.step}: the {where} of {first} overflows {rep.precision}{reach}"
                 + (f" under loss scale {r.loss_scale:g}" if r.loss_scale and where == "gradient" else "")
                 + ("; the fp32 replay of the same step stays finite" if fp32_ok else "; fp32 overflows too"),
-                "DESIGN §4 dtype range",
+                "docs/signatures.md#dtype-range",
                 cause if fp32_ok else ("gradient_explosion", *cause),
                 primary=True,
             )
@@ -956,7 +956,7 @@ def _samples(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[F
                 "info",
                 {"step": s, "rows": idx, "batch_size": b},
                 f"step {s}: rows {idx} have a non-finite loss while the others' are finite; their data is unremarkable",
-                "DESIGN §4 per-sample share / data stats",
+                "docs/signatures.md#per-sample-share, #data-stats",
                 ("fp16_overflow", "bf16_overflow", "gradient_explosion"),
             )
         ]
@@ -970,7 +970,7 @@ def _samples(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[F
             "critical" if carried >= 0.5 else "warning",
             {"step": s, "rows": [x["index"] for x in rows], "grad_share": carried, "batch_size": b},
             f"step {s}: rows {[x['index'] for x in rows]} carry {carried:.0%} of the gradient norm^2 of a spiking batch",
-            "DESIGN §4 per-sample share / data stats (OLMo-core instance filter)",
+            "docs/signatures.md#per-sample-share, #data-stats (OLMo-core instance filter)",
             ("poison_batch",),
             primary=carried >= 0.5,
         )
@@ -997,7 +997,7 @@ def _reproduction(rep: Any, fields: dict[str, Any], th: Thresholds) -> list[Find
                 {"tensors": [m.name for m in imp], "elements": sum(m.impossible for m in imp), "where": [m.where for m in imp]},
                 f"the replay reproduces every tensor except {sum(m.impossible for m in imp)} element(s) of "
                 f"{', '.join(sorted({m.name for m in imp}))}, which no replay of these steps can reach: a hardware fault",
-                "DESIGN §4 reproducibility",
+                "docs/signatures.md#reproducibility",
                 ("silent_corruption",),
                 primary=True,
             )
@@ -1013,7 +1013,7 @@ def _reproduction(rep: Any, fields: dict[str, Any], th: Thresholds) -> list[Find
                 "info",
                 {"mismatched_share": mis / total},
                 f"the replay reproduces the after checkpoint ({1 - mis / total:.2%} of elements within tolerance): numerics or data, not hardware",
-                "DESIGN §4 reproducibility",
+                "docs/signatures.md#reproducibility",
                 (),
             )
         ]
@@ -1029,7 +1029,7 @@ def _reproduction(rep: Any, fields: dict[str, Any], th: Thresholds) -> list[Find
             {"mismatched_share": mis / total, "impossible_tensors": len(imp), "worst": worst.name},
             f"the replay deviates from after on {mis / total:.1%} of elements (worst: {worst.name} {worst.where}): "
             "the replay configuration (LR, clipping, precision, loss averaging) differs from the trainer's; see replay.config",
-            "DESIGN §3 reproducibility",
+            "docs/signatures.md#reproducibility",
             (),
         )
     ]

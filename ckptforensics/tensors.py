@@ -137,7 +137,7 @@ CURVE_MIN_HISTORY = 8
 
 
 # A linear warmup from zero multiplies the LR by step_b / step_a between two steps at most;
-# growth beyond LR_GROWTH_MARGIN times that is no schedule (DESIGN §4 update/weight ratio).
+# growth beyond LR_GROWTH_MARGIN times that is no schedule (docs/signatures.md#update-weight-ratio).
 LR_GROWTH_MARGIN = 2.0
 
 

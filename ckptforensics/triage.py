@@ -174,7 +174,7 @@ def _tensorboard(path: Path) -> dict[int, dict[str, float]]:
 
 @dataclass(kw_only=True, slots=True)
 class TriageConfig:
-    """Spike detection settings (DESIGN §4 spike onset row).
+    """Spike detection settings (docs/signatures.md#log-onset).
 
     Attributes:
         window: steps of history a step is compared with (OLMo-core: 128).

@@ -109,7 +109,7 @@ def test_nonfinite_weights_are_data_not_errors(zoo: dict[str, Path], tmp_path: P
 
 
 def test_adam_bound_constant() -> None:
-    # (1-b1)/sqrt((1-b2)(1-b1^2/b2)) = 1.16 at (0.9, 0.95) (DESIGN §4); the first step moves by lr.
+    # (1-b1)/sqrt((1-b2)(1-b1^2/b2)) = 1.16 at (0.9, 0.95) (docs/signatures.md#adam-update-bound); the first step moves by lr.
     assert adam_ratio_bound(0.9, 0.95, 10**6, 10**6) == pytest.approx(1.165, abs=1e-3)
     assert adam_ratio_bound(0.9, 0.999, 1, 1) == pytest.approx(1.0)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,44 +29,95 @@ __all__ = [
     "settle_pair",
     "FORMATS",
     "register",
+    "format_names",
+    "is_builtin",
+    "load_plugins",
+    "sniff",
 ]
 
+log = logging.getLogger(__name__)
+
 Opener = Callable[[Path], Checkpoint]
+Sniffer = Callable[[Path], bool]
 FORMATS: dict[str, Opener] = {}
+# name -> sniffer, in the order `sniff` asks them (the most specific layout first).
+SNIFFERS: dict[str, Sniffer] = {}
+ENTRY_POINT_GROUP = "ckptforensics.formats"
 
 
-def register(name: str, opener: Opener) -> None:
-    """Add a reader; a second reader under the same name is a programming error."""
+def register(name: str, opener: Opener, sniff: Sniffer | None = None, *, first: bool = False) -> None:
+    """Add a reader: `opener(path) -> Checkpoint`, and optionally `sniff(path) -> bool`,
+    which `sniff()` asks before the generic safetensors / torch.save checks (`first`: before
+    every registered one, for a layout that would otherwise pass for another). A second
+    reader under the same name is a programming error."""
     if name in FORMATS:
         raise ValueError(f"format {name!r} is already registered")
     FORMATS[name] = opener
+    if sniff is not None:
+        items = list(SNIFFERS.items())
+        SNIFFERS.clear()
+        SNIFFERS.update([(name, sniff), *items] if first else [*items, (name, sniff)])
 
 
-register("hf-trainer", open_hf_dir)
-register("safetensors", open_safetensors)
+def _is_safetensors(path: Path) -> bool:
+    if path.is_dir():
+        return False
+    with path.open("rb") as f:
+        head = f.read(16)
+    return path.suffix == ".safetensors" or (len(head) >= 9 and head[8:9] == b"{")
+
+
+register("megatron-dist", open_megatron_dist, lambda p: p.is_dir() and is_megatron_dist_dir(p))
+register("dcp", open_dcp, lambda p: p.is_dir() and is_dcp_dir(p))
+register("deepspeed", open_deepspeed, lambda p: p.is_dir() and is_deepspeed_dir(p))
+register("megatron", open_megatron, lambda p: p.is_dir() and is_megatron_dir(p))
+register("hf-trainer", open_hf_dir, lambda p: p.is_dir() and is_hf_dir(p))
+register("safetensors", open_safetensors, _is_safetensors)
 register("torch", lambda p: open_torch_file(p, "torch"))
 register("nanogpt", lambda p: open_torch_file(p, "nanogpt"))
 register("lightning", lambda p: open_torch_file(p, "lightning"))
 register("litgpt", lambda p: open_torch_file(p, "litgpt"))
-register("dcp", open_dcp)
-register("deepspeed", open_deepspeed)
-register("megatron", open_megatron)
-register("megatron-dist", open_megatron_dist)
+_BUILTIN = frozenset(FORMATS)
+_plugins_loaded = False
+
+
+def load_plugins() -> list[str]:
+    """Register third-party readers from the `ckptforensics.formats` entry points: each
+    names a callable that is given `register`. Loaded once; returns the formats it added.
+    A plugin that fails to load is logged and skipped, never fatal to the built-ins."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return []
+    _plugins_loaded = True
+    from importlib.metadata import entry_points
+
+    before = set(FORMATS)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()(register)
+        except Exception as e:  # a broken plugin must not take the built-in readers down
+            log.warning("format plugin %s (%s) did not load: %s", ep.name, ep.value, e)
+    return sorted(set(FORMATS) - before)
+
+
+def is_builtin(name: str) -> bool:
+    return name in _BUILTIN
+
+
+def format_names() -> list[str]:
+    """Every reader's name (built-ins and plugins): what `--format` accepts."""
+    load_plugins()
+    return sorted(FORMATS)
 
 
 def sniff(path: Path) -> str:
-    """The format name for `path`, from its layout and first bytes."""
+    """The format name for `path`: the registered sniffers in order, then a torch.save file
+    (the torch-family readers tell themselves apart from the file's keys)."""
+    load_plugins()
+    for name, test in SNIFFERS.items():
+        if test(path):
+            return name
     if path.is_dir():
-        if is_megatron_dist_dir(path):
-            return "megatron-dist"
-        if is_dcp_dir(path):
-            return "dcp"
-        if is_deepspeed_dir(path):
-            return "deepspeed"
-        if is_megatron_dir(path):
-            return "megatron"
-        if is_hf_dir(path):
-            return "hf-trainer"
         if single_file(path) is not None:
             return "torch-file"
         from ..locate import list_checkpoints
@@ -81,8 +133,6 @@ def sniff(path: Path) -> str:
         )
     with path.open("rb") as f:
         head = f.read(16)
-    if path.suffix == ".safetensors" or (len(head) >= 9 and head[8:9] == b"{"):
-        return "safetensors"
     # torch.save zips start with a local file header; a truncated one has lost its
     # central directory but is still a torch file (to be refused as truncated).
     if is_torch_zip(path) or head[:4] == b"PK\x03\x04" or head[:2] == b"\x80\x02":
@@ -129,6 +179,7 @@ def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
         raise CheckpointNotFound(f"{p}: no such file or directory")
     p = _megatron_latest(p)
     if format is not None:
+        load_plugins()
         if format not in FORMATS:
             raise UnknownFormat(f"unknown format {format!r}; known: {', '.join(sorted(FORMATS))}")
         inner = single_file(p) if p.is_dir() and format in ("torch", "nanogpt", "lightning", "litgpt") else None

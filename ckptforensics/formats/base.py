@@ -6,6 +6,7 @@ import ctypes
 import logging
 import mmap
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,12 @@ class Checkpoint:
     aliases: dict[str, str] = field(default_factory=dict)
     pending_optimizer: Any = None
     _closers: list[Any] = field(default_factory=list, repr=False)
+
+    def add_tensor(self, name: str, meta: TensorMeta, load: Callable[[], torch.Tensor]) -> None:
+        """Declare a model tensor: its shape and dtype now, its data when `load()` is
+        called (the reader's contract: nothing is read before `tensor(name)`)."""
+        self._meta[name] = meta
+        self._get[name] = load
 
     def names(self) -> list[str]:
         """Model tensor names, in the checkpoint's own order."""

@@ -169,7 +169,7 @@ def _replay_options(f: Any) -> Any:
 def formats_cmd() -> None:
     """List the checkpoint readers: built-in, and those plugins register through the
     `ckptforensics.formats` entry point."""
-    from .formats import FORMATS, SNIFFERS, format_names, is_builtin
+    from .formats import SNIFFERS, format_names, is_builtin
 
     for name in format_names():
         how = "sniffed" if name in SNIFFERS else "with --format"

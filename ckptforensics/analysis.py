@@ -129,11 +129,30 @@ def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> t
 
     rep = replay(cfg, progress=progress)
     rfind, fields = replay_findings(rep)
-    a, b = open_pair(cfg.before, cfg.after) if cfg.after is not None else (open_checkpoint(cfg.before),) * 2
-    diff = None
-    dfind: list[Finding] = []
-    if cfg.after is not None:
-        _, _, diff, dfind = _diff(cfg.before, cfg.after, None, 1 << 19, None)
+    a, b, diff, dfind = _pair_diff(cfg)
+    try:
+        return _replay_report(cfg, rep, rfind, fields, a, b, diff, dfind, command)
+    finally:
+        _close(a, b)
+
+
+def _pair_diff(cfg: Any) -> tuple[Any, Any, DiffResult | None, list[Finding]]:
+    """The window's checkpoints, open, and their diff (None without *after*)."""
+    if cfg.after is None:
+        a = open_checkpoint(cfg.before)
+        return a, a, None, []
+    return _diff(cfg.before, cfg.after, None, 1 << 19, None)
+
+
+def _close(*cks: Any) -> None:
+    for i, c in enumerate(cks):
+        if all(c is not d for d in cks[:i]):  # a and b are one object without *after*
+            c.close()
+
+
+def _replay_report(
+    cfg: Any, rep: Any, rfind: list[Finding], fields: dict[str, Any], a: Any, b: Any, diff: DiffResult | None, dfind: list[Finding], command: str
+) -> tuple[dict[str, Any], list[Finding]]:
     findings = _number(dfind + rfind)
     starts = first_steps_from_state(dfind, rep)
     if starts:
@@ -155,14 +174,20 @@ def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> t
 
 def run_bisect(cfg: Any, *, command: str, progress: Progress | None = None, tokenizer: Path | None = None) -> tuple[dict[str, Any], list[Finding], dict[str, Any]]:
     """`ckptforensics bisect`: replay + step and sample bisection; returns (doc, findings, skip list)."""
+    # The pair's state evidence pins bad steps that do not spike (an LR already off
+    # schedule in *before*, a collapsed second moment), as in `replay`.
+    a, b, diff, dfind = _pair_diff(cfg)
+    try:
+        return _bisect_report(cfg, a, b, diff, dfind, command, progress, tokenizer)
+    finally:
+        _close(a, b)
+
+
+def _bisect_report(
+    cfg: Any, a: Any, b: Any, diff: DiffResult | None, dfind: list[Finding], command: str, progress: Progress | None, tokenizer: Path | None
+) -> tuple[dict[str, Any], list[Finding], dict[str, Any]]:
     from .bisect import bisect
 
-    diff = None
-    dfind: list[Finding] = []
-    if cfg.after is not None:
-        # The pair's state evidence pins bad steps that do not spike (an LR already off
-        # schedule in *before*, a collapsed second moment), as in `replay`.
-        _, _, diff, dfind = _diff(cfg.before, cfg.after, None, 1 << 19, None)
     res, rep = bisect(cfg, progress, tokenizer=tokenizer, state_findings=dfind)
     rfind, fields = replay_findings(rep)
     if res.first_bad_step is not None:
@@ -172,7 +197,6 @@ def run_bisect(cfg: Any, *, command: str, progress: Progress | None = None, toke
             {"index": i, "sample_id": (res.sample_ids[k] if res.sample_ids else None), "score": 1.0, "why": res.evidence.get(i, "needed to reproduce the spike")}
             for k, i in enumerate(res.rows)
         ]
-    a, b = open_pair(cfg.before, cfg.after) if cfg.after is not None else (open_checkpoint(cfg.before),) * 2
     findings = _number(dfind + rfind)
     extra = {k: v for k, v in fields.items() if k in ("first_bad_step", "first_anomalous_module", "anomalous_samples", "reproducible")}
     verdict = decide(findings, before=str(cfg.before), after=str(cfg.after or cfg.before), extra=extra)
@@ -196,7 +220,6 @@ def run_whatif(cfg: Any, n_steps: int, tries: list[str], skip_rows: dict[int, li
         res, _ = bisect(cfg, progress, steps=list(range(first, first + n_steps)))
         auto = {res.first_bad_step: res.rows} if res.rows else {}
     outcomes, best, info = whatif(cfg, n_steps, mitigations, auto, progress)
-    a = open_checkpoint(cfg.before)
     msg = (
         f"{best} keeps the run on track over {n_steps} steps (least invasive that does)"
         if best
@@ -213,7 +236,8 @@ def run_whatif(cfg: Any, n_steps: int, tries: list[str], skip_rows: dict[int, li
         verdict.summary += " The baseline replay leaves its track: `ckptforensics replay` names the cause."
     verdict.recommended_actions = [f"Resume from {cfg.before} with {best}."] if best else []
     section = {"outcomes": [asdict(o) for o in outcomes], "recommended": best, **info, "auto_rows": {str(k): v for k, v in (auto or {}).items()}}
-    doc = build_report(command=command, before=a, after=a, verdict=verdict, findings=[finding], sections={"whatif": section})
+    with open_checkpoint(cfg.before) as a:
+        doc = build_report(command=command, before=a, after=a, verdict=verdict, findings=[finding], sections={"whatif": section})
     return doc, [finding]
 
 

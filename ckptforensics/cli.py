@@ -294,7 +294,7 @@ def diff(
       ckptforensics diff --before ckpt_a.pt --after ckpt_b.pt --json | jq .verdict
       torchrun --nnodes 4 --nproc-per-node 1 ... -m ckptforensics.cli diff --before A --after B --out incident/
     """
-    from .analysis import run_diff
+    from . import api
     from .locate import resolve_checkpoint
     from .shard import default_workers, dist_world
 
@@ -304,12 +304,12 @@ def diff(
         _check_out(out, [pa, pb])
         with _progress(_count(pa, fmt), "diff", ctx.obj.quiet or rank != 0) as prog:
             nworkers = workers or default_workers(_bytes(pa) + _bytes(pb))
-            got = run_diff(pa, pb, command=_command("diff"), fmt=fmt, chunk=chunk_elems, progress=prog, workers=nworkers)
-        if got is None:  # a torchrun rank other than 0: rank 0 reports
-            return
-        doc, findings = got
-        written = _write(out, doc)
-    _finish(ctx, doc, findings, as_json, written, strict, fail_on)
+            try:
+                rep = api.diff(pa, pb, format=fmt, chunk=chunk_elems, progress=prog, workers=nworkers, command=_command("diff"))
+            except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
+                return
+        written = rep.save(out) if out else []
+    _finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on)
 
 
 def _command(name: str) -> str:
@@ -331,12 +331,6 @@ def _count(path: Path, fmt: str | None) -> int:
 
     with open_checkpoint(path, fmt) as ck:
         return len(ck.names())
-
-
-def _write(out: Path | None, doc: dict[str, Any]) -> list[Path]:
-    from .report import write_report
-
-    return write_report(out, doc) if out else []
 
 
 def _finish(ctx: click.Context, doc: dict[str, Any], findings: list[Any], as_json: bool, written: list[Path], strict: bool, fail_on: str) -> None:
@@ -377,19 +371,17 @@ def replay(ctx: click.Context, before: str, after: str | None, run_dir: Path, ou
       ckptforensics replay --run-dir runs/7b --before 41950 --after 42000 \\
           --batch runs/7b/batches.h5 --model train.py:build_model --out incident/
     """
-    from .analysis import run_replay
+    from . import api
     from .locate import resolve_checkpoint
-    from .replay import ReplayConfig
 
     with _errors(ctx):
         pa = resolve_checkpoint(before, run_dir)
         pb = resolve_checkpoint(after, run_dir) if after is not None else None
         _check_out(out, [p for p in (pa, pb) if p is not None])
-        cfg = ReplayConfig(before=pa, after=pb, **opts)
         with _progress(0, "replay", ctx.obj.quiet) as prog:
-            doc, findings = run_replay(cfg, command=_command("replay"), progress=prog)
-        written = _write(out, doc)
-    _finish(ctx, doc, findings, as_json, written, strict, fail_on)
+            rep = api.replay(pa, opts.pop("batch"), after=pb, progress=prog, command=_command("replay"), **opts)
+        written = rep.save(out) if out else []
+    _finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on)
 
 
 @cli.command("bisect")
@@ -413,23 +405,16 @@ def bisect_cmd(ctx: click.Context, before: str, after: str, run_dir: Path, out: 
       ckptforensics bisect --run-dir runs/7b --before 41950 --after 42000 \\
           --batch runs/7b/batches.h5 --model train.py:build_model --out incident/
     """
-    from .analysis import run_bisect
+    from . import api
     from .locate import resolve_checkpoint
-    from .replay import ReplayConfig
 
     with _errors(ctx):
         pa, pb = resolve_checkpoint(before, run_dir), resolve_checkpoint(after, run_dir)
         _check_out(out, [pa, pb])
-        cfg = ReplayConfig(before=pa, after=pb, **opts)
         with _progress(0, "bisect", ctx.obj.quiet) as prog:
-            doc, findings, skip = run_bisect(cfg, command=_command("bisect"), progress=prog, tokenizer=tokenizer)
-        written = _write(out, doc)
-        if out is not None:
-            from .report import atomic_write
-
-            atomic_write(out / "skip.json", json.dumps(skip, indent=2) + "\n")
-            written.append(out / "skip.json")
-    _finish(ctx, doc, findings, as_json, written, False, "warning")
+            rep = api.bisect(pa, pb, opts.pop("batch"), tokenizer=tokenizer, progress=prog, command=_command("bisect"), **opts)
+        written = rep.save(out) if out else []
+    _finish(ctx, rep.doc, rep.findings, as_json, written, False, "warning")
 
 
 @cli.command("whatif")
@@ -454,18 +439,16 @@ def whatif_cmd(ctx: click.Context, before: str, n_steps: int, tries: tuple[str, 
           --batch runs/7b/batches.h5 --model train.py:build_model \\
           --try clip=1.0 --try precision=bf16 --try lr_scale=0.5 --try skip_samples=auto
     """
-    from .analysis import run_whatif
+    from . import api
     from .locate import resolve_checkpoint
-    from .replay import ReplayConfig
 
     with _errors(ctx):
         pa = resolve_checkpoint(before, run_dir)
         _check_out(out, [pa])
-        cfg = ReplayConfig(before=pa, **opts)
         with _progress(0, "whatif", ctx.obj.quiet) as prog:
-            doc, findings = run_whatif(cfg, n_steps, list(tries), None, command=_command("whatif"), progress=prog)
-        written = _write(out, doc)
-    _finish(ctx, doc, findings, as_json, written, False, "warning")
+            rep = api.whatif(pa, opts.pop("batch"), n_steps, list(tries), progress=prog, command=_command("whatif"), **opts)
+        written = rep.save(out) if out else []
+    _finish(ctx, rep.doc, rep.findings, as_json, written, False, "warning")
 
 
 @cli.command("triage")

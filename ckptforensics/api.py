@@ -1,0 +1,202 @@
+"""The library API: what every command does, callable from a notebook.
+
+The CLI is these functions plus argument parsing and printing. Each returns a `Report`
+(the report document, its findings, and renderings); checkpoints it opens are closed
+before it returns.
+
+    import ckptforensics as cf
+    rep = cf.replay("runs/x/step_30.pt", "runs/x/batches.h5", after="runs/x/step_40.pt")
+    rep.cause, rep.verdict["first_bad_step"]
+    print(rep.to_markdown())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Report", "diff", "replay", "bisect", "whatif", "triage", "resolve", "NotRankZero"]
+
+Progress = Callable[[str], None]
+
+
+class NotRankZero(Exception):
+    """Raised on torchrun ranks other than 0, where a distributed diff leaves no report."""
+
+
+@dataclass
+class Report:
+    """One command's result: the report document (schema `ckptforensics.report/1`) and the
+    findings behind it. `extra` holds what a command adds beside the report (bisect's
+    skip list)."""
+
+    doc: dict[str, Any]
+    findings: list[Any]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def verdict(self) -> dict[str, Any]:
+        return self.doc["verdict"]
+
+    @property
+    def cause(self) -> str:
+        """The verdict's first cause ('none' for a healthy pair)."""
+        return str(self.verdict["causes"][0]["cause"])
+
+    def to_json(self) -> str:
+        from .report import to_json
+
+        return to_json(self.doc)
+
+    def to_markdown(self) -> str:
+        from .report.markdown import render_markdown
+
+        return render_markdown(self.doc)
+
+    def to_html(self) -> str:
+        from .report.html import render_html
+
+        return render_html(self.doc)
+
+    def save(self, out: str | Path) -> list[Path]:
+        """report.json, report.md, report.html and evidence.h5 under `out`, each atomically
+        (plus skip.json for a bisect); returns the paths written."""
+        from .report import atomic_write, to_json, write_report
+
+        out = Path(out)
+        written = write_report(out, self.doc)
+        if "skip" in self.extra:
+            atomic_write(out / "skip.json", to_json(self.extra["skip"]))
+            written.append(out / "skip.json")
+        return written
+
+
+def resolve(step_or_path: str | int | Path, run_dir: str | Path | None = None) -> Path:
+    """A checkpoint path from a step number (resolved in `run_dir`) or a path."""
+    from .locate import resolve_checkpoint
+
+    return resolve_checkpoint(str(step_or_path), Path(run_dir) if run_dir is not None else Path("."))
+
+
+def diff(
+    before: str | int | Path,
+    after: str | int | Path,
+    *,
+    run_dir: str | Path | None = None,
+    format: str | None = None,
+    chunk: int = 1 << 19,
+    workers: int = 1,
+    progress: Progress | None = None,
+    command: str = "ckptforensics.diff",
+) -> Report:
+    """Diff weights and Adam moments of two checkpoints and score every tensor."""
+    from .analysis import run_diff
+
+    got = run_diff(resolve(before, run_dir), resolve(after, run_dir), command=command, fmt=format, chunk=chunk, progress=progress, workers=workers)
+    if got is None:
+        raise NotRankZero("diff under torchrun: rank 0 returns the report")
+    return Report(*got)
+
+
+def _config(before: Any, after: Any, batch: str | Path, run_dir: Any, **opts: Any) -> Any:
+    from .replay import ReplayConfig
+
+    metrics = opts.pop("metrics", None)
+    return ReplayConfig(
+        before=resolve(before, run_dir),
+        after=resolve(after, run_dir) if after is not None else None,
+        batch=str(batch),
+        metrics=Path(metrics) if metrics is not None else None,
+        **opts,
+    )
+
+
+def replay(
+    before: str | int | Path,
+    batch: str | Path,
+    *,
+    after: str | int | Path | None = None,
+    run_dir: str | Path | None = None,
+    model: str | None = None,
+    step: int | None = None,
+    precision: str = "auto",
+    device: str = "cpu",
+    clip: float | None = None,
+    loss: str | None = None,
+    metrics: str | Path | None = None,
+    progress: Progress | None = None,
+    command: str = "ckptforensics.replay",
+) -> Report:
+    """Replay the window (before, after] from *before* with probes on every module, merged
+    with the pair's diff into one verdict. `batch`: a batch log (.h5), batch file or
+    `module:function`; `model`: `module:factory` or None (built from what the run recorded)."""
+    from .analysis import run_replay
+
+    cfg = _config(before, after, batch, run_dir, model=model, step=step, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
+    return Report(*run_replay(cfg, command=command, progress=progress))
+
+
+def bisect(
+    before: str | int | Path,
+    after: str | int | Path,
+    batch: str | Path,
+    *,
+    run_dir: str | Path | None = None,
+    model: str | None = None,
+    precision: str = "auto",
+    device: str = "cpu",
+    clip: float | None = None,
+    loss: str | None = None,
+    metrics: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+    progress: Progress | None = None,
+    command: str = "ckptforensics.bisect",
+) -> Report:
+    """The first bad step of the window and the rows of its batch that cause it; the
+    skip list for the trainer is `report.extra["skip"]`."""
+    from .analysis import run_bisect
+
+    cfg = _config(before, after, batch, run_dir, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
+    doc, findings, skip = run_bisect(cfg, command=command, progress=progress, tokenizer=Path(tokenizer) if tokenizer else None)
+    return Report(doc, findings, {"skip": skip})
+
+
+def whatif(
+    before: str | int | Path,
+    batch: str | Path,
+    steps: int,
+    tries: Sequence[str],
+    *,
+    run_dir: str | Path | None = None,
+    model: str | None = None,
+    precision: str = "auto",
+    device: str = "cpu",
+    clip: float | None = None,
+    loss: str | None = None,
+    metrics: str | Path | None = None,
+    progress: Progress | None = None,
+    command: str = "ckptforensics.whatif",
+) -> Report:
+    """Replay `steps` steps from *before* under each mitigation (`clip=1.0`,
+    `precision=bf16`, `lr_scale=0.5`, `skip_samples=auto`, ...) and recommend the least
+    invasive one that keeps the run on track."""
+    from .analysis import run_whatif
+
+    cfg = _config(before, None, batch, run_dir, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
+    return Report(*run_whatif(cfg, steps, list(tries), None, command=command, progress=progress))
+
+
+def triage(metrics: str | Path | None = None, run_dir: str | Path | None = None) -> Any:
+    """The first bad step in a training log and the checkpoint to roll back to
+    (`triage.TriageResult`); the log is discovered in `run_dir` when not given."""
+    from .errors import ForensicsError
+    from .triage import find_metrics
+    from .triage import triage as _triage
+
+    rd = Path(run_dir) if run_dir is not None else None
+    log = Path(metrics) if metrics is not None else (find_metrics(rd) if rd is not None else None)
+    if log is None:
+        raise ForensicsError(f"{rd}: no training log found (metrics.jsonl/csv, trainer_state.json, CSV or TensorBoard logs); pass metrics")
+    return _triage(log, rd)

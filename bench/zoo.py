@@ -288,11 +288,23 @@ def score_draws(split: str, root: Path, seeds: list[int] | None = None) -> tuple
         assert log is not None, f"{run}: no training log"
         tri = triage(log, run)
         d = truth["draw"]
+        at = truth["first_bad_step"]
+        if d.get("trainer") == "hf" and truth["cause"] == "gradient_explosion":
+            # The Trainer logs group 0's LR only: a per-module LR fault shows in the log from
+            # the first step its update moved the loss or grad norm (`draws.log_onset`).
+            from ckptforensics.triage import read_metrics
+            from fixtures.draws import log_onset
+
+            rows_ = read_metrics(log)
+            last = log_onset({s: r["loss"] for s, r in rows_.items() if "loss" in r}, {s: r["grad_norm"] for s, r in rows_.items() if "grad_norm" in r}, at)
+            onset_ok = tri.first_bad_step is not None and at <= tri.first_bad_step <= (last or at)
+        else:
+            onset_ok = tri.first_bad_step == at
         rows.append(
             {
                 "seed": seed, "cause": truth["cause"], "got": r.cause, "cause_ok": r.cause_ok, "layer_ok": r.layer_ok,
                 "samples": r.samples, "samples_ok": r.samples_ok, "fbs": r.first_bad_step, "fbs_ok": r.first_bad_step_ok,
-                "onset": tri.first_bad_step, "onset_ok": tri.first_bad_step == truth["first_bad_step"],
+                "onset": tri.first_bad_step, "onset_ok": onset_ok,
                 "false_alarm": (bool(r.false_alarm) or tri.first_bad_step is not None) if truth["cause"] == "none" else None,
                 "shape": _shape(d),
                 "trap": d["trap"], "at": truth["first_bad_step"], "seconds": r.seconds,

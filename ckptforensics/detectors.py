@@ -893,9 +893,16 @@ def _samples(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[F
     loss = np.array(r.sample_loss)
     fin = np.isfinite(loss)
     # Rows are judged against the window's other steps' rows first (a batch that is mostly
-    # junk has junk for its median), then against their own batch.
-    others = [x for x in rep.records if x.step != s]
-    ref_loss = np.array([v for x in others for v in x.sample_loss if math.isfinite(v)])
+    # junk has junk for its median), then against their own batch. The nearest steps are
+    # the reference, whole steps until they hold 3 batches of rows: a loss still falling
+    # across the window would otherwise widen the reference's spread by its own descent.
+    others = sorted((x for x in rep.records if x.step != s), key=lambda x: (abs(x.step - s), x.step))
+    ref: list[float] = []
+    for x in others:
+        if len(ref) >= 3 * b:
+            break
+        ref += [v for v in x.sample_loss if math.isfinite(v)]
+    ref_loss = np.array(ref)
     zl = np.zeros(b)
     if fin.sum() >= 2:
         zl[fin] = robust_z(loss[fin], floor=0.05 * float(np.median(np.abs(loss[fin]))) + 1e-12)

@@ -187,8 +187,11 @@ def trend_z(
         if len(acc) >= min_history:
             base = float(np.median(acc[-CURVE_SHORT:]))
             r = np.asarray(res[-window:]) if len(res) >= 3 else np.zeros(1)
-            c = float(np.median(r))
-            scale = max(MAD_TO_SIGMA * float(np.median(np.abs(r - c))), floor)
+            # The lag behind the rolling median follows the descent's current rate (the
+            # last 2 x CURVE_SHORT residuals): early in training the rate falls fast, and a
+            # lag measured over 128 steps would make every pause in the descent a spike.
+            c = float(np.median(r[-2 * CURVE_SHORT :]))
+            scale = max(MAD_TO_SIGMA * float(np.median(np.abs(r - np.median(r)))), floor)
             zi = (v - base - c) / scale if math.isfinite(v) else math.inf
             if i >= judge_from:
                 out[i], level[i] = zi, 10 ** (base + c)
@@ -230,8 +233,17 @@ def loss_follows(
     by design, a loss-scale backoff)."""
     seen = [float(v) for v in z_loss[i : i + follow + 1]]
     half = z / 2
-    if any(v >= half for v in seen[:2]):
+    if any(v >= z for v in seen[:2]):
         return True
+    if any(v >= half for v in seen[:2]):
+        # A bump at half z on the spike's own step is what natural noise gives a 2-3x
+        # grad-norm blip; it starts an incident only where the excursion outlasts a step:
+        # the grad norm still up on the next step, or the loss up on two.
+        nxt = z_grad[i + 1] if z_grad is not None and i + 1 < len(z_grad) else None
+        if (nxt is not None and nxt >= half) or sum(v >= half for v in seen[:3]) >= 2:
+            return True
+        if nxt is None and len(seen) < 2:
+            return benefit
     if len(seen) <= follow // 2:
         return benefit
     if z_grad is not None:

@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
-from ckptforensics.triage import triage
+from ckptforensics.triage import find_metrics, triage
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -37,7 +37,8 @@ def draws(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 def _replay(run: Path, out: Path) -> dict:
     t = json.loads((run / "truth.json").read_text())
     hint = t["replay"]
-    args = ["replay", "--run-dir", str(run), "--before", str(t["before"]), "--after", str(t["after"]), "--model", hint["model"], "--batch", str(run / hint["batch"])]
+    args = ["replay", "--run-dir", str(run), "--before", str(t["before"]), "--after", str(t["after"]), "--batch", str(run / hint["batch"])]
+    args += ["--model", hint["model"]] if hint.get("model") else []  # HF Trainer draws: config.json
     args += ["--precision", hint["precision"]] if hint.get("precision") else []
     r = CliRunner().invoke(cli, [*args, "--out", str(out)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
@@ -59,7 +60,9 @@ def test_drawn_incident_is_named(draws: dict[int, Path], seed: int, tmp_path: Pa
     assert conf == sorted(conf, reverse=True), v["causes"]  # ranked by the confidence shown
     assert v["causes"][0]["cause"] == t["cause"], v["summary"]
     assert v["first_bad_step"] == t["first_bad_step"]
-    onset = triage(run / "metrics.jsonl", run).first_bad_step
+    log = find_metrics(run)  # HF Trainer draws: the Trainer's own trainer_state.json
+    assert log is not None
+    onset = triage(log, run).first_bad_step
     assert onset == t["first_bad_step"]
     if t["samples"]:
         assert sorted(s["index"] for s in v["anomalous_samples"]) == t["samples"]

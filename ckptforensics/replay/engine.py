@@ -18,7 +18,7 @@ from torch import nn
 from ..errors import ForensicsError
 from ..formats import open_checkpoint, open_pair
 from ..formats.base import Checkpoint
-from ..tensors import adam_ratio_bound
+from ..tensors import LR_GROWTH_MARGIN, adam_ratio_bound
 from ..triage import group_lrs, read_metrics
 from .batches import BatchSource, open_batches
 from .model import (
@@ -516,6 +516,7 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
     """
     torch.manual_seed(0)
     p = plan(cfg, steps)
+    _settle_ratio_change(p, progress)
     best: tuple[float, ReplayResult] | None = None
     todo = list(p.clips)
     tried: set[float | None] = set()
@@ -536,6 +537,78 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
             todo = [(c, f"calibrated: {c:g}") for c in CLIP_CANDIDATES if c not in tried and c < top]
     assert best is not None
     return best[1]
+
+
+def ratio_change(a: Checkpoint, b: Checkpoint | None) -> tuple[list[int], list[float], list[float]] | None:
+    """Param groups whose LR relative to group 0 differs between *before* and *after* by
+    more than `LR_GROWTH_MARGIN`: (those groups, every group's ratio at a, at b). A schedule
+    the groups share scales them all alike, so their ratios hold; a ratio that moves is a
+    per-group LR change inside the window (a per-module LR bug, a group unfrozen)."""
+    if b is None or a.optimizer is None or b.optimizer is None:
+        return None
+    la, lb = [g.lr for g in a.optimizer.groups], [g.lr for g in b.optimizer.groups]
+    if len(la) != len(lb) or len(la) < 2 or la[0] <= 0 or lb[0] <= 0:
+        return None
+    ra, rb = [x / la[0] for x in la], [x / lb[0] for x in lb]
+    changed = [g for g in range(len(la)) if ra[g] > 0 and rb[g] > 0 and max(rb[g] / ra[g], ra[g] / rb[g]) > LR_GROWTH_MARGIN]
+    return (changed, ra, rb) if changed else None
+
+
+def _switched(p: Plan, ra: list[float], rb: list[float], k: int) -> dict[int, list[float]]:
+    """The plan's LRs with the group ratios of *before* up to step k - 1 and *after*'s from k."""
+    return {s: [v[0] * (ra[g] if s < k else rb[g]) for g in range(len(v))] for s, v in p.lrs.items()}
+
+
+def _settle_ratio_change(p: Plan, progress: Callable[[str], None] | None) -> None:
+    """Where the log gives one LR for all groups (HF Trainer logs group 0's) and the pair
+    shows a group's ratio changed, find the step it changed at: the one whose replay moves
+    the changed groups' weights as far as they moved from *before* to *after* (movement
+    falls monotonically as the change comes later, so bisection: ~log2(window) replays)."""
+    change = ratio_change(p.a, p.b)
+    if change is None or p.b is None or not p.lr_source.startswith(("training log lr", "constant")):
+        return
+    groups, ra, rb = change
+    assert p.a.optimizer is not None
+    names = [n for n, h in p.a.optimizer.hyper.items() if h.index in groups and n in p.b.names()]
+    if not names:
+        return
+    target = sum(float((p.b.tensor(n).double() - p.a.tensor(n).double()).norm()) for n in names)
+    clip = p.clips[0][0]
+    grows = any(rb[g] > ra[g] for g in groups)  # later change -> less movement when the ratio grew
+
+    def moved(k: int) -> float:
+        if progress is not None:
+            progress(f"LR change at step {k}?")
+        return _movement(p, _switched(p, ra, rb, k), clip, names)
+
+    lo, hi = p.steps[0], p.steps[-1] + 1  # hi: no change inside the window
+    seen: dict[int, float] = {}
+    while lo < hi:
+        mid = (lo + hi) // 2
+        seen[mid] = moved(mid)
+        if (seen[mid] > target) == grows:
+            lo = mid + 1
+        else:
+            hi = mid
+    cands = [k for k in (lo - 1, lo) if p.steps[0] <= k <= p.steps[-1]]
+    for k in cands:
+        seen.setdefault(k, moved(k))
+    k = min(cands, key=lambda c: abs(seen[c] - target))
+    p.lrs = _switched(p, ra, rb, k)
+    shown = ", ".join(str(g) for g in groups)
+    p.lr_source += f"; group {shown}'s LR ratio changes at step {k} (calibrated: the step whose replay moves its weights as far as before -> after did)"
+
+
+def _movement(p: Plan, lrs: dict[int, list[float]], clip: float | None, names: list[str]) -> float:
+    """How far a plain replay of the window (no probes kept) moves the named weights."""
+    session = p.session()
+    try:
+        for s in p.steps:
+            session.step(s, p.batches.batch(s), lrs[s], clip)
+        params = {session.to_ckpt(k): q for k, q in session.model.named_parameters()}
+        return sum(float((params[n].detach().cpu().double() - p.a.tensor(n).double()).norm()) for n in names if n in params)
+    finally:
+        session.close()
 
 
 # Clip norms seen in practice beyond 1.0 (HF/Megatron/OLMo default): 0.5 (GPT-NeoX

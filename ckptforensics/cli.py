@@ -168,7 +168,14 @@ def _replay_options(f: Any) -> Any:
 @cli.command("formats")
 def formats_cmd() -> None:
     """List the checkpoint readers: built-in, and those plugins register through the
-    `ckptforensics.formats` entry point."""
+    `ckptforensics.formats` entry point. "sniffed" readers are chosen from the files'
+    layout; the others (torch.save families) by the file's keys, or by --format.
+
+    \b
+    Example:
+      ckptforensics formats
+      ckptforensics inspect --format nanogpt runs/x/ckpt.pt
+    """
     from .formats import SNIFFERS, format_names, is_builtin
 
     for name in format_names():

@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import ForensicsError
 from .locate import list_checkpoints
-from .tensors import LOSS_FOLLOW, loss_follows, lr_growth_limit, trend_z
+from .tensors import CURVE_MIN_HISTORY, LOSS_FOLLOW, loss_follows, lr_growth_limit, trend_z
 
 __all__ = ["TriageConfig", "Onset", "TriageResult", "read_metrics", "find_metrics", "triage", "lr_columns", "group_lrs", "param_grad_columns"]
 
@@ -181,9 +181,8 @@ class TriageConfig:
         z: robust z that marks a spike (OLMo-core: 6).
         loss_factor: a loss this many times the window median is a spike whatever z (Megatron: 10).
         min_history: steps of quiet a parameter's gradient needs before its return counts.
-        judge_after: steps of a curve's own history needed before a step is judged: twice
-            the rolling median, since early-training curves move faster than a shorter
-            baseline follows (tuning draw 1039: a grad-norm transient at step 10).
+        judge_after: steps of a curve's own history needed before a step is judged
+            (`tensors.CURVE_MIN_HISTORY`).
         margin: extra steps the rollback checkpoint must precede the onset by.
         follow: steps within which the loss must follow a grad-norm spike or a loss-scale
             backoff for it to count as an onset (`tensors.LOSS_FOLLOW`).
@@ -193,7 +192,7 @@ class TriageConfig:
     z: float = 6.0
     loss_factor: float = 10.0
     min_history: int = 8
-    judge_after: int = 16
+    judge_after: int = CURVE_MIN_HISTORY
     margin: int = 0
     follow: int = LOSS_FOLLOW
 

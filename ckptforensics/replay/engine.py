@@ -575,38 +575,53 @@ def _settle_ratio_change(p: Plan, progress: Callable[[str], None] | None) -> Non
     target = sum(float((p.b.tensor(n).double() - p.a.tensor(n).double()).norm()) for n in names)
     clip = p.clips[0][0]
     grows = any(rb[g] > ra[g] for g in groups)  # later change -> less movement when the ratio grew
+    seen: dict[int, tuple[float, float]] = {}
 
-    def moved(k: int) -> float:
-        if progress is not None:
-            progress(f"LR change at step {k}?")
-        return _movement(p, _switched(p, ra, rb, k), clip, names)
+    def trial(k: int) -> tuple[float, float]:
+        if k not in seen:
+            if progress is not None:
+                progress(f"LR change at step {k}?")
+            seen[k] = _movement(p, _switched(p, ra, rb, k), clip, names)
+        return seen[k]
 
     lo, hi = p.steps[0], p.steps[-1] + 1  # hi: no change inside the window
-    seen: dict[int, float] = {}
     while lo < hi:
         mid = (lo + hi) // 2
-        seen[mid] = moved(mid)
-        if (seen[mid] > target) == grows:
+        if (trial(mid)[0] > target) == grows:
             lo = mid + 1
         else:
             hi = mid
     cands = [k for k in (lo - 1, lo) if p.steps[0] <= k <= p.steps[-1]]
-    for k in cands:
-        seen.setdefault(k, moved(k))
-    k = min(cands, key=lambda c: abs(seen[c] - target))
+    k = min(cands, key=lambda c: abs(trial(c)[0] - target))
+    how = "the step whose replay moves its weights as far as before -> after did"
+    if trial(k)[1] > MATCH_SHARE:
+        # A wrecked module's movement is chaotic, not monotone: the change step is the one
+        # whose replay lands on after (every step of the window tried; the right one
+        # reproduces it, as every replay must).
+        k = min(p.steps, key=lambda c: trial(c)[1])
+        how = "the step whose replay reproduces after's weights of those groups"
     p.lrs = _switched(p, ra, rb, k)
     shown = ", ".join(str(g) for g in groups)
-    p.lr_source += f"; group {shown}'s LR ratio changes at step {k} (calibrated: the step whose replay moves its weights as far as before -> after did)"
+    p.lr_source += f"; group {shown}'s LR ratio changes at step {k} (calibrated: {how}; {len(seen)} replays)"
 
 
-def _movement(p: Plan, lrs: dict[int, list[float]], clip: float | None, names: list[str]) -> float:
-    """How far a plain replay of the window (no probes kept) moves the named weights."""
+# A replay reproduces *after* when at most this share of elements is off (docs/signatures.md#reproducibility).
+MATCH_SHARE = 0.01
+
+
+def _movement(p: Plan, lrs: dict[int, list[float]], clip: float | None, names: list[str]) -> tuple[float, float]:
+    """How far a replay of the window moves the named weights from *before*, and the share
+    of their elements that miss *after*'s (`_compare`'s tolerance)."""
+    assert p.b is not None
     session = p.session()
     try:
         for s in p.steps:
             session.step(s, p.batches.batch(s), lrs[s], clip)
         params = {session.to_ckpt(k): q for k, q in session.model.named_parameters()}
-        return sum(float((params[n].detach().cpu().double() - p.a.tensor(n).double()).norm()) for n in names if n in params)
+        moved = sum(float((params[n].detach().cpu().double() - p.a.tensor(n).double()).norm()) for n in names if n in params)
+        matches = [m for m in _compare(session, p.b, lrs) if m.where == "weight" and m.name in names]
+        share = sum(m.mismatched for m in matches) / max(1, sum(m.numel for m in matches))
+        return moved, share
     finally:
         session.close()
 

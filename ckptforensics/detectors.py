@@ -883,6 +883,12 @@ def _overflow(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[
     return out
 
 
+# A row whose loss and gradient share are ordinary is flagged on its data alone only when its
+# longest run or repeat is half again the longest of every row of the window's other steps
+# (tuning draws: natural rows come within 1-20% of the window's longest; junk rows 3x).
+DATA_MARGIN = 1.5
+
+
 def _samples(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[Finding]:
     """Rows of the spiking batch that carry it: gradient share, loss, data statistics."""
     r = next(x for x in rep.records if x.step == s)
@@ -930,19 +936,26 @@ def _samples(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[F
             why.append(f"loss {loss[i]:.3g} (robust z {zl[i]:.1f} in its batch)")
         elif zw[i] > th.z:
             why.append(f"loss {loss[i]:.3g} (robust z {zw[i]:.1f} against the window's other steps' rows)")
-        evidence |= bool(why)
+        numeric = bool(why)
+        evidence |= numeric
         st = stats[i] if i < len(stats) else None
         if st is not None:
-            data = []
+            data, decisive = [], False
             if st.longest_run > run_cap and st.longest_run >= st.length / 2:
                 data.append(f"one token repeated {st.longest_run} times (other steps' rows: at most {run_cap})")
+                decisive = st.longest_run >= DATA_MARGIN * run_cap
             elif st.periodic_repeat > rep_cap and st.periodic_repeat >= st.length / 2:
                 data.append(f"a pattern of period <= 13 repeated over {st.periodic_repeat} tokens (other steps' rows: at most {rep_cap})")
+                decisive = st.periodic_repeat >= DATA_MARGIN * rep_cap
             # A few rare tokens are normal in any window; a quarter of the row is not.
             if st.unseen >= max(1, 0.25 * st.length):
                 data.append(f"{st.unseen} of {st.length} tokens seen nowhere else in the window")
-            evidence |= bool(data)
-            why += data
+                decisive = True
+            # Data explains a row whose loss or gradient stands out; alone, it must stand
+            # clear of every other row of the window, not just past the longest.
+            if numeric or decisive:
+                evidence |= bool(data)
+                why += data
         if not fin[i] and fin.any():
             why.append("its loss is not finite while other rows' are")
         if why:

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpoint, UnsafeCheckpoint
 from .base import Checkpoint
+from .hf_order import param_order
 from .optim import AmbiguousMapping, map_optimizer
 from .safetensors_file import SafetensorsFile, add_file
 from .statedict import add_state_dict, scaler_scalars, scheduler_scalars
@@ -125,9 +126,18 @@ def _weights(ckpt: Checkpoint, path: Path) -> None:
 
 
 def _model_params(ckpt: Checkpoint) -> tuple[list[tuple[str, tuple[int, ...]]] | None, str]:
-    """named_parameters() order of the configured model, built on the meta device."""
+    """named_parameters() order of the configured model: the family's template where it
+    matches the checkpoint's own weights name for name and shape (`hf_order`, no
+    transformers import), else the model built on the meta device."""
     if not ckpt.config:
         return None, "no config.json"
+    order = param_order(ckpt.config)
+    if order is not None:
+        stored = {n: ckpt.meta(n).shape for n in ckpt.names()}
+        stored.update({alias: stored[n] for alias, n in ckpt.aliases.items() if n in stored})
+        if len(order) == len(stored) and all(stored.get(n) == shape for n, shape in order):
+            return order, ""
+        log.debug("%s: the %s template does not match the stored weights; building the model", ckpt.path, ckpt.config.get("model_type"))
     params, why = _params_for_config(json.dumps(ckpt.config, sort_keys=True))
     return (list(params) if params is not None else None), why
 

@@ -157,17 +157,11 @@ def _replay_report(
     starts = first_steps_from_state(dfind, rep)
     if starts:
         fields["first_bad_step"] = min([*starts, *([fields["first_bad_step"]] if "first_bad_step" in fields else [])])
-    extra = {k: v for k, v in fields.items() if k in ("first_bad_step", "first_anomalous_module", "anomalous_samples", "reproducible")}
+    keys = ("first_bad_step", "first_anomalous_module", "anomalous_samples", "reproducible", "overflowing_tensors", "replay_layers")
+    extra = {k: v for k, v in fields.items() if k in keys}
     before_ok = diff is None or not any(t.nonfinite_a for t in diff.tensors)
     after_label = str(cfg.after) if cfg.after is not None else f"the replay of step {rep.records[0].step}"
-    verdict = decide(findings, before=str(cfg.before), after=after_label, before_healthy=before_ok, extra=extra)
-    verdict.overflowing_tensors = fields.get("overflowing_tensors", []) + verdict.overflowing_tensors
-    verdict.exploding_layers = list(dict.fromkeys(verdict.exploding_layers + fields.get("replay_layers", [])))[:10]
-    if verdict.causes[0]["cause"] == "none" and not verdict.rollback_checkpoint:
-        verdict.summary = verdict.summary.replace(
-            "A spike that gradient clipping absorbed (one bad batch, say) leaves no trace in the weights: replay the window's batches to rule it out.",
-            "The replay of the window's batches shows no spike either.",
-        )
+    verdict = decide(findings, before=str(cfg.before), after=after_label, before_healthy=before_ok, extra=extra, replayed=True)
     doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, diff=diff, sections={"replay": replay_section(rep, fields)})
     return doc, findings
 

@@ -192,7 +192,7 @@ def triage(metrics: str | Path | None = None, run_dir: str | Path | None = None)
     """The first bad step in a training log and the checkpoint to roll back to
     (`triage.TriageResult`); the log is discovered in `run_dir` when not given."""
     from .errors import ForensicsError
-    from .triage import find_metrics
+    from .logs import find_metrics
     from .triage import triage as _triage
 
     rd = Path(run_dir) if run_dir is not None else None

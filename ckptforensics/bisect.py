@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .detectors import Finding, _z_steps, first_steps_from_state, replay_findings
+from .detectors import Finding, first_steps_from_state, replay_findings, step_z
 from .errors import ForensicsError
 from .replay import ReplayConfig, plan, replay
 from .replay.engine import ReplayResult
@@ -108,7 +108,7 @@ def bisect(
             mixed = {k: torch.where(_rows_mask(n, keep, v), v, filler[k][:n]) for k, v in batch.items() if k in filler}
             loss, grad = sess.evaluate(mixed)
             res.replays += 1
-            z = max(float(_z_steps([loss], base_loss)[0]), float(_z_steps([grad], base_grad)[0]))
+            z = max(float(step_z([loss], base_loss)[0]), float(step_z([grad], base_grad)[0]))
             hit = not math.isfinite(z) or z > 6.0
             res.trials.append({"rows": sorted(keep), "label": label, "loss": loss, "grad_norm": grad, "robust_z": z, "spiked": hit})
             return hit

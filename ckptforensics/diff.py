@@ -8,173 +8,28 @@ Element-level evidence (bound violations) keeps at most `max_candidates` per ten
 from __future__ import annotations
 
 import logging
-import math
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from .diffstats import (
+    Candidate,
+    DiffConfig,
+    DiffResult,
+    PairInfo,
+    TensorDiff,
+    adam_step,
+    diff_tensor,
+    prefetch,
+    scalar,
+    tensor_role,
+)
 from .errors import ForensicsError, IncompatibleCheckpoints
 from .formats.base import Checkpoint
-from .tensors import adam_ratio_bound, dtype_limits, dtype_name, flip_bit
 
 __all__ = ["DiffConfig", "Candidate", "TensorDiff", "PairInfo", "DiffResult", "diff_checkpoints", "tensor_role"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DiffConfig:
-    """Options of a diff.
-
-    Attributes:
-        chunk_elems: elements per streamed chunk; small enough to stay in cache
-            (memory ~ 20 fp32 chunks), large enough to amortise per-op overhead.
-        max_candidates: element-level evidence kept per tensor.
-        rho_threshold: |m|/(sqrt(v)+eps) above which an update is called sign-like (Molybog 2304.09871).
-        bound_slack: relative slack on the Adam update bound (rounding of fp32 arithmetic).
-        share_stride: the share statistics (sign-like, vanished second moment)
-            of chunks of 64K elements and more are estimated on every share_stride-th
-            element (a sample of 16K+ per chunk: standard error < 0.4 points); the
-            bounds that locate single elements always see every element.
-    """
-
-    chunk_elems: int = 1 << 19
-    max_candidates: int = 64
-    rho_threshold: float = 0.9
-    bound_slack: float = 1e-3
-    share_stride: int = 4
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """One element that broke a bound no Adam step can break.
-
-    Attributes:
-        where: 'weight', 'exp_avg' or 'exp_avg_sq'.
-        index: position in the tensor (unravelled).
-        before, after: stored values.
-        bound: the largest |change| Adam allows here (same unit as the values).
-        kind: 'bit_flip' when flipping one stored bit of `after` brings it within the
-            bound, else 'out_of_bound'.
-        bit: that bit (0 = least significant) and its field.
-    """
-
-    where: str
-    index: tuple[int, ...]
-    before: float
-    after: float
-    bound: float
-    kind: str
-    bit: int | None = None
-    bit_field: str | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TensorDiff:
-    """Statistics of one tensor between *before* (A) and *after* (B).
-
-    Ratios are dimensionless; `k` is the Adam step delta; `lr` the largest LR recorded
-    for the window; NaN marks a statistic that needs state the checkpoints lack.
-    """
-
-    name: str
-    role: str
-    shape: tuple[int, ...]
-    dtype: str
-    numel: int
-    w_norm_a: float
-    dw_norm: float
-    dw_max_abs: float
-    update_ratio: float  # ||dw|| / ||w_A|| / steps
-    max_abs_b: float
-    headroom_b: float  # dtype max / max|w_B|
-    nonfinite_a: int
-    nonfinite_b: int
-    group: int | None = None  # optimizer param group index
-    eps: float = math.nan  # Adam epsilon of its group
-    has_moments: bool = False
-    k: int = 0
-    lr: float = math.nan
-    r_v: float = math.nan  # implied gradient energy over the window / v_A (1 = stationary)
-    rho_share_a: float = math.nan
-    rho_share_b: float = math.nan
-    vanished_share_a: float = math.nan  # share of sqrt(v) < 10 eps
-    vanished_share_b: float = math.nan
-    nonfinite_m_b: int = 0
-    nonfinite_v_b: int = 0
-    max_abs_m_b: float = math.nan
-    max_v_b: float = math.nan
-    moment_headroom_b: float = math.nan
-    bound_violations: int = 0
-    vfloor_violations: int = 0
-    mbound_violations: int = 0
-    outlier_changes: int = 0  # weights-only: isolated changes far above the tensor's own
-    candidates: tuple[Candidate, ...] = ()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PairInfo:
-    """What the pair says as a whole: steps, skipped steps, loss scale, LR per group."""
-
-    step_a: int | None
-    step_b: int | None
-    adam_step_a: int | None
-    adam_step_b: int | None
-    loss_scale_a: float | None
-    loss_scale_b: float | None
-    lr_a: tuple[float, ...]
-    lr_b: tuple[float, ...]
-    base_lr: tuple[float | None, ...]
-    optimizer: str | None
-    betas: tuple[float, float] | None
-    weights_only: bool
-    notes: tuple[str, ...] = ()
-
-
-@dataclass(slots=True)
-class DiffResult:
-    """A diff: pair-level info and one TensorDiff per compared tensor."""
-
-    pair: PairInfo
-    tensors: list[TensorDiff] = field(default_factory=list)
-
-
-_ROLES = (
-    ("embedding", re.compile(r"embed|wte|wpe|tok_emb|word_emb|position_emb|shared\.weight")),
-    ("head", re.compile(r"lm_head|output\.weight$|(^|\.)head\.")),
-    ("norm", re.compile(r"norm|ln_|(^|\.)ln\d*\.|layernorm")),
-    ("attention", re.compile(r"attn|attention|q_proj|k_proj|v_proj|o_proj|qkv|query|key|value")),
-    ("mlp", re.compile(r"mlp|ffn|feed_forward|fc|gate|up_proj|down_proj|dense|experts")),
-)
-
-
-def tensor_role(name: str, shape: tuple[int, ...]) -> str:
-    """Comparable-tensor class for robust statistics: role plus 'bias'/'vector' for 1-D."""
-    base = next((r for r, rx in _ROLES if rx.search(name)), "other")
-    if len(shape) < 2 and base != "norm":
-        return f"{base}-vector"
-    return base
-
-
-def _scalar(x: Any) -> float | None:
-    if x is None:
-        return None
-    if isinstance(x, torch.Tensor):
-        return float(x.item())
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return None
-
-
-def _adam_step(state: dict[str, Any]) -> int | None:
-    s = _scalar(state.get("step"))
-    return int(s) if s is not None else None
-
 
 def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
     oa, ob = a.optimizer, b.optimizer
@@ -193,7 +48,7 @@ def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
         )
 
     def steps(o: Any) -> int | None:
-        vals = [s for s in (_adam_step(st) for st in o.state.values()) if s is not None] if o else []
+        vals = [s for s in (adam_step(st) for st in o.state.values()) if s is not None] if o else []
         return max(vals) if vals else None
 
     betas = ob.groups[0].betas if ob and ob.groups else None
@@ -209,8 +64,8 @@ def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
         step_b=b.step,
         adam_step_a=steps(oa),
         adam_step_b=steps(ob),
-        loss_scale_a=_scalar(a.scalars.get("loss_scale")),
-        loss_scale_b=_scalar(b.scalars.get("loss_scale")),
+        loss_scale_a=scalar(a.scalars.get("loss_scale")),
+        loss_scale_b=scalar(b.scalars.get("loss_scale")),
         lr_a=tuple(g.lr for g in oa.groups) if oa else (),
         lr_b=tuple(g.lr for g in ob.groups) if ob else (),
         base_lr=base,
@@ -240,39 +95,6 @@ def _check_compatible(a: Checkpoint, b: Checkpoint) -> list[str]:
         if ma.shape != mb.shape:
             raise IncompatibleCheckpoints(f"{n}: shape {list(ma.shape)} in {a.path} but {list(mb.shape)} in {b.path}")
     return a.names()
-
-
-def _chunks(t: torch.Tensor, size: int) -> Iterator[tuple[int, torch.Tensor]]:
-    flat = t.reshape(-1)
-    for lo in range(0, flat.numel(), size):
-        yield lo, flat[lo : lo + size]
-
-
-class _Acc:
-    """Running sums/maxima of one tensor, combined across chunks."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.maxes: dict[str, float] = {}
-
-    def add(self, **kv: torch.Tensor) -> None:
-        vals = torch.stack([v.to(torch.float64) for v in kv.values()]).tolist()
-        for k, v in zip(kv, vals, strict=True):
-            self.sums[k] = self.sums.get(k, 0.0) + v
-
-    def max(self, **kv: torch.Tensor) -> None:
-        vals = torch.stack([v.to(torch.float64) for v in kv.values()]).tolist()
-        for k, v in zip(kv, vals, strict=True):
-            self.maxes[k] = max(self.maxes.get(k, -math.inf), v)
-
-
-def _finite_sum(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(x), x, 0).sum()
-
-
-def _finite_absmax(x: torch.Tensor) -> torch.Tensor:
-    a = x.abs()
-    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).max() if a.numel() else torch.zeros(())
 
 
 def diff_checkpoints(
@@ -339,300 +161,11 @@ def _diff_serial(a: Checkpoint, b: Checkpoint, names: list[str], pair: PairInfo,
     ahead = 1
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") as pool:
         for n in names[:ahead]:
-            pool.submit(_prefetch, a, b, n)
+            pool.submit(prefetch, a, b, n)
         for i, name in enumerate(names):
             if progress is not None:
                 progress(name)
             if i + ahead < len(names):
-                pool.submit(_prefetch, a, b, names[i + ahead])
-            out.append(_diff_tensor(a, b, name, pair, cfg))
+                pool.submit(prefetch, a, b, names[i + ahead])
+            out.append(diff_tensor(a, b, name, pair, cfg))
     return out
-
-
-def _prefetch(a: Checkpoint, b: Checkpoint, name: str) -> None:
-    a.prefetch(name)
-    b.prefetch(name)
-
-
-def _diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: DiffConfig) -> TensorDiff:
-    meta = a.meta(name)
-    wa_full, wb_full = a.tensor(name), b.tensor(name)
-    role = tensor_role(name, meta.shape)
-    lim = dtype_limits(meta.dtype)
-    sa, sb = a.optim_state(name), b.optim_state(name)
-    ha, hb = a.hyper(name), b.hyper(name)
-    moments = (
-        not pair.weights_only
-        and lim is not None
-        and isinstance(sa.get("exp_avg"), torch.Tensor)
-        and isinstance(sb.get("exp_avg"), torch.Tensor)
-        and hb is not None
-        and hb.betas is not None
-    )
-    k = 0
-    if moments:
-        step_a, step_b = _adam_step(sa) or 0, _adam_step(sb) or 0
-        k = step_b - step_a
-        moments = k > 0
-    acc = _Acc()
-    cands: list[Candidate] = []
-    counts = {"bound": 0, "vfloor": 0, "mbound": 0, "outlier": 0}
-    lr = math.nan
-    if moments:
-        assert hb is not None and hb.betas is not None
-        beta1, beta2 = hb.betas
-        lr = max(hb.lr, ha.lr if ha else 0.0)
-        eps, wd = hb.eps, hb.weight_decay
-        c_step = adam_ratio_bound(beta1, beta2, step_a + 1, step_b)
-        c_raw_b = _raw_ratio_bound(beta1, beta2, step_b)
-        decay_k = beta2**k
-        streams = [sa["exp_avg"], sb["exp_avg"], sa["exp_avg_sq"], sb["exp_avg_sq"]]
-        for t in streams:
-            if tuple(t.shape) != meta.shape:
-                raise IncompatibleCheckpoints(
-                    f"{name}: optimizer moment of shape {list(t.shape)} for a parameter of shape {list(meta.shape)}"
-                )
-    is_float = lim is not None
-    for lo, wa in _chunks(wa_full, cfg.chunk_elems):
-        hi = lo + wa.numel()
-        wb = wb_full.reshape(-1)[lo:hi]
-        if not is_float:
-            acc.add(changed=(wa != wb).sum())
-            _release_all(a, b, wa, wb)
-            continue
-        fa, fb = wa.float(), wb.float()
-        d = fb - fa
-        ad = d.abs()
-        # Fast path: plain sums and extrema; any NaN/inf shows in them, and only then is
-        # the chunk recomputed with masks (non-finite values are rare, and data).
-        bmin, bmax = torch.aminmax(fb)
-        fast = torch.stack([torch.dot(fa, fa), torch.dot(d, d), ad.max(), torch.maximum(-bmin, bmax)])
-        if bool(torch.isfinite(fast).all()):
-            acc.add(wa2=fast[0], d2=fast[1])
-            acc.max(dmax=fast[2], bmax=fast[3])
-        else:
-            fin_a, fin_b = torch.isfinite(fa), torch.isfinite(fb)
-            acc.add(
-                wa2=torch.where(fin_a, fa * fa, 0).sum(),
-                d2=torch.where(torch.isfinite(d), d * d, 0).sum(),
-                nfa=(~fin_a).sum(),
-                nfb=(~fin_b).sum(),
-            )
-            acc.max(dmax=_finite_absmax(d), bmax=_finite_absmax(fb))
-        if moments:
-            ma, mb, va, vb = (t.reshape(-1)[lo:hi].float() for t in streams)
-            sq_b = vb.sqrt()
-            amb = mb.abs()
-            thr = cfg.rho_threshold
-            klr = k * lr
-            mom = torch.stack([va.sum(), vb.sum(), amb.max(), vb.max()])
-            if not bool(torch.isfinite(mom).all()):
-                acc.add(nfm=(~torch.isfinite(mb)).sum(), nfv=(~torch.isfinite(vb)).sum())
-                mom = torch.stack([_finite_sum(va), _finite_sum(vb), _finite_absmax(mb), _finite_absmax(vb)])
-            st = cfg.share_stride if ma.numel() >= 1 << 16 else 1
-            ma_s, va_s, vb_s, amb_s, sqb_s = (x[::st] for x in (ma, va, vb, amb, sq_b))
-            acc.add(
-                sum_va=mom[0],
-                sum_vb=mom[1],
-                sampled=torch.tensor(float(ma_s.numel())),
-                # |m| > thr (sqrt(v) + eps)  <=>  |m| - thr sqrt(v) > thr eps
-                rho_a=torch.count_nonzero(torch.sub(ma_s.abs(), va_s.sqrt(), alpha=thr) > thr * eps),
-                rho_b=torch.count_nonzero(torch.sub(amb_s, sqb_s, alpha=thr) > thr * eps),
-                # sqrt(v) < 10 eps  <=>  v < 100 eps^2
-                van_a=torch.count_nonzero(va_s < 100 * eps * eps),
-                van_b=torch.count_nonzero(vb_s < 100 * eps * eps),
-            )
-            acc.max(mmax=mom[2], vmax=mom[3])
-            slack = 1 + cfg.bound_slack
-            # Adam update bound: |dw| <= k lr (C + wd |w|), plus one storage ulp each
-            # side. Only elements past the weight-free part k lr C need the full bound.
-            coarse = ad > klr * slack * c_step
-            if bool(coarse.any()):
-                idx = torch.nonzero(coarse).flatten()
-                wmax = torch.maximum(fa[idx].abs(), fb[idx].abs())
-                bound = wmax * (klr * slack * wd + 2 * lim.eps) + klr * slack * c_step
-                over = ad[idx] > bound
-                _collect(cands, counts, "bound", "weight", idx[over], fa, fb, "near", bound[over], lo, meta.shape, wb.dtype, cfg)
-            # v floor: v_B >= beta2^k v_A; fp32 rounding allows a few ulps per step.
-            floor_k = decay_k * (1 - 1e-6 * (k + 4))
-            low = vb < va * floor_k
-            if bool(low.any()):
-                idx = torch.nonzero(low).flatten()
-                _collect(cands, counts, "vfloor", "exp_avg_sq", idx, va, vb, "at_least", va[idx] * floor_k, lo, meta.shape, torch.float32, cfg)
-            # |m_B| <= C_raw sqrt(v_B): the raw EMAs obey Cauchy-Schwarz at every step.
-            big = amb > sq_b * (c_raw_b * slack)
-            if bool(big.any()):
-                idx = torch.nonzero(big).flatten()
-                _collect(cands, counts, "mbound", "exp_avg", idx, ma, mb, "abs_within", sq_b[idx] * (c_raw_b * slack), lo, meta.shape, torch.float32, cfg)
-            _release_all(a, b, *(t.reshape(-1)[lo:hi] for t in streams))
-        elif fa.numel() >= 64:
-            # Weights only: no Adam bound to test against. An element counts when its
-            # change dwarfs the tensor's typical change *and* one stored bit flipped
-            # back brings it within the typical change (a weight merely shrinking to
-            # ~0 cannot be told from a legitimate update).
-            fin = torch.isfinite(ad)
-            scale = torch.where(fin, ad, 0).mean() + lim.eps * torch.where(torch.isfinite(fa), fa.abs(), 0).mean()
-            flagged = ad > 16 * scale
-            n_flag = int(flagged.sum())
-            if 0 < n_flag <= 256:
-                idx = torch.nonzero(flagged).flatten()
-                limits = (4 * scale).expand(n_flag)
-                _collect(cands, counts, "outlier", "weight", idx, fa, fb, "near", limits, lo, meta.shape, wb.dtype, cfg, only_flips=True)
-        _release_all(a, b, wa, wb)
-
-    a.forget(name)
-    b.forget(name)
-    s, m = acc.sums, acc.maxes
-    steps = k if k > 0 else max(1, (pair.step_b or 1) - (pair.step_a or 0)) if pair.step_a is not None else 1
-    w_norm = math.sqrt(s.get("wa2", 0.0))
-    dw_norm = math.sqrt(s.get("d2", 0.0))
-    bmax = m.get("bmax", 0.0)
-    out: dict[str, Any] = dict(
-        name=name,
-        role=role,
-        shape=meta.shape,
-        dtype=dtype_name(meta.dtype),
-        numel=meta.numel,
-        w_norm_a=w_norm,
-        dw_norm=dw_norm,
-        dw_max_abs=m.get("dmax", 0.0),
-        update_ratio=dw_norm / w_norm / steps if w_norm > 0 else math.nan,
-        max_abs_b=bmax,
-        headroom_b=(lim.max / bmax) if lim and bmax > 0 else math.inf,
-        nonfinite_a=int(s.get("nfa", 0)),
-        nonfinite_b=int(s.get("nfb", 0)),
-        bound_violations=counts["bound"],
-        vfloor_violations=counts["vfloor"],
-        mbound_violations=counts["mbound"],
-        outlier_changes=counts["outlier"],
-        candidates=tuple(cands),
-        group=hb.index if hb is not None else None,
-        eps=hb.eps if hb is not None else math.nan,
-    )
-    if moments:
-        # r_v = sum(v_B - b2^k v_A) / sum((1 - b2^k) v_hat_A): the mean g^2 the window
-        # implies over the running average before it; v_A is bias-corrected, as it is
-        # (1 - b2^t) times too small early in training.
-        den = (1 - decay_k) * s["sum_va"] / (1 - beta2**step_a) if step_a > 0 else math.inf
-        out.update(
-            has_moments=True,
-            k=k,
-            lr=lr,
-            r_v=(s["sum_vb"] - decay_k * s["sum_va"]) / den if den > 0 else math.inf,
-            rho_share_a=s["rho_a"] / s["sampled"],
-            rho_share_b=s["rho_b"] / s["sampled"],
-            vanished_share_a=s["van_a"] / s["sampled"],
-            vanished_share_b=s["van_b"] / s["sampled"],
-            nonfinite_m_b=int(s.get("nfm", 0)),
-            nonfinite_v_b=int(s.get("nfv", 0)),
-            max_abs_m_b=m["mmax"],
-            max_v_b=m["vmax"],
-            moment_headroom_b=torch.finfo(torch.float32).max / m["vmax"] if m["vmax"] > 0 else math.inf,
-        )
-    return TensorDiff(**out)
-
-
-def _release_all(a: Checkpoint, b: Checkpoint, *ts: torch.Tensor) -> None:
-    for t in ts:
-        a.release(t)
-        b.release(t)
-
-
-def _raw_ratio_bound(beta1: float, beta2: float, t: int) -> float:
-    """sup |m_t| / sqrt(v_t) for the raw (uncorrected) Adam EMAs after t steps."""
-    r = beta1 * beta1 / beta2
-    geo = t if abs(1 - r) < 1e-12 else (1 - r**t) / (1 - r)
-    return (1 - beta1) / math.sqrt(1 - beta2) * math.sqrt(max(geo, 0.0))
-
-
-def _acceptable(mode: str, value: float, before: float, limit: float) -> bool:
-    """Could Adam have produced `value`? 'near': within `limit` of the previous value
-    (weights); 'at_least': at or above the v floor; 'abs_within': |m| <= C sqrt(v)."""
-    if mode == "near":
-        return abs(value - before) <= limit
-    if mode == "at_least":
-        return value >= limit
-    return abs(value) <= limit
-
-
-def _collect(
-    cands: list[Candidate],
-    counts: dict[str, int],
-    counter: str,
-    where: str,
-    idx: torch.Tensor,
-    before: torch.Tensor,
-    after: torch.Tensor,
-    mode: str,
-    limits: torch.Tensor,
-    offset: int,
-    shape: tuple[int, ...],
-    stored: torch.dtype,
-    cfg: DiffConfig,
-    only_flips: bool = False,
-) -> None:
-    """Count the elements at chunk positions `idx` and keep the first few as evidence.
-
-    Each kept element is tested for a single stored-bit flip whose result Adam could
-    have produced (`mode`, `limits` aligned with `idx`). With `only_flips`, an element
-    counts only when such a flip explains it.
-    """
-    n = idx.numel()
-    if n == 0:
-        return
-    if not only_flips:
-        counts[counter] += n
-    take = n if only_flips else max(cfg.max_candidates - len(cands), 0)
-    for i, lim in zip(idx[:take].tolist(), limits[:take].tolist(), strict=True):
-        bv, av = float(before[i]), float(after[i])
-        kind, bit, fld = _explain_flip(av, bv, lambda v, bv=bv, lim=lim: _acceptable(mode, v, bv, lim), stored)
-        if only_flips:
-            if kind != "bit_flip":
-                continue
-            counts[counter] += 1
-        if len(cands) >= cfg.max_candidates:
-            continue
-        cands.append(
-            Candidate(
-                where=where,
-                index=_unravel(offset + i, shape),
-                before=bv,
-                after=av,
-                bound=lim,
-                kind=kind,
-                bit=bit,
-                bit_field=fld,
-            )
-        )
-
-
-def _explain_flip(after: float, before: float, ok: Callable[[float], bool], dtype: torch.dtype) -> tuple[str, int | None, str | None]:
-    """Is `after` one stored bit away from a value Adam could have produced?
-
-    Among the bits whose flip yields an acceptable value, prefer the one that
-    restores the element's previous magnitude (tiny values admit several).
-    """
-    from .tensors import bit_role
-
-    lim = dtype_limits(dtype)
-    if lim is None:
-        return "out_of_bound", None, None
-    best: tuple[float, int] | None = None
-    for bit in range(lim.bits):
-        cand = flip_bit(after, bit, dtype)
-        if not math.isfinite(cand) or not ok(cand):
-            continue
-        mag = abs(math.log2(abs(cand) + lim.tiny) - math.log2(abs(before) + lim.tiny))
-        if best is None or mag < best[0]:
-            best = (mag, bit)
-    if best is None:
-        return "out_of_bound", None, None
-    return "bit_flip", best[1], bit_role(best[1], dtype)
-
-
-def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    out = []
-    for s in reversed(shape):
-        out.append(flat % s if s else 0)
-        flat = flat // s if s else 0
-    return tuple(reversed(out))

@@ -91,10 +91,10 @@ def _init_forked() -> None:
 
 
 def _one(name: str) -> tuple[str, Any, str | None]:
-    from .diff import _diff_tensor
+    from .diffstats import diff_tensor
 
     try:
-        return name, _diff_tensor(_STATE["a"], _STATE["b"], name, _STATE["pair"], _STATE["cfg"]), None
+        return name, diff_tensor(_STATE["a"], _STATE["b"], name, _STATE["pair"], _STATE["cfg"]), None
     except ForensicsError as e:  # errors cross the process boundary as text
         return name, None, str(e)
 

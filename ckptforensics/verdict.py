@@ -121,6 +121,7 @@ def decide(
     before_healthy: bool = True,
     extra: dict[str, Any] | None = None,
     weights_only: bool = False,
+    replayed: bool = False,
 ) -> Verdict:
     """Turn findings into the verdict.
 
@@ -131,6 +132,9 @@ def decide(
         extra: verdict fields a replay determined (reproducible, first_bad_step, ...).
         weights_only: the pair has no optimizer state, so no update was checked against
             Adam's bounds (the summary must not claim it was).
+        replayed: the window's batches were replayed (a healthy verdict then says so
+            instead of asking for a replay). A replay's `overflowing_tensors` in `extra`
+            come before the diff's, its `replay_layers` after the diff's exploding layers.
     """
     causes = rank_causes(findings)
     top = causes[0]["cause"]
@@ -157,9 +161,12 @@ def decide(
                     {"tensor": f.subject, "where": e["where"], "index": e["index"], "before": e["before"], "after": e["after"], "kind": kind}
                 )
     v.exploding_layers = [m for m, _ in sorted(layers.items(), key=lambda kv: -kv[1])]
-    if extra:
-        for k, val in extra.items():
-            setattr(v, k, val)
+    extra = dict(extra or {})
+    v.overflowing_tensors = list(extra.pop("overflowing_tensors", [])) + v.overflowing_tensors
+    if "replay_layers" in extra:
+        v.exploding_layers = list(dict.fromkeys(v.exploding_layers + list(extra.pop("replay_layers"))))[:10]
+    for k, val in extra.items():
+        setattr(v, k, val)
     if top == "none":
         v.summary = (
             f"No anomaly between {before} and {after}: "
@@ -168,8 +175,12 @@ def decide(
                 if weights_only
                 else "every tensor moved within Adam's bounds and its peers' range. "
             )
-            + "A spike that gradient clipping absorbed (one bad batch, say) leaves no trace in the weights: "
-            "replay the window's batches to rule it out."
+            + (
+                "The replay of the window's batches shows no spike either."
+                if replayed
+                else "A spike that gradient clipping absorbed (one bad batch, say) leaves no trace in the weights: "
+                "replay the window's batches to rule it out."
+            )
         )
         return v
     v.recommended_actions = [a.format(rollback=rollback or "an earlier checkpoint", after=after) for a in _ACTIONS.get(top, [])]

@@ -181,7 +181,7 @@ def open_dcp(path: Path) -> Checkpoint:
                 opt_store = store
                 if len(parts) >= 4 and parts[1] == "state":
                     fqn, field = ".".join(map(str, parts[2:-1])), str(parts[-1])
-                    state.setdefault(fqn, {})[field] = _getter(store, key)
+                    state.setdefault(fqn, {})[field] = getter(store, key)
                 elif len(parts) >= 4 and parts[1] == "param_groups":
                     # torch's get_state_dict keys groups by index; OLMo-core flattens them per
                     # parameter (`optim.param_groups.<fqn>.lr`), without a group index.
@@ -193,7 +193,7 @@ def open_dcp(path: Path) -> Checkpoint:
                 continue
             name = ".".join(map(str, parts[1:])) if parts and parts[0] == "model" and len(parts) > 1 else key
             ckpt._meta[name] = TensorMeta(tuple(meta.size), meta.properties.dtype)
-            ckpt._get[name] = _getter(store, key)
+            ckpt._get[name] = getter(store, key)
     # The trainer's own record first (OLMo-core's train state), then the directory name,
     # then HF's trainer_state.json beside accelerate's folders.
     step = next((s for s in (_olmo_train_state(path), _step_from_name(path), _trainer_step(path)) if s is not None), None)
@@ -298,7 +298,7 @@ def _split(key: str) -> tuple[str, ...]:
     return ("model", key[len("model.") :]) if key.startswith("model.") else (key,)
 
 
-def _getter(store: _Store, key: str) -> Callable[[], torch.Tensor]:
+def getter(store: _Store, key: str) -> Callable[[], torch.Tensor]:
     return lambda: store.tensor(key)
 
 

@@ -190,12 +190,12 @@ class _StackCache:
 
 def _views(name: str, key: str, layers: int, stacked: _StackCache) -> list[tuple[str, Any]]:
     """(name, getter) pairs: one per layer for a stacked `decoder.layers.*` tensor."""
-    from .dcp import _getter
+    from .dcp import getter
 
     if layers and _STACKED.match(name):
         rest = name[len("decoder.layers.") :]
         return [(f"decoder.layers.{i}.{rest}", (lambda i=i: stacked.layer(key, i))) for i in range(layers)]
-    return [(name, _getter(stacked.store, key))]
+    return [(name, getter(stacked.store, key))]
 
 
 def _common(path: Path, store: Any) -> dict[str, Any]:

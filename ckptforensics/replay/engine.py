@@ -18,8 +18,8 @@ from torch import nn
 from ..errors import ForensicsError
 from ..formats import open_checkpoint, open_pair
 from ..formats.base import Checkpoint
+from ..logs import group_lrs, read_metrics
 from ..tensors import LR_GROWTH_MARGIN, adam_ratio_bound
-from ..triage import group_lrs, read_metrics
 from .batches import BatchSource, open_batches
 from .model import (
     LossNorm,
@@ -160,7 +160,7 @@ def _model_source(spec: str | None, desc: str | None) -> str:
 def _metrics_file(cfg: ReplayConfig) -> Path | None:
     if cfg.metrics is not None:
         return cfg.metrics
-    from ..triage import find_metrics
+    from ..logs import find_metrics
 
     return next((f for f in (find_metrics(d) for d in (cfg.before.parent, cfg.before.parent.parent)) if f is not None), None)
 

@@ -61,9 +61,9 @@ def write_evidence(path: Path, doc: dict[str, Any]) -> None:
                 sq = [s["sample_grad_sq"] for s in steps]
                 if sq and all(x is not None and len(x) == len(sq[0]) for x in sq):
                     g.create_dataset("sample_grad_sq", data=_floats([v for x in sq for v in x]).reshape(len(sq), -1))
-        from . import _umask
+        from . import current_umask
 
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -12,7 +12,7 @@ from .markdown import fmt
 
 __all__ = ["render_html"]
 
-_CSS = """body{font:14px/1.45 system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+CSS = """body{font:14px/1.45 system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
 h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid #ddd}
 .summary{background:#fff6e5;border-left:4px solid #e8a33d;padding:.6em 1em}
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
@@ -23,18 +23,18 @@ def _e(x: Any) -> str:
     return html.escape(str(x))
 
 
-def _table(head: list[str], rows: list[list[Any]]) -> str:
+def table(head: list[str], rows: list[list[Any]]) -> str:
     h = "".join(f"<th>{_e(c)}</th>" for c in head)
     body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
     return f"<table><tr>{h}</tr>{body}</table>"
 
 
-def _n(x: Any) -> float:
+def num(x: Any) -> float:
     """Report numbers are JSON: non-finite values were stored as null."""
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else float("nan")
 
 
-def _png(fig: Any) -> str:
+def png(fig: Any) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
     import matplotlib.pyplot as plt
@@ -64,8 +64,8 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
         for a, key in ((ax[0], "loss"), (ax[1], "grad_norm")):
             ls = sorted(int(s) for s in logged if key in logged[s])
             if ls:
-                a.plot(ls, [_n(logged[str(s)][key]) for s in ls], "-", color="0.6", lw=1, label="training log")
-            a.plot(steps, [_n(s[key]) for s in rep["steps"]], "o-", ms=3, label="replayed")
+                a.plot(ls, [num(logged[str(s)][key]) for s in ls], "-", color="0.6", lw=1, label="training log")
+            a.plot(steps, [num(s[key]) for s in rep["steps"]], "o-", ms=3, label="replayed")
         ax[1].set_yscale("log")
         inc = doc["incident"]
         for a, t in zip(ax, ("loss", "grad norm (pre-clip)"), strict=True):
@@ -78,7 +78,7 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
             if v.get("first_bad_step") is not None:
                 a.axvline(v["first_bad_step"], color="r", ls=":", label="first bad step")
         ax[0].legend(fontsize=7)
-        out.append(("Loss and grad norm around the spike", _png(fig)))
+        out.append(("Loss and grad norm around the spike", png(fig)))
         per, mods = rep.get("per_module_steps") or {}, rep.get("modules") or []
         s0 = v.get("first_bad_step")
         if per and mods and s0 is not None and str(s0) in per:
@@ -88,10 +88,10 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
 
                 import numpy as np
 
-                cur = np.array([_n(x) for x in per[str(s0)]["grad_norm"]], float)
+                cur = np.array([num(x) for x in per[str(s0)]["grad_norm"]], float)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)  # modules without gradients
-                    base = np.nanmedian(np.array([[_n(x) for x in o] for o in others], float), axis=0)
+                    base = np.nanmedian(np.array([[num(x) for x in o] for o in others], float), axis=0)
                 keep = np.isfinite(cur) & np.isfinite(base) & (cur > 0)
                 fig, ax = plt.subplots(figsize=(10, 3))
                 idx = np.flatnonzero(keep)
@@ -99,35 +99,35 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
                 ax.semilogy(range(len(idx)), base[idx], label="other steps (median)")
                 ax.set_title("per-module output-gradient norm (forward order of modules)")
                 ax.legend()
-                out.append(("Per-layer gradient norm: suspect step vs baseline", _png(fig)))
+                out.append(("Per-layer gradient norm: suspect step vs baseline", png(fig)))
         srow = next((s for s in rep["steps"] if s["step"] == s0), None)
         if srow and srow.get("sample_grad_sq"):
-            sq = [_n(x) for x in srow["sample_grad_sq"]]
+            sq = [num(x) for x in srow["sample_grad_sq"]]
             tot = sum(x for x in sq if math.isfinite(x)) or 1.0
             fig, ax = plt.subplots(figsize=(6, 2.6))
             ax.bar(range(len(sq)), [x / tot for x in sq])
             ax.set_title(f"share of the gradient norm² per row, step {s0}")
             ax.set_xlabel("row")
-            out.append(("Per-sample gradient share", _png(fig)))
+            out.append(("Per-sample gradient share", png(fig)))
     diff = doc.get("diff") or {}
     if diff.get("tensors"):
         ts = diff["tensors"]
         fig, ax = plt.subplots(1, 2, figsize=(10, 3))
-        ax[0].semilogy([_n(t["update_ratio"]) for t in ts], ".")
+        ax[0].semilogy([num(t["update_ratio"]) for t in ts], ".")
         ax[0].set_title("update/weight ratio per step, per tensor")
-        ax[1].semilogy([_n(t["headroom_b"]) for t in ts], ".")
+        ax[1].semilogy([num(t["headroom_b"]) for t in ts], ".")
         ax[1].set_title("dtype headroom (max / max|x|), per tensor")
-        out.append(("Update/weight ratio and dtype headroom", _png(fig)))
+        out.append(("Update/weight ratio and dtype headroom", png(fig)))
     wi = doc.get("whatif") or {}
     if wi.get("outcomes"):
         fig, ax = plt.subplots(figsize=(10, 3))
         for o in wi["outcomes"]:
-            ax.plot(o["steps"], [_n(x) for x in o["losses"]], "o-", label=o["mitigation"])
+            ax.plot(o["steps"], [num(x) for x in o["losses"]], "o-", label=o["mitigation"])
         if wi.get("level") is not None:
             ax.axhline(wi["level"] + wi["band"], color="k", ls=":", label="band")
         ax.set_title("what-if: loss per mitigation")
         ax.legend(fontsize=8)
-        out.append(("What-if trajectories", _png(fig)))
+        out.append(("What-if trajectories", png(fig)))
     return out
 
 
@@ -135,10 +135,10 @@ def render_html(doc: dict[str, Any]) -> str:
     v, inc = doc["verdict"], doc["incident"]
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>ckptforensics report</title>",
-        f"<style>{_CSS}</style></head><body>",
+        f"<style>{CSS}</style></head><body>",
         f"<h1>ckptforensics: {_e(v['causes'][0]['cause'].replace('_', ' '))}</h1>",
         f"<p class='summary'>{_e(v['summary'])}</p>",
-        _table(
+        table(
             ["", ""],
             [
                 ["before", f"{inc['before']['path']} (step {fmt(inc['before']['step'])}, {inc['before']['format']})"],
@@ -155,14 +155,14 @@ def render_html(doc: dict[str, Any]) -> str:
     if v["recommended_actions"]:
         parts.append("<h2>Recommended actions</h2><ol>" + "".join(f"<li>{_e(a)}</li>" for a in v["recommended_actions"]) + "</ol>")
     if v["anomalous_samples"]:
-        parts.append("<h2>Anomalous samples</h2>" + _table(["row", "sample id", "why"], [[s["index"], fmt(s["sample_id"]), s["why"]] for s in v["anomalous_samples"]]))
+        parts.append("<h2>Anomalous samples</h2>" + table(["row", "sample id", "why"], [[s["index"], fmt(s["sample_id"]), s["why"]] for s in v["anomalous_samples"]]))
     if v["corrupted_elements"]:
         parts.append(
             "<h2>Corrupted elements</h2>"
-            + _table(["tensor", "index", "before", "after", "kind"], [[e["tensor"], e["index"], fmt(e["before"]), fmt(e["after"]), e["kind"]] for e in v["corrupted_elements"]])
+            + table(["tensor", "index", "before", "after", "kind"], [[e["tensor"], e["index"], fmt(e["before"]), fmt(e["after"]), e["kind"]] for e in v["corrupted_elements"]])
         )
     if v["overflowing_tensors"]:
-        parts.append("<h2>Overflowing tensors</h2>" + _table(["name", "dtype", "where"], [[o["name"], o["dtype"], o["where"]] for o in v["overflowing_tensors"]]))
+        parts.append("<h2>Overflowing tensors</h2>" + table(["name", "dtype", "where"], [[o["name"], o["dtype"], o["where"]] for o in v["overflowing_tensors"]]))
     plots = _plots(doc)
     if plots:
         parts.append("<h2>Plots</h2><div class='plots'>" + "".join(f"<h3>{_e(t)}</h3>{img}" for t, img in plots) + "</div>")
@@ -170,13 +170,13 @@ def render_html(doc: dict[str, Any]) -> str:
         parts.append("<p><em>Plots need the plots extra (matplotlib); tables follow.</em></p>")
     parts.append(
         "<h2>Findings</h2>"
-        + _table(["id", "severity", "kind", "subject", "message"], [[f["id"], f["severity"], f["kind"], f["subject"], f["message"]] for f in doc["findings"]])
+        + table(["id", "severity", "kind", "subject", "message"], [[f["id"], f["severity"], f["kind"], f["subject"], f["message"]] for f in doc["findings"]])
     )
     wi = doc.get("whatif") or {}
     if wi.get("outcomes"):
         parts.append(
             "<h2>What-if</h2>"
-            + _table(["mitigation", "on track", "max loss", "max grad norm"], [[o["mitigation"], fmt(o["on_track"]), fmt(o["max_loss"]), fmt(o["max_grad_norm"])] for o in wi["outcomes"]])
+            + table(["mitigation", "on track", "max loss", "max grad norm"], [[o["mitigation"], fmt(o["on_track"]), fmt(o["max_loss"]), fmt(o["max_grad_norm"])] for o in wi["outcomes"]])
         )
     parts.append(f"<p><small>{_e(inc['command'])} · ckptforensics {_e(inc['tool_version'])} · {_e(doc['schema'])}</small></p></body></html>")
     return "\n".join(parts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from .html import _CSS, _n, _png, _table
+from .html import CSS, num, png, table
 from .markdown import fmt
 
 __all__ = ["render_triage_markdown", "render_triage_html"]
@@ -52,7 +52,7 @@ def _timeline(t: dict[str, Any]) -> str:
         return ""
     fig, ax = plt.subplots(2, 1, figsize=(10, 4), sharex=True)
     for a, key, log in ((ax[0], "loss", False), (ax[1], "grad_norm", True)):
-        a.plot(steps, [_n(x) for x in tl.get(key) or [float("nan")] * len(steps)], "-", lw=1)
+        a.plot(steps, [num(x) for x in tl.get(key) or [float("nan")] * len(steps)], "-", lw=1)
         if log:
             a.set_yscale("log")
         a.set_ylabel(key.replace("_", " "))
@@ -65,7 +65,7 @@ def _timeline(t: dict[str, Any]) -> str:
     ax[1].set_xlabel("step (grey lines: checkpoints)")
     if t["first_bad_step"] is not None:
         ax[0].legend(fontsize=7)
-    return _png(fig)
+    return png(fig)
 
 
 def render_triage_html(t: dict[str, Any]) -> str:
@@ -74,9 +74,9 @@ def render_triage_html(t: dict[str, Any]) -> str:
     head = f"First bad step: {fmt(first)}" if first is not None else "No spike onset in the log."
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>ckptforensics triage</title>",
-        f"<style>{_CSS}</style></head><body><h1>ckptforensics: triage</h1>",
+        f"<style>{CSS}</style></head><body><h1>ckptforensics: triage</h1>",
         f"<p class='summary'>{html.escape(head)}</p>",
-        _table(["", ""], [[k, v] for k, v in _head(t)]),
+        table(["", ""], [[k, v] for k, v in _head(t)]),
     ]
     plot = _timeline(t)
     if plot:
@@ -84,6 +84,6 @@ def render_triage_html(t: dict[str, Any]) -> str:
     if t["commands"]:
         parts.append("<h2>Next</h2><pre>" + html.escape("\n".join(t["commands"])) + "</pre>")
     if t["onsets"]:
-        parts.append("<h2>Signals</h2>" + _table(["step", "signal", "message"], [[o["step"], o["signal"], o["message"]] for o in t["onsets"]]))
+        parts.append("<h2>Signals</h2>" + table(["step", "signal", "message"], [[o["step"], o["signal"], o["message"]] for o in t["onsets"]]))
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -321,7 +321,7 @@ def score_draws(split: str, root: Path, seeds: list[int] | None = None) -> tuple
         "culprit layer": rate("layer_ok"),
         "culprit rows P,R >= 0.9": rate("samples_ok"),
         "first bad step exact": rate("fbs_ok"),
-        "triage onset exact": rate("onset_ok"),
+        "triage onset (exact; HF module-LR faults: within the log's first sign)": rate("onset_ok"),
         "false alarms on healthy": f"{sum(bool(x['false_alarm']) for x in healthy)}/{len(healthy)}",
     }
     return rows, agg

@@ -11,7 +11,7 @@ from .detectors import Finding, diff_findings, first_steps_from_state, replay_fi
 from .diff import DiffConfig, DiffResult, diff_checkpoints
 from .formats import open_checkpoint, open_pair
 from .report import build_report
-from .verdict import decide
+from .verdict import decide, decide_whatif
 
 __all__ = ["run_diff", "run_replay", "run_bisect", "run_whatif", "replay_section"]
 
@@ -219,16 +219,8 @@ def run_whatif(cfg: Any, n_steps: int, tries: list[str], skip_rows: dict[int, li
         if best
         else ("the baseline stays on track: no mitigation needed" if info["baseline_on_track"] else "no mitigation tried keeps the run on track")
     )
-    finding = Finding("F1", "whatif", best or "run", 1.0, "info", {"recommended": best, **info}, msg, "DESIGN §1 what-if", ())
-    verdict = decide([], before=str(cfg.before), after=f"{n_steps} replayed steps")
-    verdict.summary = f"What-if from {cfg.before} over {n_steps} steps: {msg}."
-    # whatif compares mitigations; it diagnoses nothing. "none" only where its own baseline
-    # stays on track, else "undiagnosed" (run replay / bisect for the cause).
-    on_track = bool(info["baseline_on_track"])
-    verdict.causes = [{"cause": "none", "confidence": 1.0, "evidence": []} if on_track else {"cause": "undiagnosed", "confidence": 0.0, "evidence": ["F1"]}]
-    if not on_track:
-        verdict.summary += " The baseline replay leaves its track: `ckptforensics replay` names the cause."
-    verdict.recommended_actions = [f"Resume from {cfg.before} with {best}."] if best else []
+    finding = Finding("F1", "whatif", best or "run", 1.0, "info", {"recommended": best, **info}, msg, "docs/signatures.md#what-if", ())
+    verdict = decide_whatif(before=str(cfg.before), n_steps=n_steps, outcome=msg, recommended=best, baseline_on_track=bool(info["baseline_on_track"]))
     section = {"outcomes": [asdict(o) for o in outcomes], "recommended": best, **info, "auto_rows": {str(k): v for k, v in (auto or {}).items()}}
     with open_checkpoint(cfg.before) as a:
         doc = build_report(command=command, before=a, after=a, verdict=verdict, findings=[finding], sections={"whatif": section})

@@ -55,7 +55,7 @@ _ACTIONS = {
 
 @dataclass(slots=True)
 class Verdict:
-    """The report's `verdict` block (DESIGN §3)."""
+    """The report's `verdict` block (report/schema.json)."""
 
     summary: str
     causes: list[dict[str, Any]]
@@ -221,3 +221,18 @@ def _summary(top: str, causes: list[dict[str, Any]], findings: Sequence[Finding]
     if v.rollback_checkpoint:
         parts.append(f"Last safe checkpoint: {v.rollback_checkpoint}.")
     return " ".join(parts)
+
+
+def decide_whatif(*, before: str, n_steps: int, outcome: str, recommended: str | None, baseline_on_track: bool) -> Verdict:
+    """The verdict of a `whatif`: it compares mitigations and diagnoses nothing, so its cause
+    is "none" only where its own baseline stays on track, else "undiagnosed" (replay or
+    bisect name the cause); the action is the least invasive mitigation on track."""
+    v = Verdict(summary=f"What-if from {before} over {n_steps} steps: {outcome}.", causes=[], rollback_checkpoint=None)
+    if baseline_on_track:
+        v.causes = [{"cause": "none", "confidence": 1.0, "evidence": []}]
+    else:
+        v.causes = [{"cause": "undiagnosed", "confidence": 0.0, "evidence": ["F1"]}]
+        v.summary += " The baseline replay leaves its track: `ckptforensics replay` names the cause."
+    v.recommended_actions = [f"Resume from {before} with {recommended}."] if recommended else []
+    return v
+

@@ -31,3 +31,24 @@ def test_the_documented_notebook_session_runs_and_finds_the_poisoned_rows(zoo: d
     assert {p.name for p in ns["written"]} == {"report.json", "report.md", "report.html", "evidence.h5", "skip.json"}  # type: ignore[attr-defined]
     assert (tmp_path / "incident" / "skip.json").is_file()
     assert "poison_batch" in r.to_markdown()  # type: ignore[attr-defined]
+
+
+def test_the_readme_python_section_runs_as_written(zoo: dict[str, Path], tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### From Python") :]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    assert 'run = "build/zoo/poison_batch"' in code
+    code = code.replace('run = "build/zoo/poison_batch"', f"run = {str(zoo['poison_batch'])!r}").replace('"fixtures/', f'"{ROOT}/fixtures/')
+    truth = json.loads((zoo["poison_batch"] / "truth.json").read_text())
+    ns: dict[str, object] = {}
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        exec(compile(code, "README.md", "exec"), ns)
+    finally:
+        os.chdir(cwd)
+    r = ns["r"]
+    assert r.cause == truth["cause"] and r.verdict["first_bad_step"] == truth["first_bad_step"]  # type: ignore[attr-defined]
+    assert sorted(s["index"] for s in r.verdict["anomalous_samples"]) == truth["samples"]  # type: ignore[attr-defined]
+    assert (tmp_path / "incident" / "report.md").is_file()
+

@@ -88,7 +88,7 @@ class OptimizerView:
 
 @dataclass
 class Checkpoint:
-    """A read-only, lazy view of one checkpoint (DESIGN §3).
+    """A read-only, lazy view of one checkpoint (the reader contract; a plugin fills it with `add_tensor`).
 
     Readers fill `_meta` and `_get` (name -> loader) without reading tensor data;
     `tensor(name)` materialises lazily (memory-mapped where the format allows).

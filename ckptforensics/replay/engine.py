@@ -434,7 +434,7 @@ class Plan:
     loss_norm: LossNorm | None = None
 
     def config(self, clip: float | None, clip_source: str) -> dict[str, dict[str, Any]]:
-        """replay.config: every assumption with its source (DESIGN §3)."""
+        """replay.config: every assumption with its source (the report states it: replay.config)."""
         cfg = self.cfg
         return {
             "precision": {"value": self.precision, "source": self.precision_source},

@@ -60,7 +60,7 @@ def build_report(
     diff: DiffResult | None = None,
     sections: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Assemble the report document with its stable keys (DESIGN §3)."""
+    """Assemble the report document with its stable keys (schema: report/schema.json)."""
     doc: dict[str, Any] = {
         "schema": SCHEMA,
         "incident": {

@@ -55,6 +55,28 @@ def test_html_is_self_contained_with_plots(reports: dict[str, Path]) -> None:
     assert "Anomalous samples" in page and "poison batch" in page
 
 
+def test_html_plots_name_the_modules_and_map_modules_by_steps(reports: dict[str, Path]) -> None:
+    """Module names on the axes (not indices), and the modules x steps heatmaps of gradient
+    and activation norms against each module's own baseline."""
+    import re
+
+    from ckptforensics.report.html import _heatmap, _short
+
+    doc = json.loads((reports["replay"] / "report.json").read_text())
+    page = (reports["replay"] / "report.html").read_text()
+    assert "Modules x steps: output-gradient norm" in page and "Modules x steps: activation RMS" in page
+    rep = doc["replay"]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = _heatmap(plt, rep["per_module_steps"], rep["modules"], doc["verdict"])
+    assert [t for t, _ in shown] == ["Modules x steps: output-gradient norm", "Modules x steps: activation RMS"]
+    assert all(re.match(r'<img alt="plot" src="data:image/png;base64,', img) for _, img in shown)
+    assert _short(["transformer.h.0.attn", "transformer.h.1.mlp"]) == ["h.0.attn", "h.1.mlp"]
+
+
 @pytest.mark.parametrize("fmt,name", [("md", "report.md"), ("html", "report.html"), ("json", "report.json")])
 def test_report_rerenders_from_evidence_identically(reports: dict[str, Path], fmt: str, name: str, tmp_path: Path) -> None:
     for d in reports.values():

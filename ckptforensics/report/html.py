@@ -43,6 +43,63 @@ def png(fig: Any) -> str:
     return f'<img alt="plot" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
 
 
+def _short(names: list[str]) -> list[str]:
+    """Names without the first component they all share ('model.', 'transformer.')."""
+    first = {n.split(".", 1)[0] for n in names}
+    if len(first) == 1 and all("." in n for n in names):
+        return [n.split(".", 1)[1] for n in names]
+    return list(names)
+
+
+def _name_ticks(ax: Any, names: list[str], axis: str, most: int = 40) -> None:
+    """Label an axis with names (every k-th where there are more than `most`)."""
+    k = max(1, -(-len(names) // most))
+    pos = list(range(0, len(names), k))
+    labels = [_short(names)[i] for i in pos]
+    if axis == "x":
+        ax.set_xticks(pos, labels, rotation=90, fontsize=6)
+    else:
+        ax.set_yticks(pos, labels, fontsize=6)
+
+
+def _heatmap(plt: Any, per: dict[str, Any], mods: list[str], v: dict[str, Any]) -> list[tuple[str, str]]:
+    """Modules (forward order, named) x replayed steps, coloured by each module's output-gradient
+    and activation norm against its own median over the window (log10): the view that shows
+    where a spike starts and how it travels. The first anomalous module and bad step marked."""
+    import warnings
+
+    import numpy as np
+
+    steps = sorted(per, key=int)
+    out = []
+    for key, what in (("grad_norm", "output-gradient norm"), ("rms", "activation RMS")):
+        m = np.array([[num(x) for x in per[s][key]] for s in steps], float).T  # [modules, steps]
+        with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore"):
+            warnings.simplefilter("ignore", RuntimeWarning)
+            rel = np.log10(m / np.nanmedian(np.where(m > 0, m, np.nan), axis=1, keepdims=True))
+        keep = np.isfinite(rel).any(axis=1)
+        if not keep.any():
+            continue
+        names = [n for n, k in zip(mods, keep, strict=True) if k]
+        rel = np.clip(np.nan_to_num(rel[keep], nan=0.0, posinf=3.0, neginf=-3.0), -3, 3)
+        fig, ax = plt.subplots(figsize=(10, min(12, 1.5 + 0.14 * len(names))))
+        im = ax.imshow(rel, aspect="auto", cmap="RdBu_r", vmin=-max(1.0, float(np.abs(rel).max())), vmax=max(1.0, float(np.abs(rel).max())))
+        ax.set_xticks(range(len(steps)), steps, fontsize=7, rotation=90 if len(steps) > 20 else 0)
+        _name_ticks(ax, names, "y", most=60)
+        ax.set_xlabel("replayed step")
+        fbs, fam = v.get("first_bad_step"), v.get("first_anomalous_module")
+        if fbs is not None and str(fbs) in steps:
+            ax.axvline(steps.index(str(fbs)), color="k", ls=":", lw=1)
+        if fam and any(n == fam or n.startswith(fam + ".") for n in names):
+            row = next(i for i, n in enumerate(names) if n == fam or n.startswith(fam + "."))
+            ax.axhline(row, color="k", ls="--", lw=0.8)
+            ax.annotate(f"first anomalous: {_short([fam, *names])[0]}", (0, row), fontsize=7, va="bottom")
+        fig.colorbar(im, ax=ax, label=f"log10 {what} / its window median")
+        ax.set_title(f"per-module {what} x step, against each module's own baseline")
+        out.append((f"Modules x steps: {what}", png(fig)))
+    return out
+
+
 def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
     """(title, <img>) for each plot the document has data for; [] without matplotlib."""
     try:
@@ -93,13 +150,16 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
                     warnings.simplefilter("ignore", RuntimeWarning)  # modules without gradients
                     base = np.nanmedian(np.array([[num(x) for x in o] for o in others], float), axis=0)
                 keep = np.isfinite(cur) & np.isfinite(base) & (cur > 0)
-                fig, ax = plt.subplots(figsize=(10, 3))
+                fig, ax = plt.subplots(figsize=(10, 3.6))
                 idx = np.flatnonzero(keep)
                 ax.semilogy(range(len(idx)), cur[idx], label=f"step {s0}")
                 ax.semilogy(range(len(idx)), base[idx], label="other steps (median)")
+                _name_ticks(ax, [mods[i] for i in idx], "x")
                 ax.set_title("per-module output-gradient norm (forward order of modules)")
                 ax.legend()
                 out.append(("Per-layer gradient norm: suspect step vs baseline", png(fig)))
+        if per and mods:
+            out += _heatmap(plt, per, mods, v)
         srow = next((s for s in rep["steps"] if s["step"] == s0), None)
         if srow and srow.get("sample_grad_sq"):
             sq = [num(x) for x in srow["sample_grad_sq"]]
@@ -112,11 +172,13 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
     diff = doc.get("diff") or {}
     if diff.get("tensors"):
         ts = diff["tensors"]
-        fig, ax = plt.subplots(1, 2, figsize=(10, 3))
+        fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
         ax[0].semilogy([num(t["update_ratio"]) for t in ts], ".")
         ax[0].set_title("update/weight ratio per step, per tensor")
         ax[1].semilogy([num(t["headroom_b"]) for t in ts], ".")
         ax[1].set_title("dtype headroom (max / max|x|), per tensor")
+        for a in ax:
+            _name_ticks(a, [t["name"] for t in ts], "x")
         out.append(("Update/weight ratio and dtype headroom", png(fig)))
     wi = doc.get("whatif") or {}
     if wi.get("outcomes"):

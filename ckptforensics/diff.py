@@ -69,6 +69,7 @@ def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
         lr_a=tuple(g.lr for g in oa.groups) if oa else (),
         lr_b=tuple(g.lr for g in ob.groups) if ob else (),
         base_lr=base,
+        warmup_iters=_warmup(b),
         optimizer=ob.kind if ob else None,
         betas=betas,
         weights_only=weights_only,
@@ -169,3 +170,11 @@ def _diff_serial(a: Checkpoint, b: Checkpoint, names: list[str], pair: PairInfo,
                 pool.submit(prefetch, a, b, names[i + ahead])
             out.append(diff_tensor(a, b, name, pair, cfg))
     return out
+
+
+def _warmup(ck: Checkpoint) -> int | None:
+    """The warmup length the run's config records (nanoGPT `warmup_iters`; HF and Megatron
+    readers normalise theirs to it)."""
+    w = (ck.scalars.get("train_config") or {}).get("warmup_iters")
+    return int(w) if isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 else None
+

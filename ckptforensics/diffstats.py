@@ -126,6 +126,7 @@ class PairInfo:
     lr_a: tuple[float, ...]
     lr_b: tuple[float, ...]
     base_lr: tuple[float | None, ...]
+    warmup_iters: int | None = None  # the schedule's warmup length, where the run records it
     optimizer: str | None
     betas: tuple[float, float] | None
     weights_only: bool
@@ -239,6 +240,14 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
         assert hb is not None and hb.betas is not None
         beta1, beta2 = hb.betas
         lr = max(hb.lr, ha.lr if ha else 0.0)
+        base = pair.base_lr[hb.index] if hb.index < len(pair.base_lr) else None
+        w = pair.warmup_iters
+        over_peak = (w is not None and step_a < w <= step_b) or (w is None and ha is not None and ha.lr < hb.lr)
+        if over_peak and base is not None and base > lr:
+            # The window holds the end of warmup (recorded, or the LR rose over it): the LR
+            # peaked in between and came down again, so the stored LRs of both ends understate
+            # what the middle steps ran at; the schedule's base bounds it.
+            lr = base
         eps, wd = hb.eps, hb.weight_decay
         c_step = adam_ratio_bound(beta1, beta2, step_a + 1, step_b)
         c_raw_b = _raw_ratio_bound(beta1, beta2, step_b)

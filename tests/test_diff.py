@@ -133,3 +133,28 @@ def test_loss_scale_backoff_and_skipped_steps(zoo: dict[str, Path], tmp_path: Pa
     assert kinds["skipped_steps"].metrics == {"trainer_steps": 13, "optimizer_steps": 10}
     assert kinds["loss_scale_backoff"].metrics["halvings"] == pytest.approx(6.0)
     assert verdict.causes[0]["cause"] == "fp16_overflow"
+
+
+def test_a_window_over_the_warmup_peak_is_bounded_by_the_base_lr(tmp_path: Path) -> None:
+    """A fresh run whose LR warms up to its peak inside the window and falls far below it by
+    *after*: both checkpoints store LRs well under the peak the middle steps ran at. Bounded
+    by the stored LRs, healthy updates would break Adam's bound everywhere; the schedule's
+    base (nanoGPT's learning_rate) bounds a window that holds the end of warmup (its
+    warmup_iters)."""
+    from fixtures.tinygpt import GPTConfig
+    from fixtures.zoo import Run, train
+
+    peak = 1e-2
+
+    def lr(s: int) -> float:  # warm up to the peak at 10, hold it to 18, then drop to 5%
+        return peak * min(1.0, s / 10) if s <= 18 else 0.05 * peak
+
+    run = Run(name="peak", out=tmp_path / "peak", steps=25, save_every=1, lr=lr, peak_lr=peak, warmup=10, cfg=GPTConfig(n_layer=1, n_embd=16, n_head=2))
+    train(run)
+    for s in range(1, 26):
+        if s not in (2, 25):
+            (run.out / f"step_{s}.pt").unlink()
+    result, findings, verdict = run_diff(run.out, "2", "25")
+    assert result.pair.lr_a[0] < 0.5 * peak and result.pair.lr_b[0] < 0.1 * peak  # both ends far below the peak
+    assert not [f for f in findings if f.kind in ("update_bound_exceeded_widely", "adam_bound_violation")], [f.message for f in findings]
+    assert verdict.causes[0]["cause"] == "none"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ def open_hf_dir(path: Path) -> Checkpoint:
 
 
 # What a replay needs from TrainingArguments (transformers' own field names).
-_TRAINING_ARGS = ("max_grad_norm", "learning_rate", "gradient_accumulation_steps", "per_device_train_batch_size", "seed", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "bf16", "fp16")
+_TRAINING_ARGS = ("max_grad_norm", "learning_rate", "gradient_accumulation_steps", "per_device_train_batch_size", "seed", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "bf16", "fp16", "warmup_steps", "warmup_ratio", "max_steps")
 
 
 def _training_args(ckpt: Checkpoint, f: Path) -> None:
@@ -79,6 +80,11 @@ def _training_args(ckpt: Checkpoint, f: Path) -> None:
     tc = {k: fields[k] for k in _TRAINING_ARGS if isinstance(fields.get(k), (int, float, bool))}
     if "max_grad_norm" in tc:
         tc["grad_clip"] = float(tc["max_grad_norm"]) if tc["max_grad_norm"] > 0 else None
+    # The Trainer's warmup: warmup_steps, else warmup_ratio of max_steps (its get_warmup_steps).
+    if tc.get("warmup_steps"):
+        tc["warmup_iters"] = int(tc["warmup_steps"])
+    elif tc.get("warmup_ratio") and tc.get("max_steps", 0) > 0:
+        tc["warmup_iters"] = math.ceil(tc["max_steps"] * tc["warmup_ratio"])
     ckpt.scalars["train_config"] = {**ckpt.scalars.get("train_config", {}), **tc}
 
 

@@ -60,6 +60,15 @@ class Report:
 
         return render_html(self.doc)
 
+    @classmethod
+    def load(cls, path: str | Path) -> Report:
+        """A report written earlier: its `report.json`, or the `evidence.h5` beside it (what
+        `ckptforensics report` re-renders). Findings come back as the document's records."""
+        from .report.evidence import load_report
+
+        doc = load_report(Path(path))
+        return cls(doc, list(doc.get("findings", [])), {"skip": doc["bisect"]["skip"]} if (doc.get("bisect") or {}).get("skip") else {})
+
     def save(self, out: str | Path) -> list[Path]:
         """report.json, report.md, report.html and evidence.h5 under `out`, each atomically
         (plus skip.json for a bisect); returns the paths written."""

@@ -30,6 +30,7 @@ def test_the_documented_notebook_session_runs_and_finds_the_poisoned_rows(zoo: d
     assert b.doc["bisect"]["rows"] == truth["samples"]  # type: ignore[attr-defined]
     assert {p.name for p in ns["written"]} == {"report.json", "report.md", "report.html", "evidence.h5", "skip.json"}  # type: ignore[attr-defined]
     assert (tmp_path / "incident" / "skip.json").is_file()
+    assert ns["again"].doc == b.doc and ns["again"].extra == b.extra  # type: ignore[attr-defined]
     assert "poison_batch" in r.to_markdown()  # type: ignore[attr-defined]
 
 

@@ -88,9 +88,10 @@ class OptimizerView:
 
 @dataclass
 class Checkpoint:
-    """A read-only, lazy view of one checkpoint (the reader contract; a plugin fills it with `add_tensor`).
+    """A read-only, lazy view of one checkpoint: the contract every reader fills.
 
-    Readers fill `_meta` and `_get` (name -> loader) without reading tensor data;
+    Readers (built-in or plugin) declare tensors with `add_tensor(name, meta, load)`
+    without reading their data, and may `remove_tensor` one they find is a duplicate;
     `tensor(name)` materialises lazily (memory-mapped where the format allows).
 
     Attributes:
@@ -124,6 +125,14 @@ class Checkpoint:
         called (the reader's contract: nothing is read before `tensor(name)`)."""
         self._meta[name] = meta
         self._get[name] = load
+
+    def has(self, name: str) -> bool:
+        """Whether the checkpoint holds a model tensor of this name."""
+        return name in self._meta
+
+    def remove_tensor(self, name: str) -> None:
+        """Drop a declared tensor (a reader that finds it is a duplicate, a tied head)."""
+        del self._meta[name], self._get[name]
 
     def names(self) -> list[str]:
         """Model tensor names, in the checkpoint's own order."""

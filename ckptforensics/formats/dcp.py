@@ -192,8 +192,7 @@ def open_dcp(path: Path) -> Checkpoint:
                 ckpt.scalars.setdefault("extra", []).append(key)  # bytes items (train state ...)
                 continue
             name = ".".join(map(str, parts[1:])) if parts and parts[0] == "model" and len(parts) > 1 else key
-            ckpt._meta[name] = TensorMeta(tuple(meta.size), meta.properties.dtype)
-            ckpt._get[name] = getter(store, key)
+            ckpt.add_tensor(name, TensorMeta(tuple(meta.size), meta.properties.dtype), getter(store, key))
     # The trainer's own record first (OLMo-core's train state), then the directory name,
     # then HF's trainer_state.json beside accelerate's folders.
     step = next((s for s in (_olmo_train_state(path), _step_from_name(path), _trainer_step(path)) if s is not None), None)
@@ -229,12 +228,12 @@ def _untie(ckpt: Checkpoint, state: dict[str, dict[str, Any]]) -> None:
     """get_state_dict saves a tied output head under its own name too, while the
     optimizer holds one state for the shared parameter: an output head without state,
     shaped like an embedding with state, is that embedding (recorded as an alias)."""
-    for name in [n for n in ckpt._meta if n not in state and _HEAD.search(n)]:
-        meta = ckpt._meta[name]
-        twins = [e for e in state if _EMBED.search(e) and ckpt._meta.get(e) == meta]
+    for name in [n for n in ckpt.names() if n not in state and _HEAD.search(n)]:
+        meta = ckpt.meta(name)
+        twins = [e for e in state if _EMBED.search(e) and ckpt.has(e) and ckpt.meta(e) == meta]
         if len(twins) == 1:
             ckpt.aliases[name] = twins[0]
-            del ckpt._meta[name], ckpt._get[name]
+            ckpt.remove_tensor(name)
             ckpt.notes.append(f"{name} has no optimizer state and is shaped like {twins[0]}: read as tied to it")
 
 

@@ -152,8 +152,7 @@ def _stage3_weights(ckpt: Checkpoint, shapes: list[list[tuple[str, tuple[int, ..
     for g, members in enumerate(shapes):
         offs = _stage3_offsets(members, ws)
         for name, shape in members:
-            ckpt._meta[name] = TensorMeta(shape, torch.float32)
-            ckpt._get[name] = _lazy3(optim, g, offs[name], shape, None)
+            ckpt.add_tensor(name, TensorMeta(shape, torch.float32), _lazy3(optim, g, offs[name], shape, None))
     ckpt.notes.append("ZeRO-3: weights are the fp32 master partitions, gathered")
 
 

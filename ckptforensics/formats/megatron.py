@@ -123,8 +123,7 @@ def open_megatron_dist(path: Path) -> Checkpoint:
         elif hasattr(meta, "size") and not key.startswith(("optimizer.", "rng_state")):
             shape = tuple(meta.size)
             for name, get in _views(key, key, layers, stacked):
-                ckpt._meta[name] = TensorMeta(shape[1:] if name != key else shape, meta.properties.dtype)
-                ckpt._get[name] = get
+                ckpt.add_tensor(name, TensorMeta(shape[1:] if name != key else shape, meta.properties.dtype), get)
     dist_groups: list[dict[str, Any]] = []
     if buckets:
         state = _unflatten_buckets(path, md, ckpt, buckets, stacked, layers)
@@ -152,7 +151,7 @@ def open_megatron_dist(path: Path) -> Checkpoint:
     if layers:
         ckpt.notes.append(f"torch_dist: per-layer tensors are stacked on a leading dim of {layers} layers; read as decoder.layers.<i>.<name>")
     if state:
-        ckpt.optimizer = _dist_optimizer(state, groups, list(ckpt._meta))
+        ckpt.optimizer = _dist_optimizer(state, groups, ckpt.names())
     else:
         ckpt.notes.append("no optimizer state: weights only")
     return ckpt
@@ -219,7 +218,7 @@ _PARAM_ALIGN = 64  # megatron-core optimizer/param_layout.py pad_param_start: st
 def _model_order(ckpt: Checkpoint, layers: int) -> list[str]:
     """named_parameters() order of megatron-core's GPTModel: embedding, each layer's
     parameters in module order (as the stacked keys list them), final norm, output layer."""
-    names = list(ckpt._meta)
+    names = ckpt.names()
     per_layer = [n for n in names if n.startswith("decoder.layers.0.")]
     rest = [n[len("decoder.layers.0.") :] for n in per_layer]
     head = [n for n in names if n.startswith("embedding.")]
@@ -252,7 +251,7 @@ def _unflatten_buckets(path: Path, md: Any, ckpt: Checkpoint, buckets: dict, sta
         off, placed = 0, []
         while todo and off < total:
             name = todo.pop(0)
-            n = ckpt._meta[name].numel
+            n = ckpt.meta(name).numel
             off = -(-off // _PARAM_ALIGN) * _PARAM_ALIGN
             placed.append((name, off, n))
             off += n
@@ -266,7 +265,7 @@ def _unflatten_buckets(path: Path, md: Any, ckpt: Checkpoint, buckets: dict, sta
             bad = next(nm for nm, o, _ in placed if o not in starts)
             raise OptimizerMappingError(f"{path}: distributed-optimizer bucket {idx}: no saved chunk starts where {bad} would")
         for name, o, n in placed:
-            shape = ckpt._meta[name].shape
+            shape = ckpt.meta(name).shape
             out[name] = {f: (lambda k=fields[f], o=o, n=n, shape=shape: stacked.whole(k)[o : o + n].view(shape)) for f in ("exp_avg", "exp_avg_sq")}
     if todo:
         raise OptimizerMappingError(f"{path}: {len(todo)} parameters (first {todo[0]}) are in no distributed-optimizer bucket")

@@ -103,8 +103,7 @@ def add_file(ckpt: Checkpoint, st: SafetensorsFile, only: set[str] | None = None
     for name, (meta, _, _) in st.entries.items():
         if only is not None and name not in only:
             continue
-        ckpt._meta[name] = meta
-        ckpt._get[name] = _getter(st, name)
+        ckpt.add_tensor(name, meta, _getter(st, name))
     ckpt._closers.append(st.close)
 
 

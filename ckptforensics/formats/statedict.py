@@ -27,8 +27,7 @@ def add_state_dict(ckpt: Checkpoint, sd: Mapping[str, Any], strip: str = "") -> 
                 ckpt.aliases[name] = seen[key]
                 continue
             seen[key] = name
-        ckpt._meta[name] = TensorMeta(tuple(t.shape), t.dtype)
-        ckpt._get[name] = _const(t)
+        ckpt.add_tensor(name, TensorMeta(tuple(t.shape), t.dtype), _const(t))
 
 
 def _const(t: torch.Tensor) -> Any:
@@ -39,10 +38,10 @@ def attach_optimizer(ckpt: Checkpoint, osd: Any, source: str) -> None:
     """Map an integer-id optimizer state_dict onto the checkpoint's own parameter order."""
     if not isinstance(osd, Mapping):
         raise CorruptCheckpoint(f"{source}: optimizer state is not a state_dict")
-    names = list(ckpt._meta) + list(ckpt.aliases)
+    names = ckpt.names() + list(ckpt.aliases)
     order = trainable_order(
-        [n for n in names if n in ckpt._meta],
-        lambda n: (ckpt._meta[n].shape, ckpt._meta[n].dtype),
+        [n for n in names if ckpt.has(n)],
+        lambda n: (ckpt.meta(n).shape, ckpt.meta(n).dtype),
         {},
     )
     try:

@@ -197,15 +197,13 @@ def whatif(
     return Report(*run_whatif(cfg, steps, list(tries), None, command=command, progress=progress))
 
 
-def triage(metrics: str | Path | None = None, run_dir: str | Path | None = None) -> Any:
+def triage(metrics: str | Path | None = None, run_dir: str | Path | None = None, config: Any = None, keys: dict[str, str] | None = None) -> Any:
     """The first bad step in a training log and the checkpoint to roll back to
-    (`triage.TriageResult`); the log is discovered in `run_dir` when not given."""
-    from .errors import ForensicsError
-    from .logs import find_metrics
+    (`triage.TriageResult`); the log is discovered in `run_dir` when not given. `config`:
+    a `triage.TriageConfig`; `keys`: the log's column names for loss / grad_norm / lr."""
+    from .logs import discover_metrics
     from .triage import triage as _triage
 
     rd = Path(run_dir) if run_dir is not None else None
-    log = Path(metrics) if metrics is not None else (find_metrics(rd) if rd is not None else None)
-    if log is None:
-        raise ForensicsError(f"{rd}: no training log found (metrics.jsonl/csv, trainer_state.json, CSV or TensorBoard logs); pass metrics")
-    return _triage(log, rd)
+    log = Path(metrics) if metrics is not None else discover_metrics(rd or Path("."))
+    return _triage(log, rd, config, keys)

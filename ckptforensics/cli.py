@@ -497,11 +497,11 @@ def triage_cmd(
       ckptforensics triage --run-dir runs/7b
       ckptforensics triage --metrics runs/7b/metrics.csv --grad-key train/grad_norm --json
     """
-    from .triage import TriageConfig, as_dict, triage
+    from . import api
+    from .triage import TriageConfig, as_dict
 
     with _errors(ctx):
-        path = metrics or _discover_metrics(run_dir)
-        res = triage(path, run_dir, TriageConfig(window=window, z=z, margin=margin), {"loss": loss_key, "grad_norm": grad_key, "lr": lr_key})
+        res = api.triage(metrics, run_dir, TriageConfig(window=window, z=z, margin=margin), {"loss": loss_key, "grad_norm": grad_key, "lr": lr_key})
         written: list[Path] = []
         if out is not None:
             from .report import atomic_write
@@ -531,18 +531,6 @@ def triage_cmd(
         click.echo(f"  {c}")
     for w in written:
         click.echo(f"wrote {w}")
-
-
-def _discover_metrics(run_dir: Path) -> Path:
-    from .triage import find_metrics
-
-    found = find_metrics(run_dir)
-    if found is None:
-        raise ForensicsError(
-            f"no training log in {run_dir} (looked for metrics.jsonl, metrics.csv, trainer_state.json, lightning_logs, "
-            "LitGPT logs/csv, OLMo-core metrics_step*.json, TensorBoard events); pass --metrics"
-        )
-    return found
 
 
 @cli.command("report")

@@ -15,7 +15,7 @@ from pathlib import Path
 from .errors import ForensicsError
 from .locate import list_checkpoints
 
-__all__ = ["read_metrics", "find_metrics", "group_lrs", "lr_columns", "param_grad_columns"]
+__all__ = ["read_metrics", "find_metrics", "discover_metrics", "group_lrs", "lr_columns", "param_grad_columns"]
 
 # Per-group LR: OLMo-core's "optim/LR (group 0)", Lightning's LearningRateMonitor
 # "lr-AdamW/pg1" (1-based); per-parameter grad norms: OLMo's "optim/grad/<param>.norm",
@@ -169,3 +169,15 @@ def _tensorboard(path: Path) -> dict[int, dict[str, float]]:
         for ev in acc.Scalars(tag):
             rows.setdefault(int(ev.step), {})[tag] = float(ev.value)
     return rows
+
+
+def discover_metrics(run_dir: Path) -> Path:
+    """`find_metrics`, or a one-line error naming what was looked for."""
+    found = find_metrics(run_dir)
+    if found is None:
+        raise ForensicsError(
+            f"no training log in {run_dir} (looked for metrics.jsonl, metrics.csv, trainer_state.json, lightning_logs, "
+            "LitGPT logs/csv, OLMo-core metrics_step*.json, TensorBoard events); pass --metrics"
+        )
+    return found
+

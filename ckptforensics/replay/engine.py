@@ -354,8 +354,8 @@ class Session:
         self.psg.remove()
 
 
-def _compare(session: Session, b: Checkpoint, lrs: dict[int, list[float]]) -> list[TensorMatch]:
-    """Replayed weights and moments against *after*, per tensor.
+def _compare(session: Session, b: Checkpoint, lrs: dict[int, list[float]], only: set[str] | None = None) -> list[TensorMatch]:
+    """Replayed weights and moments against *after*, per tensor (those in `only`, if given).
 
     A weight matches when it is within 1% of one Adam step (k lr) of *after*: a
     different summation order changes gradients in the last bits, and Adam can turn
@@ -369,7 +369,7 @@ def _compare(session: Session, b: Checkpoint, lrs: dict[int, list[float]]) -> li
     for key, p in session.model.named_parameters():
         name = session.to_ckpt(key)
         name = b.aliases.get(name, name)
-        if name not in b.names():
+        if (only is not None and name not in only) or not b.has(name):
             continue
         gi = group_of.get(id(p), 0)
         g = session.opt.param_groups[gi]
@@ -569,10 +569,11 @@ def _settle_ratio_change(p: Plan, progress: Callable[[str], None] | None) -> Non
         return
     groups, ra, rb = change
     assert p.a.optimizer is not None
-    names = [n for n, h in p.a.optimizer.hyper.items() if h.index in groups and n in p.b.names()]
+    names = [n for n, h in p.a.optimizer.hyper.items() if h.index in groups and p.b.has(n)]
     if not names:
         return
-    target = sum(float((p.b.tensor(n).double() - p.a.tensor(n).double()).norm()) for n in names)
+    start = {n: p.a.tensor(n).double() for n in names}  # read once for every trial
+    target = sum(float((p.b.tensor(n).double() - start[n]).norm()) for n in names)
     clip = p.clips[0][0]
     grows = any(rb[g] > ra[g] for g in groups)  # later change -> less movement when the ratio grew
     seen: dict[int, tuple[float, float]] = {}
@@ -581,7 +582,7 @@ def _settle_ratio_change(p: Plan, progress: Callable[[str], None] | None) -> Non
         if k not in seen:
             if progress is not None:
                 progress(f"LR change at step {k}?")
-            seen[k] = _movement(p, _switched(p, ra, rb, k), clip, names)
+            seen[k] = _movement(p, _switched(p, ra, rb, k), clip, start)
         return seen[k]
 
     lo, hi = p.steps[0], p.steps[-1] + 1  # hi: no change inside the window
@@ -609,17 +610,18 @@ def _settle_ratio_change(p: Plan, progress: Callable[[str], None] | None) -> Non
 MATCH_SHARE = 0.01
 
 
-def _movement(p: Plan, lrs: dict[int, list[float]], clip: float | None, names: list[str]) -> tuple[float, float]:
-    """How far a replay of the window moves the named weights from *before*, and the share
-    of their elements that miss *after*'s (`_compare`'s tolerance)."""
+def _movement(p: Plan, lrs: dict[int, list[float]], clip: float | None, start: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """How far a replay of the window moves the named weights from where they started
+    (`start`, *before*'s), and the share of their elements that miss *after*'s (`_compare`'s
+    tolerance)."""
     assert p.b is not None
     session = p.session()
     try:
         for s in p.steps:
             session.step(s, p.batches.batch(s), lrs[s], clip)
         params = {session.to_ckpt(k): q for k, q in session.model.named_parameters()}
-        moved = sum(float((params[n].detach().cpu().double() - p.a.tensor(n).double()).norm()) for n in names if n in params)
-        matches = [m for m in _compare(session, p.b, lrs) if m.where == "weight" and m.name in names]
+        moved = sum(float((params[n].detach().cpu().double() - w).norm()) for n, w in start.items() if n in params)
+        matches = [m for m in _compare(session, p.b, lrs, only=set(start)) if m.where == "weight"]
         share = sum(m.mismatched for m in matches) / max(1, sum(m.numel for m in matches))
         return moved, share
     finally:

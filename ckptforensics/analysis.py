@@ -77,11 +77,11 @@ def _core(row: dict[str, float]) -> dict[str, float]:
     return {k: row[k] for k in _CORE if k in row}
 
 
-def replay_section(rep: Any, fields: dict[str, Any]) -> dict[str, Any]:
-    """The report's `replay` block: configuration with sources, per-step records, evidence."""
+def replay_section(rep: Any, suspect: int | None) -> dict[str, Any]:
+    """The report's `replay` block: configuration with sources, per-step records, evidence
+    (the per-module table of the first bad step `suspect`)."""
     from .replay.probes import BWD_STATS, FWD_STATS
 
-    suspect = fields.get("first_bad_step")
     per_module = []
     if suspect in rep.passes:
         p = rep.passes[suspect]
@@ -128,10 +128,10 @@ def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> t
     from .replay import replay
 
     rep = replay(cfg, progress=progress)
-    rfind, fields = replay_findings(rep)
+    rfind = replay_findings(rep)
     a, b, diff, dfind = _pair_diff(cfg)
     try:
-        return _replay_report(cfg, rep, rfind, fields, a, b, diff, dfind, command)
+        return _replay_report(cfg, rep, rfind, a, b, diff, dfind, command)
     finally:
         _close(a, b)
 
@@ -151,18 +151,17 @@ def _close(*cks: Any) -> None:
 
 
 def _replay_report(
-    cfg: Any, rep: Any, rfind: list[Finding], fields: dict[str, Any], a: Any, b: Any, diff: DiffResult | None, dfind: list[Finding], command: str
+    cfg: Any, rep: Any, rfind: list[Finding], a: Any, b: Any, diff: DiffResult | None, dfind: list[Finding], command: str
 ) -> tuple[dict[str, Any], list[Finding]]:
     findings = _number(dfind + rfind)
-    starts = first_steps_from_state(dfind, rep)
-    if starts:
-        fields["first_bad_step"] = min([*starts, *([fields["first_bad_step"]] if "first_bad_step" in fields else [])])
-    keys = ("first_bad_step", "first_anomalous_module", "anomalous_samples", "reproducible", "overflowing_tensors", "replay_layers")
-    extra = {k: v for k, v in fields.items() if k in keys}
     before_ok = diff is None or not any(t.nonfinite_a for t in diff.tensors)
     after_label = str(cfg.after) if cfg.after is not None else f"the replay of step {rep.records[0].step}"
-    verdict = decide(findings, before=str(cfg.before), after=after_label, before_healthy=before_ok, extra=extra, replayed=True)
-    doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, diff=diff, sections={"replay": replay_section(rep, fields)})
+    verdict = decide(
+        findings, before=str(cfg.before), after=after_label, before_healthy=before_ok, replayed=True, state_steps=first_steps_from_state(dfind, rep)
+    )
+    doc = build_report(
+        command=command, before=a, after=b, verdict=verdict, findings=findings, diff=diff, sections={"replay": replay_section(rep, verdict.first_bad_step)}
+    )
     return doc, findings
 
 
@@ -183,21 +182,26 @@ def _bisect_report(
     from .bisect import bisect
 
     res, rep = bisect(cfg, progress, tokenizer=tokenizer, state_findings=dfind)
-    rfind, fields = replay_findings(rep)
+    findings = _number(dfind + replay_findings(rep))
+    # The bisection's step and rows are what it proved by replaying; they override the
+    # replay's single-pass reading.
+    extra: dict[str, Any] = {}
     if res.first_bad_step is not None:
-        fields["first_bad_step"] = res.first_bad_step
+        extra["first_bad_step"] = res.first_bad_step
     if res.rows:
-        fields["anomalous_samples"] = [
+        extra["anomalous_samples"] = [
             {"index": i, "sample_id": (res.sample_ids[k] if res.sample_ids else None), "score": 1.0, "why": res.evidence.get(i, "needed to reproduce the spike")}
             for k, i in enumerate(res.rows)
         ]
-    findings = _number(dfind + rfind)
-    extra = {k: v for k, v in fields.items() if k in ("first_bad_step", "first_anomalous_module", "anomalous_samples", "reproducible")}
-    verdict = decide(findings, before=str(cfg.before), after=str(cfg.after or cfg.before), extra=extra)
+    before_ok = diff is None or not any(t.nonfinite_a for t in diff.tensors)
+    verdict = decide(
+        findings, before=str(cfg.before), after=str(cfg.after or cfg.before), before_healthy=before_ok, extra=extra, replayed=True,
+        state_steps=first_steps_from_state(dfind, rep),
+    )
     skip = {"steps": [res.first_bad_step] if res.first_bad_step is not None and res.rows else [], "sample_ids": res.sample_ids, "rows": {str(res.first_bad_step): res.rows} if res.rows else {}}
     section = asdict(res)
     section["skip"] = skip
-    doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, diff=diff, sections={"replay": replay_section(rep, fields), "bisect": section})
+    doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, diff=diff, sections={"replay": replay_section(rep, verdict.first_bad_step), "bisect": section})
     return doc, findings, skip
 
 

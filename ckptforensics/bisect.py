@@ -15,6 +15,7 @@ from .detectors import Finding, first_steps_from_state, replay_findings, step_z
 from .errors import ForensicsError
 from .replay import ReplayConfig, plan, replay
 from .replay.engine import ReplayResult
+from .verdict import replay_fields
 
 __all__ = ["BisectResult", "bisect"]
 
@@ -75,11 +76,8 @@ def bisect(
     search, so the common case costs a handful of evaluations.
     """
     rep = replay(cfg, progress, steps)
-    _, fields = replay_findings(rep)
-    starts = first_steps_from_state(state_findings or [], rep)
-    if "first_bad_step" in fields:
-        starts.append(fields["first_bad_step"])
-    res = BisectResult(first_bad_step=min(starts) if starts else None, disagreements=_disagreements(rep))
+    fields = replay_fields(replay_findings(rep), first_steps_from_state(state_findings or [], rep))
+    res = BisectResult(first_bad_step=fields.get("first_bad_step"), disagreements=_disagreements(rep))
     s = res.first_bad_step
     if s is None or s == rep.records[0].step and len(rep.records) == 1 and not rep.baseline:
         return res, rep

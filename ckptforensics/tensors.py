@@ -168,15 +168,16 @@ def trend_z(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Robust z of each step of a curve against a baseline that follows the run's own trend.
 
-    Walking the curve in order, a step is compared with the median of the last
-    `CURVE_SHORT` accepted steps; the noise scale is the robust spread of the accepted
-    steps' residuals to their own rolling medians over the last `window`, centred by
-    their median (a falling loss sits a constant lag below its rolling median, which is not
-    a spike). A step whose z exceeds `z` does not enter the baseline, so a spike cannot
-    hide the next one; a smooth lift (a data-mixture switch) is followed. Steps before
-    `judge_from`, and steps with fewer than `min_history` accepted before them, get
-    z = 0 (history only). A new level held for `CURVE_SHORT` steps in a row becomes the
-    baseline (its first step was flagged). Non-finite values get +inf.
+    Walking the curve in order, a step is compared with what the Theil-Sen line through
+    the last 2 x `CURVE_SHORT` accepted steps predicts for it (`_trend_at`), corrected by
+    the recent predictions' bias; the noise scale is the robust spread of the accepted
+    steps' one-step-ahead errors over the last `window`, or over the recent 2 x
+    `CURVE_SHORT` where that is larger. A step whose z exceeds `z` does not enter the
+    baseline, so a spike cannot hide the next one; a smooth lift (a data-mixture switch)
+    is followed. Steps before `judge_from`, and steps with fewer than `min_history`
+    accepted before them, get z = 0 (history only). A new level held for `CURVE_SHORT`
+    steps in a row becomes the baseline (its first step was flagged). Non-finite values
+    get +inf.
 
     Returns:
         (z per step, the baseline level per step in the curve's units; NaN where unjudged).

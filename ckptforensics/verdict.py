@@ -10,7 +10,7 @@ from typing import Any
 
 from .detectors import Finding, module_of
 
-__all__ = ["Verdict", "decide", "CAUSES"]
+__all__ = ["replay_fields", "Verdict", "decide", "CAUSES"]
 
 CAUSES = (
     "gradient_explosion",
@@ -20,7 +20,6 @@ CAUSES = (
     "loss_scale_collapse",
     "poison_batch",
     "adam_instability",
-    "attention_logit_growth",
     "output_logit_divergence",
     "silent_corruption",
     "none",
@@ -113,6 +112,43 @@ def rank_causes(findings: Sequence[Finding]) -> list[dict[str, Any]]:
     return [{"cause": c, "confidence": round(score[c] / norm, 3), "evidence": evidence[c]} for c in order]
 
 
+# How a replay's reproduction finding settles `reproducible`.
+_REPRODUCED = {"replay_reproduces": True, "replay_mismatch_confined": False, "replay_config_mismatch": None}
+
+
+def replay_fields(findings: Sequence[Finding], state_steps: Sequence[int] = ()) -> dict[str, Any]:
+    """The verdict fields a replay settles, read off its findings (detectors.replay_findings).
+
+    first_bad_step: the earliest onset (an LR jump or a spike), else the first overflow; a
+    second moment two orders of magnitude stale (primary RMS_t) and a step the *before*
+    state pins (`state_steps`, detectors.first_steps_from_state) make it earlier.
+    first_anomalous_module: the first module in forward order to leave its range, else the
+    overflowing one, else the stale-moment one.
+    """
+    by: dict[str, list[Finding]] = defaultdict(list)
+    for f in findings:
+        by[f.kind].append(f)
+    out: dict[str, Any] = {}
+    rms = [f for f in by["rms_t"] if f.primary]
+    onset = [f.metrics["step"] for k in ("lr_step_jump", "replay_spike") for f in by[k]]
+    steps = (onset or [f.metrics["step"] for f in by["replay_overflow"][:1]]) + [f.metrics["step"] for f in rms] + list(state_steps)
+    if steps:
+        out["first_bad_step"] = min(steps)
+    first = [f.subject for f in by["first_forward_anomaly"]] + [f.subject for f in by["replay_overflow"]] + [module_of(f.subject) for f in rms]
+    if first:
+        out["first_anomalous_module"] = first[0]
+    if by["replay_overflow"]:
+        out["overflowing_tensors"] = [f.metrics["tensor"] for f in by["replay_overflow"]]
+    if by["first_backward_anomaly"]:
+        out["replay_layers"] = list(by["first_backward_anomaly"][0].metrics.get("ranked", []))
+    if by["anomalous_samples"]:
+        out["anomalous_samples"] = list(by["anomalous_samples"][0].metrics["samples"])
+    for kind, value in _REPRODUCED.items():
+        if by[kind]:
+            out["reproducible"] = value
+    return out
+
+
 def decide(
     findings: Sequence[Finding],
     *,
@@ -122,6 +158,7 @@ def decide(
     extra: dict[str, Any] | None = None,
     weights_only: bool = False,
     replayed: bool = False,
+    state_steps: Sequence[int] = (),
 ) -> Verdict:
     """Turn findings into the verdict.
 
@@ -129,12 +166,15 @@ def decide(
         findings: from the detectors (diff, and replay when it ran).
         before, after: checkpoint labels for the actions and the rollback.
         before_healthy: False when *before* itself holds non-finite state.
-        extra: verdict fields a replay determined (reproducible, first_bad_step, ...).
+        extra: verdict fields another engine settled (a bisection's first bad step and
+            rows); they override what the findings say.
         weights_only: the pair has no optimizer state, so no update was checked against
             Adam's bounds (the summary must not claim it was).
-        replayed: the window's batches were replayed (a healthy verdict then says so
-            instead of asking for a replay). A replay's `overflowing_tensors` in `extra`
-            come before the diff's, its `replay_layers` after the diff's exploding layers.
+        replayed: the window's batches were replayed: the replay's findings settle their
+            fields (`replay_fields`), and a healthy verdict says so instead of asking for a
+            replay. A replay's overflowing tensors come before the diff's, its layers after
+            the diff's exploding layers.
+        state_steps: first bad steps the *before* state pins (with `replayed`).
     """
     causes = rank_causes(findings)
     top = causes[0]["cause"]
@@ -161,10 +201,10 @@ def decide(
                     {"tensor": f.subject, "where": e["where"], "index": e["index"], "before": e["before"], "after": e["after"], "kind": kind}
                 )
     v.exploding_layers = [m for m, _ in sorted(layers.items(), key=lambda kv: -kv[1])]
-    extra = dict(extra or {})
+    extra = {**(replay_fields(findings, state_steps) if replayed else {}), **(extra or {})}
     v.overflowing_tensors = list(extra.pop("overflowing_tensors", [])) + v.overflowing_tensors
-    if "replay_layers" in extra:
-        v.exploding_layers = list(dict.fromkeys(v.exploding_layers + list(extra.pop("replay_layers"))))[:10]
+    if replayed:  # the diff's layers, then the replay's; ten are enough to read
+        v.exploding_layers = list(dict.fromkeys(v.exploding_layers + list(extra.pop("replay_layers", []))))[:10]
     for k, val in extra.items():
         setattr(v, k, val)
     if top == "none":

@@ -4,7 +4,8 @@ that leaves its range first, overflow, the rows that carry the spike, reproducti
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,9 +20,9 @@ from ..tensors import (
     robust_z,
     trend_z,
 )
-from .base import Finding, Thresholds, cap, module_of
+from .base import Finding, Thresholds, cap
 
-__all__ = ["replay_findings", "first_steps_from_state", "step_z"]
+__all__ = ["ReplayEvidence", "ReplayDetector", "ONSET_DETECTORS", "EXAMINE_DETECTORS", "STATE_DETECTORS", "ONSET_KINDS", "replay_findings", "first_steps_from_state", "step_z"]
 
 def step_z(values: Sequence[float], baseline: Sequence[float] = ()) -> np.ndarray:
     """Robust z of per-step values (log scale) against the run's own trend: the logged
@@ -33,73 +34,100 @@ def step_z(values: Sequence[float], baseline: Sequence[float] = ()) -> np.ndarra
     return np.where(np.isfinite(x), robust_z(x, floor=CURVE_FLOOR), np.inf)
 
 
-def replay_findings(rep: Any, th: Thresholds | None = None) -> tuple[list[Finding], dict[str, Any]]:
-    """Findings from a replay (replay.ReplayResult) and the verdict fields it settles.
+@dataclass(frozen=True, slots=True)
+class ReplayEvidence:
+    """What a replay detector reads: the replay, and the step the onset detectors settled.
 
-    Returns:
-        (findings without ids, verdict fields: first_bad_step, first_anomalous_module,
-        exploding_layers, overflowing_tensors, anomalous_samples, reproducible).
+    Attributes:
+        rep: the replay (replay.ReplayResult).
+        step: the step to examine: the first bad step where one is known, else the step
+            with the largest grad norm (None before the onset detectors ran).
+        bad: whether `step` went bad (a module "leaving its range" means something only
+            on a step that did: on a healthy window the largest step always has a largest
+            module).
+    """
+
+    rep: Any
+    step: int | None = None
+    bad: bool = False
+
+
+ReplayDetector = Callable[[ReplayEvidence, Thresholds], list[Finding]]
+
+
+def replay_findings(rep: Any, th: Thresholds | None = None) -> list[Finding]:
+    """Findings from a replay (replay.ReplayResult), without ids.
+
+    Three stages, each a list of pure detectors behind one protocol: the onset detectors
+    find the step that went bad; the examination detectors read that step; the state
+    detectors read the whole window. `verdict.replay_fields` reads the verdict's fields
+    (first bad step, first module, rows, reproduction) off the findings.
     """
     th = th or Thresholds()
-    out: list[Finding] = []
-    fields: dict[str, Any] = {}
+    ev = ReplayEvidence(rep)
+    out = [f for d in ONSET_DETECTORS for f in d(ev, th)]
+    ev = _examined(rep, out)
+    out += [f for d in EXAMINE_DETECTORS for f in d(ev, th)]
+    out += [f for d in STATE_DETECTORS for f in d(ev, th)]
+    return out
+
+
+def _examined(rep: Any, onset: list[Finding]) -> ReplayEvidence:
+    """The step the examination detectors read: the earliest onset, else the largest grad norm."""
+    steps = [f.metrics["step"] for f in onset if f.kind in ONSET_KINDS]
+    if steps:
+        return ReplayEvidence(rep, min(steps), True)
+    if not rep.records:
+        return ReplayEvidence(rep)
+    zg = _grad_z(rep)
+    return ReplayEvidence(rep, rep.records[int(np.argmax(np.where(np.isfinite(zg), zg, 1e9)))].step, False)
+
+
+def _grad_z(rep: Any) -> np.ndarray:
+    return step_z([r.grad_norm for r in rep.records], [b["grad_norm"] for b in rep.baseline.values() if "grad_norm" in b])
+
+
+def _spike(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
+    """The first replayed step whose loss, or grad norm with the loss following, leaves the run's trend."""
+    rep = ev.rep
     recs = rep.records
-    steps = [r.step for r in recs]
     base = list(rep.baseline.values())
-    zg = step_z([r.grad_norm for r in recs], [b["grad_norm"] for b in base if "grad_norm" in b])
+    zg = _grad_z(rep)
     zl = step_z([r.loss for r in recs], [b["loss"] for b in base if "loss" in b])
-    out += _lr_steps(rep, fields, th)
     # A grad-norm outlier the loss ignores is a blip (as triage judges the log), not a spike.
     bad = [
         i
         for i, r in enumerate(recs)
         if r.skipped or not math.isfinite(r.loss) or zl[i] > th.z or (zg[i] > th.z and (not math.isfinite(zg[i]) or loss_follows(zl, i, th.z, z_grad=zg)))
     ]
-    if bad and (len(recs) > 1 or len(base) >= 5):
-        i = bad[0]
-        fields["first_bad_step"] = min(steps[i], fields.get("first_bad_step", steps[i]))
-        r = recs[i]
-        out.append(
-            Finding(
-                "",
-                "replay_spike",
-                f"step {r.step}",
-                cap(max(zg[i], zl[i]) / th.z) if math.isfinite(max(zg[i], zl[i])) else 10.0,
-                "warning",
-                {"step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "grad_z": float(zg[i]), "loss_z": float(zl[i]), "skipped": r.skipped},
-                f"replayed step {r.step} spikes: loss {r.loss:.3g}, grad norm {r.grad_norm:.3g} (robust z {float(max(zg[i], zl[i])):.1f} over the window)"
-                + (", optimizer step skipped" if r.skipped else ""),
-                "docs/signatures.md#spike-onset",
-                ("gradient_explosion", "poison_batch", "lr_too_high"),
-            )
+    if not bad or (len(recs) <= 1 and len(base) < 5):
+        return []
+    i = bad[0]
+    r = recs[i]
+    return [
+        Finding(
+            "",
+            "replay_spike",
+            f"step {r.step}",
+            cap(max(zg[i], zl[i]) / th.z) if math.isfinite(max(zg[i], zl[i])) else 10.0,
+            "warning",
+            {"step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "grad_z": float(zg[i]), "loss_z": float(zl[i]), "skipped": r.skipped},
+            f"replayed step {r.step} spikes: loss {r.loss:.3g}, grad norm {r.grad_norm:.3g} (robust z {float(max(zg[i], zl[i])):.1f} over the window)"
+            + (", optimizer step skipped" if r.skipped else ""),
+            "docs/signatures.md#spike-onset",
+            ("gradient_explosion", "poison_batch", "lr_too_high"),
         )
-    suspect = fields.get("first_bad_step", steps[int(np.argmax(np.where(np.isfinite(zg), zg, 1e9)))] if recs else None)
-    if suspect is not None:
-        # A module "leaving its range" means something only on a step that went bad: on a
-        # healthy window the step with the largest grad norm always has a largest module.
-        if "first_bad_step" in fields:
-            out += _localise(rep, suspect, fields, th)
-        out += _overflow(rep, suspect, fields, th)
-        if "first_bad_step" in fields:
-            out += _samples(rep, suspect, fields, th)
-    out += _logits(rep, th)
-    rms = _rms_t(rep, th)
-    for f in rms:
-        if f.primary:  # a second moment two orders of magnitude stale: that step goes bad
-            fields["first_bad_step"] = min(f.metrics["step"], fields.get("first_bad_step", f.metrics["step"]))
-            fields.setdefault("first_anomalous_module", module_of(f.subject))
-    out += rms
-    out += _reproduction(rep, fields, th)
-    return out, fields
+    ]
 
 
-def _rms_t(rep: Any, th: Thresholds) -> list[Finding]:
+def _rms_t(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     """A parameter whose gradient outgrew Adam's second moment: RMS_t = sqrt(mean(g^2/v_hat))
     is ~1 in steady state; > 1 and a robust outlier (log scale) among the step's
     parameters means its updates turn sign-like and lr-sized (StableAdamW). Embeddings
     are left out: their gradients are row-sparse, so rows idle for a while always have a
-    stale v (SPAM's observation), which is normal for them."""
-    for r in rep.records:
+    stale v (SPAM's observation), which is normal for them. Past 100 it is the step's
+    onset (a second moment two orders of magnitude stale)."""
+    for r in ev.rep.records:
         names = [n for n in r.param_rms_t if tensor_role(n, (2, 2)) != "embedding" and r.param_rms_t[n] > 0]
         if len(names) < 4:
             continue
@@ -149,9 +177,9 @@ def first_steps_from_state(dfind: list[Finding], rep: Any) -> list[int]:
     return out
 
 
-def _logits(rep: Any, th: Thresholds) -> list[Finding]:
+def _logits(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     """Output logits past the soft-cap level and growing across the window (log Z drift)."""
-    recs = [r for r in rep.records if math.isfinite(r.logit_absmax)]
+    recs = [r for r in ev.rep.records if math.isfinite(r.logit_absmax)]
     if len(recs) < 2:
         return []
     first, peak = recs[0], max(recs, key=lambda r: r.logit_absmax)
@@ -173,10 +201,11 @@ def _logits(rep: Any, th: Thresholds) -> list[Finding]:
     return []
 
 
-def _lr_steps(rep: Any, fields: dict[str, Any], th: Thresholds) -> list[Finding]:
+def _lr_steps(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     """A step whose LR (as replayed) jumps past what any warmup allows: the first bad step."""
     from ..logs import group_lrs
 
+    rep = ev.rep
     plan = dict((rep.config.get("lr") or {}).get("value") or {})
     steps = sorted(plan)
     # The window's first step against the last logged step before it (a jump on the very
@@ -195,7 +224,6 @@ def _lr_steps(rep: Any, fields: dict[str, Any], th: Thresholds) -> list[Finding]
             continue
         g = jumped[0]
         la, lb = plan[prev][g], plan[s][g]
-        fields["first_bad_step"] = s
         # Only some groups jumping is a per-module LR fault: those modules explode.
         confined = len(jumped) < len(plan[s])
         return [
@@ -216,10 +244,14 @@ def _lr_steps(rep: Any, fields: dict[str, Any], th: Thresholds) -> list[Finding]
     return []
 
 
-def _localise(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[Finding]:
-    """First module, in forward and in backward order, far outside its own range on other steps."""
+def _localise(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
+    """First module, in forward and in backward order, far outside its own range on other
+    steps; the backward finding ranks the modules past the threshold (the replay's layers)."""
     from ..replay.probes import BWD_STATS, FWD_STATS
 
+    rep, s = ev.rep, ev.step
+    if not ev.bad or s not in rep.passes:
+        return []
     p = rep.passes[s]
     others = [rep.passes[t] for t in rep.passes if t != s]
     if not others:
@@ -242,7 +274,6 @@ def _localise(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[
     fwd_first = next((i for i in p.fwd_order if nf_f[i] > 0 or zf[i] > th.z), None)
     bwd_first = next((i for i in p.bwd_order if nf_b[i] > 0 or zb[i] > th.z), None)
     if fwd_first is not None:
-        fields.setdefault("first_anomalous_module", p.modules[fwd_first])
         out.append(
             _first_anomaly(
                 "forward", s, p.modules[fwd_first], float(zf[fwd_first]), float(nf_f[fwd_first]), th,
@@ -250,18 +281,20 @@ def _localise(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[
             )
         )
     ranked = sorted((i for i in range(len(p.modules)) if math.isfinite(zb[i]) and zb[i] > th.z), key=lambda i: -zb[i])
-    fields["replay_layers"] = [p.modules[i] for i in ranked[:8]]
     if bwd_first is not None:
         out.append(
             _first_anomaly(
                 "backward", s, p.modules[bwd_first], float(zb[bwd_first]), float(nf_b[bwd_first]), th,
                 ("grad_norm", float(p.bwd[bwd_first, ig]), "output gradient", "norm"),
+                ranked=[p.modules[i] for i in ranked[:8]],
             )
         )
     return out
 
 
-def _first_anomaly(order: str, s: int, name: str, z: float, nonfinite: float, th: Thresholds, stat: tuple[str, float, str, str]) -> Finding:
+def _first_anomaly(
+    order: str, s: int, name: str, z: float, nonfinite: float, th: Thresholds, stat: tuple[str, float, str, str], ranked: list[str] | None = None
+) -> Finding:
     """The first module, in forward or backward order, whose statistic leaves its range."""
     key, value, what, label = stat
     extra = " on the window's other steps" if order == "forward" else ""
@@ -271,18 +304,19 @@ def _first_anomaly(order: str, s: int, name: str, z: float, nonfinite: float, th
         name,
         cap(z / th.z) if math.isfinite(z) else 10.0,
         "warning",
-        {"step": s, "robust_z": z, "nonfinite": nonfinite, key: value},
+        {"step": s, "robust_z": z, "nonfinite": nonfinite, key: value, **({"ranked": ranked} if ranked is not None else {})},
         f"step {s}: {name} is the first module in {order} order whose {what} leaves its range{extra} ({label} {value:.3g}, robust z {z:.1f})",
         "docs/signatures.md#first-anomaly (OLMo-core 6 sigma)",
         ("gradient_explosion",),
     )
 
 
-def _overflow(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[Finding]:
-    """Non-finite values in the run's precision that the fp32 replay does not have."""
+def _overflow(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
+    """The first step with non-finite values in the run's precision that the fp32 replay does not have."""
     from ..replay.probes import BWD_STATS, FWD_STATS
 
-    if rep.precision == "fp32":
+    rep = ev.rep
+    if rep.precision == "fp32" or ev.step is None:
         return []
     out = []
     for r in rep.records:
@@ -327,11 +361,7 @@ def _overflow(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[
                 )
             )
             continue
-        fields.setdefault("first_anomalous_module", first)
-        fields.setdefault("first_bad_step", r.step)
-        fields.setdefault("overflowing_tensors", []).append(
-            {"name": first, "dtype": rep.precision, "max_abs": true_max if math.isfinite(true_max) else math.inf, "limit": limit, "where": f"{where} at step {r.step}"}
-        )
+        tensor = {"name": first, "dtype": rep.precision, "max_abs": true_max if math.isfinite(true_max) else math.inf, "limit": limit, "where": f"{where} at step {r.step}"}
         reach = f" (in fp32 it reaches {true_max:.4g}, {true_max / limit:.2f}x the limit)" if math.isfinite(true_max) and true_max > 0 else ""
         cause = ("fp16_overflow",) if rep.precision == "fp16" else ("bf16_overflow",)
         out.append(
@@ -341,7 +371,7 @@ def _overflow(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[
                 first,
                 10.0,
                 "critical",
-                {"step": r.step, "where": where, "precision": rep.precision, "fp32_finite": fp32_ok, "loss_scale": r.loss_scale, "skipped": r.skipped, "fp32_max_abs": true_max},
+                {"step": r.step, "where": where, "precision": rep.precision, "fp32_finite": fp32_ok, "loss_scale": r.loss_scale, "skipped": r.skipped, "fp32_max_abs": true_max, "tensor": tensor},
                 f"step {r.step}: the {where} of {first} overflows {rep.precision}{reach}"
                 + (f" under loss scale {r.loss_scale:g}" if r.loss_scale and where == "gradient" else "")
                 + ("; the fp32 replay of the same step stays finite" if fp32_ok else "; fp32 overflows too"),
@@ -360,8 +390,11 @@ def _overflow(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[
 DATA_MARGIN = 1.5
 
 
-def _samples(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[Finding]:
+def _samples(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     """Rows of the spiking batch that carry it: gradient share, loss, data statistics."""
+    rep, s = ev.rep, ev.step
+    if not ev.bad:
+        return []
     r = next(x for x in rep.records if x.step == s)
     stats = rep.row_stats.get(s, [])
     b = len(r.sample_loss)
@@ -451,7 +484,6 @@ def _samples(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[F
                 ("fp16_overflow", "bf16_overflow", "gradient_explosion"),
             )
         ]
-    fields["anomalous_samples"] = rows
     return [
         Finding(
             "",
@@ -459,7 +491,7 @@ def _samples(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[F
             f"step {s}",
             cap(carried / 0.5 * 2),
             "critical" if carried >= 0.5 else "warning",
-            {"step": s, "rows": [x["index"] for x in rows], "grad_share": carried, "batch_size": b},
+            {"step": s, "rows": [x["index"] for x in rows], "grad_share": carried, "batch_size": b, "samples": rows},
             f"step {s}: rows {[x['index'] for x in rows]} carry {carried:.0%} of the gradient norm^2 of a spiking batch",
             "docs/signatures.md#per-sample-share, #data-stats (OLMo-core instance filter)",
             ("poison_batch",),
@@ -468,8 +500,9 @@ def _samples(rep: Any, s: int, fields: dict[str, Any], th: Thresholds) -> list[F
     ]
 
 
-def _reproduction(rep: Any, fields: dict[str, Any], th: Thresholds) -> list[Finding]:
+def _reproduction(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     """Replayed state vs *after*: impossible elements confined -> corruption; match -> reproduces."""
+    rep = ev.rep
     if rep.matches is None:
         return []
     total = sum(m.numel for m in rep.matches) or 1
@@ -477,7 +510,6 @@ def _reproduction(rep: Any, fields: dict[str, Any], th: Thresholds) -> list[Find
     imp = [m for m in rep.matches if m.impossible]
     confined = 0 < len(imp) <= th.confined_tensors and all(m.impossible <= max(8, th.confined_share * m.numel) for m in imp)
     if confined:
-        fields["reproducible"] = False
         return [
             Finding(
                 "",
@@ -494,7 +526,6 @@ def _reproduction(rep: Any, fields: dict[str, Any], th: Thresholds) -> list[Find
             )
         ]
     if not imp and mis / total <= 0.01:
-        fields["reproducible"] = True
         return [
             Finding(
                 "",
@@ -508,7 +539,6 @@ def _reproduction(rep: Any, fields: dict[str, Any], th: Thresholds) -> list[Find
                 (),
             )
         ]
-    fields["reproducible"] = None
     worst = max(rep.matches, key=lambda m: m.mismatched / max(m.numel, 1))
     return [
         Finding(
@@ -524,3 +554,10 @@ def _reproduction(rep: Any, fields: dict[str, Any], th: Thresholds) -> list[Find
             (),
         )
     ]
+
+
+# The onset detectors' findings whose step is the first bad step.
+ONSET_KINDS = ("lr_step_jump", "replay_spike")
+ONSET_DETECTORS: tuple[ReplayDetector, ...] = (_lr_steps, _spike)
+EXAMINE_DETECTORS: tuple[ReplayDetector, ...] = (_localise, _overflow, _samples)
+STATE_DETECTORS: tuple[ReplayDetector, ...] = (_logits, _rms_t, _reproduction)

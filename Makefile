@@ -28,7 +28,7 @@ zoo: venv
 	$(BIN)/python fixtures/zoo.py --out build/zoo
 
 # Drawn incidents (fixtures/draws.py): the tuning split is looked at while developing; the
-# held-out split (48 draws) is only scored, and recorded in bench/RESULTS.md.
+# held-out split (60 draws) is only scored, and recorded in bench/RESULTS.md.
 zoo-tuning: venv
 	$(BIN)/python bench/zoo.py --draws tuning
 

@@ -126,7 +126,7 @@ def run_incident(run: Path, reports: Path) -> Row:
     hint = truth.get("replay")
     if hint:
         # replay runs the diff too and merges both into one verdict.
-        cmd += ["replay", *(["--model", hint["model"]] if hint.get("model") else []), "--batch", str(run / hint["batch"])]
+        cmd += ["replay", *(["--model", model_spec(run, hint["model"])] if hint.get("model") else []), "--batch", str(run / hint["batch"])]
         cmd += ["--precision", hint["precision"]] if hint.get("precision") else []
     else:
         cmd += ["diff"]
@@ -148,10 +148,16 @@ def score(zoo: Path, reports: Path) -> list[Row]:
 MENU = ("clip=1.0", "clip=0.5", "lr_scale=0.1", "lr_scale=0.01", "precision=bf16", "precision=fp32", "skip_samples=auto")
 
 
+def model_spec(run: Path, spec: str) -> str:
+    """A `--model` factory the run dir holds (a user's own training code) by its path there."""
+    file = spec.split(":")[0]
+    return str(run / spec) if (run / file).is_file() else spec
+
+
 def _cli(command: str, run: Path, hint: dict[str, str], out: Path, args: list[str]) -> tuple[dict[str, Any] | None, str]:
     """Run a replay-based command on an incident as a user would: (report, "") or (None, error)."""
     cmd = [sys.executable, "-m", "ckptforensics.cli", "-q", command, "--run-dir", str(run), *args]
-    cmd += [*(["--model", hint["model"]] if hint.get("model") else []), "--batch", str(run / hint["batch"]), "--out", str(out)]
+    cmd += [*(["--model", model_spec(run, hint["model"])] if hint.get("model") else []), "--batch", str(run / hint["batch"]), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         return None, (proc.stderr.strip().splitlines() or ["failed"])[-1]
@@ -275,12 +281,14 @@ def score_draws(split: str, root: Path, seeds: list[int] | None = None) -> tuple
     on the run's log. Returns (per-draw rows, aggregate figures)."""
     sys.path.insert(0, str(ROOT))
     from ckptforensics.triage import find_metrics, triage
-    from fixtures.draws import SPLITS, build_draw
+    from fixtures.draws import GROUP0_LR_ONLY, SPLITS, build_draw, draw
 
     rows = []
     for seed in seeds or SPLITS[split]:
         run = root / f"draw-{seed}"
-        if not (run / "truth.json").is_file():
+        built = json.loads((run / "truth.json").read_text())["draw"] if (run / "truth.json").is_file() else None
+        if built is None or built.get("trainer", "own") != draw(seed).trainer:  # absent, or drawn by an older generator
+            shutil.rmtree(run, ignore_errors=True)
             build_draw(seed, root)
         truth = json.loads((run / "truth.json").read_text())
         r = run_incident(run, root.parent / f"{root.name}-reports")
@@ -289,8 +297,8 @@ def score_draws(split: str, root: Path, seeds: list[int] | None = None) -> tuple
         tri = triage(log, run)
         d = truth["draw"]
         at = truth["first_bad_step"]
-        if d.get("trainer") == "hf" and truth["cause"] == "gradient_explosion":
-            # The Trainer logs group 0's LR only: a per-module LR fault shows in the log from
+        if d.get("trainer") in GROUP0_LR_ONLY and truth["cause"] == "gradient_explosion":
+            # The trainer logs group 0's LR only: a per-module LR fault shows in the log from
             # the first step its update moved the loss or grad norm (`draws.log_onset`).
             from ckptforensics.triage import read_metrics
             from fixtures.draws import log_onset
@@ -329,6 +337,8 @@ def score_draws(split: str, root: Path, seeds: list[int] | None = None) -> tuple
 
 def _shape(d: dict[str, Any]) -> str:
     hf = ""
+    if d.get("trainer") == "fsdp":
+        hf = " fsdp2"
     if d.get("trainer") == "hf":
         hf = f" {d['family']}" + (" padded" if d.get("padded") else "") + (f" ga{d['accum']}" if d.get("accum", 1) > 1 else "")
     return f"{d['position']} {d['schedule']} L{d['n_layer']} d{d['n_embd']} T{d['seq']} {d['precision']} {d['fmt']}{hf}"

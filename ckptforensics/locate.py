@@ -25,7 +25,11 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     found: list[tuple[int, Path]] = []
     if not run_dir.is_dir():
         return found
-    for child in run_dir.iterdir():
+    # Lightning's default layout keeps them in the logger's version folder:
+    # `lightning_logs/version_N/checkpoints/` (or `checkpoints/` of the folder given).
+    nested = [run_dir / "checkpoints", *sorted(run_dir.glob("lightning_logs/version_*/checkpoints"))]
+    children = [c for d in [run_dir, *nested] if d.is_dir() for c in d.iterdir()]
+    for child in children:
         for _, pattern in STEP_PATTERNS:
             m = pattern.match(child.name)
             if m:

@@ -21,7 +21,7 @@ __all__ = ["read_metrics", "find_metrics", "discover_metrics", "group_lrs", "lr_
 # "lr-AdamW/pg1" (1-based); per-parameter grad norms: OLMo's "optim/grad/<param>.norm",
 # or "grad_norm/<param>".
 _GROUP_LR = (re.compile(r"^optim/LR \(group (\d+)\)$"), re.compile(r"^lr-[^/]+/pg(\d+)$"))
-_PARAM_GRAD = re.compile(r"^(?:optim/grad/|grad_norm/|grad/)(.+?)(?:\.norm)?$")
+_PARAM_GRAD = re.compile(r"^(?:optim/grad/|grad_norm/|grad/|grad_[\d.]+_norm/)(.+?)(?:\.norm)?$")
 
 
 def lr_columns(row: dict[str, float]) -> list[str]:
@@ -68,6 +68,8 @@ def read_metrics(path: Path, keys: dict[str, str] | None = None) -> dict[int, di
     try:
         if path.name.startswith("events.out.tfevents"):
             rows = _tensorboard(path)
+            if _lightning_log(path, {"epoch", "step"}):
+                rows = {s + 1: v for s, v in rows.items()}
         elif _OLMO_METRICS.match(path.name):
             rows = _olmo_metrics(path.parent)
         elif path.suffix == ".csv":
@@ -76,9 +78,10 @@ def read_metrics(path: Path, keys: dict[str, str] | None = None) -> dict[int, di
             # optimizer steps (step_count = iter_num without gradient accumulation).
             litgpt = bool(records) and {"iter", "iter_time", "remaining_time"} <= set(records[0])
             col = "iter" if litgpt else "step"
+            shift = 1 if not litgpt and _lightning_log(path, set(records[0]) if records else set()) else 0
             for r in records:
                 if r.get(col) not in (None, ""):
-                    rows.setdefault(int(float(r[col])), {}).update(
+                    rows.setdefault(int(float(r[col])) + shift, {}).update(
                         {k: float(v) for k, v in r.items() if k and k not in ("step", col) and v not in ("", None) and _is_number(v)}
                     )
         elif path.suffix == ".json":
@@ -114,13 +117,27 @@ def read_metrics(path: Path, keys: dict[str, str] | None = None) -> dict[int, di
 
 # What trainers call the training loss, total grad norm, LR and loss scale: OLMo-core's
 # MetricSaverCallback keys, Megatron-LM's TensorBoard tags, HF Trainer's TensorBoard tags.
+# Lightning's: `train_loss` as its docs' `self.log` examples name it, and the total of
+# `lightning.pytorch.utilities.grad_norm`.
 _ALIASES = {
-    "loss": ("train/CE loss", "lm loss", "train/loss"),
-    "grad_norm": ("optim/total grad norm", "grad-norm", "train/grad_norm"),
+    "loss": ("train/CE loss", "lm loss", "train/loss", "train_loss"),
+    "grad_norm": ("optim/total grad norm", "grad-norm", "train/grad_norm", "grad_2.0_norm_total"),
     "lr": ("learning-rate", "train/learning_rate"),
     "loss_scale": ("loss-scale",),
 }
 _OLMO_METRICS = re.compile(r"^metrics_step(\d+)\.json$")
+
+
+def _lightning_log(path: Path, columns: set[str]) -> bool:
+    """A log Lightning's loggers wrote: an `epoch` and a `step` column (the logger connector
+    adds `epoch` to every row) in a logger's version folder (`hparams.yaml` beside it, or
+    `lightning_logs/version_N`). Lightning logs a training step's metrics under
+    `global_step` before that step's optimizer step counts, so optimizer step s is logged
+    as s - 1 (measured on a CSVLogger run: the first step's loss sits at step 0); its
+    checkpoints count completed steps."""
+    if not {"epoch", "step"} <= columns:
+        return False
+    return (path.parent / "hparams.yaml").is_file() or (path.parent.parent.name == "lightning_logs" and path.parent.name.startswith("version_"))
 
 
 def _olmo_metrics(folder: Path) -> dict[int, dict[str, float]]:
@@ -139,6 +156,8 @@ def find_metrics(run_dir: Path) -> Path | None:
     checkpoint's trainer_state.json (HF), Lightning's and LitGPT's CSVLogger files,
     OLMo-core's metrics_step{N}.json, TensorBoard events. None when there is none."""
     cands = [run_dir / "metrics.jsonl", run_dir / "metrics.csv"]
+    if run_dir.name == "checkpoints":  # Lightning's version_N/checkpoints: the log is beside it
+        cands.append(run_dir.parent / "metrics.csv")
     ckpts = list_checkpoints(run_dir) if run_dir.is_dir() else []
     if ckpts:
         cands.append(Path(ckpts[-1][1]) / "trainer_state.json")

@@ -20,12 +20,15 @@ from ckptforensics.triage import find_metrics, read_metrics, triage
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from fixtures.draws import TUNING, build_draw, draw, log_onset  # noqa: E402
+from bench.zoo import model_spec  # noqa: E402
+from fixtures.draws import GROUP0_LR_ONLY, TUNING, build_draw, draw, log_onset  # noqa: E402
 
-# mid-descent poison (escalated), an LR jump, a plateau poison after a natural grad-norm
-# blip, a per-module LR bug, and three healthy traps: a window inside warmup, grad-norm blips
-# far before the window, fp16 with routine loss-scale backoffs.
-SUBSET = (1002, 1010, 1012, 1013, 1009, 1022, 1015)
+# a Lightning mid-descent poison (escalated; the CSVLogger's log, the default checkpoint
+# layout), an LR jump, a plateau poison after a natural grad-norm blip, a per-module LR bug,
+# the same on FSDP2 (torchrun, DCP, group 0's LR logged only), and three healthy traps: a
+# window inside warmup, grad-norm blips far before the window, fp16 with routine loss-scale
+# backoffs.
+SUBSET = (1002, 1010, 1012, 1013, 1052, 1009, 1022, 1015)
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +41,7 @@ def _replay(run: Path, out: Path) -> dict:
     t = json.loads((run / "truth.json").read_text())
     hint = t["replay"]
     args = ["replay", "--run-dir", str(run), "--before", str(t["before"]), "--after", str(t["after"]), "--batch", str(run / hint["batch"])]
-    args += ["--model", hint["model"]] if hint.get("model") else []  # HF Trainer draws: config.json
+    args += ["--model", model_spec(run, hint["model"])] if hint.get("model") else []  # HF Trainer draws: config.json
     args += ["--precision", hint["precision"]] if hint.get("precision") else []
     r = CliRunner().invoke(cli, [*args, "--out", str(out)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
@@ -64,8 +67,8 @@ def test_drawn_incident_is_named(draws: dict[int, Path], seed: int, tmp_path: Pa
     assert log is not None
     onset = triage(log, run).first_bad_step
     at = t["first_bad_step"]
-    if t["draw"]["trainer"] == "hf" and t["cause"] == "gradient_explosion":
-        # The Trainer logs group 0's LR only: the log shows the fault from its first effect.
+    if t["draw"]["trainer"] in GROUP0_LR_ONLY and t["cause"] == "gradient_explosion":
+        # The trainer logs group 0's LR only: the log shows the fault from its first effect.
         rows = read_metrics(log)
         last = log_onset({s: r["loss"] for s, r in rows.items()}, {s: r["grad_norm"] for s, r in rows.items()}, at)
         assert onset is not None and at <= onset <= (last or at), (onset, at, last)
@@ -88,7 +91,28 @@ def test_a_spike_on_a_falling_loss_is_an_onset(draws: dict[int, Path]) -> None:
     losses = {int(k): v for k, v in t["losses"].items()}
     at = t["first_bad_step"]
     assert losses[at - 1] < 0.8 * losses[max(1, at - 40)]  # still descending
-    assert triage(run / "metrics.jsonl", run).first_bad_step == at
+    log = find_metrics(run)
+    assert log is not None
+    assert triage(log, run).first_bad_step == at
+
+
+def test_lightning_logs_and_checkpoints_are_found_where_lightning_puts_them(draws: dict[int, Path]) -> None:
+    """Draw 1002 is Lightning's default layout: checkpoints in
+    lightning_logs/version_0/checkpoints, the CSVLogger's metrics.csv, which logs optimizer
+    step s under step s - 1; the tool's step s must be the trainer's step s."""
+    from ckptforensics.locate import list_checkpoints
+
+    run = draws[1002]
+    t = json.loads((run / "truth.json").read_text())
+    assert t["draw"]["trainer"] == "lightning"
+    found = dict(list_checkpoints(run))
+    assert {t["before"], t["after"]} <= set(found) and all(p.suffix == ".ckpt" for p in found.values())
+    log = find_metrics(run)
+    assert log is not None and log.name == "metrics.csv"
+    rows = read_metrics(log)
+    for s, loss in t["losses"].items():
+        assert rows[int(s)]["loss"] == pytest.approx(loss, rel=1e-6)
+    assert all("grad_norm" in r for r in rows.values() if "loss" in r)
 
 
 def test_blips_the_loss_ignores_are_not_onsets_on_a_long_quiet_run(tmp_path: Path) -> None:

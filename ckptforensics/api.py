@@ -109,14 +109,16 @@ def diff(
     return Report(*got)
 
 
-def _config(before: Any, after: Any, batch: str | Path, run_dir: Any, **opts: Any) -> Any:
+def _config(before: Any, after: Any, batch: str | Path | None, run_dir: Any, **opts: Any) -> Any:
     from .replay import ReplayConfig
 
     metrics = opts.pop("metrics", None)
+    data = opts.pop("data", None)
     return ReplayConfig(
         before=resolve(before, run_dir),
         after=resolve(after, run_dir) if after is not None else None,
-        batch=str(batch),
+        batch=str(batch) if batch is not None else None,
+        data=str(data) if data is not None else None,
         metrics=Path(metrics) if metrics is not None else None,
         **opts,
     )
@@ -124,8 +126,9 @@ def _config(before: Any, after: Any, batch: str | Path, run_dir: Any, **opts: An
 
 def replay(
     before: str | int | Path,
-    batch: str | Path,
+    batch: str | Path | None = None,
     *,
+    data: str | Path | None = None,
     after: str | int | Path | None = None,
     run_dir: str | Path | None = None,
     model: str | None = None,
@@ -140,18 +143,21 @@ def replay(
 ) -> Report:
     """Replay the window (before, after] from *before* with probes on every module, merged
     with the pair's diff into one verdict. `batch`: a batch log (.h5), batch file or
-    `module:function`; `model`: `module:factory` or None (built from what the run recorded)."""
+    `module:function`, or None with `data` (an HF Trainer run's training data: the batches
+    are rebuilt with the Trainer's sampler); `model`: `module:factory` or None (built from
+    what the run recorded)."""
     from .analysis import run_replay
 
-    cfg = _config(before, after, batch, run_dir, model=model, step=step, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
+    cfg = _config(before, after, batch, run_dir, data=data, model=model, step=step, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
     return Report(*run_replay(cfg, command=command, progress=progress))
 
 
 def bisect(
     before: str | int | Path,
     after: str | int | Path,
-    batch: str | Path,
+    batch: str | Path | None = None,
     *,
+    data: str | Path | None = None,
     run_dir: str | Path | None = None,
     model: str | None = None,
     precision: str = "auto",
@@ -167,17 +173,18 @@ def bisect(
     skip list for the trainer is `report.extra["skip"]`."""
     from .analysis import run_bisect
 
-    cfg = _config(before, after, batch, run_dir, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
+    cfg = _config(before, after, batch, run_dir, data=data, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
     doc, findings, skip = run_bisect(cfg, command=command, progress=progress, tokenizer=Path(tokenizer) if tokenizer else None)
     return Report(doc, findings, {"skip": skip})
 
 
 def whatif(
     before: str | int | Path,
-    batch: str | Path,
+    batch: str | Path | None,
     steps: int,
     tries: Sequence[str],
     *,
+    data: str | Path | None = None,
     run_dir: str | Path | None = None,
     model: str | None = None,
     precision: str = "auto",
@@ -193,7 +200,7 @@ def whatif(
     invasive one that keeps the run on track."""
     from .analysis import run_whatif
 
-    cfg = _config(before, None, batch, run_dir, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
+    cfg = _config(before, None, batch, run_dir, data=data, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
     return Report(*run_whatif(cfg, steps, list(tries), None, command=command, progress=progress))
 
 

@@ -8,7 +8,7 @@ import logging
 import math
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +40,13 @@ def _setup_logging(verbose: int, quiet: bool) -> None:
 
 @contextmanager
 def _errors(ctx: click.Context) -> Iterator[None]:
-    """Library errors -> one line on stderr, exit 2; tracebacks only with --debug."""
+    """Library errors -> one line on stderr, exit 2; tracebacks only with --debug.
+
+    While the work runs, anything a library prints (DeepSpeed's import-time accelerator
+    notice, say) goes to stderr: stdout is the report (`--json`) and nothing else."""
     try:
-        yield
+        with redirect_stdout(sys.stderr):
+            yield
     except ForensicsError as e:
         if ctx.obj.debug:
             raise
@@ -151,7 +155,14 @@ def _replay_options(f: Any) -> Any:
     for opt in reversed(
         [
             click.option("--model", "model", default=None, help="module:factory, path/file.py:factory, or an HF config dir (default: the checkpoint's config.json)."),
-            click.option("--batch", "batch", required=True, help="Batch log (.h5, one batch per step), a batch file or module:function."),
+            click.option("--batch", "batch", default=None, help="Batch log (.h5, one batch per step), a batch file or module:function."),
+            click.option(
+                "--data",
+                "data",
+                default=None,
+                help="Instead of --batch: the run's training data (HF Trainer: a save_to_disk dir, or module:function); "
+                "the batches are rebuilt with the Trainer's own sampler from training_args.bin and checked against the log.",
+            ),
             click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True),
             click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
             click.option("--clip", type=float, default=None, help="Gradient clipping norm (0 = none); default: from the checkpoint, else calibrated."),
@@ -377,6 +388,7 @@ def replay(ctx: click.Context, before: str, after: str | None, run_dir: Path, ou
     Example:
       ckptforensics replay --run-dir runs/7b --before 41950 --after 42000 \\
           --batch runs/7b/batches.h5 --model train.py:build_model --out incident/
+      ckptforensics replay --run-dir runs/hf --before 45 --after 50 --data data/train
     """
     from . import api
     from .locate import resolve_checkpoint

@@ -112,6 +112,11 @@ def whatif(
         if progress is not None:
             progress(m.text)
         outcomes.append(_replay_with(cfg, base_plan, m, auto_rows or {}, band, gband))
+        if len(outcomes) == 1 and base_plan.batches.rebuilt and outcomes[0].losses:
+            from .replay.hfdata import require_rebuilt_match
+
+            first = (outcomes[0].losses[0], outcomes[0].grad_norms[0])
+            require_rebuilt_match(steps[0], first, base_plan.logged.get(steps[0]), base_plan.precision)
     ranked = sorted(((m.rank, i) for i, (o, m) in enumerate(zip(outcomes[1:], tries, strict=True)) if o.on_track and not o.note))
     best = tries[ranked[0][1]].text if ranked and not outcomes[0].on_track else None
     info = {

@@ -77,6 +77,8 @@ def _training_args(ckpt: Checkpoint, f: Path) -> None:
         ckpt.notes.append(f"training_args.bin not read: {e}")
         return
     fields = obj.as_dict() if hasattr(obj, "as_dict") else (obj if isinstance(obj, dict) else {})
+    # Every plain field, for rebuilding the Trainer's dataloader (`replay.hfdata`).
+    ckpt.scalars["training_args"] = {k: _plain_value(v) for k, v in fields.items() if _plain_value(v) is not _NOT_PLAIN}
     tc = {k: fields[k] for k in _TRAINING_ARGS if isinstance(fields.get(k), (int, float, bool))}
     if "max_grad_norm" in tc:
         tc["grad_clip"] = float(tc["max_grad_norm"]) if tc["max_grad_norm"] > 0 else None
@@ -86,6 +88,22 @@ def _training_args(ckpt: Checkpoint, f: Path) -> None:
     elif tc.get("warmup_ratio") and tc.get("max_steps", 0) > 0:
         tc["warmup_iters"] = math.ceil(tc["max_steps"] * tc["warmup_ratio"])
     ckpt.scalars["train_config"] = {**ckpt.scalars.get("train_config", {}), **tc}
+
+
+_NOT_PLAIN = object()
+
+
+def _plain_value(v: Any) -> Any:
+    """A TrainingArguments field as plain data: scalars, strings, lists of them; str enums
+    (pickled as a call with their value, an inert record here) by their value; else _NOT_PLAIN."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)) and all(isinstance(x, (bool, int, float, str)) for x in v):
+        return list(v)
+    args = getattr(v, "_args", None) if not isinstance(v, dict) else None  # an enum: its value
+    if isinstance(args, tuple) and len(args) == 1 and isinstance(args[0], str):
+        return args[0]
+    return _NOT_PLAIN
 
 
 def _json(f: Path) -> dict[str, Any]:

@@ -36,6 +36,8 @@ class BatchSource:
             the token after `t`) rather than HF-style inputs shifted inside the loss.
         micro_batch_size: rows per forward/backward when the step accumulated gradients
             (the `micro_batch_size` attribute), for losses averaged per micro-batch.
+        rebuilt: the batches were rebuilt from the run's data pipeline rather than read
+            from what the run recorded: checked against the log before they are trusted.
     """
 
     describe: str
@@ -47,6 +49,7 @@ class BatchSource:
     sample_ids: dict[int, list[int]] = field(default_factory=dict)
     labels_shifted: bool = False
     micro_batch_size: int | None = None
+    rebuilt: bool = False
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         if self.steps is not None and step not in self.steps:

@@ -44,7 +44,9 @@ class ReplayConfig:
     Attributes:
         before, after: checkpoint paths (after optional: then one step is replayed).
         model: `module:factory`, `path/file.py:factory`, an HF config dir, or None (config.json).
-        batch: batch file, batch log (.h5) or `module:function`.
+        batch: batch file, batch log (.h5) or `module:function`; None with `data`.
+        data: the run's training data (`--data`: an HF `save_to_disk` dir or
+            `module:function`), from which the Trainer's batches are rebuilt.
         step: the step to replay when there is no *after*.
         precision: 'auto' (what the run used), 'fp32', 'bf16' or 'fp16'.
         device: 'cpu' or 'cuda'.
@@ -56,7 +58,8 @@ class ReplayConfig:
     before: Path
     after: Path | None = None
     model: str | None = None
-    batch: str
+    batch: str | None = None
+    data: str | None = None
     step: int | None = None
     precision: str = "auto"
     device: str = "cpu"
@@ -446,7 +449,7 @@ class Plan:
             },
             "optimizer": {"value": "AdamW", "source": "checkpoint optimizer state"},
             "model": {"value": self.model_source or cfg.model or "config.json", "source": _model_source(cfg.model, self.model_source)},
-            "batches": {"value": self.batches.describe, "source": "--batch"},
+            "batches": {"value": self.batches.describe, "source": "--data, rebuilt; the first replayed step's loss and grad norm match the log" if self.batches.rebuilt else "--batch"},
             "metrics": {"value": str(self.metrics_file) if self.metrics_file else None, "source": "discovered" if self.metrics_file and cfg.metrics is None else "--metrics"},
         }
 
@@ -481,7 +484,7 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
             steps = list(range(a.step + 1, b.step + 1))
         else:
             steps = [cfg.step if cfg.step is not None else a.step + 1]
-    batches = open_batches(cfg.batch)
+    batches = _batches(cfg, a)
     for s in steps:
         batches.batch(s)  # fail early on a missing step
     mfile = _metrics_file(cfg)
@@ -505,6 +508,28 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
     return Plan(cfg, a, b, steps, batches, lrs, lsrc, clips, precision, psrc, loss_fn, logged, mfile)
 
 
+def _batches(cfg: ReplayConfig, a: Checkpoint) -> BatchSource:
+    """`--batch` as given, or the batches rebuilt from the run's data (`--data`)."""
+    if cfg.batch is not None:
+        return open_batches(cfg.batch)
+    if cfg.data is None:
+        raise ForensicsError("pass --batch (the batches the run consumed) or --data (the run's training data, HF Trainer runs)")
+    if a.format != "hf-trainer":
+        raise ForensicsError(f"{a.path}: --data rebuilds HF Trainer runs' batches; this is a {a.format} checkpoint: pass --batch")
+    from .hfdata import trainer_batches
+
+    world = len(list(a.path.glob("rng_state_*.pth"))) or 1  # the Trainer saves one RNG state per process
+    return trainer_batches(cfg.data, a.scalars.get("training_args"), a.config, world)
+
+
+def _check_rebuilt(p: Plan, result: ReplayResult) -> None:
+    """Rebuilt batches are trusted only when the first step replays to the logged loss."""
+    from .hfdata import require_rebuilt_match
+
+    first = result.records[0]
+    require_rebuilt_match(first.step, (first.loss, first.grad_norm), p.logged.get(first.step), p.precision)
+
+
 def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, steps: list[int] | None = None) -> ReplayResult:
     """Replay the window from *before* with probes; compare with *after* when given.
 
@@ -524,6 +549,8 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
         clip, csrc = todo.pop(0)
         tried.add(clip)
         result = _run(p, clip, progress)
+        if p.batches.rebuilt:
+            _check_rebuilt(p, result)
         result.config = p.config(clip, csrc)
         result.logged = {s: p.logged[s] for s in p.steps if s in p.logged}
         result.baseline = p.baseline()

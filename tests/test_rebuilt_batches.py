@@ -1,0 +1,69 @@
+"""Replay without a batch log: an HF Trainer run's batches rebuilt from its own data (`--data`)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ckptforensics.cli import cli
+from tests.test_cli import assert_bad_input
+
+pytest.importorskip("datasets")
+
+
+@pytest.fixture(scope="session")
+def hf_data_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from fixtures.hf_data_run import build
+
+    return build(tmp_path_factory.mktemp("hf-data"))
+
+
+def _replay(run: Path, data: Path, *extra: str) -> object:
+    t = json.loads((run / "truth.json").read_text())
+    args = ["replay", "--run-dir", str(run), "--before", str(t["before"]), "--after", str(t["after"]), "--data", str(data), *extra]
+    return CliRunner().invoke(cli, args, catch_exceptions=False)
+
+
+def test_poison_rows_are_found_by_their_dataset_index_without_a_batch_log(hf_data_run: Path, tmp_path: Path) -> None:
+    """No --batch, no --model: the Trainer's sampler (seeded from training_args.bin, epoch 3
+    of a reshuffling sampler, gradient accumulation 2, padded rows) gives back the batch that
+    step consumed, and the culprits are named by their index in the dataset."""
+    t = json.loads((hf_data_run / "truth.json").read_text())
+    r = _replay(hf_data_run, hf_data_run.parent / t["data"], "--out", str(tmp_path / "rep"))
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "rep" / "report.json").read_text())
+    v = doc["verdict"]
+    assert v["causes"][0]["cause"] == "poison_batch" and v["first_bad_step"] == t["first_bad_step"]
+    assert sorted(x["index"] for x in v["anomalous_samples"]) == t["samples"]
+    assert sorted(x["sample_id"] for x in v["anomalous_samples"]) == t["sample_ids"]
+    assert any(str(t["sample_ids"][0]) in a for a in v["recommended_actions"])
+    assert doc["replay"]["config"]["batches"]["source"].startswith("--data, rebuilt")
+    assert v["reproducible"] is True
+
+
+def test_a_dataset_in_another_order_is_refused_in_one_line(hf_data_run: Path, tmp_path: Path) -> None:
+    """The same rows in another order are a different pipeline: the first step's loss is
+    off the log, and nothing is diagnosed from such batches."""
+    import datasets
+
+    t = json.loads((hf_data_run / "truth.json").read_text())
+    ds = datasets.load_from_disk(str(hf_data_run.parent / t["data"]))
+    order = list(range(len(ds)))
+    random.Random(1).shuffle(order)
+    ds.select(order).flatten_indices().save_to_disk(str(tmp_path / "shuffled"))
+    r = _replay(hf_data_run, tmp_path / "shuffled", "--out", str(tmp_path / "rep"))
+    assert_bad_input(r, "the data pipeline differs")
+    assert not (tmp_path / "rep").exists()
+
+
+def test_replay_needs_a_batch_log_or_the_data(hf_data_run: Path, zoo: dict[str, Path]) -> None:
+    t = json.loads((hf_data_run / "truth.json").read_text())
+    r = CliRunner().invoke(cli, ["replay", "--run-dir", str(hf_data_run), "--before", str(t["before"]), "--after", str(t["after"])])
+    assert_bad_input(r, "pass --batch")
+    run = zoo["poison_batch"]  # a nanoGPT-style run: its pipeline is not the Trainer's
+    r = CliRunner().invoke(cli, ["replay", "--run-dir", str(run), "--before", "30", "--after", "35", "--model", "fixtures/tinygpt.py:factory", "--data", str(run)])
+    assert_bad_input(r, "--data rebuilds HF Trainer runs")

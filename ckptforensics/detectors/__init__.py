@@ -1,9 +1,13 @@
-"""Detectors: pure functions from statistics to Findings, each citing its row of
-docs/signatures.md. `diff` reads a checkpoint pair's diff, `replay` a replay of the
-window; the training log's rules live in `triage` (they read rows, not statistics)."""
+"""Detectors: pure functions from evidence to records, each citing its row of
+docs/signatures.md. `diff` reads a checkpoint pair's diff (-> Findings), `replay` a replay
+of the window (-> Findings, in three stages), `log` a training log's rows (-> Onsets)."""
 
 from .base import SEVERITIES, Finding, Thresholds, module_of
 from .diff import DIFF_DETECTORS, diff_findings
+from .log import Onset, TriageConfig, log_onsets
 from .replay import first_steps_from_state, replay_findings, step_z
 
-__all__ = ["Finding", "Thresholds", "SEVERITIES", "module_of", "DIFF_DETECTORS", "diff_findings", "replay_findings", "first_steps_from_state", "step_z"]
+__all__ = [
+    "Finding", "Thresholds", "SEVERITIES", "module_of", "DIFF_DETECTORS", "diff_findings", "replay_findings",
+    "first_steps_from_state", "step_z", "Onset", "TriageConfig", "log_onsets",
+]  # fmt: skip

@@ -67,3 +67,17 @@ def test_replay_needs_a_batch_log_or_the_data(hf_data_run: Path, zoo: dict[str, 
     run = zoo["poison_batch"]  # a nanoGPT-style run: its pipeline is not the Trainer's
     r = CliRunner().invoke(cli, ["replay", "--run-dir", str(run), "--before", "30", "--after", "35", "--model", "fixtures/tinygpt.py:factory", "--data", str(run)])
     assert_bad_input(r, "--data rebuilds HF Trainer runs")
+
+
+def test_triage_suggests_the_commands_this_run_needs(hf_data_run: Path) -> None:
+    """An HF Trainer run without a batch log: the next commands rebuild its batches and take
+    the model from config.json."""
+    from ckptforensics.triage import find_metrics, triage
+
+    t = json.loads((hf_data_run / "truth.json").read_text())
+    log = find_metrics(hf_data_run)
+    assert log is not None
+    res = triage(log, hf_data_run)
+    assert res.first_bad_step == t["first_bad_step"] and res.rollback_step == t["before"]
+    replay_cmd = next(c for c in res.commands if c.startswith("ckptforensics replay"))
+    assert "--data" in replay_cmd and "--model" not in replay_cmd and "--batch" not in replay_cmd

@@ -30,11 +30,11 @@ zoo: venv
 # Drawn incidents (fixtures/draws.py): the tuning split is looked at while developing; the
 # held-out split (60 draws) is only scored, and recorded in bench/RESULTS.md.
 zoo-tuning: venv
-	$(BIN)/python bench/zoo.py --draws tuning
+	$(BIN)/python bench/zoo.py --draws tuning --jobs 2
 
 zoo-heldout: venv
 	rm -rf build/draws/heldout build/draws/heldout-reports
-	$(BIN)/python bench/zoo.py --draws heldout --record
+	$(BIN)/python bench/zoo.py --draws heldout --record --jobs 2
 
 test: venv
 	$(BIN)/ruff check ckptforensics tests fixtures bench

@@ -276,48 +276,58 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def score_draws(split: str, root: Path, seeds: list[int] | None = None) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """Build (if absent) and score the draws of one split: replay as a user would, triage
-    on the run's log. Returns (per-draw rows, aggregate figures)."""
+def score_draw(seed: int, root: Path) -> dict[str, Any]:
+    """One draw, built if absent (or drawn by an older generator), replayed and triaged."""
     sys.path.insert(0, str(ROOT))
     from ckptforensics.triage import find_metrics, triage
-    from fixtures.draws import GROUP0_LR_ONLY, SPLITS, build_draw, draw
+    from fixtures.draws import GROUP0_LR_ONLY, build_draw, draw
 
-    rows = []
-    for seed in seeds or SPLITS[split]:
-        run = root / f"draw-{seed}"
-        built = json.loads((run / "truth.json").read_text())["draw"] if (run / "truth.json").is_file() else None
-        if built is None or built.get("trainer", "own") != draw(seed).trainer:  # absent, or drawn by an older generator
-            shutil.rmtree(run, ignore_errors=True)
-            build_draw(seed, root)
-        truth = json.loads((run / "truth.json").read_text())
-        r = run_incident(run, root.parent / f"{root.name}-reports")
-        log = find_metrics(run)  # HF Trainer draws keep only the Trainer's own trainer_state.json
-        assert log is not None, f"{run}: no training log"
-        tri = triage(log, run)
-        d = truth["draw"]
-        at = truth["first_bad_step"]
-        if d.get("trainer") in GROUP0_LR_ONLY and truth["cause"] == "gradient_explosion":
-            # The trainer logs group 0's LR only: a per-module LR fault shows in the log from
-            # the first step its update moved the loss or grad norm (`draws.log_onset`).
-            from ckptforensics.triage import read_metrics
-            from fixtures.draws import log_onset
+    run = root / f"draw-{seed}"
+    built = json.loads((run / "truth.json").read_text())["draw"] if (run / "truth.json").is_file() else None
+    if built is None or built.get("trainer", "own") != draw(seed).trainer:
+        shutil.rmtree(run, ignore_errors=True)
+        build_draw(seed, root)
+    truth = json.loads((run / "truth.json").read_text())
+    r = run_incident(run, root.parent / f"{root.name}-reports")
+    log = find_metrics(run)  # HF Trainer draws keep only the Trainer's own trainer_state.json
+    assert log is not None, f"{run}: no training log"
+    tri = triage(log, run)
+    d = truth["draw"]
+    at = truth["first_bad_step"]
+    if d.get("trainer") in GROUP0_LR_ONLY and truth["cause"] == "gradient_explosion":
+        # The trainer logs group 0's LR only: a per-module LR fault shows in the log from
+        # the first step its update moved the loss or grad norm (`draws.log_onset`).
+        from ckptforensics.triage import read_metrics
+        from fixtures.draws import log_onset
 
-            rows_ = read_metrics(log)
-            last = log_onset({s: r["loss"] for s, r in rows_.items() if "loss" in r}, {s: r["grad_norm"] for s, r in rows_.items() if "grad_norm" in r}, at)
-            onset_ok = tri.first_bad_step is not None and at <= tri.first_bad_step <= (last or at)
-        else:
-            onset_ok = tri.first_bad_step == at
-        rows.append(
-            {
-                "seed": seed, "cause": truth["cause"], "got": r.cause, "cause_ok": r.cause_ok, "layer_ok": r.layer_ok,
-                "samples": r.samples, "samples_ok": r.samples_ok, "fbs": r.first_bad_step, "fbs_ok": r.first_bad_step_ok,
-                "onset": tri.first_bad_step, "onset_ok": onset_ok,
-                "false_alarm": (bool(r.false_alarm) or tri.first_bad_step is not None) if truth["cause"] == "none" else None,
-                "shape": _shape(d),
-                "trap": d["trap"], "at": truth["first_bad_step"], "seconds": r.seconds,
-            }
-        )  # fmt: skip
+        rows_ = read_metrics(log)
+        last = log_onset({s: r["loss"] for s, r in rows_.items() if "loss" in r}, {s: r["grad_norm"] for s, r in rows_.items() if "grad_norm" in r}, at)
+        onset_ok = tri.first_bad_step is not None and at <= tri.first_bad_step <= (last or at)
+    else:
+        onset_ok = tri.first_bad_step == at
+    return {
+        "seed": seed, "cause": truth["cause"], "got": r.cause, "cause_ok": r.cause_ok, "layer_ok": r.layer_ok,
+        "samples": r.samples, "samples_ok": r.samples_ok, "fbs": r.first_bad_step, "fbs_ok": r.first_bad_step_ok,
+        "onset": tri.first_bad_step, "onset_ok": onset_ok,
+        "false_alarm": (bool(r.false_alarm) or tri.first_bad_step is not None) if truth["cause"] == "none" else None,
+        "shape": _shape(d), "trap": d["trap"], "at": truth["first_bad_step"], "seconds": r.seconds,
+    }  # fmt: skip
+
+
+def score_draws(split: str, root: Path, seeds: list[int] | None = None, jobs: int = 1) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Build (if absent) and score the draws of one split: replay as a user would, triage
+    on the run's log, `jobs` draws at a time. Returns (per-draw rows, aggregate figures)."""
+    sys.path.insert(0, str(ROOT))
+    from fixtures.draws import SPLITS
+
+    todo = list(seeds or SPLITS[split])
+    if jobs > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(jobs) as pool:
+            rows = list(pool.map(score_draw, todo, [root] * len(todo)))
+    else:
+        rows = [score_draw(seed, root) for seed in todo]
 
     def rate(key: str) -> str:
         vals = [x[key] for x in rows if x[key] is not None]
@@ -329,7 +339,7 @@ def score_draws(split: str, root: Path, seeds: list[int] | None = None) -> tuple
         "culprit layer": rate("layer_ok"),
         "culprit rows P,R >= 0.9": rate("samples_ok"),
         "first bad step exact": rate("fbs_ok"),
-        "triage onset (exact; HF module-LR faults: within the log's first sign)": rate("onset_ok"),
+        "triage onset (exact; module-LR faults a log shows only through group 0: within its first sign)": rate("onset_ok"),
         "false alarms on healthy": f"{sum(bool(x['false_alarm']) for x in healthy)}/{len(healthy)}",
     }
     return rows, agg
@@ -364,9 +374,10 @@ def main() -> None:
     ap.add_argument("--draws", choices=("tuning", "heldout"), help="Score the drawn incidents of this split instead of the zoo.")
     ap.add_argument("--draws-dir", type=Path, default=ROOT / "build" / "draws")
     ap.add_argument("--seeds", type=int, nargs="*", help="Only these draws.")
+    ap.add_argument("--jobs", type=int, default=1, help="Draws scored at a time (each replay is one process).")
     args = ap.parse_args()
     if args.draws:
-        rows, agg = score_draws(args.draws, args.draws_dir / args.draws, args.seeds)
+        rows, agg = score_draws(args.draws, args.draws_dir / args.draws, args.seeds, args.jobs)
         text = draws_table(args.draws, rows, agg)
         print(text)
         if args.record and args.draws == "heldout" and not args.seeds:

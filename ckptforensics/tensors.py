@@ -165,12 +165,15 @@ def trend_z(
     floor: float = CURVE_FLOOR,
     window: int = CURVE_WINDOW,
     min_history: int = CURVE_MIN_HISTORY,
+    above_level: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Robust z of each step of a curve against a baseline that follows the run's own trend.
 
     Walking the curve in order, a step is compared with what the Theil-Sen line through
     the last 2 x `CURVE_SHORT` accepted steps predicts for it (`_trend_at`), corrected by
-    the recent predictions' bias; the noise scale is the robust spread of the accepted
+    the recent predictions' bias (with `above_level`, or with the median of the last
+    `CURVE_SHORT` accepted steps where that is higher: how a loss excursion that nothing
+    else confirms is judged); the noise scale is the robust spread of the accepted
     steps' one-step-ahead errors over the last `window`, or over the recent 2 x
     `CURVE_SHORT` where that is larger. A step whose z exceeds `z` does not enter the
     baseline, so a spike cannot hide the next one; a smooth lift (a data-mixture switch)
@@ -201,9 +204,14 @@ def trend_z(
             c = float(np.median(recent))
             spread = max(float(np.median(np.abs(e - np.median(e)))), float(np.median(np.abs(recent - c))))
             scale = max(MAD_TO_SIGMA * spread, floor)
-            zi = (v - pred - c) / scale if math.isfinite(v) else math.inf
+            # With `above_level`, a spike stands above its trend and above where the curve
+            # has just been (the median of its last CURVE_SHORT accepted steps, the level
+            # Megatron's and Lightning's ratio rules judge against). In a steep descent the
+            # line runs below that level: a step between the two may be the descent pausing.
+            base = max(pred + c, float(np.median(acc[-CURVE_SHORT:]))) if above_level else pred + c
+            zi = (v - base) / scale if math.isfinite(v) else math.inf
             if i >= judge_from:
-                out[i], level[i] = zi, 10 ** (pred + c)
+                out[i], level[i] = zi, 10**base
             if zi > z:
                 if math.isfinite(v):
                     pending.append((i, v))
@@ -247,7 +255,13 @@ LOSS_FOLLOW = 16
 
 
 def loss_follows(
-    z_loss: Sequence[float], i: int, z: float = 6.0, follow: int = LOSS_FOLLOW, z_grad: Sequence[float] | None = None, benefit: bool = True
+    z_loss: Sequence[float],
+    i: int,
+    z: float = 6.0,
+    follow: int = LOSS_FOLLOW,
+    z_grad: Sequence[float] | None = None,
+    benefit: bool = True,
+    routine: bool = False,
 ) -> bool:
     """Whether the loss follows a grad-norm spike (or loss-scale backoff) at index i: the loss
     at half the spike z on that step or the next (a poisoned batch's own loss, a bad update's
@@ -255,8 +269,13 @@ def loss_follows(
     while the grad norm stays up (z_grad >= z/2 on every step between: one excursion, not a
     blip followed by an unrelated spike). Where the curve ends before the loss could
     answer, it is given the benefit unless `benefit` is False (signals that are routine
-    by design, a loss-scale backoff)."""
+    by design, a loss-scale backoff). A signal that is `routine` by design (a backoff, an
+    overflow under a loss scaler) needs the loss's own spike (z) on that step or the next:
+    a half-z echo of a plateau's noise is what a routine backoff meets half the time
+    (tuning draw 1242: a 1.11x loss the step after a backoff)."""
     seen = [float(v) for v in z_loss[i : i + follow + 1]]
+    if routine:
+        return any(v > z for v in seen[:2]) or (len(seen) <= 1 and benefit)
     half = z / 2
     if any(v >= half for v in seen[:2]):
         return True

@@ -80,20 +80,22 @@ class LogEvidence:
     loss: Curve
     grad_norm: Curve
     scaled: bool
+    loss_level: Curve | None = None  # the loss judged `above_level` too (tensors.trend_z)
 
 
 LogDetector = Callable[[LogEvidence, TriageConfig], list[Onset]]
 
 
-def _curve(rows: Rows, key: str, cfg: TriageConfig) -> Curve:
+def _curve(rows: Rows, key: str, cfg: TriageConfig, above_level: bool = False) -> Curve:
     steps = [s for s in rows if key in rows[s]]
     vals = [rows[s][key] for s in steps]
-    z, level = trend_z(vals, z=cfg.z, window=cfg.window, min_history=cfg.judge_after)
+    z, level = trend_z(vals, z=cfg.z, window=cfg.window, min_history=cfg.judge_after, above_level=above_level)
     return Curve(key, steps, vals, z, level)
 
 
 def log_evidence(rows: Rows, cfg: TriageConfig) -> LogEvidence:
-    return LogEvidence(rows, _curve(rows, "loss", cfg), _curve(rows, "grad_norm", cfg), any("loss_scale" in r for r in rows.values()))
+    scaled = any("loss_scale" in r for r in rows.values())
+    return LogEvidence(rows, _curve(rows, "loss", cfg), _curve(rows, "grad_norm", cfg), scaled, _curve(rows, "loss", cfg, above_level=True))
 
 
 def _spikes(c: Curve, cfg: TriageConfig) -> list[Onset]:
@@ -109,8 +111,20 @@ def _spikes(c: Curve, cfg: TriageConfig) -> list[Onset]:
 
 
 def loss_spikes(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
-    """The loss leaving its trend."""
-    return _spikes(ev.loss, cfg)
+    """The loss leaving its trend, and, unless the grad norm rises with it (z/2), the level it
+    has just been at too: in a steep descent the trend line runs below the recent level, and
+    a loss between the two with nothing else moving may be the descent pausing (a few rows of
+    a new data source in a small batch do that), not an incident."""
+    out = _spikes(ev.loss, cfg)
+    if ev.loss_level is None:
+        return out
+    above = {s: z for s, z in zip(ev.loss_level.steps, ev.loss_level.z, strict=True)}
+    grad = dict(zip(ev.grad_norm.steps, ev.grad_norm.z, strict=True))
+    return [
+        o
+        for o in out
+        if not math.isfinite(o.value) or o.value >= cfg.loss_factor * o.baseline or above.get(o.step, math.inf) > cfg.z or grad.get(o.step, 0.0) >= cfg.z / 2
+    ]
 
 
 def grad_spikes(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
@@ -204,7 +218,7 @@ def _followed(onset: Onset, ev: LogEvidence, cfg: TriageConfig) -> bool:
     # An overflow under a loss scaler (a backoff, an inf grad norm) is routine by design:
     # at the end of the log it needs the loss to say otherwise.
     routine = onset.signal == "loss_scale" or (onset.signal == "grad_norm" and not math.isfinite(onset.value) and ev.scaled)
-    return loss_follows(ev.loss.z, i, cfg.z, cfg.follow, z_grad, benefit=not routine)
+    return loss_follows(ev.loss.z, i, cfg.z, cfg.follow, z_grad, benefit=not routine, routine=routine)
 
 
 SEED_DETECTORS: tuple[LogDetector, ...] = (grad_spikes, scale_drops)

@@ -24,12 +24,13 @@ from .base import Finding, Thresholds, cap
 
 __all__ = ["ReplayEvidence", "ReplayDetector", "ONSET_DETECTORS", "EXAMINE_DETECTORS", "STATE_DETECTORS", "ONSET_KINDS", "replay_findings", "first_steps_from_state", "step_z"]
 
-def step_z(values: Sequence[float], baseline: Sequence[float] = ()) -> np.ndarray:
+def step_z(values: Sequence[float], baseline: Sequence[float] = (), above_level: bool = False) -> np.ndarray:
     """Robust z of per-step values (log scale) against the run's own trend: the logged
     history before the window leads into the window (`tensors.trend_z`, as triage judges
-    the log); lacking that history, against the window itself. Non-finite = +inf."""
+    the log; `above_level` as there); lacking that history, against the window itself.
+    Non-finite = +inf."""
     if len(baseline) >= CURVE_MIN_HISTORY:
-        return trend_z([*baseline, *values], judge_from=len(baseline))[0][len(baseline) :]
+        return trend_z([*baseline, *values], judge_from=len(baseline), above_level=above_level)[0][len(baseline) :]
     x = log_curve(values)
     return np.where(np.isfinite(x), robust_z(x, floor=CURVE_FLOOR), np.inf)
 
@@ -87,19 +88,30 @@ def _grad_z(rep: Any) -> np.ndarray:
     return step_z([r.grad_norm for r in rep.records], [b["grad_norm"] for b in rep.baseline.values() if "grad_norm" in b])
 
 
+def _went_bad(r: Any, i: int, zl: np.ndarray, zg: np.ndarray, th: Thresholds, above: np.ndarray) -> bool:
+    """A non-finite loss, a loss off its trend (and off its recent level, unless the grad
+    norm rises with it: as triage's `loss_spikes`), or a grad-norm outlier the loss follows
+    (a blip the loss ignores is not a spike, as triage judges the log). Under a loss scaler
+    an overflowing step (inf grad norm, update skipped) is the scaler's routine backoff: it
+    too counts only where the loss follows (docs/signatures.md#skipped-steps)."""
+    if not math.isfinite(r.loss) or (zl[i] > th.z and (above[i] > th.z or zg[i] >= th.z / 2)):
+        return True
+    scaled = bool(r.loss_scale and r.loss_scale > 1)
+    if r.skipped or not math.isfinite(zg[i]):
+        return loss_follows(zl, i, th.z, z_grad=zg, benefit=False, routine=True) if scaled else True
+    return bool(zg[i] > th.z and loss_follows(zl, i, th.z, z_grad=zg))
+
+
 def _spike(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     """The first replayed step whose loss, or grad norm with the loss following, leaves the run's trend."""
     rep = ev.rep
     recs = rep.records
     base = list(rep.baseline.values())
     zg = _grad_z(rep)
-    zl = step_z([r.loss for r in recs], [b["loss"] for b in base if "loss" in b])
-    # A grad-norm outlier the loss ignores is a blip (as triage judges the log), not a spike.
-    bad = [
-        i
-        for i, r in enumerate(recs)
-        if r.skipped or not math.isfinite(r.loss) or zl[i] > th.z or (zg[i] > th.z and (not math.isfinite(zg[i]) or loss_follows(zl, i, th.z, z_grad=zg)))
-    ]
+    losses, history = [r.loss for r in recs], [b["loss"] for b in base if "loss" in b]
+    zl = step_z(losses, history)
+    above = step_z(losses, history, above_level=True)
+    bad = [i for i, r in enumerate(recs) if _went_bad(r, i, zl, zg, th, above)]
     if not bad or (len(recs) <= 1 and len(base) < 5):
         return []
     i = bad[0]
@@ -155,6 +167,18 @@ def _rms_t(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
             )
         ]
     return []
+
+
+def _rms_t_in_context(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
+    """RMS_t above 1 is what StableAdamW clips routinely: evidence only where the window went
+    bad or the second moment is two orders of magnitude stale (primary); on a window with
+    no onset it is reported as context (info; tuning draws 1246, 1260: 6-8x on a LayerNorm
+    weight in healthy runs)."""
+    out = _rms_t(ev, th)
+    if ev.bad or not out or out[0].primary:
+        return out
+    f = out[0]
+    return [Finding(f.id, f.kind, f.subject, f.score, "info", f.metrics, f.message, f.source, (), f.primary)]
 
 
 def first_steps_from_state(dfind: list[Finding], rep: Any) -> list[int]:
@@ -560,4 +584,4 @@ def _reproduction(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
 ONSET_KINDS = ("lr_step_jump", "replay_spike")
 ONSET_DETECTORS: tuple[ReplayDetector, ...] = (_lr_steps, _spike)
 EXAMINE_DETECTORS: tuple[ReplayDetector, ...] = (_localise, _overflow, _samples)
-STATE_DETECTORS: tuple[ReplayDetector, ...] = (_logits, _rms_t, _reproduction)
+STATE_DETECTORS: tuple[ReplayDetector, ...] = (_logits, _rms_t_in_context, _reproduction)

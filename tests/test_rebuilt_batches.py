@@ -81,3 +81,14 @@ def test_triage_suggests_the_commands_this_run_needs(hf_data_run: Path) -> None:
     assert res.first_bad_step == t["first_bad_step"] and res.rollback_step == t["before"]
     replay_cmd = next(c for c in res.commands if c.startswith("ckptforensics replay"))
     assert "--data" in replay_cmd and "--model" not in replay_cmd and "--batch" not in replay_cmd
+
+
+def test_bisect_on_rebuilt_batches_writes_a_skip_list_of_dataset_indices(hf_data_run: Path, tmp_path: Path) -> None:
+    """The skip list a trainer can act on: the step, and the dataset indices to drop."""
+    t = json.loads((hf_data_run / "truth.json").read_text())
+    args = ["bisect", "--run-dir", str(hf_data_run), "--before", str(t["before"]), "--after", str(t["after"])]
+    r = CliRunner().invoke(cli, [*args, "--data", str(hf_data_run.parent / t["data"]), "--out", str(tmp_path / "bis")], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    skip = json.loads((tmp_path / "bis" / "skip.json").read_text())
+    assert skip["steps"] == [t["first_bad_step"]]
+    assert sorted(skip["sample_ids"]) == t["sample_ids"]

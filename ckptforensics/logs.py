@@ -68,7 +68,7 @@ def read_metrics(path: Path, keys: dict[str, str] | None = None) -> dict[int, di
     try:
         if path.name.startswith("events.out.tfevents"):
             rows = _tensorboard(path)
-            if _lightning_log(path, {"epoch", "step"}):
+            if _lightning_log(path):
                 rows = {s + 1: v for s, v in rows.items()}
         elif _OLMO_METRICS.match(path.name):
             rows = _olmo_metrics(path.parent)
@@ -78,7 +78,8 @@ def read_metrics(path: Path, keys: dict[str, str] | None = None) -> dict[int, di
             # optimizer steps (step_count = iter_num without gradient accumulation).
             litgpt = bool(records) and {"iter", "iter_time", "remaining_time"} <= set(records[0])
             col = "iter" if litgpt else "step"
-            shift = 1 if not litgpt and _lightning_log(path, set(records[0]) if records else set()) else 0
+            # Lightning's CSVLogger: an `epoch` column on every row (its logger connector adds it).
+            shift = 1 if not litgpt and records and {"epoch", "step"} <= set(records[0]) and _lightning_log(path) else 0
             for r in records:
                 if r.get(col) not in (None, ""):
                     rows.setdefault(int(float(r[col])) + shift, {}).update(
@@ -128,15 +129,12 @@ _ALIASES = {
 _OLMO_METRICS = re.compile(r"^metrics_step(\d+)\.json$")
 
 
-def _lightning_log(path: Path, columns: set[str]) -> bool:
-    """A log Lightning's loggers wrote: an `epoch` and a `step` column (the logger connector
-    adds `epoch` to every row) in a logger's version folder (`hparams.yaml` beside it, or
+def _lightning_log(path: Path) -> bool:
+    """A log in a Lightning logger's version folder (`hparams.yaml` beside it, or
     `lightning_logs/version_N`). Lightning logs a training step's metrics under
     `global_step` before that step's optimizer step counts, so optimizer step s is logged
     as s - 1 (measured on a CSVLogger run: the first step's loss sits at step 0); its
     checkpoints count completed steps."""
-    if not {"epoch", "step"} <= columns:
-        return False
     return (path.parent / "hparams.yaml").is_file() or (path.parent.parent.name == "lightning_logs" and path.parent.name.startswith("version_"))
 
 

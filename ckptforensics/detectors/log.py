@@ -80,7 +80,7 @@ class LogEvidence:
     loss: Curve
     grad_norm: Curve
     scaled: bool
-    loss_level: Curve | None = None  # the loss judged `above_level` too (tensors.trend_z)
+    loss_level: Curve  # the loss judged `above_level` too (tensors.trend_z)
 
 
 LogDetector = Callable[[LogEvidence, TriageConfig], list[Onset]]
@@ -116,8 +116,6 @@ def loss_spikes(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     a loss between the two with nothing else moving may be the descent pausing (a few rows of
     a new data source in a small batch do that), not an incident."""
     out = _spikes(ev.loss, cfg)
-    if ev.loss_level is None:
-        return out
     above = {s: z for s, z in zip(ev.loss_level.steps, ev.loss_level.z, strict=True)}
     grad = dict(zip(ev.grad_norm.steps, ev.grad_norm.z, strict=True))
     return [

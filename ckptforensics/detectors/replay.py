@@ -138,7 +138,9 @@ def _rms_t(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     parameters means its updates turn sign-like and lr-sized (StableAdamW). Embeddings
     are left out: their gradients are row-sparse, so rows idle for a while always have a
     stale v (SPAM's observation), which is normal for them. Past 100 it is the step's
-    onset (a second moment two orders of magnitude stale)."""
+    onset (a second moment two orders of magnitude stale). Below that, RMS_t > 1 is what
+    StableAdamW clips routinely: evidence where the window went bad, context (info) on a
+    window with no onset (tuning draws 1246, 1260: 6-8x on a LayerNorm weight in healthy runs)."""
     for r in ev.rep.records:
         names = [n for n in r.param_rms_t if tensor_role(n, (2, 2)) != "embedding" and r.param_rms_t[n] > 0]
         if len(names) < 4:
@@ -151,34 +153,23 @@ def _rms_t(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
         i = int(hits[0])
         name, v = names[i], float(vals[i])
         spikes = r.param_spikes.get(name, 0)
+        evidence = ev.bad or v > 100
         return [
             Finding(
                 "",
                 "rms_t",
                 name,
                 cap(float(z[i]) / th.z),
-                "warning",
+                "warning" if evidence else "info",
                 {"step": r.step, "rms_t": v, "robust_z": float(z[i]), "spam_spikes": spikes, "flagged": [names[int(j)] for j in hits[:8]]},
                 f"step {r.step}: {name}'s gradient is {v:.3g}x what Adam's second moment expects (RMS_t; robust z {float(z[i]):.1f} "
                 f"among the step's parameters){f', {spikes} elements with g^2 > 5000 v' if spikes else ''}: its updates go sign-like",
                 "docs/signatures.md#rms-t (StableAdamW 2304.13013), per-element spike (SPAM 2501.06842)",
-                ("adam_instability", "gradient_explosion"),
+                ("adam_instability", "gradient_explosion") if evidence else (),
                 primary=v > 100,
             )
         ]
     return []
-
-
-def _rms_t_in_context(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
-    """RMS_t above 1 is what StableAdamW clips routinely: evidence only where the window went
-    bad or the second moment is two orders of magnitude stale (primary); on a window with
-    no onset it is reported as context (info; tuning draws 1246, 1260: 6-8x on a LayerNorm
-    weight in healthy runs)."""
-    out = _rms_t(ev, th)
-    if ev.bad or not out or out[0].primary:
-        return out
-    f = out[0]
-    return [Finding(f.id, f.kind, f.subject, f.score, "info", f.metrics, f.message, f.source, (), f.primary)]
 
 
 def first_steps_from_state(dfind: list[Finding], rep: Any) -> list[int]:
@@ -584,4 +575,4 @@ def _reproduction(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
 ONSET_KINDS = ("lr_step_jump", "replay_spike")
 ONSET_DETECTORS: tuple[ReplayDetector, ...] = (_lr_steps, _spike)
 EXAMINE_DETECTORS: tuple[ReplayDetector, ...] = (_localise, _overflow, _samples)
-STATE_DETECTORS: tuple[ReplayDetector, ...] = (_logits, _rms_t_in_context, _reproduction)
+STATE_DETECTORS: tuple[ReplayDetector, ...] = (_logits, _rms_t, _reproduction)

@@ -78,7 +78,8 @@ def _training_args(ckpt: Checkpoint, f: Path) -> None:
         return
     fields = obj.as_dict() if hasattr(obj, "as_dict") else (obj if isinstance(obj, dict) else {})
     # Every plain field, for rebuilding the Trainer's dataloader (`replay.hfdata`).
-    ckpt.scalars["training_args"] = {k: _plain_value(v) for k, v in fields.items() if _plain_value(v) is not _NOT_PLAIN}
+    plain = {k: _plain_value(v) for k, v in fields.items()}
+    ckpt.scalars["training_args"] = {k: v for k, v in plain.items() if v is not _NOT_PLAIN}
     tc = {k: fields[k] for k in _TRAINING_ARGS if isinstance(fields.get(k), (int, float, bool))}
     if "max_grad_norm" in tc:
         tc["grad_clip"] = float(tc["max_grad_norm"]) if tc["max_grad_norm"] > 0 else None

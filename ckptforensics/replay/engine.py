@@ -549,7 +549,7 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
         clip, csrc = todo.pop(0)
         tried.add(clip)
         result = _run(p, clip, progress)
-        if p.batches.rebuilt:
+        if p.batches.rebuilt and best is None:  # the first step does not depend on the clip
             _check_rebuilt(p, result)
         result.config = p.config(clip, csrc)
         result.logged = {s: p.logged[s] for s in p.steps if s in p.logged}

@@ -35,6 +35,8 @@ def zero_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 def test_unflattened_moments_match_zero0(zero_runs: dict[int, Path], stage: int) -> None:
     ref, got = open_checkpoint(zero_runs[0] / "global_step3"), open_checkpoint(zero_runs[stage])  # via `latest`
     assert got.format == "deepspeed" and got.scalars["zero_stage"] == stage and got.step == 3
+    # ZeRO pickles a static loss scaler of 1.0 into fp32 runs too: that is no fp16 run.
+    assert "loss_scale" not in got.scalars and not {"fp16", "bf16"} & set(got.scalars["train_config"])
     assert set(got.names()) == set(ref.names())
     for n in ref.names():
         torch.testing.assert_close(got.tensor(n).float(), ref.tensor(n).float(), rtol=1e-4, atol=1e-5)

@@ -216,7 +216,8 @@ def _followed(onset: Onset, ev: LogEvidence, cfg: TriageConfig) -> bool:
     # An overflow under a loss scaler (a backoff, an inf grad norm) is routine by design:
     # at the end of the log it needs the loss to say otherwise.
     routine = onset.signal == "loss_scale" or (onset.signal == "grad_norm" and not math.isfinite(onset.value) and ev.scaled)
-    return loss_follows(ev.loss.z, i, cfg.z, cfg.follow, z_grad, benefit=not routine, routine=routine)
+    level = ev.loss_level.z if ev.loss_level.steps == steps else None
+    return loss_follows(ev.loss.z, i, cfg.z, cfg.follow, z_grad, benefit=not routine, routine=routine, z_level=level)
 
 
 SEED_DETECTORS: tuple[LogDetector, ...] = (grad_spikes, scale_drops)

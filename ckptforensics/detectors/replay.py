@@ -99,7 +99,7 @@ def _went_bad(r: Any, i: int, zl: np.ndarray, zg: np.ndarray, th: Thresholds, ab
     scaled = bool(r.loss_scale and r.loss_scale > 1)
     if r.skipped or not math.isfinite(zg[i]):
         return loss_follows(zl, i, th.z, z_grad=zg, benefit=False, routine=True) if scaled else True
-    return bool(zg[i] > th.z and loss_follows(zl, i, th.z, z_grad=zg))
+    return bool(zg[i] > th.z and loss_follows(zl, i, th.z, z_grad=zg, z_level=above))
 
 
 def _spike(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:

@@ -67,12 +67,16 @@ def open_deepspeed(path: Path) -> Checkpoint:
     ckpt.scalars["dp_world_size"] = int(ms.get("dp_world_size", len(ranks) or 1))
     cfg = ms.get("ds_config")
     if isinstance(cfg, dict):
-        ckpt.scalars["train_config"] = {"grad_clip": cfg.get("gradient_clipping"), **{k: v for k, v in to_plain(cfg).items() if not isinstance(v, dict)}}
+        plain = to_plain(cfg)
+        ckpt.scalars["train_config"] = {
+            "grad_clip": cfg.get("gradient_clipping"),
+            **{k: v for k, v in plain.items() if not isinstance(v, dict)},
+            **{k: True for k in ("fp16", "bf16") if _enabled(plain, k)},  # what the replay's precision reads
+        }
     if optim:
-        ls = optim[0]["optimizer_state_dict"].get("loss_scaler")
-        scale = ls.get("cur_scale") if hasattr(ls, "get") else None
+        scale = _loss_scale(optim[0]["optimizer_state_dict"].get("loss_scaler"), cfg)
         if scale is not None:
-            ckpt.scalars["loss_scale"] = float(scale)
+            ckpt.scalars["loss_scale"] = scale
         ckpt.optimizer = _partitioned(optim, shapes, stage, str(tag))
     elif isinstance(ms.get("optimizer"), dict):
         if shapes:
@@ -82,6 +86,24 @@ def open_deepspeed(path: Path) -> Checkpoint:
     else:
         ckpt.notes.append("no DeepSpeed optimizer state: weights only")
     return ckpt
+
+
+def _enabled(cfg: Any, section: str) -> bool:
+    sec = cfg.get(section) if isinstance(cfg, dict) else None
+    return isinstance(sec, dict) and bool(sec.get("enabled"))
+
+
+def _loss_scale(ls: Any, cfg: Any) -> float | None:
+    """The fp16 loss scale, where the run had one. ZeRO's optimizer always pickles a
+    `loss_scaler`: an fp32 or bf16 run's is static at 1.0 (deepspeed 0.19.8, ZeRO 1-3 on
+    fp32), so the scaler counts only where `ds_config` enables fp16 or, lacking a
+    ds_config, where it is dynamic or its scale is not 1."""
+    scale = ls.get("cur_scale") if hasattr(ls, "get") else None
+    if scale is None:
+        return None
+    if isinstance(cfg, dict):
+        return float(scale) if _enabled(cfg, "fp16") else None
+    return float(scale) if ls.get("dynamic") or float(scale) != 1.0 else None
 
 
 def _stage(optim: list[dict[str, Any]]) -> int:

@@ -11,6 +11,9 @@ The library API is `ckptforensics.api` (the commands as functions, each returnin
 The functions live in `api`, not at the package's top level, because `diff`, `replay`,
 `bisect`, `whatif` and `triage` are also the package's submodules: importing one would
 replace a top-level function of the same name.
+
+The training side is `ckptforensics.record` (`Recorder`: the flight recorder a loop
+attaches so that the next incident is replayable).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_LAZY = {"api": None, "Report": "api", "open_checkpoint": "formats", "open_pair": "formats"}
+_LAZY = {"api": None, "Report": "api", "open_checkpoint": "formats", "open_pair": "formats", "record": None, "Recorder": "record"}
 
 __all__ = ["__version__", *_LAZY]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -185,17 +185,49 @@ def trend_z(
     Returns:
         (z per step, the baseline level per step in the curve's units; NaN where unjudged).
     """
+    tb = TrendBaseline(z=z, floor=floor, window=window, min_history=min_history, above_level=above_level)
     lv = log_curve(values)
     out = np.zeros(lv.size)
     level = np.full(lv.size, np.nan)
-    acc: list[float] = []  # accepted values (log10) ...
-    at: list[int] = []  # ... and their positions
-    err: list[float] = []  # one-step-ahead errors of the accepted steps
-    pending: list[tuple[int, float]] = []  # consecutive rejected (position, value)
     for i, v in enumerate(lv):
-        if len(acc) >= min_history:
+        zi, base = tb.push_log(float(v))
+        if i >= judge_from:
+            out[i], level[i] = zi, base
+    return out, level
+
+
+@dataclass
+class TrendBaseline:
+    """`trend_z`'s walk, one step at a time: what an online monitor pushes each step into
+    (record.SpikeMonitor), so that it judges a step exactly as `triage` will later judge
+    the log. Keeps only the tails the rule reads (bounded memory on a year-long run)."""
+
+    z: float = 6.0
+    floor: float = CURVE_FLOOR
+    window: int = CURVE_WINDOW
+    min_history: int = CURVE_MIN_HISTORY
+    above_level: bool = False
+    _i: int = 0
+    _n_acc: int = 0  # accepted steps so far (acc keeps only the last 2 x CURVE_SHORT)
+    _acc: list[float] = field(default_factory=list)  # accepted values (log10) ...
+    _at: list[int] = field(default_factory=list)  # ... and their positions
+    _err: list[float] = field(default_factory=list)  # one-step-ahead errors of the accepted steps
+    _pending: list[tuple[int, float]] = field(default_factory=list)  # consecutive rejected (position, value)
+
+    def push(self, value: float) -> tuple[float, float]:
+        """Judge the next step's value: (robust z, baseline level in the curve's units);
+        (0, NaN) while unjudged, (+inf, ...) for a non-finite value."""
+        v = float(log_curve([value])[0])
+        z, base = self.push_log(v)
+        return z, base
+
+    def push_log(self, v: float) -> tuple[float, float]:
+        i = self._i
+        self._i += 1
+        acc, at, err, pending = self._acc, self._at, self._err, self._pending
+        if self._n_acc >= self.min_history:
             pred = _trend_at(at[-2 * CURVE_SHORT :], acc[-2 * CURVE_SHORT :], i)
-            e = np.asarray(err[-window:]) if len(err) >= 3 else np.zeros(1)
+            e = np.asarray(err[-self.window :]) if len(err) >= 3 else np.zeros(1)
             # Bias of the recent predictions (a descent that slows runs above the line),
             # and the noise: the errors' robust spread around their own centre, over the
             # window or over the recent 2 x CURVE_SHORT steps where that is larger (noise
@@ -203,41 +235,47 @@ def trend_z(
             recent = e[-2 * CURVE_SHORT :]
             c = float(np.median(recent))
             spread = max(float(np.median(np.abs(e - np.median(e)))), float(np.median(np.abs(recent - c))))
-            scale = max(MAD_TO_SIGMA * spread, floor)
+            scale = max(MAD_TO_SIGMA * spread, self.floor)
             # With `above_level`, a spike stands above its trend and above where the curve
             # has just been (the median of its last CURVE_SHORT accepted steps, the level
             # Megatron's and Lightning's ratio rules judge against). In a steep descent the
             # line runs below that level: a step between the two may be the descent pausing.
-            base = max(pred + c, float(np.median(acc[-CURVE_SHORT:]))) if above_level else pred + c
+            base = max(pred + c, float(np.median(acc[-CURVE_SHORT:]))) if self.above_level else pred + c
             zi = (v - base) / scale if math.isfinite(v) else math.inf
-            if i >= judge_from:
-                out[i], level[i] = zi, 10**base
-            if zi > z:
+            if zi > self.z:
                 if math.isfinite(v):
                     pending.append((i, v))
                 if len(pending) >= CURVE_SHORT:
                     # A level the curve holds for CURVE_SHORT steps is its new level (a phase
                     # of training, a data switch): re-anchor, having flagged its start.
-                    at.extend(p[0] for p in pending)
-                    acc.extend(p[1] for p in pending)
-                    err.extend(0.0 for _ in pending)
+                    for p in pending:
+                        self._accept(p[0], p[1], 0.0)
                     pending.clear()
-                continue
+                return zi, 10**base
             pending.clear()
-            err.append(v - pred)
-        elif not math.isfinite(v):
-            if i >= judge_from:
-                out[i] = math.inf
-            continue
-        elif len(acc) >= 3:
-            # The unjudged history's one-step-ahead errors enter the noise too: judged
-            # from the first few errors alone, a window that opens just after
-            # `min_history` rests on a spread of 3-4 numbers, which chance makes tiny
-            # (tuning draws 1112, 1238: 1.2x grad-norm wiggles at robust z 7).
-            err.append(v - _trend_at(at[-2 * CURVE_SHORT :], acc[-2 * CURVE_SHORT :], i))
-        at.append(i)
-        acc.append(v)
-    return out, level
+            self._accept(i, v, v - pred)
+            return zi, 10**base
+        if not math.isfinite(v):
+            return math.inf, math.nan
+        # The unjudged history's one-step-ahead errors enter the noise too: judged from the
+        # first few errors alone, a window that opens just after `min_history` rests on a
+        # spread of 3-4 numbers, which chance makes tiny (tuning draws 1112, 1238: 1.2x
+        # grad-norm wiggles at robust z 7).
+        e_i = v - _trend_at(at[-2 * CURVE_SHORT :], acc[-2 * CURVE_SHORT :], i) if self._n_acc >= 3 else None
+        self._accept(i, v, e_i)
+        return 0.0, math.nan
+
+    def _accept(self, i: int, v: float, e: float | None) -> None:
+        self._at.append(i)
+        self._acc.append(v)
+        self._n_acc += 1
+        if e is not None:
+            self._err.append(e)
+        keep = 2 * CURVE_SHORT
+        if len(self._acc) > 4 * keep:  # trim in batches: the rule reads the last 2 x CURVE_SHORT
+            del self._acc[:-keep], self._at[:-keep]
+        if len(self._err) > 2 * self.window:
+            del self._err[: -self.window]
 
 
 def _trend_at(xs: list[int], ys: list[float], x: int) -> float:

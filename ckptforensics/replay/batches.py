@@ -67,6 +67,8 @@ class BatchSource:
 def open_batches(spec: str) -> BatchSource:
     """`--batch SPEC`: a .h5 batch log, a .pt/.safetensors/.npz/.h5 batch, or module:function."""
     path = Path(spec)
+    if path.is_dir():
+        return _recorder_dir(path)
     if path.is_file():
         if path.suffix in (".h5", ".hdf5"):
             return _h5(path)
@@ -99,13 +101,23 @@ def _single(path: Path) -> BatchSource:
     return BatchSource(describe=str(path), get=lambda s: batch)
 
 
-def _h5(path: Path) -> BatchSource:
+def _open_h5(path: Path) -> object:
+    """Open an HDF5 batch log; a flight-recorder segment whose writer was killed is still
+    marked open for writing, which a plain open refuses: it is read in SWMR mode, whose
+    file is consistent up to its last flush (record/segments.py)."""
     import h5py
 
     try:
-        h = h5py.File(path, "r")
+        return h5py.File(path, "r")
     except OSError as e:
-        raise BatchError(f"{path}: not a readable HDF5 file ({e})") from None
+        try:
+            return h5py.File(path, "r", swmr=True)
+        except OSError:
+            raise BatchError(f"{path}: not a readable HDF5 file ({e})") from None
+
+
+def _h5(path: Path) -> BatchSource:
+    h = _open_h5(path)
     if "input_ids" not in h:
         raise BatchError(f"{path}: HDF5 without /input_ids")
     try:
@@ -118,14 +130,20 @@ def _h5(path: Path) -> BatchSource:
         batch = {k: torch.from_numpy(np.asarray(h[k])) for k in _KEYS if k in h}
         return BatchSource(describe=str(path), get=lambda s: batch)
     steps = [int(s) for s in np.asarray(h["step"])]
+    recorded = "recorder" in h.attrs  # a flight-recorder segment: /step is flushed last
+    if recorded:
+        steps = steps[: min(h[k].shape[0] for k in (*_KEYS, "sample_id", "rows", "seq_len") if k in h)]
     if ids.ndim != 3 or ids.shape[0] != len(steps):
         raise BatchError(f"{path}: /input_ids must be [S, B, T] with S = len(/step)")
     row = {s: i for i, s in enumerate(steps)}
+    # Steps narrower or smaller than the segment's widest: /rows and /seq_len say how much is theirs.
+    shape = {s: (int(h["rows"][i]), int(h["seq_len"][i])) for s, i in row.items()} if "rows" in h and "seq_len" in h else {}
 
     def get(step: int) -> dict[str, torch.Tensor]:
         i = row[step]
+        b, t = shape.get(step, (None, None))
         try:
-            return {k: torch.from_numpy(np.asarray(h[k][i])) for k in _KEYS if k in h}
+            return {k: torch.from_numpy(np.asarray(h[k][i][:b, :t])) for k in _KEYS if k in h}
         except (OSError, ValueError, TypeError, IndexError, KeyError) as e:
             raise BatchError(f"{path}: batch of step {step} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
 
@@ -135,10 +153,10 @@ def _h5(path: Path) -> BatchSource:
         src.lr = {s: [float(x) for x in np.atleast_1d(lr[i])] for s, i in row.items()}
     if "loss_scale" in h:
         ls = np.asarray(h["loss_scale"], dtype=np.float64)
-        src.loss_scale = {s: float(ls[i]) for s, i in row.items()}
+        src.loss_scale = {s: float(ls[i]) for s, i in row.items() if math.isfinite(ls[i])}  # NaN: no scaler that step
     if "sample_id" in h:
         sid = np.asarray(h["sample_id"])
-        src.sample_ids = {s: [int(x) for x in sid[i]] for s, i in row.items()}
+        src.sample_ids = {s: [int(x) for x in sid[i][: shape.get(s, (None, None))[0]]] for s, i in row.items()}
     src.labels_shifted = bool(h.attrs.get("labels_shifted", False))
     mbs = h.attrs.get("micro_batch_size")
     src.micro_batch_size = int(mbs) if mbs is not None and int(mbs) > 0 else None
@@ -146,3 +164,51 @@ def _h5(path: Path) -> BatchSource:
     if clip is not None and math.isfinite(float(clip)):
         src.grad_clip = float(clip)
     return src
+
+
+def _recorder_dir(root: Path) -> BatchSource:
+    """A flight recorder's directory (ckptforensics.record): its segments, one per checkpoint
+    interval and rank, merged. A step's global batch is the ranks' rows in rank order (the
+    contiguous split of DDP's and FSDP's samplers); a step is there when every rank has it."""
+    from ..record.segments import list_segments
+
+    segs = list_segments(root)
+    if not segs:
+        raise BatchError(f"{root}: a directory without flight-recorder segments (segment-*-rank*.h5)")
+    ranks = sorted({r for _, r, _ in segs})
+    per_rank: dict[int, list[BatchSource]] = {r: [_h5(p) for _, rr, p in segs if rr == r] for r in ranks}
+    owner: dict[int, dict[int, BatchSource]] = {r: {s: src for src in srcs for s in src.steps or []} for r, srcs in per_rank.items()}
+    steps = sorted(set.intersection(*(set(o) for o in owner.values())))
+
+    def get(step: int) -> dict[str, torch.Tensor]:
+        parts = [owner[r][step].get(step) for r in ranks]
+        if len(parts) == 1:
+            return parts[0]
+        width = max(p["input_ids"].shape[1] for p in parts)
+        return {k: torch.cat([_pad_to(p[k], width, k) for p in parts]) for k in parts[0] if all(k in p for p in parts)}
+
+    first = per_rank[ranks[0]][0]
+    src = BatchSource(describe=f"{root} (flight recorder, {len(ranks)} rank{'s' if len(ranks) > 1 else ''})", get=get, steps=steps)
+    for s in steps:
+        lead = owner[ranks[0]][s]
+        if s in lead.lr:
+            src.lr[s] = lead.lr[s]
+        if s in lead.loss_scale:
+            src.loss_scale[s] = lead.loss_scale[s]
+        ids = [owner[r][s].sample_ids.get(s) for r in ranks]
+        if all(x is not None for x in ids):
+            src.sample_ids[s] = [i for x in ids for i in x]  # type: ignore[union-attr]
+    src.grad_clip, src.labels_shifted = first.grad_clip, first.labels_shifted
+    src.micro_batch_size = first.micro_batch_size
+    return src
+
+
+_FILL = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+
+
+def _pad_to(x: torch.Tensor, width: int, key: str) -> torch.Tensor:
+    if x.shape[-1] == width:
+        return x
+    out = torch.full((*x.shape[:-1], width), _FILL.get(key, 0), dtype=x.dtype)
+    out[..., : x.shape[-1]] = x
+    return out

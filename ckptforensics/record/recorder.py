@@ -357,7 +357,7 @@ def _param_stats(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
             continue
         g = hyper[id(p)]
         b1, b2 = g.get("betas", (0.9, 0.999))
-        t = st["step"] if "step" in st else 1.0  # torch keeps it a tensor: no host read
+        t = st.get("step", 1.0)  # torch keeps it a tensor: no host read
         t = _local(t).float() if isinstance(t, torch.Tensor) else t
         v_hat = _local(st["exp_avg_sq"]).float() / (1 - b2**t)
         m_hat = _local(st["exp_avg"]).float() / (1 - b1**t)

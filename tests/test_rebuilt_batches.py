@@ -92,3 +92,22 @@ def test_bisect_on_rebuilt_batches_writes_a_skip_list_of_dataset_indices(hf_data
     skip = json.loads((tmp_path / "bis" / "skip.json").read_text())
     assert skip["steps"] == [t["first_bad_step"]]
     assert sorted(skip["sample_ids"]) == t["sample_ids"]
+
+
+def test_the_recorder_callback_keeps_what_the_trainer_fed(hf_data_run: Path, tmp_path: Path) -> None:
+    """The run's flight recorder (record.hf.hf_callback) replays the incident with no --data:
+    the same verdict and rows as the batches rebuilt from the dataset."""
+    t = json.loads((hf_data_run / "truth.json").read_text())
+    args = ["replay", "--run-dir", str(hf_data_run), "--before", str(t["before"]), "--after", str(t["after"]), "--batch", str(hf_data_run / "flight")]
+    r = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "rec")], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "rec" / "report.json").read_text())
+    v = doc["verdict"]
+    assert v["causes"][0]["cause"] == t["cause"] and v["first_bad_step"] == t["first_bad_step"]
+    assert sorted(s["index"] for s in v["anomalous_samples"]) == t["samples"]
+    assert v["reproducible"] is True
+    assert doc["replay"]["config"]["clip"]["value"] == 1.0
+    rows = [json.loads(x) for x in (hf_data_run / "flight" / "metrics.jsonl").read_text().splitlines()]
+    log = {int(e["step"]): e["loss"] for e in json.loads((hf_data_run / f"checkpoint-{t['after']}" / "trainer_state.json").read_text())["log_history"] if "loss" in e}
+    for row in rows:  # the step's loss as the Trainer logged it (num_items_in_batch: the micro-batches' sum)
+        assert row["loss"] == pytest.approx(log[row["step"]], rel=1e-4)

@@ -37,10 +37,10 @@ def draws(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     return {seed: build_draw(seed, root) for seed in SUBSET}
 
 
-def _replay(run: Path, out: Path) -> dict:
+def _replay(run: Path, out: Path, batch: str | None = None) -> dict:
     t = json.loads((run / "truth.json").read_text())
     hint = t["replay"]
-    args = ["replay", "--run-dir", str(run), "--before", str(t["before"]), "--after", str(t["after"]), "--batch", str(run / hint["batch"])]
+    args = ["replay", "--run-dir", str(run), "--before", str(t["before"]), "--after", str(t["after"]), "--batch", str(run / (batch or hint["batch"]))]
     args += ["--model", model_spec(run, hint["model"])] if hint.get("model") else []  # HF Trainer draws: config.json
     args += ["--precision", hint["precision"]] if hint.get("precision") else []
     r = CliRunner().invoke(cli, [*args, "--out", str(out)], catch_exceptions=False)
@@ -143,3 +143,18 @@ def test_blips_the_loss_ignores_are_not_onsets_on_a_long_quiet_run(tmp_path: Pat
     assert res.rollback_step == 1000
     assert {o.step for o in res.ignored} >= {578, 640}
     assert all(math.isfinite(o.value) for o in res.ignored)
+
+
+@pytest.mark.parametrize("seed", [1002, 1052])
+def test_the_flight_recorder_replays_as_the_batch_log_does(draws: dict[int, Path], seed: int, tmp_path: Path) -> None:
+    """Draw 1002 carries the recorder's Lightning callback, 1052 the plain-loop calls on
+    each of its two FSDP2 ranks: the recorder's segments (two ranks' rows merged into the
+    global batch) give the verdict the run's own batch log gives."""
+    run = draws[seed]
+    ref, got = _replay(run, tmp_path / "ref"), _replay(run, tmp_path / "rec", batch="flight")
+    for k in ("first_bad_step", "reproducible", "first_anomalous_module"):
+        assert got["verdict"][k] == ref["verdict"][k], k
+    assert got["verdict"]["causes"][0]["cause"] == ref["verdict"]["causes"][0]["cause"]
+    assert [s["index"] for s in got["verdict"]["anomalous_samples"]] == [s["index"] for s in ref["verdict"]["anomalous_samples"]]
+    assert got["replay"]["config"]["lr"]["source"] == "batch log /lr"
+    assert "flight recorder" in got["replay"]["config"]["batches"]["value"]

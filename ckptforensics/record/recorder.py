@@ -149,14 +149,16 @@ class Recorder:
         scaler: Any = None,
         skipped: bool | None = None,
         model: torch.nn.Module | None = None,
+        lr: list[float] | None = None,
     ) -> Spike | None:
         """After `optimizer.step()` (and `scaler.update()`), before `scheduler.step()`:
-        writes the step. Every device value of the step is read in one host transfer."""
+        writes the step. Every device value of the step is read in one host transfer.
+        `lr` gives the step's LRs where the scheduler has already moved the optimizer's."""
         p = self._pending
         self._pending = _Pending()
         if not self._records(step):
             return None
-        lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        lrs = list(lr) if lr is not None else [float(g["lr"]) for g in optimizer.param_groups]
         vals: list[torch.Tensor] = []
         vals.append(_scalar(loss))
         total = grad_norm

@@ -158,3 +158,7 @@ def test_the_flight_recorder_replays_as_the_batch_log_does(draws: dict[int, Path
     assert [s["index"] for s in got["verdict"]["anomalous_samples"]] == [s["index"] for s in ref["verdict"]["anomalous_samples"]]
     assert got["replay"]["config"]["lr"]["source"] == "batch log /lr"
     assert "flight recorder" in got["replay"]["config"]["batches"]["value"]
+    # triage on the recorder's log puts the onset where triage on the run's own log does.
+    log = find_metrics(run)
+    assert log is not None
+    assert triage(run / "flight" / "metrics.jsonl", run).first_bad_step == triage(log, run).first_bad_step

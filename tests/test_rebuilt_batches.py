@@ -111,3 +111,6 @@ def test_the_recorder_callback_keeps_what_the_trainer_fed(hf_data_run: Path, tmp
     log = {int(e["step"]): e["loss"] for e in json.loads((hf_data_run / f"checkpoint-{t['after']}" / "trainer_state.json").read_text())["log_history"] if "loss" in e}
     for row in rows:  # the step's loss as the Trainer logged it (num_items_in_batch: the micro-batches' sum)
         assert row["loss"] == pytest.approx(log[row["step"]], rel=1e-4)
+    from ckptforensics.triage import triage
+
+    assert triage(hf_data_run / "flight" / "metrics.jsonl", hf_data_run).first_bad_step == t["first_bad_step"]

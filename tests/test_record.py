@@ -66,6 +66,22 @@ def test_a_recorded_incident_replays_as_the_zoo_log_does(recorded: Path, tmp_pat
     assert row["step"] == 10 and any(k.startswith("optim/grad/") and k.endswith(".norm") for k in row)
 
 
+def test_bisect_on_a_black_box_writes_the_skip_list_the_batch_log_gives(recorded: Path, tmp_path: Path) -> None:
+    t = json.loads((recorded / "truth.json").read_text())
+    box = recorded / "flight" / f"blackbox-step{t['first_bad_step']}"
+    docs = {}
+    for name, batch in (("ref", recorded / "batches.h5"), ("rec", box)):
+        out = tmp_path / name
+        args = ["bisect", "--run-dir", str(recorded), "--before", str(t["before"]), "--after", str(t["after"]), "--model", MODEL, "--batch", str(batch), "--out", str(out)]
+        r = CliRunner().invoke(cli, args, catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        docs[name] = (json.loads((out / "report.json").read_text())["bisect"], json.loads((out / "skip.json").read_text()))
+    (b_ref, skip_ref), (b_rec, skip_rec) = docs["ref"], docs["rec"]
+    assert b_rec["first_bad_step"] == b_ref["first_bad_step"] == t["first_bad_step"]
+    assert sorted(b_rec["rows"]) == sorted(b_ref["rows"]) == t["samples"]
+    assert skip_rec["sample_ids"] == skip_ref["sample_ids"]  # the recorder's sample ids, as the zoo's log numbers rows
+
+
 def test_a_killed_run_leaves_a_log_that_replays(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "fixtures" / "record_run.py"), str(tmp_path), "30", "--kill-at", "9"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr[-2000:]  # SIGKILL: the segment was never closed

@@ -513,7 +513,11 @@ def _batches(cfg: ReplayConfig, a: Checkpoint) -> BatchSource:
     if cfg.batch is not None:
         return open_batches(cfg.batch)
     if cfg.data is None:
-        raise ForensicsError("pass --batch (the batches the run consumed) or --data (the run's training data, HF Trainer runs)")
+        raise ForensicsError("pass --batch (the batches the run consumed) or --data (the run's training data: HF Trainer and Megatron runs)")
+    if a.format.startswith("megatron"):
+        from .megatron_data import megatron_batches
+
+        return megatron_batches(cfg.data, a.config)
     if a.format != "hf-trainer":
         raise ForensicsError(f"{a.path}: --data rebuilds HF Trainer runs' batches; this is a {a.format} checkpoint: pass --batch")
     from .hfdata import trainer_batches

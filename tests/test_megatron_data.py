@@ -1,0 +1,55 @@
+"""Megatron's training data read without megatron-core, against megatron-core's own GPTDataset.
+
+The indexed dataset, its GPTDataset index caches and what `GPTDataset[i]` returned for each
+sample were written once by megatron-core 0.19 (`fixtures/megatron_data_run.py`), committed.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ckptforensics.replay.batches import BatchError
+from ckptforensics.replay.megatron_data import IndexedTokens, is_megatron_data, megatron_batches, open_samples
+from tests.conftest import ROOT
+
+DATA = ROOT / "fixtures" / "data" / "megatron-core-0.19" / "gptdataset"
+
+
+def test_every_sample_equals_megatron_cores_gptdataset() -> None:
+    want = np.load(DATA / "expected.npz")
+    got = open_samples(DATA, seq_length=int(want["seq"]), seed=int(want["seed"]))
+    assert len(got) == want["tokens"].shape[0]
+    for i in range(len(got)):
+        text = got.text(i)
+        assert np.array_equal(text[:-1], want["tokens"][i]) and np.array_equal(text[1:], want["labels"][i]), i
+
+
+def test_the_batch_of_an_iteration_is_its_global_samples() -> None:
+    want = np.load(DATA / "expected.npz")
+    args = {"global_batch_size": 8, "micro_batch_size": 2, "seq_length": int(want["seq"]), "seed": int(want["seed"])}
+    assert is_megatron_data(DATA)
+    src = megatron_batches(str(DATA), args)
+    assert src.labels_shifted and src.micro_batch_size == 2 and src.rebuilt
+    b = src.batch(3)  # iteration 2: global samples 16..23
+    assert torch.equal(b["input_ids"], torch.from_numpy(want["tokens"][16:24]).long())
+    assert torch.equal(b["labels"], torch.from_numpy(want["labels"][16:24]).long())
+    assert src.sample_ids[3] == list(range(16, 24))
+
+
+def test_bad_data_is_one_clear_error(tmp_path: Path) -> None:
+    want = np.load(DATA / "expected.npz")
+    with pytest.raises(BatchError, match="GPTDataset train caches for sequence length 32"):
+        open_samples(DATA, seq_length=32, seed=int(want["seed"]))  # the run's args disagree with the caches
+    bad = tmp_path / "d"
+    shutil.copytree(DATA, bad)
+    (bad / "text.bin").write_bytes((bad / "text.bin").read_bytes()[:100])
+    with pytest.raises(BatchError, match="truncated"):
+        IndexedTokens.open(bad / "text")
+    (bad / "text.idx").write_bytes(b"NOTANIDX" + (bad / "text.idx").read_bytes()[8:])
+    with pytest.raises(BatchError, match="not a Megatron index"):
+        IndexedTokens.open(bad / "text")

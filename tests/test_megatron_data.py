@@ -14,7 +14,12 @@ import pytest
 import torch
 
 from ckptforensics.replay.batches import BatchError
-from ckptforensics.replay.megatron_data import IndexedTokens, is_megatron_data, megatron_batches, open_samples
+from ckptforensics.replay.megatron_data import (
+    IndexedTokens,
+    is_megatron_data,
+    megatron_batches,
+    open_samples,
+)
 from tests.conftest import ROOT
 
 DATA = ROOT / "fixtures" / "data" / "megatron-core-0.19" / "gptdataset"

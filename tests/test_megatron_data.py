@@ -58,3 +58,49 @@ def test_bad_data_is_one_clear_error(tmp_path: Path) -> None:
     (bad / "text.idx").write_bytes(b"NOTANIDX" + (bad / "text.idx").read_bytes()[8:])
     with pytest.raises(BatchError, match="not a Megatron index"):
         IndexedTokens.open(bad / "text")
+
+
+MCORE = ROOT / "fixtures" / "data" / "megatron-core-0.19"
+
+
+def _metrics(tmp: Path) -> Path:
+    """The run's per-iteration log (loss, grad norm, LR), as Megatron-LM prints it each iteration."""
+    import json
+
+    steps = json.loads((MCORE / "truth.json").read_text())["variants"]["plain"]["steps"]
+    path = tmp / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s["step"], "loss": s["loss"], "grad_norm": s["grad_norm"], "lr": s["lr"][0]}) + "\n" for s in steps))
+    return path
+
+
+@pytest.mark.parametrize("variant", ["plain", "legacy"])
+def test_replay_a_megatron_run_from_its_own_data_with_no_batch_and_no_model(variant: str, tmp_path: Path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from ckptforensics.cli import cli
+
+    args = ["replay", "--run-dir", str(MCORE / variant), "--before", "10", "--after", "20", "--data", str(DATA), "--metrics", str(_metrics(tmp_path)), "--out", str(tmp_path / "rep")]
+    r = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert doc["verdict"]["reproducible"] is True and doc["verdict"]["causes"][0]["cause"] == "none"
+    cfg = doc["replay"]["config"]
+    assert "Megatron GPTDataset" in cfg["batches"]["value"] and "rebuilt" in cfg["batches"]["source"]
+    assert "reference Megatron GPT" in cfg["model"]["value"]
+
+
+def test_a_dataset_that_is_not_the_runs_is_refused_in_one_line(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from ckptforensics.cli import cli
+    from tests.test_cli import assert_bad_input
+
+    other = tmp_path / "other"
+    shutil.copytree(DATA, other)
+    tokens = np.fromfile(other / "text.bin", dtype=np.uint16)
+    np.random.default_rng(1).shuffle(tokens)  # the same documents' tokens in another order
+    tokens.tofile(other / "text.bin")
+    args = ["replay", "--run-dir", str(MCORE / "plain"), "--before", "10", "--after", "20", "--data", str(other), "--metrics", str(_metrics(tmp_path))]
+    assert_bad_input(CliRunner().invoke(cli, args), "the data pipeline differs")

@@ -241,7 +241,7 @@ class Recorder:
             for k in p.rows[0]:
                 parts = [r[k] for r in p.rows if k in r]
                 width = max(x.shape[-1] for x in parts)
-                rows[k] = torch.cat([_pad(x, width, k) for x in parts]).numpy()
+                rows[k] = _narrow(torch.cat([_pad(x, width, k) for x in parts]).numpy())
         if p.sample_ids:
             rows["sample_id"] = torch.cat(p.sample_ids).long().numpy()
         series = {
@@ -287,6 +287,14 @@ class Recorder:
         tmp.write_text(json.dumps(info, indent=2, default=str))
         os.replace(tmp, box / "incident.json")
         log.warning("spike at step %d (%s); black box %s; run: %s", spike.step, spike.why, box, info["command"])
+
+
+def _narrow(a: np.ndarray) -> np.ndarray:
+    """Token ids as int32 (any vocabulary below 2^31, labels' -100 included): half the disk
+    of int64; the reader widens them back."""
+    if a.dtype == np.int64 and a.size and -(2**31) <= int(a.min()) and int(a.max()) < 2**31:
+        return a.astype(np.int32)
+    return a
 
 
 def _rows(p: _Pending) -> int | None:

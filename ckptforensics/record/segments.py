@@ -74,7 +74,7 @@ class Segment:
                 a = np.asarray(v)
                 self._ds[k] = h.create_dataset(
                     k, shape=(0, *a.shape), maxshape=(None,) * (a.ndim + 1), chunks=(1, *a.shape), dtype=a.dtype,
-                    compression=self.compression, fillvalue=FILL.get(k, 0),
+                    compression=self.compression, shuffle=self.compression is not None, fillvalue=FILL.get(k, 0),
                 )  # fmt: skip
             for k, v in series.items():
                 a = np.asarray(v)

@@ -292,7 +292,7 @@ class Recorder:
 def _narrow(a: np.ndarray) -> np.ndarray:
     """Token ids as int32 (any vocabulary below 2^31, labels' -100 included): half the disk
     of int64; the reader widens them back."""
-    if a.dtype == np.int64 and a.size and -(2**31) <= int(a.min()) and int(a.max()) < 2**31:
+    if a.dtype == np.int64 and a.size and int(a.min()) >= -(2**31) and int(a.max()) < 2**31:
         return a.astype(np.int32)
     return a
 

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .monitor import Spike, SpikeMonitor
-from .segments import Segment, drop_oldest, segment_name
+from .segments import Segment, drop_oldest, pad_rows, segment_name
 
 __all__ = ["Recorder", "RecorderConfig"]
 
@@ -241,7 +241,7 @@ class Recorder:
             for k in p.rows[0]:
                 parts = [r[k] for r in p.rows if k in r]
                 width = max(x.shape[-1] for x in parts)
-                rows[k] = _narrow(torch.cat([_pad(x, width, k) for x in parts]).numpy())
+                rows[k] = _narrow(torch.cat([pad_rows(x, width, k) for x in parts]).numpy())
         if p.sample_ids:
             rows["sample_id"] = torch.cat(p.sample_ids).long().numpy()
         series = {
@@ -334,16 +334,6 @@ def _scalar(v: Any) -> torch.Tensor:
             v = v.full_tensor()
         return v.reshape(-1)[:1].float()
     return torch.tensor([float(v)])
-
-
-def _pad(x: torch.Tensor, width: int, key: str) -> torch.Tensor:
-    if x.shape[-1] == width:
-        return x
-    from .segments import FILL
-
-    out = torch.full((*x.shape[:-1], width), FILL.get(key, 0), dtype=x.dtype)
-    out[..., : x.shape[-1]] = x
-    return out
 
 
 def _param_stats(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, names: list[str]) -> dict[str, torch.Tensor]:

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
-__all__ = ["Segment", "SEGMENT", "segment_name", "list_segments"]
+__all__ = ["Segment", "SEGMENT", "FILL", "segment_name", "list_segments", "pad_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,15 @@ _CHUNK_ROWS = 64  # scalar series grow in chunks of 64 steps
 # What pads a step's rows out to the segment's widest (the HF conventions: labels -100 are
 # ignored by the loss, attention_mask 0 hides the position; a sample id of -1 is none).
 FILL = {"input_ids": 0, "attention_mask": 0, "labels": -100, "sample_id": -1}
+
+
+def pad_rows(x: torch.Tensor, width: int, key: str) -> torch.Tensor:
+    """Rows [B, T] padded out to `width` with the key's `FILL` (a narrower micro-batch or rank)."""
+    if x.shape[-1] == width:
+        return x
+    out = torch.full((*x.shape[:-1], width), FILL.get(key, 0), dtype=x.dtype)
+    out[..., : x.shape[-1]] = x
+    return out
 
 
 def segment_name(first_step: int, rank: int) -> str:

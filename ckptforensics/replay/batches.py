@@ -109,11 +109,11 @@ def _open_h5(path: Path) -> object:
 
     try:
         return h5py.File(path, "r")
-    except OSError as e:
+    except (OSError, RuntimeError, ValueError) as e:
         try:
             return h5py.File(path, "r", swmr=True)
-        except OSError:
-            raise BatchError(f"{path}: not a readable HDF5 file ({e})") from None
+        except (OSError, RuntimeError, ValueError):  # h5py raises RuntimeError on a mangled superblock
+            raise BatchError(f"{path}: not a readable HDF5 file ({str(e).splitlines()[0][:160]})") from None
 
 
 def _h5(path: Path) -> BatchSource:
@@ -170,7 +170,7 @@ def _recorder_dir(root: Path) -> BatchSource:
     """A flight recorder's directory (ckptforensics.record): its segments, one per checkpoint
     interval and rank, merged. A step's global batch is the ranks' rows in rank order (the
     contiguous split of DDP's and FSDP's samplers); a step is there when every rank has it."""
-    from ..record.segments import list_segments
+    from ..record.segments import list_segments, pad_rows
 
     segs = list_segments(root)
     if not segs:
@@ -185,7 +185,7 @@ def _recorder_dir(root: Path) -> BatchSource:
         if len(parts) == 1:
             return parts[0]
         width = max(p["input_ids"].shape[1] for p in parts)
-        return {k: torch.cat([_pad_to(p[k], width, k) for p in parts]) for k in parts[0] if all(k in p for p in parts)}
+        return {k: torch.cat([pad_rows(p[k], width, k) for p in parts]) for k in parts[0] if all(k in p for p in parts)}
 
     first = per_rank[ranks[0]][0]
     src = BatchSource(describe=f"{root} (flight recorder, {len(ranks)} rank{'s' if len(ranks) > 1 else ''})", get=get, steps=steps)
@@ -201,14 +201,3 @@ def _recorder_dir(root: Path) -> BatchSource:
     src.grad_clip, src.labels_shifted = first.grad_clip, first.labels_shifted
     src.micro_batch_size = first.micro_batch_size
     return src
-
-
-_FILL = {"input_ids": 0, "attention_mask": 0, "labels": -100}
-
-
-def _pad_to(x: torch.Tensor, width: int, key: str) -> torch.Tensor:
-    if x.shape[-1] == width:
-        return x
-    out = torch.full((*x.shape[:-1], width), _FILL.get(key, 0), dtype=x.dtype)
-    out[..., : x.shape[-1]] = x
-    return out

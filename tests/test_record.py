@@ -97,6 +97,23 @@ def test_a_killed_run_leaves_a_log_that_replays(tmp_path: Path) -> None:
     assert doc["replay"]["config"]["lr"]["source"] == "batch log /lr"
 
 
+def test_a_log_of_sample_ids_replays_with_the_dataset_they_index(tmp_path: Path) -> None:
+    pytest.importorskip("datasets")
+    from tests.test_cli import assert_bad_input
+
+    proc = subprocess.run([sys.executable, str(ROOT / "fixtures" / "record_run.py"), str(tmp_path), "9", "--ids-only"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seg = next((tmp_path / "flight").glob("segment-*.h5"))
+    with h5py.File(seg, "r") as h:
+        assert "input_ids" not in h and h["sample_id"].shape == (9, 8)
+    args = ["replay", "--before", str(tmp_path / "ckpt_5.pt"), "--after", str(tmp_path / "ckpt_8.pt"), "--model", MODEL, "--batch", str(tmp_path / "flight")]
+    assert_bad_input(CliRunner().invoke(cli, args), "pass --data")
+    r = CliRunner().invoke(cli, [*args, "--data", str(tmp_path / "data"), "--out", str(tmp_path / "rep")], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert doc["verdict"]["reproducible"] is True and doc["verdict"]["causes"][0]["cause"] == "none"
+
+
 def _loop(rec: Recorder, model: torch.nn.Module, steps: range, every_ckpt: int | None = None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     table = markov_table(0)

@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +39,9 @@ class BatchSource:
             (the `micro_batch_size` attribute), for losses averaged per micro-batch.
         rebuilt: the batches were rebuilt from the run's data pipeline rather than read
             from what the run recorded: checked against the log before they are trusted.
+        fingerprint: what identifies the dataset the sample ids index, when recorded.
+        ids_only: the log kept sample ids, not tokens (the recorder's `tokens=False`): the
+            rows come from the dataset (`with_rows`).
     """
 
     describe: str
@@ -50,6 +54,8 @@ class BatchSource:
     labels_shifted: bool = False
     micro_batch_size: int | None = None
     rebuilt: bool = False
+    fingerprint: str | None = None
+    ids_only: bool = False
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         if self.steps is not None and step not in self.steps:
@@ -118,8 +124,10 @@ def _open_h5(path: Path) -> object:
 
 def _h5(path: Path) -> BatchSource:
     h = _open_h5(path)
-    if "input_ids" not in h:
+    if "input_ids" not in h and not ("sample_id" in h and "step" in h):
         raise BatchError(f"{path}: HDF5 without /input_ids")
+    if "input_ids" not in h:
+        return _ids_only(path, h)
     try:
         ids = h["input_ids"]
         np.asarray(h["step"]) if "step" in h else None
@@ -166,6 +174,63 @@ def _h5(path: Path) -> BatchSource:
     return src
 
 
+def _ids_only(path: Path, h: Any) -> BatchSource:
+    """A log of sample ids only: the steps, ids and training state; rows come from --data."""
+    steps = [int(x) for x in np.asarray(h["step"])]
+    steps = steps[: min(h[k].shape[0] for k in ("sample_id", "rows") if k in h)]
+    rows = np.asarray(h["rows"]) if "rows" in h else None
+    sid = np.asarray(h["sample_id"])
+
+    def get(step: int) -> dict[str, torch.Tensor]:
+        raise BatchError(f"{path}: the log keeps the sample ids of step {step}, not its tokens: pass --data (the dataset they index)")
+
+    src = BatchSource(describe=str(path), get=get, steps=steps, ids_only=True)
+    src.sample_ids = {s: [int(x) for x in sid[i][: None if rows is None else int(rows[i])]] for i, s in enumerate(steps)}
+    if "lr" in h:
+        lr = np.asarray(h["lr"], dtype=np.float64)
+        src.lr = {s: [float(x) for x in np.atleast_1d(lr[i])] for i, s in enumerate(steps)}
+    clip = h.attrs.get("grad_clip")
+    if clip is not None and math.isfinite(float(clip)):
+        src.grad_clip = float(clip)
+    mbs = h.attrs.get("micro_batch_size")
+    src.micro_batch_size = int(mbs) if mbs is not None and int(mbs) > 0 else None
+    fp = h.attrs.get("dataset_fingerprint")
+    src.fingerprint = str(fp) if fp is not None else None
+    return src
+
+
+def with_rows(src: BatchSource, dataset: Any, describe: str) -> BatchSource:
+    """An ids-only log joined with the dataset its ids index: each step's rows are the
+    dataset's rows at the recorded ids (padded as the recorder pads). Checked like rebuilt
+    batches (the first replayed step's loss against the log), and refused outright when the
+    dataset's fingerprint is not the recorded one."""
+    got = getattr(dataset, "_fingerprint", None)
+    if src.fingerprint is not None and got is not None and str(got) != src.fingerprint:
+        raise BatchError(f"{describe}: dataset fingerprint {got} is not the recorded {src.fingerprint}: not the data the run read")
+
+    def get(step: int) -> dict[str, torch.Tensor]:
+        ids = src.sample_ids.get(step)
+        if ids is None:
+            raise BatchError(f"{src.describe}: no sample ids for step {step}")
+        try:
+            rows = [dataset[i] for i in ids]
+        except (IndexError, KeyError) as e:
+            raise BatchError(f"{describe}: sample id of step {step} not in the dataset ({e})") from None
+        out: dict[str, torch.Tensor] = {}
+        for k in _KEYS:
+            if all(k in r for r in rows):
+                parts = [torch.as_tensor(r[k]).reshape(1, -1) for r in rows]
+                width = max(x.shape[1] for x in parts)
+                out[k] = torch.cat([pad_rows(x, width, k) for x in parts])
+        return out
+
+    from ..record.segments import pad_rows
+
+    joined = BatchSource(describe=f"{src.describe} + {describe}", get=get, steps=src.steps, lr=src.lr, loss_scale=src.loss_scale,
+                         grad_clip=src.grad_clip, sample_ids=src.sample_ids, micro_batch_size=src.micro_batch_size, rebuilt=True)  # fmt: skip
+    return joined
+
+
 def _recorder_dir(root: Path) -> BatchSource:
     """A flight recorder's directory (ckptforensics.record): its segments, one per checkpoint
     interval and rank, merged. A step's global batch is the ranks' rows in rank order (the
@@ -189,6 +254,7 @@ def _recorder_dir(root: Path) -> BatchSource:
 
     first = per_rank[ranks[0]][0]
     src = BatchSource(describe=f"{root} (flight recorder, {len(ranks)} rank{'s' if len(ranks) > 1 else ''})", get=get, steps=steps)
+    src.ids_only, src.fingerprint = first.ids_only, first.fingerprint
     for s in steps:
         lead = owner[ranks[0]][s]
         if s in lead.lr:

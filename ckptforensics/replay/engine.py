@@ -165,7 +165,13 @@ def _metrics_file(cfg: ReplayConfig) -> Path | None:
         return cfg.metrics
     from ..logs import find_metrics
 
-    return next((f for f in (find_metrics(d) for d in (cfg.before.parent, cfg.before.parent.parent)) if f is not None), None)
+    found = next((f for f in (find_metrics(d) for d in (cfg.before.parent, cfg.before.parent.parent)) if f is not None), None)
+    if found is None and cfg.batch is not None:
+        # A flight recorder's directory (or a black box inside one) keeps the run's log too.
+        for d in (Path(cfg.batch), Path(cfg.batch).parent):
+            if (d / "metrics.jsonl").is_file():
+                return d / "metrics.jsonl"
+    return found
 
 
 def _lr_plan(steps: list[int], ckpt: Checkpoint, batches: BatchSource, logged: dict[int, dict[str, float]]) -> tuple[dict[int, list[float]], str]:
@@ -511,7 +517,15 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
 def _batches(cfg: ReplayConfig, a: Checkpoint) -> BatchSource:
     """`--batch` as given, or the batches rebuilt from the run's data (`--data`)."""
     if cfg.batch is not None:
-        return open_batches(cfg.batch)
+        src = open_batches(cfg.batch)
+        if not src.ids_only:
+            return src
+        if cfg.data is None:
+            raise ForensicsError(f"{cfg.batch}: the log keeps sample ids, not tokens: pass --data (the dataset they index) as well")
+        from .batches import with_rows
+        from .hfdata import _dataset
+
+        return with_rows(src, _dataset(cfg.data), f"--data {cfg.data}")
     if cfg.data is None:
         raise ForensicsError("pass --batch (the batches the run consumed) or --data (the run's training data: HF Trainer and Megatron runs)")
     if a.format.startswith("megatron"):

@@ -189,3 +189,48 @@ def test_the_monitor_alarms_on_a_spike_not_on_a_blip() -> None:
     loss[150] *= 3.0  # a spike
     alarms = [sp.step for s, (lo, g) in enumerate(zip(loss, grad, strict=True), 1) if (sp := m.update(s, lo, g))]
     assert alarms == [151]
+
+
+def test_the_trainer_callback_stops_training_at_an_alarm_when_asked(tmp_path: Path) -> None:
+    """record.hf's callback, driven through the Trainer's callback events by hand: a loss
+    that leaves its trend stops training (control.should_training_stop) with stop_on_spike."""
+    pytest.importorskip("transformers")
+    import math
+    from types import SimpleNamespace
+
+    from ckptforensics.record.hf import hf_callback
+
+    class LM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 4)
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> SimpleNamespace:
+            loss = self.emb(input_ids).pow(2).mean() * self.scale
+            return SimpleNamespace(loss=loss)
+
+        scale = 1.0
+
+    model = LM().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cb = hf_callback(tmp_path / "flight", stop_on_spike=True)
+    args = SimpleNamespace(gradient_accumulation_steps=1, max_grad_norm=1.0, per_device_train_batch_size=2, output_dir=str(tmp_path))
+    state, control = SimpleNamespace(global_step=0), SimpleNamespace(should_training_stop=False)
+    cb.on_train_begin(args, state, control, model=model)
+    stopped_at = None
+    for step in range(1, 41):
+        model.scale = (1 + 0.02 * math.sin(step)) * (5.0 if step == 30 else 1.0)
+        cb.on_step_begin(args, state, control)
+        ids = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(0))
+        model(input_ids=ids, labels=ids).loss.backward()
+        cb.on_pre_optimizer_step(args, state, control, model=model)
+        opt.step()
+        cb.on_optimizer_step(args, state, control, optimizer=opt, model=model)
+        opt.zero_grad()
+        state.global_step = step
+        if control.should_training_stop:
+            stopped_at = step
+            break
+    cb.on_train_end(args, state, control)
+    assert stopped_at == 30 and (tmp_path / "flight" / "blackbox-step30" / "incident.json").is_file()
+    assert open_batches(str(tmp_path / "flight")).steps == list(range(1, 31))

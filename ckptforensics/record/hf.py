@@ -80,7 +80,9 @@ def hf_callback(path: str | os.PathLike[str], **kw: Any) -> Any:
                 total = torch.stack([x.float().reshape(()) for x in losses])
                 loss = total.sum() if self._summed else total.mean()
             opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
-            self.rec.after_step(self._step, opt, loss=loss, model=model)
+            spike = self.rec.after_step(self._step, opt, loss=loss, model=model)
+            if spike is not None and self.rec.cfg.stop_on_spike:
+                control.should_training_stop = True
 
         def on_save(self, args: Any, state: Any, control: Any, **_: Any) -> None:
             if self.rec is not None:

@@ -59,7 +59,9 @@ def lightning_callback(path: str | os.PathLike[str], **kw: Any) -> Any:
                 return  # mid-accumulation: the step is not done
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             opt, self._opt = self._opt, None
-            self.rec.after_step(int(trainer.global_step), getattr(opt, "optimizer", opt), loss=loss, model=pl_module, lr=self._lr)
+            spike = self.rec.after_step(int(trainer.global_step), getattr(opt, "optimizer", opt), loss=loss, model=pl_module, lr=self._lr)
+            if spike is not None and self.rec.cfg.stop_on_spike:
+                trainer.should_stop = True
 
         def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
             if self.rec is not None:

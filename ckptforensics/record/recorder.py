@@ -67,6 +67,9 @@ class RecorderConfig:
         micro_batch_size: rows per forward/backward, when steps accumulate gradients.
         replay_args: what the logged replay command needs besides the checkpoints and
             batches (`("--model", "train.py:build_model")` where no config.json says).
+        stop_on_spike: the Trainer and Lightning callbacks stop training at an alarm (a
+            plain loop gets the Spike back from `after_step` and decides: stop, or skip
+            the next step as OLMo-core's SkipStepAdamW does).
     """
 
     every: int = 1
@@ -79,6 +82,7 @@ class RecorderConfig:
     grad_clip: float | None = None
     micro_batch_size: int | None = None
     replay_args: tuple[str, ...] = ()
+    stop_on_spike: bool = False
 
 
 @dataclass

@@ -160,8 +160,11 @@ def _replay_options(f: Any) -> Any:
                 "--data",
                 "data",
                 default=None,
-                help="Instead of --batch: the run's training data (HF Trainer: a save_to_disk dir, or module:function); "
-                "the batches are rebuilt with the Trainer's own sampler from training_args.bin and checked against the log.",
+                help="Instead of --batch: the run's training data, its batches rebuilt as the run drew them and checked "
+                "against the log. HF Trainer: a save_to_disk dir or module:function (the Trainer's own sampler, "
+                "training_args.bin); Megatron: the dir of the indexed dataset (.idx/.bin) and its GPTDataset caches; "
+                "OLMo-core: the dir its dataset.paths are relative to. With a flight recorder's sample-id log "
+                "(--batch), the dataset those ids index.",
             ),
             click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True),
             click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),

@@ -527,11 +527,15 @@ def _batches(cfg: ReplayConfig, a: Checkpoint) -> BatchSource:
 
         return with_rows(src, _dataset(cfg.data), f"--data {cfg.data}")
     if cfg.data is None:
-        raise ForensicsError("pass --batch (the batches the run consumed) or --data (the run's training data: HF Trainer and Megatron runs)")
+        raise ForensicsError("pass --batch (the batches the run consumed) or --data (the run's training data: HF Trainer, Megatron and OLMo-core runs)")
     if a.format.startswith("megatron"):
         from .megatron_data import megatron_batches
 
         return megatron_batches(cfg.data, a.config)
+    from .olmo_data import is_olmo_checkpoint, olmo_batches
+
+    if is_olmo_checkpoint(a.path):
+        return olmo_batches(cfg.data, a.path)
     if a.format != "hf-trainer":
         raise ForensicsError(f"{a.path}: --data rebuilds HF Trainer runs' batches; this is a {a.format} checkpoint: pass --batch")
     from .hfdata import trainer_batches

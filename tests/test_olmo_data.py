@@ -1,0 +1,57 @@
+"""OLMo-core's training data read without OLMo-core, against the batches its own Trainer fed.
+
+`fixtures/data/olmo-core-3.0` (written once by ai2-olmo-core 3.0, `fixtures/olmo_core_run.py`)
+holds the run's token file, its checkpoints (config.json, train/rank0.pt) and batches.h5,
+the token ids the model consumed at each step.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+from click.testing import CliRunner
+
+from ckptforensics.cli import cli
+from ckptforensics.replay.olmo_data import olmo_batches
+from tests.conftest import ROOT
+from tests.test_cli import assert_bad_input
+
+OLMO = ROOT / "fixtures" / "data" / "olmo-core-3.0"
+
+
+def test_every_step_is_the_batch_olmo_core_fed() -> None:
+    src = olmo_batches(str(OLMO), OLMO / "run" / "step10")
+    assert src.labels_shifted and src.rebuilt
+    with h5py.File(OLMO / "batches.h5", "r") as h:
+        steps, ids, labels = np.asarray(h["step"]), np.asarray(h["input_ids"]), np.asarray(h["labels"])
+    for i, s in enumerate(steps):
+        b = src.batch(int(s))
+        assert torch.equal(b["input_ids"], torch.from_numpy(ids[i]).long()), s
+        assert torch.equal(b["labels"], torch.from_numpy(labels[i]).long()), s
+
+
+def test_replay_an_olmo_core_run_from_its_own_data_with_no_batch_and_no_model(tmp_path: Path) -> None:
+    args = ["replay", "--run-dir", str(OLMO / "run"), "--before", "10", "--after", "20", "--data", str(OLMO), "--out", str(tmp_path / "rep")]
+    r = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert doc["verdict"]["reproducible"] is True and doc["verdict"]["causes"][0]["cause"] == "none"
+    cfg = doc["replay"]["config"]
+    assert "NumpyFSLDataset" in cfg["batches"]["value"] and "rebuilt" in cfg["batches"]["source"]
+
+
+def test_token_files_that_are_not_the_runs_are_refused_in_one_line(tmp_path: Path) -> None:
+    other = tmp_path / "data"
+    shutil.copytree(OLMO / "tokens", other / "tokens")
+    f = other / "tokens" / "part-00000.npy"
+    tokens = np.fromfile(f, dtype=np.uint16)
+    np.random.default_rng(1).shuffle(tokens)
+    tokens.tofile(f)
+    args = ["replay", "--run-dir", str(OLMO / "run"), "--before", "10", "--after", "20", "--data", str(other)]
+    assert_bad_input(CliRunner().invoke(cli, args), "the data pipeline differs")
+    assert_bad_input(CliRunner().invoke(cli, [*args[:-1], str(tmp_path / "none")]), "no token file")

@@ -69,7 +69,7 @@ def hf_callback(path: str | os.PathLike[str], **kw: Any) -> Any:
 
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **_: Any) -> None:
             if self.rec is not None and model is not None:
-                self.rec.after_backward(model, self._step)
+                self.rec.after_backward(model)
 
         def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, model: torch.nn.Module | None = None, **_: Any) -> None:
             if self.rec is None or optimizer is None:

@@ -50,7 +50,7 @@ def lightning_callback(path: str | os.PathLike[str], **kw: Any) -> Any:
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             if self.rec is not None:
-                self.rec.after_backward(pl_module, int(trainer.global_step) + 1)
+                self.rec.after_backward(pl_module)
                 self._opt = optimizer
                 self._lr = [float(g["lr"]) for g in optimizer.param_groups]
 

@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import shlex
+import shutil
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -89,7 +90,7 @@ class RecorderConfig:
 class _Pending:
     rows: list[dict[str, torch.Tensor]] = field(default_factory=list)
     sample_ids: list[torch.Tensor] = field(default_factory=list)
-    grad: list[torch.Tensor] | None = None  # per-parameter grad norms (device)
+    grad: torch.Tensor | None = None  # per-parameter grad norms (device)
     names: list[str] | None = None
 
 
@@ -109,7 +110,6 @@ class Recorder:
         self.root.mkdir(parents=True, exist_ok=True)
         self.monitor = SpikeMonitor() if monitor is True else (monitor or None)
         self.spikes: list[Spike] = []
-        self.syncs = 0  # host reads of device values: one per recorded step (tested)
         self._seg: Segment | None = None
         self._seg_first: int | None = None
         self._pending = _Pending()
@@ -130,7 +130,7 @@ class Recorder:
         if ids is not None:
             self._pending.sample_ids.append(_host(torch.as_tensor(ids)).reshape(-1))
 
-    def after_backward(self, model: torch.nn.Module, step: int | None = None, scale: float | torch.Tensor | None = None) -> None:
+    def after_backward(self, model: torch.nn.Module, scale: float | torch.Tensor | None = None) -> None:
         """After the step's last backward, before clipping: the pre-clip grad norm (kept on
         the device) and, on a stats step, each parameter's grad norm. `scale` divides
         gradients still multiplied by a loss scale (call after `scaler.unscale_` instead)."""
@@ -140,7 +140,7 @@ class Recorder:
         norms = torch.stack([n.float() for n in torch._foreach_norm([_local(g) for _, g in named])])
         if scale is not None:
             norms = norms / scale
-        self._pending.grad = [norms]
+        self._pending.grad = norms
         self._pending.names = [n for n, _ in named]
 
     def after_step(
@@ -167,7 +167,7 @@ class Recorder:
         vals.append(_scalar(loss))
         total = grad_norm
         if total is None and p.grad is not None:
-            total = torch.linalg.vector_norm(p.grad[0])
+            total = torch.linalg.vector_norm(p.grad)
         vals.append(_scalar(total))
         sc = getattr(scaler, "_scale", None) if scaler is not None else None
         vals.append(_scalar(sc if sc is not None else (scaler.get_scale() if scaler is not None and scaler.is_enabled() else None)))
@@ -175,11 +175,10 @@ class Recorder:
         if step % self.cfg.stats_every == 0 and p.grad is not None and p.names is not None:
             stats = _param_stats(optimizer, model, p.names)
             stats_names = [f"optim/grad/{n}.norm" for n in p.names] + list(stats)
-            vals.append(p.grad[0].to(vals[0].device))
-            vals.extend(v.to(vals[0].device) for v in stats.values())
+            vals.append(p.grad)
+            vals.extend(stats.values())
         dev = next((v.device for v in vals if v.device.type != "cpu"), torch.device("cpu"))
         host = torch.cat([v.reshape(-1).float().to(dev) for v in vals]).cpu().tolist()  # the step's one host read
-        self.syncs += 1
         loss_v, norm_v, scale_v = host[0], host[1], host[2]
         extra = dict(zip(stats_names, host[3:], strict=False))
         if skipped is None:
@@ -226,10 +225,9 @@ class Recorder:
         return step % max(1, self.cfg.every) == 0
 
     def _write(self, step: int, p: _Pending, lrs: list[float], loss: float, norm: float, scale: float, skipped: bool) -> None:
-        every = self.cfg.checkpoint_every or self.cfg.segment_steps
         # `checkpoint_every` cuts segments until the loop reports its checkpoints itself.
-        cadence = self.cfg.checkpoint_every and self._last_ckpt is None
-        if self._seg is not None and self._seg_first is not None and cadence and (step - 1) // every != (self._seg_first - 1) // every:
+        every = self.cfg.checkpoint_every if self._last_ckpt is None else None
+        if self._seg is not None and self._seg_first is not None and every and (step - 1) // every != (self._seg_first - 1) // every:
             self._close_segment()
         if self._seg is None:
             # The ring: at most `keep` segments, the one now opened included; the oldest go.
@@ -270,9 +268,7 @@ class Recorder:
         box = self.root / f"blackbox-step{spike.step}"
         box.mkdir(exist_ok=True)
         if self._seg is not None:
-            self._seg._h.flush()  # type: ignore[attr-defined]
-        import shutil
-
+            self._seg.flush()
         for f in sorted(self.root.glob("segment-*.h5")):
             shutil.copy2(f, box / f.name)
         state = None

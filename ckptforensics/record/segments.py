@@ -120,6 +120,10 @@ class Segment:
             ds.flush()  # `step` last: a listed step has its rows on disk
         self.n += 1
 
+    def flush(self) -> None:
+        if self._h is not None:
+            self._h.flush()
+
     def close(self) -> None:
         if self._h is not None:
             self._h.close()

@@ -124,12 +124,11 @@ def _open_h5(path: Path) -> object:
 
 def _h5(path: Path) -> BatchSource:
     h = _open_h5(path)
-    if "input_ids" not in h and not ("sample_id" in h and "step" in h):
+    ids_only = "input_ids" not in h and "sample_id" in h and "step" in h  # the recorder's tokens=False
+    if "input_ids" not in h and not ids_only:
         raise BatchError(f"{path}: HDF5 without /input_ids")
-    if "input_ids" not in h:
-        return _ids_only(path, h)
     try:
-        ids = h["input_ids"]
+        ids = None if ids_only else h["input_ids"]
         np.asarray(h["step"]) if "step" in h else None
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise BatchError(f"{path}: malformed batch log ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
@@ -138,24 +137,27 @@ def _h5(path: Path) -> BatchSource:
         batch = {k: torch.from_numpy(np.asarray(h[k])) for k in _KEYS if k in h}
         return BatchSource(describe=str(path), get=lambda s: batch)
     steps = [int(s) for s in np.asarray(h["step"])]
-    recorded = "recorder" in h.attrs  # a flight-recorder segment: /step is flushed last
-    if recorded:
+    if "recorder" in h.attrs:  # a flight-recorder segment: /step is flushed last
         steps = steps[: min(h[k].shape[0] for k in (*_KEYS, "sample_id", "rows", "seq_len") if k in h)]
-    if ids.ndim != 3 or ids.shape[0] != len(steps):
+    if ids is not None and (ids.ndim != 3 or ids.shape[0] != len(steps)):
         raise BatchError(f"{path}: /input_ids must be [S, B, T] with S = len(/step)")
     row = {s: i for i, s in enumerate(steps)}
     # Steps narrower or smaller than the segment's widest: /rows and /seq_len say how much is theirs.
-    shape = {s: (int(h["rows"][i]), int(h["seq_len"][i])) for s, i in row.items()} if "rows" in h and "seq_len" in h else {}
+    rows_ = np.asarray(h["rows"]) if "rows" in h else None
+    seq_ = np.asarray(h["seq_len"]) if "seq_len" in h else None
 
     def get(step: int) -> dict[str, torch.Tensor]:
+        if ids_only:
+            raise BatchError(f"{path}: the log keeps the sample ids of step {step}, not its tokens: pass --data (the dataset they index)")
         i = row[step]
-        b, t = shape.get(step, (None, None))
+        b = int(rows_[i]) if rows_ is not None else None
+        t = int(seq_[i]) if seq_ is not None else None
         try:
             return {k: torch.from_numpy(np.asarray(h[k][i][:b, :t])) for k in _KEYS if k in h}
         except (OSError, ValueError, TypeError, IndexError, KeyError) as e:
             raise BatchError(f"{path}: batch of step {step} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
 
-    src = BatchSource(describe=str(path), get=get, steps=steps)
+    src = BatchSource(describe=str(path), get=get, steps=steps, ids_only=ids_only)
     if "lr" in h:
         lr = np.asarray(h["lr"], dtype=np.float64)
         src.lr = {s: [float(x) for x in np.atleast_1d(lr[i])] for s, i in row.items()}
@@ -164,36 +166,13 @@ def _h5(path: Path) -> BatchSource:
         src.loss_scale = {s: float(ls[i]) for s, i in row.items() if math.isfinite(ls[i])}  # NaN: no scaler that step
     if "sample_id" in h:
         sid = np.asarray(h["sample_id"])
-        src.sample_ids = {s: [int(x) for x in sid[i][: shape.get(s, (None, None))[0]]] for s, i in row.items()}
+        src.sample_ids = {s: [int(x) for x in sid[i][: None if rows_ is None else int(rows_[i])]] for s, i in row.items()}
     src.labels_shifted = bool(h.attrs.get("labels_shifted", False))
     mbs = h.attrs.get("micro_batch_size")
     src.micro_batch_size = int(mbs) if mbs is not None and int(mbs) > 0 else None
     clip = h.attrs.get("grad_clip")
     if clip is not None and math.isfinite(float(clip)):
         src.grad_clip = float(clip)
-    return src
-
-
-def _ids_only(path: Path, h: Any) -> BatchSource:
-    """A log of sample ids only: the steps, ids and training state; rows come from --data."""
-    steps = [int(x) for x in np.asarray(h["step"])]
-    steps = steps[: min(h[k].shape[0] for k in ("sample_id", "rows") if k in h)]
-    rows = np.asarray(h["rows"]) if "rows" in h else None
-    sid = np.asarray(h["sample_id"])
-
-    def get(step: int) -> dict[str, torch.Tensor]:
-        raise BatchError(f"{path}: the log keeps the sample ids of step {step}, not its tokens: pass --data (the dataset they index)")
-
-    src = BatchSource(describe=str(path), get=get, steps=steps, ids_only=True)
-    src.sample_ids = {s: [int(x) for x in sid[i][: None if rows is None else int(rows[i])]] for i, s in enumerate(steps)}
-    if "lr" in h:
-        lr = np.asarray(h["lr"], dtype=np.float64)
-        src.lr = {s: [float(x) for x in np.atleast_1d(lr[i])] for i, s in enumerate(steps)}
-    clip = h.attrs.get("grad_clip")
-    if clip is not None and math.isfinite(float(clip)):
-        src.grad_clip = float(clip)
-    mbs = h.attrs.get("micro_batch_size")
-    src.micro_batch_size = int(mbs) if mbs is not None and int(mbs) > 0 else None
     fp = h.attrs.get("dataset_fingerprint")
     src.fingerprint = str(fp) if fp is not None else None
     return src

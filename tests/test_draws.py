@@ -158,7 +158,12 @@ def test_the_flight_recorder_replays_as_the_batch_log_does(draws: dict[int, Path
     assert [s["index"] for s in got["verdict"]["anomalous_samples"]] == [s["index"] for s in ref["verdict"]["anomalous_samples"]]
     assert got["replay"]["config"]["lr"]["source"] == "batch log /lr"
     assert "flight recorder" in got["replay"]["config"]["batches"]["value"]
-    # triage on the recorder's log puts the onset where triage on the run's own log does.
+    # triage on the recorder's log puts the onset on the planted step: where the run's own
+    # log shows group 0's LR only (1052, FSDP2), the recorder's every group's, so its onset
+    # is the fault's own step, never later than the run's log puts it.
     log = find_metrics(run)
     assert log is not None
-    assert triage(run / "flight" / "metrics.jsonl", run).first_bad_step == triage(log, run).first_bad_step
+    t = json.loads((run / "truth.json").read_text())
+    got = triage(run / "flight" / "metrics.jsonl", run).first_bad_step
+    assert got == t["first_bad_step"]
+    assert got <= triage(log, run).first_bad_step

@@ -185,7 +185,8 @@ class Recorder:
             skipped = (not math.isfinite(norm_v)) or (self._last_scale is not None and math.isfinite(scale_v) and scale_v < self._last_scale)
         self._last_scale = scale_v if math.isfinite(scale_v) else None
         self._write(step, p, lrs, loss_v, norm_v, scale_v, bool(skipped))
-        row = {"step": step, "loss": loss_v, "grad_norm": norm_v, "lr": lrs[0], **{f"lr/group_{i}": v for i, v in enumerate(lrs) if len(lrs) > 1}}
+        # Per-group LRs under OLMo-core's names, which `triage` reads (logs._GROUP_LR).
+        row = {"step": step, "loss": loss_v, "grad_norm": norm_v, "lr": lrs[0], **{f"optim/LR (group {i})": v for i, v in enumerate(lrs) if len(lrs) > 1}}
         if math.isfinite(scale_v):
             row["loss_scale"] = scale_v
         if skipped:

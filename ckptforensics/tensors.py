@@ -217,9 +217,7 @@ class TrendBaseline:
     def push(self, value: float) -> tuple[float, float]:
         """Judge the next step's value: (robust z, baseline level in the curve's units);
         (0, NaN) while unjudged, (+inf, ...) for a non-finite value."""
-        v = float(log_curve([value])[0])
-        z, base = self.push_log(v)
-        return z, base
+        return self.push_log(float(log_curve([value])[0]))
 
     def push_log(self, v: float) -> tuple[float, float]:
         i = self._i

@@ -37,6 +37,7 @@ def hf_callback(path: str | os.PathLike[str], **kw: Any) -> Any:
             self._losses: list[torch.Tensor] = []
             self._summed = False
             self._handles: list[Any] = []
+            self._step = 1  # the optimizer step the micro-batches being fed belong to
 
         def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **_: Any) -> None:
             accum = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
@@ -93,7 +94,5 @@ def hf_callback(path: str | os.PathLike[str], **kw: Any) -> Any:
                 h.remove()
             if self.rec is not None:
                 self.rec.close()
-
-        _step = 1
 
     return RecorderCallback()

@@ -32,7 +32,9 @@ def lightning_callback(path: str | os.PathLike[str], **kw: Any) -> Any:
     class RecorderCallback(Callback):  # type: ignore[misc]
         def __init__(self) -> None:
             self.rec: Recorder | None = None
-            self._opt: Any = None
+            self._opt: Any = None  # the optimizer of a step whose gradients are accumulated
+            self._lr: list[float] = []  # that step's LRs, before the scheduler moves them
+            self._accum = 1
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             clip = getattr(trainer, "gradient_clip_val", None)

@@ -19,7 +19,16 @@ from torch import nn
 from ..errors import ForensicsError, IncompatibleCheckpoints
 from ..formats.base import Checkpoint
 
-__all__ = ["load_callable", "build_model", "load_weights", "build_optimizer", "ModelSpecError", "LossNorm", "trainer_loss_norm"]
+__all__ = [
+    "load_callable",
+    "build_model",
+    "lightning_module_from_class_path",
+    "load_weights",
+    "build_optimizer",
+    "ModelSpecError",
+    "LossNorm",
+    "trainer_loss_norm",
+]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +88,9 @@ def _factory_kwargs(fn: Callable[..., Any], config: dict[str, Any] | None) -> tu
     except (TypeError, ValueError):  # a builtin or C callable: nothing to match against
         return {}, False
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    # A nested `{"class_path": ...}` is an object the trainer's CLI built (an optimizer, a
+    # sub-module): never built from a checkpoint, so never passed; the default stands.
+    config = {k: v for k, v in config.items() if not _class_spec(v)}
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return {k: v for k, v in config.items() if _plain_value(v) or (k in params and params[k].kind in named)}, True
     return {k: v for k, v in config.items() if k in params and params[k].kind in named}, False
@@ -88,16 +100,32 @@ def _plain_value(v: Any) -> bool:
     return isinstance(v, (int, float, str, bool)) or v is None
 
 
+def _class_spec(v: Any) -> bool:
+    return isinstance(v, dict) and "class_path" in v
+
+
 _UNEXPECTED = re.compile(r"unexpected keyword argument '(\w+)'")
 
 
-def _call_factory(fn: Callable[..., Any], spec: str, config: dict[str, Any] | None) -> tuple[Any, str]:
-    """Call a `--model` factory with the checkpoint config's keys that it accepts.
+def _call_factory(
+    fn: Callable[..., Any],
+    spec: str,
+    config: dict[str, Any] | None,
+    what: str | None = None,
+    source: str = "from the checkpoint's model config",
+) -> tuple[Any, str]:
+    """Call a `--model` factory (or a class the checkpoint names) with the checkpoint
+    config's keys that it accepts.
 
     Lightning's `hyper_parameters` mix model settings with training ones (`lr`, `betas`);
     a factory that forwards **kwargs to a config class refuses those: each refused key is
     dropped and the call retried, and the description says what was passed and what not.
+
+    Args:
+        what: how errors name the callable (default `--model 'spec'`).
+        source: where the arguments came from, for the description.
     """
+    what = what or f"--model {spec!r}"
     kwargs, open_kw = _factory_kwargs(fn, config)
     refused: list[str] = []
     while True:
@@ -110,14 +138,14 @@ def _call_factory(fn: Callable[..., Any], spec: str, config: dict[str, Any] | No
                 refused.append(m.group(1))
                 del kwargs[m.group(1)]
                 continue
-            raise ModelSpecError(f"--model {spec!r}: the factory raised TypeError: {e}") from None
+            raise ModelSpecError(f"{what}: the factory raised TypeError: {e}") from None
         except Exception as e:  # the user's factory failed: say where
-            raise ModelSpecError(f"--model {spec!r}: the factory raised {type(e).__name__}: {e}") from None
+            raise ModelSpecError(f"{what}: the factory raised {type(e).__name__}: {e}") from None
     passed = ", ".join(f"{k}={kwargs[k]!r}" for k in kwargs) if kwargs else "no arguments"
     ignored = sorted(set(config or {}) - set(kwargs))
     desc = f"{spec}({passed})"
     if config:
-        desc += " from the checkpoint's model config"
+        desc += f" {source}"
     if refused:
         desc += f"; refused by the factory: {', '.join(refused)}"
     if ignored and not refused:
@@ -128,7 +156,8 @@ def _call_factory(fn: Callable[..., Any], spec: str, config: dict[str, Any] | No
 def build_model(spec: str | None, ckpt: Checkpoint) -> tuple[nn.Module, str]:
     """The model named by `spec`, or, when spec is None, by the config the run recorded:
     HF config.json (transformers), Megatron `args` or OLMo-core config.json (reference
-    models, `replay.reference`), LitGPT model_config.yaml (litgpt).
+    models, `replay.reference`), LitGPT model_config.yaml (litgpt), the LightningModule
+    class path LightningCLI records in `hyper_parameters` (`lightning_module_from_class_path`).
 
     A factory receives the checkpoint's model config (nanoGPT `model_args`, Lightning
     hyper-parameters) as the keyword arguments its signature accepts.
@@ -151,7 +180,8 @@ def build_model(spec: str | None, ckpt: Checkpoint) -> tuple[nn.Module, str]:
 
 def _from_recorded_config(ckpt: Checkpoint) -> tuple[nn.Module, str] | None:
     """A model from what a non-HF run recorded: Megatron `args`, OLMo-core's config.json,
-    LitGPT's model_config.yaml (with litgpt installed). None when none of them applies."""
+    LitGPT's model_config.yaml (with litgpt installed), a LightningCLI class path (with
+    lightning installed). None when none of them applies."""
     from . import reference
 
     cfg = ckpt.config
@@ -171,7 +201,88 @@ def _from_recorded_config(ckpt: Checkpoint) -> tuple[nn.Module, str] | None:
 
         known = {f.name for f in dataclasses.fields(Config)}
         return GPT(Config(**{k: v for k, v in cfg.items() if k in known})), "litgpt.GPT from model_config.yaml"
+    if ckpt.format == "lightning" and cfg:
+        if "_class_path" in cfg:
+            return lightning_module_from_class_path(ckpt)
+        if "_instantiator" in cfg and "model_type" not in cfg:
+            # LightningCLI(MyModule) records no class path: only subclass mode (`--model a.B`) does.
+            raise ModelSpecError(
+                f"{ckpt.path}: LightningCLI wrote these hyper_parameters with a fixed model class, so they name no "
+                "class (`_class_path` is recorded in subclass mode only); pass --model module:MyModule"
+            )
     return None
+
+
+# A class path as LightningCLI records it: jsonargparse's import path, `package.module.Class`.
+_CLASS_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+# What LightningCLI's `_InstantiatorFn` adds beside the module's own `__init__` arguments.
+_LIGHTNING_CLI_KEYS = ("_class_path", "_instantiator")
+
+
+def lightning_module_from_class_path(ckpt: Checkpoint) -> tuple[nn.Module, str]:
+    """The LightningModule a LightningCLI checkpoint names in `hyper_parameters["_class_path"]`,
+    called with the hyper-parameters its `__init__` accepts.
+
+    A checkpoint is untrusted input, and the class path only selects code already installed
+    here: a dotted name whose top-level module `find_spec` finds (never the standard library,
+    where no LightningModule lives) is imported, and the attribute is called only if it is a
+    class deriving from lightning's `LightningModule` (`lightning.pytorch` or
+    `pytorch_lightning`). Nothing is unpickled; `_instantiator` is never called.
+    (Lightning's own `load_from_checkpoint` goes further and imports nothing; a command
+    line tool has nothing imported, so it must import the module the path names.)
+
+    Returns:
+        (module, its description for `replay.config`).
+
+    Raises:
+        ModelSpecError: one line naming the class path, why it is refused, and `--model`.
+    """
+    cfg = ckpt.config or {}
+    path = cfg.get("_class_path")
+    where = f"{ckpt.path}: hyper_parameters class path {path!r}"
+    if not isinstance(path, str) or not _CLASS_PATH.fullmatch(path):
+        raise ModelSpecError(f"{where} is not a dotted Python name; pass --model module:factory")
+    mod_name, _, cls_name = path.rpartition(".")
+    top = mod_name.split(".")[0]
+    if top == "__main__":
+        raise ModelSpecError(f"{where} is a class of the training script itself (__main__); pass --model path/to/script.py:{cls_name}")
+    bases = _lightning_module_classes()
+    if not bases:
+        raise ModelSpecError(f"{where}: building a LightningModule needs lightning installed (pip install lightning), or pass --model module:factory")
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
+        raise ModelSpecError(f"{where} is not a LightningModule (standard library); refused, pass --model module:factory")
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ModelSpecError(
+            f"{where}: module {top!r} is not importable here (install it or put it on PYTHONPATH), or pass --model module:factory"
+        )
+    try:
+        module = importlib.import_module(mod_name)
+    except Exception as e:  # the named module exists but fails to import: bad input, said in one line
+        raise ModelSpecError(f"{where}: import failed ({type(e).__name__}: {e}); pass --model module:factory") from None
+    cls = getattr(module, cls_name, None)
+    # Checked before anything is called: only a LightningModule subclass is ever instantiated.
+    if not (isinstance(cls, type) and issubclass(cls, bases)):
+        kind = "a class" if isinstance(cls, type) else "missing" if cls is None else type(cls).__name__
+        raise ModelSpecError(f"{where} is not a LightningModule subclass ({kind}); refused, pass --model module:factory")
+    args = {k: v for k, v in cfg.items() if k not in _LIGHTNING_CLI_KEYS}
+    return _call_factory(cls, path, args, what=where, source="(class and arguments from the checkpoint's hyper_parameters class path, LightningCLI)")
+
+
+def _lightning_module_classes() -> tuple[type, ...]:
+    """`LightningModule` of each lightning flavour installed (lightning 2.x, pytorch_lightning)."""
+    found = []
+    for top, mod in (("lightning", "lightning.pytorch"), ("pytorch_lightning", "pytorch_lightning")):
+        try:
+            if importlib.util.find_spec(top) is None:
+                continue
+            found.append(importlib.import_module(mod).LightningModule)
+        except Exception:  # a broken install is as good as none: the message says to install it
+            continue
+    return tuple(found)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,7 @@
 """Benchmark: `diff` on a pair bigger than the memory it may use, in one process, with
---workers, and under torchrun; the reports must be identical.
+--workers, and under torchrun; the reports must be identical. And `replay` of a model whose
+fp32 weights, gradients and Adam moments exceed that memory: one process is killed, two
+torchrun ranks (FSDP2), each in a cgroup of its own with the same cap, replay it.
 
 Writes an HF-Trainer-style pair (bf16 weights, fp32 Adam moments; the generator of
 bench/diff_throughput.py) of about 6 GiB, then runs the real CLI inside a cgroup whose
@@ -8,6 +10,7 @@ cache. Records wall time, throughput, the cgroup's limit hits, the largest proce
 and whether every mode wrote the same report.
 
     python bench/scale.py [--dir build/bench-scale] [--layers 21] [--cap-gib 2] [--record]
+                          [--only diff|replay] [--replay-layers 12] [--replay-width 1024]
 
 Needs a writable cgroup memory controller (v1 or v2; root in a container usually has
 one); without it the runs are uncapped and the table says so.
@@ -37,7 +40,7 @@ MiB, GiB = 1 << 20, 1 << 30
 class Cap:
     """A memory cgroup (v1 or v2) to start commands in; `None`-like when unavailable."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, name: str | None = None) -> None:
         self.limit = limit
         self.path: Path | None = None
         self.v2 = False
@@ -46,7 +49,7 @@ class Cap:
             if not (base / ("cgroup.controllers" if v2 else knob)).exists():
                 continue
             try:
-                p = base / f"ckptforensics-bench-{os.getpid()}"
+                p = base / (name or f"ckptforensics-bench-{os.getpid()}")
                 p.mkdir()
                 (p / knob).write_text(str(limit))
                 if not v2 and (p / "memory.memsw.limit_in_bytes").exists():
@@ -97,7 +100,21 @@ def main() -> None:
     ap.add_argument("--cap-gib", type=float, default=2.0)
     ap.add_argument("--record", action="store_true", help="Write the table into bench/RESULTS.md.")
     ap.add_argument("--keep", action="store_true", help="Keep the pair on disk afterwards.")
+    ap.add_argument("--only", choices=("diff", "replay"), default=None, help="Run one of the two benchmarks.")
+    ap.add_argument("--replay-layers", type=int, default=12, help="Blocks of the replayed GPT.")
+    ap.add_argument("--replay-width", type=int, default=1024, help="Hidden size of the replayed GPT.")
     args = ap.parse_args()
+    failed = False
+    if args.only in (None, "diff"):
+        failed |= bench_diff(args)
+    if args.only in (None, "replay"):
+        failed |= bench_replay(args)
+    if failed:
+        raise SystemExit(1)
+
+
+def bench_diff(args: argparse.Namespace) -> bool:
+    """The diff modes under one cap; True when a mode failed or the reports differ."""
     made = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "diff_throughput.py"), "--write-only", "--dir", str(args.dir), "--layers", str(args.layers)],
         check=True,
@@ -165,8 +182,108 @@ def main() -> None:
     from _results import publish
 
     publish("scale", text, args.record)
-    if not same or any(r[2] != 0 for r in rows):
-        raise SystemExit(1)
+    return not same or any(r[2] != 0 for r in rows)
+
+
+# Written by a real (two-step) training run of the project's GPT in nanoGPT's format.
+_TRAIN = """
+import sys, torch, h5py, numpy as np
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from fixtures.tinygpt import GPT, GPTConfig
+out, layers, width = Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.manual_seed(0)
+model = GPT(GPTConfig(vocab_size=8192, block_size=128, n_layer=layers, n_head=16, n_embd=width, tie_embeddings=False))
+opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, betas=(0.9, 0.95))
+batches = torch.randint(0, 8192, (2, 4, 128), generator=torch.Generator().manual_seed(1))
+for step in (1, 2):
+    loss = model(batches[step - 1], labels=batches[step - 1])
+    opt.zero_grad(); loss.backward(); opt.step()
+    (out / f"step_{step}").mkdir(parents=True, exist_ok=True)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "model_args": model.model_args(), "iter_num": step,
+                "config": {"grad_clip": 0.0}}, out / f"step_{step}" / "ckpt.pt")
+with h5py.File(out / "batches.h5", "w") as h:
+    h["step"] = np.array([1, 2]); h["input_ids"] = batches.numpy(); h.attrs["micro_batch_size"] = 4
+print(sum(p.numel() for p in model.parameters()))
+"""
+
+
+def bench_replay(args: argparse.Namespace) -> bool:
+    """`replay` of a model too big for one process under the cap: in one process (killed),
+    and on two torchrun ranks, each in a cgroup of its own with the same cap. True on failure."""
+    run_dir = args.dir / "replay-run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    made = subprocess.run([sys.executable, "-c", _TRAIN, str(ROOT), str(run_dir), str(args.replay_layers), str(args.replay_width)], check=True, capture_output=True, text=True)
+    n = int(made.stdout.strip().splitlines()[-1])
+    state = 16 * n  # fp32 weights, gradients, exp_avg, exp_avg_sq
+    replay = ["-m", "ckptforensics.cli", "-q", "replay", "--run-dir", str(run_dir), "--before", "1", "--after", "2",
+              "--model", "fixtures/tinygpt.py:factory", "--batch", str(run_dir / "batches.h5")]  # fmt: skip
+    caps = [Cap(int(args.cap_gib * GiB), f"ckptforensics-bench-{os.getpid()}-rank{i}") for i in range(2)]
+    rows, reports = [], {}
+    try:
+        # Each rank joins the cgroup of its LOCAL_RANK, then starts Python.
+        join = f'echo $$ > {caps[0].path.parent}/ckptforensics-bench-{os.getpid()}-rank$LOCAL_RANK/cgroup.procs && ' if caps[0].path else ""
+        ranks = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", "2", "--master_port", "29612", "--no-python",
+                 "sh", "-c", join + 'exec "$@"', "sh", sys.executable, *replay]  # fmt: skip
+        modes = {"one process": ([sys.executable, *replay], caps[0]), "torchrun, 2 ranks (FSDP2), a cap each": (ranks, None)}
+        for mode, (cmd, cap) in modes.items():
+            out = args.dir / "replay-reports" / str(len(rows))
+            shutil.rmtree(out, ignore_errors=True)
+            for c in caps:
+                c.reset()
+            wall, rc, rss, err = run([*cmd, "--out", str(out)], cap if cap is not None else _NoCap())
+            peaks = [c.peak() for c in caps] if cap is None else [cap.peak()]
+            ok = rc == 0 and (out / "report.json").is_file()
+            if ok:
+                doc = json.loads((out / "report.json").read_text())
+                reports[mode] = doc
+            rows.append((mode, wall, rc, rss, peaks, err if not ok else ""))
+    finally:
+        for c in caps:
+            c.close()
+        if not args.keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    two = reports.get("torchrun, 2 ranks (FSDP2), a cap each")
+    repro = two is not None and two["verdict"]["reproducible"] is True
+    capped = f"a cgroup of {args.cap_gib:g} GiB (page cache included)" if caps[0].path else "NO cgroup available: uncapped"
+    lines = [
+        f"### scale: replay — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs, torch {_torch_version()})",
+        "",
+        f"- model: the project's GPT, {args.replay_layers} blocks at width {args.replay_width}, vocab 8192 untied: {n / 1e6:.0f} M parameters; "
+        f"fp32 weights + gradients + Adam moments = {state / GiB:.2f} GiB; checkpoints written by its own two training steps (nanoGPT format)",
+        f"- each process (one process; each rank) in {capped}",
+        "",
+        "| mode | exit | wall | cgroup peak per process (page cache incl.) | largest process RSS |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for mode, wall, rc, rss, peaks, err in rows:
+        pk = ", ".join("—" if p is None else f"{p / MiB:.0f} MiB" for p in peaks)
+        lines.append(f"| {mode} | {rc} | {wall:.1f} s | {pk} | {rss / MiB:.0f} MiB |" + (f" {err[-120:]}" if err else ""))
+    lines += [
+        "",
+        f"- the 2-rank replay reproduces *after*: {'yes' if repro else 'NO'}; per rank the state is 16 B x {n / 1e6:.0f} M / 2 = {state / 2 / GiB:.2f} GiB",
+        "",
+    ]
+    from _results import publish
+
+    publish("scale-replay", "\n".join(lines), args.record)
+    one_killed = rows[0][2] != 0
+    return not (repro and one_killed) if caps[0].path else not repro
+
+
+class _NoCap:
+    """The torchrun launcher itself runs uncapped: each rank joins its own cgroup."""
+
+    path = None
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        return cmd
+
+
+def _torch_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("torch")
 
 
 if __name__ == "__main__":

@@ -123,25 +123,46 @@ def replay_section(rep: Any, suspect: int | None) -> dict[str, Any]:
     }
 
 
-def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> tuple[dict[str, Any], list[Finding]]:
-    """`ckptforensics replay`: replay (and diff, when *after* is given), merged into one verdict."""
-    from .replay import replay
+def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> tuple[dict[str, Any], list[Finding]] | None:
+    """`ckptforensics replay`: replay (and diff, when *after* is given), merged into one verdict.
 
-    rep = replay(cfg, progress=progress)
-    rfind = replay_findings(rep)
-    a, b, diff, dfind = _pair_diff(cfg)
+    Under torchrun (WORLD_SIZE > 1) the ranks replay the FSDP2-sharded model together
+    (`replay.distributed`) and share the diff's tensors; rank 0 returns the report, the
+    other ranks None.
+    """
+    from .replay import distributed, replay
+
+    ranks = distributed.start(cfg.device)
     try:
-        return _replay_report(cfg, rep, rfind, a, b, diff, dfind, command)
+        rep = replay(cfg, progress=progress)
+        rfind = replay_findings(rep)
+        a, b, diff, dfind = _pair_diff(cfg)
+        try:
+            return None if diff is _NOT_RANK_ZERO else _replay_report(cfg, rep, rfind, a, b, diff, dfind, command)
+        finally:
+            _close(a, b)
     finally:
-        _close(a, b)
+        if ranks is not None:
+            distributed.stop()
 
 
-def _pair_diff(cfg: Any) -> tuple[Any, Any, DiffResult | None, list[Finding]]:
-    """The window's checkpoints, open, and their diff (None without *after*)."""
+# The pair's diff under torchrun on ranks other than 0, which gather nothing.
+_NOT_RANK_ZERO: Any = object()
+
+
+def _pair_diff(cfg: Any) -> tuple[Any, Any, Any, list[Finding]]:
+    """The window's checkpoints, open, and their diff (None without *after*; under
+    torchrun the ranks share its tensors and the others than rank 0 get `_NOT_RANK_ZERO`)."""
+    from .replay import distributed
+
     if cfg.after is None:
         a = open_checkpoint(cfg.before)
         return a, a, None, []
-    return _diff(cfg.before, cfg.after, None, 1 << 19, None)
+    if distributed.current() is None:
+        return _diff(cfg.before, cfg.after, None, 1 << 19, None)
+    a, b = open_pair(cfg.before, cfg.after)
+    got = diff_checkpoints(a, b, DiffConfig(chunk_elems=1 << 19), distributed=True)
+    return (a, b, _NOT_RANK_ZERO, []) if got is None else (a, b, got, diff_findings(got))
 
 
 def _close(*cks: Any) -> None:
@@ -165,15 +186,28 @@ def _replay_report(
     return doc, findings
 
 
-def run_bisect(cfg: Any, *, command: str, progress: Progress | None = None, tokenizer: Path | None = None) -> tuple[dict[str, Any], list[Finding], dict[str, Any]]:
-    """`ckptforensics bisect`: replay + step and sample bisection; returns (doc, findings, skip list)."""
-    # The pair's state evidence pins bad steps that do not spike (an LR already off
-    # schedule in *before*, a collapsed second moment), as in `replay`.
-    a, b, diff, dfind = _pair_diff(cfg)
+def run_bisect(cfg: Any, *, command: str, progress: Progress | None = None, tokenizer: Path | None = None) -> tuple[dict[str, Any], list[Finding], dict[str, Any]] | None:
+    """`ckptforensics bisect`: replay + step and sample bisection; returns (doc, findings,
+    skip list); under torchrun, on ranks other than 0, None (see `run_replay`)."""
+    from .replay import distributed
+
+    ranks = distributed.start(cfg.device)
     try:
-        return _bisect_report(cfg, a, b, diff, dfind, command, progress, tokenizer)
+        # The pair's state evidence pins bad steps that do not spike (an LR already off
+        # schedule in *before*, a collapsed second moment), as in `replay`.
+        a, b, diff, dfind = _pair_diff(cfg)
+        if diff is _NOT_RANK_ZERO:  # rank 0 holds the diff's findings: every rank needs them
+            diff, dfind = None, []
+        if ranks is not None:
+            dfind = ranks.objects(dfind)[0]
+        try:
+            got = _bisect_report(cfg, a, b, diff, dfind, command, progress, tokenizer)
+            return got if ranks is None or ranks.rank == 0 else None
+        finally:
+            _close(a, b)
     finally:
-        _close(a, b)
+        if ranks is not None:
+            distributed.stop()
 
 
 def _bisect_report(
@@ -205,8 +239,23 @@ def _bisect_report(
     return doc, findings, skip
 
 
-def run_whatif(cfg: Any, n_steps: int, tries: list[str], skip_rows: dict[int, list[int]] | None, *, command: str, progress: Progress | None = None) -> tuple[dict[str, Any], list[Finding]]:
-    """`ckptforensics whatif`: the baseline and each mitigation replayed from *before*."""
+def run_whatif(
+    cfg: Any, n_steps: int, tries: list[str], skip_rows: dict[int, list[int]] | None, *, command: str, progress: Progress | None = None
+) -> tuple[dict[str, Any], list[Finding]] | None:
+    """`ckptforensics whatif`: the baseline and each mitigation replayed from *before*
+    (under torchrun: by every rank together; ranks other than 0 return None)."""
+    from .replay import distributed
+
+    ranks = distributed.start(cfg.device)
+    try:
+        got = _whatif(cfg, n_steps, tries, skip_rows, command, progress)
+        return got if ranks is None or ranks.rank == 0 else None
+    finally:
+        if ranks is not None:
+            distributed.stop()
+
+
+def _whatif(cfg: Any, n_steps: int, tries: list[str], skip_rows: dict[int, list[int]] | None, command: str, progress: Progress | None) -> tuple[dict[str, Any], list[Finding]]:
     from .whatif import parse_mitigation, whatif
 
     mitigations = [parse_mitigation(t) for t in tries]

@@ -149,7 +149,7 @@ def replay(
     from .analysis import run_replay
 
     cfg = _config(before, after, batch, run_dir, data=data, model=model, step=step, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
-    return Report(*run_replay(cfg, command=command, progress=progress))
+    return Report(*_rank_zero(run_replay(cfg, command=command, progress=progress), "replay"))
 
 
 def bisect(
@@ -174,7 +174,7 @@ def bisect(
     from .analysis import run_bisect
 
     cfg = _config(before, after, batch, run_dir, data=data, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
-    doc, findings, skip = run_bisect(cfg, command=command, progress=progress, tokenizer=Path(tokenizer) if tokenizer else None)
+    doc, findings, skip = _rank_zero(run_bisect(cfg, command=command, progress=progress, tokenizer=Path(tokenizer) if tokenizer else None), "bisect")
     return Report(doc, findings, {"skip": skip})
 
 
@@ -201,7 +201,13 @@ def whatif(
     from .analysis import run_whatif
 
     cfg = _config(before, None, batch, run_dir, data=data, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
-    return Report(*run_whatif(cfg, steps, list(tries), None, command=command, progress=progress))
+    return Report(*_rank_zero(run_whatif(cfg, steps, list(tries), None, command=command, progress=progress), "whatif"))
+
+
+def _rank_zero(got: Any, what: str) -> Any:
+    if got is None:
+        raise NotRankZero(f"{what} under torchrun: rank 0 returns the report")
+    return got
 
 
 def triage(metrics: str | Path | None = None, run_dir: str | Path | None = None, config: Any = None, keys: dict[str, str] | None = None) -> Any:

@@ -333,6 +333,12 @@ def diff(
     _finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on)
 
 
+def _not_rank_zero() -> bool:
+    from .shard import dist_world
+
+    return dist_world()[0] != 0
+
+
 def _command(name: str) -> str:
     return "ckptforensics " + " ".join(sys.argv[1:]) if sys.argv[1:] else f"ckptforensics {name}"
 
@@ -392,6 +398,13 @@ def replay(ctx: click.Context, before: str, after: str | None, run_dir: Path, ou
       ckptforensics replay --run-dir runs/7b --before 41950 --after 42000 \\
           --batch runs/7b/batches.h5 --model train.py:build_model --out incident/
       ckptforensics replay --run-dir runs/hf --before 45 --after 50 --data data/train
+
+    Models that do not fit one process: run it under torchrun; each rank holds an FSDP2
+    shard of the model and its Adam state and replays its rows of every batch.
+
+    \b
+      torchrun --nnodes 2 --nproc-per-node 8 ... -m ckptforensics.cli replay --device cuda \\
+          --run-dir runs/7b --before 41950 --after 42000 --batch runs/7b/flight --out incident/
     """
     from . import api
     from .locate import resolve_checkpoint
@@ -400,8 +413,11 @@ def replay(ctx: click.Context, before: str, after: str | None, run_dir: Path, ou
         pa = resolve_checkpoint(before, run_dir)
         pb = resolve_checkpoint(after, run_dir) if after is not None else None
         _check_out(out, [p for p in (pa, pb) if p is not None])
-        with _progress(0, "replay", ctx.obj.quiet) as prog:
-            rep = api.replay(pa, opts.pop("batch"), after=pb, progress=prog, command=_command("replay"), **opts)
+        with _progress(0, "replay", ctx.obj.quiet or _not_rank_zero()) as prog:
+            try:
+                rep = api.replay(pa, opts.pop("batch"), after=pb, progress=prog, command=_command("replay"), **opts)
+            except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
+                return
         written = rep.save(out) if out else []
     _finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on)
 
@@ -433,8 +449,11 @@ def bisect_cmd(ctx: click.Context, before: str, after: str, run_dir: Path, out: 
     with _errors(ctx):
         pa, pb = resolve_checkpoint(before, run_dir), resolve_checkpoint(after, run_dir)
         _check_out(out, [pa, pb])
-        with _progress(0, "bisect", ctx.obj.quiet) as prog:
-            rep = api.bisect(pa, pb, opts.pop("batch"), tokenizer=tokenizer, progress=prog, command=_command("bisect"), **opts)
+        with _progress(0, "bisect", ctx.obj.quiet or _not_rank_zero()) as prog:
+            try:
+                rep = api.bisect(pa, pb, opts.pop("batch"), tokenizer=tokenizer, progress=prog, command=_command("bisect"), **opts)
+            except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
+                return
         written = rep.save(out) if out else []
     _finish(ctx, rep.doc, rep.findings, as_json, written, False, "warning")
 
@@ -467,8 +486,11 @@ def whatif_cmd(ctx: click.Context, before: str, n_steps: int, tries: tuple[str, 
     with _errors(ctx):
         pa = resolve_checkpoint(before, run_dir)
         _check_out(out, [pa])
-        with _progress(0, "whatif", ctx.obj.quiet) as prog:
-            rep = api.whatif(pa, opts.pop("batch"), n_steps, list(tries), progress=prog, command=_command("whatif"), **opts)
+        with _progress(0, "whatif", ctx.obj.quiet or _not_rank_zero()) as prog:
+            try:
+                rep = api.whatif(pa, opts.pop("batch"), n_steps, list(tries), progress=prog, command=_command("whatif"), **opts)
+            except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
+                return
         written = rep.save(out) if out else []
     _finish(ctx, rep.doc, rep.findings, as_json, written, False, "warning")
 

@@ -15,13 +15,30 @@ sys.path.insert(0, str(ROOT))
 
 from fixtures.zoo import build  # noqa: E402
 
-__all__ = ["ROOT", "build", "free_port", "torchrun"]
+__all__ = ["ROOT", "SUBSET", "build", "free_port", "torchrun"]
 
 
 @pytest.fixture(scope="session")
 def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """name -> run dir for every incident and every library-written format."""
     return build(tmp_path_factory.mktemp("zoo"))
+
+
+# The drawn runs CI trains (fixtures/draws.py, tuning split): a Lightning mid-descent
+# poison (escalated; the CSVLogger's log, the default checkpoint layout), an LR jump, a
+# plateau poison after a natural grad-norm blip, a per-module LR bug, the same on FSDP2
+# (torchrun, DCP, group 0's LR logged only), and three healthy traps: a window inside
+# warmup, grad-norm blips far before the window, fp16 with routine loss-scale backoffs.
+SUBSET = (1002, 1010, 1012, 1013, 1052, 1009, 1022, 1015)
+
+
+@pytest.fixture(scope="session")
+def draws(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """seed -> run dir of every draw in SUBSET, trained once per session."""
+    from fixtures.draws import build_draw
+
+    root = tmp_path_factory.mktemp("draws")
+    return {seed: build_draw(seed, root) for seed in SUBSET}
 
 
 def free_port() -> int:

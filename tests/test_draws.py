@@ -21,20 +21,8 @@ from ckptforensics.triage import find_metrics, read_metrics, triage
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.zoo import model_spec  # noqa: E402
-from fixtures.draws import GROUP0_LR_ONLY, TUNING, build_draw, draw, log_onset  # noqa: E402
-
-# a Lightning mid-descent poison (escalated; the CSVLogger's log, the default checkpoint
-# layout), an LR jump, a plateau poison after a natural grad-norm blip, a per-module LR bug,
-# the same on FSDP2 (torchrun, DCP, group 0's LR logged only), and three healthy traps: a
-# window inside warmup, grad-norm blips far before the window, fp16 with routine loss-scale
-# backoffs.
-SUBSET = (1002, 1010, 1012, 1013, 1052, 1009, 1022, 1015)
-
-
-@pytest.fixture(scope="session")
-def draws(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    root = tmp_path_factory.mktemp("draws")
-    return {seed: build_draw(seed, root) for seed in SUBSET}
+from fixtures.draws import GROUP0_LR_ONLY, TUNING, draw, log_onset  # noqa: E402
+from tests.conftest import SUBSET  # noqa: E402
 
 
 def _replay(run: Path, out: Path, batch: str | None = None) -> dict:

@@ -146,6 +146,14 @@ class Checkpoint:
         """The tensor, lazily read (mmap-backed where possible); never written to."""
         return self._get[name]()
 
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of dim 0 of a tensor (a torchrun rank's shard), as a copy.
+
+        A reader whose loader has `rows` reads only the chunks that hold them (DCP); an
+        mmap-backed tensor pages in only the rows sliced; other formats read it whole.
+        """
+        return read_rows(self._get[name], start, stop)
+
     @property
     def step(self) -> int | None:
         """Global (trainer) step of this checkpoint, when the format records it."""
@@ -270,8 +278,24 @@ class LazyState(dict):
         """Drop the built tensors (they are rebuilt on the next access)."""
         self._cache.clear()
 
+    def rows(self, k: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of dim 0 of one state tensor, without building the rest where
+        its loader reads by rows (see `Checkpoint.rows`)."""
+        if k in self._cache:
+            return self._cache[k][start:stop].clone()
+        return read_rows(dict.__getitem__(self, k), start, stop)
+
     def values(self) -> Any:  # type: ignore[override]
         return [self[k] for k in self]
 
     def items(self) -> Any:  # type: ignore[override]
         return [(k, self[k]) for k in self]
+
+
+def read_rows(load: Any, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) from a tensor loader: its own `rows(start, stop)` when it has one,
+    else the whole tensor sliced (mmap-backed tensors page in only those rows)."""
+    if hasattr(load, "rows"):
+        return load.rows(start, stop)
+    t = load() if callable(load) else load
+    return t[start:stop].clone()

@@ -134,6 +134,28 @@ class _Store:
                 raise CorruptCheckpoint(f"{self.root}: chunk of {fqn} at {list(idx.offset)} does not fit {list(meta.size)}") from None
         return out
 
+    def rows(self, fqn: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of dim 0: only the chunks that overlap them are read."""
+        meta = self.md.state_dict_metadata[fqn]
+        size = tuple(meta.size)
+        out = torch.empty((stop - start, *size[1:]), dtype=meta.properties.dtype)
+        for idx, info in self.by_fqn.get(fqn, []):
+            lo = int(idx.offset[0]) if size else 0
+            meta_chunk = next((c for c in meta.chunks if tuple(c.offsets) == tuple(idx.offset)), None)
+            hi = lo + (int(meta_chunk.sizes[0]) if meta_chunk is not None else size[0] - lo)
+            if hi <= start or lo >= stop:
+                continue
+            chunk = self._blob(info)
+            if not isinstance(chunk, torch.Tensor):
+                raise CorruptCheckpoint(f"{self.root}: chunk of {fqn} is not a tensor")
+            a, b = max(lo, start), min(lo + chunk.shape[0], stop)
+            rest = tuple(slice(o, o + s) for o, s in zip(idx.offset[1:], chunk.shape[1:], strict=False))
+            try:
+                out[(slice(a - start, b - start), *rest)] = chunk[a - lo : b - lo]
+            except RuntimeError:
+                raise CorruptCheckpoint(f"{self.root}: chunk of {fqn} at {list(idx.offset)} does not fit {list(size)}") from None
+        return out
+
     def value(self, fqn: str) -> Any:
         items = self.by_fqn.get(fqn)
         return self._blob(items[0][1]) if items else None
@@ -297,8 +319,23 @@ def _split(key: str) -> tuple[str, ...]:
     return ("model", key[len("model.") :]) if key.startswith("model.") else (key,)
 
 
+class _Getter:
+    """Loader of one stored tensor: whole (`()`), or by rows (`rows`, a rank's shard)."""
+
+    __slots__ = ("store", "key")
+
+    def __init__(self, store: _Store, key: str) -> None:
+        self.store, self.key = store, key
+
+    def __call__(self) -> torch.Tensor:
+        return self.store.tensor(self.key)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.store.rows(self.key, start, stop)
+
+
 def getter(store: _Store, key: str) -> Callable[[], torch.Tensor]:
-    return lambda: store.tensor(key)
+    return _Getter(store, key)
 
 
 def _optimizer(store: _Store, state: dict[str, dict[str, Any]], groups: dict[Any, dict[str, str]]) -> OptimizerView:

@@ -20,6 +20,7 @@ from ..formats import open_checkpoint, open_pair
 from ..formats.base import Checkpoint
 from ..logs import group_lrs, read_metrics
 from ..tensors import LR_GROWTH_MARGIN, adam_ratio_bound
+from . import distributed
 from .batches import BatchSource, open_batches
 from .model import (
     LossNorm,
@@ -29,7 +30,7 @@ from .model import (
     load_weights,
     trainer_loss_norm,
 )
-from .probes import ModuleProbe, PassStats, param_grad_stats
+from .probes import ModuleProbe, PassStats, param_grad_stats, param_grad_sums
 from .samples import PerSampleGrad, RowStats, per_token_loss, row_data_stats
 
 __all__ = ["ReplayConfig", "StepRecord", "TensorMatch", "ReplayResult", "Plan", "Session", "plan", "replay"]
@@ -89,6 +90,33 @@ class StepRecord:
     param_spikes: dict[str, int] = field(default_factory=dict)
     logit_absmax: float = math.nan  # max |logit| of the step's batch
     log_z: float = math.nan  # mean logsumexp of the logits (softmax normaliser, nats)
+
+
+@dataclass(frozen=True, slots=True)
+class _Grads:
+    """One step's gradient evidence, merged over the ranks: the step's loss, the pre-clip
+    total norm, parameters (model names) with non-finite gradients, per parameter RMS /
+    RMS_t / spikes (checkpoint names), per row loss and gradient norm^2, logit stats."""
+
+    loss: float
+    total: float
+    nonfinite: tuple[str, ...]
+    rms: dict[str, float]
+    rms_t: dict[str, float]
+    spikes: dict[str, int]
+    sample_loss: tuple[float, ...]
+    sample_grad_sq: tuple[float, ...] | None
+    logit_absmax: float
+    log_z: float
+
+
+def _local(t: Any) -> Any:
+    """A rank's shard of a DTensor (FSDP2 parameter, gradient or moment); others as is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _local_state(state: dict | None) -> dict:
+    return {k: _local(v) for k, v in (state or {}).items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +184,7 @@ def _model_source(spec: str | None, desc: str | None) -> str:
     if spec:
         return "--model"
     if desc and not desc.startswith("transformers"):
-        return "the run's recorded config (args, config.json or model_config.yaml)"
+        return "the run's recorded config (args, config.json, model_config.yaml or a LightningCLI class path)"
     return "checkpoint config.json"
 
 
@@ -215,13 +243,21 @@ class Session:
         micro_batch_size: int | None = None,
     ) -> None:
         self.cfg = cfg
-        self.device = torch.device(cfg.device)
-        self.model, self.model_source = build_model(cfg.model, a)
+        self.ranks = distributed.current()
+        self.device = torch.device(cfg.device) if self.ranks is None else self.ranks.device
+        if self.ranks is not None and precision == "fp16":
+            # GradScaler's inf check is per rank: ranks could disagree on skipping a step.
+            raise ForensicsError("an fp16 (loss-scaled) replay runs in one process for now: run it without torchrun")
+        with distributed.params_on_meta() if self.ranks is not None else contextlib.nullcontext():
+            self.model, self.model_source = build_model(cfg.model, a)
         self.loss_norm = trainer_loss_norm(self.model, a)
         self.micro_batch_size = micro_batch_size
-        self.to_ckpt = load_weights(self.model, a)
+        if self.ranks is not None:
+            distributed.shard_model(self.model, self.ranks)
+            distributed.materialize(self.model, self.device)
+        self.to_ckpt = load_weights(self.model, a, self.ranks)
         self.model.to(self.device).train()
-        self.opt = build_optimizer(self.model, a, self.to_ckpt)
+        self.opt = build_optimizer(self.model, a, self.to_ckpt, self.ranks)
         self.precision = precision
         self.scaler = None
         if precision == "fp16":
@@ -229,7 +265,7 @@ class Session:
             state = a.scalars.get("scaler")
             if isinstance(state, dict) and "scale" in state:
                 self.scaler.load_state_dict({k: v for k, v in state.items() if k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")})
-        self.probe = ModuleProbe(self.model, self.device)
+        self.probe = ModuleProbe(self.model, self.device, self.ranks)
         self.psg = PerSampleGrad(self.model)
         self.loss_fn = loss_fn
         self.labels_shifted = labels_shifted
@@ -237,6 +273,15 @@ class Session:
         self._group_of = {id(p): g for g in self.opt.param_groups for p in g["params"]}
 
     def _loss(self, batch: dict[str, torch.Tensor], precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's loss as the trainer averaged it, and each row's mean token loss.
+
+        Under torchrun: this rank's rows only, and its share of the step's loss (its
+        token losses over the whole batch's denominator), so the ranks' shares sum to it.
+        """
+        full = batch
+        if self.ranks is not None:
+            batch = self.ranks.my_rows(batch)
+            self.probe.rows = batch["input_ids"].shape[0]
         ids = batch["input_ids"].to(self.device)
         kwargs = {"input_ids": ids}
         if "attention_mask" in batch:
@@ -259,11 +304,14 @@ class Session:
                 mask = mask * (kwargs["attention_mask"] if shifted else kwargs["attention_mask"][:, 1:]).to(tok.dtype)
         masked = tok * mask
         per_sample = masked.sum(1) / mask.sum(1).clamp_min(1)
-        loss = self._normalise(masked, mask, labels, shifted)
+        loss = self._normalise(masked, mask, labels, shifted) if self.ranks is None else self._share(masked, mask, full, shifted)
         with torch.no_grad():
             lg = logits.detach()
-            lo, hi = torch.aminmax(lg)
-            self.logit_stats = torch.stack([torch.maximum(-lo.float(), hi.float()), torch.logsumexp(lg.float(), -1).mean()])
+            lo, hi = torch.aminmax(lg) if lg.numel() else (lg.new_zeros(()), lg.new_zeros(()))
+            lse = torch.logsumexp(lg.float(), -1)
+            absmax = torch.maximum(-lo.float(), hi.float())
+            # One rank: [max |logit|, mean log Z]; ranks: the sum and count to merge.
+            self.logit_stats = torch.stack([absmax, lse.mean()]) if self.ranks is None else torch.stack([absmax, lse.sum(), lse.new_tensor(lse.numel())])
         return loss, per_sample
 
     def _normalise(self, tok: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
@@ -275,6 +323,26 @@ class Session:
             parts = [(t.sum() / m.sum().clamp_min(1)) for t, m in zip(tok.split(self.micro_batch_size), mask.split(self.micro_batch_size), strict=True)]
             return torch.stack(parts).mean()
         return tok.sum() / mask.sum().clamp_min(1)
+
+    def _share(self, tok: torch.Tensor, mask: torch.Tensor, full: dict[str, torch.Tensor], shifted: bool) -> torch.Tensor:
+        """This rank's share of the step's loss: `_normalise` with the whole batch's
+        denominator (counted from the global batch every rank holds)."""
+        kind = self.loss_norm.kind if self.loss_fn is None else "targets"
+        labels = full.get("labels", full["input_ids"])
+        rows = labels.shape[0]
+        if kind == "labels" and not shifted:
+            return tok.sum() / (labels != -100).sum().clamp_min(1).to(tok.device)
+        if kind == "micro" and self.micro_batch_size and self.micro_batch_size < rows:
+            parts = [t.sum() / m.sum().clamp_min(1) for t, m in zip(tok.split(self.micro_batch_size), mask.split(self.micro_batch_size), strict=True)]
+            return torch.stack(parts).sum() / -(-rows // self.micro_batch_size) if parts else tok.sum() * 0
+        if self.loss_fn is not None:
+            count = torch.tensor(rows * tok.shape[1])
+        else:
+            count = ((labels if shifted else labels[:, 1:]) != -100).sum()
+            if "attention_mask" in full:
+                am = full["attention_mask"] if shifted else full["attention_mask"][:, 1:]
+                count = (((labels if shifted else labels[:, 1:]) != -100) & (am != 0)).sum()
+        return tok.sum() / count.clamp_min(1).to(tok.device)
 
     def probe_pass(self, batch: dict[str, torch.Tensor], precision: str) -> PassStats:
         """Forward + backward with probes, no update (the fp32 reference pass)."""
@@ -292,7 +360,11 @@ class Session:
             self.opt.zero_grad(set_to_none=True)
             loss, _ = self._loss(batch, self.precision)
             loss.backward()
-            grads = [p.grad for _, p in self.params if p.grad is not None]
+            grads = [_local(p.grad) for _, p in self.params if p.grad is not None]
+            if self.ranks is not None:  # the ranks' loss shares and squared norms, summed
+                sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+                total = self.ranks.sum(torch.stack([loss.detach().float().cpu(), sq.double().cpu().float()]).double())
+                return float(total[0]), math.sqrt(float(total[1]))
             norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))) if grads else 0.0
             return float(loss.detach()), norm
         finally:
@@ -309,21 +381,16 @@ class Session:
         self.psg.enabled = True
         self.opt.zero_grad(set_to_none=True)
         loss, per_sample = self._loss(batch, self.precision)
+        self._last_loss, self._last_per_sample = loss, per_sample
+        self._rows = next(iter(batch.values())).shape[0]
         scale = self.scaler.get_scale() if self.scaler is not None else None
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         self.psg.enabled = False
         stats = self.probe.collect()
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
-        grads = [p.grad for _, p in self.params if p.grad is not None]
-        finite = torch.stack([torch.isfinite(g).all() for g in grads]).cpu() if grads else torch.ones(0, dtype=torch.bool)
-        bad = tuple(n for (n, p), ok in zip([(n, p) for n, p in self.params if p.grad is not None], finite.tolist(), strict=True) if not ok)
         with_grad = [(n, p) for n, p in self.params if p.grad is not None]
-        table = torch.stack([self._grad_stats(p) for _, p in with_grad]).cpu().tolist() if with_grad else []  # one sync
-        grad_rms = {self.to_ckpt(n): row[0] for (n, _), row in zip(with_grad, table, strict=True)}
-        rms_t = {self.to_ckpt(n): row[1] for (n, _), row in zip(with_grad, table, strict=True) if math.isfinite(row[1])}
-        spikes = {self.to_ckpt(n): int(row[2]) for (n, _), row in zip(with_grad, table, strict=True) if row[2] > 0}
-        total = torch.nn.utils.clip_grad_norm_([p for _, p in self.params], clip if clip else float("inf"))
+        g = self._gradients(with_grad, clip) if self.ranks is None else self._gradients_ranks(with_grad, clip, loss, per_sample)
         if not update:
             skipped = True  # the mitigation skips this step's update
         elif self.scaler is not None:
@@ -332,31 +399,97 @@ class Session:
             self.scaler.update()
             skipped = self.scaler.get_scale() < before_scale
         else:
-            skipped = not math.isfinite(float(total))
+            skipped = not math.isfinite(g.total)
             self.opt.step()
-        sq = self.psg.sq
-        logit_absmax, log_z = self.logit_stats.cpu().tolist()
         rec = StepRecord(
             step=step,
-            loss=float(loss.detach()),
-            grad_norm=float(total),
+            loss=g.loss,
+            grad_norm=g.total,
             skipped=bool(skipped),
             lr=tuple(lrs),
             loss_scale=scale,
-            sample_loss=tuple(per_sample.detach().float().cpu().tolist()),
-            sample_grad_sq=tuple(sq.cpu().tolist()) if sq is not None else None,
+            sample_loss=g.sample_loss,
+            sample_grad_sq=g.sample_grad_sq,
             sample_ids=None,
-            param_grad_nonfinite=bad,
-            param_grad_rms=grad_rms,
-            param_rms_t=rms_t,
-            param_spikes=spikes,
-            logit_absmax=logit_absmax,
-            log_z=log_z,
+            param_grad_nonfinite=g.nonfinite,
+            param_grad_rms=g.rms,
+            param_rms_t=g.rms_t,
+            param_spikes=g.spikes,
+            logit_absmax=g.logit_absmax,
+            log_z=g.log_z,
         )
         return rec, stats
 
     def _grad_stats(self, p: torch.Tensor) -> torch.Tensor:
         return param_grad_stats(p.grad, self.opt.state.get(p) or {}, self._group_of[id(p)])
+
+    def _gradients(self, with_grad: list[tuple[str, nn.Parameter]], clip: float | None) -> _Grads:
+        """The step's gradient evidence in one process, then clipping (one host read)."""
+        grads = [p.grad for _, p in with_grad]
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).cpu() if grads else torch.ones(0, dtype=torch.bool)
+        bad = tuple(n for (n, _), ok in zip(with_grad, finite.tolist(), strict=True) if not ok)
+        table = torch.stack([self._grad_stats(p) for _, p in with_grad]).cpu().tolist() if with_grad else []  # one sync
+        total = torch.nn.utils.clip_grad_norm_([p for _, p in self.params], clip if clip else float("inf"))
+        sq = self.psg.sq
+        logit_absmax, log_z = self.logit_stats.cpu().tolist()
+        return _Grads(
+            loss=float(self._last_loss.detach()),
+            total=float(total),
+            nonfinite=bad,
+            rms={self.to_ckpt(n): row[0] for (n, _), row in zip(with_grad, table, strict=True)},
+            rms_t={self.to_ckpt(n): row[1] for (n, _), row in zip(with_grad, table, strict=True) if math.isfinite(row[1])},
+            spikes={self.to_ckpt(n): int(row[2]) for (n, _), row in zip(with_grad, table, strict=True) if row[2] > 0},
+            sample_loss=tuple(self._last_per_sample.detach().float().cpu().tolist()),
+            sample_grad_sq=tuple(sq.cpu().tolist()) if sq is not None else None,
+            logit_absmax=logit_absmax,
+            log_z=log_z,
+        )
+
+    def _gradients_ranks(self, with_grad: list[tuple[str, nn.Parameter]], clip: float | None, loss: torch.Tensor, per_sample: torch.Tensor) -> _Grads:
+        """The step's gradient evidence across torchrun ranks, then clipping.
+
+        Each rank holds its shard of every gradient and its rows' per-sample figures; all of
+        it travels in one gather: [loss share, logit stats, rows, per-sample loss and grad
+        norm^2 (padded), per parameter: sum g^2, sum g^2 / v_hat, spikes, finite]. The
+        total norm and clipping follow from the merged sums (torch's clip_grad_norm_ rule).
+        """
+        assert self.ranks is not None
+        dev = self.device
+        pad = -(-self._rows // self.ranks.world) + 1  # rows of the largest block
+        n = per_sample.shape[0]
+        sq = self.psg.sq
+        head = torch.cat([loss.detach().float().reshape(1), self.logit_stats.float(), torch.tensor([float(n), float(sq is not None)], device=dev)])
+        samples = torch.zeros(2, pad, device=dev)
+        samples[0, :n] = per_sample.detach().float()
+        if sq is not None:
+            samples[1, :n] = sq.float()
+        rows = [torch.cat([param_grad_sums(_local(p.grad), _local_state(self.opt.state.get(p)), self._group_of[id(p)]), torch.isfinite(_local(p.grad)).all().float().reshape(1)]) for _, p in with_grad]
+        table = torch.stack(rows) if rows else torch.zeros(0, 4, device=dev)
+        flat = torch.cat([head, samples.reshape(-1), table.reshape(-1)]).double()
+        every = self.ranks.gather(flat).cpu()  # the step's one collective: [W, len(flat)]
+        h = len(head)
+        heads, smp, tab = every[:, :h], every[:, h : h + 2 * pad].reshape(-1, 2, pad), every[:, h + 2 * pad :].reshape(self.ranks.world, -1, 4)
+        counts = heads[:, 4].long().tolist()
+        sums = tab[..., :3].sum(0)  # [P, 3]
+        ok = tab[..., 3].amin(0)
+        total = float(sums[:, 0].sum().sqrt()) if len(with_grad) else 0.0
+        if clip and total > 0:
+            coef = clip / (total + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
+            if coef < 1:
+                torch._foreach_mul_([_local(p.grad) for _, p in with_grad], coef)
+        numel = [p.numel() for _, p in with_grad]
+        return _Grads(
+            loss=float(heads[:, 0].sum()),
+            total=total,
+            nonfinite=tuple(nm for (nm, _), good in zip(with_grad, ok.tolist(), strict=True) if not good),
+            rms={self.to_ckpt(nm): math.sqrt(float(r[0]) / max(k, 1)) for (nm, _), r, k in zip(with_grad, sums, numel, strict=True)},
+            rms_t={self.to_ckpt(nm): math.sqrt(float(r[1]) / max(k, 1)) for (nm, _), r, k in zip(with_grad, sums, numel, strict=True) if math.isfinite(float(r[1]))},
+            spikes={self.to_ckpt(nm): int(r[2]) for (nm, _), r in zip(with_grad, sums, strict=True) if r[2] > 0},
+            sample_loss=tuple(float(x) for w, c in enumerate(counts) for x in smp[w, 0, :c].tolist()),
+            sample_grad_sq=tuple(float(x) for w, c in enumerate(counts) for x in smp[w, 1, :c].tolist()) if bool(heads[:, 5].all()) else None,
+            logit_absmax=float(heads[:, 1].max()),
+            log_z=float(heads[:, 2].sum() / heads[:, 3].sum().clamp_min(1)),
+        )
 
     def close(self) -> None:
         self.probe.remove()
@@ -374,11 +507,15 @@ def _compare(session: Session, b: Checkpoint, lrs: dict[int, list[float]], only:
     k = len(lrs)
     out = []
     state = session.opt.state
+    ranks = session.ranks
     group_of = {id(p): gi for gi, g in enumerate(session.opt.param_groups) for p in g["params"]}
     for key, p in session.model.named_parameters():
         name = session.to_ckpt(key)
         name = b.aliases.get(name, name)
         if (only is not None and name not in only) or not b.has(name):
+            continue
+        if ranks is not None:
+            out.extend(_compare_shard(ranks, name, p, state.get(p, {}), session.opt.param_groups[group_of.get(id(p), 0)], b, lrs, group_of.get(id(p), 0)))
             continue
         gi = group_of.get(id(p), 0)
         g = session.opt.param_groups[gi]
@@ -403,7 +540,63 @@ def _compare(session: Session, b: Checkpoint, lrs: dict[int, list[float]], only:
                 scale = torch.maximum(x.abs(), y.abs())
                 tol = 1e-3 * k * scale + 1e-4 * float(scale.max()) + 1e-30
                 out.append(_match(name, where, x, y, tol, None))
+    return out if ranks is None else merge_matches(ranks, out)
+
+
+def _compare_shard(
+    ranks: distributed.Ranks, name: str, p: Any, st_p: dict, g: dict, b: Checkpoint, lrs: dict[int, list[float]], gi: int
+) -> list[TensorMatch]:
+    """`_compare` for one FSDP2-sharded parameter: this rank's rows of the replayed state
+    against the same rows of *after* (only those read); the ranks' counts are merged by
+    `merge_matches`. The moments' tolerance floor is the whole tensor's scale (one
+    all-reduce of the two maxima per parameter)."""
+    k = len(lrs)
+    lr = max(v[gi] for v in lrs.values())
+    beta1, beta2 = g["betas"]
+    t_end = int(st_p["step"]) if "step" in st_p else k
+    c = adam_ratio_bound(beta1, beta2, max(1, t_end - k + 1), t_end)
+    stored = b.meta(name).shape
+
+    def after_rows(read: Callable[[int, int], torch.Tensor], full: Callable[[], torch.Tensor]) -> torch.Tensor:
+        return distributed.local_rows(ranks, p, stored, read, full).float().reshape(_local(p).shape)
+
+    mine = _local(p).detach().cpu().float()
+    ref = after_rows(lambda lo, hi: b.rows(name, lo, hi), lambda: b.tensor(name))
+    ulp = torch.finfo(b.meta(name).dtype).eps if b.meta(name).dtype.is_floating_point else 0.0
+    wscale = torch.maximum(mine.abs(), ref.abs())
+    out = [_match(name, "weight", mine, ref, 0.01 * k * lr + 4 * ulp * wscale, k * lr * (c + g["weight_decay"] * wscale) * 1.001 + 2 * ulp * wscale)]
+    st = b.optim_state(name)
+    if st_p and st:
+        pairs = {}
+        for where in ("exp_avg", "exp_avg_sq"):
+            x = _local(st_p[where]).cpu().float()
+            rows = (lambda lo, hi, w=where: st.rows(w, lo, hi)) if hasattr(st, "rows") else (lambda lo, hi, w=where: st[w][lo:hi].clone())
+            y = after_rows(rows, lambda w=where: st[w])
+            pairs[where] = (x, y, torch.maximum(x.abs(), y.abs()))
+        tops = ranks.max(torch.stack([s.max() if s.numel() else s.new_zeros(()) for _, _, s in pairs.values()]))
+        for (where, (x, y, scale)), top in zip(pairs.items(), tops.tolist(), strict=True):
+            out.append(_match(name, where, x, y, 1e-3 * k * scale + 1e-4 * top + 1e-30, None))
+        b.forget(name)
     return out
+
+
+def merge_matches(ranks: distributed.Ranks, local: list[TensorMatch]) -> list[TensorMatch]:
+    """Every rank's per-shard matches as whole-tensor ones (counts summed, maxima taken),
+    identical on every rank: one collective."""
+    merged: dict[tuple[str, str], TensorMatch] = {}
+    for part in ranks.objects(local):
+        for m in part:
+            o = merged.get((m.name, m.where))
+            merged[(m.name, m.where)] = m if o is None else TensorMatch(
+                name=m.name,
+                where=m.where,
+                max_abs_diff=max(o.max_abs_diff, m.max_abs_diff),
+                mismatched=o.mismatched + m.mismatched,
+                numel=o.numel + m.numel,
+                tolerance=max(o.tolerance, m.tolerance),
+                impossible=o.impossible + m.impossible,
+            )
+    return [merged[(m.name, m.where)] for m in local]
 
 
 def _match(name: str, where: str, x: torch.Tensor, y: torch.Tensor, tol: torch.Tensor | float, bound: torch.Tensor | None) -> TensorMatch:
@@ -457,6 +650,7 @@ class Plan:
             "model": {"value": self.model_source or cfg.model or "config.json", "source": _model_source(cfg.model, self.model_source)},
             "batches": {"value": self.batches.describe, "source": "--data, rebuilt; the first replayed step's loss and grad norm match the log" if self.batches.rebuilt else "--batch"},
             "metrics": {"value": str(self.metrics_file) if self.metrics_file else None, "source": "discovered" if self.metrics_file and cfg.metrics is None else "--metrics"},
+            **({"distributed": {"value": ranks.describe(), "source": "torchrun"}} if (ranks := distributed.current()) is not None else {}),
         }
 
     def baseline(self) -> dict[int, dict[str, float]]:
@@ -465,7 +659,10 @@ class Plan:
         return {s: self.logged[s] for s in range(first - 128, first) if s in self.logged}
 
     def session(self) -> Session:
-        sess = Session(self.cfg, self.a, self.precision, self.loss_fn, self.batches.labels_shifted, self.batches.micro_batch_size)
+        # Under torchrun each rank reads its own rows: a rank that cannot stops them all.
+        sess = distributed.agree(
+            distributed.current(), lambda: Session(self.cfg, self.a, self.precision, self.loss_fn, self.batches.labels_shifted, self.batches.micro_batch_size)
+        )
         self.model_source, self.loss_norm = sess.model_source, sess.loss_norm
         return sess
 
@@ -617,6 +814,11 @@ def _settle_ratio_change(p: Plan, progress: Callable[[str], None] | None) -> Non
     if change is None or p.b is None or not p.lr_source.startswith(("training log lr", "constant")):
         return
     groups, ra, rb = change
+    if distributed.current() is not None:
+        raise ForensicsError(
+            f"param group {', '.join(map(str, groups))}'s LR ratio changes inside the window and the log gives one LR: "
+            "finding the step it changed at runs in one process; run without torchrun, or pass a batch log with /lr per group (the flight recorder's)"
+        )
     assert p.a.optimizer is not None
     names = [n for n, h in p.a.optimizer.hyper.items() if h.index in groups and p.b.has(n)]
     if not names:

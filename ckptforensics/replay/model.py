@@ -364,8 +364,11 @@ def _prefix_map(model_keys: list[str], ckpt_names: set[str]) -> Callable[[str], 
     return lambda k: k
 
 
-def load_weights(model: nn.Module, ckpt: Checkpoint) -> Callable[[str], str]:
+def load_weights(model: nn.Module, ckpt: Checkpoint, ranks: Any = None) -> Callable[[str], str]:
     """Load the checkpoint's weights strictly (tied weights filled from their owner).
+
+    With `ranks` (a torchrun replay, `replay.distributed`), the model's parameters are
+    FSDP2 shards: each is filled with only its rows of the stored tensor.
 
     Returns:
         The model-key -> checkpoint-name mapping used (for optimizer state).
@@ -393,11 +396,13 @@ def load_weights(model: nn.Module, ckpt: Checkpoint) -> Callable[[str], str]:
             else:
                 missing.append(key)
                 continue
-        t = ckpt.tensor(src)
-        if tuple(t.shape) != tuple(ref.shape):
-            shapes.append(f"{key} {list(t.shape)} vs model {list(ref.shape)}")
+        if tuple(ckpt.meta(src).shape) != tuple(ref.shape):
+            shapes.append(f"{key} {list(ckpt.meta(src).shape)} vs model {list(ref.shape)}")
             continue
-        new[key] = t.to(ref.dtype).clone()
+        if ranks is not None and hasattr(ref, "to_local"):
+            _fill_shard(ref, ckpt, src, ranks)
+            continue
+        new[key] = ckpt.tensor(src).to(ref.dtype).clone()
     used = {ckpt.aliases.get(to_ckpt(k), to_ckpt(k)) for k in sd}
     unexpected = sorted(n for n in ckpt.names() if n not in used)
     if missing or shapes or unexpected:
@@ -409,8 +414,22 @@ def load_weights(model: nn.Module, ckpt: Checkpoint) -> Callable[[str], str]:
         if shapes:
             parts.append(f"shape mismatch: {shapes[0]}")
         raise IncompatibleCheckpoints(f"--model does not match {ckpt.path}: " + "; ".join(parts))
-    model.load_state_dict(new, strict=True)
+    if ranks is None:
+        model.load_state_dict(new, strict=True)
+    else:
+        with torch.no_grad():  # buffers (not sharded) and anything else read whole
+            for key, t in new.items():
+                sd[key].copy_(t)
     return to_ckpt
+
+
+def _fill_shard(param: Any, ckpt: Checkpoint, name: str, ranks: Any) -> None:
+    """Copy this rank's rows of checkpoint tensor `name` into the DTensor `param`."""
+    from .distributed import local_rows
+
+    local = local_rows(ranks, param, ckpt.meta(name).shape, lambda lo, hi: ckpt.rows(name, lo, hi), lambda: ckpt.tensor(name))
+    with torch.no_grad():
+        param.to_local().copy_(local)
 
 
 def _model_ties(model: nn.Module) -> dict[str, tuple[str, ...]]:
@@ -426,8 +445,9 @@ def _is_derived_buffer(model: nn.Module, key: str) -> bool:
     return key not in dict(model.named_parameters()) and key.endswith(("inv_freq", "attn.bias", "masked_bias", "position_ids"))
 
 
-def build_optimizer(model: nn.Module, ckpt: Checkpoint, to_ckpt: Callable[[str], str]) -> torch.optim.Optimizer:
-    """AdamW with the checkpoint's param groups, hyper-parameters and moments.
+def build_optimizer(model: nn.Module, ckpt: Checkpoint, to_ckpt: Callable[[str], str], ranks: Any = None) -> torch.optim.Optimizer:
+    """AdamW with the checkpoint's param groups, hyper-parameters and moments (with
+    `ranks`, each moment as the DTensor shard of its parameter: only those rows read).
 
     Raises:
         ForensicsError: no optimizer state, or one that is not Adam(W).
@@ -460,9 +480,27 @@ def build_optimizer(model: nn.Module, ckpt: Checkpoint, to_ckpt: Callable[[str],
             st = opt.state.get(name)
             if not st:
                 continue
+            if ranks is not None and hasattr(p, "to_local"):
+                optim.state[p] = {"step": torch.tensor(float(st["step"])), **{k: _shard_moment(p, ckpt, name, k, ranks) for k in ("exp_avg", "exp_avg_sq")}}
+                ckpt.forget(name)
+                continue
             optim.state[p] = {
                 "step": torch.tensor(float(st["step"])),
                 "exp_avg": st["exp_avg"].to(p.device, torch.float32).clone().view_as(p),
                 "exp_avg_sq": st["exp_avg_sq"].to(p.device, torch.float32).clone().view_as(p),
             }
     return optim
+
+
+def _shard_moment(p: Any, ckpt: Checkpoint, name: str, field: str, ranks: Any) -> Any:
+    """A moment of `name` as a DTensor sharded like its parameter `p`."""
+    from torch.distributed.tensor import DTensor
+
+    from .distributed import local_rows
+
+    st = ckpt.optim_state(name)
+    stored = tuple(ckpt.meta(name).shape) if ckpt.has(name) else ()
+    rows = (lambda lo, hi: st.rows(field, lo, hi)) if hasattr(st, "rows") else (lambda lo, hi: st[field][lo:hi].clone())
+    local = local_rows(ranks, p, stored, rows, lambda: st[field])
+    local = local.to(p.device, torch.float32).reshape(p.to_local().shape)
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())

@@ -1,0 +1,244 @@
+"""Replay across torchrun ranks: the model sharded with FSDP2, each rank's rows, one gather a pass.
+
+Under `torchrun` every rank builds the model with its parameters on the meta device,
+shards it with PyTorch's own FSDP2 (`fully_shard` on every block, then the root) and reads
+into its shards only the rows of *before* it owns (dim 0, as FSDP2 splits it), weights and
+Adam moments alike, so no rank ever holds the whole model or its optimizer state. Each rank
+takes a contiguous block of the step's global batch (the order in which the flight recorder
+and the Trainer's distributed sampler lay out rank 0's rows first). Gradients are summed
+across ranks (FSDP2's divide factor set to 1): every rank scales its loss by the *global*
+denominator, so the summed gradient is the single-process one.
+
+Statistics stay per rank until the end of a pass, then travel in one collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from ..errors import ForensicsError
+
+__all__ = ["Ranks", "current", "start", "stop", "agree", "params_on_meta", "shard_model", "materialize", "local_rows"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Ranks:
+    """This process's place among the torchrun ranks.
+
+    Attributes:
+        rank, world: this rank and the number of ranks.
+        mesh: the one-dimensional device mesh FSDP2 shards over.
+        device: this rank's device (cpu, or cuda:LOCAL_RANK).
+    """
+
+    rank: int
+    world: int
+    mesh: Any
+    device: torch.device
+
+    def row_range(self, n: int) -> tuple[int, int]:
+        """[start, stop) of dim 0 this rank owns of a length-n dimension: FSDP2's split
+        (torch.chunk: ceil(n / world) rows a rank, the last ranks short or empty)."""
+        per = -(-n // self.world)
+        start = min(self.rank * per, n)
+        return start, min(start + per, n)
+
+    def my_rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's contiguous block of the global batch's rows (rank 0's first, as the
+        run's ranks consumed them)."""
+        b = next(iter(batch.values())).shape[0]
+        lo, hi = _block(b, self.world, self.rank)
+        return {k: v[lo:hi] for k, v in batch.items()}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world,
+            "rows": "each rank a contiguous block of the global batch, rank 0's first",
+            "parameters": "FSDP2 fully_shard per block, then the root; dim-0 shards, gradients summed",
+            "backend": "nccl" if self.device.type == "cuda" else "gloo",
+        }
+
+    def gather(self, flat: torch.Tensor) -> torch.Tensor:
+        """Every rank's `flat` (1-D, same length everywhere) as [world, n]: one collective."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(flat) for _ in range(self.world)]
+        dist.all_gather(parts, flat.contiguous())
+        return torch.stack(parts)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x
+
+    def objects(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, rank order (small records only)."""
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def _block(n: int, world: int, rank: int) -> tuple[int, int]:
+    """Contiguous, near-equal blocks: the first n % world ranks take one row more."""
+    base, extra = divmod(n, world)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+_CURRENT: list[Ranks] = []
+
+
+def current() -> Ranks | None:
+    """The ranks this process replays with (None: one process)."""
+    return _CURRENT[0] if _CURRENT else None
+
+
+def start(device: str) -> Ranks | None:
+    """Join the torchrun job when WORLD_SIZE > 1 (gloo on CPU, NCCL with one GPU a rank).
+
+    Returns None outside torchrun. The process group is this module's until `stop()`.
+    """
+    from ..shard import dist_world
+
+    rank, world = dist_world()
+    if world == 1:
+        return None
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device.startswith("cuda"):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dev, backend = torch.device("cuda", local), "nccl"
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        # A rank that stops without a word must not leave the others waiting for long.
+        dist.init_process_group(backend, timeout=timedelta(minutes=int(os.environ.get("CKPTFORENSICS_DIST_TIMEOUT_MIN", "30"))))
+    mesh = init_device_mesh(dev.type, (world,))
+    ranks = Ranks(rank=rank, world=world, mesh=mesh, device=dev)
+    _CURRENT[:] = [ranks]
+    log.info("rank %d of %d on %s (%s)", rank, world, dev, backend)
+    return ranks
+
+
+def stop() -> None:
+    import torch.distributed as dist
+
+    _CURRENT.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def agree(ranks: Ranks | None, fn: Callable[[], T]) -> T:
+    """Run `fn` on every rank; if it raised a ForensicsError on any rank, raise the first
+    rank's error on every rank, so that no rank waits forever on one that stopped."""
+    if ranks is None:
+        return fn()
+    err: str | None = None
+    out: Any = None
+    try:
+        out = fn()
+    except ForensicsError as e:
+        err = str(e)
+    errors = [e for e in ranks.objects(err) if e]
+    if errors:
+        raise ForensicsError(errors[0])
+    return out
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Build a model whose parameters live on the meta device (no memory) while its
+    buffers stay real: a rotary table or causal mask computed in `__init__` is kept, and
+    FSDP2 then allocates only each rank's shard of every parameter."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: members of a ModuleList that hold parameters (torchtitan
+    and every HF, Megatron and OLMo-core model keep their layers so)."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList):
+            out.extend(c for c in m if any(True for _ in c.parameters()))
+    return out
+
+
+def shard_model(model: nn.Module, ranks: Ranks) -> int:
+    """FSDP2 over `model` in place: `fully_shard` per block, then the root; gradients
+    summed, not averaged, across ranks. Returns the number of blocks sharded."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    blocks = _blocks(model)
+    for block in blocks:
+        fully_shard(block, mesh=ranks.mesh)
+    fully_shard(model, mesh=ranks.mesh)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            # gloo has no pre-multiplied sum: a plain sum is what a divide factor of 1 means.
+            m.set_force_sum_reduction_for_comms(True)
+    return len(blocks)
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate the shards on `device` (uninitialised: the checkpoint fills them), keeping
+    the buffers the model computed when it was built."""
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+
+
+def local_rows(
+    ranks: Ranks, p: torch.Tensor, stored: tuple[int, ...], read_rows: Callable[[int, int], torch.Tensor], read_full: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """This rank's shard of a tensor for the DTensor `p`: only the shard's rows are read
+    where the checkpoint stores it in `p`'s shape, else it is read whole and split (flat
+    or differently shaped state)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    shape = tuple(p.shape)
+    if shape and tuple(stored) == shape:
+        lo, hi = ranks.row_range(shape[0])
+        if hi - lo == p.to_local().shape[0]:
+            return read_rows(lo, hi)
+    full = read_full().reshape(shape)
+    return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()

@@ -1,0 +1,118 @@
+"""replay and bisect under torchrun (2 gloo ranks, FSDP2): the single-process report.
+
+The ranks shard the model and its Adam state with FSDP2 and split each batch's rows, so
+sums are taken in another order: every number may differ in its last bits (relative 1e-4
+allowed here; measured: within 1e-5), every verdict field must be equal, and the report
+states how it ran (`replay.config.distributed`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from click.testing import CliRunner
+
+from ckptforensics.cli import cli
+from ckptforensics.formats.dcp import read_metadata
+from tests.conftest import torchrun, truth
+
+REL = 1e-4
+
+
+def _args(run: Path, command: str) -> list[str]:
+    t = truth(run)
+    args = [command, "--run-dir", str(run), "--before", str(t["before"]), "--after", str(t["after"])]
+    if (run / "flight").is_dir():  # the recorder's log: every param group's LR per step
+        args += ["--batch", str(run / "flight")]
+    else:
+        args += ["--batch", str(run / t["replay"]["batch"])]
+    if t["replay"].get("model"):
+        args += ["--model", f"{run / t['replay']['model'].split(':')[0]}:{t['replay']['model'].split(':')[1]}"]
+    return args
+
+
+def _one(args: list[str], out: Path) -> dict[str, Any]:
+    r = CliRunner().invoke(cli, ["-q", *args, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    return json.loads((out / "report.json").read_text())
+
+
+def _two(args: list[str], out: Path) -> subprocess.CompletedProcess:
+    return torchrun(["-m", "ckptforensics.cli", "-q", *args, "--out", str(out)], {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=400)
+
+
+def _differences(x: Any, y: Any, path: str = "") -> list[str]:
+    """Where two reports differ beyond float noise (relative REL)."""
+    if isinstance(x, dict) and isinstance(y, dict):
+        keys = set(x) | set(y)
+        return [d for k in sorted(keys) for d in (_differences(x.get(k), y.get(k), f"{path}/{k}") if k in x and k in y else [f"{path}/{k}: only one"])]
+    if isinstance(x, list) and isinstance(y, list):
+        if len(x) != len(y):
+            return [f"{path}: {len(x)} vs {len(y)} items"]
+        return [d for i, (u, v) in enumerate(zip(x, y, strict=True)) for d in _differences(u, v, f"{path}[{i}]")]
+    if isinstance(x, float) and isinstance(y, float) and not isinstance(x, bool):
+        same = x == y or (math.isnan(x) and math.isnan(y)) or abs(x - y) <= REL * max(abs(x), abs(y))
+        return [] if same else [f"{path}: {x} vs {y}"]
+    return [] if x == y else [f"{path}: {x!r} vs {y!r}"]
+
+
+def _assert_same(one: dict[str, Any], two: dict[str, Any]) -> None:
+    dist = two["replay"]["config"].pop("distributed")
+    assert dist["value"]["world_size"] == 2 and dist["source"] == "torchrun"
+    for doc in (one, two):
+        doc["incident"].pop("command")  # the command line differs by --out
+    assert _differences(one, two) == []
+
+
+def test_replay_on_two_fsdp2_ranks_is_the_single_process_replay(draws: dict[int, Path], tmp_path: Path) -> None:
+    """The FSDP2 draw (DCP written by 2 ranks): a per-module LR bug, a gradient explosion."""
+    run = draws[1052]
+    args = _args(run, "replay")
+    one = _one(args, tmp_path / "one")
+    proc = _two(args, tmp_path / "two")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "report.json").read_text())
+    _assert_same(one, two)
+    assert one["verdict"]["causes"][0]["cause"] == truth(run)["cause"]
+    assert one["verdict"]["reproducible"] is True
+
+
+def test_bisect_on_two_ranks_is_the_single_process_bisect(draws: dict[int, Path], tmp_path: Path) -> None:
+    """The HF Trainer draw (GPT-2 from config.json, padded rows, gradient accumulation 2):
+    the poison rows found by two ranks, each holding half of every batch, are the truth's."""
+    run = draws[1012]
+    args = _args(run, "bisect")
+    one = _one(args, tmp_path / "one")
+    proc = _two(args, tmp_path / "two")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "report.json").read_text())
+    _assert_same(one, two)
+    rows = sorted(s["index"] for s in two["verdict"]["anomalous_samples"])
+    assert rows == sorted(truth(run)["samples"])
+    assert json.loads((tmp_path / "two" / "skip.json").read_text()) == json.loads((tmp_path / "one" / "skip.json").read_text())
+
+
+def test_a_rank_that_fails_stops_every_rank_with_the_same_line(draws: dict[int, Path], tmp_path: Path) -> None:
+    """Rank 1 reads its rows of *before*'s Adam moments from the file FSDP2's rank 1
+    wrote; cut that file at the first such chunk: rank 1 fails alone while rank 0 reads
+    on, and both stop with one and the same line, exit 2, no report."""
+    src = draws[1052]
+    run = tmp_path / "run"
+    shutil.copytree(src, run, ignore=shutil.ignore_patterns("step-60"))
+    before = run / f"step-{truth(src)['before']}"
+    md = read_metadata(before)
+    cut = min(int(i.offset) for idx, i in md.storage_data.items() if str(i.relative_path) == "__1_0.distcp" and idx.fqn.endswith("exp_avg") and idx.offset and idx.offset[0] > 0)
+    f = before / "__1_0.distcp"
+    f.write_bytes(f.read_bytes()[:cut])
+    proc = _two(_args(run, "replay"), tmp_path / "out")
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr
+    assert len(errors) == 2 and errors[0] == errors[1] and "__1_0.distcp: truncated" in errors[0], proc.stderr[-3000:]
+    assert "ckptforensics/" not in proc.stderr.replace(str(run), "")
+    assert not (tmp_path / "out" / "report.json").exists()

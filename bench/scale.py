@@ -10,7 +10,7 @@ cache. Records wall time, throughput, the cgroup's limit hits, the largest proce
 and whether every mode wrote the same report.
 
     python bench/scale.py [--dir build/bench-scale] [--layers 21] [--cap-gib 2] [--record]
-                          [--only diff|replay] [--replay-layers 12] [--replay-width 1024]
+                          [--only diff|replay] [--replay-layers 10] [--replay-width 1024]
 
 Needs a writable cgroup memory controller (v1 or v2; root in a container usually has
 one); without it the runs are uncapped and the table says so.
@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--record", action="store_true", help="Write the table into bench/RESULTS.md.")
     ap.add_argument("--keep", action="store_true", help="Keep the pair on disk afterwards.")
     ap.add_argument("--only", choices=("diff", "replay"), default=None, help="Run one of the two benchmarks.")
-    ap.add_argument("--replay-layers", type=int, default=12, help="Blocks of the replayed GPT.")
+    ap.add_argument("--replay-layers", type=int, default=10, help="Blocks of the replayed GPT.")
     ap.add_argument("--replay-width", type=int, default=1024, help="Hidden size of the replayed GPT.")
     args = ap.parse_args()
     failed = False
@@ -221,18 +221,13 @@ def bench_replay(args: argparse.Namespace) -> bool:
     caps = [Cap(int(args.cap_gib * GiB), f"ckptforensics-bench-{os.getpid()}-rank{i}") for i in range(2)]
     rows, reports = [], {}
     try:
-        # Each rank joins the cgroup of its LOCAL_RANK, then starts Python.
-        join = f'echo $$ > {caps[0].path.parent}/ckptforensics-bench-{os.getpid()}-rank$LOCAL_RANK/cgroup.procs && ' if caps[0].path else ""
-        ranks = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", "2", "--master_port", "29612", "--no-python",
-                 "sh", "-c", join + 'exec "$@"', "sh", sys.executable, *replay]  # fmt: skip
-        modes = {"one process": ([sys.executable, *replay], caps[0]), "torchrun, 2 ranks (FSDP2), a cap each": (ranks, None)}
-        for mode, (cmd, cap) in modes.items():
+        for mode, world in (("one process", 1), ("2 ranks (FSDP2, torchrun's environment), a cap each", 2)):
             out = args.dir / "replay-reports" / str(len(rows))
             shutil.rmtree(out, ignore_errors=True)
             for c in caps:
                 c.reset()
-            wall, rc, rss, err = run([*cmd, "--out", str(out)], cap if cap is not None else _NoCap())
-            peaks = [c.peak() for c in caps] if cap is None else [cap.peak()]
+            wall, rc, rss, err = run_ranks([sys.executable, *replay, "--out", str(out)], caps[:world])
+            peaks = [c.peak() for c in caps[:world]]
             ok = rc == 0 and (out / "report.json").is_file()
             if ok:
                 doc = json.loads((out / "report.json").read_text())
@@ -243,7 +238,7 @@ def bench_replay(args: argparse.Namespace) -> bool:
             c.close()
         if not args.keep:
             shutil.rmtree(run_dir, ignore_errors=True)
-    two = reports.get("torchrun, 2 ranks (FSDP2), a cap each")
+    two = reports.get("2 ranks (FSDP2, torchrun's environment), a cap each")
     repro = two is not None and two["verdict"]["reproducible"] is True
     capped = f"a cgroup of {args.cap_gib:g} GiB (page cache included)" if caps[0].path else "NO cgroup available: uncapped"
     lines = [
@@ -253,7 +248,7 @@ def bench_replay(args: argparse.Namespace) -> bool:
         f"fp32 weights + gradients + Adam moments = {state / GiB:.2f} GiB; checkpoints written by its own two training steps (nanoGPT format)",
         f"- each process (one process; each rank) in {capped}",
         "",
-        "| mode | exit | wall | cgroup peak per process (page cache incl.) | largest process RSS |",
+        "| mode | exit | wall | cgroup peak per process (page cache incl.) | largest anonymous RSS of a process |",
         "| --- | --- | --- | --- | --- |",
     ]
     for mode, wall, rc, rss, peaks, err in rows:
@@ -271,13 +266,44 @@ def bench_replay(args: argparse.Namespace) -> bool:
     return not (repro and one_killed) if caps[0].path else not repro
 
 
-class _NoCap:
-    """The torchrun launcher itself runs uncapped: each rank joins its own cgroup."""
+def run_ranks(cmd: list[str], caps: list[Cap]) -> tuple[float, int, int, str]:
+    """`cmd` as len(caps) ranks, each in its own cgroup: torchrun's environment for a single
+    node (MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE), set here because torchrun's
+    children cannot move themselves into a cgroup. (wall s, first non-zero exit, largest
+    RSS, stderr tail of the failing rank)."""
+    world = len(caps)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29612", WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    if world == 1:
+        env.pop("WORLD_SIZE")
+    t0 = time.perf_counter()
+    procs = [
+        subprocess.Popen(c.wrap(cmd), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+        for r, c in enumerate(caps)
+    ]
+    anon, results = 0, {}
+    while len(results) < len(procs):  # RssAnon: what the formula counts (no file pages)
+        anon = max([anon, *(_rss_anon(p.pid) for p in procs if p.pid not in results)])
+        for p in procs:
+            if p.pid not in results:
+                pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+                if pid:
+                    results[p.pid] = (os.waitstatus_to_exitcode(status), usage.ru_maxrss * 1024, p.stderr.read() if p.stderr else "")
+        time.sleep(0.1)
+    results = [results[p.pid] for p in procs]
+    wall = time.perf_counter() - t0
+    rc = next((r for r, _, _ in results if r != 0), 0)
+    err = next((e for r, _, e in results if r != 0), "")
+    return wall, rc, anon, err.strip()[-300:]
 
-    path = None
 
-    def wrap(self, cmd: list[str]) -> list[str]:
-        return cmd
+def _rss_anon(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _torch_version() -> str:

@@ -140,10 +140,36 @@ def start(device: str) -> Ranks | None:
         # A rank that stops without a word must not leave the others waiting for long.
         dist.init_process_group(backend, timeout=timedelta(minutes=int(os.environ.get("CKPTFORENSICS_DIST_TIMEOUT_MIN", "30"))))
     mesh = init_device_mesh(dev.type, (world,))
+    _return_freed_memory()
     ranks = Ranks(rank=rank, world=world, mesh=mesh, device=dev)
     _CURRENT[:] = [ranks]
     log.info("rank %d of %d on %s (%s)", rank, world, dev, backend)
     return ranks
+
+
+# glibc's M_MMAP_THRESHOLD (mallopt parameter -3).
+_M_MMAP_THRESHOLD = -3
+
+
+def _return_freed_memory() -> None:
+    """Have glibc give freed tensors' memory back to the system at once.
+
+    glibc raises its mmap threshold (up to 32 MiB) each time a block above it is freed;
+    from then on tensors of that size come from the heap, and memory they free stays with
+    the process. A rank lives in a memory budget: on bench/scale.py's 143 M-parameter model
+    this kept 240 MiB more per rank after a step and raised its peak by 290 MiB (1912 vs
+    1622 MiB). A fixed 1 MiB threshold maps every large tensor and unmaps it when freed.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "mallopt"):
+            libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    except OSError:  # not glibc: nothing to tune
+        pass
 
 
 def stop() -> None:

@@ -138,6 +138,7 @@ def replay(
     clip: float | None = None,
     loss: str | None = None,
     metrics: str | Path | None = None,
+    checkpoint_activations: bool = False,
     progress: Progress | None = None,
     command: str = "ckptforensics.replay",
 ) -> Report:
@@ -148,7 +149,7 @@ def replay(
     what the run recorded)."""
     from .analysis import run_replay
 
-    cfg = _config(before, after, batch, run_dir, data=data, model=model, step=step, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
+    cfg = _config(before, after, batch, run_dir, data=data, model=model, step=step, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics, checkpoint_activations=checkpoint_activations)
     return Report(*_rank_zero(run_replay(cfg, command=command, progress=progress), "replay"))
 
 
@@ -165,6 +166,7 @@ def bisect(
     clip: float | None = None,
     loss: str | None = None,
     metrics: str | Path | None = None,
+    checkpoint_activations: bool = False,
     tokenizer: str | Path | None = None,
     progress: Progress | None = None,
     command: str = "ckptforensics.bisect",
@@ -173,7 +175,7 @@ def bisect(
     skip list for the trainer is `report.extra["skip"]`."""
     from .analysis import run_bisect
 
-    cfg = _config(before, after, batch, run_dir, data=data, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
+    cfg = _config(before, after, batch, run_dir, data=data, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics, checkpoint_activations=checkpoint_activations)
     doc, findings, skip = _rank_zero(run_bisect(cfg, command=command, progress=progress, tokenizer=Path(tokenizer) if tokenizer else None), "bisect")
     return Report(doc, findings, {"skip": skip})
 
@@ -192,6 +194,7 @@ def whatif(
     clip: float | None = None,
     loss: str | None = None,
     metrics: str | Path | None = None,
+    checkpoint_activations: bool = False,
     progress: Progress | None = None,
     command: str = "ckptforensics.whatif",
 ) -> Report:
@@ -200,7 +203,7 @@ def whatif(
     invasive one that keeps the run on track."""
     from .analysis import run_whatif
 
-    cfg = _config(before, None, batch, run_dir, data=data, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics)
+    cfg = _config(before, None, batch, run_dir, data=data, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics, checkpoint_activations=checkpoint_activations)
     return Report(*_rank_zero(run_whatif(cfg, steps, list(tries), None, command=command, progress=progress), "whatif"))
 
 

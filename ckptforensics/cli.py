@@ -167,7 +167,12 @@ def _replay_options(f: Any) -> Any:
                 "(--batch), the dataset those ids index.",
             ),
             click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True),
-            click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
+            click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True, help="cuda: under torchrun, one GPU a rank (NCCL)."),
+            click.option(
+                "--checkpoint-activations",
+                is_flag=True,
+                help="Recompute each block's activations in the backward pass (activation checkpointing per block): long sequences in less memory, the same figures.",
+            ),
             click.option("--clip", type=float, default=None, help="Gradient clipping norm (0 = none); default: from the checkpoint, else calibrated."),
             click.option("--loss", "loss", default=None, help="module:function(logits, batch) -> per-token loss; default causal-LM cross-entropy."),
             click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log (JSONL/CSV); discovered when absent."),

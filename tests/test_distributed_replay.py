@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import torch
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
@@ -116,3 +117,32 @@ def test_a_rank_that_fails_stops_every_rank_with_the_same_line(draws: dict[int, 
     assert len(errors) == 2 and errors[0] == errors[1] and "__1_0.distcp: truncated" in errors[0], proc.stderr[-3000:]
     assert "ckptforensics/" not in proc.stderr.replace(str(run), "")
     assert not (tmp_path / "out" / "report.json").exists()
+
+
+def test_checkpointed_activations_replay_the_same_step(zoo: dict[str, Path]) -> None:
+    """--checkpoint-activations recomputes every block in the backward pass (its first
+    module runs twice a step; recomputation stops early once the saved tensors are back)
+    and changes no figure of the replayed step."""
+    from ckptforensics.replay.engine import ReplayConfig, plan
+
+    run = zoo["poison_batch"]
+    t = truth(run)
+    step = t["first_bad_step"]
+    records, calls = [], []
+    for ac in (False, True):
+        cfg = ReplayConfig(
+            before=run / f"step_{t['before']}.pt", model="fixtures/tinygpt.py:factory", batch=str(run / "batches.h5"), step=step, checkpoint_activations=ac
+        )
+        p = plan(cfg)
+        session = p.session()
+        n = [0]
+        session.model.get_submodule("transformer.h.0.ln_1").register_forward_hook(lambda *_, n=n: n.__setitem__(0, n[0] + 1))
+        rec, stats = session.step(step, p.batches.batch(step), p.lrs[step], None)
+        session.close()
+        records.append((rec, stats))
+        calls.append(n[0])
+    assert calls == [1, 2]
+    (plain, ps), (ckpt, cs) = records
+    assert ckpt.loss == plain.loss and ckpt.grad_norm == plain.grad_norm and ckpt.sample_loss == plain.sample_loss
+    assert torch.equal(ps.fwd.nan_to_num(-1), cs.fwd.nan_to_num(-1)) and torch.allclose(ps.bwd.nan_to_num(-1), cs.bwd.nan_to_num(-1), rtol=1e-6)
+    assert ps.fwd_order == cs.fwd_order

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..errors import ForensicsError
 
-__all__ = ["Ranks", "current", "start", "stop", "agree", "params_on_meta", "shard_model", "materialize", "local_rows"]
+__all__ = ["Ranks", "current", "start", "stop", "agree", "params_on_meta", "checkpoint_blocks", "shard_model", "materialize", "local_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +224,23 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
         if isinstance(m, nn.ModuleList):
             out.extend(c for c in m if any(True for _ in c.parameters()))
     return out
+
+
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Activation checkpointing per block (non-reentrant `torch.utils.checkpoint`): each
+    block keeps its input only and recomputes the rest in the backward pass. The block's
+    own `forward` is wrapped in place, so module and parameter names stay the model's
+    (a wrapper module would rename them) and FSDP2 still shards the block around it.
+    Probes see the recomputation as a second forward of the same values. Returns the
+    number of blocks."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = _blocks(model)
+    for block in blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)  # type: ignore[method-assign]
+    return len(blocks)
 
 
 def shard_model(model: nn.Module, ranks: Ranks) -> int:

@@ -54,6 +54,8 @@ class ReplayConfig:
         clip: gradient clipping norm; None = what the checkpoint or batch log states, else calibrated.
         loss: `module:function(logits, batch) -> per-token loss [B, T']`; None = causal LM CE.
         metrics: training log for per-step LR (JSONL/CSV); None = discovered beside the checkpoints.
+        checkpoint_activations: recompute each block's activations in the backward pass
+            (non-reentrant activation checkpointing per block; same numbers, less memory).
     """
 
     before: Path
@@ -67,6 +69,7 @@ class ReplayConfig:
     clip: float | None = None
     loss: str | None = None
     metrics: Path | None = None
+    checkpoint_activations: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +255,8 @@ class Session:
             self.model, self.model_source = build_model(cfg.model, a)
         self.loss_norm = trainer_loss_norm(self.model, a)
         self.micro_batch_size = micro_batch_size
+        if cfg.checkpoint_activations:
+            distributed.checkpoint_blocks(self.model)
         if self.ranks is not None:
             distributed.shard_model(self.model, self.ranks)
             distributed.materialize(self.model, self.device)
@@ -266,6 +271,7 @@ class Session:
             if isinstance(state, dict) and "scale" in state:
                 self.scaler.load_state_dict({k: v for k, v in state.items() if k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")})
         self.probe = ModuleProbe(self.model, self.device, self.ranks)
+        self.probe.once = cfg.checkpoint_activations
         self.psg = PerSampleGrad(self.model)
         self.loss_fn = loss_fn
         self.labels_shifted = labels_shifted
@@ -651,6 +657,7 @@ class Plan:
             "batches": {"value": self.batches.describe, "source": "--data, rebuilt; the first replayed step's loss and grad norm match the log" if self.batches.rebuilt else "--batch"},
             "metrics": {"value": str(self.metrics_file) if self.metrics_file else None, "source": "discovered" if self.metrics_file and cfg.metrics is None else "--metrics"},
             **({"distributed": {"value": ranks.describe(), "source": "torchrun"}} if (ranks := distributed.current()) is not None else {}),
+            **({"activations": {"value": "recomputed per block in the backward pass", "source": "--checkpoint-activations"}} if cfg.checkpoint_activations else {}),
         }
 
     def baseline(self) -> dict[int, dict[str, float]]:

@@ -97,6 +97,10 @@ class ModuleProbe:
         self.shared: dict[int, torch.Tensor] = {}
         self.fwd_order: list[int] = []
         self.bwd_order: list[int] = []
+        # With activation checkpointing a block's modules run again in the backward pass:
+        # only their first call in a pass is recorded.
+        self.once = False
+        self._ran: set[int] = set()
         self.enabled = True
         self._handles = [mod.register_forward_hook(self._forward(self.index[n])) for n, mod in model.named_modules() if n]
 
@@ -110,6 +114,10 @@ class ModuleProbe:
             self.fwd[i] = _stats(t.detach(), with_subnormal=t.dtype in (torch.float16, torch.bfloat16))
             if self.count is not None:
                 self.count[i] = t.numel()
+            if self.once:
+                if i in self._ran:
+                    return  # recomputed (activation checkpointing): same values; the gradient flows to the first
+                self._ran.add(i)
             self.fwd_order.append(i)
             if t.requires_grad:
                 shared = self.count is not None and (t.dim() == 0 or t.shape[0] != self.rows)
@@ -134,6 +142,7 @@ class ModuleProbe:
         if self.count is not None:
             self.count.zero_()
         self.shared.clear()
+        self._ran.clear()
         self.fwd_order.clear()
         self.bwd_order.clear()
 

@@ -71,29 +71,29 @@ def _assert_same(one: dict[str, Any], two: dict[str, Any]) -> None:
     assert _differences(one, two) == []
 
 
-def test_replay_on_two_fsdp2_ranks_is_the_single_process_replay(draws: dict[int, Path], tmp_path: Path) -> None:
-    """The FSDP2 draw (DCP written by 2 ranks): a per-module LR bug, a gradient explosion."""
-    run = draws[1052]
-    args = _args(run, "replay")
+def _both(args: list[str], tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The command's report in one process and on two ranks, checked equal."""
     one = _one(args, tmp_path / "one")
     proc = _two(args, tmp_path / "two")
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "two" / "report.json").read_text())
     _assert_same(one, two)
+    return one, two
+
+
+def test_replay_on_two_fsdp2_ranks_is_the_single_process_replay(draws: dict[int, Path], tmp_path: Path) -> None:
+    """The FSDP2 draw (DCP written by 2 ranks): a per-module LR bug, a gradient explosion."""
+    run = draws[1052]
+    one, two = _both(_args(run, "replay"), tmp_path)
     assert one["verdict"]["causes"][0]["cause"] == truth(run)["cause"]
     assert one["verdict"]["reproducible"] is True
 
 
 def test_bisect_on_two_ranks_is_the_single_process_bisect(draws: dict[int, Path], tmp_path: Path) -> None:
-    """The HF Trainer draw (GPT-2 from config.json, padded rows, gradient accumulation 2):
+    """The HF Trainer draw (Llama from config.json, padded rows, gradient accumulation 2):
     the poison rows found by two ranks, each holding half of every batch, are the truth's."""
     run = draws[1012]
-    args = _args(run, "bisect")
-    one = _one(args, tmp_path / "one")
-    proc = _two(args, tmp_path / "two")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    two = json.loads((tmp_path / "two" / "report.json").read_text())
-    _assert_same(one, two)
+    one, two = _both(_args(run, "bisect"), tmp_path)
     rows = sorted(s["index"] for s in two["verdict"]["anomalous_samples"])
     assert rows == sorted(truth(run)["samples"])
     assert json.loads((tmp_path / "two" / "skip.json").read_text()) == json.loads((tmp_path / "one" / "skip.json").read_text())

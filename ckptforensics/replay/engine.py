@@ -387,8 +387,6 @@ class Session:
         self.psg.enabled = True
         self.opt.zero_grad(set_to_none=True)
         loss, per_sample = self._loss(batch, self.precision)
-        self._last_loss, self._last_per_sample = loss, per_sample
-        self._rows = next(iter(batch.values())).shape[0]
         scale = self.scaler.get_scale() if self.scaler is not None else None
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         self.psg.enabled = False
@@ -396,7 +394,10 @@ class Session:
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
         with_grad = [(n, p) for n, p in self.params if p.grad is not None]
-        g = self._gradients(with_grad, clip) if self.ranks is None else self._gradients_ranks(with_grad, clip, loss, per_sample)
+        if self.ranks is None:
+            g = self._gradients(with_grad, clip, loss, per_sample)
+        else:
+            g = self._gradients_ranks(with_grad, clip, loss, per_sample, batch["input_ids"].shape[0])
         if not update:
             skipped = True  # the mitigation skips this step's update
         elif self.scaler is not None:
@@ -429,7 +430,7 @@ class Session:
     def _grad_stats(self, p: torch.Tensor) -> torch.Tensor:
         return param_grad_stats(p.grad, self.opt.state.get(p) or {}, self._group_of[id(p)])
 
-    def _gradients(self, with_grad: list[tuple[str, nn.Parameter]], clip: float | None) -> _Grads:
+    def _gradients(self, with_grad: list[tuple[str, nn.Parameter]], clip: float | None, loss: torch.Tensor, per_sample: torch.Tensor) -> _Grads:
         """The step's gradient evidence in one process, then clipping (one host read)."""
         grads = [p.grad for _, p in with_grad]
         finite = torch.stack([torch.isfinite(g).all() for g in grads]).cpu() if grads else torch.ones(0, dtype=torch.bool)
@@ -439,19 +440,21 @@ class Session:
         sq = self.psg.sq
         logit_absmax, log_z = self.logit_stats.cpu().tolist()
         return _Grads(
-            loss=float(self._last_loss.detach()),
+            loss=float(loss.detach()),
             total=float(total),
             nonfinite=bad,
             rms={self.to_ckpt(n): row[0] for (n, _), row in zip(with_grad, table, strict=True)},
             rms_t={self.to_ckpt(n): row[1] for (n, _), row in zip(with_grad, table, strict=True) if math.isfinite(row[1])},
             spikes={self.to_ckpt(n): int(row[2]) for (n, _), row in zip(with_grad, table, strict=True) if row[2] > 0},
-            sample_loss=tuple(self._last_per_sample.detach().float().cpu().tolist()),
+            sample_loss=tuple(per_sample.detach().float().cpu().tolist()),
             sample_grad_sq=tuple(sq.cpu().tolist()) if sq is not None else None,
             logit_absmax=logit_absmax,
             log_z=log_z,
         )
 
-    def _gradients_ranks(self, with_grad: list[tuple[str, nn.Parameter]], clip: float | None, loss: torch.Tensor, per_sample: torch.Tensor) -> _Grads:
+    def _gradients_ranks(
+        self, with_grad: list[tuple[str, nn.Parameter]], clip: float | None, loss: torch.Tensor, per_sample: torch.Tensor, rows: int
+    ) -> _Grads:
         """The step's gradient evidence across torchrun ranks, then clipping.
 
         Each rank holds its shard of every gradient and its rows' per-sample figures; all of
@@ -461,7 +464,7 @@ class Session:
         """
         assert self.ranks is not None
         dev = self.device
-        pad = -(-self._rows // self.ranks.world) + 1  # rows of the largest block
+        pad = -(-rows // self.ranks.world) + 1  # rows of the largest block
         n = per_sample.shape[0]
         sq = self.psg.sq
         head = torch.cat([loss.detach().float().reshape(1), self.logit_stats.float(), torch.tensor([float(n), float(sq is not None)], device=dev)])
@@ -532,11 +535,7 @@ def _compare(session: Session, b: Checkpoint, lrs: dict[int, list[float]], only:
         c = adam_ratio_bound(beta1, beta2, max(1, t_end - k + 1), t_end)
         ref = b.tensor(name).to(torch.float32).view_as(p)
         mine = p.detach().cpu().to(torch.float32)
-        ulp = torch.finfo(b.meta(name).dtype).eps if b.meta(name).dtype.is_floating_point else 0.0
-        wscale = torch.maximum(mine.abs(), ref.abs())
-        step_tol = 0.01 * k * lr + 4 * ulp * wscale
-        bound = k * lr * (c + g["weight_decay"] * wscale) * 1.001 + 2 * ulp * wscale
-        out.append(_match(name, "weight", mine, ref, step_tol, bound))
+        out.append(_weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, g["weight_decay"]))
         st = b.optim_state(name)
         if st_p and st:
             for where in ("exp_avg", "exp_avg_sq"):
@@ -544,8 +543,7 @@ def _compare(session: Session, b: Checkpoint, lrs: dict[int, list[float]], only:
                 # Relative rounding per step, floored at the tensor's own scale: elements
                 # whose true gradient is zero (a key bias, say) hold pure rounding noise.
                 scale = torch.maximum(x.abs(), y.abs())
-                tol = 1e-3 * k * scale + 1e-4 * float(scale.max()) + 1e-30
-                out.append(_match(name, where, x, y, tol, None))
+                out.append(_match(name, where, x, y, _moment_tol(scale, float(scale.max()), k), None))
     return out if ranks is None else merge_matches(ranks, out)
 
 
@@ -568,22 +566,33 @@ def _compare_shard(
 
     mine = _local(p).detach().cpu().float()
     ref = after_rows(lambda lo, hi: b.rows(name, lo, hi), lambda: b.tensor(name))
-    ulp = torch.finfo(b.meta(name).dtype).eps if b.meta(name).dtype.is_floating_point else 0.0
-    wscale = torch.maximum(mine.abs(), ref.abs())
-    out = [_match(name, "weight", mine, ref, 0.01 * k * lr + 4 * ulp * wscale, k * lr * (c + g["weight_decay"] * wscale) * 1.001 + 2 * ulp * wscale)]
+    out = [_weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, g["weight_decay"])]
     st = b.optim_state(name)
     if st_p and st:
         pairs = {}
         for where in ("exp_avg", "exp_avg_sq"):
             x = _local(st_p[where]).cpu().float()
-            rows = (lambda lo, hi, w=where: st.rows(w, lo, hi)) if hasattr(st, "rows") else (lambda lo, hi, w=where: st[w][lo:hi].clone())
-            y = after_rows(rows, lambda w=where: st[w])
+            y = after_rows(lambda lo, hi, w=where: b.state_rows(name, w, lo, hi), lambda w=where: st[w])
             pairs[where] = (x, y, torch.maximum(x.abs(), y.abs()))
         tops = ranks.max(torch.stack([s.max() if s.numel() else s.new_zeros(()) for _, _, s in pairs.values()]))
         for (where, (x, y, scale)), top in zip(pairs.items(), tops.tolist(), strict=True):
-            out.append(_match(name, where, x, y, 1e-3 * k * scale + 1e-4 * top + 1e-30, None))
+            out.append(_match(name, where, x, y, _moment_tol(scale, top, k), None))
         b.forget(name)
     return out
+
+
+def _weight_match(name: str, mine: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, klr: float, c: float, wd: float) -> TensorMatch:
+    """A replayed weight against *after*'s: within 1% of the window's Adam steps (k lr) plus
+    rounding of the stored dtype; past the bound no Adam step reaches (`impossible`)."""
+    ulp = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    wscale = torch.maximum(mine.abs(), ref.abs())
+    return _match(name, "weight", mine, ref, 0.01 * klr + 4 * ulp * wscale, klr * (c + wd * wscale) * 1.001 + 2 * ulp * wscale)
+
+
+def _moment_tol(scale: torch.Tensor, top: float, k: int) -> torch.Tensor:
+    """A moment's tolerance: relative rounding per step, floored at the whole tensor's
+    scale `top` (elements whose true gradient is zero hold pure rounding noise)."""
+    return 1e-3 * k * scale + 1e-4 * top + 1e-30
 
 
 def merge_matches(ranks: distributed.Ranks, local: list[TensorMatch]) -> list[TensorMatch]:

@@ -500,7 +500,6 @@ def _shard_moment(p: Any, ckpt: Checkpoint, name: str, field: str, ranks: Any) -
 
     st = ckpt.optim_state(name)
     stored = tuple(ckpt.meta(name).shape) if ckpt.has(name) else ()
-    rows = (lambda lo, hi: st.rows(field, lo, hi)) if hasattr(st, "rows") else (lambda lo, hi: st[field][lo:hi].clone())
-    local = local_rows(ranks, p, stored, rows, lambda: st[field])
+    local = local_rows(ranks, p, stored, lambda lo, hi: ckpt.state_rows(name, field, lo, hi), lambda: st[field])
     local = local.to(p.device, torch.float32).reshape(p.to_local().shape)
     return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())

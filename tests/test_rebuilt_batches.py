@@ -114,3 +114,47 @@ def test_the_recorder_callback_keeps_what_the_trainer_fed(hf_data_run: Path, tmp
     from ckptforensics.triage import triage
 
     assert triage(hf_data_run / "flight" / "metrics.jsonl", hf_data_run).first_bad_step == t["first_bad_step"]
+
+
+@pytest.fixture(scope="session")
+def hf_ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """transformers' Trainer on 2 processes (torchrun, DDP over gloo), 25 steps."""
+    from fixtures.hf_ddp_run import build
+
+    return build(tmp_path_factory.mktemp("hf-ddp"))
+
+
+def test_a_two_process_runs_batches_are_what_each_process_consumed(hf_ddp_run: Path) -> None:
+    """accelerate hands process r the sampler's micro-batches r, r + 2, ...: the rebuilt batch
+    of every step (two epochs: the sampler reshuffles) is process 0's micro-batches, then
+    process 1's, row for row what each process's collator was handed."""
+    from ckptforensics.formats import open_checkpoint
+    from ckptforensics.replay.hfdata import trainer_batches
+
+    seen = json.loads((hf_ddp_run / "consumed.json").read_text())
+    w, accum = seen["world"], seen["accum"]
+    with open_checkpoint(hf_ddp_run / "checkpoint-25") as ck:
+        assert len(list(ck.path.glob("rng_state_*.pth"))) == w
+        src = trainer_batches(str(hf_ddp_run.parent / "data"), ck.scalars.get("training_args"), ck.config, w)
+    steps = len(seen["ranks"][0]) // accum
+    assert steps == 25
+    for s in range(1, steps + 1):
+        src.batch(s)
+        want = [i for r in range(w) for micro in seen["ranks"][r][(s - 1) * accum : s * accum] for i in micro]
+        assert src.sample_ids[s] == want, f"step {s}"
+
+
+@pytest.mark.parametrize("window", [(15, 20), (20, 25)])
+def test_a_two_process_run_replays_from_its_data_onto_after_with_no_alarm(hf_ddp_run: Path, tmp_path: Path, window: tuple[int, int]) -> None:
+    """No --batch, no --model: the rebuilt global batches (loss over every process's tokens,
+    as the Trainer's average_tokens_across_devices) land on *after* to the element, and the
+    healthy run raises no alarm (15 -> 20 judges its steps against 15 steps of history)."""
+    out = tmp_path / "rep"
+    args = ["replay", "--run-dir", str(hf_ddp_run), "--before", str(window[0]), "--after", str(window[1]), "--data", str(hf_ddp_run.parent / "data"), "--out", str(out)]
+    r = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["verdict"]["reproducible"] is True and doc["replay"]["reproduction"]["mismatched"] == 0
+    assert [c["cause"] for c in doc["verdict"]["causes"]] == ["none"]
+    assert [f["kind"] for f in doc["findings"] if f["severity"] != "info"] == []
+    assert "2 processes" in doc["replay"]["config"]["batches"]["value"]

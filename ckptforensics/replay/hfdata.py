@@ -112,15 +112,22 @@ def trainer_batches(data: str, record: dict[str, Any] | None, config: dict[str, 
         record: the run's TrainingArguments fields (training_args.bin, inert).
         config: the checkpoint's config.json (its `architectures` name the model class,
             whose forward signature decides the columns the Trainer keeps).
-        world_size: processes the run trained on; only 1 is rebuilt.
+        world_size: processes the run trained on (one `rng_state_<rank>.pth` each). With
+            several, accelerate hands process r the sampler's micro-batches r, r + W, ...
+            (`BatchSamplerShard`); the step's global batch is every process's micro-batches,
+            process 0's first (what a torchrun replay's rank blocks take back apart).
 
     Raises:
-        BatchError: no training_args.bin, a multi-process run, or unreadable data.
+        BatchError: no training_args.bin, a multi-process run that normalised its loss
+            per process, or unreadable data.
     """
     if not record:
         raise BatchError("--data needs the run's training_args.bin in the checkpoint (the batch size, seed and accumulation)")
-    if world_size != 1:
-        raise BatchError(f"--data rebuilds single-process runs; this one ran on {world_size} processes: pass --batch")
+    if world_size > 1 and record.get("average_tokens_across_devices") is False:
+        raise BatchError(
+            f"this run trained on {world_size} processes with average_tokens_across_devices=False: each process divided its loss by its own "
+            "tokens, which a replay of the global batch does not reproduce; pass --batch"
+        )
     try:
         from transformers import Trainer, default_data_collator
     except ImportError:
@@ -139,8 +146,9 @@ def trainer_batches(data: str, record: dict[str, Any] | None, config: dict[str, 
         finally:
             torch.random.set_rng_state(state)
     accum = int(record.get("gradient_accumulation_steps") or 1)
-    plan = _StepPlan(loader, accum)
-    src = BatchSource(describe=f"{data} (rebuilt: the Trainer's sampler, seed {record.get('data_seed') or record.get('seed')})", get=plan.batch)
+    plan = _StepPlan(loader, accum, world_size)
+    procs = f", {world_size} processes" if world_size > 1 else ""
+    src = BatchSource(describe=f"{data} (rebuilt: the Trainer's sampler, seed {record.get('data_seed') or record.get('seed')}{procs})", get=plan.batch)
     src.micro_batch_size = int(record.get("per_device_train_batch_size") or 8)
     src.rebuilt = True
     src.sample_ids = plan.ids
@@ -150,11 +158,13 @@ def trainer_batches(data: str, record: dict[str, Any] | None, config: dict[str, 
 class _StepPlan:
     """Optimizer step -> the dataset indices of its micro-batches, epoch by epoch, as the
     Trainer's loop consumes them (accumulating `accum` micro-batches; the last update of
-    an epoch takes what is left)."""
+    an epoch takes what is left). With `world` processes, process r takes the sampler's
+    micro-batches r, r + world, ... (accelerate's `BatchSamplerShard`) and an update is
+    every process's `accum` micro-batches, process 0's first."""
 
-    def __init__(self, loader: Any, accum: int) -> None:
-        self.loader, self.accum = loader, accum
-        self.epochs: list[list[list[list[int]]]] = []  # epoch -> update -> micro-batch -> indices
+    def __init__(self, loader: Any, accum: int, world: int = 1) -> None:
+        self.loader, self.accum, self.world = loader, accum, world
+        self.epochs: list[list[list[list[int]] | None]] = []  # epoch -> update -> micro-batch -> indices (None: not rebuilt)
         self.ids: dict[int, list[int]] = {}  # step -> dataset index of each row, as fetched
 
     def _epoch(self, e: int) -> list[list[list[int]]]:
@@ -168,8 +178,28 @@ class _StepPlan:
             micro = [list(b) for b in sampler]
             if not micro:
                 raise BatchError("the rebuilt dataloader is empty (the dataset is smaller than one batch with drop_last)")
-            self.epochs.append([micro[i : i + self.accum] for i in range(0, len(micro), self.accum)])
+            self.epochs.append(self._updates(micro))
         return self.epochs[e]
+
+    def _updates(self, micro: list[list[int]]) -> list[list[list[int]] | None]:
+        w = self.world
+        if w == 1:
+            return [micro[i : i + self.accum] for i in range(0, len(micro), self.accum)]
+        # accelerate evens out an epoch whose micro-batches do not split into whole rounds
+        # (or whose last one is short) by reusing the epoch's first rows: those last
+        # updates are not rebuilt (None), the others are.
+        whole = len(micro) // w * w
+        if whole and len(micro[whole - 1]) < len(micro[0]):
+            whole -= w
+        per_rank = [micro[r:whole:w] for r in range(w)]
+        n = len(per_rank[0])
+        updates: list[list[list[int]] | None] = [[b for r in range(w) for b in per_rank[r][i : i + self.accum]] for i in range(0, n, self.accum)]
+        if whole < len(micro):  # the epoch's last update takes what is left, evened out by accelerate
+            if n % self.accum:
+                updates[-1] = None
+            else:
+                updates.append(None)
+        return updates
 
     def indices(self, step: int) -> list[list[int]]:
         if step < 1:
@@ -178,7 +208,13 @@ class _StepPlan:
         while k >= len(self._epoch(e)):
             k -= len(self._epoch(e))
             e += 1
-        return self._epoch(e)[k]
+        update = self._epoch(e)[k]
+        if update is None:
+            raise BatchError(
+                f"step {step} is the last update of epoch {e + 1}, whose micro-batches accelerate evened out across the "
+                f"{self.world} processes by reusing the epoch's first rows: not rebuilt; pass --batch"
+            )
+        return update
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         micro = self.indices(step)

@@ -23,7 +23,8 @@ Progress = Callable[[str], None]
 
 
 class NotRankZero(Exception):
-    """Raised on torchrun ranks other than 0, where a distributed diff leaves no report."""
+    """Raised on torchrun ranks other than 0, where a distributed diff, replay, bisect or
+    whatif leaves no report (rank 0 returns it)."""
 
 
 @dataclass

@@ -72,26 +72,30 @@ class Ranks:
         }
 
     def gather(self, flat: torch.Tensor) -> torch.Tensor:
-        """Every rank's `flat` (1-D, same length everywhere) as [world, n]: one collective."""
+        """Every rank's `flat` (1-D, same length everywhere) as [world, n]: one collective
+        (on this rank's device, as NCCL needs; returned where `flat` was)."""
         import torch.distributed as dist
 
-        parts = [torch.empty_like(flat) for _ in range(self.world)]
-        dist.all_gather(parts, flat.contiguous())
-        return torch.stack(parts)
+        x = flat.to(self.device).contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x)
+        return torch.stack(parts).to(flat.device)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' `x` summed (one all-reduce), returned where `x` was."""
         import torch.distributed as dist
 
-        x = x.clone()
-        dist.all_reduce(x)
-        return x
+        y = x.to(self.device, copy=True)
+        dist.all_reduce(y)
+        return y.to(x.device)
 
     def max(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' `x`, elementwise maximum (one all-reduce), returned where `x` was."""
         import torch.distributed as dist
 
-        x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
-        return x
+        y = x.to(self.device, copy=True)
+        dist.all_reduce(y, op=dist.ReduceOp.MAX)
+        return y.to(x.device)
 
     def objects(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, rank order (small records only)."""

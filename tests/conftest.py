@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from fixtures.zoo import build  # noqa: E402
 
-__all__ = ["ROOT", "SUBSET", "build", "free_port", "torchrun"]
+__all__ = ["ROOT", "SUBSET", "build", "draw_args", "free_port", "torchrun"]
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +40,41 @@ def draws(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 
     root = tmp_path_factory.mktemp("draws")
     return {seed: build_draw(seed, root) for seed in SUBSET}
+
+
+def draw_args(run: Path, command: str = "replay", batch: str | None = None) -> list[str]:
+    """The command a user types for a drawn run (its truth's window and replay hints)."""
+    from bench.zoo import model_spec
+
+    t = truth(run)
+    hint = t["replay"]
+    args = [command, "--run-dir", str(run), "--before", str(t["before"]), "--after", str(t["after"]), "--batch", str(run / (batch or hint["batch"]))]
+    args += ["--model", model_spec(run, hint["model"])] if hint.get("model") else []  # HF Trainer draws: config.json
+    args += ["--precision", hint["precision"]] if hint.get("precision") else []
+    return args
+
+
+@pytest.fixture(scope="session")
+def draw_report(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """`(run, command, batch) -> report.json` of that command in one process, each run once
+    a session (several tests read the same replay of a draw); a fresh dict every call."""
+    from click.testing import CliRunner
+
+    from ckptforensics.cli import cli
+
+    root = tmp_path_factory.mktemp("draw-reports")
+    done: dict[tuple[str, str, str | None], Path] = {}
+
+    def report(run: Path, command: str = "replay", batch: str | None = None) -> dict:
+        key = (str(run), command, batch)
+        if key not in done:
+            out = root / str(len(done))
+            r = CliRunner().invoke(cli, ["-q", *draw_args(run, command, batch), "--out", str(out)], catch_exceptions=False)
+            assert r.exit_code == 0, r.output
+            done[key] = out
+        return json.loads((done[key] / "report.json").read_text())
+
+    return report
 
 
 def free_port() -> int:

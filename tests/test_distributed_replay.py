@@ -17,31 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from click.testing import CliRunner
 
-from ckptforensics.cli import cli
 from ckptforensics.formats.dcp import read_metadata
-from tests.conftest import torchrun, truth
+from tests.conftest import draw_args, torchrun, truth
 
 REL = 1e-4
-
-
-def _args(run: Path, command: str) -> list[str]:
-    t = truth(run)
-    args = [command, "--run-dir", str(run), "--before", str(t["before"]), "--after", str(t["after"])]
-    if (run / "flight").is_dir():  # the recorder's log: every param group's LR per step
-        args += ["--batch", str(run / "flight")]
-    else:
-        args += ["--batch", str(run / t["replay"]["batch"])]
-    if t["replay"].get("model"):
-        args += ["--model", f"{run / t['replay']['model'].split(':')[0]}:{t['replay']['model'].split(':')[1]}"]
-    return args
-
-
-def _one(args: list[str], out: Path) -> dict[str, Any]:
-    r = CliRunner().invoke(cli, ["-q", *args, "--out", str(out)])
-    assert r.exit_code == 0, r.output
-    return json.loads((out / "report.json").read_text())
 
 
 def _two(args: list[str], out: Path) -> subprocess.CompletedProcess:
@@ -71,32 +51,34 @@ def _assert_same(one: dict[str, Any], two: dict[str, Any]) -> None:
     assert _differences(one, two) == []
 
 
-def _both(args: list[str], tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The command's report in one process and on two ranks, checked equal."""
-    one = _one(args, tmp_path / "one")
-    proc = _two(args, tmp_path / "two")
+def _both(draw_report: Any, run: Path, command: str, batch: str | None, tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The command's report in one process (the session's, shared with test_draws) and on
+    two ranks, checked equal."""
+    one = draw_report(run, command, batch)
+    proc = _two(draw_args(run, command, batch), tmp_path / "two")
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "two" / "report.json").read_text())
     _assert_same(one, two)
     return one, two
 
 
-def test_replay_on_two_fsdp2_ranks_is_the_single_process_replay(draws: dict[int, Path], tmp_path: Path) -> None:
-    """The FSDP2 draw (DCP written by 2 ranks): a per-module LR bug, a gradient explosion."""
+def test_replay_on_two_fsdp2_ranks_is_the_single_process_replay(draws: dict[int, Path], draw_report: Any, tmp_path: Path) -> None:
+    """The FSDP2 draw (DCP written by 2 ranks): a per-module LR bug, a gradient explosion;
+    replayed from its flight recorder (every param group's LR per step)."""
     run = draws[1052]
-    one, two = _both(_args(run, "replay"), tmp_path)
+    one, two = _both(draw_report, run, "replay", "flight", tmp_path)
     assert one["verdict"]["causes"][0]["cause"] == truth(run)["cause"]
     assert one["verdict"]["reproducible"] is True
 
 
-def test_bisect_on_two_ranks_is_the_single_process_bisect(draws: dict[int, Path], tmp_path: Path) -> None:
+def test_bisect_on_two_ranks_is_the_single_process_bisect(draws: dict[int, Path], draw_report: Any, tmp_path: Path) -> None:
     """The HF Trainer draw (Llama from config.json, padded rows, gradient accumulation 2):
     the poison rows found by two ranks, each holding half of every batch, are the truth's."""
     run = draws[1012]
-    one, two = _both(_args(run, "bisect"), tmp_path)
+    one, two = _both(draw_report, run, "bisect", None, tmp_path)
     rows = sorted(s["index"] for s in two["verdict"]["anomalous_samples"])
     assert rows == sorted(truth(run)["samples"])
-    assert json.loads((tmp_path / "two" / "skip.json").read_text()) == json.loads((tmp_path / "one" / "skip.json").read_text())
+    assert json.loads((tmp_path / "two" / "skip.json").read_text()) == one["bisect"]["skip"]
 
 
 def test_a_rank_that_fails_stops_every_rank_with_the_same_line(draws: dict[int, Path], tmp_path: Path) -> None:
@@ -111,7 +93,7 @@ def test_a_rank_that_fails_stops_every_rank_with_the_same_line(draws: dict[int, 
     cut = min(int(i.offset) for idx, i in md.storage_data.items() if str(i.relative_path) == "__1_0.distcp" and idx.fqn.endswith("exp_avg") and idx.offset and idx.offset[0] > 0)
     f = before / "__1_0.distcp"
     f.write_bytes(f.read_bytes()[:cut])
-    proc = _two(_args(run, "replay"), tmp_path / "out")
+    proc = _two(draw_args(run, "replay", "flight"), tmp_path / "out")
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr
     assert len(errors) == 2 and errors[0] == errors[1] and "__1_0.distcp: truncated" in errors[0], proc.stderr[-3000:]

@@ -10,30 +10,17 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from ckptforensics.cli import cli
 from ckptforensics.triage import find_metrics, read_metrics, triage
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.zoo import model_spec  # noqa: E402
 from fixtures.draws import GROUP0_LR_ONLY, TUNING, draw, log_onset  # noqa: E402
 from tests.conftest import SUBSET  # noqa: E402
-
-
-def _replay(run: Path, out: Path, batch: str | None = None) -> dict:
-    t = json.loads((run / "truth.json").read_text())
-    hint = t["replay"]
-    args = ["replay", "--run-dir", str(run), "--before", str(t["before"]), "--after", str(t["after"]), "--batch", str(run / (batch or hint["batch"]))]
-    args += ["--model", model_spec(run, hint["model"])] if hint.get("model") else []  # HF Trainer draws: config.json
-    args += ["--precision", hint["precision"]] if hint.get("precision") else []
-    r = CliRunner().invoke(cli, [*args, "--out", str(out)], catch_exceptions=False)
-    assert r.exit_code == 0, r.output
-    return json.loads((out / "report.json").read_text())
 
 
 def test_the_subset_is_of_the_tuning_split_and_covers_every_cause() -> None:
@@ -42,10 +29,10 @@ def test_the_subset_is_of_the_tuning_split_and_covers_every_cause() -> None:
 
 
 @pytest.mark.parametrize("seed", SUBSET)
-def test_drawn_incident_is_named(draws: dict[int, Path], seed: int, tmp_path: Path) -> None:
+def test_drawn_incident_is_named(draws: dict[int, Path], draw_report: Any, seed: int) -> None:
     run = draws[seed]
     t = json.loads((run / "truth.json").read_text())
-    doc = _replay(run, tmp_path / "rep")
+    doc = draw_report(run)
     v = doc["verdict"]
     conf = [c["confidence"] for c in v["causes"]]
     assert conf == sorted(conf, reverse=True), v["causes"]  # ranked by the confidence shown
@@ -134,12 +121,12 @@ def test_blips_the_loss_ignores_are_not_onsets_on_a_long_quiet_run(tmp_path: Pat
 
 
 @pytest.mark.parametrize("seed", [1002, 1052])
-def test_the_flight_recorder_replays_as_the_batch_log_does(draws: dict[int, Path], seed: int, tmp_path: Path) -> None:
+def test_the_flight_recorder_replays_as_the_batch_log_does(draws: dict[int, Path], draw_report: Any, seed: int) -> None:
     """Draw 1002 carries the recorder's Lightning callback, 1052 the plain-loop calls on
     each of its two FSDP2 ranks: the recorder's segments (two ranks' rows merged into the
     global batch) give the verdict the run's own batch log gives."""
     run = draws[seed]
-    ref, got = _replay(run, tmp_path / "ref"), _replay(run, tmp_path / "rec", batch="flight")
+    ref, got = draw_report(run), draw_report(run, batch="flight")
     for k in ("first_bad_step", "reproducible", "first_anomalous_module"):
         assert got["verdict"][k] == ref["verdict"][k], k
     assert got["verdict"]["causes"][0]["cause"] == ref["verdict"]["causes"][0]["cause"]

@@ -35,11 +35,16 @@ SUBSET = (1002, 1010, 1012, 1013, 1052, 1009, 1022, 1015)
 
 @pytest.fixture(scope="session")
 def draws(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """seed -> run dir of every draw in SUBSET, trained once per session."""
+    """seed -> run dir of every draw in SUBSET, trained once per session, two at a time (each
+    trains on one thread; CI has two cores)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
     from fixtures.draws import build_draw
 
     root = tmp_path_factory.mktemp("draws")
-    return {seed: build_draw(seed, root) for seed in SUBSET}
+    with ProcessPoolExecutor(2, mp_context=mp.get_context("spawn")) as pool:
+        return dict(zip(SUBSET, pool.map(build_draw, SUBSET, [root] * len(SUBSET)), strict=True))
 
 
 def draw_args(run: Path, command: str = "replay", batch: str | None = None) -> list[str]:

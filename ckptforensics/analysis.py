@@ -132,8 +132,7 @@ def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> t
     """
     from .replay import distributed, replay
 
-    ranks = distributed.start(cfg.device)
-    try:
+    with distributed.joined(cfg.device):
         rep = replay(cfg, progress=progress)
         rfind = replay_findings(rep)
         a, b, diff, dfind = _pair_diff(cfg)
@@ -141,9 +140,6 @@ def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> t
             return None if diff is _NOT_RANK_ZERO else _replay_report(cfg, rep, rfind, a, b, diff, dfind, command)
         finally:
             _close(a, b)
-    finally:
-        if ranks is not None:
-            distributed.stop()
 
 
 # The pair's diff under torchrun on ranks other than 0, which gather nothing.
@@ -191,8 +187,7 @@ def run_bisect(cfg: Any, *, command: str, progress: Progress | None = None, toke
     skip list); under torchrun, on ranks other than 0, None (see `run_replay`)."""
     from .replay import distributed
 
-    ranks = distributed.start(cfg.device)
-    try:
+    with distributed.joined(cfg.device) as ranks:
         # The pair's state evidence pins bad steps that do not spike (an LR already off
         # schedule in *before*, a collapsed second moment), as in `replay`.
         a, b, diff, dfind = _pair_diff(cfg)
@@ -205,9 +200,6 @@ def run_bisect(cfg: Any, *, command: str, progress: Progress | None = None, toke
             return got if ranks is None or ranks.rank == 0 else None
         finally:
             _close(a, b)
-    finally:
-        if ranks is not None:
-            distributed.stop()
 
 
 def _bisect_report(
@@ -246,13 +238,9 @@ def run_whatif(
     (under torchrun: by every rank together; ranks other than 0 return None)."""
     from .replay import distributed
 
-    ranks = distributed.start(cfg.device)
-    try:
+    with distributed.joined(cfg.device) as ranks:
         got = _whatif(cfg, n_steps, tries, skip_rows, command, progress)
         return got if ranks is None or ranks.rank == 0 else None
-    finally:
-        if ranks is not None:
-            distributed.stop()
 
 
 def _whatif(cfg: Any, n_steps: int, tries: list[str], skip_rows: dict[int, list[int]] | None, command: str, progress: Progress | None) -> tuple[dict[str, Any], list[Finding]]:

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..errors import ForensicsError
 
-__all__ = ["Ranks", "current", "start", "stop", "agree", "params_on_meta", "checkpoint_blocks", "shard_model", "materialize", "local_rows"]
+__all__ = ["Ranks", "current", "start", "stop", "joined", "agree", "params_on_meta", "checkpoint_blocks", "shard_model", "materialize", "local_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,17 @@ def _return_freed_memory() -> None:
             libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
     except OSError:  # not glibc: nothing to tune
         pass
+
+
+@contextlib.contextmanager
+def joined(device: str) -> Iterator[Ranks | None]:
+    """`start` for the length of a command, then `stop` (None and nothing to stop outside torchrun)."""
+    ranks = start(device)
+    try:
+        yield ranks
+    finally:
+        if ranks is not None:
+            stop()
 
 
 def stop() -> None:

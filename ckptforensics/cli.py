@@ -166,7 +166,7 @@ def _replay_options(f: Any) -> Any:
                 "OLMo-core: the dir its dataset.paths are relative to. With a flight recorder's sample-id log "
                 "(--batch), the dataset those ids index.",
             ),
-            click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True),
+            click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16", "bf16-params"]), default="auto", show_default=True),
             click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True, help="cuda: under torchrun, one GPU a rank (NCCL)."),
             click.option(
                 "--checkpoint-activations",

@@ -21,6 +21,7 @@ from ..formats.base import Checkpoint
 from ..logs import group_lrs, read_metrics
 from ..tensors import LR_GROWTH_MARGIN, adam_ratio_bound
 from . import distributed
+from . import precision as mp
 from .batches import BatchSource, open_batches
 from .model import (
     LossNorm,
@@ -49,7 +50,9 @@ class ReplayConfig:
         data: the run's training data (`--data`: an HF `save_to_disk` dir or
             `module:function`), from which the Trainer's batches are rebuilt.
         step: the step to replay when there is no *after*.
-        precision: 'auto' (what the run used), 'fp32', 'bf16' or 'fp16'.
+        precision: 'auto' (what the run used), 'fp32', 'bf16' or 'fp16' (autocast; fp16 with
+            the run's loss scale), or 'bf16-params' (bf16 weights on fp32 masters: FSDP2's
+            MixedPrecisionPolicy, Megatron --bf16, DeepSpeed bf16); see replay/precision.py.
         device: 'cpu' or 'cuda'.
         clip: gradient clipping norm; None = what the checkpoint or batch log states, else calibrated.
         loss: `module:function(logits, batch) -> per-token loss [B, T']`; None = causal LM CE.
@@ -150,13 +153,6 @@ class ReplayResult:
     baseline: dict[int, dict[str, float]] = field(default_factory=dict)  # logged steps before the window
 
 
-def _autocast(precision: str, device: str) -> contextlib.AbstractContextManager[Any]:
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
-    return torch.autocast(device_type=device, dtype=dtype)
-
-
 def _logits(out: Any) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
@@ -169,18 +165,8 @@ def _logits(out: Any) -> torch.Tensor:
 
 
 def _precision(cfg: ReplayConfig, ckpt: Checkpoint) -> tuple[str, str]:
-    if cfg.precision != "auto":
-        return cfg.precision, "--precision"
-    if ckpt.scalars.get("loss_scale") is not None:
-        return "fp16", "loss scaler state in the checkpoint"
-    tc = ckpt.scalars.get("train_config") or {}
-    for flag in ("bf16", "fp16"):  # HF TrainingArguments (autocast over fp32 weights)
-        if tc.get(flag) is True:
-            return flag, f"training_args.bin {flag}=True"
-    dtypes = {ckpt.meta(n).dtype for n in ckpt.names()}
-    if torch.bfloat16 in dtypes:
-        return "bf16", "bf16 weights in the checkpoint"
-    return "fp32", "fp32 weights, no loss scaler"
+    """The run's precision and its source (`precision.candidates` lists the alternatives)."""
+    return mp.resolve(cfg.precision, ckpt)
 
 
 def _model_source(spec: str | None, desc: str | None) -> str:
@@ -244,6 +230,7 @@ class Session:
         loss_fn: Callable[..., torch.Tensor] | None,
         labels_shifted: bool = False,
         micro_batch_size: int | None = None,
+        scale_plan: mp.ScalePlan | None = None,
     ) -> None:
         self.cfg = cfg
         self.ranks = distributed.current()
@@ -258,24 +245,23 @@ class Session:
         if cfg.checkpoint_activations:
             distributed.checkpoint_blocks(self.model)
         if self.ranks is not None:
-            distributed.shard_model(self.model, self.ranks)
+            distributed.shard_model(self.model, self.ranks, bf16_params=precision == "bf16-params")
             distributed.materialize(self.model, self.device)
         self.to_ckpt = load_weights(self.model, a, self.ranks)
         self.model.to(self.device).train()
         self.opt = build_optimizer(self.model, a, self.to_ckpt, self.ranks)
         self.precision = precision
-        self.scaler = None
-        if precision == "fp16":
-            self.scaler = torch.amp.GradScaler(self.device.type)
-            state = a.scalars.get("scaler")
-            if isinstance(state, dict) and "scale" in state:
-                self.scaler.load_state_dict({k: v for k, v in state.items() if k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")})
+        # fp16: the run's loss scale (precision.LossScaler); without a plan, the
+        # checkpoint's scaler state or GradScaler's default start.
+        self.loss_scaler = mp.LossScaler(self.device, scale_plan or mp.scale_plan(a, None, [a.step or 0], {}, {})) if precision == "fp16" else None
         self.probe = ModuleProbe(self.model, self.device, self.ranks)
         self.probe.once = cfg.checkpoint_activations
         self.psg = PerSampleGrad(self.model)
         self.loss_fn = loss_fn
         self.labels_shifted = labels_shifted
         self.params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        # bf16 parameters on fp32 masters in one process (FSDP2 casts them under torchrun).
+        self.bf16_params = mp.BF16Params([p for _, p in self.params]) if precision == "bf16-params" and self.ranks is None else None
         self._group_of = {id(p): g for g in self.opt.param_groups for p in g["params"]}
 
     def _loss(self, batch: dict[str, torch.Tensor], precision: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,7 +278,7 @@ class Session:
         kwargs = {"input_ids": ids}
         if "attention_mask" in batch:
             kwargs["attention_mask"] = batch["attention_mask"].to(self.device)
-        with _autocast(precision, self.device.type):
+        with self._compute(precision):
             try:
                 out = self.model(**kwargs)
             except TypeError:
@@ -319,6 +305,20 @@ class Session:
             # One rank: [max |logit|, mean log Z]; ranks: the sum and count to merge.
             self.logit_stats = torch.stack([absmax, lse.mean()]) if self.ranks is None else torch.stack([absmax, lse.sum(), lse.new_tensor(lse.numel())])
         return loss, per_sample
+
+    def _compute(self, precision: str) -> contextlib.AbstractContextManager[Any]:
+        """The forward's precision: autocast, or the weights cast to bf16 (bf16-params)."""
+        if precision == "bf16-params" and self.bf16_params is not None:
+            return self.bf16_params.compute()
+        return mp.autocast(precision, self.device.type)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backward; with bf16 parameters, the fp32 masters back with fp32 gradients."""
+        try:
+            loss.backward()
+        finally:
+            if self.bf16_params is not None:
+                self.bf16_params.restore()
 
     def _normalise(self, tok: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
         """The step's loss as its trainer averaged it (`trainer_loss_norm`)."""
@@ -354,7 +354,7 @@ class Session:
         """Forward + backward with probes, no update (the fp32 reference pass)."""
         self.probe.reset()
         loss, _ = self._loss(batch, precision)
-        loss.backward()
+        self._backward(loss)
         stats = self.probe.collect()
         self.opt.zero_grad(set_to_none=True)
         return stats
@@ -365,7 +365,7 @@ class Session:
         try:
             self.opt.zero_grad(set_to_none=True)
             loss, _ = self._loss(batch, self.precision)
-            loss.backward()
+            self._backward(loss)
             grads = [_local(p.grad) for _, p in self.params if p.grad is not None]
             if self.ranks is not None:  # the ranks' loss shares and squared norms, summed
                 sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
@@ -382,17 +382,20 @@ class Session:
     ) -> tuple[StepRecord, PassStats]:
         for g, lr in zip(self.opt.param_groups, lrs, strict=True):
             g["lr"] = lr
-        self.probe.reset()
-        self.psg.reset()
-        self.psg.enabled = True
-        self.opt.zero_grad(set_to_none=True)
-        loss, per_sample = self._loss(batch, self.precision)
-        scale = self.scaler.get_scale() if self.scaler is not None else None
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        self.psg.enabled = False
-        stats = self.probe.collect()
-        if self.scaler is not None:
-            self.scaler.unscale_(self.opt)
+        ls = self.loss_scaler
+        while True:  # once, unless the loss scale must move and the step be redone (fp16)
+            scale = ls.begin(step) if ls is not None else None
+            self.probe.reset()
+            self.psg.reset()
+            self.psg.enabled = True
+            self.opt.zero_grad(set_to_none=True)
+            loss, per_sample = self._loss(batch, self.precision)
+            self._backward(ls.scale(loss) if ls is not None else loss)
+            self.psg.enabled = False
+            stats = self.probe.collect()
+            verdict = ls.settle(step, ls.unscale(self.opt, [p for _, p in self.params])) if ls is not None else None
+            if verdict != "redo":
+                break
         with_grad = [(n, p) for n, p in self.params if p.grad is not None]
         if self.ranks is None:
             g = self._gradients(with_grad, clip, loss, per_sample)
@@ -400,11 +403,11 @@ class Session:
             g = self._gradients_ranks(with_grad, clip, loss, per_sample, batch["input_ids"].shape[0])
         if not update:
             skipped = True  # the mitigation skips this step's update
-        elif self.scaler is not None:
-            before_scale = self.scaler.get_scale()
-            self.scaler.step(self.opt)
-            self.scaler.update()
-            skipped = self.scaler.get_scale() < before_scale
+            if ls is not None:
+                ls.hold()
+        elif ls is not None:
+            skipped = verdict == "skip"
+            ls.finish(step, self.opt, skipped)
         else:
             skipped = not math.isfinite(g.total)
             self.opt.step()
@@ -649,12 +652,14 @@ class Plan:
     metrics_file: Path | None
     model_source: str = ""
     loss_norm: LossNorm | None = None
+    scale: mp.ScalePlan | None = None  # fp16: where the loss scale comes from
 
     def config(self, clip: float | None, clip_source: str) -> dict[str, dict[str, Any]]:
         """replay.config: every assumption with its source (the report states it: replay.config)."""
         cfg = self.cfg
         return {
             "precision": {"value": self.precision, "source": self.precision_source},
+            **({"loss_scale": self.scale.describe()} if self.scale is not None and self.precision == "fp16" else {}),
             "lr": {"value": {s: self.lrs[s] for s in self.steps}, "source": self.lr_source},
             "clip": {"value": clip, "source": clip_source},
             "loss": {
@@ -677,7 +682,7 @@ class Plan:
     def session(self) -> Session:
         # Under torchrun each rank reads its own rows: a rank that cannot stops them all.
         sess = distributed.agree(
-            distributed.current(), lambda: Session(self.cfg, self.a, self.precision, self.loss_fn, self.batches.labels_shifted, self.batches.micro_batch_size)
+            distributed.current(), lambda: Session(self.cfg, self.a, self.precision, self.loss_fn, self.batches.labels_shifted, self.batches.micro_batch_size, self.scale)
         )
         self.model_source, self.loss_norm = sess.model_source, sess.loss_norm
         return sess
@@ -724,7 +729,8 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
         clips = [(None, "calibrated: none"), (1.0, "calibrated: 1.0")]
     else:
         clips = [(None, "assumed: none (no after to calibrate against)")]
-    return Plan(cfg, a, b, steps, batches, lrs, lsrc, clips, precision, psrc, loss_fn, logged, mfile)
+    scale = mp.scale_plan(a, b, steps, batches.loss_scale, logged) if precision == "fp16" else None
+    return Plan(cfg, a, b, steps, batches, lrs, lsrc, clips, precision, psrc, loss_fn, logged, mfile, scale=scale)
 
 
 def _batches(cfg: ReplayConfig, a: Checkpoint) -> BatchSource:
@@ -777,6 +783,7 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
     torch.manual_seed(0)
     p = plan(cfg, steps)
     _settle_ratio_change(p, progress)
+    mp.settle_loss_scale(p, progress)
     best: tuple[float, ReplayResult] | None = None
     todo = list(p.clips)
     tried: set[float | None] = set()

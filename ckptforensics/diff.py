@@ -74,7 +74,15 @@ def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
         betas=betas,
         weights_only=weights_only,
         notes=tuple(notes),
+        skip_optimizer=_skip_optimizer(b),
     )
+
+
+def _skip_optimizer(ckpt: Checkpoint) -> str | None:
+    """OLMo-core's SkipStep optimizers skip an outlier step on their own (its config.json)."""
+    optim = ckpt.scalars.get("olmo_optim")
+    cls = str(optim.get("_CLASS_", "")) if isinstance(optim, dict) else ""
+    return cls.rsplit(".", 1)[-1].removesuffix("Config") if "SkipStep" in cls else None
 
 
 def _check_compatible(a: Checkpoint, b: Checkpoint) -> list[str]:

@@ -131,6 +131,7 @@ class PairInfo:
     betas: tuple[float, float] | None
     weights_only: bool
     notes: tuple[str, ...] = ()
+    skip_optimizer: str | None = None  # an optimizer that skips outlier steps itself (OLMo-core's SkipStep*)
 
 
 @dataclass(slots=True)

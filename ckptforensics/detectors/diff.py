@@ -191,7 +191,24 @@ def detect_skipped_steps(diff: DiffResult, th: Thresholds) -> list[Finding]:
     if None not in (p.step_a, p.step_b, p.adam_step_a, p.adam_step_b):
         g = p.step_b - p.step_a  # type: ignore[operator]
         k = p.adam_step_b - p.adam_step_a  # type: ignore[operator]
-        if 0 <= k < g:
+        if 0 <= k < g and p.skip_optimizer and not p.loss_scale_a:
+            # OLMo-core's SkipStep optimizers skip a step whose loss or grad norm is an
+            # outlier of the last steps (replay/skipstep.py): the optimizer's own guard,
+            # not an overflow; the replay finds the steps and judges their spikes.
+            out.append(
+                Finding(
+                    "",
+                    "skipped_steps",
+                    "run",
+                    cap((g - k) / max(1, g) * 10),
+                    "info",
+                    {"trainer_steps": g, "optimizer_steps": k, "optimizer": p.skip_optimizer},
+                    f"{g - k} of {g} steps skipped the optimizer update: {p.skip_optimizer} skips a step whose loss or grad norm is an outlier of the last steps",
+                    "docs/signatures.md#skipped-steps",
+                    (),
+                )
+            )
+        elif 0 <= k < g:
             # One skipped step per backoff (a single one even where the scaler state was not
             # saved, as nanoGPT does not) is the scaler's routine.
             # Each backoff skips one step and the scale regrows in between, so skips, not

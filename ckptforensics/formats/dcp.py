@@ -277,11 +277,12 @@ def _olmo_config(ckpt: Checkpoint, path: Path) -> None:
         tm = cfg.get("train_module") or {}
         optim = tm.get("optim") or {}
         ckpt.scalars["train_config"] = {"grad_clip": tm.get("max_grad_norm"), "learning_rate": optim.get("lr")}
+        ckpt.scalars["olmo_optim"] = optim  # the replay follows a SkipStep optimizer's skips (replay/skipstep)
         if "skip_step" in str(optim.get("type", "")) or "SkipStep" in str(optim.get("_CLASS_", "")):
             ckpt.notes.append(
                 f"the optimizer is OLMo-core's {optim.get('_CLASS_', 'SkipStepAdamW').rsplit('.', 1)[-1]}: it skips a step whose loss or "
                 f"grad norm exceeds the mean of the last {optim.get('rolling_interval_length', 128)} by "
-                f"{optim.get('sigma_factor', 6)} standard deviations (a replay applies every step)"
+                f"{optim.get('sigma_factor', 6)} standard deviations (a replay skips the steps the run's log or that rule says)"
             )
         return
 

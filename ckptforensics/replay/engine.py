@@ -20,7 +20,7 @@ from ..formats import open_checkpoint, open_pair
 from ..formats.base import Checkpoint
 from ..logs import group_lrs, read_metrics
 from ..tensors import LR_GROWTH_MARGIN, adam_ratio_bound
-from . import distributed
+from . import distributed, skipstep
 from . import precision as mp
 from .batches import BatchSource, open_batches
 from .model import (
@@ -95,6 +95,7 @@ class StepRecord:
     param_rms_t: dict[str, float] = field(default_factory=dict)
     param_spikes: dict[str, int] = field(default_factory=dict)
     logit_absmax: float = math.nan  # max |logit| of the step's batch
+    skipped_by: str = ""  # who skipped the update: "loss scaler", "optimizer rule" (SkipStepAdamW), "mitigation"
     log_z: float = math.nan  # mean logsumexp of the logits (softmax normaliser, nats)
 
 
@@ -231,6 +232,7 @@ class Session:
         labels_shifted: bool = False,
         micro_batch_size: int | None = None,
         scale_plan: mp.ScalePlan | None = None,
+        skip_rule: skipstep.SkipRule | None = None,
     ) -> None:
         self.cfg = cfg
         self.ranks = distributed.current()
@@ -253,6 +255,7 @@ class Session:
         self.precision = precision
         # fp16: the run's loss scale (precision.LossScaler); without a plan, the
         # checkpoint's scaler state or GradScaler's default start.
+        self.skip_rule = skip_rule  # OLMo-core's SkipStepAdamW: the steps it skipped
         self.loss_scaler = mp.LossScaler(self.device, scale_plan or mp.scale_plan(a, None, [a.step or 0], {}, {})) if precision == "fp16" else None
         self.probe = ModuleProbe(self.model, self.device, self.ranks)
         self.probe.once = cfg.checkpoint_activations
@@ -401,16 +404,23 @@ class Session:
             g = self._gradients(with_grad, clip, loss, per_sample)
         else:
             g = self._gradients_ranks(with_grad, clip, loss, per_sample, batch["input_ids"].shape[0])
+        skipped_by = ""
         if not update:
-            skipped = True  # the mitigation skips this step's update
+            skipped, skipped_by = True, "mitigation"  # the mitigation skips this step's update
             if ls is not None:
                 ls.hold()
         elif ls is not None:
             skipped = verdict == "skip"
+            skipped_by = "loss scaler" if skipped else ""
             ls.finish(step, self.opt, skipped)
+        elif self.skip_rule is not None and self.skip_rule.decide(step, g.loss, g.total):
+            skipped, skipped_by = True, "optimizer rule"  # SkipStepAdamW: weights, moments and Adam's step stay as they were
         else:
             skipped = not math.isfinite(g.total)
+            held = skipstep.hold_step_counter(self.opt) if self.skip_rule is not None and not self.skip_rule.step_increments else None
             self.opt.step()
+            if held is not None:
+                skipstep.restore_step_counter(self.opt, held)
         rec = StepRecord(
             step=step,
             loss=g.loss,
@@ -427,6 +437,7 @@ class Session:
             param_spikes=g.spikes,
             logit_absmax=g.logit_absmax,
             log_z=g.log_z,
+            skipped_by=skipped_by,
         )
         return rec, stats
 
@@ -653,6 +664,7 @@ class Plan:
     model_source: str = ""
     loss_norm: LossNorm | None = None
     scale: mp.ScalePlan | None = None  # fp16: where the loss scale comes from
+    skip: skipstep.SkipRule | None = None  # an optimizer that skips steps (OLMo-core)
 
     def config(self, clip: float | None, clip_source: str) -> dict[str, dict[str, Any]]:
         """replay.config: every assumption with its source (the report states it: replay.config)."""
@@ -666,7 +678,11 @@ class Plan:
                 "value": cfg.loss or f"causal LM cross-entropy on the logits (shifted); {self.loss_norm.source if self.loss_norm else 'mean over target tokens'}",
                 "source": "--loss" if cfg.loss else ("the run's trainer" if self.loss_norm and self.loss_norm.kind != "targets" else "default"),
             },
-            "optimizer": {"value": "AdamW", "source": "checkpoint optimizer state"},
+            "optimizer": (
+                {"value": f"{self.skip.name}: AdamW whose update is skipped where the loss or grad norm exceeds the mean of the last {self.skip.interval} steps by {self.skip.sigma:g} std",
+                 "source": "OLMo-core config.json train_module.optim; the skipped steps from the run's log (optim/step skipped), else from that rule"}
+                if self.skip is not None else {"value": "AdamW", "source": "checkpoint optimizer state"}
+            ),  # fmt: skip
             "model": {"value": self.model_source or cfg.model or "config.json", "source": _model_source(cfg.model, self.model_source)},
             "batches": {"value": self.batches.describe, "source": "--data, rebuilt; the first replayed step's loss and grad norm match the log" if self.batches.rebuilt else "--batch"},
             "metrics": {"value": str(self.metrics_file) if self.metrics_file else None, "source": "discovered" if self.metrics_file and cfg.metrics is None else "--metrics"},
@@ -682,7 +698,7 @@ class Plan:
     def session(self) -> Session:
         # Under torchrun each rank reads its own rows: a rank that cannot stops them all.
         sess = distributed.agree(
-            distributed.current(), lambda: Session(self.cfg, self.a, self.precision, self.loss_fn, self.batches.labels_shifted, self.batches.micro_batch_size, self.scale)
+            distributed.current(), lambda: Session(self.cfg, self.a, self.precision, self.loss_fn, self.batches.labels_shifted, self.batches.micro_batch_size, self.scale, self.skip.fresh() if self.skip is not None else None)
         )
         self.model_source, self.loss_norm = sess.model_source, sess.loss_norm
         return sess
@@ -730,7 +746,8 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
     else:
         clips = [(None, "assumed: none (no after to calibrate against)")]
     scale = mp.scale_plan(a, b, steps, batches.loss_scale, logged) if precision == "fp16" else None
-    return Plan(cfg, a, b, steps, batches, lrs, lsrc, clips, precision, psrc, loss_fn, logged, mfile, scale=scale)
+    skip = skipstep.skip_rule(a, logged, steps[0])
+    return Plan(cfg, a, b, steps, batches, lrs, lsrc, clips, precision, psrc, loss_fn, logged, mfile, scale=scale, skip=skip)
 
 
 def _batches(cfg: ReplayConfig, a: Checkpoint) -> BatchSource:

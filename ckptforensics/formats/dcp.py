@@ -221,6 +221,7 @@ def open_dcp(path: Path) -> Checkpoint:
     if step is not None:
         ckpt.scalars["global_step"] = step
     _olmo_config(ckpt, path)
+    _job_config(ckpt, path)
     if state and opt_store is not None:
         _untie(ckpt, state)
         ckpt.optimizer = _optimizer(opt_store, state, groups)
@@ -285,6 +286,28 @@ def _olmo_config(ckpt: Checkpoint, path: Path) -> None:
                 f"{optim.get('sigma_factor', 6)} standard deviations (a replay skips the steps the run's log or that rule says)"
             )
         return
+
+
+def _job_config(ckpt: Checkpoint, path: Path) -> None:
+    """A torchtitan job config (TOML) in the run dir or above it: its FSDP2 mixed-precision
+    policy (`[training] mixed_precision_param`, `mixed_precision_reduce`; torchtitan's
+    defaults bfloat16 / float32), which the replay computes in (replay/precision.py)."""
+    import tomllib
+
+    for d in (path.parent, path.parent.parent):
+        for f in sorted(d.glob("*.toml")) if d.is_dir() else []:
+            try:
+                doc = tomllib.loads(f.read_text())
+            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+                continue
+            training = doc.get("training") if isinstance(doc, dict) else None
+            if isinstance(training, dict) and isinstance(training.get("mixed_precision_param"), str):
+                ckpt.scalars["mixed_precision"] = {
+                    "param_dtype": training["mixed_precision_param"],
+                    "reduce_dtype": str(training.get("mixed_precision_reduce", "float32")),
+                    "source": f"{f.name} training.mixed_precision_param={training['mixed_precision_param']!r} (torchtitan's FSDP2 policy)",
+                }
+                return
 
 
 def _olmo_train_state(path: Path) -> int | None:

@@ -538,7 +538,7 @@ def _compare(session: Session, b: Checkpoint, lrs: dict[int, list[float]], only:
         if (only is not None and name not in only) or not b.has(name):
             continue
         if ranks is not None:
-            out.extend(_compare_shard(ranks, name, p, state.get(p, {}), session.opt.param_groups[group_of.get(id(p), 0)], b, lrs, group_of.get(id(p), 0)))
+            out.extend(_compare_shard(ranks, name, p, state.get(p, {}), session.opt.param_groups[group_of.get(id(p), 0)], b, lrs, group_of.get(id(p), 0), session.precision))
             continue
         gi = group_of.get(id(p), 0)
         g = session.opt.param_groups[gi]
@@ -552,17 +552,17 @@ def _compare(session: Session, b: Checkpoint, lrs: dict[int, list[float]], only:
         out.append(_weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, g["weight_decay"]))
         st = b.optim_state(name)
         if st_p and st:
-            for where in ("exp_avg", "exp_avg_sq"):
-                x, y = st_p[where].cpu(), st[where].float().view_as(p)
+            pairs = {where: (st_p[where].cpu(), st[where].float().view_as(p)) for where in ("exp_avg", "exp_avg_sq")}
+            for where, (x, y) in pairs.items():
                 # Relative rounding per step, floored at the tensor's own scale: elements
                 # whose true gradient is zero (a key bias, say) hold pure rounding noise.
-                scale = torch.maximum(x.abs(), y.abs())
-                out.append(_match(name, where, x, y, _moment_tol(scale, float(scale.max()), k), None))
+                scale = mp.moment_scale(session.precision, where, x, y, *pairs["exp_avg_sq"])
+                out.append(_match(name, where, x, y, _moment_tol(scale, float(scale.max()), k, mp.moment_rounding(session.precision)), None))
     return out if ranks is None else merge_matches(ranks, out)
 
 
 def _compare_shard(
-    ranks: distributed.Ranks, name: str, p: Any, st_p: dict, g: dict, b: Checkpoint, lrs: dict[int, list[float]], gi: int
+    ranks: distributed.Ranks, name: str, p: Any, st_p: dict, g: dict, b: Checkpoint, lrs: dict[int, list[float]], gi: int, precision: str = "fp32"
 ) -> list[TensorMatch]:
     """`_compare` for one FSDP2-sharded parameter: this rank's rows of the replayed state
     against the same rows of *after* (only those read); the ranks' counts are merged by
@@ -588,9 +588,11 @@ def _compare_shard(
             x = _local(st_p[where]).cpu().float()
             y = after_rows(lambda lo, hi, w=where: b.state_rows(name, w, lo, hi), lambda w=where: st[w])
             pairs[where] = (x, y, torch.maximum(x.abs(), y.abs()))
+        vx, vy, _ = pairs["exp_avg_sq"]
+        pairs = {w: (x, y, mp.moment_scale(precision, w, x, y, vx, vy)) for w, (x, y, _) in pairs.items()}
         tops = ranks.max(torch.stack([s.max() if s.numel() else s.new_zeros(()) for _, _, s in pairs.values()]))
         for (where, (x, y, scale)), top in zip(pairs.items(), tops.tolist(), strict=True):
-            out.append(_match(name, where, x, y, _moment_tol(scale, top, k), None))
+            out.append(_match(name, where, x, y, _moment_tol(scale, top, k, mp.moment_rounding(precision)), None))
         b.forget(name)
     return out
 
@@ -603,10 +605,11 @@ def _weight_match(name: str, mine: torch.Tensor, ref: torch.Tensor, dtype: torch
     return _match(name, "weight", mine, ref, 0.01 * klr + 4 * ulp * wscale, klr * (c + wd * wscale) * 1.001 + 2 * ulp * wscale)
 
 
-def _moment_tol(scale: torch.Tensor, top: float, k: int) -> torch.Tensor:
-    """A moment's tolerance: relative rounding per step, floored at the whole tensor's
-    scale `top` (elements whose true gradient is zero hold pure rounding noise)."""
-    return 1e-3 * k * scale + 1e-4 * top + 1e-30
+def _moment_tol(scale: torch.Tensor, top: float, k: int, rel: float = 1e-3) -> torch.Tensor:
+    """A moment's tolerance: relative rounding `rel` per step (`precision.moment_rounding`),
+    floored at the whole tensor's scale `top` (elements whose true gradient is zero hold
+    pure rounding noise)."""
+    return rel * k * scale + 1e-4 * top + 1e-30
 
 
 def merge_matches(ranks: distributed.Ranks, local: list[TensorMatch]) -> list[TensorMatch]:

@@ -135,6 +135,8 @@ def _stated(ckpt: Checkpoint) -> tuple[str, str] | None:
     param = str(mp.get("param_dtype") or tc.get("mixed_precision_param") or "")
     if param in ("bfloat16", "torch.bfloat16", "bf16"):
         return "bf16-params", str(mp.get("source") or "job config training.mixed_precision_param=bfloat16")
+    if param in ("float32", "torch.float32", "fp32") and mp:
+        return "fp32", str(mp.get("source"))
     ds = tc.get("ds_config") if isinstance(tc.get("ds_config"), dict) else None
     if ds is not None:
         if _flag(ds.get("bf16")) or _flag(ds.get("bfloat16")):
@@ -198,6 +200,30 @@ class BF16Params:
             if g is not None:
                 p.grad = g.float()
         self.masters = None
+
+
+# A replayed moment's rounding per step, relative (engine._compare): fp32 compute and fp16
+# autocast (fp16 gradients round at 2^-11) sit under 1e-3; a bf16 gradient rounds at 2^-8
+# (bf16's unit roundoff, 8 significand bits), and a bf16 weight a last-bit different master
+# weight rounds to (a replay's sums in another order) moves every gradient it touches by as
+# much: the run and its replay differ by that much per step wherever the compute is bf16.
+BF16_ROUNDING = 2.0**-8
+
+
+def moment_rounding(precision: str) -> float:
+    """The relative rounding per step a replayed moment may differ by (module note above)."""
+    return BF16_ROUNDING if precision in ("bf16", "bf16-params") else 1e-3
+
+
+def moment_scale(precision: str, where: str, x: torch.Tensor, y: torch.Tensor, vx: torch.Tensor, vy: torch.Tensor) -> torch.Tensor:
+    """What a moment's rounding is relative to, per element: the moment itself; for the
+    first moment under bf16 compute, the gradient's size (sqrt of the second moment), since
+    a bf16 gradient's rounding is relative to the gradient, not to an average of gradients
+    that cancel."""
+    scale = torch.maximum(x.abs(), y.abs())
+    if where == "exp_avg" and precision in ("bf16", "bf16-params"):
+        scale = torch.maximum(scale, torch.maximum(vx, vy).clamp_min(0).sqrt())
+    return scale
 
 
 # ----------------------------------------------------------------------------- loss scale

@@ -291,6 +291,10 @@ class Session:
         finally:
             if self.bf16_params is not None:
                 self.bf16_params.restore()
+            if self.ranks is not None:
+                # A no-grad forward leaves FSDP2's root unsharded; under a bf16 policy the
+                # next backward then never hands the root's gradients to its fp32 shards.
+                distributed.reshard(self.model)
 
     def _forward(self, batch: dict[str, torch.Tensor], precision: str) -> torch.Tensor:
         """The logits of every position [B, T, V], the model called as its trainer calls it."""

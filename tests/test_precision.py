@@ -66,3 +66,36 @@ def test_fp16_scale_from_the_flight_recorder(fp16_runs: dict[str, Path]) -> None
     assert [x.step for x in r.records if x.skipped] == [44]
     assert all(x.loss_scale == t["loss_scales"][str(x.step)] for x in r.records)
     assert bad == 0, f"{bad}/{n}"
+
+
+@pytest.fixture(scope="module")
+def deepspeed_bf16_draw(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A drawn run on DeepSpeed's engine in its bf16 (ZeRO-2, 2 gloo ranks, a healthy window)."""
+    pytest.importorskip("deepspeed")
+    from fixtures.draws import build_draw, draw
+
+    d = draw(1115)
+    assert (d.trainer, d.mp_policy, d.zero_stage, d.cause) == ("deepspeed", "bf16", 2, "none")
+    return build_draw(1115, tmp_path_factory.mktemp("ds-bf16"))
+
+
+def test_deepspeed_bf16_replays_on_its_fp32_masters_and_lands_on_after(deepspeed_bf16_draw: Path, tmp_path: Path) -> None:
+    """DeepSpeed's bf16 steps fp32 master weights kept in the optimizer partitions: the replay
+    starts from them, computes in bf16 as `ds_config` says, and lands on *after*'s masters
+    (an fp32 replay of the bf16 module weights missed them)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from ckptforensics.cli import cli
+    from tests.conftest import draw_args
+
+    run = deepspeed_bf16_draw
+    r = CliRunner().invoke(cli, ["-q", *draw_args(run), "--out", str(tmp_path / "rep")], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "rep" / "report.json").read_text())
+    cfg = doc["replay"]["config"]["precision"]
+    assert cfg["value"] == "bf16-params" and cfg["source"].startswith("ds_config bf16.enabled")
+    rep = doc["replay"]["reproduction"]
+    assert rep["mismatched"] <= 0.01 * rep["elements"], rep
+    assert doc["verdict"]["reproducible"] is True and doc["verdict"]["causes"][0]["cause"] == "none"

@@ -202,7 +202,7 @@ class BF16Params:
         self.masters = None
 
 
-# A replayed moment's rounding per step, relative (engine._compare): fp32 compute and fp16
+# A replayed moment's rounding per step, relative (engine._compare; docs/signatures.md#replay-precision): fp32 compute and fp16
 # autocast (fp16 gradients round at 2^-11) sit under 1e-3; a bf16 gradient rounds at 2^-8
 # (bf16's unit roundoff, 8 significand bits), and a bf16 weight a last-bit different master
 # weight rounds to (a replay's sums in another order) moves every gradient it touches by as

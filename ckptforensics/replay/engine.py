@@ -588,7 +588,7 @@ def _compare(session: Session, b: Checkpoint, lrs: dict[int, list[float]], only:
         c = adam_ratio_bound(beta1, beta2, max(1, t_end - k + 1), t_end)
         ref = b.tensor(name).to(torch.float32).view_as(p)
         mine = p.detach().cpu().to(torch.float32)
-        out.append(_weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, g["weight_decay"]))
+        out.append(_weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, g["weight_decay"], mp.reach(session.precision)))
         st = b.optim_state(name)
         if st_p and st:
             pairs = {where: (st_p[where].cpu(), st[where].float().view_as(p)) for where in ("exp_avg", "exp_avg_sq")}
@@ -619,7 +619,7 @@ def _compare_shard(
 
     mine = _local(p).detach().cpu().float()
     ref = after_rows(lambda lo, hi: b.rows(name, lo, hi), lambda: b.tensor(name))
-    out = [_weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, g["weight_decay"])]
+    out = [_weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, g["weight_decay"], mp.reach(precision))]
     st = b.optim_state(name)
     if st_p and st:
         pairs = {}
@@ -636,12 +636,12 @@ def _compare_shard(
     return out
 
 
-def _weight_match(name: str, mine: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, klr: float, c: float, wd: float) -> TensorMatch:
+def _weight_match(name: str, mine: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, klr: float, c: float, wd: float, reach: float = 1.0) -> TensorMatch:
     """A replayed weight against *after*'s: within 1% of the window's Adam steps (k lr) plus
     rounding of the stored dtype; past the bound no Adam step reaches (`impossible`)."""
     ulp = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
     wscale = torch.maximum(mine.abs(), ref.abs())
-    return _match(name, "weight", mine, ref, 0.01 * klr + 4 * ulp * wscale, klr * (c + wd * wscale) * 1.001 + 2 * ulp * wscale)
+    return _match(name, "weight", mine, ref, 0.01 * klr + 4 * ulp * wscale, reach * klr * (c + wd * wscale) * 1.001 + 2 * ulp * wscale)
 
 
 def _moment_tol(scale: torch.Tensor, top: float, k: int, rel: float = 1e-3) -> torch.Tensor:

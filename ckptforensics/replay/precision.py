@@ -215,6 +215,15 @@ def moment_rounding(precision: str) -> float:
     return BF16_ROUNDING if precision in ("bf16", "bf16-params") else 1e-3
 
 
+def reach(precision: str) -> float:
+    """How many Adam bounds apart a replayed weight and *after*'s may be before no replay
+    of the window could explain it (engine._weight_match's `impossible`). One where the
+    replay follows the run's arithmetic; two where the compute is bf16: an element whose
+    true gradient is zero (an attention key's bias) moves on rounding noise alone, up to the
+    bound each step, and the run's noise and the replay's can push it opposite ways."""
+    return 2.0 if precision in ("bf16", "bf16-params") else 1.0
+
+
 def moment_scale(precision: str, where: str, x: torch.Tensor, y: torch.Tensor, vx: torch.Tensor, vy: torch.Tensor) -> torch.Tensor:
     """What a moment's rounding is relative to, per element: the moment itself; for the
     first moment under bf16 compute, the gradient's size (sqrt of the second moment), since

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..logs import lr_columns, param_grad_columns
-from ..tensors import CURVE_MIN_HISTORY, LOSS_FOLLOW, loss_follows, lr_growth_limit, trend_z
+from ..stats import CURVE_MIN_HISTORY, LOSS_FOLLOW, loss_follows, trend_z
+from ..tensors import lr_growth_limit
 
 __all__ = ["TriageConfig", "Onset", "Curve", "LogEvidence", "LogDetector", "SEED_DETECTORS", "ONSET_DETECTORS", "log_evidence", "log_onsets"]
 
@@ -33,10 +34,10 @@ class TriageConfig:
         loss_factor: a loss this many times the window median is a spike whatever z (Megatron: 10).
         min_history: steps of quiet a parameter's gradient needs before its return counts.
         judge_after: steps of a curve's own history needed before a step is judged
-            (`tensors.CURVE_MIN_HISTORY`).
+            (`stats.CURVE_MIN_HISTORY`).
         margin: extra steps the rollback checkpoint must precede the onset by.
         follow: steps within which the loss must follow a grad-norm spike or a loss-scale
-            backoff for it to count as an onset (`tensors.LOSS_FOLLOW`).
+            backoff for it to count as an onset (`stats.LOSS_FOLLOW`).
     """
 
     window: int = 128
@@ -62,7 +63,7 @@ class Onset:
 
 @dataclass(frozen=True, slots=True)
 class Curve:
-    """One logged signal judged against its own trend (`tensors.trend_z`), once."""
+    """One logged signal judged against its own trend (`stats.trend_z`), once."""
 
     key: str
     steps: list[int]
@@ -80,7 +81,7 @@ class LogEvidence:
     loss: Curve
     grad_norm: Curve
     scaled: bool
-    loss_level: Curve  # the loss judged `above_level` too (tensors.trend_z)
+    loss_level: Curve  # the loss judged `above_level` too (stats.trend_z)
 
 
 LogDetector = Callable[[LogEvidence, TriageConfig], list[Onset]]
@@ -206,7 +207,7 @@ def gradient_returns(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
 
 def _followed(onset: Onset, ev: LogEvidence, cfg: TriageConfig) -> bool:
     """A grad-norm spike or a loss-scale backoff starts an incident only where the loss
-    follows (`tensors.loss_follows`): a grad-norm blip the loss ignores, and dynamic loss
+    follows (`stats.loss_follows`): a grad-norm blip the loss ignores, and dynamic loss
     scaling's routine backoff (every growth_interval steps), are normal operation."""
     steps = ev.loss.steps
     if not steps:

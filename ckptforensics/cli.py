@@ -501,7 +501,14 @@ def whatif_cmd(ctx: click.Context, before: str, n_steps: int, tries: tuple[str, 
 
 
 @cli.command("triage")
-@click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log: JSONL, CSV, trainer_state.json or TensorBoard events; discovered in --run-dir when absent.")
+@click.option(
+    "--metrics",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Training log: a file, a folder of its files (a restarted run's legs merge, the latest winning) or a quoted glob. "
+    "JSONL, CSV, trainer_state.json, Megatron's printed log, TensorBoard events, W&B offline runs, MLflow mlruns/. "
+    "Discovered in --run-dir when absent.",
+)
 @run_dir_option
 @click.option("--loss-key", default="loss", show_default=True, help="Column holding the loss.")
 @click.option("--grad-key", default="grad_norm", show_default=True, help="Column holding the (pre-clip) grad norm.")
@@ -557,7 +564,11 @@ def triage_cmd(
     if as_json:
         click.echo(json.dumps(_jsonable(as_dict(res)), indent=2))
         return
-    click.echo(f"read {res.metrics_file} ({res.steps} steps)")
+    click.echo(f"read {res.metrics_file} ({res.steps} steps, {res.log_format})")
+    if len(res.files) > 1 or len(res.legs) > 1:
+        for leg in res.legs:
+            redone = f"; {leg['superseded']} of them logged again by a later leg" if leg["superseded"] else ""
+            click.echo(f"  leg {leg['source']}: steps {leg['first']}-{leg['last']}{redone}")
     if res.first_bad_step is None:
         click.echo("no spike onset found")
         for w in written:

@@ -569,12 +569,19 @@ def triage_cmd(
         for leg in res.legs:
             redone = f"; {leg['superseded']} of them logged again by a later leg" if leg["superseded"] else ""
             click.echo(f"  leg {leg['source']}: steps {leg['first']}-{leg['last']}{redone}")
+    n = res.noise
+    if n:
+        cols = f"; ignored columns: {n['ignored_columns']} (0 on every row: never computed)" if n.get("ignored_columns") else ""
+        click.echo(
+            f"log noise: {n['kind']} (loss moves {n['loss_noise_pct_per_step']}% a step; {n['steps_over_z']} steps over z where normal noise "
+            f"gives {n['expected_over_z_if_normal']:.2g}; {n['recovering_blips']} blips that recover){cols}"
+        )
     if res.first_bad_step is None:
         click.echo("no spike onset found")
         for w in written:
             click.echo(f"wrote {w}")
         return
-    click.echo(f"first bad step: {res.first_bad_step}")
+    click.echo(f"first bad step: {res.first_bad_step} (rule: {res.rule})")
     for o in res.onsets[:8]:
         click.echo(f"  {o.message}")
     if res.drift:

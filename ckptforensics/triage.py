@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .detectors.log import Onset, TriageConfig, log_evidence, log_onsets
+from .detectors.log import Onset, TriageConfig, log_evidence, log_noise, log_onsets
 from .errors import ForensicsError
 from .locate import list_checkpoints
 from .logs import find_metrics, group_lrs, lr_columns, param_grad_columns, read_log, read_metrics
@@ -32,6 +32,8 @@ class TriageResult:
     onsets: list[Onset] = field(default_factory=list)
     ignored: list[Onset] = field(default_factory=list)  # grad-norm blips / backoffs the loss did not follow
     first_bad_step: int | None = None
+    rule: str | None = None  # the rule that decided the first onset (docs/signatures.md#log-onset)
+    noise: dict[str, Any] = field(default_factory=dict)  # how noisy the log is (detectors.log.log_noise)
     rollback: str | None = None
     rollback_step: int | None = None
     after: str | None = None
@@ -51,9 +53,12 @@ def triage(metrics: Path | str, run_dir: Path | None, cfg: TriageConfig | None =
     if not rows:
         raise ForensicsError(f"{metrics}: no rows with a step")
     res = TriageResult(metrics_file=str(metrics), steps=len(rows), files=log.files, log_format=log.kind, legs=[asdict(leg) for leg in log.legs])
-    res.onsets, res.ignored = log_onsets(log_evidence(rows, cfg), cfg)
+    ev = log_evidence(rows, cfg)
+    res.onsets, res.ignored = log_onsets(ev, cfg)
+    res.noise = log_noise(ev, cfg)
     if res.onsets:
         res.first_bad_step = res.onsets[0].step
+        res.rule = res.onsets[0].rule
         res.drift = _drift(rows, res.first_bad_step, cfg)
     ckpts = list_checkpoints(run_dir) if run_dir is not None else []
     res.timeline = {

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..logs import lr_columns, param_grad_columns
-from ..stats import CURVE_MIN_HISTORY, LOSS_FOLLOW, loss_follows, trend_z
+from ..stats import CURVE_FLOOR, CURVE_MIN_HISTORY, CURVE_SHORT, LOSS_FOLLOW, loss_follows, trend_z
 from ..tensors import lr_growth_limit
 
 __all__ = ["TriageConfig", "Onset", "Curve", "LogEvidence", "LogDetector", "SEED_DETECTORS", "ONSET_DETECTORS", "log_evidence", "log_onsets"]
@@ -59,6 +59,7 @@ class Onset:
     baseline: float
     robust_z: float
     message: str
+    rule: str = "trend"  # which rule decided (docs/signatures.md#log-onset): trend, megatron-10x, ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,8 @@ class LogEvidence:
     grad_norm: Curve
     scaled: bool
     loss_level: Curve  # the loss judged `above_level` too (stats.trend_z)
+    ignored_columns: tuple[str, ...] = ()  # constant zero on every row: never computed
+    excerpt: bool = False  # the log starts mid-run (its first step past `judge_after`)
 
 
 LogDetector = Callable[[LogEvidence, TriageConfig], list[Onset]]
@@ -94,9 +97,29 @@ def _curve(rows: Rows, key: str, cfg: TriageConfig, above_level: bool = False) -
     return Curve(key, steps, vals, z, level)
 
 
+def _constant_zero(rows: Rows, key: str) -> bool:
+    vals = [r[key] for r in rows.values() if key in r]
+    return bool(vals) and all(v == 0 for v in vals)
+
+
 def log_evidence(rows: Rows, cfg: TriageConfig) -> LogEvidence:
+    """The curves judged once. A column that is 0 on every row was never computed (a
+    Megatron-DeepSpeed run prints "grad norm: 0.000" when its engine did not compute one):
+    it is left out, and said so."""
+    zero = tuple(k for k in ("grad_norm", "loss_scale") if _constant_zero(rows, k))
+    if zero:
+        rows = {s: {k: v for k, v in r.items() if k not in zero} for s, r in rows.items()}
     scaled = any("loss_scale" in r for r in rows.values())
-    return LogEvidence(rows, _curve(rows, "loss", cfg), _curve(rows, "grad_norm", cfg), scaled, _curve(rows, "loss", cfg, above_level=True))
+    first = min(rows) if rows else 0
+    return LogEvidence(
+        rows,
+        _curve(rows, "loss", cfg),
+        _curve(rows, "grad_norm", cfg),
+        scaled,
+        _curve(rows, "loss", cfg, above_level=True),
+        zero,
+        first > cfg.judge_after,
+    )
 
 
 def _spikes(c: Curve, cfg: TriageConfig) -> list[Onset]:
@@ -107,7 +130,8 @@ def _spikes(c: Curve, cfg: TriageConfig) -> list[Onset]:
     for s, v, zi, base in zip(c.steps, c.values, c.z, c.level, strict=True):
         factor = (not math.isfinite(v)) or (key == "loss" and math.isfinite(base) and v >= cfg.loss_factor * base)
         if zi > cfg.z or factor:
-            out.append(Onset(s, key, v, float(base), float(zi), f"{key} {v:.4g} at step {s} vs {base:.4g} on its trend (robust z {zi:.1f})"))
+            rule = "nonfinite" if not math.isfinite(v) else "trend" if zi > cfg.z else "megatron-10x"
+            out.append(Onset(s, key, v, float(base), float(zi), f"{key} {v:.4g} at step {s} vs {base:.4g} on its trend (robust z {zi:.1f})", rule))
     return out
 
 
@@ -138,7 +162,7 @@ def scale_drops(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     for a, b in zip(steps, steps[1:], strict=False):
         sa, sb = ev.rows[a]["loss_scale"], ev.rows[b]["loss_scale"]
         if sb < sa:
-            out.append(Onset(a, "loss_scale", sb, sa, math.inf, f"loss scale backs off after step {a} ({sa:g} -> {sb:g}): that step overflowed"))
+            out.append(Onset(a, "loss_scale", sb, sa, math.inf, f"loss scale backs off after step {a} ({sa:g} -> {sb:g}): that step overflowed", "loss-scale-backoff"))
     return out
 
 
@@ -158,7 +182,7 @@ def lr_jumps(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     for b, hits in sorted(jumps.items()):
         col, la, lb = max(hits, key=lambda h: h[2] / h[1])
         where = "" if col == "lr" else f" in {col}" + (f" (and {len(hits) - 1} more)" if len(hits) > 1 else "")
-        out.append(Onset(b, "lr", lb, la, math.inf, f"lr jumps {lb / la:.0f}x at step {b}{where} ({la:.3g} -> {lb:.3g})"))
+        out.append(Onset(b, "lr", lb, la, math.inf, f"lr jumps {lb / la:.0f}x at step {b}{where} ({la:.3g} -> {lb:.3g})", "lr-growth"))
     return out
 
 
@@ -200,9 +224,90 @@ def gradient_returns(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
             math.inf,
             f"{mod}: its gradient sat >= 1000x below its peers' for {n} steps and returns {jump:.0e}x at step {s}; "
             "Adam's second moment has decayed, so its next updates are sign-like (Adam instability)",
+            "gradient-return",
         )
         for mod, (s, jump, n) in first.items()
     ]
+
+
+def nan_iterations(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
+    """Megatron's "number of nan iterations" above 0 on a printed line: an iteration of that
+    interval had a NaN or Inf loss (training_log counts them apart from the routine
+    skipped iterations of a loss-scale overflow). The line's iteration is the onset: the
+    NaN lies in the interval that line closes."""
+    for s, r in ev.rows.items():
+        n = r.get("nan_iterations", 0.0)
+        if n > 0:
+            return [Onset(s, "loss", math.nan, math.nan, math.inf, f"{n:g} NaN iteration(s) in the interval ending at iteration {s} (Megatron's count)", "nan-iterations")]
+    return []
+
+
+# Ratio rules for an excerpt's first lines, where the trend has no history yet:
+# - Megatron-LM's spiky-loss check: a value >= 10x the largest seen (rerun_state_machine
+#   .is_unexpectedly_large, threshold=10 in pretrain_gpt.py's SPIKY_LOSS_FACTOR and in
+#   param_and_grad_buffer.py for the grads);
+# - Lightning's SpikeDetection: loss - running mean >= rtol x running mean, rtol 2 over a
+#   window of 10 (lightning.fabric.utilities.spike);
+# - the trend rule's own statistic on what history there is: robust z of log10(value) against
+#   the excerpt's earlier lines (at least SHORT_MIN of them), the spread floored at the trend
+#   rule's 4.7% (stats.CURVE_FLOOR), threshold z (OLMo-core's 6 sigma).
+MEGATRON_SPIKY_FACTOR = 10.0
+LIGHTNING_RTOL, LIGHTNING_WINDOW = 2.0, 10
+SHORT_MIN = 3
+# A loss scale at <= 1/4 of its recent maximum has halved twice with no growth between:
+# overflows on consecutive steps past the scaler's hysteresis (Megatron's default 2), not the
+# routine backoff of one overflow every growth interval.
+SCALE_COLLAPSE = 0.25
+
+
+def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
+    """An excerpt's steps the trend cannot judge yet (its first `judge_after` lines), by the
+    ratio rules above: the loss by any of them; the grad norm by Megatron's 10x and a loss
+    scale collapsing, each only where the loss rises past all it was (or the excerpt ends)."""
+    if not ev.excerpt:
+        return []
+    steps = list(ev.rows)[: cfg.judge_after]
+    loss = [(s, ev.rows[s]["loss"]) for s in steps if "loss" in ev.rows[s]]
+    out: list[Onset] = []
+    for k, (s, v) in enumerate(loss):
+        prev = [x for _, x in loss[:k] if math.isfinite(x)]
+        if not prev:
+            continue
+        mean = float(np.mean(prev[-LIGHTNING_WINDOW:]))
+        if not math.isfinite(v):
+            out.append(Onset(s, "loss", v, mean, math.inf, f"loss {v} at step {s}", "nonfinite"))
+        elif v >= MEGATRON_SPIKY_FACTOR * max(prev):
+            out.append(Onset(s, "loss", v, max(prev), math.inf, f"loss {v:.4g} at step {s} is >= 10x the largest before it ({max(prev):.4g}; Megatron's spiky-loss rule)", "megatron-10x"))
+        elif v - mean >= LIGHTNING_RTOL * mean:
+            out.append(Onset(s, "loss", v, mean, math.inf, f"loss {v:.4g} at step {s} is >= 3x the mean of the {min(len(prev), LIGHTNING_WINDOW)} lines before it ({mean:.4g}; Lightning's SpikeDetection, rtol 2)", "lightning-rtol"))
+        elif len(prev) >= SHORT_MIN:
+            lp = np.log10(np.maximum(prev, 1e-12))
+            med = float(np.median(lp))
+            scale = max(float(np.median(np.abs(lp - med))) * 1.4826, CURVE_FLOOR)
+            z = (math.log10(v) - med) / scale if v > 0 else -math.inf
+            if z > cfg.z:
+                out.append(Onset(s, "loss", v, 10**med, z, f"loss {v:.4g} at step {s} vs {10**med:.4g} over the {len(prev)} lines before it (robust z {z:.1f}, spread floored at 4.7%)", "short-z"))
+    seen = {o.step for o in out}
+    losses = dict(loss)
+
+    def rises(s: int) -> bool:
+        """The loss on this line or the next above everything before this line (or the excerpt ends)."""
+        before = [v for t, v in loss if t < s and math.isfinite(v)]
+        after = [v for t, v in loss if t >= s][:2]
+        return not after or not before or any(not math.isfinite(v) or v > max(before) for v in after)
+
+    grad = [(s, ev.rows[s]["grad_norm"]) for s in steps if "grad_norm" in ev.rows[s]]
+    for k, (s, g) in enumerate(grad):
+        prev_g = [x for _, x in grad[:k] if math.isfinite(x)]
+        if prev_g and max(prev_g) > 0 and (not math.isfinite(g) or g >= MEGATRON_SPIKY_FACTOR * max(prev_g)) and rises(s) and s not in seen:
+            out.append(Onset(s, "grad_norm", g, max(prev_g), math.inf, f"grad norm {g:.4g} at step {s} is >= 10x the largest before it ({max(prev_g):.4g}; Megatron's rule for grads), and the loss rises with it ({losses.get(s, math.nan):.4g})", "megatron-10x"))
+    scale = [(s, ev.rows[s]["loss_scale"]) for s in steps if "loss_scale" in ev.rows[s]]
+    for k, (s, v) in enumerate(scale):
+        top = max((x for _, x in scale[:k]), default=0.0)
+        if top > 0 and v <= SCALE_COLLAPSE * top and rises(s):
+            out.append(Onset(s, "loss_scale", v, top, math.inf, f"loss scale collapses to {v:g} at step {s} from {top:g} (overflows on consecutive steps), and the loss rises with it", "loss-scale-collapse"))
+            break
+    return out
 
 
 def _followed(onset: Onset, ev: LogEvidence, cfg: TriageConfig) -> bool:
@@ -222,15 +327,107 @@ def _followed(onset: Onset, ev: LogEvidence, cfg: TriageConfig) -> bool:
 
 
 SEED_DETECTORS: tuple[LogDetector, ...] = (grad_spikes, scale_drops)
-ONSET_DETECTORS: tuple[LogDetector, ...] = (loss_spikes, lr_jumps, gradient_returns)
+ONSET_DETECTORS: tuple[LogDetector, ...] = (loss_spikes, lr_jumps, gradient_returns, nan_iterations, short_history)
 # When two signals start on one step, the report names the most causal first.
 _SIGNAL_ORDER = ("lr", "param_grad", "loss_scale", "grad_norm", "loss")
 
+# A loss excursion that is back under z/2 within RECOVER steps (the median of the next
+# RECOVER + HOLD steps there too) is a blip; the log's own blips are its tail. A blip is an onset only where the log has
+# fewer than TAIL_PEERS other blips reaching half its z: a run whose logged loss is one
+# micro-batch of one rank has hundreds of them, and a data order with a hard batch at fixed
+# steps blips there every time; a poisoned batch in an averaged, quiet log is alone.
+RECOVER, HOLD, TAIL_PEERS = 2, 3, 2
+
+
+def blips(ev: LogEvidence, cfg: TriageConfig) -> dict[int, float]:
+    """step -> robust z of every loss excursion (z > cfg.z, finite, under the 10x rule)
+    that recovers: back under z/2 within RECOVER steps, the next RECOVER + HOLD steps' median
+    there too."""
+    z, steps, vals, base = ev.loss.z, ev.loss.steps, ev.loss.values, ev.loss.level
+    out = {}
+    for i, zi in enumerate(z):
+        if not (zi > cfg.z and math.isfinite(vals[i])) or (math.isfinite(base[i]) and vals[i] >= cfg.loss_factor * base[i]):
+            continue
+        after = z[i + 1 : i + 1 + RECOVER + HOLD]
+        back = next((k for k in range(min(RECOVER, len(after))) if after[k] < cfg.z / 2), None)
+        # Back within RECOVER steps, and the steps after mostly there too (the median: the
+        # next blip of a noisy log may fall among them).
+        if back is not None and len(after) == RECOVER + HOLD and float(np.median(after)) < cfg.z / 2:
+            out[steps[i]] = float(zi)
+    return out
+
+
+def _within_tail(o: Onset, tail: dict[int, float], ev: LogEvidence, cfg: TriageConfig) -> bool:
+    """A loss or grad-norm onset whose loss blip recovers, with TAIL_PEERS other blips of the
+    log reaching half its z."""
+    if o.signal not in ("loss", "grad_norm") or o.rule not in ("trend",) or o.step not in tail:
+        return False
+    zs = tail[o.step]
+    return sum(1 for s, zb in tail.items() if s != o.step and zb >= zs / 2) >= TAIL_PEERS
+
 
 def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[Onset]]:
-    """(onsets by step, seeds the loss did not follow: ignored)."""
+    """(onsets by step, seeds the loss did not follow and blips within the log's tail: ignored)."""
     seeds = [o for d in SEED_DETECTORS for o in d(ev, cfg)]
     kept = [o for o in seeds if _followed(o, ev, cfg)]
     ignored = [o for o in seeds if o not in kept]
     onsets = kept + [o for d in ONSET_DETECTORS for o in d(ev, cfg)]
+    tail = blips(ev, cfg)
+    blipped = [o for o in onsets if _within_tail(o, tail, ev, cfg)]
+    onsets = [o for o in onsets if o not in blipped] + held_rise(ev, cfg, tail)
+    ignored += [
+        Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, o.message + f"; the loss recovers within {RECOVER} steps, as {sum(1 for s in tail if s != o.step)} other blips of this log do", "tail")
+        for o in blipped
+    ]
     return sorted(onsets, key=lambda o: (o.step, _SIGNAL_ORDER.index(o.signal))), ignored
+
+
+# On a noisy log (one whose loss has blips of its own) a fault that lifts the loss by less
+# than z noise-widths a step shows as a held excursion: the median z of CURVE_SHORT steps in
+# a row at z/3 or more (a median of 8 normal values has a spread of 0.44: z/3 = 2 is 4.5 of
+# its own sigmas), which the trend, reading each step alone, absorbs.
+HELD_Z = 1 / 3
+
+
+def held_rise(ev: LogEvidence, cfg: TriageConfig, tail: dict[int, float]) -> list[Onset]:
+    """The first step of a held rise of the loss on a log with more than TAIL_PEERS blips
+    (elsewhere the trend's own per-step rule stands alone)."""
+    if len(tail) <= TAIL_PEERS:
+        return []
+    # Judged above the level the loss has just been at too (`above_level`): in a descent a
+    # pause runs above the trend line, not above where the curve is.
+    z, steps, vals, base = ev.loss_level.z, ev.loss_level.steps, ev.loss_level.values, ev.loss_level.level
+    k = CURVE_SHORT
+    for i in range(len(z) - k + 1):
+        win = z[i : i + k]
+        if z[i] >= HELD_Z * cfg.z and np.all(win != 0) and float(np.median(win)) >= HELD_Z * cfg.z:
+            return [Onset(steps[i], "loss", vals[i], float(base[i]), float(np.median(win)),
+                          f"loss {vals[i]:.4g} at step {steps[i]} starts {k} steps held above its trend (median robust z {float(np.median(win)):.1f} on a log whose blips recover)", "held")]  # fmt: skip
+    return []
+
+
+def log_noise(ev: LogEvidence, cfg: TriageConfig) -> dict[str, float | int | str]:
+    """How noisy the log is: the loss's robust spread per step, its blips, and how heavy its
+    tail is against a normal noise of that spread (stats.tail_df, stats.expected_exceedances)."""
+    from ..stats import expected_exceedances, family_z, robust_sigma, tail_df
+
+    z = ev.loss.z[np.isfinite(ev.loss.z) & (ev.loss.z != 0)]
+    lv = np.log10(np.maximum(np.asarray(ev.loss.values, dtype=np.float64), 1e-12))
+    steps_judged = int(z.size)
+    tail = blips(ev, cfg)
+    over = int(np.sum(z > cfg.z))
+    df = tail_df(z)
+    sigma = robust_sigma(np.diff(lv)) / math.sqrt(2) if lv.size > 3 else math.nan
+    kind = "quiet" if over <= 1 else ("heavy-tailed" if (math.isfinite(df) and df < 10) else "noisy")
+    return {
+        "loss_noise_pct_per_step": round(100 * (10**sigma - 1), 2) if math.isfinite(sigma) else math.nan,
+        "steps_judged": steps_judged,
+        "steps_over_z": over,
+        "expected_over_z_if_normal": expected_exceedances(steps_judged, cfg.z),
+        "recovering_blips": len(tail),
+        "largest_blip_z": max(tail.values(), default=0.0),
+        "tail_df": df,
+        "family_z": family_z(max(steps_judged, 1)),
+        "kind": kind,
+        "ignored_columns": ", ".join(ev.ignored_columns),
+    }

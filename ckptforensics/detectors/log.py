@@ -105,7 +105,7 @@ def _constant_zero(rows: Rows, key: str) -> bool:
 def log_evidence(rows: Rows, cfg: TriageConfig) -> LogEvidence:
     """The curves judged once. A column that is 0 on every row was never computed (a
     Megatron-DeepSpeed run prints "grad norm: 0.000" when its engine did not compute one):
-    it is left out, and said so."""
+    it is left out, and said so (docs/signatures.md#log-zero-column)."""
     zero = tuple(k for k in ("grad_norm", "loss_scale") if _constant_zero(rows, k))
     if zero:
         rows = {s: {k: v for k, v in r.items() if k not in zero} for s, r in rows.items()}
@@ -234,7 +234,7 @@ def nan_iterations(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     """Megatron's "number of nan iterations" above 0 on a printed line: an iteration of that
     interval had a NaN or Inf loss (training_log counts them apart from the routine
     skipped iterations of a loss-scale overflow). The line's iteration is the onset: the
-    NaN lies in the interval that line closes."""
+    NaN lies in the interval that line closes (docs/signatures.md#log-nan-iterations)."""
     for s, r in ev.rows.items():
         n = r.get("nan_iterations", 0.0)
         if n > 0:
@@ -263,7 +263,8 @@ SCALE_COLLAPSE = 0.25
 def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     """An excerpt's steps the trend cannot judge yet (its first `judge_after` lines), by the
     ratio rules above: the loss by any of them; the grad norm by Megatron's 10x and a loss
-    scale collapsing, each only where the loss rises past all it was (or the excerpt ends)."""
+    scale collapsing, each only where the loss rises past all it was (or the excerpt ends)
+    (docs/signatures.md#log-short)."""
     if not ev.excerpt:
         return []
     steps = list(ev.rows)[: cfg.judge_after]
@@ -342,7 +343,7 @@ RECOVER, HOLD, TAIL_PEERS = 2, 3, 2
 def blips(ev: LogEvidence, cfg: TriageConfig) -> dict[int, float]:
     """step -> robust z of every loss excursion (z > cfg.z, finite, under the 10x rule)
     that recovers: back under z/2 within RECOVER steps, the next RECOVER + HOLD steps' median
-    there too."""
+    there too (docs/signatures.md#log-blip)."""
     z, steps, vals, base = ev.loss.z, ev.loss.steps, ev.loss.values, ev.loss.level
     out = {}
     for i, zi in enumerate(z):
@@ -391,7 +392,7 @@ HELD_Z = 1 / 3
 
 def held_rise(ev: LogEvidence, cfg: TriageConfig, tail: dict[int, float]) -> list[Onset]:
     """The first step of a held rise of the loss on a log with more than TAIL_PEERS blips
-    (elsewhere the trend's own per-step rule stands alone)."""
+    (elsewhere the trend's own per-step rule stands alone; docs/signatures.md#log-held)."""
     if len(tail) <= TAIL_PEERS:
         return []
     # Judged above the level the loss has just been at too (`above_level`): in a descent a
@@ -408,7 +409,8 @@ def held_rise(ev: LogEvidence, cfg: TriageConfig, tail: dict[int, float]) -> lis
 
 def log_noise(ev: LogEvidence, cfg: TriageConfig) -> dict[str, float | int | str]:
     """How noisy the log is: the loss's robust spread per step, its blips, and how heavy its
-    tail is against a normal noise of that spread (stats.tail_df, stats.expected_exceedances)."""
+    tail is against a normal noise of that spread (stats.tail_df, stats.expected_exceedances;
+    docs/signatures.md#log-noise)."""
     from ..stats import expected_exceedances, family_z, robust_sigma, tail_df
 
     z = ev.loss.z[np.isfinite(ev.loss.z) & (ev.loss.z != 0)]

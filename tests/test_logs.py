@@ -125,3 +125,28 @@ def test_a_torn_wandb_file_keeps_what_precedes_the_tear(formats: dict[str, Path]
     torn.write_bytes(data[: len(data) - 300])
     rows = read_metrics(torn)
     assert rows and max(rows) <= 50 and all(math.isfinite(r["loss"]) for r in rows.values())
+
+
+MEGATRON_RUN = Path(__file__).resolve().parent.parent / "fixtures" / "data" / "megatron-lm-log"
+
+
+@pytest.mark.parametrize("log", ["train.log", "tensorboard"])
+def test_megatron_lms_own_log_of_a_restarted_run(log: str) -> None:
+    """Megatron-LM's training_log() printed these lines and wrote these events (megatron-core
+    0.19 on CPU, fixtures/megatron_log_run.py): a schedule x100 from iteration 30, a crash
+    after 34, a restart from the iteration-30 checkpoint appending to the same log."""
+    t = json.loads((MEGATRON_RUN / "truth.json").read_text())
+    got = read_log(MEGATRON_RUN / log)
+    assert [(leg.first, leg.last) for leg in got.legs] == [tuple(x) for x in t["legs"]]
+    assert got.legs[0].superseded == 4  # iterations 31-34 of the crashed leg, replaced
+    lrs = 0
+    for r in t["steps"]:
+        s = r["step"]
+        assert got.rows[s]["loss"] == pytest.approx(r["loss"], rel=1e-6)
+        assert got.rows[s]["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-6, abs=5e-4)
+        if "lr" in got.rows.get(s + 1, {}):  # Megatron logs at s the LR its scheduler set for s + 1
+            assert got.rows[s + 1]["lr"] == pytest.approx(r["lr"], rel=1e-6)
+            lrs += 1
+    assert lrs == len(t["steps"]) - 2  # none for a leg's first step, none past the last
+    res = triage(MEGATRON_RUN / log, None)
+    assert res.first_bad_step == t["first_bad_step"] and res.rule == "lr-growth"

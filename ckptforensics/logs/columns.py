@@ -24,7 +24,7 @@ __all__ = ["ALIASES", "canonical", "lr_columns", "group_lrs", "param_grad_column
 ALIASES: dict[str, tuple[str, ...]] = {
     "loss": ("train/CE loss", "lm loss", "train/loss", "loss_metrics/global_avg_loss", "train_loss", "train/loss_step", "train_loss_step"),
     "grad_norm": ("optim/total grad norm", "grad-norm", "grad norm", "train/grad_norm", "grad_2.0_norm_total"),
-    "lr": ("learning-rate", "learning rate", "train/learning_rate", "learning_rate"),
+    "lr": ("train/learning_rate", "learning_rate"),  # Megatron's: readers.megatron_lr (one step later)
     "loss_scale": ("loss-scale", "loss scale", "train/loss_scale"),
     "skipped": ("number of skipped iterations", "skipped-iterations"),
     "nan_iterations": ("number of nan iterations",),

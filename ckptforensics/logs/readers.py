@@ -341,6 +341,24 @@ def mlflow_run_name(run: Path) -> str:
     return tag.read_text().strip() if tag.is_file() else run.name
 
 
+# Megatron-LM logs, at iteration N, the LR its scheduler has just set: the one iteration N + 1
+# uses (train(): training_log(..., get_canonical_lr_for_logging(optimizer.param_groups)) after
+# train_step's opt_param_scheduler.step). Measured on fixtures/megatron_log_run.py: a fault
+# from iteration 30 on shows in the line of iteration 29.
+MEGATRON_LR = ("learning rate", "learning-rate")
+
+
+def megatron_lr(rows: Rows) -> Rows:
+    """`lr` of each step from Megatron's LR column one step earlier (its first step has none)."""
+    col = next((c for c in MEGATRON_LR if any(c in r for r in rows.values())), None)
+    if col is None:
+        return rows
+    last = max(rows)
+    for s, v in [(s, r[col]) for s, r in rows.items() if col in r and s < last]:
+        rows.setdefault(s + 1, {})["lr"] = v
+    return dict(sorted(rows.items()))
+
+
 # ---------------------------------------------------------------- dispatch
 def lightning_log(path: Path) -> bool:
     """A log in a Lightning logger's version folder (`hparams.yaml` beside it, or
@@ -370,10 +388,10 @@ def read_file(path: Path) -> list[Leg]:
             rows, t = _tensorboard(path)
             if lightning_log(path):
                 rows = {s + 1: v for s, v in rows.items()}
-            return [Leg(str(path), rows, t, 0, "tensorboard")]
+            return [Leg(str(path), megatron_lr(rows), t, 0, "tensorboard")]
         if path.suffix == ".wandb":
             rows, t = _wandb(path)
-            return [Leg(str(path), rows, t, 0, "wandb")]
+            return [Leg(str(path), megatron_lr(rows), t, 0, "wandb")]
         if OLMO_METRICS.match(path.name):
             return [Leg(str(path.parent), r, _mtime(path), 0, "olmo-core") for r in _olmo_metrics(path.parent)]
         t = _mtime(path)
@@ -385,6 +403,6 @@ def read_file(path: Path) -> list[Leg]:
             legs, kind = _megatron_text(path), "megatron"
         else:
             legs, kind = _jsonl(path), "jsonl"
-        return [Leg(str(path), r, t, i, kind) for i, r in enumerate(legs)]
+        return [Leg(str(path), megatron_lr(r), t, i, kind) for i, r in enumerate(legs)]
     except (OSError, UnicodeDecodeError, ValueError, json.JSONDecodeError, struct.error) as e:
         raise ForensicsError(f"{path}: not a readable training log ({e})") from None

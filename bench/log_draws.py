@@ -2,10 +2,10 @@
 
     python bench/log_draws.py --split tuning [--record]
 
-An incident's onset is right when it falls on the line (iteration) that first covers the
-fault's step, or no later than where the log first shows it by a plain rule (the loss over
-1.3x its last 8 steps' median or the grad norm over 3x: `fixtures.draws.log_onset`),
-mapped to the line that covers that step. A healthy log must give no onset.
+An incident's onset is right when it falls between the step after the last logged line
+before the fault and the line where the log first shows it by a plain rule (the loss over
+1.3x its last 8 steps' median or the grad norm over 3x: `fixtures.draws.log_onset`); on a
+log of every step that is [fault, plain rule's step]. A healthy log must give no onset.
 """
 
 from __future__ import annotations
@@ -35,8 +35,12 @@ def score(run: Path) -> dict[str, Any]:
         lo = hi = None
     else:
         plain = log_onset({int(k): v for k, v in t["losses"].items()}, {int(k): v for k, v in t["grad_norms"].items()}, at)
-        lo, hi = cover(at), cover(max(plain or at, at))
-        ok = res.first_bad_step is not None and lo is not None and lo <= res.first_bad_step <= (hi or lo)
+        # A log that skips steps (Megatron's --log-interval) places the fault only between two
+        # lines: from the step after the last line before it; up to the line that first shows
+        # it (plain rule), plus one for Megatron's LR, which its line logs for the next step.
+        lo = max([i for i in lines if i < at], default=at - 1) + 1
+        hi = (cover(max(plain or at, at)) or lines[-1]) + (1 if d["fmt"] != "jsonl" else 0)
+        ok = res.first_bad_step is not None and lo <= res.first_bad_step <= hi
     return {
         "seed": d["seed"], "trap": d["trap"], "incident": d["incident"], "fmt": d["fmt"], "flavour": d["flavour"], "interval": d["interval"],
         "lines": len(lines), "at": at, "window": [lo, hi], "onset": res.first_bad_step, "rule": res.rule, "ok": ok, "noise": res.noise.get("kind"),

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..logs import lr_columns, param_grad_columns
-from ..stats import CURVE_FLOOR, CURVE_MIN_HISTORY, CURVE_SHORT, LOSS_FOLLOW, loss_follows, trend_z
+from ..stats import (
+    CURVE_FLOOR,
+    CURVE_MIN_HISTORY,
+    CURVE_SHORT,
+    LOSS_FOLLOW,
+    expected_exceedances,
+    loss_follows,
+    trend_z,
+)
 from ..tensors import lr_growth_limit
 
 __all__ = ["TriageConfig", "Onset", "Curve", "LogEvidence", "LogDetector", "SEED_DETECTORS", "ONSET_DETECTORS", "log_evidence", "log_onsets"]
@@ -168,7 +176,10 @@ def scale_drops(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
 
 def lr_jumps(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     """Any logged LR (the main one or a group's) rising faster than a linear warmup from
-    zero can (2x the step ratio); one onset per step, naming the columns that jumped."""
+    zero can (2x the step ratio); one onset per step, naming the columns that jumped. Where
+    the log skips steps (Megatron's --log-interval), the jump lies somewhere after the last
+    row with the old LR: the onset is the step after it, the earliest the log allows (a
+    rollback must precede the fault)."""
     rows = ev.rows
     cols = sorted({k for r in rows.values() for k in lr_columns(r)})
     jumps: dict[int, list[tuple[str, float, float]]] = {}
@@ -177,12 +188,13 @@ def lr_jumps(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
         for a, b in zip(steps, steps[1:], strict=False):
             la, lb = rows[a][col], rows[b][col]
             if la > 0 and lb / la > lr_growth_limit(a, b):
-                jumps.setdefault(b, []).append((col, la, lb))
+                jumps.setdefault(a + 1, []).append((col, la, lb, b))
     out = []
-    for b, hits in sorted(jumps.items()):
-        col, la, lb = max(hits, key=lambda h: h[2] / h[1])
+    for first, hits in sorted(jumps.items()):
+        col, la, lb, b = max(hits, key=lambda h: h[2] / h[1])
         where = "" if col == "lr" else f" in {col}" + (f" (and {len(hits) - 1} more)" if len(hits) > 1 else "")
-        out.append(Onset(b, "lr", lb, la, math.inf, f"lr jumps {lb / la:.0f}x at step {b}{where} ({la:.3g} -> {lb:.3g})", "lr-growth"))
+        when = f"at step {b}" if b == first else f"between steps {first - 1} and {b} (the log skips the steps between)"
+        out.append(Onset(first, "lr", lb, la, math.inf, f"lr jumps {lb / la:.0f}x {when}{where} ({la:.3g} -> {lb:.3g})", "lr-growth"))
     return out
 
 
@@ -333,21 +345,25 @@ ONSET_DETECTORS: tuple[LogDetector, ...] = (loss_spikes, lr_jumps, gradient_retu
 _SIGNAL_ORDER = ("lr", "param_grad", "loss_scale", "grad_norm", "loss")
 
 # A loss excursion that is back under z/2 within RECOVER steps (the median of the next
-# RECOVER + HOLD steps there too) is a blip; the log's own blips are its tail. A blip is an onset only where the log has
-# fewer than TAIL_PEERS other blips reaching half its z: a run whose logged loss is one
-# micro-batch of one rank has hundreds of them, and a data order with a hard batch at fixed
-# steps blips there every time; a poisoned batch in an averaged, quiet log is alone.
+# RECOVER + HOLD steps there too) is a blip; the log's own blips are its tail. A blip is an
+# onset only where the log has too few other blips reaching half its z: TAIL_PEERS, plus the
+# count normal noise of the log's spread and length could give at that height (the Poisson
+# 99% bound on stats.expected_exceedances: a 20,000-step quiet log has ~5 steps over z 3.5
+# by chance). A run whose logged loss is one micro-batch of one rank has hundreds of them, a
+# data order with a hard batch at fixed steps blips there every time; a poisoned batch in an
+# averaged, quiet log is alone.
 RECOVER, HOLD, TAIL_PEERS = 2, 3, 2
 
 
-def blips(ev: LogEvidence, cfg: TriageConfig) -> dict[int, float]:
-    """step -> robust z of every loss excursion (z > cfg.z, finite, under the 10x rule)
-    that recovers: back under z/2 within RECOVER steps, the next RECOVER + HOLD steps' median
-    there too (docs/signatures.md#log-blip)."""
+def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dict[int, float]:
+    """step -> robust z of every loss excursion (z > `floor`, default cfg.z; finite, under the
+    10x rule) that recovers: back under z/2 within RECOVER steps, the next RECOVER + HOLD
+    steps' median there too (docs/signatures.md#log-blip)."""
     z, steps, vals, base = ev.loss.z, ev.loss.steps, ev.loss.values, ev.loss.level
+    floor = cfg.z if floor is None else floor
     out = {}
     for i, zi in enumerate(z):
-        if not (zi > cfg.z and math.isfinite(vals[i])) or (math.isfinite(base[i]) and vals[i] >= cfg.loss_factor * base[i]):
+        if not (zi > floor and math.isfinite(vals[i])) or (math.isfinite(base[i]) and vals[i] >= cfg.loss_factor * base[i]):
             continue
         after = z[i + 1 : i + 1 + RECOVER + HOLD]
         back = next((k for k in range(min(RECOVER, len(after))) if after[k] < cfg.z / 2), None)
@@ -360,11 +376,26 @@ def blips(ev: LogEvidence, cfg: TriageConfig) -> dict[int, float]:
 
 def _within_tail(o: Onset, tail: dict[int, float], ev: LogEvidence, cfg: TriageConfig) -> bool:
     """A loss or grad-norm onset whose loss blip recovers, with TAIL_PEERS other blips of the
-    log reaching half its z."""
-    if o.signal not in ("loss", "grad_norm") or o.rule not in ("trend",) or o.step not in tail:
+    log reaching half its z; in the log's last RECOVER + HOLD steps, where recovery cannot be
+    seen yet, with TAIL_PEERS blips reaching its whole z (no larger than what the log has
+    already seen recover, again and again)."""
+    if o.signal not in ("loss", "grad_norm") or o.rule != "trend":
         return False
-    zs = tail[o.step]
-    return sum(1 for s, zb in tail.items() if s != o.step and zb >= zs / 2) >= TAIL_PEERS
+    if o.step in tail:
+        zs, need = tail[o.step], tail[o.step] / 2
+    else:
+        steps = ev.loss.steps
+        i = next((k for k, s in enumerate(steps) if s >= o.step), len(steps))
+        if i >= len(steps) or len(steps) - 1 - i >= RECOVER + HOLD or not math.isfinite(ev.loss.values[i]):
+            return False
+        zs = need = float(ev.loss.z[i])
+        if not zs > cfg.z:  # a grad-norm seed the loss followed at half z: judged by the loss's own size
+            need = cfg.z
+    from scipy import stats
+
+    chance = expected_exceedances(int(np.count_nonzero(ev.loss.z)), need)
+    peers = sum(1 for s, zb in tail.items() if s != o.step and zb >= need)
+    return peers >= TAIL_PEERS + float(stats.poisson.isf(0.01, chance))
 
 
 def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[Onset]]:
@@ -373,11 +404,11 @@ def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[On
     kept = [o for o in seeds if _followed(o, ev, cfg)]
     ignored = [o for o in seeds if o not in kept]
     onsets = kept + [o for d in ONSET_DETECTORS for o in d(ev, cfg)]
-    tail = blips(ev, cfg)
+    tail = blips(ev, cfg, cfg.z / 2)
     blipped = [o for o in onsets if _within_tail(o, tail, ev, cfg)]
     onsets = [o for o in onsets if o not in blipped] + held_rise(ev, cfg, tail)
     ignored += [
-        Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, o.message + f"; the loss recovers within {RECOVER} steps, as {sum(1 for s in tail if s != o.step)} other blips of this log do", "tail")
+        Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, o.message + f"; the loss recovers within {RECOVER} steps, as {sum(1 for s, zb in tail.items() if s != o.step and zb > cfg.z)} other blips over z {cfg.z:g} of this log do", "tail")
         for o in blipped
     ]
     return sorted(onsets, key=lambda o: (o.step, _SIGNAL_ORDER.index(o.signal))), ignored
@@ -393,7 +424,7 @@ HELD_Z = 1 / 3
 def held_rise(ev: LogEvidence, cfg: TriageConfig, tail: dict[int, float]) -> list[Onset]:
     """The first step of a held rise of the loss on a log with more than TAIL_PEERS blips
     (elsewhere the trend's own per-step rule stands alone; docs/signatures.md#log-held)."""
-    if len(tail) <= TAIL_PEERS:
+    if sum(1 for zb in tail.values() if zb > cfg.z) <= TAIL_PEERS:
         return []
     # Judged above the level the loss has just been at too (`above_level`): in a descent a
     # pause runs above the trend line, not above where the curve is.

@@ -31,7 +31,7 @@ def test_robust_z_is_median_and_scipys_normal_mad() -> None:
     want = (x - np.median(x)) / mad
     assert np.allclose(robust_z(x), want, rtol=2e-6)  # 1.4826 vs scipy's 1/Phi^-1(3/4)
     assert robust_sigma(x) == pytest.approx(mad, rel=2e-6)
-    assert MAD_TO_SIGMA == pytest.approx(1 / stats.norm.ppf(0.75), rel=2e-6)
+    assert pytest.approx(1 / stats.norm.ppf(0.75), rel=2e-6) == MAD_TO_SIGMA
 
 
 def test_robust_z_floor_reference_axis_and_nonfinite() -> None:

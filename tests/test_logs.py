@@ -150,3 +150,25 @@ def test_megatron_lms_own_log_of_a_restarted_run(log: str) -> None:
     assert lrs == len(t["steps"]) - 2  # none for a leg's first step, none past the last
     res = triage(MEGATRON_RUN / log, None)
     assert res.first_bad_step == t["first_bad_step"] and res.rule == "lr-growth"
+
+
+def test_hf_trainers_three_reporters_log_its_steps(tmp_path: Path) -> None:
+    """transformers' Trainer with report_to tensorboard, wandb and mlflow: each callback's
+    log read back gives the Trainer's own trainer_state.json, step for step (W&B's `_step`
+    counts log calls from 0; the Trainer's `train/global_step` is the step)."""
+    from fixtures.log_formats import hf_trainer_reporters
+
+    run = hf_trainer_reporters(tmp_path / "hf")
+    state = read_metrics(next(run.glob("checkpoint-*/trainer_state.json")))
+    for where in (run / "runs", run / "wandb" / "latest-run", run / "mlruns"):
+        if where.name == "mlruns":
+            got = read_log(next(p.parent for p in where.glob("*/*/meta.yaml")))
+        else:
+            got = read_log(where)
+        train = {s: r for s, r in got.rows.items() if "loss" in r}
+        assert sorted(train) == sorted(s for s, r in state.items() if "loss" in r), where
+        for s, r in train.items():
+            assert r["loss"] == pytest.approx(state[s]["loss"], rel=1e-6), (where, s)
+            assert r["grad_norm"] == pytest.approx(state[s]["grad_norm"], rel=1e-6)
+            assert r["lr"] == pytest.approx(state[s]["lr"], rel=1e-6)
+    assert [Path(f).name for f in find_logs(run)] == ["trainer_state.json"]  # the Trainer's own log comes first

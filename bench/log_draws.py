@@ -2,8 +2,9 @@
 
     python bench/log_draws.py --split tuning [--record]
 
-An incident's onset is right when it falls between the step after the last logged line
-before the fault and the line where the log first shows it by a plain rule (the loss over
+An incident's onset is right when it falls between the first step no logged line vouches
+for (a Megatron line logs its interval's loss and the next step's LR) and the line where the
+log first shows the fault by a plain rule (the loss over
 1.3x its last 8 steps' median or the grad norm over 3x: `fixtures.draws.log_onset`); on a
 log of every step that is [fault, plain rule's step]. A healthy log must give no onset.
 """
@@ -36,10 +37,12 @@ def score(run: Path) -> dict[str, Any]:
     else:
         plain = log_onset({int(k): v for k, v in t["losses"].items()}, {int(k): v for k, v in t["grad_norms"].items()}, at)
         # A log that skips steps (Megatron's --log-interval) places the fault only between two
-        # lines: from the step after the last line before it; up to the line that first shows
-        # it (plain rule), plus one for Megatron's LR, which its line logs for the next step.
-        lo = max([i for i in lines if i < at], default=at - 1) + 1
-        hi = (cover(max(plain or at, at)) or lines[-1]) + (1 if d["fmt"] != "jsonl" else 0)
+        # lines: from the first step no line vouches for (a line logs its own loss and the next
+        # step's LR), up to the line that first shows it by the plain rule, plus one for that
+        # line's LR.
+        megatron = d["fmt"] != "jsonl"
+        lo = max([i for i in lines if i < at - 1], default=at - 2) + 2 if megatron else at
+        hi = (cover(max(plain or at, at)) or lines[-1]) + (1 if megatron else 0)
         ok = res.first_bad_step is not None and lo <= res.first_bad_step <= hi
     return {
         "seed": d["seed"], "trap": d["trap"], "incident": d["incident"], "fmt": d["fmt"], "flavour": d["flavour"], "interval": d["interval"],

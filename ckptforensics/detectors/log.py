@@ -361,15 +361,18 @@ def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dic
     steps' median there too (docs/signatures.md#log-blip)."""
     z, steps, vals, base = ev.loss.z, ev.loss.steps, ev.loss.values, ev.loss.level
     floor = cfg.z if floor is None else floor
+    lv = np.log10(np.maximum(np.asarray(vals, dtype=np.float64), 1e-30))
     out = {}
     for i, zi in enumerate(z):
-        if not (zi > floor and math.isfinite(vals[i])) or (math.isfinite(base[i]) and vals[i] >= cfg.loss_factor * base[i]):
+        if not (zi > floor and math.isfinite(vals[i]) and math.isfinite(base[i])) or vals[i] >= cfg.loss_factor * base[i]:
             continue
-        after = z[i + 1 : i + 1 + RECOVER + HOLD]
-        back = next((k for k in range(min(RECOVER, len(after))) if after[k] < cfg.z / 2), None)
-        # Back within RECOVER steps, and the steps after mostly there too (the median: the
-        # next blip of a noisy log may fall among them).
-        if back is not None and len(after) == RECOVER + HOLD and float(np.median(after)) < cfg.z / 2:
+        # Recovery is judged against the level before the excursion, in the noise units the
+        # excursion was measured in: the trend itself moves up under a rise it accepts (steps
+        # under z 6 enter it), so the next steps' own z would call a held rise recovered.
+        scale = (lv[i] - math.log10(base[i])) / zi
+        band = math.log10(base[i]) + (cfg.z / 2) * scale
+        after = lv[i + 1 : i + 1 + RECOVER + HOLD]
+        if len(after) == RECOVER + HOLD and np.isfinite(after).all() and (after[:RECOVER] <= band).any() and float(np.median(after)) <= band:
             out[steps[i]] = float(zi)
     return out
 

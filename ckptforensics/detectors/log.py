@@ -99,7 +99,8 @@ LogDetector = Callable[[LogEvidence, TriageConfig], list[Onset]]
 
 
 def _curve(rows: Rows, key: str, cfg: TriageConfig, above_level: bool = False) -> Curve:
-    steps = [s for s in rows if key in rows[s]]
+    # A grad norm of exactly 0 is no measurement (a run that never computes it prints 0.000).
+    steps = [s for s in rows if key in rows[s] and not (key == "grad_norm" and rows[s][key] == 0)]
     vals = [rows[s][key] for s in steps]
     z, level = trend_z(vals, z=cfg.z, window=cfg.window, min_history=cfg.judge_after, above_level=above_level)
     return Curve(key, steps, vals, z, level)
@@ -380,8 +381,8 @@ def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dic
 def _within_tail(o: Onset, tail: dict[int, float], ev: LogEvidence, cfg: TriageConfig) -> bool:
     """A loss or grad-norm onset whose loss blip recovers, with TAIL_PEERS other blips of the
     log reaching half its z; in the log's last RECOVER + HOLD steps, where recovery cannot be
-    seen yet, with TAIL_PEERS blips reaching its whole z (no larger than what the log has
-    already seen recover, again and again)."""
+    seen yet, with TAIL_PEERS blips reaching two thirds of its z (within 1.5x of what the
+    log has already seen recover, again and again)."""
     if o.signal not in ("loss", "grad_norm") or o.rule != "trend":
         return False
     if o.step in tail:
@@ -391,9 +392,8 @@ def _within_tail(o: Onset, tail: dict[int, float], ev: LogEvidence, cfg: TriageC
         i = next((k for k, s in enumerate(steps) if s >= o.step), len(steps))
         if i >= len(steps) or len(steps) - 1 - i >= RECOVER + HOLD or not math.isfinite(ev.loss.values[i]):
             return False
-        zs = need = float(ev.loss.z[i])
-        if not zs > cfg.z:  # a grad-norm seed the loss followed at half z: judged by the loss's own size
-            need = cfg.z
+        zs = float(ev.loss.z[i])
+        need = 2 * zs / 3 if zs > cfg.z else cfg.z  # a grad-norm seed the loss followed at half z: by the loss's own size
     from scipy import stats
 
     chance = expected_exceedances(int(np.count_nonzero(ev.loss.z)), need)
@@ -430,14 +430,20 @@ def held_rise(ev: LogEvidence, cfg: TriageConfig, tail: dict[int, float]) -> lis
     if sum(1 for zb in tail.values() if zb > cfg.z) <= TAIL_PEERS:
         return []
     # Judged above the level the loss has just been at too (`above_level`): in a descent a
-    # pause runs above the trend line, not above where the curve is.
+    # pause runs above the trend line, not above where the curve is. The window is measured
+    # against the level before its first step, in that step's noise units: the trend accepts
+    # steps under z 6 and would follow the rise it is asked about.
     z, steps, vals, base = ev.loss_level.z, ev.loss_level.steps, ev.loss_level.values, ev.loss_level.level
+    lv = np.log10(np.maximum(np.asarray(vals, dtype=np.float64), 1e-30))
     k = CURVE_SHORT
     for i in range(len(z) - k + 1):
-        win = z[i : i + k]
-        if z[i] >= HELD_Z * cfg.z and np.all(win != 0) and float(np.median(win)) >= HELD_Z * cfg.z:
-            return [Onset(steps[i], "loss", vals[i], float(base[i]), float(np.median(win)),
-                          f"loss {vals[i]:.4g} at step {steps[i]} starts {k} steps held above its trend (median robust z {float(np.median(win)):.1f} on a log whose blips recover)", "held")]  # fmt: skip
+        if not (z[i] >= HELD_Z * cfg.z and math.isfinite(z[i]) and math.isfinite(base[i]) and math.isfinite(lv[i])):
+            continue
+        scale = (lv[i] - math.log10(base[i])) / z[i]
+        held = float(np.median(lv[i : i + k] - math.log10(base[i]))) / scale
+        if held >= HELD_Z * cfg.z:
+            return [Onset(steps[i], "loss", vals[i], float(base[i]), held,
+                          f"loss {vals[i]:.4g} at step {steps[i]} starts {k} steps held above its level {base[i]:.4g} (median robust z {held:.1f} on a log whose blips recover)", "held")]  # fmt: skip
     return []
 
 

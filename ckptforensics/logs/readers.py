@@ -190,6 +190,10 @@ def _megatron_text(path: Path) -> list[Rows]:
         for line in f:
             got = megatron_line(line)
             if got is not None:
+                # An interval whose iterations were all skipped averages no loss: Megatron-LM
+                # prints its 0.0 (`if avg >= 0.0`), which is no loss.
+                if got[1].get("lm loss") == 0.0:
+                    del got[1]["lm loss"]
                 seq.append(got)
     return _split_legs(seq)
 

@@ -12,7 +12,10 @@ log of every step that is [fault, plain rule's step]. A healthy log must give no
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
+import os
+import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,7 +59,7 @@ def table(rows: list[dict[str, Any]], split: str) -> str:
     bad = [r for r in rows if r["incident"] != "none"]
     fa = sum(not r["ok"] for r in healthy)
     hit = sum(r["ok"] for r in bad)
-    head = (f"### triage on log-only draws, {split} split ({len(rows)} draws, `fixtures/log_draws.py`)\n\n"
+    head = (f"### triage on log-only draws, {split} split ({len(rows)} draws, `fixtures/log_draws.py`) — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs)\n\n"
             f"false alarms on healthy: **{fa}/{len(healthy)}** · onsets found: **{hit}/{len(bad)}**"
             f" ({100 * hit / max(len(bad), 1):.0f}%)\n")  # fmt: skip
     lines = ["| seed | trap | incident (step) | log | onset | rule | noise (blips) | |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -547,17 +547,27 @@ def triage_cmd(
 ) -> None:
     """Find the spike onset in the training log and the checkpoint to roll back to.
 
-    Robust z of the grad norm (the first signal to move) and the loss against the
-    previous --window steps, LR jumps (the main LR and any per-group LR the log has:
-    "optim/LR (group N)", "lr-AdamW/pgN"), loss-scale backoffs, and a parameter whose
-    gradient comes back after vanishing (per-parameter norms "optim/grad/<param>.norm":
-    Adam's second moment has decayed, its next updates are sign-like). Then the last
-    checkpoint before the onset, and the diff/replay/bisect commands to run next.
+    Reads the log as its trainer wrote it: JSONL, CSV (Lightning, LitGPT, W&B exports),
+    trainer_state.json, OLMo-core's metrics_step*.json, Megatron's printed log (a pasted
+    excerpt too), TensorBoard events, W&B offline runs, MLflow's mlruns/. A restarted run's
+    files (or Megatron's appended log) merge by step, the latest leg winning; the report lists
+    every file and leg read.
+
+    Robust z of the grad norm (the first signal to move) and the loss against their own trend,
+    LR jumps (the main LR and any per-group LR: "optim/LR (group N)", "lr-AdamW/pgN"),
+    loss-scale backoffs, and a parameter whose gradient comes back after vanishing
+    ("optim/grad/<param>.norm"). On a noisy log a loss blip that recovers within two steps is
+    an onset only when the log has no other blips like it; a pasted excerpt's first lines are
+    judged by ratio rules (Megatron's 10x, Lightning's rtol 2). The report names the rule that
+    decided and how noisy the log is; then the last checkpoint before the onset, and the
+    diff/replay/bisect commands to run next.
 
     \b
     Example:
       ckptforensics triage --run-dir runs/7b
       ckptforensics triage --metrics runs/7b/metrics.csv --grad-key train/grad_norm --json
+      ckptforensics triage --metrics 'logs/slurm-*.out' --run-dir /ckpt/7b
+      ckptforensics triage --metrics pasted.txt        # a few Megatron iteration lines
     """
     from . import api
     from .triage import TriageConfig, as_dict

@@ -356,9 +356,9 @@ _SIGNAL_ORDER = ("lr", "param_grad", "loss_scale", "grad_norm", "loss")
 RECOVER, HOLD, TAIL_PEERS = 2, 3, 2
 
 
-def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dict[int, float]:
-    """step -> robust z of every loss excursion (z > `floor`, default cfg.z; finite, under the
-    10x rule) that recovers: back under z/2 within RECOVER steps, the next RECOVER + HOLD
+def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dict[int, tuple[float, float]]:
+    """step -> (robust z, log10 excess over the level before it) of every loss excursion
+    (z > `floor`, default cfg.z; finite, under the 10x rule) that recovers: back under z/2 within RECOVER steps, the next RECOVER + HOLD
     steps' median there too (docs/signatures.md#log-blip)."""
     z, steps, vals, base = ev.loss.z, ev.loss.steps, ev.loss.values, ev.loss.level
     floor = cfg.z if floor is None else floor
@@ -374,30 +374,34 @@ def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dic
         band = math.log10(base[i]) + (cfg.z / 2) * scale
         after = lv[i + 1 : i + 1 + RECOVER + HOLD]
         if len(after) == RECOVER + HOLD and np.isfinite(after).all() and (after[:RECOVER] <= band).any() and float(np.median(after)) <= band:
-            out[steps[i]] = float(zi)
+            out[steps[i]] = (float(zi), float(lv[i] - math.log10(base[i])))
     return out
 
 
-def _within_tail(o: Onset, tail: dict[int, float], ev: LogEvidence, cfg: TriageConfig) -> bool:
-    """A loss or grad-norm onset whose loss blip recovers, with TAIL_PEERS other blips of the
-    log reaching half its z; in the log's last RECOVER + HOLD steps, where recovery cannot be
-    seen yet, with TAIL_PEERS blips reaching two thirds of its z (within 1.5x of what the
-    log has already seen recover, again and again)."""
+def _within_tail(o: Onset, tail: dict[int, tuple[float, float]], ev: LogEvidence, cfg: TriageConfig) -> bool:
+    """A loss or grad-norm onset whose loss blip recovers, with enough other blips of the log
+    at least half its size (its log10 excess over the level before it: the noise, and so a
+    blip's z, shrinks as training goes on while a hard batch stays as hard); in the log's last
+    RECOVER + HOLD steps, where recovery cannot be seen yet, two thirds of its size."""
     if o.signal not in ("loss", "grad_norm") or o.rule != "trend":
         return False
     if o.step in tail:
-        zs, need = tail[o.step], tail[o.step] / 2
+        zs, es = tail[o.step]
+        share = 0.5
     else:
         steps = ev.loss.steps
         i = next((k for k, s in enumerate(steps) if s >= o.step), len(steps))
-        if i >= len(steps) or len(steps) - 1 - i >= RECOVER + HOLD or not math.isfinite(ev.loss.values[i]):
+        base = ev.loss.level[i] if i < len(steps) else math.nan
+        if i >= len(steps) or len(steps) - 1 - i >= RECOVER + HOLD or not (math.isfinite(ev.loss.values[i]) and math.isfinite(base)):
             return False
         zs = float(ev.loss.z[i])
-        need = 2 * zs / 3 if zs > cfg.z else cfg.z  # a grad-norm seed the loss followed at half z: by the loss's own size
+        if not zs > cfg.z:  # a grad-norm seed the loss followed at half z: judged by the loss's own size
+            return False
+        es, share = math.log10(ev.loss.values[i] / base), 2 / 3
     from scipy import stats
 
-    chance = expected_exceedances(int(np.count_nonzero(ev.loss.z)), need)
-    peers = sum(1 for s, zb in tail.items() if s != o.step and zb >= need)
+    chance = expected_exceedances(int(np.count_nonzero(ev.loss.z)), max(share * zs, cfg.z / 2))
+    peers = sum(1 for s, (_, eb) in tail.items() if s != o.step and eb >= share * es)
     return peers >= TAIL_PEERS + float(stats.poisson.isf(0.01, chance))
 
 
@@ -411,7 +415,7 @@ def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[On
     blipped = [o for o in onsets if _within_tail(o, tail, ev, cfg)]
     onsets = [o for o in onsets if o not in blipped] + held_rise(ev, cfg, tail)
     ignored += [
-        Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, o.message + f"; the loss recovers within {RECOVER} steps, as {sum(1 for s, zb in tail.items() if s != o.step and zb > cfg.z)} other blips over z {cfg.z:g} of this log do", "tail")
+        Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, o.message + f"; the loss recovers within {RECOVER} steps, as {sum(1 for s, (zb, _) in tail.items() if s != o.step and zb > cfg.z)} other blips over z {cfg.z:g} of this log do", "tail")
         for o in blipped
     ]
     return sorted(onsets, key=lambda o: (o.step, _SIGNAL_ORDER.index(o.signal))), ignored
@@ -424,10 +428,10 @@ def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[On
 HELD_Z = 1 / 3
 
 
-def held_rise(ev: LogEvidence, cfg: TriageConfig, tail: dict[int, float]) -> list[Onset]:
+def held_rise(ev: LogEvidence, cfg: TriageConfig, tail: dict[int, tuple[float, float]]) -> list[Onset]:
     """The first step of a held rise of the loss on a log with more than TAIL_PEERS blips
     (elsewhere the trend's own per-step rule stands alone; docs/signatures.md#log-held)."""
-    if sum(1 for zb in tail.values() if zb > cfg.z) <= TAIL_PEERS:
+    if sum(1 for zb, _ in tail.values() if zb > cfg.z) <= TAIL_PEERS:
         return []
     # Judged above the level the loss has just been at too (`above_level`): in a descent a
     # pause runs above the trend line, not above where the curve is. The window is measured
@@ -440,10 +444,11 @@ def held_rise(ev: LogEvidence, cfg: TriageConfig, tail: dict[int, float]) -> lis
         if not (z[i] >= HELD_Z * cfg.z and math.isfinite(z[i]) and math.isfinite(base[i]) and math.isfinite(lv[i])):
             continue
         scale = (lv[i] - math.log10(base[i])) / z[i]
-        held = float(np.median(lv[i : i + k] - math.log10(base[i]))) / scale
+        # Most of the window held (its lower quartile: 6 of 8 steps), not a cluster of blips.
+        held = float(np.percentile(lv[i : i + k] - math.log10(base[i]), 25)) / scale
         if held >= HELD_Z * cfg.z:
             return [Onset(steps[i], "loss", vals[i], float(base[i]), held,
-                          f"loss {vals[i]:.4g} at step {steps[i]} starts {k} steps held above its level {base[i]:.4g} (median robust z {held:.1f} on a log whose blips recover)", "held")]  # fmt: skip
+                          f"loss {vals[i]:.4g} at step {steps[i]} starts {k} steps held above its level {base[i]:.4g} (6 of 8 at robust z {held:.1f} or more, on a log whose blips recover)", "held")]  # fmt: skip
     return []
 
 
@@ -467,7 +472,7 @@ def log_noise(ev: LogEvidence, cfg: TriageConfig) -> dict[str, float | int | str
         "steps_over_z": over,
         "expected_over_z_if_normal": expected_exceedances(steps_judged, cfg.z),
         "recovering_blips": len(tail),
-        "largest_blip_z": max(tail.values(), default=0.0),
+        "largest_blip_z": max((zb for zb, _ in tail.values()), default=0.0),
         "tail_df": df,
         "family_z": family_z(max(steps_judged, 1)),
         "kind": kind,

@@ -4,7 +4,12 @@ incident starts (docs/signatures.md#log-onset).
 Each detector is a pure function `(LogEvidence, TriageConfig) -> list[Onset]`. The seed
 detectors (grad-norm spikes, loss-scale backoffs) raise candidates that count only where
 the loss follows (`log_onsets` settles that); the onset detectors (loss spikes, LR jumps,
-a gradient's return) are onsets as they stand.
+a gradient's return) are onsets as they stand; then the log's own tail of recovering blips
+filters what a noisy log does routinely, and `log_noise` says how noisy it is.
+
+One module past 400 lines on purpose: every rule here reads the same `LogEvidence` and
+settles in one `log_onsets`, whose order of signals and filters is easier to check on one
+page than across files.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ A leg is what one process wrote between a start and a stop. A file holds one leg
 several where the trainer appends after a restart (Megatron's printed log under `tee -a`,
 a JSONL the loop reopens in append mode): a step logged again for a column it already has
 starts a new leg there (`_split_legs`).
+
+One reader per format, each a few dozen lines, in one module (just past 400 lines): they
+share the leg splitting, the number parsing and the one dispatch at the bottom.
 """
 
 from __future__ import annotations

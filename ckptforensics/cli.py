@@ -12,6 +12,7 @@ import errno
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout
@@ -299,9 +300,9 @@ def _output(out: Path | None, inputs: list[Path], *, file: bool = False) -> Iter
     if out is None:
         yield
         return
-    o = out.resolve()
+    o = Path(os.path.realpath(out))  # realpath: a symlink loop is bad input, said by the reader
     for p in inputs:
-        d = p.resolve()
+        d = Path(os.path.realpath(p))
         if p.is_dir() and (o == d or d in o.parents):
             raise ForensicsError(f"--out {out} is inside the input checkpoint {p}; choose a directory outside it")
     from .report import prepare_out, remove_made

@@ -86,9 +86,10 @@ def resolve_checkpoint(spec: str | Path, run_dir: str | Path = ".") -> Path:
 
 
 def must_exist(path: Path) -> None:
-    """A path that is there, or a CheckpointNotFound that says why not: missing, a symlink
-    that leads nowhere (a loop, or dangling; `exists()` would only say False, and the user
-    would look for a missing file), or a directory on the way that cannot be entered."""
+    """A path that is there and readable, or a CheckpointNotFound that says why not: missing,
+    a symlink that leads nowhere (a loop, or dangling; `exists()` would only say False, and
+    the user would look for a missing file), a directory on the way that cannot be entered,
+    or no permission to read it."""
     try:
         path.stat()
     except OSError as e:
@@ -99,6 +100,10 @@ def must_exist(path: Path) -> None:
         if isinstance(e, FileNotFoundError):
             raise CheckpointNotFound(f"{path}: no such file or directory") from None
         raise CheckpointNotFound(f"{path}: {e.strerror or e}") from None
+    need = os.R_OK | (os.X_OK if path.is_dir() else 0)
+    if not os.access(path, need, effective_ids=os.access in os.supports_effective_ids):
+        what = "a directory" if path.is_dir() else "a file"
+        raise CheckpointNotFound(f"{path}: {what} this user may not read (permission denied); fix its permissions or run as its owner")
 
 
 def _refuse_loop(path: Path) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -148,6 +151,8 @@ def sniff(path: Path) -> str:
             f"{path}: a directory that is not a known checkpoint layout "
             "(expected model*.safetensors / pytorch_model*.bin); pass the checkpoint itself"
         )
+    if path.stat().st_size == 0:
+        raise IncompleteCheckpoint(f"{path}: empty (0 bytes): a save cut off before writing it; pass a complete checkpoint (an earlier step)")
     with path.open("rb") as f:
         head = f.read(16)
     # torch.save zips start with a local file header; a truncated one has lost its
@@ -222,17 +227,36 @@ def completeness(path: str | Path, format: str | None = None) -> Completeness:
         check = CHECKERS.get(name)
         if check is None:
             return Completeness(name, f"the {name} reader (a plugin) states no completeness rule", checked=False)
-        return check(target)
+        c = check(target)
+        broken = [b for b in broken_links(target) if not any(p.startswith(b.split(":")[0]) for p in c.problems)]
+        return dataclasses.replace(c, problems=(*c.problems, *broken)) if broken else c
+
+
+def broken_links(path: Path) -> list[str]:
+    """Symlinks inside a checkpoint directory that lead nowhere (loops, dangling): damage,
+    whatever the file's role; a reader that looks for the name would take it for absent."""
+    if not path.is_dir() or path.is_symlink():
+        return []
+    out = []
+    for d, dirs, files in os.walk(path):
+        for n in dirs + files:
+            p = Path(d) / n
+            if p.is_symlink():
+                try:
+                    p.stat()
+                except OSError as e:
+                    what = "a symlink loop" if e.errno == errno.ELOOP else f"a symlink to nothing ({os.readlink(p)})"
+                    out.append(f"{p.relative_to(path).as_posix()}: {what}")
+    return sorted(out)
 
 
 def require_complete(path: str | Path, format: str | None = None) -> Completeness:
     """`completeness`, raising IncompleteCheckpoint (what is missing, the fix) unless whole."""
     c = completeness(path, format)
     if c.checked and not c.complete:
-        raise IncompleteCheckpoint(
-            f"{path}: incomplete {c.format} checkpoint: {'; '.join(c.problems)}. "
-            "Pass a complete checkpoint (an earlier step)"
-        )
+        if all("not readable" in p for p in c.problems):
+            raise IncompleteCheckpoint(f"{path}: unreadable {c.format} checkpoint: {'; '.join(c.problems)}. Fix its permissions, or pass another")
+        raise IncompleteCheckpoint(f"{path}: incomplete {c.format} checkpoint: {'; '.join(c.problems)}. Pass a complete checkpoint (an earlier step)")
     return c
 
 

@@ -367,7 +367,7 @@ def file_problem(path: Path, root: Path | None = None) -> str | None:
         return f"{name} missing"
     if not stat.S_ISREG(st.st_mode):
         return f"{name}: not a regular file"
-    if not os.access(path, os.R_OK):
+    if not os.access(path, os.R_OK, effective_ids=os.access in os.supports_effective_ids):
         return f"{name}: not readable (permission denied)"
     try:
         with path.open("rb") as f:

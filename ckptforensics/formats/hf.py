@@ -216,6 +216,7 @@ def _optimizer(ckpt: Checkpoint, opt: Path) -> None:
 # trainer_state.json last.
 _TRAINER_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt", "scaler.pt", "training_args.bin", "rng_state.pth")
 _TRAINER_DIR = re.compile(r"^checkpoint-\d+$")
+_SHARD = re.compile(r"^model-(\d+)-of-(\d+)\.safetensors$")
 
 
 def is_trainer_checkpoint(path: Path) -> bool:
@@ -290,7 +291,10 @@ def _weights_problems(path: Path) -> list[str]:
             if bad is not None:
                 out.append(f"{bad} (listed in {index_name})" if bad.endswith("missing") else bad)
         return out
-    files = sorted(path.glob("model*.safetensors"))
+    files = sorted(f for f in path.glob("model*.safetensors") if f.is_file() or not f.is_symlink())  # links to nothing: `broken_links`
+    shards = {int(m.group(2)) for f in files if (m := _SHARD.match(f.name))}
+    if shards:  # save_pretrained writes the index after its shards
+        return [f"model.safetensors.index.json missing ({len(files)} of {max(shards)} shards there: save_pretrained writes the index after them)"]
     if files:
         return [b for b in (safetensors_problem(f, path) for f in files) if b]
     bins = sorted(path.glob("pytorch_model*.bin"))

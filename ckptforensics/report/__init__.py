@@ -183,7 +183,9 @@ def prepare_out(out: Path, *, file: bool = False) -> list[Path]:
         except OSError as e:
             raise OutputNotWritable(f"--out {out}: cannot write in {target} ({e.strerror or e})") from None
         try:
-            os.write(fd, b"\0" * _PROBE_BYTES)
+            left = memoryview(b"\0" * _PROBE_BYTES)
+            while left:  # a write near a size limit is short; the next one fails
+                left = left[os.write(fd, left) :]
             os.fsync(fd)
         except OSError as e:
             raise OutputNotWritable(f"--out {out}: cannot write in {target} ({e.strerror or e})") from None

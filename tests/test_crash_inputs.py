@@ -62,3 +62,24 @@ def test_an_hf_data_run_whose_collator_pads(crash_inputs: dict[str, Path], data:
     errors = _no_traceback(r, codes)
     if r.exit_code == 3:
         assert errors[0].startswith("error: internal error while replaying ") and errors[0].endswith("run with --debug and report it")
+
+
+def test_under_torchrun_every_rank_prints_the_same_line(tmp_path: Path) -> None:
+    """Two ranks of `diff` on LitGPT's own checkpoints, *after* holding a symlink loop:
+    each rank refuses it with the same line and exit 2 (torchrun then adds its own report)."""
+    import os
+
+    from tests.conftest import ROOT, torchrun
+
+    run = tmp_path / "run"
+    for step in ("step-00000010", "step-00000020"):
+        shutil.copytree(ROOT / "fixtures" / "data" / "litgpt-0.5" / step, run / step)
+    (run / "step-00000020" / "lit_model.pth").unlink()
+    (run / "step-00000020" / "lit_model.pth").symlink_to("lit_model.pth")
+    args = ["-m", "ckptforensics.cli", "-q", "diff", "--run-dir", str(run), "--before", "10", "--after", "20", "--out", str(tmp_path / "out")]
+    proc = torchrun(args, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-2000:]
+    assert len(errors) == 2 and errors[0] == errors[1] and "lit_model.pth: a symlink loop" in errors[0], proc.stderr[-2000:]
+    assert "ckptforensics/" not in proc.stderr.replace(str(tmp_path), "")  # no traceback through our code
+    assert not (tmp_path / "out").exists()

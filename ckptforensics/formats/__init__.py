@@ -228,7 +228,7 @@ def completeness(path: str | Path, format: str | None = None) -> Completeness:
         if check is None:
             return Completeness(name, f"the {name} reader (a plugin) states no completeness rule", checked=False)
         c = check(target)
-        broken = [b for b in broken_links(target) if not any(p.startswith(b.split(":")[0]) for p in c.problems)]
+        broken = [b for b in broken_links(target) if not any(q.startswith(b.split(":")[0]) for q in c.problems)]
         return dataclasses.replace(c, problems=(*c.problems, *broken)) if broken else c
 
 

@@ -3,6 +3,7 @@ process without a process group, one tensor at a time, never the whole checkpoin
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import pickle
@@ -95,8 +96,20 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(root: Path) -> Any:
-    """The DCP Metadata record, through the restricted unpickler."""
+    """The DCP Metadata record, through the restricted unpickler. Read once per file state
+    (its size and mtime): the completeness check and the reader both need it, and a large
+    model's `.metadata` runs to tens of MB."""
     f = root / ".metadata"
+    try:
+        st = f.stat()
+    except OSError as e:
+        raise CorruptCheckpoint(f"{f}: {e.strerror}") from None
+    return _read_metadata(str(f), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_metadata(path: str, size: int, mtime_ns: int) -> Any:
+    f = Path(path)
     try:
         with f.open("rb") as fh:
             md = _MetadataUnpickler(fh).load()

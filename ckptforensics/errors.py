@@ -25,6 +25,7 @@ __all__ = [
     "UnsafeCheckpoint",
     "IncompatibleCheckpoints",
     "OptimizerMappingError",
+    "ReplayMismatch",
     "OutputNotWritable",
     "Failed",
     "EXIT_BAD_INPUT",
@@ -67,6 +68,11 @@ class IncompatibleCheckpoints(ForensicsError):
 
 class OptimizerMappingError(ForensicsError):
     """Optimizer state whose integer ids cannot be mapped to parameter names unambiguously."""
+
+
+class ReplayMismatch(ForensicsError):
+    """A replay that does not reproduce the run's own log on its first checked step: nothing
+    is diagnosed from it (`--allow-mismatch` writes the checkpoint diff's report)."""
 
 
 class OutputNotWritable(ForensicsError):

@@ -140,6 +140,9 @@ def sniff(path: Path) -> str:
     if path.is_dir():
         if single_file(path) is not None:
             return "torch-file"
+        broken = broken_links(path)
+        if broken:  # the file that made it a checkpoint is a link to nothing (lit_model.pth -> a loop)
+            raise IncompleteCheckpoint(f"{path}: no checkpoint layout recognised, and {'; '.join(broken)}; pass a complete checkpoint (an earlier step)")
         from ..locate import list_checkpoints
 
         found = list_checkpoints(path)

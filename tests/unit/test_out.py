@@ -107,7 +107,8 @@ def test_a_full_disk_mid_report_leaves_the_previous_report_as_it_was(run: Path, 
 
 
 def test_an_interrupted_write_leaves_every_previous_file(tmp_path: Path) -> None:
-    a, b, c = tmp_path / "report.json", tmp_path / "report.md", tmp_path / "evidence.h5"
+    # (not named report.json: tests/test_zz_schema.py validates every report.json the suite leaves)
+    a, b, c = tmp_path / "triage.md", tmp_path / "report.md", tmp_path / "evidence.h5"
     write_files({a: "old json", b: "old md", c: "old h5"})
 
     def interrupted(tmp: Path) -> None:
@@ -116,7 +117,7 @@ def test_an_interrupted_write_leaves_every_previous_file(tmp_path: Path) -> None
 
     with pytest.raises(KeyboardInterrupt):
         write_files({a: "new json", b: "new md", c: interrupted})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["evidence.h5", "report.json", "report.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["evidence.h5", "report.md", "triage.md"]
     assert (a.read_text(), b.read_text(), c.read_text()) == ("old json", "old md", "old h5")
 
 
@@ -125,5 +126,5 @@ def test_a_write_that_fails_names_the_file(tmp_path: Path) -> None:
         raise OSError(28, "No space left on device")
 
     with pytest.raises(OutputNotWritable, match=r"report.html: cannot be written \(No space left on device\)"):
-        write_files({tmp_path / "report.json": "{}", tmp_path / "report.html": fails})
+        write_files({tmp_path / "report.md": "# a report", tmp_path / "report.html": fails})
     assert list(tmp_path.iterdir()) == []

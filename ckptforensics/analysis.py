@@ -12,7 +12,7 @@ from .diff import DiffConfig, DiffResult, diff_checkpoints
 from .errors import ForensicsError, ReplayMismatch, doing
 from .formats import open_checkpoint, open_pair
 from .report import build_report
-from .verdict import decide, decide_whatif
+from .verdict import decide, decide_whatif, reattribute
 
 __all__ = ["run_diff", "run_replay", "run_bisect", "run_whatif", "replay_section", "withheld_section", "trusted", "ReplayMismatch"]
 
@@ -207,7 +207,7 @@ def _replay_report(
         verdict = decide(findings, before=str(cfg.before), after=after_label, before_healthy=before_ok, replayed=False, extra={"replay_check": {"status": why.metrics["status"], "reason": why.message}})
         doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, diff=diff, sections={"replay": withheld_section(rep, why), **(more or {})})
         return doc, findings
-    findings = _number(dfind + rfind)
+    findings = _number(reattribute(dfind + rfind))
     verdict = decide(
         findings, before=str(cfg.before), after=after_label, before_healthy=before_ok, replayed=True, state_steps=first_steps_from_state(dfind, rep)
     )
@@ -248,7 +248,7 @@ def _bisect_report(
     if why is not None:  # withheld (allowed): the diff's verdict, the bisection's note
         doc, findings = _replay_report(cfg, rep, rfind, a, b, diff, dfind, command, {"bisect": asdict(res)})
         return doc, findings, {"steps": [], "sample_ids": [], "rows": {}}
-    findings = _number(dfind + rfind)
+    findings = _number(reattribute(dfind + rfind))
     # The bisection's step and rows are what it proved by replaying; they override the
     # replay's single-pass reading.
     extra: dict[str, Any] = {}

@@ -31,6 +31,7 @@ def _head(t: dict[str, Any]) -> list[tuple[str, str]]:
         ("log noise", _noise(t)),
         ("rollback checkpoint", t["rollback"] or "none before the onset"),
         ("checkpoint after the onset", t["after"] or "—"),
+        *[("passed over", note) for note in t.get("skipped") or []],
     ]
 
 

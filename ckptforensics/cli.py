@@ -588,7 +588,7 @@ def triage_cmd(
 ) -> None:
     """Find the spike onset in the training log and the checkpoint to roll back to.
 
-    Reads the log as its trainer wrote it: JSONL, CSV (Lightning, LitGPT, W&B exports),
+    Reads the log as its trainer wrote it: JSONL, CSV (Lightning, LitGPT),
     trainer_state.json, OLMo-core's metrics_step*.json, Megatron's printed log (a pasted
     excerpt too), TensorBoard events, W&B offline runs, MLflow's mlruns/. A restarted run's
     files (or Megatron's appended log) merge by step, the latest leg winning; the report lists

@@ -1,7 +1,7 @@
 """Training logs: find a run's logs, read each in its trainer's format, and merge the legs of
 a restarted run into one step -> metrics table.
 
-Formats: JSONL; CSV (Lightning's / LitGPT's CSVLogger, W&B's CSV exports); HF
+Formats: JSONL; CSV (Lightning's / LitGPT's CSVLogger; W&B's CSV exports, untested on a real one); HF
 `trainer_state.json`; OLMo-core's `metrics_step{N}.json`; Megatron-LM's printed log (and
 Megatron-DeepSpeed's variant of the line); TensorBoard event files (the tensorboard extra);
 W&B offline runs (`.wandb`, the wandb extra); MLflow's local file store (`mlruns/`). Shared

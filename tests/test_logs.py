@@ -172,3 +172,22 @@ def test_hf_trainers_three_reporters_log_its_steps(tmp_path: Path) -> None:
             assert r["grad_norm"] == pytest.approx(state[s]["grad_norm"], rel=1e-6)
             assert r["lr"] == pytest.approx(state[s]["lr"], rel=1e-6)
     assert [Path(f).name for f in find_logs(run)] == ["trainer_state.json"]  # the Trainer's own log comes first
+
+
+def test_mlflow_3s_sqlite_store(tmp_path: Path) -> None:
+    """MLflow 3's default local store (`sqlite:///mlflow.db`), written by MLflow itself
+    (fixtures/mlflow_sqlite_run.py): the three legs merge into the run's own steps, the store
+    is found in a run folder, read without being written, and triaged as the run's JSONL is."""
+    import shutil
+
+    from tests.conftest import tree_hash
+
+    src = Path(__file__).resolve().parent.parent / "fixtures" / "data" / "mlflow-3-sqlite"
+    shutil.copy(src / "mlflow.db", tmp_path / "mlflow.db")
+    before = tree_hash(tmp_path)
+    own = read_metrics(src / "metrics.jsonl")
+    log = read_log(tmp_path)  # discovered: mlflow.db
+    assert [Path(f).name for f in log.files] == ["mlflow.db"] and [(leg.first, leg.last, leg.superseded) for leg in log.legs] == [(1, 22, 2), (21, 37, 7), (31, 50, 0)]
+    assert sorted(log.rows) == sorted(own) and all(log.rows[s]["loss"] == pytest.approx(r["loss"], rel=1e-12) for s, r in own.items())
+    assert triage(tmp_path, None).first_bad_step == triage(src / "metrics.jsonl", None).first_bad_step == 35
+    assert tree_hash(tmp_path) == before

@@ -4,7 +4,8 @@ a restarted run into one step -> metrics table.
 Formats: JSONL; CSV (Lightning's / LitGPT's CSVLogger; W&B's CSV exports, untested on a real one); HF
 `trainer_state.json`; OLMo-core's `metrics_step{N}.json`; Megatron-LM's printed log (and
 Megatron-DeepSpeed's variant of the line); TensorBoard event files (the tensorboard extra);
-W&B offline runs (`.wandb`, the wandb extra); MLflow's local file store (`mlruns/`). Shared
+W&B offline runs (`.wandb`, the wandb extra); MLflow's local stores (`mlruns/`; `mlflow.db`,
+MLflow 3's default). Shared
 by `triage` and the replay (which takes each step's LR and the history before its window
 from here): `read_metrics(path) -> {step: {"loss", "grad_norm", "lr", per-group LRs,
 "loss_scale", ...}}`, steps as the trainer counts optimizer steps (docs: README, "Training logs").

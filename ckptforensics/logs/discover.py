@@ -66,7 +66,8 @@ def find_logs(run_dir: Path) -> list[Path]:
     spans every leg); OLMo-core's metrics_step{N}.json; Megatron's printed log (*.log,
     *.out, *.txt with iteration lines, slurm-*.out); TensorBoard event files (tb/,
     runs/*/, tensorboard/, lightning_logs/version_N/, Megatron's --tensorboard-dir); the
-    W&B run of wandb/latest-run; the newest MLflow run in mlruns/. [] when there is none."""
+    W&B run of wandb/latest-run; the newest MLflow run in mlruns/ or mlflow.db (MLflow 3's
+    default store). [] when there is none."""
     if not run_dir.is_dir():
         return []
     for name in ("metrics.jsonl", "metrics.csv"):
@@ -91,4 +92,4 @@ def find_logs(run_dir: Path) -> list[Path]:
     events = [f for f in files if f.name.startswith("events.out.tfevents.")]
     if events:
         return events
-    return _wandb(run_dir) or _mlflow(run_dir)
+    return _wandb(run_dir) or _mlflow(run_dir) or ([run_dir / "mlflow.db"] if (run_dir / "mlflow.db").is_file() else [])

@@ -16,6 +16,7 @@ import csv
 import json
 import math
 import re
+import sqlite3
 import struct
 import zlib
 from dataclasses import dataclass
@@ -342,6 +343,29 @@ def _mlflow_run(run: Path) -> tuple[Rows, float]:
     return rows, start if math.isfinite(start) else _mtime(run)
 
 
+def _mlflow_sqlite(db: Path) -> list[Leg]:
+    """MLflow's SQL store (`sqlite:///mlflow.db`, MLflow 3's default): the newest active run
+    and the earlier runs of its experiment and name, one leg each (tables `runs` and `metrics`
+    as MLflow's SqlAlchemyStore lays them out: key, value, timestamp, run_uuid, step, is_nan)."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)  # read-only: an input is never written
+    try:
+        runs = con.execute("SELECT run_uuid, name, experiment_id, start_time FROM runs WHERE lifecycle_stage = 'active'").fetchall()
+        if not runs:
+            return []
+        _, name, exp, _ = max(runs, key=lambda r: r[3] or 0)
+        legs = []
+        for uuid, rname, rexp, start in runs:
+            if rname != name or rexp != exp:
+                continue
+            rows: Rows = {}
+            for key, value, step, is_nan in con.execute("SELECT key, value, step, is_nan FROM metrics WHERE run_uuid = ?", (uuid,)):
+                rows.setdefault(int(step), {})[key] = math.nan if is_nan else float(value)
+            legs.append(Leg(f"{db}#{uuid}", rows, (start or 0) / 1000.0, 0, "mlflow"))
+        return legs
+    finally:
+        con.close()
+
+
 def mlflow_run_name(run: Path) -> str:
     """The run's name (tag mlflow.runName), or its id."""
     tag = run / "tags" / "mlflow.runName"
@@ -396,6 +420,8 @@ def read_file(path: Path) -> list[Leg]:
             if lightning_log(path):
                 rows = {s + 1: v for s, v in rows.items()}
             return [Leg(str(path), megatron_lr(rows), t, 0, "tensorboard")]
+        if path.suffix == ".db":
+            return _mlflow_sqlite(path)
         if path.suffix == ".wandb":
             rows, t = _wandb(path)
             return [Leg(str(path), megatron_lr(rows), t, 0, "wandb")]
@@ -411,5 +437,5 @@ def read_file(path: Path) -> list[Leg]:
         else:
             legs, kind = _jsonl(path), "jsonl"
         return [Leg(str(path), megatron_lr(r), t, i, kind) for i, r in enumerate(legs)]
-    except (OSError, UnicodeDecodeError, ValueError, json.JSONDecodeError, struct.error) as e:
+    except (OSError, UnicodeDecodeError, ValueError, json.JSONDecodeError, struct.error, sqlite3.Error) as e:
         raise ForensicsError(f"{path}: not a readable training log ({e})") from None

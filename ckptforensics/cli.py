@@ -560,7 +560,7 @@ def whatif_cmd(ctx: click.Context, before: str, n_steps: int, tries: tuple[str, 
     type=click.Path(path_type=Path),
     default=None,
     help="Training log: a file, a folder of its files (a restarted run's legs merge, the latest winning) or a quoted glob. "
-    "JSONL, CSV, trainer_state.json, Megatron's printed log, TensorBoard events, W&B offline runs, MLflow mlruns/. "
+    "JSONL, CSV, trainer_state.json, Megatron's printed log, TensorBoard events, W&B offline runs, MLflow mlruns/ or mlflow.db. "
     "Discovered in --run-dir when absent.",
 )
 @run_dir_option
@@ -590,7 +590,7 @@ def triage_cmd(
 
     Reads the log as its trainer wrote it: JSONL, CSV (Lightning, LitGPT),
     trainer_state.json, OLMo-core's metrics_step*.json, Megatron's printed log (a pasted
-    excerpt too), TensorBoard events, W&B offline runs, MLflow's mlruns/. A restarted run's
+    excerpt too), TensorBoard events, W&B offline runs, MLflow's mlruns/ or mlflow.db. A restarted run's
     files (or Megatron's appended log) merge by step, the latest leg winning; the report lists
     every file and leg read.
 

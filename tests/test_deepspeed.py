@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from ckptforensics.cli import cli
 from ckptforensics.formats import open_checkpoint
+from tests.conftest import ROOT, torchrun
 from tests.test_cli import assert_bad_input
 
 pytest.importorskip("deepspeed")

@@ -345,7 +345,9 @@ class Session:
 
     def _compute(self, precision: str) -> contextlib.AbstractContextManager[Any]:
         """The forward's precision: autocast, or the weights cast to bf16 (bf16-params)."""
-        if precision == "bf16-params" and self.bf16_params is not None:
+        if precision == "bf16-params" and self.ranks is None:
+            if self.bf16_params is None:  # another precision tried on this session (`evaluate`)
+                self.bf16_params = mp.BF16Params([p for _, p in self.params])
             return self.bf16_params.compute()
         return mp.autocast(precision, self.device.type)
 

@@ -329,6 +329,11 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
             o_floor = second_moment_floor(family, hb.betas, hb.options, step_a + 1, step_b)
         elif ca is not None and cb is not None and cb <= ca and g_steps is not None:
             o_restart_floor = second_moment_floor(family, hb.betas, hb.options, ca + 1, ca + g_steps)
+    sgd_bufs = None
+    if other and family == "sgd" and o_k > 0 and math.isfinite(o_lr):
+        ba_, bb_ = sa.get("momentum_buffer"), sb.get("momentum_buffer")
+        if isinstance(ba_, torch.Tensor) and isinstance(bb_, torch.Tensor) and ba_.shape == bb_.shape and ba_.numel() == meta.numel:
+            sgd_bufs = (ba_, bb_)
     acc = _Acc()
     cands: list[Candidate] = []
     counts = {"bound": 0, "vfloor": 0, "mbound": 0, "outlier": 0, "norm": 0}
@@ -454,6 +459,12 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
             fin = torch.isfinite(ad)
             scale = torch.where(fin, ad, 0).mean() + lim.eps * torch.where(torch.isfinite(fa), fa.abs(), 0).mean()
             flagged = ad > 16 * scale
+            if sgd_bufs is not None:
+                # SGD moves an element by lr times its momentum buffer each step: a large
+                # move its buffers at both ends account for is training (tuning run
+                # sgd-healthy: a weight tripled by a buffer of its size), not a flip.
+                ba, bb = (x.reshape(-1)[lo:hi].float().abs() for x in sgd_bufs)
+                flagged &= ad > 16 * o_k * o_lr * torch.maximum(ba, bb)
             n_flag = int(flagged.sum())
             if 0 < n_flag <= 256:
                 idx = torch.nonzero(flagged).flatten()

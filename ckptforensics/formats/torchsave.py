@@ -92,6 +92,8 @@ def _nanogpt(ckpt: Checkpoint, obj: Mapping[str, Any]) -> None:
     add_state_dict(ckpt, obj["model"], strip="_orig_mod.")
     if isinstance(obj.get("optimizer"), Mapping):
         attach_optimizer(ckpt, obj["optimizer"], f"{ckpt.path}:optimizer")
+    elif isinstance(obj.get("optimizers"), (list, tuple)) and obj["optimizers"]:
+        attach_optimizer(ckpt, list(obj["optimizers"]), f"{ckpt.path}:optimizers")
     if "iter_num" in obj:
         ckpt.scalars["global_step"] = int(obj["iter_num"])
     cfg = to_plain(obj.get("model_args"))

@@ -26,6 +26,7 @@ __all__ = [
     "SHARP_FAMILIES",
     "MOMENT_FAMILIES",
     "SECOND_MOMENTS",
+    "replay_bound",
 ]
 
 # Families whose per-element bound is tight enough to locate a flipped element on its own
@@ -206,3 +207,22 @@ SECOND_MOMENTS = {
     "adam8bit": ("exp_avg_sq",),
     "adafactor": ("row_var", "col_var", "variance", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq"),
 }
+
+
+def replay_bound(group: dict[str, Any], state: dict[str, Any], k: int, lr: float, shape: tuple[int, ...], rms_w: float = 0.0) -> tuple[float, float]:
+    """(c, wd) of a rebuilt optimizer's param group such that k steps move an element by at
+    most k lr (c + wd |w|): the bound `replay` holds its replayed weights to (the group's
+    `family`, set by `replay.model.build_optimizer`; Adam where it is absent)."""
+    family = str(group.get("family", "adam"))
+    end = state.get("step")
+    t_end = int(float(end)) if end is not None else k
+    options = {kk: v for kk, v in group.items() if kk not in ("params", "lr", "betas", "weight_decay", "eps")}
+    eps = group.get("eps")
+    if isinstance(eps, (tuple, list)):
+        options["eps2"] = eps[1]
+    lr_ = lr if lr and math.isfinite(lr) and lr > 0 else 1.0
+    b = step_bound(
+        family, lr=lr_, weight_decay=float(group.get("weight_decay") or 0.0), betas=tuple(group["betas"]) if group.get("betas") else None,  # type: ignore[arg-type]
+        options=options, t_first=max(1, t_end - k + 1), t_last=t_end, shape=shape, rms_w=rms_w,
+    )  # fmt: skip
+    return b.per_step / lr_, b.decay / lr_

@@ -149,6 +149,18 @@ def test_resume_that_lost_state(resumed: dict[str, Path]) -> None:
         assert way in lost
 
 
+def test_triage_onset_at_the_resume(resumed: dict[str, Path]) -> None:
+    """The log shows a rebuilt scheduler (the LR re-runs its warm-up, or dips to its first
+    value for one step): triage's onset is the first step after the resume."""
+    from ckptforensics.triage import triage
+
+    for variant in ("scheduler_restarted", "optimizer_lost", "correct"):
+        run = resumed[variant]
+        res = triage(run / "metrics.jsonl", run)
+        want = None if variant == "correct" else resume_run.RESUME + 1
+        assert res.first_bad_step == want, (variant, [o.message for o in res.onsets])
+
+
 def test_resume_lost_optimizer_from_replay(resumed: dict[str, Path]) -> None:
     a, b, truth = _pair(resumed["optimizer_lost"])
     run = resumed["optimizer_lost"]

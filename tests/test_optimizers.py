@@ -134,6 +134,8 @@ def test_resume_that_lost_state(resumed: dict[str, Path]) -> None:
     """Each lost piece is its own finding with the resume step and the rollback; the
     correct resume raises no alarm."""
     for variant, cause in resume_run.VARIANTS.items():
+        if variant == "data_restarted":
+            continue  # the weights and state cannot show it: test_data_loader_restart
         a, b, truth = _pair(resumed[variant])
         doc, findings = run_diff(a, b, command="diff")
         v = doc["verdict"]
@@ -170,3 +172,21 @@ def test_resume_lost_optimizer_from_replay(resumed: dict[str, Path]) -> None:
     assert v["causes"][0]["cause"] == "optimizer_state_lost"
     assert v["first_bad_step"] == truth["first_bad_step"]
     assert v["rollback_checkpoint"] == str(a)
+
+
+def test_data_loader_restart(resumed: dict[str, Path]) -> None:
+    """The batch log's sample ids repeat from the resume on: the step after it re-reads
+    step 1's samples; a correct resume's ids never repeat."""
+    import h5py
+
+    from ckptforensics.detectors.resume import detect_data_restart
+
+    def ids(run: Path) -> dict[int, list[int]]:
+        with h5py.File(run / "batches.h5", "r") as h:
+            return {int(s): row.tolist() for s, row in zip(h["step"][:], h["sample_id"][:], strict=True)}
+
+    window = list(range(resume_run.RESUME + 1, resume_run.RESUME + 11))
+    found = detect_data_restart(ids(resumed["data_restarted"]), window)
+    assert [f.kind for f in found] == ["data_loader_restarted"]
+    assert found[0].metrics["step"] == resume_run.RESUME + 1 and found[0].metrics["repeats_step"] == 1
+    assert detect_data_restart(ids(resumed["correct"]), window) == []

@@ -453,7 +453,8 @@ class OptimizerChain(torch.optim.Optimizer):
     replay does to an optimizer (set each group's LR, zero, step, unscale under a
     GradScaler) goes through here to each of them."""
 
-    def __init__(self, opts: list[torch.optim.Optimizer]) -> None:  # noqa: D107 - no super(): the parts own the state
+    def __init__(self, opts: list[torch.optim.Optimizer]) -> None:
+        # No Optimizer.__init__: the parts own the groups and the state.
         self.opts = opts
         self.defaults = {}
         self._optimizer_step_pre_hooks = {}  # type: ignore[assignment]
@@ -524,15 +525,16 @@ def _group_args(h: Any, key: str) -> dict[str, Any]:
         vals["eps"] = (eps1, o.get("eps2", 1e-3))
         if o.get("relative_step"):
             vals["lr"] = None  # transformers' relative step: its own schedule
-        if "ns_coefficients" in vals:
-            vals.pop("ns_coefficients")
     elif key == "muon":
         vals["eps"] = h.eps if math.isfinite(h.eps) else 1e-7
         if isinstance(vals.get("ns_coefficients"), list):
             vals["ns_coefficients"] = tuple(vals["ns_coefficients"])
     else:
         vals["eps"] = h.eps
-    return {k: vals[k] for k in _CLASS_KEYS[key] if k in vals and vals[k] is not None or (k == "lr" and key.startswith("adafactor-transformers"))}
+    # transformers' Adafactor takes lr=None (relative step); every other None means "the
+    # class's default".
+    keep_none = ("lr",) if key == "adafactor-transformers" else ()
+    return {k: vals[k] for k in _CLASS_KEYS[key] if k in vals and (vals[k] is not None or k in keep_none)}
 
 
 def build_optimizer(model: nn.Module, ckpt: Checkpoint, to_ckpt: Callable[[str], str], ranks: Any = None) -> torch.optim.Optimizer:

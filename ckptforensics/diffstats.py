@@ -429,8 +429,9 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
                 over = ad[idx] > bound
                 _collect(cands, counts, "bound", "weight", idx[over], fa, fb, "near", bound[over], lo, meta.shape, wb.dtype, cfg)
             # v floor: v_B >= beta2^k v_A; fp32 rounding allows a few ulps per step, a
-            # narrow storage dtype its rounding at each end.
-            floor_k = decay_k * (1 - 1e-6 * (k + 4)) * (1 - 2 * store_eps)
+            # narrow storage dtype its rounding at every step (Megatron's precision-aware
+            # optimizer and pure-bf16 AdamW store the moment in bf16 after each update).
+            floor_k = decay_k * (1 - 1e-6 * (k + 4)) * (1 - (k + 1) * store_eps)
             low = vb < va * floor_k
             if bool(low.any()):
                 idx = torch.nonzero(low).flatten()

@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 # optimizer -> (family of its groups in order, the kind the checkpoint reads as)
 EXPECTED = {
     "adamw": ("adam", "adam"),
+    "adamw_bf16": ("adam", "adam"),
     "adafactor": ("adafactor", "adafactor"),
     "adafactor_hf": ("adafactor", "adafactor"),
     "lion": ("lion", "lion"),

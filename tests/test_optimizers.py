@@ -120,7 +120,7 @@ def test_unknown_optimizer_one_line(tmp_path: Path) -> None:
         model(ids, labels=ids).backward()
         opt.step()
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, tmp_path / f"step_{step}.pt")
-    res = CliRunner().invoke(cli, ["diff", str(tmp_path / "step_1.pt"), str(tmp_path / "step_2.pt"), "--json"])
+    res = CliRunner().invoke(cli, ["diff", "--before", str(tmp_path / "step_1.pt"), "--after", str(tmp_path / "step_2.pt"), "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
     assert any("not one the tool knows" in n and "sum" in n for n in doc["diff"]["pair"]["notes"])

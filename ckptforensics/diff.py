@@ -91,7 +91,6 @@ def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
         scheduler_b=_dict(b.scalars.get("scheduler")),
         scaler_a=_dict(a.scalars.get("scaler")),
         scaler_b=_dict(b.scalars.get("scaler")),
-        optimizer_counter=steps(ob) is not None,
     )
 
 

@@ -154,7 +154,6 @@ class PairInfo:
     scheduler_b: dict[str, Any] | None = None
     scaler_a: dict[str, Any] | None = None  # the loss scaler's state (scale, _growth_tracker, growth_interval)
     scaler_b: dict[str, Any] | None = None
-    optimizer_counter: bool = True  # the optimizer keeps a step counter (Adam, Adafactor; not Lion, Muon, SGD)
 
 
 @dataclass(slots=True)

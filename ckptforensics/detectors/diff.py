@@ -3,6 +3,7 @@ function `(DiffResult, Thresholds) -> list[Finding]`, registered in `DIFF_DETECT
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
@@ -52,6 +53,10 @@ def detect_corruption(diff: DiffResult, th: Thresholds) -> list[Finding]:
     flip cannot hide there); violations everywhere mean the recorded LR or optimizer
     is not what ran, which is a different finding.
     """
+    if _moments_restarted(diff):
+        # Second moments under their floor almost everywhere are a restart of the optimizer
+        # (detect_optimizer_state_lost), not elements any fault flipped: judge the rest.
+        diff = DiffResult(pair=diff.pair, tensors=[dataclasses.replace(t, vfloor_violations=0) for t in diff.tensors])
     bad = [t for t in diff.tensors if _violations(t) > 0]
     if not bad:
         return []
@@ -467,6 +472,16 @@ def detect_sign_like(diff: DiffResult, th: Thresholds) -> list[Finding]:
 RESTART_SHARE = 0.5
 
 
+def _restart_shares(diff: DiffResult) -> np.ndarray:
+    return np.array([t.restart_share for t in diff.tensors if math.isfinite(t.restart_share)])
+
+
+def _moments_restarted(diff: DiffResult) -> bool:
+    """Over half the tensors (3 at least) hold most second-moment elements under the floor."""
+    shares = _restart_shares(diff)
+    return shares.size >= 3 and float(np.mean(shares > RESTART_SHARE)) > 0.5
+
+
 def detect_optimizer_state_lost(diff: DiffResult, th: Thresholds) -> list[Finding]:
     """The optimizer's state restarted between the pair: its step counter behind where
     *before* left it, or its second moments under their decay floor almost everywhere.
@@ -475,11 +490,11 @@ def detect_optimizer_state_lost(diff: DiffResult, th: Thresholds) -> list[Findin
     restarted at is step_B - counter_B (at or before it, if steps were skipped since).
     """
     p = diff.pair
-    shares = np.array([t.restart_share for t in diff.tensors if math.isfinite(t.restart_share)])
+    shares = _restart_shares(diff)
     restarted = float(np.mean(shares > RESTART_SHARE)) if shares.size else 0.0
     med = float(np.median(shares)) if shares.size else math.nan
     counter_back = p.adam_step_a is not None and p.adam_step_b is not None and p.adam_step_b < p.adam_step_a
-    moments_restart = shares.size >= 3 and restarted > 0.5
+    moments_restart = _moments_restarted(diff)
     if not (counter_back or moments_restart):
         return []
     resume = None

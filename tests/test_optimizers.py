@@ -191,3 +191,25 @@ def test_data_loader_restart(resumed: dict[str, Path]) -> None:
     assert [f.kind for f in found] == ["data_loader_restarted"]
     assert found[0].metrics["step"] == resume_run.RESUME + 1 and found[0].metrics["repeats_step"] == 1
     assert detect_data_restart(ids(resumed["correct"]), window) == []
+
+
+def test_hf_trainer_adafactor(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """transformers' Adafactor as the HF Trainer builds it for optim="adafactor" (tuning draw
+    1311: a healthy Llama run, checkpoint-N/ directories): its eps pair and lr are read,
+    inspect names it, and its healthy window raises no alarm in the diff."""
+    from fixtures.draws import build_draw, draw
+
+    assert draw(1311).optimizer == "adafactor" and draw(1311).trainer == "hf"
+    run = build_draw(1311, tmp_path_factory.mktemp("hf-adafactor"))
+    truth = json.loads((run / "truth.json").read_text())
+    a, b = run / f"checkpoint-{truth['before']}", run / f"checkpoint-{truth['after']}"
+    with open_checkpoint(b) as ck:
+        assert ck.optimizer is not None and ck.optimizer.kind == "adafactor"
+        g = ck.optimizer.groups[0]
+        assert g.options["implementation"] == "transformers.optimization.Adafactor"
+        assert g.options["eps2"] == pytest.approx(1e-3) and g.eps == pytest.approx(1e-30)
+        assert not g.options["relative_step"] and g.lr > 0
+    res = CliRunner().invoke(cli, ["inspect", str(b), "--json"])
+    assert res.exit_code == 0, res.output
+    doc, findings = run_diff(a, b, command="diff")
+    assert doc["verdict"]["causes"][0]["cause"] == "none", doc["verdict"]["summary"]

@@ -76,7 +76,9 @@ def optimizer_family(keys: set[str], group: dict[str, Any] | None = None) -> tup
     if {"state1", "qmap1"} <= keys or {"state1", "absmax1"} <= keys:
         return ("adam8bit", "bitsandbytes") if "state2" in keys else (f"unknown:{','.join(sorted(keys))}", "bitsandbytes")
     if {"exp_avg", "exp_avg_sq"} <= keys:
-        return "adam", "torch.optim.AdamW" if "amsgrad" in g else "Adam"
+        # torch's Adam and AdamW save `amsgrad` in every group; apex's FusedAdam and
+        # DeepSpeed's (CPU)Adam save `bias_correction` instead, with the same moments.
+        return "adam", "torch.optim.Adam(W)" if "amsgrad" in g else "apex/DeepSpeed Adam" if "bias_correction" in g else "Adam"
     if keys & {"row_var", "col_var", "variance"}:
         return "adafactor", "torch.optim.Adafactor"
     if keys & {"exp_avg_sq_row", "exp_avg_sq_col"}:

@@ -690,7 +690,7 @@ def _log_agreement(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     msg = f"the replay does not reproduce the run's own log {where} ({figures})"
     if rep.diagnosis:
         msg += f"; likeliest: {rep.diagnosis}"
-    return [Finding("", "replay_withheld", f"step {d}", 1.0, "warning", {**metrics, "status": status}, msg, src, ())]
+    return [Finding("", "replay_withheld", f"step {d}", 1.0, "info", {**metrics, "status": status}, msg, src, ())]
 
 
 def _figures(miss: Any) -> str:

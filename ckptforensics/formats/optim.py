@@ -145,11 +145,11 @@ def group_hyper(group: dict[str, Any], index: int, family: tuple[str, str] | Non
     opts["implementation"] = impl
     return GroupHyper(
         lr=_opt_num(group.get("lr", 0.0), math.nan),
-        betas=(float(_num(betas[0])), float(_num(betas[1]))) if isinstance(betas, (tuple, list)) and len(betas) == 2 else None,
+        betas=(float(_num(betas[0])), float(_num(betas[1]))) if isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) for b in betas) else None,
         eps=_opt_num(eps, math.nan),
         weight_decay=_opt_num(group.get("weight_decay", 0.0), 0.0),
-        initial_lr=float(_num(group["initial_lr"])) if group.get("initial_lr") is not None else None,
-        max_lr=float(_num(group["max_lr"])) if group.get("max_lr") is not None else None,
+        initial_lr=float(_num(group["initial_lr"])) if _is_number(group.get("initial_lr")) else None,
+        max_lr=float(_num(group["max_lr"])) if _is_number(group.get("max_lr")) else None,
         index=index,
         fused=bool(group["fused"]) if isinstance(group.get("fused"), bool) else None,
         family=fam,
@@ -225,6 +225,10 @@ def param_shape_of(st: dict[str, Any] | None) -> tuple[int, ...] | None:
     if isinstance(r, torch.Tensor) and isinstance(c, torch.Tensor) and r.dim() >= 1:
         return tuple(r.shape) + tuple(c.shape[-1:])
     return None
+
+
+def _is_number(x: Any) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) or (isinstance(x, torch.Tensor) and x.numel() == 1)
 
 
 def _partitions(params: Sequence[Param], sizes: list[int]) -> list[tuple[str, list[list[Param]]]]:

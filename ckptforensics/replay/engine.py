@@ -20,6 +20,7 @@ from ..formats import open_checkpoint, open_pair
 from ..formats.base import Checkpoint
 from ..logs import group_lrs, read_metrics
 from ..tensors import LR_GROWTH_MARGIN, adam_ratio_bound
+from ..updates import replay_bound
 from . import distributed, skipstep
 from . import precision as mp
 from .batches import BatchSource, open_batches
@@ -584,22 +585,31 @@ def _compare(session: Session, b: Checkpoint, lrs: dict[int, list[float]], only:
         gi = group_of.get(id(p), 0)
         g = session.opt.param_groups[gi]
         lr = max(v[gi] for v in lrs.values())
-        beta1, beta2 = g["betas"]
         st_p = state.get(p, {})
-        t_end = int(st_p["step"]) if "step" in st_p else k
-        c = adam_ratio_bound(beta1, beta2, max(1, t_end - k + 1), t_end)
         ref = b.tensor(name).to(torch.float32).view_as(p)
         mine = p.detach().cpu().to(torch.float32)
-        out.append(_weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, g["weight_decay"], mp.reach(session.precision)))
+        # The seam to the optimizer's family: its own per-step bound (updates.replay_bound).
+        c, wd = replay_bound(g, st_p, k, lr, tuple(p.shape), float(mine.pow(2).mean().sqrt()))
+        out.append(_weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, wd, mp.reach(session.precision)))
         st = b.optim_state(name)
         if st_p and st:
-            pairs = {where: (st_p[where].cpu(), st[where].float().view_as(p)) for where in ("exp_avg", "exp_avg_sq")}
+            pairs = {where: (st_p[where].cpu().float(), st[where].float().view_as(st_p[where])) for where in _shared_state(st_p, st)}
+            v = pairs.get("exp_avg_sq")
             for where, (x, y) in pairs.items():
                 # Relative rounding per step, floored at the tensor's own scale: elements
                 # whose true gradient is zero (a key bias, say) hold pure rounding noise.
-                scale = mp.moment_scale(session.precision, where, x, y, *pairs["exp_avg_sq"])
+                scale = mp.moment_scale(session.precision, where, x, y, *v) if v is not None else torch.maximum(x.abs(), y.abs())
                 out.append(_match(name, where, x, y, _moment_tol(scale, float(scale.max()), k, mp.moment_rounding(session.precision)), None))
     return out if ranks is None else merge_matches(ranks, out)
+
+
+def _shared_state(mine: dict, after: dict) -> list[str]:
+    """The state tensors of a replayed parameter that *after* holds too, shape for shape
+    (Adam's moments, Adafactor's factored rows and columns, a momentum buffer)."""
+    return [
+        k for k, v in mine.items()
+        if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0 and isinstance(after.get(k), torch.Tensor) and after[k].numel() == v.numel()
+    ]  # fmt: skip
 
 
 def _compare_shard(
@@ -732,7 +742,7 @@ class Plan:
             "optimizer": (
                 {"value": f"{self.skip.name}: AdamW whose update is skipped where the loss or grad norm exceeds the mean of the last {self.skip.interval} steps by {self.skip.sigma:g} std",
                  "source": "OLMo-core config.json train_module.optim; the skipped steps from the run's log (optim/step skipped), else from that rule"}
-                if self.skip is not None else {"value": "AdamW", "source": "checkpoint optimizer state"}
+                if self.skip is not None else {"value": _optimizer_name(self.a), "source": "checkpoint optimizer state (its family's own class)"}
             ),  # fmt: skip
             "model": {"value": self.model_source or cfg.model or "config.json", "source": _model_source(cfg.model, self.model_source)},
             "batches": {"value": self.batches.describe, "source": "--data, rebuilt; the first replayed step's loss and grad norm match the log" if self.batches.rebuilt else "--batch"},
@@ -758,6 +768,20 @@ class Plan:
         )
         self.model_source, self.loss_norm, self.call = sess.model_source, sess.loss_norm, sess.call
         return sess
+
+
+def _optimizer_name(a: Checkpoint) -> str:
+    """The rebuilt optimizer's classes, as `replay.config` states them."""
+    if a.optimizer is None:
+        return "none"
+    names = {"adam": "AdamW", "lion": "lion_pytorch.Lion", "muon": "torch.optim.Muon", "sgd": "torch.optim.SGD"}
+    out = []
+    for h in a.optimizer.groups:
+        impl = str(h.options.get("implementation", ""))
+        n = impl if h.family == "adafactor" else names.get(h.family, h.family)
+        if n not in out:
+            out.append(n)
+    return " + ".join(out)
 
 
 def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:

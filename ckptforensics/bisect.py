@@ -13,7 +13,7 @@ import torch
 
 from .detectors import Finding, first_steps_from_state, replay_findings, step_z
 from .errors import ForensicsError
-from .replay import ReplayConfig, plan, replay
+from .replay import ReplayConfig, replay
 from .replay.engine import ReplayResult
 from .verdict import replay_fields
 
@@ -87,7 +87,7 @@ def bisect(
     s = res.first_bad_step
     if s is None or s == rep.records[0].step and len(rep.records) == 1 and not rep.baseline:
         return res, rep
-    p = plan(cfg, steps)
+    p = rep.plan  # the replay's settled plan: its precision, loss scale and LRs
     clip = rep.config["clip"]["value"]
     sess = p.session()
     try:

@@ -25,7 +25,7 @@ from . import distributed, skipstep
 from . import precision as mp
 from .batches import BatchSource, open_batches
 from .conventions import CallConvention, LabelConvention, call_model, detect_call, settle_labels
-from .logcheck import GRAD_RTOL, LOSS_RTOL, LogCheck, check_against_log
+from .logcheck import GRAD_RTOL, LOSS_RTOL, LogCheck, StepCheck, check_against_log, log_rounding
 from .model import (
     LossNorm,
     build_model,
@@ -164,6 +164,7 @@ class ReplayResult:
     logged: dict[int, dict[str, float]] = field(default_factory=dict)
     baseline: dict[int, dict[str, float]] = field(default_factory=dict)  # logged steps before the window
     check: LogCheck = field(default_factory=LogCheck)  # every replayed step against the run's log
+    plan: Any = None  # the settled Plan the replay ran (bisect continues from it)
     diagnosis: str = ""  # the likeliest reason the first checked step misses the log, where it does
 
 
@@ -885,8 +886,7 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
     """
     torch.manual_seed(0)
     p = plan(cfg, steps)
-    _settle_ratio_change(p, progress)
-    mp.settle_loss_scale(p, progress)
+    settle(p, progress)
     best: tuple[tuple[float, float], ReplayResult] | None = None
     todo = list(p.clips)
     tried: set[float | None] = set()
@@ -914,10 +914,51 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
             todo = [(c, f"{how}: {c:g}") for c in CLIP_CANDIDATES if c not in tried and c < top]
     assert best is not None
     result = best[1]
+    result.plan = p
     miss = result.check.first_miss
     if miss is not None and miss.step == result.check.first_checked:
         result.diagnosis = diagnose_miss(p, miss, result.check.loss_atol)
     return result
+
+
+def settle(p: Plan, progress: Callable[[str], None] | None = None) -> None:
+    """What the plan cannot read from the run's files, calibrated: a per-group LR change the
+    log does not show, the precision where the run states none (the first step against the
+    log), the fp16 loss scale where the run recorded none."""
+    _settle_ratio_change(p, progress)
+    settle_precision(p)
+    mp.settle_loss_scale(p, progress)
+
+
+def settle_precision(p: Plan) -> None:
+    """Where the run states no precision (fp32 weights: fp32, bf16 parameters on fp32 masters
+    and bf16 autocast all keep them), the candidate whose first replayed step lands on the
+    logged loss and grad norm (`precision.candidates`, likeliest first). Without a logged
+    first step the likeliest stands, said so."""
+    cands = [c for c in mp.candidates(p.a, p.cfg.precision) if c[0] != "fp16"]
+    if len(cands) < 2:
+        return
+    first = p.steps[0]
+    row = p.logged.get(first) or {}
+    if "loss" not in row or distributed.current() is not None:
+        p.precision_source += "; other precisions possible, the log cannot tell (no logged loss at the first step)" if "loss" not in row else ""
+        return
+    miss = StepCheck(step=first, logged_loss=row["loss"], logged_grad_norm=row.get("grad_norm"), loss_ok=False, grad_ok=False if "grad_norm" in row else None)
+    atol = log_rounding([r["loss"] for r in p.logged.values() if "loss" in r])
+    batch = p.batches.batch(first)
+    session = p.session()
+    tried = []
+    try:
+        for prec, why in cands:
+            got = session.evaluate(batch, prec)
+            tried.append(f"{prec} {got[0]:.5g}")
+            if _lands(got, miss, atol, prec):
+                p.precision = prec
+                p.precision_source = f"{why}; calibrated: its first step gives loss {got[0]:.6g}, the log {row['loss']:.6g} ({', '.join(tried)})"
+                return
+    finally:
+        session.close()
+    p.precision_source += f"; no candidate lands on the log's first step ({', '.join(tried)}; logged {row['loss']:.5g})"
 
 
 def settle_clip(p: Plan, progress: Callable[[str], None] | None = None, probe_steps: int = 4) -> tuple[float | None, str]:
@@ -991,7 +1032,7 @@ def diagnose_miss(p: Plan, miss: Any, atol: float = 0.0) -> str:
                     session.labels, session.loss_norm = labels, LossNorm(kind, kind)
 
                 variants.append((f"loss normalisation: {kind}", use_norm, session.precision))
-        for prec in ("fp32", "bf16", "fp16"):
+        for prec in ("fp32", "bf16-params", "bf16", "fp16"):
             if prec != session.precision:
 
                 def use_default() -> None:

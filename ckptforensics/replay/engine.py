@@ -21,7 +21,7 @@ from ..formats.base import Checkpoint
 from ..logs import group_lrs, read_metrics
 from ..tensors import LR_GROWTH_MARGIN, adam_ratio_bound
 from . import distributed
-from .batches import BatchSource, open_batches
+from .batches import BatchError, BatchSource, open_batches
 from .model import (
     LossNorm,
     build_model,
@@ -48,6 +48,8 @@ class ReplayConfig:
         batch: batch file, batch log (.h5) or `module:function`; None with `data`.
         data: the run's training data (`--data`: an HF `save_to_disk` dir or
             `module:function`), from which the Trainer's batches are rebuilt.
+        collator: `module:obj`, the collator an HF Trainer run used (`--collator`); None:
+            the standard ones are tried (`choose_batches`).
         step: the step to replay when there is no *after*.
         precision: 'auto' (what the run used), 'fp32', 'bf16' or 'fp16'.
         device: 'cpu' or 'cuda'.
@@ -63,6 +65,7 @@ class ReplayConfig:
     model: str | None = None
     batch: str | None = None
     data: str | None = None
+    collator: str | None = None
     step: int | None = None
     precision: str = "auto"
     device: str = "cpu"
@@ -703,9 +706,10 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
             steps = list(range(a.step + 1, b.step + 1))
         else:
             steps = [cfg.step if cfg.step is not None else a.step + 1]
-    batches = _batches(cfg, a)
-    for s in steps:
-        batches.batch(s)  # fail early on a missing step
+    candidates = _batches(cfg, a)
+    batches = candidates[0]
+    for s in steps if len(candidates) == 1 else ():
+        batches.batch(s)  # fail early on a missing step (several candidates: once one is chosen)
     mfile = _metrics_file(cfg)
     logged = read_metrics(mfile) if mfile is not None else {}
     precision, psrc = _precision(cfg, a)
@@ -724,37 +728,82 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
         clips = [(None, "calibrated: none"), (1.0, "calibrated: 1.0")]
     else:
         clips = [(None, "assumed: none (no after to calibrate against)")]
-    return Plan(cfg, a, b, steps, batches, lrs, lsrc, clips, precision, psrc, loss_fn, logged, mfile)
+    p = Plan(cfg, a, b, steps, batches, lrs, lsrc, clips, precision, psrc, loss_fn, logged, mfile)
+    if len(candidates) > 1:
+        p.batches = choose_batches(p, candidates)
+        for s in steps:
+            p.batches.batch(s)
+    return p
 
 
-def _batches(cfg: ReplayConfig, a: Checkpoint) -> BatchSource:
-    """`--batch` as given, or the batches rebuilt from the run's data (`--data`)."""
+def choose_batches(p: Plan, candidates: list[BatchSource]) -> BatchSource:
+    """The first candidate (the rebuilt batches under each collator an HF run may have
+    used) whose first replayed step, evaluated from *before*, gives the loss and grad norm
+    the log recorded (`require_rebuilt_match`); its `describe` says so and what was passed
+    over. A candidate whose collator cannot collate the rows is passed over too. None lands:
+    one line, the figures of each."""
+    from .hfdata import require_rebuilt_match
+
+    step = p.steps[0]
+    logged = p.logged.get(step)
+    if not logged or "loss" not in logged:
+        raise ForensicsError(f"the rebuilt batches cannot be checked: the log has no loss for step {step} to tell the collators apart; pass --collator or --batch")
+    missed: list[str] = []
+    session = p.session()
+    try:
+        with torch.random.fork_rng(devices=[session.device] if session.device.type == "cuda" else []):
+            for c in candidates:
+                name = c.collator or c.describe
+                try:
+                    loss, grad = session.evaluate(c.batch(step))
+                except BatchError as e:  # names the collator, the step and its error
+                    missed.append(str(e))
+                    continue
+                try:
+                    require_rebuilt_match(step, (loss, grad), logged, p.precision)
+                except ForensicsError:
+                    missed.append(f"{name} gives loss {loss:.5g}" + (f", grad norm {grad:.5g}" if "grad_norm" in logged else ""))
+                    continue
+                passed = f"; passed over: {'; '.join(missed)}" if missed else ""
+                return dataclasses.replace(c, describe=f"{c.describe}: its step {step} lands on the log{passed}")
+    finally:
+        session.close()
+    want = f"loss {logged['loss']:.5g}" + (f", grad norm {logged['grad_norm']:.5g}" if "grad_norm" in logged else "")
+    raise ForensicsError(
+        f"no collator rebuilds step {step} as the log has it ({want}): {'; '.join(missed)}: "
+        "the data pipeline differs (dataset, collator, seed or sampler); pass --collator module:obj, or --batch with the batches the run consumed"
+    )
+
+
+def _batches(cfg: ReplayConfig, a: Checkpoint) -> list[BatchSource]:
+    """`--batch` as given, or the batches rebuilt from the run's data (`--data`): HF
+    Trainer runs give a candidate per collator (`choose_batches` keeps one)."""
     if cfg.batch is not None:
         src = open_batches(cfg.batch)
         if not src.ids_only:
-            return src
+            return [src]
         if cfg.data is None:
             raise ForensicsError(f"{cfg.batch}: the log keeps sample ids, not tokens: pass --data (the dataset they index) as well")
         from .batches import with_rows
         from .hfdata import _dataset
 
-        return with_rows(src, _dataset(cfg.data), f"--data {cfg.data}")
+        return [with_rows(src, _dataset(cfg.data), f"--data {cfg.data}")]
     if cfg.data is None:
         raise ForensicsError("pass --batch (the batches the run consumed) or --data (the run's training data: HF Trainer, Megatron and OLMo-core runs)")
     if a.format.startswith("megatron"):
         from .megatron_data import megatron_batches
 
-        return megatron_batches(cfg.data, a.config)
+        return [megatron_batches(cfg.data, a.config)]
     from .olmo_data import is_olmo_checkpoint, olmo_batches
 
     if is_olmo_checkpoint(a.path):
-        return olmo_batches(cfg.data, a.path)
+        return [olmo_batches(cfg.data, a.path)]
     if a.format != "hf-trainer":
         raise ForensicsError(f"{a.path}: --data rebuilds HF Trainer runs' batches; this is a {a.format} checkpoint: pass --batch")
     from .hfdata import trainer_batches
 
     world = len(list(a.path.glob("rng_state_*.pth"))) or 1  # the Trainer saves one RNG state per process
-    return trainer_batches(cfg.data, a.scalars.get("training_args"), a.config, world)
+    return trainer_batches(cfg.data, a.scalars.get("training_args"), a.config, world, cfg.collator, a.path)
 
 
 def _check_rebuilt(p: Plan, result: ReplayResult) -> None:

@@ -21,6 +21,11 @@ def _rank_files(path: Path) -> list[Path]:
     return sorted(path.glob("mp_rank_*/model_optim_rng.pt"))
 
 
+def _plain(v: object) -> bool:
+    """An args value kept in `config`: scalars, and lists of strings (`--data-path`)."""
+    return isinstance(v, (int, float, str, bool)) or v is None or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v))
+
+
 def is_megatron_dir(path: Path) -> bool:
     return path.is_dir() and bool(_rank_files(path))
 
@@ -46,7 +51,7 @@ def open_megatron(path: Path) -> Checkpoint:
         ckpt.scalars["global_step"] = int(obj["iteration"])
     args = obj.get("args")
     if args is not None and hasattr(args, "__dict__"):
-        a = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool)) or v is None}
+        a = {k: v for k, v in vars(args).items() if _plain(v)}
         ckpt.config = a
         ckpt.scalars["train_config"] = {"grad_clip": a.get("clip_grad"), "learning_rate": a.get("lr"), "warmup_iters": a.get("lr_warmup_iters")}
     if len(files) > 1:
@@ -137,7 +142,7 @@ def open_megatron_dist(path: Path) -> Checkpoint:
         ckpt.scalars["global_step"] = step
     args = common.get("args")
     if args is not None and hasattr(args, "__dict__"):
-        a = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool)) or v is None}
+        a = {k: v for k, v in vars(args).items() if _plain(v)}
         ckpt.config = a
         ckpt.scalars["train_config"] = {"grad_clip": a.get("clip_grad"), "learning_rate": a.get("lr"), "warmup_iters": a.get("lr_warmup_iters")}
     opt = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}

@@ -793,7 +793,7 @@ def _batches(cfg: ReplayConfig, a: Checkpoint) -> list[BatchSource]:
     if a.format.startswith("megatron"):
         from .megatron_data import megatron_batches
 
-        return [megatron_batches(cfg.data, a.config)]
+        return [megatron_batches(cfg.data, a.config, a.path.parent)]
     from .olmo_data import is_olmo_checkpoint, olmo_batches
 
     if is_olmo_checkpoint(a.path):

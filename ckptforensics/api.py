@@ -141,6 +141,8 @@ def replay(
     loss: str | None = None,
     metrics: str | Path | None = None,
     checkpoint_activations: bool = False,
+    labels: str | None = None,
+    allow_mismatch: bool = False,
     progress: Progress | None = None,
     command: str = "ckptforensics.replay",
 ) -> Report:
@@ -152,7 +154,10 @@ def replay(
     from what the run recorded)."""
     from .analysis import run_replay
 
-    cfg = _config(before, after, batch, run_dir, data=data, collator=collator, model=model, step=step, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics, checkpoint_activations=checkpoint_activations)
+    cfg = _config(
+        before, after, batch, run_dir, data=data, collator=collator, model=model, step=step, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
+        checkpoint_activations=checkpoint_activations, labels=labels, allow_mismatch=allow_mismatch,
+    )  # fmt: skip
     return Report(*_rank_zero(run_replay(cfg, command=command, progress=progress), "replay"))
 
 
@@ -171,6 +176,8 @@ def bisect(
     loss: str | None = None,
     metrics: str | Path | None = None,
     checkpoint_activations: bool = False,
+    labels: str | None = None,
+    allow_mismatch: bool = False,
     tokenizer: str | Path | None = None,
     progress: Progress | None = None,
     command: str = "ckptforensics.bisect",
@@ -179,7 +186,10 @@ def bisect(
     skip list for the trainer is `report.extra["skip"]`."""
     from .analysis import run_bisect
 
-    cfg = _config(before, after, batch, run_dir, data=data, collator=collator, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics, checkpoint_activations=checkpoint_activations)
+    cfg = _config(
+        before, after, batch, run_dir, data=data, collator=collator, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
+        checkpoint_activations=checkpoint_activations, labels=labels, allow_mismatch=allow_mismatch,
+    )  # fmt: skip
     doc, findings, skip = _rank_zero(run_bisect(cfg, command=command, progress=progress, tokenizer=Path(tokenizer) if tokenizer else None), "bisect")
     return Report(doc, findings, {"skip": skip})
 
@@ -200,6 +210,8 @@ def whatif(
     loss: str | None = None,
     metrics: str | Path | None = None,
     checkpoint_activations: bool = False,
+    labels: str | None = None,
+    allow_mismatch: bool = False,
     progress: Progress | None = None,
     command: str = "ckptforensics.whatif",
 ) -> Report:
@@ -208,7 +220,10 @@ def whatif(
     invasive one that keeps the run on track."""
     from .analysis import run_whatif
 
-    cfg = _config(before, None, batch, run_dir, data=data, collator=collator, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics, checkpoint_activations=checkpoint_activations)
+    cfg = _config(
+        before, None, batch, run_dir, data=data, collator=collator, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
+        checkpoint_activations=checkpoint_activations, labels=labels, allow_mismatch=allow_mismatch,
+    )  # fmt: skip
     return Report(*_rank_zero(run_whatif(cfg, steps, list(tries), None, command=command, progress=progress), "whatif"))
 
 

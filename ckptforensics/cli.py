@@ -184,6 +184,19 @@ def _replay_options(f: Any) -> Any:
             ),
             click.option("--clip", type=float, default=None, help="Gradient clipping norm (0 = none); default: from the checkpoint, else calibrated."),
             click.option("--loss", "loss", default=None, help="module:function(logits, batch) -> per-token loss; default causal-LM cross-entropy."),
+            click.option(
+                "--labels",
+                type=click.Choice(["shifted", "unshifted"]),
+                default=None,
+                help="What the batches' labels are, where the data cannot tell (it is measured: next-token targets, as Megatron, "
+                "nanoGPT, LitGPT and torchtitan feed them, are 'shifted'; HF's labels == input_ids are 'unshifted').",
+            ),
+            click.option(
+                "--allow-mismatch",
+                is_flag=True,
+                help="Write the report even when the replay does not reproduce the run's own log on its first checked step: "
+                "everything the replay measured is withheld and the verdict comes from the checkpoint diff alone.",
+            ),
             click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log (JSONL/CSV); discovered when absent."),
             click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Write the report (and skip.json for bisect) here."),
             click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout."),

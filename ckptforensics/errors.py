@@ -10,6 +10,7 @@ __all__ = [
     "UnsafeCheckpoint",
     "IncompatibleCheckpoints",
     "OptimizerMappingError",
+    "ReplayMismatch",
 ]
 
 
@@ -39,3 +40,8 @@ class IncompatibleCheckpoints(ForensicsError):
 
 class OptimizerMappingError(ForensicsError):
     """Optimizer state whose integer ids cannot be mapped to parameter names unambiguously."""
+
+
+class ReplayMismatch(ForensicsError):
+    """A replay that does not reproduce the run's own log on its first checked step: nothing
+    is diagnosed from it (`--allow-mismatch` writes the checkpoint diff's report)."""

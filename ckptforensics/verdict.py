@@ -67,6 +67,8 @@ class Verdict:
     corrupted_elements: list[dict[str, Any]] = field(default_factory=list)
     recommended_actions: list[str] = field(default_factory=list)
     rollback_checkpoint: str | None = None
+    # How the replay compares with the run's own log (status, reason); None: nothing replayed.
+    replay_check: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
@@ -146,6 +148,14 @@ def replay_fields(findings: Sequence[Finding], state_steps: Sequence[int] = ()) 
     for kind, value in _REPRODUCED.items():
         if by[kind]:
             out["reproducible"] = value
+    for f in by["replay_spike_not_reproduced"]:
+        # The replay matched the log up to this step and misses its spike: the spike is not
+        # reproduced, whatever the tensors after it say, and it is where the run went bad.
+        out["reproducible"] = False
+        out["first_bad_step"] = f.metrics["step"]
+    check = by["replay_log_agreement"] + by["replay_spike_not_reproduced"] + by["replay_withheld"]
+    if check:
+        out["replay_check"] = {"status": check[0].metrics["status"], "reason": check[0].message}
     return out
 
 
@@ -207,6 +217,14 @@ def decide(
         v.exploding_layers = list(dict.fromkeys(v.exploding_layers + list(extra.pop("replay_layers", []))))[:10]
     for k, val in extra.items():
         setattr(v, k, val)
+    withheld = v.replay_check is not None and v.replay_check["status"] in ("missed_first", "missed_later")
+    if withheld:
+        assert v.replay_check is not None
+        # The replay is not the run: nothing it measured is evidence; the diff speaks alone.
+        v.summary = _withheld(top, causes, findings, v, before, after, v.replay_check["reason"])
+        if top != "none":
+            v.recommended_actions = [a.format(rollback=rollback or "an earlier checkpoint", after=after) for a in _ACTIONS.get(top, [])]
+        return v
     if top == "none":
         v.summary = (
             f"No anomaly between {before} and {after}: "
@@ -261,6 +279,11 @@ def _summary(top: str, causes: list[dict[str, Any]], findings: Sequence[Finding]
     if v.rollback_checkpoint:
         parts.append(f"Last safe checkpoint: {v.rollback_checkpoint}.")
     return " ".join(parts)
+
+
+def _withheld(top: str, causes: list[dict[str, Any]], findings: Sequence[Finding], v: Verdict, before: str, after: str, reason: str) -> str:
+    head = _summary(top, causes, findings, v, before, after) if top != "none" else f"No anomaly in the checkpoint diff between {before} and {after}."
+    return f"{head} The replay is withheld and nothing in this report comes from it: {reason[0].lower()}{reason[1:]}."
 
 
 def decide_whatif(*, before: str, n_steps: int, outcome: str, recommended: str | None, baseline_on_track: bool) -> Verdict:

@@ -22,7 +22,19 @@ from ..tensors import (
 )
 from .base import Finding, Thresholds, cap
 
-__all__ = ["ReplayEvidence", "ReplayDetector", "ONSET_DETECTORS", "EXAMINE_DETECTORS", "STATE_DETECTORS", "ONSET_KINDS", "replay_findings", "first_steps_from_state", "step_z"]
+__all__ = [
+    "ReplayEvidence",
+    "ReplayDetector",
+    "ONSET_DETECTORS",
+    "EXAMINE_DETECTORS",
+    "STATE_DETECTORS",
+    "ONSET_KINDS",
+    "WITHHELD",
+    "replay_findings",
+    "first_steps_from_state",
+    "step_z",
+    "log_onset",
+]
 
 def step_z(values: Sequence[float], baseline: Sequence[float] = (), above_level: bool = False) -> np.ndarray:
     """Robust z of per-step values (log scale) against the run's own trend: the logged
@@ -106,19 +118,28 @@ def _went_bad(r: Any, i: int, zl: np.ndarray, zg: np.ndarray, th: Thresholds, ab
     return bool(zg[i] > th.z and loss_follows(zl, i, th.z, z_grad=zg, z_level=above))
 
 
-def _spike(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
-    """The first replayed step whose loss, or grad norm with the loss following, leaves the run's trend."""
-    rep = ev.rep
-    recs = rep.records
-    base = list(rep.baseline.values())
-    zg = _grad_z(rep)
+def _onset(recs: Sequence[Any], base: Sequence[dict[str, float]], th: Thresholds, grads: bool = True) -> tuple[int | None, np.ndarray, np.ndarray]:
+    """Index of the first step of `recs` (anything with .loss, .grad_norm, .skipped,
+    .loss_scale) that goes bad against the history `base` (logged rows), and the loss and
+    grad-norm z of every step (`grads` False: a log without grad norms, judged on the loss)."""
+    values = [r.grad_norm for r in recs]
+    zg = step_z(values, [b["grad_norm"] for b in base if "grad_norm" in b]) if grads else np.zeros(len(recs))
     losses, history = [r.loss for r in recs], [b["loss"] for b in base if "loss" in b]
     zl = step_z(losses, history)
     above = step_z(losses, history, above_level=True)
     bad = [i for i, r in enumerate(recs) if _went_bad(r, i, zl, zg, th, above)]
     if not bad or (len(recs) <= 1 and len(base) < 5):
+        return None, zl, zg
+    return bad[0], zl, zg
+
+
+def _spike(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
+    """The first replayed step whose loss, or grad norm with the loss following, leaves the run's trend."""
+    rep = ev.rep
+    recs = rep.records
+    i, zl, zg = _onset(recs, list(rep.baseline.values()), th)
+    if i is None:
         return []
-    i = bad[0]
     r = recs[i]
     return [
         Finding(
@@ -575,8 +596,87 @@ def _reproduction(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     ]
 
 
+@dataclass(frozen=True, slots=True)
+class _LoggedStep:
+    """A logged row in the shape the onset rule reads (grad norm NaN where not logged)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    skipped: bool = False
+    loss_scale: float | None = None
+
+
+def log_onset(rep: Any, th: Thresholds, until: int) -> int | None:
+    """The first step of the window, up to `until`, where the run's own log goes bad (the
+    replay's onset rule on the logged figures against the logged history)."""
+    rows = [(s, rep.logged[s]) for s in sorted(rep.logged) if s <= until and "loss" in rep.logged[s]]
+    if not rows:
+        return None
+    recs = [_LoggedStep(s, r["loss"], r.get("grad_norm", math.nan), False, r.get("loss_scale")) for s, r in rows]
+    i, _, _ = _onset(recs, list(rep.baseline.values()), th, grads=all("grad_norm" in r for _, r in rows))
+    return recs[i].step if i is not None else None
+
+
+# Statuses of the replay's check against the run's log whose replay is not evidence.
+WITHHELD = ("missed_first", "missed_later")
+
+
+def _log_agreement(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
+    """Whether the replay reproduces the run's own log, and so whether it is evidence.
+
+    Every replayed step with a logged figure is compared (`replay.logcheck`). The first miss
+    D decides: at or after the replay's own onset, the run diverged after the spike (still
+    evidence); where the log spikes at D and the replay, which matched every step before,
+    does not, the spike does not reproduce from the same state and batch (a hardware fault
+    or nondeterminism); otherwise the replay is not the run: on the first checked step it is
+    refused (`--allow-mismatch` writes the diff's report), later its evidence is withheld.
+    """
+    rep = ev.rep
+    check = rep.check
+    first, miss = check.first_checked, check.first_miss
+    base = {"checked": len([c for c in check.checks if c.checked]), "first_checked": first, "loss_as": check.loss_as, "note": check.note}
+    src = "docs/signatures.md#replay-vs-log"
+    if first is None:
+        why = check.note or "no logged figure for the window"
+        msg = f"the replay could not be checked against the run's log ({why}): its evidence stands unchecked"
+        return [Finding("", "replay_log_agreement", "run", 1.0, "info", {**base, "status": "unchecked"}, msg, src, ())]
+    if miss is None:
+        msg = f"every replayed step with a logged figure matches the run's log ({base['checked']} steps; the log's loss read as {check.loss_as})"
+        return [Finding("", "replay_log_agreement", "run", 1.0, "info", {**base, "status": "matched"}, msg, src, ())]
+    d = miss.step
+    figures = _figures(miss)
+    onset = ev.step if ev.bad else None
+    metrics = {**base, "step": d, "replayed_loss": miss.loss, "logged_loss": miss.logged_loss, "replayed_grad_norm": miss.grad_norm, "logged_grad_norm": miss.logged_grad_norm}
+    if onset is not None and onset <= d:
+        msg = f"the replay matches the run's log up to step {d - 1} and diverges from it at step {d} ({figures}), after the spike at step {onset}"
+        return [Finding("", "replay_log_agreement", "run", 1.0, "info", {**metrics, "status": "diverged_after_onset"}, msg, src, ())]
+    if log_onset(ev.rep, th, d) == d and len(rep.baseline) >= 5:
+        before = f"matching the log on every step before it ({base['checked'] - 1} checked)" if d != first else "from the checkpoint's own state"
+        msg = (
+            f"step {d}: the run's log spikes ({figures}) where the replay from the same state and batch does not, {before}: "
+            "the spike does not reproduce (a hardware fault or nondeterminism)"
+        )
+        return [Finding("", "replay_spike_not_reproduced", f"step {d}", 10.0, "critical", {**metrics, "status": "not_reproduced"}, msg, src, ("silent_corruption",), primary=True)]
+    status = "missed_first" if d == first else "missed_later"
+    where = "on its first checked step" if d == first else f"at step {d}, where neither the log nor the replay spikes"
+    msg = f"the replay does not reproduce the run's own log {where} ({figures})"
+    if rep.diagnosis:
+        msg += f"; likeliest: {rep.diagnosis}"
+    return [Finding("", "replay_withheld", f"step {d}", 1.0, "warning", {**metrics, "status": status}, msg, src, ())]
+
+
+def _figures(miss: Any) -> str:
+    parts = []
+    if miss.loss_ok is False:
+        parts.append(f"loss {miss.loss:.5g} vs {miss.logged_loss:.5g} logged")
+    if miss.grad_ok is False:
+        parts.append(f"grad norm {miss.grad_norm:.4g} vs {miss.logged_grad_norm:.4g} logged")
+    return ", ".join(parts)
+
+
 # The onset detectors' findings whose step is the first bad step.
 ONSET_KINDS = ("lr_step_jump", "replay_spike")
 ONSET_DETECTORS: tuple[ReplayDetector, ...] = (_lr_steps, _spike)
 EXAMINE_DETECTORS: tuple[ReplayDetector, ...] = (_localise, _overflow, _samples)
-STATE_DETECTORS: tuple[ReplayDetector, ...] = (_logits, _rms_t, _reproduction)
+STATE_DETECTORS: tuple[ReplayDetector, ...] = (_logits, _rms_t, _reproduction, _log_agreement)

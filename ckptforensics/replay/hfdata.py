@@ -173,10 +173,10 @@ def _standard(tok: Any, tok_src: str) -> list[Collator]:
     return out
 
 
-def _given(spec: str, tok: Any, tok_src: str, why_none: str) -> Collator:
+def _given(spec: str, tok: Any, tok_src: str) -> Collator:
     """`--collator module:obj`: the collator the run passed to `Trainer(data_collator=...)`,
     or a factory whose one required argument is `tokenizer` (or `processing_class`), called
-    with the run's tokenizer."""
+    with the run's tokenizer (`tok_src`: where it was found, or why there is none)."""
     from .model import load_callable
 
     obj = load_callable(spec, "--collator")
@@ -187,7 +187,7 @@ def _given(spec: str, tok: Any, tok_src: str, why_none: str) -> Collator:
     if required not in (["tokenizer"], ["processing_class"]):
         return Collator(f"{spec} (--collator)", obj)
     if tok is None:
-        raise BatchError(f"--collator {spec} takes the run's tokenizer: {why_none}")
+        raise BatchError(f"--collator {spec} takes the run's tokenizer: {tok_src}")
     try:
         built = obj(tok)
     except Exception as e:  # the user's factory failing on the run's tokenizer is bad input
@@ -255,7 +255,7 @@ def trainer_batches(
     if not hasattr(ds, "__len__"):
         raise BatchError(f"--data {data}: an iterable dataset has no sampler to rebuild; pass --batch")
     tok, tok_src = _tokenizer(ckpt_dir, record, data)
-    collators = [_given(collator, tok, tok_src, tok_src)] if collator else _standard(tok, tok_src if tok is not None else "")
+    collators = [_given(collator, tok, tok_src)] if collator else _standard(tok, tok_src)
     active = _Active()
     state = torch.random.get_rng_state()
     with tempfile.TemporaryDirectory() as tmp:

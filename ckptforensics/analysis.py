@@ -9,10 +9,10 @@ from typing import Any
 
 from .detectors import Finding, diff_findings, first_steps_from_state, replay_findings
 from .diff import DiffConfig, DiffResult, diff_checkpoints
-from .errors import ForensicsError, ReplayMismatch
+from .errors import ForensicsError, ReplayMismatch, doing
 from .formats import open_checkpoint, open_pair
 from .report import build_report
-from .verdict import decide, decide_whatif
+from .verdict import decide, decide_whatif, reattribute
 
 __all__ = ["run_diff", "run_replay", "run_bisect", "run_whatif", "replay_section", "withheld_section", "trusted", "ReplayMismatch"]
 
@@ -125,6 +125,11 @@ def replay_section(rep: Any, suspect: int | None) -> dict[str, Any]:
     }
 
 
+def _window(what: str, cfg: Any) -> str:
+    """'replaying ckpt-45 to ckpt-50' (what a fault's one line says was being done)."""
+    return f"{what} {cfg.before}" + (f" to {cfg.after}" if cfg.after is not None else "")
+
+
 def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> tuple[dict[str, Any], list[Finding]] | None:
     """`ckptforensics replay`: replay (and diff, when *after* is given), merged into one verdict.
 
@@ -134,7 +139,7 @@ def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> t
     """
     from .replay import distributed, replay
 
-    with distributed.joined(cfg.device):
+    with distributed.joined(cfg.device), doing(_window("replaying", cfg)):
         rep = replay(cfg, progress=progress)
         rfind = replay_findings(rep)
         a, b, diff, dfind = _pair_diff(cfg)
@@ -202,7 +207,7 @@ def _replay_report(
         verdict = decide(findings, before=str(cfg.before), after=after_label, before_healthy=before_ok, replayed=False, extra={"replay_check": {"status": why.metrics["status"], "reason": why.message}})
         doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, diff=diff, sections={"replay": withheld_section(rep, why), **(more or {})})
         return doc, findings
-    findings = _number(dfind + rfind)
+    findings = _number(reattribute(dfind + rfind))
     verdict = decide(
         findings, before=str(cfg.before), after=after_label, before_healthy=before_ok, replayed=True, state_steps=first_steps_from_state(dfind, rep)
     )
@@ -217,7 +222,7 @@ def run_bisect(cfg: Any, *, command: str, progress: Progress | None = None, toke
     skip list); under torchrun, on ranks other than 0, None (see `run_replay`)."""
     from .replay import distributed
 
-    with distributed.joined(cfg.device) as ranks:
+    with distributed.joined(cfg.device) as ranks, doing(_window("bisecting", cfg)):
         # The pair's state evidence pins bad steps that do not spike (an LR already off
         # schedule in *before*, a collapsed second moment), as in `replay`.
         a, b, diff, dfind = _pair_diff(cfg)
@@ -243,7 +248,7 @@ def _bisect_report(
     if why is not None:  # withheld (allowed): the diff's verdict, the bisection's note
         doc, findings = _replay_report(cfg, rep, rfind, a, b, diff, dfind, command, {"bisect": asdict(res)})
         return doc, findings, {"steps": [], "sample_ids": [], "rows": {}}
-    findings = _number(dfind + rfind)
+    findings = _number(reattribute(dfind + rfind))
     # The bisection's step and rows are what it proved by replaying; they override the
     # replay's single-pass reading.
     extra: dict[str, Any] = {}
@@ -273,7 +278,7 @@ def run_whatif(
     (under torchrun: by every rank together; ranks other than 0 return None)."""
     from .replay import distributed
 
-    with distributed.joined(cfg.device) as ranks:
+    with distributed.joined(cfg.device) as ranks, doing(f"replaying {n_steps} steps from {cfg.before} under each mitigation"):
         got = _whatif(cfg, n_steps, tries, skip_rows, command, progress)
         return got if ranks is None or ranks.rank == 0 else None
 

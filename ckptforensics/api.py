@@ -71,16 +71,13 @@ class Report:
         return cls(doc, list(doc.get("findings", [])), {"skip": doc["bisect"]["skip"]} if (doc.get("bisect") or {}).get("skip") else {})
 
     def save(self, out: str | Path) -> list[Path]:
-        """report.json, report.md, report.html and evidence.h5 under `out`, each atomically
-        (plus skip.json for a bisect); returns the paths written."""
-        from .report import atomic_write, to_json, write_report
+        """report.json, report.md, report.html and evidence.h5 under `out` (plus skip.json
+        for a bisect), written together: a failure leaves the previous report as it was.
+        Returns the paths written."""
+        from .report import to_json, write_report
 
-        out = Path(out)
-        written = write_report(out, self.doc)
-        if "skip" in self.extra:
-            atomic_write(out / "skip.json", to_json(self.extra["skip"]))
-            written.append(out / "skip.json")
-        return written
+        extra = {"skip.json": to_json(self.extra["skip"])} if "skip" in self.extra else None
+        return write_report(Path(out), self.doc, extra)
 
 
 def resolve(step_or_path: str | int | Path, run_dir: str | Path | None = None) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -10,7 +11,7 @@ from typing import Any
 
 from .detectors import Finding, module_of
 
-__all__ = ["replay_fields", "Verdict", "decide", "CAUSES"]
+__all__ = ["replay_fields", "Verdict", "decide", "reattribute", "CAUSES"]
 
 CAUSES = (
     "gradient_explosion",
@@ -112,6 +113,30 @@ def rank_causes(findings: Sequence[Finding]) -> list[dict[str, Any]]:
     order = sorted(score, key=lambda c: (score[c], primary[c]), reverse=True)
     norm = sum(score.values())
     return [{"cause": c, "confidence": round(score[c] / norm, 3), "evidence": evidence[c]} for c in order]
+
+
+def reattribute(findings: Sequence[Finding]) -> list[Finding]:
+    """Findings whose cause another finding settles, re-read (the one place evidence is
+    weighed together, before ranking).
+
+    A gradient burst is the implied g^2 over the window against the second moment *before*
+    remembered (`r_v`); where the replay shows that moment two orders of magnitude stale for
+    the same tensor (a primary RMS_t: a frozen-then-released or gated tensor), the burst
+    measures the stale moment, not a gradient the others share: Adam's instability first.
+    """
+    stale = {f.subject for f in findings if f.kind == "rms_t" and f.primary}
+    if not stale:
+        return list(findings)
+    out = []
+    for f in findings:
+        if f.kind == "gradient_burst" and f.subject in stale:
+            f = dataclasses.replace(
+                f,
+                supports=("adam_instability", "gradient_explosion"),
+                message=f"{f.message}; its second moment was stale (the replay's RMS_t), so the burst is Adam's, not the gradient's",
+            )
+        out.append(f)
+    return out
 
 
 # How a replay's reproduction finding settles `reproducible`.

@@ -20,7 +20,7 @@ from ..tensors import (
     robust_z,
     trend_z,
 )
-from .base import Finding, Thresholds, cap
+from .base import Finding, Thresholds, cap, module_of
 
 __all__ = [
     "ReplayEvidence",
@@ -308,6 +308,11 @@ def _localise(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
             return robust_z(lc, floor=0.05, reference=lr, axis=0)
 
     zf, zb = z_of("fwd", ia), z_of("bwd", ig)
+    # A first anomaly whose own parameters' gradients dwarf Adam's second moment (RMS_t past
+    # STALE_RMS_T: a moment two orders of magnitude stale, a frozen-then-released or gated
+    # module) went bad through Adam, not through a gradient the others share.
+    rec = next((r for r in rep.records if r.step == s), None)
+    stale = {module_of(n) for n, v in (rec.param_rms_t if rec is not None else {}).items() if v > STALE_RMS_T}
     nf_f = p.fwd[:, FWD_STATS.index("nonfinite")].numpy()
     nf_b = p.bwd[:, BWD_STATS.index("grad_nonfinite")].numpy()
     out = []
@@ -317,7 +322,7 @@ def _localise(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
         out.append(
             _first_anomaly(
                 "forward", s, p.modules[fwd_first], float(zf[fwd_first]), float(nf_f[fwd_first]), th,
-                ("absmax", float(p.fwd[fwd_first, ia]), "output", "max |x|"),
+                ("absmax", float(p.fwd[fwd_first, ia]), "output", "max |x|"), stale=stale,
             )
         )
     ranked = sorted((i for i in range(len(p.modules)) if math.isfinite(zb[i]) and zb[i] > th.z), key=lambda i: -zb[i])
@@ -326,18 +331,33 @@ def _localise(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
             _first_anomaly(
                 "backward", s, p.modules[bwd_first], float(zb[bwd_first]), float(nf_b[bwd_first]), th,
                 ("grad_norm", float(p.bwd[bwd_first, ig]), "output gradient", "norm"),
-                ranked=[p.modules[i] for i in ranked[:8]],
+                ranked=[p.modules[i] for i in ranked[:8]], stale=stale,
             )
         )
     return out
 
 
+# RMS_t past which a parameter's second moment is two orders of magnitude stale (the `rms_t`
+# detector's primary level): Adam's updates of it go lr-sized and sign-like at once.
+STALE_RMS_T = 100.0
+
+
 def _first_anomaly(
-    order: str, s: int, name: str, z: float, nonfinite: float, th: Thresholds, stat: tuple[str, float, str, str], ranked: list[str] | None = None
+    order: str,
+    s: int,
+    name: str,
+    z: float,
+    nonfinite: float,
+    th: Thresholds,
+    stat: tuple[str, float, str, str],
+    ranked: list[str] | None = None,
+    stale: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> Finding:
-    """The first module, in forward or backward order, whose statistic leaves its range."""
+    """The first module, in forward or backward order, whose statistic leaves its range; where
+    it holds a parameter with a stale second moment, evidence of Adam's instability first."""
     key, value, what, label = stat
     extra = " on the window's other steps" if order == "forward" else ""
+    adam = any(m == name or m.startswith(name + ".") or name.startswith(m + ".") for m in stale)
     return Finding(
         "",
         f"first_{order}_anomaly",
@@ -345,9 +365,10 @@ def _first_anomaly(
         cap(z / th.z) if math.isfinite(z) else 10.0,
         "warning",
         {"step": s, "robust_z": z, "nonfinite": nonfinite, key: value, **({"ranked": ranked} if ranked is not None else {})},
-        f"step {s}: {name} is the first module in {order} order whose {what} leaves its range{extra} ({label} {value:.3g}, robust z {z:.1f})",
-        "docs/signatures.md#first-anomaly (OLMo-core 6 sigma)",
-        ("gradient_explosion",),
+        f"step {s}: {name} is the first module in {order} order whose {what} leaves its range{extra} ({label} {value:.3g}, robust z {z:.1f})"
+        + (f"; its gradient is over {STALE_RMS_T:g}x what Adam's second moment expects (RMS_t)" if adam else ""),
+        "docs/signatures.md#first-anomaly (OLMo-core 6 sigma)" + (", #rms-t" if adam else ""),
+        ("adam_instability", "gradient_explosion") if adam else ("gradient_explosion",),
     )
 
 
@@ -580,6 +601,12 @@ def _reproduction(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
             )
         ]
     worst = max(rep.matches, key=lambda m: m.mismatched / max(m.numel, 1))
+    miss = rep.check.first_miss
+    why = (
+        f"the run left the replay at step {miss.step}, where it stops matching the run's own log"
+        if miss is not None and miss.step != rep.check.first_checked
+        else "the replay configuration (LR, clipping, precision, loss averaging) differs from the trainer's; see replay.config"
+    )
     return [
         Finding(
             "",
@@ -588,8 +615,7 @@ def _reproduction(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
             1.0,
             "info",
             {"mismatched_share": mis / total, "impossible_tensors": len(imp), "worst": worst.name},
-            f"the replay deviates from after on {mis / total:.1%} of elements (worst: {worst.name} {worst.where}): "
-            "the replay configuration (LR, clipping, precision, loss averaging) differs from the trainer's; see replay.config",
+            f"the replay deviates from after on {mis / total:.1%} of elements (worst: {worst.name} {worst.where}): {why}",
             "docs/signatures.md#reproducibility",
             (),
         )
@@ -652,7 +678,8 @@ def _log_agreement(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
         msg = f"the replay matches the run's log up to step {d - 1} and diverges from it at step {d} ({figures}), after the spike at step {onset}"
         return [Finding("", "replay_log_agreement", "run", 1.0, "info", {**metrics, "status": "diverged_after_onset"}, msg, src, ())]
     if log_onset(ev.rep, th, d) == d and len(rep.baseline) >= 5:
-        before = f"matching the log on every step before it ({base['checked'] - 1} checked)" if d != first else "from the checkpoint's own state"
+        n = sum(c.checked for c in check.checks if c.step < d)
+        before = f"matching the log on every step before it ({n} checked)" if d != first else "from the checkpoint's own state"
         msg = (
             f"step {d}: the run's log spikes ({figures}) where the replay from the same state and batch does not, {before}: "
             "the spike does not reproduce (a hardware fault or nondeterminism)"
@@ -663,7 +690,7 @@ def _log_agreement(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     msg = f"the replay does not reproduce the run's own log {where} ({figures})"
     if rep.diagnosis:
         msg += f"; likeliest: {rep.diagnosis}"
-    return [Finding("", "replay_withheld", f"step {d}", 1.0, "warning", {**metrics, "status": status}, msg, src, ())]
+    return [Finding("", "replay_withheld", f"step {d}", 1.0, "info", {**metrics, "status": status}, msg, src, ())]
 
 
 def _figures(miss: Any) -> str:

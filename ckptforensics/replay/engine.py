@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import ForensicsError
+from ..errors import ForensicsError, doing
 from ..formats import open_checkpoint, open_pair
 from ..formats.base import Checkpoint
 from ..logs import group_lrs, read_metrics
@@ -1129,9 +1129,10 @@ def _run(p: Plan, clip: float | None, progress: Callable[[str], None] | None) ->
             batch = window[s]
             ids = batch["input_ids"]
             check_vocab(session.model, batch, s)
-            if precision != "fp32":
-                result.fp32_passes[s] = session.probe_pass(batch, "fp32")
-            rec, stats = session.step(s, batch, lrs[s], clip)
+            with doing(f"replaying step {s}"):
+                if precision != "fp32":
+                    result.fp32_passes[s] = session.probe_pass(batch, "fp32")
+                rec, stats = session.step(s, batch, lrs[s], clip)
             if batches.sample_ids.get(s):
                 rec = dataclasses.replace(rec, sample_ids=tuple(batches.sample_ids[s]))
             result.records.append(rec)

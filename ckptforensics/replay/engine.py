@@ -798,7 +798,7 @@ def choose_batches(p: Plan, candidates: list[BatchSource]) -> BatchSource:
                     window = [c.batch(s) for s in p.steps]
                     labels = settle_labels(window, c.labels_shifted, p.cfg.labels, c.describe)
                 except ForensicsError as e:  # BatchError names the collator, the step and its error
-                    missed.append(str(e))
+                    missed.append(getattr(e, "brief", str(e)))
                     continue
                 p.batches, p.labels = c, labels
                 if session is None:
@@ -808,17 +808,17 @@ def choose_batches(p: Plan, candidates: list[BatchSource]) -> BatchSource:
                 try:
                     require_rebuilt_match(step, (loss, grad), logged, p.precision)
                 except ForensicsError:
-                    missed.append(f"{name} gives loss {loss:.5g}" + (f", grad norm {grad:.5g}" if "grad_norm" in logged else ""))
+                    missed.append(f"{name}: loss {loss:.4g}" + (f", grad norm {grad:.4g}" if "grad_norm" in logged else ""))
                     continue
                 passed = f"; passed over: {'; '.join(missed)}" if missed else ""
                 return dataclasses.replace(c, describe=f"{c.describe}: its step {step} lands on the log{passed}")
     finally:
         if session is not None:
             session.close()
-    want = f"loss {logged['loss']:.5g}" + (f", grad norm {logged['grad_norm']:.5g}" if "grad_norm" in logged else "")
+    want = f"loss {logged['loss']:.4g}" + (f", grad norm {logged['grad_norm']:.4g}" if "grad_norm" in logged else "")
     raise ForensicsError(
-        f"no collator rebuilds step {step} as the log has it ({want}): {'; '.join(missed)}: "
-        "the data pipeline differs (dataset, collator, seed or sampler); pass --collator module:obj, or --batch with the batches the run consumed"
+        f"the data pipeline differs: no collator rebuilds step {step} as logged ({want}); pass --collator module:obj or --batch. "
+        f"Tried: {'; '.join(missed)}"
     )
 
 

@@ -122,10 +122,12 @@ STANDARD_COLLATORS = ("default_data_collator", "DataCollatorForLanguageModeling(
 
 @dataclass(frozen=True, slots=True)
 class Collator:
-    """A collator candidate: what it is (for `replay.config`) and the function."""
+    """A collator candidate: what it is (for `replay.config`), the function, and a short
+    name (for one-line errors)."""
 
     name: str
     fn: Callable[[list[dict[str, Any]]], Any]
+    short: str = ""
 
 
 def _tokenizer(ckpt_dir: Path | None, record: dict[str, Any], data: str) -> tuple[Any, str]:
@@ -164,12 +166,12 @@ def _standard(tok: Any, tok_src: str) -> list[Collator]:
         default_data_collator,
     )
 
-    out = [Collator("default_data_collator", default_data_collator)]
+    out = [Collator("default_data_collator", default_data_collator, "default_data_collator")]
     if tok is None:
         return out
     pad = f"pad id {tok.pad_token_id}, {tok.padding_side} padding; {tok_src}"
-    out.append(Collator(f"DataCollatorForLanguageModeling(mlm=False; {pad})", DataCollatorForLanguageModeling(tok, mlm=False)))
-    out.append(Collator(f"DataCollatorWithPadding({pad})", DataCollatorWithPadding(tok)))
+    out.append(Collator(f"DataCollatorForLanguageModeling(mlm=False; {pad})", DataCollatorForLanguageModeling(tok, mlm=False), "DataCollatorForLanguageModeling(mlm=False)"))
+    out.append(Collator(f"DataCollatorWithPadding({pad})", DataCollatorWithPadding(tok), "DataCollatorWithPadding"))
     return out
 
 
@@ -185,14 +187,14 @@ def _given(spec: str, tok: Any, tok_src: str) -> Collator:
     except (TypeError, ValueError):
         required = []
     if required not in (["tokenizer"], ["processing_class"]):
-        return Collator(f"{spec} (--collator)", obj)
+        return Collator(f"{spec} (--collator)", obj, f"{spec} (--collator)")
     if tok is None:
         raise BatchError(f"--collator {spec} takes the run's tokenizer: {tok_src}")
     try:
         built = obj(tok)
     except Exception as e:  # the user's factory failing on the run's tokenizer is bad input
         raise BatchError(f"--collator {spec}: building it with {tok_src} failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
-    return Collator(f"{spec}(tokenizer) (--collator; pad id {tok.pad_token_id}, {tok.padding_side} padding; {tok_src})", built)
+    return Collator(f"{spec}(tokenizer) (--collator; pad id {tok.pad_token_id}, {tok.padding_side} padding; {tok_src})", built, f"{spec}(tokenizer) (--collator)")
 
 
 class _Active:
@@ -277,7 +279,7 @@ def trainer_batches(
         src.micro_batch_size = int(record.get("per_device_train_batch_size") or 8)
         src.rebuilt = True
         src.sample_ids = plan.ids
-        src.collator = c.name
+        src.collator = c.short or c.name
         out.append(src)
     if not collator and tok is None:
         out[0].describe += f" (the tokenizer-based collators were not tried: {tok_src})"
@@ -354,9 +356,12 @@ class _StepPlan:
             parts = [self.loader.collate_fn([self.loader.dataset[i] for i in idx]) for idx in micro]
         except Exception as e:  # the collator's failure on these rows (its own code): this candidate does not fit
             msg = str(e).splitlines()[0][:160] if str(e) else ""
-            raise BatchError(f"collator {collator.name} cannot collate the rows of step {step} ({type(e).__name__}: {msg})") from None
+            name = collator.short or collator.name
+            err = BatchError(f"collator {name} cannot collate the rows of step {step} ({type(e).__name__}: {msg})")
+            err.brief = f"{name} cannot collate ({type(e).__name__}: {msg[:80]})"  # type: ignore[attr-defined]  # for choose_batches' one line
+            raise err from None
         if any(not isinstance(p, Mapping) or "input_ids" not in p for p in parts):
-            raise BatchError(f"collator {collator.name} gives no input_ids for step {step}")
+            raise BatchError(f"collator {collator.short or collator.name} gives no input_ids for step {step}")
         keys = [k for k in ("input_ids", "attention_mask", "labels") if all(k in p for p in parts)]
         width = max(p["input_ids"].shape[1] for p in parts)
         fill = {"input_ids": 0, "attention_mask": 0, "labels": -100}

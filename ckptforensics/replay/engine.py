@@ -32,6 +32,7 @@ from .model import (
     build_optimizer,
     load_callable,
     load_weights,
+    padding_rows_trained,
     trainer_loss_norm,
 )
 from .probes import ModuleProbe, PassStats, param_grad_stats, param_grad_sums
@@ -52,6 +53,8 @@ class ReplayConfig:
         batch: batch file, batch log (.h5) or `module:function`; None with `data`.
         data: the run's training data (`--data`: an HF `save_to_disk` dir or
             `module:function`), from which the Trainer's batches are rebuilt.
+        collator: `module:obj`, the collator an HF Trainer run used (`--collator`); None:
+            the standard ones are tried (`choose_batches`).
         step: the step to replay when there is no *after*.
         precision: 'auto' (what the run used), 'fp32', 'bf16' or 'fp16' (autocast; fp16 with
             the run's loss scale), or 'bf16-params' (bf16 weights on fp32 masters: FSDP2's
@@ -73,6 +76,7 @@ class ReplayConfig:
     model: str | None = None
     batch: str | None = None
     data: str | None = None
+    collator: str | None = None
     step: int | None = None
     precision: str = "auto"
     device: str = "cpu"
@@ -258,6 +262,9 @@ class Session:
         self.to_ckpt = load_weights(self.model, a, self.ranks)
         self.model.to(self.device).train()
         self.opt = build_optimizer(self.model, a, self.to_ckpt, self.ranks)
+        unpadded = padding_rows_trained(self.model, self.opt) if self.ranks is None else []
+        if unpadded:
+            self.model_source += f"; padding_idx of {', '.join(unpadded)}: the run trained the row config.json names (its exp_avg_sq is not 0 there)"
         self.precision = precision
         self.loss_fn = loss_fn
         self.labels = labels
@@ -805,8 +812,11 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
             steps = list(range(a.step + 1, b.step + 1))
         else:
             steps = [cfg.step if cfg.step is not None else a.step + 1]
-    batches = _batches(cfg, a)
-    window = [batches.batch(s) for s in steps]  # fail early on a missing step
+    candidates = _batches(cfg, a)
+    batches = candidates[0]
+    # Several candidates (the collators an HF run may have used): the window and its labels
+    # once one is chosen (`choose_batches`).
+    window = [batches.batch(s) for s in steps] if len(candidates) == 1 else []  # fail early on a missing step
     labels = settle_labels(window, batches.labels_shifted, cfg.labels, batches.describe)
     mfile = _metrics_file(cfg)
     logged = read_metrics(mfile) if mfile is not None else {}
@@ -830,37 +840,88 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
         clips = [(None, "assumed: none (no after and no log to calibrate against)")]
     scale = mp.scale_plan(a, b, steps, batches.loss_scale, logged) if precision == "fp16" else None
     skip = skipstep.skip_rule(a, logged, steps[0])
-    return Plan(cfg, a, b, steps, batches, lrs, lsrc, clips, precision, psrc, loss_fn, logged, mfile, labels, scale=scale, skip=skip)
+    p = Plan(cfg, a, b, steps, batches, lrs, lsrc, clips, precision, psrc, loss_fn, logged, mfile, labels, scale=scale, skip=skip)
+    if len(candidates) > 1:
+        p.batches = choose_batches(p, candidates)
+    return p
 
 
-def _batches(cfg: ReplayConfig, a: Checkpoint) -> BatchSource:
-    """`--batch` as given, or the batches rebuilt from the run's data (`--data`)."""
+def choose_batches(p: Plan, candidates: list[BatchSource]) -> BatchSource:
+    """The first candidate (the rebuilt batches under each collator an HF run may have
+    used) whose first replayed step, evaluated from *before*, gives the loss and grad norm
+    the log recorded (`require_rebuilt_match`); its `describe` says so and what was passed
+    over. A candidate whose collator cannot collate the window's rows, or whose labels
+    follow no convention, is passed over too. Leaves `p.labels` measured on the chosen
+    candidate's window. None lands: one line, the figures of each."""
+    from .hfdata import require_rebuilt_match
+
+    step = p.steps[0]
+    logged = p.logged.get(step)
+    if not logged or "loss" not in logged:
+        raise ForensicsError(f"the rebuilt batches cannot be checked: the log has no loss for step {step} to tell the collators apart; pass --collator or --batch")
+    missed: list[str] = []
+    session: Session | None = None
+    try:
+        with torch.random.fork_rng(devices=[torch.device(p.cfg.device)] if p.cfg.device == "cuda" else []):
+            for c in candidates:
+                name = c.collator or c.describe
+                try:
+                    window = [c.batch(s) for s in p.steps]
+                    labels = settle_labels(window, c.labels_shifted, p.cfg.labels, c.describe)
+                except ForensicsError as e:  # BatchError names the collator, the step and its error
+                    missed.append(getattr(e, "brief", str(e)))
+                    continue
+                p.batches, p.labels = c, labels
+                if session is None:
+                    session = p.session()  # the model called as its trainer calls it, from this window
+                session.labels = labels
+                loss, grad = session.evaluate(window[0])
+                try:
+                    require_rebuilt_match(step, (loss, grad), logged, p.precision)
+                except ForensicsError:
+                    missed.append(f"{name}: loss {loss:.4g}" + (f", grad norm {grad:.4g}" if "grad_norm" in logged else ""))
+                    continue
+                passed = f"; passed over: {'; '.join(missed)}" if missed else ""
+                return dataclasses.replace(c, describe=f"{c.describe}: its step {step} lands on the log{passed}")
+    finally:
+        if session is not None:
+            session.close()
+    want = f"loss {logged['loss']:.4g}" + (f", grad norm {logged['grad_norm']:.4g}" if "grad_norm" in logged else "")
+    raise ForensicsError(
+        f"the data pipeline differs: no collator rebuilds step {step} as logged ({want}); pass --collator module:obj or --batch. "
+        f"Tried: {'; '.join(missed)}"
+    )
+
+
+def _batches(cfg: ReplayConfig, a: Checkpoint) -> list[BatchSource]:
+    """`--batch` as given, or the batches rebuilt from the run's data (`--data`): HF
+    Trainer runs give a candidate per collator (`choose_batches` keeps one)."""
     if cfg.batch is not None:
         src = open_batches(cfg.batch)
         if not src.ids_only:
-            return src
+            return [src]
         if cfg.data is None:
             raise ForensicsError(f"{cfg.batch}: the log keeps sample ids, not tokens: pass --data (the dataset they index) as well")
         from .batches import with_rows
         from .hfdata import _dataset
 
-        return with_rows(src, _dataset(cfg.data), f"--data {cfg.data}")
+        return [with_rows(src, _dataset(cfg.data), f"--data {cfg.data}")]
     if cfg.data is None:
         raise ForensicsError("pass --batch (the batches the run consumed) or --data (the run's training data: HF Trainer, Megatron and OLMo-core runs)")
     if a.format.startswith("megatron"):
         from .megatron_data import megatron_batches
 
-        return megatron_batches(cfg.data, a.config)
+        return [megatron_batches(cfg.data, a.config, a.path.parent)]
     from .olmo_data import is_olmo_checkpoint, olmo_batches
 
     if is_olmo_checkpoint(a.path):
-        return olmo_batches(cfg.data, a.path)
+        return [olmo_batches(cfg.data, a.path)]
     if a.format != "hf-trainer":
         raise ForensicsError(f"{a.path}: --data rebuilds HF Trainer runs' batches; this is a {a.format} checkpoint: pass --batch")
     from .hfdata import trainer_batches
 
     world = len(list(a.path.glob("rng_state_*.pth"))) or 1  # the Trainer saves one RNG state per process
-    return trainer_batches(cfg.data, a.scalars.get("training_args"), a.config, world)
+    return trainer_batches(cfg.data, a.scalars.get("training_args"), a.config, world, cfg.collator, a.path)
 
 
 def _check_rebuilt(p: Plan, result: ReplayResult) -> None:

@@ -31,6 +31,9 @@ class TriageResult:
     commands: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # incomplete checkpoints passed over, and what they lack
     timeline: dict[str, list[float]] = field(default_factory=dict)  # step, loss, grad_norm, checkpoints
+    # A run already rolled back (a later leg of its log starts at or before an earlier leg's
+    # last step): {"from": the step it resumed at, "legs": [...]}; the log read is the latest leg's.
+    resumed: dict[str, Any] | None = None
 
 
 def triage(metrics: Path, run_dir: Path | None, cfg: TriageConfig | None = None, keys: dict[str, str] | None = None) -> TriageResult:
@@ -65,7 +68,26 @@ def triage(metrics: Path, run_dir: Path | None, cfg: TriageConfig | None = None,
             res.after_step, res.after = after[0], str(after[1])
     if res.rollback_step is not None and run_dir is not None and res.rollback is not None:
         res.commands = _commands(run_dir, Path(res.rollback), res.rollback_step, res.after_step)
+    res.resumed = _resumed(metrics)
+    if res.resumed is not None:
+        where = run_dir if run_dir is not None else metrics.parent
+        res.commands.append(f"ckptforensics recovery --run-dir {where} --resumed-from {res.resumed['from']} --out recovery/")
     return res
+
+
+def _resumed(metrics: Path) -> dict[str, Any] | None:
+    """The legs of a log a restart wrote into (recovery.read_legs), when a later leg goes back
+    over an earlier one's steps: the run was rolled back to the step before it starts."""
+    from .recovery import read_legs
+
+    try:
+        legs = read_legs(metrics.parent, metrics)
+    except ForensicsError:
+        return None
+    back = [b.first - 1 for a, b in zip(legs, legs[1:], strict=False) if b.first <= a.last]
+    if not back:
+        return None
+    return {"from": back[-1], "legs": [{"source": leg.source, "first": leg.first, "last": leg.last, "steps": len(leg.rows)} for leg in legs]}
 
 
 def _commands(run_dir: Path, rollback: Path, before: int, after_step: int | None) -> list[str]:

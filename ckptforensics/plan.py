@@ -328,7 +328,7 @@ def plan_section(doc: dict[str, Any], ck: Checkpoint) -> dict[str, Any]:
     edits = [e for c in changes for e in c.edits]
     resume = planner.resume(r_path, r_step, s)
     out["resume"] = [{"key": e.key, "before": e.before, "after": e.after, "note": e.note} for e in resume]
-    out["config_diff"] = planner.render([*edits, *[e for e in resume if not e.key.startswith("load")]], s)
+    out["config_diff"] = planner.render([*edits, *resume], s)
     out["alternatives"] = [{"mitigation": m, **ev} for m, ev in others]
     out["expect"] = _expect(doc, changes, r_step, steps, ids, onset, clip)
     out["notes"] += _notes(changes, cause)
@@ -356,6 +356,7 @@ def _expect(doc: dict[str, Any], changes: Sequence[Change], resumed_from: int, s
         "lr": lr,
         "skip_steps": steps if "skip_step" in by else [],
         "skip_sample_ids": ids if "skip_samples" in by else [],
+        "skip_sample_steps": steps if "skip_samples" in by else [],  # where the skipped samples came
     }
 
 

@@ -437,14 +437,20 @@ def optimizer_resumed(adam_steps: Sequence[float], trainer_step: int, resumed_fr
     return Check("optimizer_state", "failed", expect, med, f"Adam's step counter ({med:g}) is neither the trainer's ({expect:g}) nor a restart's ({fresh}): the optimizer state is not this run's", trainer_step)
 
 
-def _lr_check(expect: dict[str, Any], resumed: Rows) -> Check:
+def _lr_check(expect: dict[str, Any], resumed: Rows, jumps: Sequence[Any] = ()) -> Check:
     """The resumed leg's logged LR against the plan's, step by step (1%: the float noise of a
-    schedule recomputed, far below any change a plan makes)."""
+    schedule recomputed, far below any change a plan makes); without the plan's figures, an LR
+    jump in the resumed leg (triage's rule) is a fault of the resume (a scheduler that did not
+    come back with the optimizer, say)."""
     want = {int(k): float(v) for k, v in (expect.get("lr") or {}).items()}
     have = {s: r["lr"] for s, r in resumed.items() if "lr" in r and math.isfinite(r["lr"])}
     both = sorted(set(want) & set(have))
+    if not both and jumps:
+        j = jumps[0]
+        return Check("lr", "failed", j.baseline, j.value, f"the resumed leg's {j.message}", j.step)
     if not both:
-        return Check("lr", "unknown", None, None, "no step where the plan and the resumed log both state the LR")
+        why = "no step where the plan and the resumed log both state the LR" if expect else "no plan given (--plan), and no LR jump in the resumed leg"
+        return Check("lr", "unknown", None, None, why)
     bad = [s for s in both if abs(have[s] - want[s]) > 0.01 * abs(want[s])]
     if not bad:
         return Check("lr", "ok", want[both[0]], have[both[0]], f"the LR matches the plan on {len(both)} steps ({both[0]}-{both[-1]})")
@@ -509,6 +515,10 @@ def _skip_check(expect: dict[str, Any], seen: dict[int, list[int]] | None, sourc
     hits = {s: sorted(ids & set(v)) for s, v in seen.items() if ids & set(v)}
     if not hits:
         steps = sorted(seen)
+        missing = [int(s) for s in expect.get("skip_sample_steps") or [] if int(s) not in seen]
+        if missing:
+            # The recorder's ring no longer holds the steps where they came: nothing is known.
+            return Check("skipped_samples", "unknown", sorted(ids), None, f"the recorder kept steps {steps[0]}-{steps[-1]} after the resume, not step {missing[0]} where the skipped samples came ({source})")
         return Check("skipped_samples", "ok", sorted(ids), [], f"none of the {len(ids)} skipped samples in {len(steps)} recorded steps after the resume ({source})")
     s = min(hits)
     return Check("skipped_samples", "failed", sorted(ids), hits[s], f"skipped samples {hits[s]} seen again at step {s} ({source})", s)
@@ -551,6 +561,35 @@ def _onsets(pre: Rows, resumed: Rows, resumed_from: int) -> list[Any]:
     cfg = TriageConfig()
     found, _ = log_onsets(log_evidence(rows, cfg), cfg)
     return [o for o in found if o.step > resumed_from]
+
+
+def relapse_steps(onsets: Sequence[Any], pre: Rows | None = None, resumed: Rows | None = None) -> list[int]:
+    """The steps where the incident comes back: each loss or grad-norm onset (triage's, so a
+    grad-norm one the loss followed), dated to an LR jump at most `LOSS_FOLLOW` steps before it
+    where there is one (the jump is the cause; the loss answers a step later); and an LR jump
+    to above anything the pre-incident leg ran at (its last LR of that column times what a
+    warmup allows, `lr_growth_limit`): the fault back, whatever the loss does yet. An LR jump
+    back to the pre-incident level (from a first step a fresh optimizer ran at the schedule's
+    start) is no relapse: the LR check reports it."""
+    from .logs import lr_columns
+    from .tensors import LOSS_FOLLOW, lr_growth_limit
+
+    lr = sorted(o.step for o in onsets if o.signal == "lr")
+    out = set()
+    for o in onsets:
+        if o.signal == "lr":
+            continue
+        cause = [s for s in lr if o.step - LOSS_FOLLOW <= s <= o.step]
+        out.add(cause[0] if cause else o.step)
+    last_pre = max(pre) if pre else None
+    for s in lr:
+        row = (resumed or {}).get(s, {})
+        for col in lr_columns(row) if last_pre is not None else []:
+            before = (pre or {}).get(last_pre, {}).get(col)
+            if before and row[col] > before * lr_growth_limit(last_pre, s):
+                out.add(s)
+                break
+    return sorted(out)
 
 
 def _incident_onset(pre: Rows, incident: Rows, resumed_from: int) -> int | None:
@@ -631,9 +670,10 @@ def recovery(
     gsteps = [s for s in sp.pre if s <= fit_until and "grad_norm" in sp.pre[s]]
     grad_t = fit_trajectory(gsteps, [sp.pre[s]["grad_norm"] for s in gsteps])
     found = _onsets(sp.pre, sp.resumed, resumed_from)
-    windows = judge(sp.resumed, loss_t, grad_t, [o.step for o in found], width)
-    status, step, trend = verdict_of(windows, [o.step for o in found], sp.resumed, loss_t, width)
-    checks, after = _checks(run_dir, resumed_from, sp, expect, flight, checkpoint)
+    relapses = relapse_steps(found, sp.pre, sp.resumed)
+    windows = judge(sp.resumed, loss_t, grad_t, relapses, width)
+    status, step, trend = verdict_of(windows, relapses, sp.resumed, loss_t, width)
+    checks, after = _checks(run_dir, resumed_from, sp, expect, flight, checkpoint, [o for o in found if o.signal == "lr"])
     res = RecoveryResult(status, step, resumed_from, onset, "", windows, [{"step": o.step, "signal": o.signal, "message": o.message} for o in found], checks)
     res.summary = summarize(status, step, resumed_from, windows, trend, checks, found)
     res.gap_trend = trend
@@ -666,7 +706,9 @@ def _series(sp: Split, loss_t: Trajectory, grad_t: Trajectory | None) -> dict[st
     }
 
 
-def _checks(run_dir: Path, resumed_from: int, sp: Split, expect: dict[str, Any], flight: Path | None, checkpoint: Path | None) -> tuple[list[Check], str | None]:
+def _checks(
+    run_dir: Path, resumed_from: int, sp: Split, expect: dict[str, Any], flight: Path | None, checkpoint: Path | None, lr_jumps: Sequence[Any] = ()
+) -> tuple[list[Check], str | None]:
     """The plan's checks, and the checkpoint after the resume they read."""
     from .formats import open_checkpoint
     from .locate import first_complete, list_checkpoints
@@ -675,7 +717,9 @@ def _checks(run_dir: Path, resumed_from: int, sp: Split, expect: dict[str, Any],
     rollback = next((p for s, p in ckpts if s == resumed_from), None)
     after_path = checkpoint
     if after_path is None:
-        later = [(s, p) for s, p in ckpts if s > resumed_from]
+        # Two checkpoints of one step (Lightning's `-v1` beside the incident leg's): the newer
+        # is the resumed leg's.
+        later = sorted(((s, p) for s, p in ckpts if s > resumed_from), key=lambda sp_: (sp_[0], -sp_[1].stat().st_mtime))
         got, _ = first_complete(later)
         after_path = got[1] if got else None
     r_scale = offset = None
@@ -704,7 +748,7 @@ def _checks(run_dir: Path, resumed_from: int, sp: Split, expect: dict[str, Any],
         checks.append(Check("optimizer_state", "unknown", None, None, f"no checkpoint after step {resumed_from} yet: the optimizer state is checked on the first one the resumed run writes"))
     seen, src, recorded_clip = _recorded(run_dir, flight, resumed_from)
     checks += [
-        _lr_check(expect, sp.resumed) if expect else Check("lr", "unknown", None, None, "no plan given (--plan)"),
+        _lr_check(expect, sp.resumed, lr_jumps),
         _clip_check(expect, after_cfg, recorded_clip),
         _precision_check(expect, after_cfg, sp.resumed),
         _scale_check(r_scale, sp.resumed, expect),

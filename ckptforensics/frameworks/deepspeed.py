@@ -51,7 +51,7 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
 
 
 def render(edits: Sequence[Edit], s: Settings) -> str:
-    keys = [e for e in edits if not e.key.startswith("LR of")]
+    keys = [e for e in edits if not e.key.startswith("LR of") and e.key != "load_checkpoint"]
     return key_diff(s.source, keys, lambda k, val: f'  "{k}": {json.dumps(val)}')
 
 

@@ -129,7 +129,7 @@ def plan_lines(p: dict[str, Any], run_dir: str | None = None) -> list[str]:
     if p.get("resume"):
         lines += ["", f"{k}. **Resume**: " + "; ".join(f"`{e['key']}` = `{e['after']}`" + (f" ({e['note']})" if e["note"] else "") for e in p["resume"]) + "."]
     rd = run_dir or str(Path(r["path"]).parent)
-    lines += ["", f"Then confirm: `ckptforensics recovery --run-dir {rd} --resumed-from {r['step']} --plan report.json`"]
+    lines += ["", f"Then, once the resumed run has trained a while: `ckptforensics recovery --run-dir {rd} --resumed-from {r['step']} --plan PLAN_DIR` (this report's directory)"]
     for alt in p.get("alternatives") or []:
         lines.append(f"- also replayed: {alt['mitigation']} ({'on track' if alt['on_track'] else 'leaves the track'}, max loss {_finite(alt.get('max_loss'))})")
     lines += [f"- {n}" for n in p.get("notes") or []]

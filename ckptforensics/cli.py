@@ -619,7 +619,7 @@ def plan_cmd(ctx: click.Context, reports: tuple[Path, ...], before: str | None, 
 
     click.echo(rep.doc["verdict"]["summary"])
     click.echo("")
-    for line in plan_lines(rep.plan, str(run_dir)) or ["no plan"]:
+    for line in plan_lines(rep.plan, None if reports else str(run_dir)) or ["no plan"]:
         click.echo(line)
     for p in written:
         click.echo(f"wrote {p}")

@@ -102,6 +102,7 @@ def _commands(run_dir: Path, rollback: Path, before: int, after_step: int | None
         f"ckptforensics diff --run-dir {run_dir} --before {before}{after} --out incident/",
         f"ckptforensics replay --run-dir {run_dir} --before {before}{after}{source}{model} --out incident/",
         f"ckptforensics bisect --run-dir {run_dir} --before {before}{after}{source}{model} --out incident/",
+        f"ckptforensics plan --run-dir {run_dir} --before {before}{after}{source}{model} --out plan/",
     ]
 
 

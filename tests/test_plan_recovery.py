@@ -15,7 +15,6 @@ from click.testing import CliRunner
 
 from ckptforensics import api
 from ckptforensics.cli import cli
-
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore")

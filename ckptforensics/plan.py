@@ -362,9 +362,13 @@ def _expect(doc: dict[str, Any], changes: Sequence[Change], resumed_from: int, s
 
 def _notes(changes: Sequence[Change], cause: str) -> list[str]:
     out = []
+    from .verdict import RESUME_CAUSES
+
+    if cause in RESUME_CAUSES:
+        out.append(f"the resume itself lost state ({cause.replace('_', ' ')}): resume again from the rollback checkpoint the trainer's own way (the resume keys below), nothing else to change")
     if cause == "silent_corruption":
         out.append("a hardware fault: resume from the rollback checkpoint on other hardware and quarantine the node that wrote the bad state")
-    if not changes and cause != "silent_corruption":
+    if not changes and cause != "silent_corruption" and cause not in RESUME_CAUSES:
         out.append(f"no change is known to help with {cause.replace('_', ' ')}: resume from the rollback checkpoint and watch it with `ckptforensics recovery`")
     out.append("resume with the optimizer state (Adam's moments and step counter): a fresh optimizer restarts bias correction and moves every weight by ~lr at once")
     return out

@@ -13,8 +13,6 @@ trainer's), and the skipped samples not seen again (docs/signatures.md#recovery)
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -24,8 +22,14 @@ from typing import Any
 import numpy as np
 
 from .errors import ForensicsError
-from .tensors import CURVE_FLOOR, CURVE_MIN_HISTORY, CURVE_SHORT, CURVE_WINDOW, MAD_TO_SIGMA
-from .tensors import _trend_at as theil_sen_at  # the stats package's `theil_sen_at` once it lands
+from .stats import (
+    CURVE_FLOOR,
+    CURVE_MIN_HISTORY,
+    CURVE_SHORT,
+    CURVE_WINDOW,
+    MAD_TO_SIGMA,
+    theil_sen_at,
+)
 
 __all__ = [
     "Leg",
@@ -72,112 +76,37 @@ class Leg:
 
 
 # ---------------------------------------------------------------- reading the legs
-def _split(seq: list[tuple[int, dict[str, float]]], source: str) -> list[Leg]:
-    """Rows in file order -> legs: a step at or below the previous one starts a new leg (a
-    restart appending to the same file, logging again from its checkpoint)."""
-    legs: list[Rows] = [{}]
-    prev: int | None = None
-    for step, vals in seq:
-        cur = legs[-1]
-        # A step lower than the one before, or a step logged again for a column it already
-        # has (one step's train and eval rows are one leg): a restart (the rule of the logs
-        # package's `_split_legs`).
-        if prev is not None and (step < prev or (step in cur and set(vals) & set(cur[step]))):
-            legs.append({})
-        legs[-1].setdefault(step, {}).update(vals)
-        prev = step
-    return [Leg(source, leg) for leg in legs if leg]
-
-
-def _numbers(r: dict[str, Any], skip: tuple[str, ...]) -> dict[str, float]:
-    out = {}
-    for k, v in r.items():
-        if k in skip or isinstance(v, bool):
-            continue
-        try:
-            out[k] = float(v)
-        except (TypeError, ValueError):
-            continue
-    return out
-
-
-def _file_legs(path: Path) -> list[Leg]:
-    """One log file -> its legs (a JSONL or CSV a restart appends to has several)."""
-    # The CSVLogger's step shift, read as logs.read_metrics reads it.
-    from .logs import _lightning_log
-
-    src = str(path)
-    try:
-        if path.suffix == ".jsonl":
-            seq = []
-            for line in path.read_text().splitlines():
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(r, dict) and "step" in r:
-                    seq.append((int(r["step"]), _numbers(r, ("step",))))
-            return _split(seq, src)
-        if path.suffix == ".csv":
-            records = list(csv.DictReader(path.read_text().splitlines()))
-            shift = 1 if records and {"epoch", "step"} <= set(records[0]) and _lightning_log(path) else 0
-            seq = [(int(float(r["step"])) + shift, _numbers({k: v for k, v in r.items() if k and v not in ("", None)}, ("step", "epoch"))) for r in records if r.get("step") not in (None, "")]
-            return _split(seq, src)
-        if path.name == "trainer_state.json":
-            hist = json.loads(path.read_text()).get("log_history", [])
-            seq = []
-            for r in hist:
-                if "step" in r and "loss" in r:
-                    vals = _numbers(r, ("step",))
-                    if "learning_rate" in vals:
-                        vals["lr"] = vals["learning_rate"]
-                    seq.append((int(r["step"]), vals))
-            return _split(seq, src)
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ForensicsError(f"{path}: not a readable training log ({e})") from None
-    from .logs import read_metrics
-
-    rows = read_metrics(path)
-    return [Leg(src, rows)] if rows else []
-
-
-def _canonical(leg: Leg) -> Leg:
-    """Our names (`loss`, `grad_norm`, `lr`, `loss_scale`) beside the log's own, as
-    `logs.read_metrics` names them."""
-    from .logs import _ALIASES  # the one table of trainers' column names
-
-    for row in leg.rows.values():
-        for ours, theirs in _ALIASES.items():
-            if ours not in row:
-                alias = next((a for a in theirs if a in row), None)
-                if alias is not None:
-                    row[ours] = row[alias]
-    return leg
-
-
 def read_legs(run_dir: Path, metrics: Path | None = None) -> list[Leg]:
-    """The legs of a run's log, in the order they were written.
+    """The legs of a run's log, in the order they started (the logs package's readers: a file
+    a restart appends to splits where its steps go back; Lightning's CSVLogger writes a
+    version folder per launch, TensorBoard an events file; an HF Trainer's
+    `trainer_state.json` carries the rows it resumed with, so its newest holds the
+    pre-incident and the resumed steps as one leg, the incident leg's rows gone with the
+    checkpoints the resumed run overwrote). Our column names (`loss`, `grad_norm`, `lr`,
+    `loss_scale`) are added as `logs.read_metrics` adds them.
 
-    A file a restart appends to (JSONL, CSV) splits where its steps go back; Lightning's
-    CSVLogger writes a version folder per launch (each a leg, in version order); an HF
-    Trainer's `trainer_state.json` carries the rows it resumed with, so its newest holds the
-    pre-incident and the resumed steps as one leg (the incident leg's rows are gone with the
-    checkpoints the resumed run overwrote).
+    Raises:
+        ForensicsError: no log found, or one no reader reads.
     """
-    if metrics is not None:
+    from .logs import discover_metrics, find_logs
+    from .logs.columns import canonical
+    from .logs.readers import read_file
+
+    if metrics is not None and not metrics.is_dir():
         files = [metrics]
     else:
-        versions = sorted(run_dir.glob("lightning_logs/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[-1]) if p.parent.name.split("_")[-1].isdigit() else 0)
-        if versions:
-            files = versions
-        else:
-            from .logs import discover_metrics
-
-            files = [discover_metrics(run_dir)]
-    legs = [_canonical(leg) for f in files for leg in _file_legs(f)]
-    if not legs:
+        files = find_logs(metrics or run_dir)
+        if not files:
+            discover_metrics(metrics or run_dir)  # the one-line error naming what was looked for
+    read = [leg for f in files for leg in read_file(f)]
+    out = []
+    for leg in sorted(read, key=lambda x: (x.started, x.source, x.order)):
+        if leg.rows:
+            canonical(leg.rows)
+            out.append(Leg(leg.source, dict(sorted(leg.rows.items()))))
+    if not out:
         raise ForensicsError(f"{', '.join(map(str, files))}: no rows with a step")
-    return legs
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -572,7 +501,8 @@ def relapse_steps(onsets: Sequence[Any], pre: Rows | None = None, resumed: Rows 
     back to the pre-incident level (from a first step a fresh optimizer ran at the schedule's
     start) is no relapse: the LR check reports it."""
     from .logs import lr_columns
-    from .tensors import LOSS_FOLLOW, lr_growth_limit
+    from .stats import LOSS_FOLLOW
+    from .tensors import lr_growth_limit
 
     lr = sorted(o.step for o in onsets if o.signal == "lr")
     out = set()

@@ -3,26 +3,37 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .detectors.log import Onset, TriageConfig, log_evidence, log_onsets
+from .detectors.log import Onset, TriageConfig, log_evidence, log_noise, log_onsets
 from .errors import ForensicsError
 from .locate import first_complete, list_checkpoints
-from .logs import find_metrics, group_lrs, lr_columns, param_grad_columns, read_metrics
+from .logs import find_metrics, group_lrs, lr_columns, param_grad_columns, read_log, read_metrics
 
 __all__ = ["TriageConfig", "Onset", "TriageResult", "read_metrics", "find_metrics", "triage", "lr_columns", "group_lrs", "param_grad_columns"]
 
 @dataclass(slots=True)
 class TriageResult:
+    """What `triage` found: the onsets, the rollback, and what it read to find them.
+
+    `metrics_file` is the log as given or discovered (a file, a folder of legs, a glob);
+    `files` every file read; `legs` each leg (a launch of the trainer) with the steps a
+    later leg logged again (the later leg wins)."""
+
     metrics_file: str
     steps: int
+    files: list[str] = field(default_factory=list)
+    log_format: str = ""
+    legs: list[dict[str, Any]] = field(default_factory=list)
     onsets: list[Onset] = field(default_factory=list)
     ignored: list[Onset] = field(default_factory=list)  # grad-norm blips / backoffs the loss did not follow
     first_bad_step: int | None = None
+    rule: str | None = None  # the rule that decided the first onset (docs/signatures.md#log-onset)
+    noise: dict[str, Any] = field(default_factory=dict)  # how noisy the log is (detectors.log.log_noise)
     rollback: str | None = None
     rollback_step: int | None = None
     after: str | None = None
@@ -36,16 +47,22 @@ class TriageResult:
     resumed: dict[str, Any] | None = None
 
 
-def triage(metrics: Path, run_dir: Path | None, cfg: TriageConfig | None = None, keys: dict[str, str] | None = None) -> TriageResult:
-    """Find the first bad step in a training log and the checkpoint to roll back to."""
+def triage(metrics: Path | str, run_dir: Path | None, cfg: TriageConfig | None = None, keys: dict[str, str] | None = None) -> TriageResult:
+    """Find the first bad step in a training log and the checkpoint to roll back to.
+
+    `metrics`: a log file, a folder of its files (a restarted run's legs), or a glob."""
     cfg = cfg or TriageConfig()
-    rows = read_metrics(metrics, keys)
+    log = read_log(metrics, keys)
+    rows = log.rows
     if not rows:
         raise ForensicsError(f"{metrics}: no rows with a step")
-    res = TriageResult(metrics_file=str(metrics), steps=len(rows))
-    res.onsets, res.ignored = log_onsets(log_evidence(rows, cfg), cfg)
+    res = TriageResult(metrics_file=str(metrics), steps=len(rows), files=log.files, log_format=log.kind, legs=[asdict(leg) for leg in log.legs])
+    ev = log_evidence(rows, cfg)
+    res.onsets, res.ignored = log_onsets(ev, cfg)
+    res.noise = log_noise(ev, cfg)
     if res.onsets:
         res.first_bad_step = res.onsets[0].step
+        res.rule = res.onsets[0].rule
         res.drift = _drift(rows, res.first_bad_step, cfg)
     ckpts = list_checkpoints(run_dir) if run_dir is not None else []
     res.timeline = {
@@ -68,26 +85,18 @@ def triage(metrics: Path, run_dir: Path | None, cfg: TriageConfig | None = None,
             res.after_step, res.after = after[0], str(after[1])
     if res.rollback_step is not None and run_dir is not None and res.rollback is not None:
         res.commands = _commands(run_dir, Path(res.rollback), res.rollback_step, res.after_step)
-    res.resumed = _resumed(metrics)
+    res.resumed = _resumed(res.legs)
     if res.resumed is not None:
-        where = run_dir if run_dir is not None else metrics.parent
+        where = run_dir if run_dir is not None else Path(res.files[0]).parent
         res.commands.append(f"ckptforensics recovery --run-dir {where} --resumed-from {res.resumed['from']} --out recovery/")
     return res
 
 
-def _resumed(metrics: Path) -> dict[str, Any] | None:
-    """The legs of a log a restart wrote into (recovery.read_legs), when a later leg goes back
-    over an earlier one's steps: the run was rolled back to the step before it starts."""
-    from .recovery import read_legs
-
-    try:
-        legs = read_legs(metrics.parent, metrics)
-    except ForensicsError:
-        return None
-    back = [b.first - 1 for a, b in zip(legs, legs[1:], strict=False) if b.first <= a.last]
-    if not back:
-        return None
-    return {"from": back[-1], "legs": [{"source": leg.source, "first": leg.first, "last": leg.last, "steps": len(leg.rows)} for leg in legs]}
+def _resumed(legs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A run already rolled back: a leg of its log whose steps a later leg logged again (the
+    logs package's `superseded`); it resumed at the step before that later leg's first."""
+    back = [b["first"] - 1 for a, b in zip(legs, legs[1:], strict=False) if a["superseded"] and b["first"] <= a["last"]]
+    return {"from": back[-1], "legs": legs} if back else None
 
 
 def _commands(run_dir: Path, rollback: Path, before: int, after_step: int | None) -> list[str]:
@@ -118,6 +127,4 @@ def _drift(rows: dict[int, dict[str, float]], onset: int, cfg: TriageConfig) -> 
 
 
 def as_dict(res: TriageResult) -> dict[str, Any]:
-    from dataclasses import asdict
-
     return asdict(res)

@@ -376,7 +376,7 @@ def _lr_check(expect: dict[str, Any], resumed: Rows, jumps: Sequence[Any] = ()) 
     both = sorted(set(want) & set(have))
     if not both and jumps:
         j = jumps[0]
-        return Check("lr", "failed", j.baseline, j.value, f"the resumed leg's {j.message}", j.step)
+        return Check("lr", "failed", j.baseline, j.value, f"in the resumed leg, {j.message}", j.step)
     if not both:
         why = "no step where the plan and the resumed log both state the LR" if expect else "no plan given (--plan), and no LR jump in the resumed leg"
         return Check("lr", "unknown", None, None, why)
@@ -492,6 +492,9 @@ def _onsets(pre: Rows, resumed: Rows, resumed_from: int) -> list[Any]:
     return [o for o in found if o.step > resumed_from]
 
 
+_LR_SIGNALS = ("lr", "lr_restart")
+
+
 def relapse_steps(onsets: Sequence[Any], pre: Rows | None = None, resumed: Rows | None = None) -> list[int]:
     """The steps where the incident comes back: each loss or grad-norm onset (triage's, so a
     grad-norm one the loss followed), dated to an LR jump at most `LOSS_FOLLOW` steps before it
@@ -507,7 +510,7 @@ def relapse_steps(onsets: Sequence[Any], pre: Rows | None = None, resumed: Rows 
     lr = sorted(o.step for o in onsets if o.signal == "lr")
     out = set()
     for o in onsets:
-        if o.signal == "lr":
+        if o.signal in _LR_SIGNALS:  # an LR restart (triage's `lr_restart`) is the resume's fault, not the incident's
             continue
         cause = [s for s in lr if o.step - LOSS_FOLLOW <= s <= o.step]
         out.add(cause[0] if cause else o.step)
@@ -558,7 +561,7 @@ def summarize(status: str, step: int | None, resumed_from: int, windows: Sequenc
         head = f"Not recovered: the loss is {last.ratio:.3g}x the pre-incident trajectory at step {last.last} and the gap is not closing." if last else "Not recovered: no step logged after the resume."
     failed = [c for c in checks if c.status == "failed"]
     if failed:
-        head += " The resume is not the plan: " + "; ".join(c.message for c in failed) + "."
+        head += " The resume went wrong: " + "; ".join(c.message for c in failed) + "."
     return head
 
 
@@ -603,7 +606,9 @@ def recovery(
     relapses = relapse_steps(found, sp.pre, sp.resumed)
     windows = judge(sp.resumed, loss_t, grad_t, relapses, width)
     status, step, trend = verdict_of(windows, relapses, sp.resumed, loss_t, width)
-    checks, after = _checks(run_dir, resumed_from, sp, expect, flight, checkpoint, [o for o in found if o.signal == "lr"])
+    # The LR check reads triage's LR onsets: a scheduler restarted at the resume first.
+    lr_onsets = sorted((o for o in found if o.signal in _LR_SIGNALS), key=lambda o: (o.signal != "lr_restart", o.step))
+    checks, after = _checks(run_dir, resumed_from, sp, expect, flight, checkpoint, lr_onsets)
     res = RecoveryResult(status, step, resumed_from, onset, "", windows, [{"step": o.step, "signal": o.signal, "message": o.message} for o in found], checks)
     res.summary = summarize(status, step, resumed_from, windows, trend, checks, found)
     res.gap_trend = trend

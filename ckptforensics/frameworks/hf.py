@@ -91,8 +91,8 @@ def skip(steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[i
     if sample_ids:
         ids = sorted(set(sample_ids))
         text = (
-            f"skip = {ids}  # rows of train_dataset (the Trainer's dataset indices)\n"
-            "train_dataset = train_dataset.select([i for i in range(len(train_dataset)) if i not in set(skip)])"
+            f"skip = {set(ids)}  # rows of train_dataset (the dataset indices the Trainer's sampler draws)\n"
+            "train_dataset = train_dataset.select([i for i in range(len(train_dataset)) if i not in skip])"
         )
         return Skip("HF dataset indices", ids, text)
     doc = skip_json(steps, sample_ids, rows)

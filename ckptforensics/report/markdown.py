@@ -111,7 +111,7 @@ def plan_lines(p: dict[str, Any], run_dir: str | None = None) -> list[str]:
     k = 2
     sk = p.get("skip")
     if sk:
-        what = f"samples {sk['sample_ids']}" if sk["sample_ids"] else f"the batch of step{'s' if len(sk['steps']) > 1 else ''} {', '.join(map(str, sk['steps']))}"
+        what = f"samples {sorted(sk['sample_ids'])}" if sk["sample_ids"] else f"the batch of step{'s' if len(sk['steps']) > 1 else ''} {', '.join(map(str, sk['steps']))}"
         lines += [f"{k}. **Skip** {what} ({sk['format']}):", "", "```", sk["text"], "```"]
         k += 1
     for c in p["changes"]:

@@ -251,9 +251,16 @@ def plan(
     trainer's own terms, each change marked verified by the what-if or not replayed. The
     report holds the replay's verdict, the `whatif` section and the `plan` section; the skip
     list, where there is one, is `report.extra["skip"]` (saved as skip.json)."""
+    from .errors import ForensicsError
     from .formats import open_checkpoint
     from .plan import mitigations, plan_section
+    from .shard import dist_world
 
+    if dist_world()[1] > 1:
+        raise ForensicsError(
+            "plan runs in one process (its what-if follows from the replay's verdict); under torchrun run `replay` and "
+            "`whatif`, then `ckptforensics plan incident/ whatif/`"
+        )
     opts = dict(data=data, run_dir=run_dir, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
                 checkpoint_activations=checkpoint_activations, labels=labels, allow_mismatch=allow_mismatch, progress=progress)  # fmt: skip
     rep = replay(before, batch, after=after, command=command, **opts)

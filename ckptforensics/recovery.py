@@ -473,6 +473,7 @@ class RecoveryResult:
     plan: str | None = None
     log: str = ""
     checkpoint_after: str | None = None
+    run_dir: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -621,7 +622,7 @@ def recovery(
     }
     res.legs = [{"source": leg.source, "first": leg.first, "last": leg.last, "steps": len(leg.rows)} for leg in legs]
     res.series = _series(sp, loss_t, grad_t)
-    res.plan, res.log, res.checkpoint_after = plan_source, sp.resumed_source, after
+    res.plan, res.log, res.checkpoint_after, res.run_dir = plan_source, sp.resumed_source, after, str(run_dir)
     return res
 
 
@@ -766,7 +767,7 @@ def recovery_report(res: RecoveryResult, command: str) -> tuple[dict[str, Any], 
     causes = [{"cause": "none", "confidence": 1.0, "evidence": []}] if res.status == "recovered" else [{"cause": "undiagnosed", "confidence": 0.0, "evidence": [f.id for f in findings]}]
     v = Verdict(summary=res.summary, causes=causes, first_bad_step=res.step if res.status == "relapsed" else None)
     v.recommended_actions = _actions(res)
-    run = Path(res.log).parent if res.log else Path(".")
+    run = Path(res.run_dir or ".")
     back = next((p for s, p in (list_checkpoints(run) if run.is_dir() else []) if s == res.resumed_from), None)
     paths = [p for p in (back, Path(res.checkpoint_after) if res.checkpoint_after else None) if p is not None]
     opened = [open_checkpoint(p, check=False) for p in paths]

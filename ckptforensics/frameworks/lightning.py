@@ -42,11 +42,14 @@ def settings(ck: Checkpoint) -> Settings:
     src = None
     cfg = _cli_config(path)
     if cfg is not None:
-        import yaml
-
+        try:
+            import yaml  # PyYAML comes with Lightning
+        except ImportError:
+            cfg = None
+    if cfg is not None:
         try:
             doc = yaml.safe_load(cfg.read_text()) or {}
-        except (OSError, yaml.YAMLError):
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
             doc = {}
         for section in ("trainer", "model"):
             for k, v in (doc.get(section) or {}).items() if isinstance(doc.get(section), dict) else ():

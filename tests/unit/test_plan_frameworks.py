@@ -95,3 +95,62 @@ def test_what_a_cause_calls_for() -> None:
     jump = _doc("lr_too_high", 35)
     jump["findings"] = [{"kind": "lr_step_jump", "metrics": {"step": 35, "groups": [0, 1], "lr_before": 0.002, "lr": 0.2}}]
     assert mitigations(jump, 1.0)[0] == "lr_scale=0.01"
+
+
+# The readers of these formats are tested on files their frameworks wrote (test_deepspeed,
+# test_lightning_cli, test_dcp); here the planner reads the view a reader fills.
+def _view(path: Path, fmt: str, **scalars: Any) -> Any:
+    from ckptforensics.formats.base import Checkpoint
+
+    path.mkdir(parents=True, exist_ok=True)
+    return Checkpoint(path=path, format=fmt, scalars=dict(scalars))
+
+
+def test_deepspeed_ds_config_keys(tmp_path: Path) -> None:
+    ck = _view(tmp_path / "ckpt" / "global_step20", "deepspeed", ds_config={"gradient_clipping": 1.0, "bf16": {"enabled": False}, "fp16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}})
+    planner = planner_for(ck)
+    s = planner.settings(ck)
+    assert planner.NAME == "deepspeed" and s.values["optimizer.params.lr"] == 3e-4
+    edits = planner.edits("precision", "bf16", s) + planner.edits("clip", 0.5, s)
+    text = planner.render(edits, s)
+    assert '-  "fp16.enabled": true' in text and '+  "bf16.enabled": true' in text and '+  "gradient_clipping": 0.5' in text
+    assert "tag='global_step20'" in planner.resume(ck.path, 20, s)[0].after
+
+
+def test_torchtitan_keys_from_the_job_toml(tmp_path: Path) -> None:
+    dump = tmp_path / "outputs"
+    (dump / "checkpoint").mkdir(parents=True)
+    (dump / "llama3_debug.toml").write_text('[training]\nmax_norm = 1.0\n\n[optimizer]\nlr = 8e-4\n\n[checkpoint]\nload_step = -1\nexclude_from_loading = ["optimizer"]\n')
+    ck = _view(dump / "checkpoint" / "step-30", "dcp")
+    planner = planner_for(ck)
+    s = planner.settings(ck)
+    assert planner.NAME == "torchtitan" and s.source.endswith("llama3_debug.toml")
+    text = planner.render(planner.edits("clip", 0.5, s), s)
+    assert "-[training] max_norm = 1.0" in text and "+[training] max_norm = 0.5" in text and "--training.max_norm 0.5" in text
+    resume = {e.key: e for e in planner.resume(ck.path, 30, s)}
+    assert resume["checkpoint.load_step"].after == 30
+    assert resume["checkpoint.exclude_from_loading"].after == [] and "loses" in resume["checkpoint.exclude_from_loading"].note
+
+
+def test_lightning_cli_config_and_the_trainer_arguments(tmp_path: Path) -> None:
+    version = tmp_path / "lightning_logs" / "version_0"
+    (version / "checkpoints").mkdir(parents=True)
+    (version / "config.yaml").write_text("trainer:\n  gradient_clip_val: 1.0\n  precision: 16-mixed\nmodel:\n  lr: 0.003\n")
+    ck = _view(version / "checkpoints" / "epoch=0-step=30.ckpt", "lightning")
+    ck.config = {"lr": 0.003}
+    planner = planner_for(ck)
+    s = planner.settings(ck)
+    edits = planner.edits("precision", "bf16", s) + planner.edits("lr_scale", 0.5, s)
+    text = planner.render(edits, s)
+    assert '-trainer.precision: "16-mixed"' in text and '+trainer.precision: "bf16-mixed"' in text
+    assert "+model.lr: 0.0015" in text and "on_train_start" in text  # ckpt_path restores the old LR: scaled after
+    assert planner.resume(ck.path, 30, s)[0].key == "ckpt_path"
+
+
+def test_a_plain_loop_gets_its_lines_of_pytorch(tmp_path: Path) -> None:
+    ck = _view(tmp_path / "step_30.pt", "torch")
+    planner = planner_for(ck)
+    s = planner.settings(ck)
+    text = planner.render(planner.edits("clip", 0.5, s) + planner.edits("precision", "bf16", s), s)
+    assert "clip_grad_norm_(model.parameters(), 0.5)" in text and "torch.bfloat16" in text
+    assert "optimizer.load_state_dict" in planner.resume(ck.path, 30, s)[0].after

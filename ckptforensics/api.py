@@ -235,6 +235,7 @@ def plan(
     batch: str | Path | None = None,
     *,
     data: str | Path | None = None,
+    collator: str | None = None,
     run_dir: str | Path | None = None,
     model: str | None = None,
     precision: str = "auto",
@@ -265,7 +266,7 @@ def plan(
             "plan runs in one process (its what-if follows from the replay's verdict); under torchrun run `replay` and "
             "`whatif`, then `ckptforensics plan incident/ whatif/`"
         )
-    opts = dict(data=data, run_dir=run_dir, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
+    opts = dict(data=data, collator=collator, run_dir=run_dir, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
                 checkpoint_activations=checkpoint_activations, labels=labels, allow_mismatch=allow_mismatch, progress=progress)  # fmt: skip
     rep = replay(before, batch, after=after, command=command, **opts)
     p = rep.plan

@@ -602,7 +602,7 @@ def plan_cmd(ctx: click.Context, reports: tuple[Path, ...], before: str | None, 
     from . import api
     from .locate import resolve_checkpoint
 
-    given = [k for k in ("batch", "data", "model") if opts.get(k)]
+    given = [k for k in ("batch", "data", "collator", "model") if opts.get(k)]
     if reports and (before or after or given or tries):
         raise click.UsageError("pass reports already written, or --before/--after with the replay's options; not both")
     if not reports and not (before and after):

@@ -189,3 +189,13 @@ def test_recovery_names_each_resume_of_lightning(lightning_resumes: dict[str, Pa
     _expect_truth(rep.doc, t)
     legs = rep.doc["recovery"]["legs"]
     assert [Path(leg["source"]).parent.name for leg in legs] == ["version_0", "version_1"]  # a CSVLogger version a launch
+
+
+def test_plan_refuses_conflicting_inputs_before_any_work(tmp_path: Path) -> None:
+    r = CliRunner().invoke(cli, ["plan"])
+    assert r.exit_code == 2 and "pass --before and --after" in r.output
+    (tmp_path / "rep").mkdir()
+    r = CliRunner().invoke(cli, ["plan", str(tmp_path / "rep"), "--before", "30", "--after", "35"])
+    assert r.exit_code == 2 and "not both" in r.output
+    r = CliRunner().invoke(cli, ["plan", str(tmp_path / "rep")])  # a directory without a report
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "report.json" in r.output

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned: 2.13.0 is the CPU build; an unpinned torch pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: venv demo test lint bench clean zoo zoo-heldout zoo-tuning fuzz log-draws-tuning log-draws-heldout
+.PHONY: venv demo demo-loop test lint bench clean zoo zoo-heldout zoo-tuning fuzz log-draws-tuning log-draws-heldout
 
 $(BIN)/.ready: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,15 @@ demo: venv
 	$(BIN)/ckptforensics replay --run-dir build/demo/poison_batch --before 30 --after 35 \
 		--model fixtures/tinygpt.py:factory --batch build/demo/poison_batch/batches.h5 --out build/demo/report
 	@echo "report: build/demo/report/report.md"
+
+# The on-call loop's second half on the demo incident: the resume plan, the resume as planned
+# (the zoo's own loop), and whether the resumed run recovered.
+demo-loop: demo
+	$(BIN)/ckptforensics plan --run-dir build/demo/poison_batch --before 30 --after 35 \
+		--model fixtures/tinygpt.py:factory --batch build/demo/poison_batch/batches.h5 --out build/demo/plan
+	$(BIN)/python fixtures/resume_runs.py --apply build/demo/plan --run build/demo/poison_batch --out build/demo/resumed
+	$(BIN)/ckptforensics recovery --run-dir build/demo/resumed --resumed-from 30 --plan build/demo/plan --out build/demo/recovery
+	@echo "plan: build/demo/plan/report.md; recovery: build/demo/recovery/report.md"
 
 zoo: venv
 	$(BIN)/python fixtures/zoo.py --out build/zoo

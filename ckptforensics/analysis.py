@@ -308,12 +308,14 @@ def _whatif(cfg: Any, n_steps: int, tries: list[str], skip_rows: dict[int, list[
 
     mitigations = [parse_mitigation(t) for t in tries]
     auto = skip_rows
+    auto_ids: dict[int, list[int]] = {}
     if any(k == "skip_samples" and v == "auto" for m in mitigations for k, v in m.knobs) and not auto:
         from .bisect import bisect
 
         first = _step_of(cfg.before) + 1
         res, _ = bisect(cfg, progress, steps=list(range(first, first + n_steps)))
         auto = {res.first_bad_step: res.rows} if res.rows else {}
+        auto_ids = {res.first_bad_step: res.sample_ids} if res.rows and res.sample_ids else {}
     outcomes, best, info = whatif(cfg, n_steps, mitigations, auto, progress)
     msg = (
         f"{best} keeps the run on track over {n_steps} steps (least invasive that does)"
@@ -322,7 +324,7 @@ def _whatif(cfg: Any, n_steps: int, tries: list[str], skip_rows: dict[int, list[
     )
     finding = Finding("F1", "whatif", best or "run", 1.0, "info", {"recommended": best, **info}, msg, "docs/signatures.md#what-if", ())
     verdict = decide_whatif(before=str(cfg.before), n_steps=n_steps, outcome=msg, recommended=best, baseline_on_track=bool(info["baseline_on_track"]))
-    section = {"outcomes": [asdict(o) for o in outcomes], "recommended": best, **info, "auto_rows": {str(k): v for k, v in (auto or {}).items()}}
+    section = {"outcomes": [asdict(o) for o in outcomes], "recommended": best, **info, "auto_rows": {str(k): v for k, v in (auto or {}).items()}, "auto_sample_ids": {str(k): v for k, v in auto_ids.items()}}
     with open_checkpoint(cfg.before) as a:
         doc = build_report(command=command, before=a, after=a, verdict=verdict, findings=[finding], sections={"whatif": section})
     return doc, [finding]

@@ -18,6 +18,7 @@ __all__ = [
     "flip_bit",
     "bit_role",
     "robust_z",
+    "theil_sen",
     "adam_ratio_bound",
 ]
 
@@ -281,13 +282,22 @@ def _trend_at(xs: list[int], ys: list[float], x: int) -> float:
     of pairwise slopes; Theil 1950, Sen 1968) through the last 2 x CURVE_SHORT accepted
     points. A line follows a steep early descent that a rolling median lags behind, and one
     outlier among 16 points moves it little (29% breakdown)."""
-    n = len(ys)
-    if n < 3:
+    if len(ys) < 3:
         return float(np.median(ys))
+    slope, intercept = theil_sen(xs, ys)
+    return intercept + slope * x
+
+
+def theil_sen(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(slope, intercept) of Theil-Sen's robust line: the median of pairwise slopes, the
+    median of the residual offsets (Theil 1950, Sen 1968; 29% breakdown)."""
     xa, ya = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
-    i, j = np.triu_indices(n, 1)
-    slope = float(np.median((ya[j] - ya[i]) / (xa[j] - xa[i])))
-    return float(np.median(ya - slope * xa)) + slope * x
+    if len(ya) < 2:
+        return 0.0, float(np.median(ya)) if len(ya) else 0.0
+    i, j = np.triu_indices(len(ya), 1)
+    keep = xa[j] != xa[i]
+    slope = float(np.median((ya[j] - ya[i])[keep] / (xa[j] - xa[i])[keep])) if keep.any() else 0.0
+    return slope, float(np.median(ya - slope * xa))
 
 
 # Steps within which the loss must answer a grad-norm spike for it to start an incident: a

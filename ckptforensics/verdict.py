@@ -20,6 +20,7 @@ CAUSES = (
     "loss_scale_collapse",
     "poison_batch",
     "adam_instability",
+    "attention_logit_growth",
     "output_logit_divergence",
     "silent_corruption",
     "none",
@@ -49,7 +50,18 @@ _ACTIONS = {
         "Resume from {rollback} with a larger Adam epsilon or lower beta2 for the affected layers (Molybog 2304.09871).",
     ],
     "poison_batch": ["Skip the culprit batch from {rollback} (`ckptforensics bisect` finds the rows)."],
+    "attention_logit_growth": [
+        "Resume from {rollback} with QK-norm (LayerNorm on each head's queries and keys, Dehghani et al. 2023) or "
+        "attention-logit soft-capping (Gemma 2: 50 tanh(x/50)) in {layer}, or a lower LR; `ckptforensics audit` checks the fix.",
+    ],
+    "output_logit_divergence": [
+        "Resume from {rollback} with z-loss (1e-4 log^2 Z, PaLM) or final-logit soft-capping (Gemma 2: 30 tanh(x/30)) on "
+        "{layer}, or weight decay on the head; `ckptforensics audit` checks log Z.",
+    ],
 }
+
+# Causes whose finding names the layer to fix: it leads the verdict's module fields.
+_LAYER_CAUSES = {"attention_logit_growth": "attention_logit_growth", "output_logit_divergence": "output_logit_drift"}
 
 
 @dataclass(slots=True)
@@ -223,7 +235,13 @@ def decide(
             )
         )
         return v
-    v.recommended_actions = [a.format(rollback=rollback or "an earlier checkpoint", after=after) for a in _ACTIONS.get(top, [])]
+    layer_finding = next((f for f in findings if top in _LAYER_CAUSES and f.kind == _LAYER_CAUSES[top] and f.primary), None)
+    if layer_finding is not None:
+        # The layer whose logits grew is the one to fix; modules the replay saw move after it are its effect.
+        v.first_anomalous_module = layer_finding.subject
+        v.exploding_layers = list(dict.fromkeys([layer_finding.subject, *v.exploding_layers]))[:10]
+    layer = layer_finding.subject if layer_finding is not None else "the affected layers"
+    v.recommended_actions = [a.format(rollback=rollback or "an earlier checkpoint", after=after, layer=layer) for a in _ACTIONS.get(top, [])]
     lr_groups = [f for f in findings if f.kind in ("lr_above_schedule", "lr_jump") and top in f.supports]
     if lr_groups and top != "lr_too_high":
         members = list(dict.fromkeys(m for f in lr_groups for m in f.metrics.get("modules", [])))

@@ -10,7 +10,7 @@ from typing import Any
 
 from .detectors import Finding, module_of
 
-__all__ = ["replay_fields", "Verdict", "decide", "CAUSES"]
+__all__ = ["replay_fields", "Verdict", "decide", "decide_audit", "CAUSES"]
 
 CAUSES = (
     "gradient_explosion",
@@ -294,3 +294,31 @@ def decide_whatif(*, before: str, n_steps: int, outcome: str, recommended: str |
     v.recommended_actions = [f"Resume from {before} with {recommended}."] if recommended else []
     return v
 
+
+
+def decide_audit(findings: Sequence[Finding], rows: Sequence[Any], *, checkpoint: str) -> Verdict:
+    """The verdict of an `audit`: it diagnoses no incident; its causes are the failure modes
+    the run is exposed to, ranked by its risks as a diagnosis ranks evidence (info-level
+    risks weigh nothing: "none" when only they remain), and its actions are the risks'
+    fixes, most severe first."""
+    causes = rank_causes(findings)
+    risks = [r for r in rows if r.status == "risk"]
+    order = {"critical": 0, "warning": 1, "info": 2}
+    risks.sort(key=lambda r: order[r.severity])
+    counts = {s: sum(1 for r in risks if r.severity == s) for s in order}
+    unknown = sum(1 for r in rows if r.status == "unknown")
+    head = f"Audit of {checkpoint}: " + (
+        ", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" risk{'s' if len(risks) != 1 else ''} in {len(rows)} checks"
+        if risks
+        else f"no risk in {len(rows)} checks"
+    ) + (f" ({unknown} not checkable from what the run recorded)." if unknown else ".")
+    parts = [head]
+    if risks and risks[0].severity != "info":
+        parts.append(risks[0].message[0].upper() + risks[0].message[1:] + ".")
+    if causes[0]["cause"] != "none":
+        parts.append("Exposed to: " + ", ".join(c["cause"] for c in causes[:3]) + ".")
+    v = Verdict(summary=" ".join(parts), causes=causes, rollback_checkpoint=None)
+    v.recommended_actions = list(dict.fromkeys(f"{r.id.replace('_', ' ')}: {r.fix}" for r in risks if r.fix))
+    subjects = [r.subject for r in risks if r.severity != "info" and r.subject != "run"]
+    v.exploding_layers = list(dict.fromkeys(subjects))[:10]
+    return v

@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..replay.probes import attention_logit_stats, logits_of, softmax_logit_stats
 
-__all__ = ["AttentionLayer", "Architecture", "trace_architecture", "PLACEMENTS"]
+__all__ = ["AttentionLayer", "Architecture", "trace_architecture", "trace_pass", "PLACEMENTS"]
 
 # What `norm_placement` may say, per layer and for the model.
 PLACEMENTS = ("pre", "post", "reordered", "sandwich", "none", "mixed", "unknown")
@@ -491,7 +491,18 @@ def trace_architecture(model: nn.Module, batch: dict[str, torch.Tensor]) -> Arch
 
     Returns:
         The architecture (`Architecture`); what could not be decided is in its notes.
+
+    Example:
+        >>> arch = trace_architecture(model, {"input_ids": ids})
+        >>> arch.norm_placement, arch.qk_norm
+        ('pre', False)
     """
+    return trace_pass(model, batch)[0]
+
+
+def trace_pass(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Architecture, torch.Tensor]:
+    """`trace_architecture`, and the pass's logits with their graph (a caller may take the
+    gradient of a loss on them: the audit's RMS_t)."""
     was_training = model.training
     model.eval()
     trace = _Trace(model)
@@ -513,7 +524,7 @@ def trace_architecture(model: nn.Module, batch: dict[str, torch.Tensor]) -> Arch
     if logits is None or logits.grad_fn is None:
         raise ValueError("the model's output has no logits with a gradient graph")
     g = _Graph(logits.grad_fn)
-    return _read(trace, g, logits, names)
+    return _read(trace, g, logits, names), logits
 
 
 def _read(trace: _Trace, g: _Graph, logits: torch.Tensor, names: dict[int, str]) -> Architecture:

@@ -194,6 +194,10 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def render_html(doc: dict[str, Any]) -> str:
+    if doc.get("audit"):
+        from .audit import render_audit_html
+
+        return render_audit_html(doc)
     v, inc = doc["verdict"], doc["incident"]
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>ckptforensics report</title>",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["render_markdown", "fmt"]
+__all__ = ["render_markdown", "fmt", "md_table"]
 
 
 def fmt(x: Any) -> str:
@@ -39,11 +39,19 @@ def _row(cells: list[Any]) -> str:
     return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
-def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
+def md_table(head: list[str], rows: list[list[Any]]) -> list[str]:
+    """A markdown table's lines (cells escaped)."""
     return [_row(head), _row(["---"] * len(head)), *(_row(r) for r in rows)]
 
 
+_table = md_table
+
+
 def render_markdown(doc: dict[str, Any]) -> str:
+    if doc.get("audit"):
+        from .audit import render_audit_markdown
+
+        return render_audit_markdown(doc)
     v = doc["verdict"]
     inc = doc["incident"]
     b, a = inc["before"], inc["after"]

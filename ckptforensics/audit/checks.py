@@ -23,7 +23,7 @@ __all__ = ["Check", "AuditEvidence", "TensorMoments", "CHECKS", "run_checks", "c
 AREAS = ("architecture", "numerics", "optimizer", "headroom", "observability")
 _SEV = {"critical": 0, "warning": 1, "info": 2}
 
-# Danger levels (docs/signatures.md#audit-*), each with its source.
+# Danger levels (the audit rows of docs/signatures.md), each with its source.
 # Gemma 2 soft-caps attention logits at 50 and final logits at 30 (Gemma Team 2024,
 # arXiv 2408.00118, sec. 2): levels a production model does not let a logit pass.
 ATTN_LOGIT_CAP = 50.0
@@ -61,7 +61,7 @@ class Check:
     """One audit row.
 
     Attributes:
-        id: the check ('norm_placement', 'qk_norm', ...; docs/signatures.md#audit-<id>).
+        id: the check ("norm_placement", "qk_norm", ...; its row in docs/signatures.md is audit-<id>).
         area: 'architecture', 'numerics', 'optimizer', 'headroom' or 'observability'.
         status: 'ok', 'risk' or 'unknown'.
         severity: 'info', 'warning' or 'critical' (a risk's weight; 'info' otherwise).
@@ -185,12 +185,8 @@ def _row(id: str, area: str, status: str, value: Any, threshold: Any, message: s
     return Check(id, area, status, severity if status == "risk" else "info", value, threshold, message, source, **kw)
 
 
-def _src(anchor: str, paper: str) -> str:
-    return f"docs/signatures.md#audit-{anchor} ({paper})"
-
-
-def _no_model(ev: AuditEvidence, id: str, area: str, anchor: str, paper: str) -> Check:
-    return _row(id, area, "unknown", None, None, f"not checked: {ev.arch_note or 'the model could not be built'}", _src(anchor, paper))
+def _no_model(ev: AuditEvidence, id: str, area: str, source: str) -> Check:
+    return _row(id, area, "unknown", None, None, f"not checked: {ev.arch_note or 'the model could not be built'}", source)
 
 
 # ---------------------------------------------------------------- architecture
@@ -199,10 +195,10 @@ def norm_placement(ev: AuditEvidence) -> Check:
     gradients near the output at initialisation, divergence without a long warm-up."""
     paper = "Xiong et al. 2020, arXiv 2002.04745; Liu et al. 2020, arXiv 2004.08249"
     if ev.arch is None:
-        return _no_model(ev, "norm_placement", "architecture", "norm-placement", paper)
+        return _no_model(ev, "norm_placement", "architecture", f"docs/signatures.md#audit-norm-placement ({paper})")
     p = ev.arch.norm_placement
     per = {x.module: x.placement for x in ev.arch.layers}
-    src = _src("norm-placement", paper)
+    src = f"docs/signatures.md#audit-norm-placement ({paper})"
     if p in ("pre", "reordered", "sandwich"):
         return _row("norm_placement", "architecture", "ok", p, "pre, reordered or sandwich", f"norm placement {p} in all {len(per)} attention layers", src)
     if p in ("post", "none"):
@@ -219,8 +215,8 @@ def qk_norm(ev: AuditEvidence) -> Check:
     unbounded: they grow with the weights at a high LR until attention collapses."""
     paper = "Dehghani et al. 2023, arXiv 2302.05442; Wortsman et al. 2023, arXiv 2309.14322"
     if ev.arch is None:
-        return _no_model(ev, "qk_norm", "architecture", "qk-norm", paper)
-    src = _src("qk-norm", paper)
+        return _no_model(ev, "qk_norm", "architecture", f"docs/signatures.md#audit-qk-norm ({paper})")
+    src = f"docs/signatures.md#audit-qk-norm ({paper})"
     layers = ev.arch.layers
     if not layers:
         return _row("qk_norm", "architecture", "unknown", None, True, "no attention call was seen in the forward pass", src)
@@ -245,13 +241,13 @@ def logit_control(ev: AuditEvidence) -> Check:
     """Nothing holds the head's logits to the log-probabilities without z-loss or a final
     soft-cap: log Z is free to drift."""
     paper = "Chowdhery et al. 2022 (PaLM), arXiv 2204.02311, sec. 5; Gemma Team 2024, arXiv 2408.00118"
-    src = _src("logit-control", paper)
+    src = f"docs/signatures.md#audit-logit-control ({paper})"
     if ev.z_loss:
         return _row("logit_control", "architecture", "ok", f"z-loss {ev.z_loss:g}", "z-loss or soft-cap", f"z-loss {ev.z_loss:g} ({ev.z_loss_source})", src)
     if ev.arch is not None and ev.arch.final_softcap:
         return _row("logit_control", "architecture", "ok", "final soft-cap", "z-loss or soft-cap", "the head's logits pass a tanh soft-cap", src)
     if ev.arch is None:
-        return _no_model(ev, "logit_control", "architecture", "logit-control", paper)
+        return _no_model(ev, "logit_control", "architecture", f"docs/signatures.md#audit-logit-control ({paper})")
     lz = ev.arch.log_z
     hot = math.isfinite(lz) and abs(lz) > FINAL_LOGIT_CAP
     return _row(
@@ -266,13 +262,13 @@ def tied_embeddings(ev: AuditEvidence) -> Check:
     """Whether the head reuses the token embedding: context for the embedding and head rows."""
     paper = "Press & Wolf 2017, arXiv 1608.05859; Chowdhery et al. 2022, sec. 2"
     if ev.arch is None:
-        return _no_model(ev, "tied_embeddings", "architecture", "tied-embeddings", paper)
+        return _no_model(ev, "tied_embeddings", "architecture", f"docs/signatures.md#audit-tied-embeddings ({paper})")
     t = ev.arch.tied_embeddings
     return _row(
         "tied_embeddings", "architecture", "ok" if t is not None else "unknown", t, None,
         ("the head reuses the token embedding" if t else "the head has its own weight" if t is False else "the head's weight was not found")
         + (f" ({ev.arch.head_param})" if ev.arch.head_param else ""),
-        _src("tied-embeddings", paper),
+        f"docs/signatures.md#audit-tied-embeddings ({paper})",
     )
 
 
@@ -281,9 +277,9 @@ def embedding_scale(ev: AuditEvidence) -> Check:
     gradient rides; far below 1 breaks Takase et al.'s large-shortcut condition."""
     paper = "Takase et al. 2023, Spike No More, arXiv 2312.16903"
     if ev.arch is None:
-        return _no_model(ev, "embedding_scale", "architecture", "embedding-scale", paper)
+        return _no_model(ev, "embedding_scale", "architecture", f"docs/signatures.md#audit-embedding-scale ({paper})")
     r = ev.arch.embed_rms
-    src = _src("embedding-scale", paper)
+    src = f"docs/signatures.md#audit-embedding-scale ({paper})"
     if not math.isfinite(r):
         return _row("embedding_scale", "architecture", "unknown", None, EMBED_RMS_MIN, "the stream entering the first attention layer was not found", src)
     if ev.arch.norm_placement == "post":
@@ -300,7 +296,7 @@ def embedding_scale(ev: AuditEvidence) -> Check:
 # ---------------------------------------------------------------- numerics
 def fp16_loss_scaler(ev: AuditEvidence) -> Check:
     """fp16 gradients underflow without a loss scale (and overflow past 65504)."""
-    src = _src("fp16-loss-scaler", "Micikevicius et al. 2018, Mixed Precision Training, arXiv 1710.03740, sec. 3.2")
+    src = "docs/signatures.md#audit-fp16-loss-scaler (Micikevicius et al. 2018, Mixed Precision Training, arXiv 1710.03740, sec. 3.2)"
     if ev.precision != "fp16":
         return _row("fp16_loss_scaler", "numerics", "ok", ev.precision, None, f"{ev.precision} training ({ev.precision_source}): no loss scale needed", src)
     if ev.loss_scale is None and not ev.scales:
@@ -320,7 +316,7 @@ def fp16_loss_scaler(ev: AuditEvidence) -> Check:
 
 def master_weights(ev: AuditEvidence) -> Check:
     """bf16 weights updated in bf16 lose every update below half their spacing."""
-    src = _src("master-weights", "Kalamkar et al. 2019, arXiv 1905.12322; Zamirai et al. 2020, arXiv 2010.06192")
+    src = "docs/signatures.md#audit-master-weights (Kalamkar et al. 2019, arXiv 1905.12322; Zamirai et al. 2020, arXiv 2010.06192)"
     if ev.weight_dtype != "bfloat16":
         return _row("master_weights", "numerics", "ok", ev.weight_dtype, None, f"weights stored in {ev.weight_dtype}", src)
     lost = ev.bf16_lost
@@ -343,7 +339,7 @@ def master_weights(ev: AuditEvidence) -> Check:
 def loss_scale_history(ev: AuditEvidence) -> Check:
     """Loss-scale backoffs per 1000 steps against the scaler's equilibrium (one halving per
     growth interval): more, and the scale trends down toward collapse."""
-    src = _src("loss-scale-history", "torch.amp.GradScaler growth_interval 2000 / backoff 0.5; Micikevicius et al. 2018")
+    src = "docs/signatures.md#audit-loss-scale-history (torch.amp.GradScaler growth_interval 2000 / backoff 0.5; Micikevicius et al. 2018)"
     if ev.precision != "fp16":
         return _row("loss_scale_history", "numerics", "ok", None, None, f"{ev.precision} training: no loss scale to back off", src)
     if len(ev.scales) < 2:
@@ -367,7 +363,7 @@ def loss_scale_history(ev: AuditEvidence) -> Check:
 def adam_epsilon(ev: AuditEvidence) -> Check:
     """Tensors whose second moment fell below eps^2 for most elements: Adam's update there
     is m / eps, not normalised."""
-    src = _src("adam-epsilon", "Molybog et al. 2023, arXiv 2304.09871")
+    src = "docs/signatures.md#audit-adam-epsilon (Molybog et al. 2023, arXiv 2304.09871)"
     if not ev.moments or ev.eps is None:
         return _row("adam_epsilon", "optimizer", "unknown", None, EPS_SHARE, "no Adam state in the checkpoint", src)
     total = sum(m.numel for m in ev.moments)
@@ -390,7 +386,7 @@ def adam_epsilon(ev: AuditEvidence) -> Check:
 def beta2(ev: AuditEvidence) -> Check:
     """beta2's half-life in steps (and tokens) against what this batch's gradient needs:
     RMS_t > 1 says the second moment is out of date for a tensor (StableAdamW)."""
-    src = _src("beta2", "Wortsman et al. 2023, arXiv 2304.13013, sec. 3.4; Marek et al. 2025, arXiv 2507.07101")
+    src = "docs/signatures.md#audit-beta2 (Wortsman et al. 2023, arXiv 2304.13013, sec. 3.4; Marek et al. 2025, arXiv 2507.07101)"
     if ev.betas is None:
         return _row("beta2", "optimizer", "unknown", None, RMS_T_LIMIT, "no Adam state in the checkpoint", src)
     b2 = ev.betas[1]
@@ -419,7 +415,7 @@ def beta2(ev: AuditEvidence) -> Check:
 def weight_decay(ev: AuditEvidence) -> Check:
     """Weight decay on norm gains and embeddings pulls them toward zero: the norms' scale
     and the embedding's shortcut shrink (OLMo 2 dropped it on embeddings for stability)."""
-    src = _src("weight-decay", "Team OLMo 2024, OLMo 2, arXiv 2501.00656; Megatron-LM / nanoGPT exclude norms and biases")
+    src = "docs/signatures.md#audit-weight-decay (Team OLMo 2024, OLMo 2, arXiv 2501.00656; Megatron-LM / nanoGPT exclude norms and biases)"
     if not ev.decayed:
         return _row("weight_decay", "optimizer", "unknown", None, 0.0, "no optimizer param groups in the checkpoint", src)
     if ev.arch is None:
@@ -437,7 +433,7 @@ def weight_decay(ev: AuditEvidence) -> Check:
 
 def clipping(ev: AuditEvidence) -> Check:
     """No gradient clipping lets one bad batch take a full-size step."""
-    src = _src("clipping", "Pascanu et al. 2013, arXiv 1211.5063; clip 1.0 in GPT-3, PaLM, LLaMA, OLMo")
+    src = "docs/signatures.md#audit-clipping (Pascanu et al. 2013, arXiv 1211.5063; clip 1.0 in GPT-3, PaLM, LLaMA, OLMo)"
     if ev.clip_source is None:
         return _row("clipping", "optimizer", "unknown", None, None, "the run recorded no gradient-clipping setting", src)
     if not ev.clip:
@@ -451,7 +447,7 @@ def clipping(ev: AuditEvidence) -> Check:
 def warmup(ev: AuditEvidence) -> Check:
     """Warm-up shorter than 2 / (1 - beta2) steps: Adam's second moment is still an average
     of too few gradients when the LR reaches its peak (Ma & Yarats 2021)."""
-    src = _src("warmup", "Ma & Yarats 2021, On the Adequacy of Untuned Warmup for Adaptive Optimization, arXiv 1910.04209; Wortsman et al. 2023, sec. 3.2.1")
+    src = "docs/signatures.md#audit-warmup (Ma & Yarats 2021, On the Adequacy of Untuned Warmup for Adaptive Optimization, arXiv 1910.04209; Wortsman et al. 2023, sec. 3.2.1)"
     if ev.warmup is None:
         return _row("warmup", "optimizer", "unknown", None, None, "no warm-up length recorded and no LR column in the log", src)
     b2 = ev.betas[1] if ev.betas else 0.999
@@ -472,8 +468,8 @@ def attention_logits(ev: AuditEvidence) -> Check:
     """The largest pre-softmax attention logit per layer on the traced batch."""
     paper = "Gemma 2 caps at 50, arXiv 2408.00118; Dehghani et al. 2023; Zhai et al. 2023, arXiv 2303.06296"
     if ev.arch is None:
-        return _no_model(ev, "attention_logits", "headroom", "attention-logits", paper)
-    src = _src("attention-logits", paper)
+        return _no_model(ev, "attention_logits", "headroom", f"docs/signatures.md#audit-attention-logits ({paper})")
+    src = f"docs/signatures.md#audit-attention-logits ({paper})"
     layers = [x for x in ev.arch.layers if math.isfinite(x.max_logit)]
     if not layers:
         return _row("attention_logits", "headroom", "unknown", None, ATTN_LOGIT_CAP, "no attention logits measured", src)
@@ -499,9 +495,9 @@ def output_logits(ev: AuditEvidence) -> Check:
     checkpoint on the same batch."""
     paper = "PaLM z-loss, arXiv 2204.02311; Gemma 2 final cap 30; Wortsman et al. 2023, sec. 3.1.2"
     if ev.arch is None:
-        return _no_model(ev, "output_logits", "headroom", "output-logits", paper)
+        return _no_model(ev, "output_logits", "headroom", f"docs/signatures.md#audit-output-logits ({paper})")
     a = ev.arch
-    src = _src("output-logits", paper)
+    src = f"docs/signatures.md#audit-output-logits ({paper})"
     value: dict[str, Any] = {"log_z": a.log_z, "logit_mean": a.logit_mean, "logit_max": a.logit_max, "batch": ev.batch_source}
     drift = ""
     falling = False
@@ -525,7 +521,7 @@ def output_logits(ev: AuditEvidence) -> Check:
 def activation_growth(ev: AuditEvidence) -> Check:
     """Per-layer RMS of the residual stream after each attention add, now against the earlier
     checkpoint on the same batch: one layer growing out of line with the others."""
-    src = _src("activation-growth", "Rybakov et al. 2024, arXiv 2410.16682; Wortsman et al. 2023, sec. 3.4; OLMo-core 6 sigma")
+    src = "docs/signatures.md#audit-activation-growth (Rybakov et al. 2024, arXiv 2410.16682; Wortsman et al. 2023, sec. 3.4; OLMo-core 6 sigma)"
     if ev.arch is None or ev.prev is None:
         why = ev.arch_note if ev.arch is None else "no earlier checkpoint to compare with"
         return _row("activation_growth", "headroom", "unknown", None, GROWTH_LIMIT, f"not checked: {why}", src)
@@ -557,7 +553,7 @@ _RECORDER = (
 
 def grad_norm_logging(ev: AuditEvidence) -> Check:
     """Per-layer gradient norms in the log: what locates the layer a spike starts in."""
-    src = _src("grad-norm-logging", "OLMo-core logs optim/grad/<param>.norm; Megatron --log-params-norm")
+    src = "docs/signatures.md#audit-grad-norm-logging (OLMo-core logs optim/grad/<param>.norm; Megatron --log-params-norm)"
     if ev.log_file is None:
         return _row("grad_norm_logging", "observability", "risk", 0, None, "no training log found", src, "info", fix=_RECORDER)
     if ev.per_param_grad_columns:
@@ -567,7 +563,7 @@ def grad_norm_logging(ev: AuditEvidence) -> Check:
 
 def batch_log(ev: AuditEvidence) -> Check:
     """A batch log makes the next incident replayable step by step."""
-    src = _src("batch-log", "PaLM's replay of a spike from the batches around it, arXiv 2204.02311, sec. 5.1")
+    src = "docs/signatures.md#audit-batch-log (PaLM's replay of a spike from the batches around it, arXiv 2204.02311, sec. 5.1)"
     if ev.batch_log:
         return _row("batch_log", "observability", "ok", ev.batch_log, None, f"batch log {ev.batch_log}", src)
     return _row("batch_log", "observability", "risk", None, None, "no batch log next to the checkpoints: a spike's batches cannot be replayed", src, "info", fix=_RECORDER)

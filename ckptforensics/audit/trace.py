@@ -187,11 +187,20 @@ class _Recorder(TorchFunctionMode):
         elif func in _NORM_FUNCS and args and isinstance(args[0], torch.Tensor) and out.grad_fn is not None:
             params = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, nn.Parameter)]
             t.add_norm(_NormSite(args[0].grad_fn, out.grad_fn, params))
-        elif func in _ADD_FUNCS and len(args) >= 2 and all(isinstance(a, torch.Tensor) and a.is_floating_point() for a in args[:2]):
-            if out.grad_fn is not None and args[0].shape == args[1].shape == out.shape:
-                a, b = args[0].detach(), args[1].detach()
-                t.adds[out.grad_fn] = (_rms(a), _rms(b), _rms(out.detach()), args[0].grad_fn, args[1].grad_fn)
+        elif func in _ADD_FUNCS and _same_shape_add(args, out):
+            a, b = args[0].detach(), args[1].detach()
+            t.adds[out.grad_fn] = (_rms(a), _rms(b), _rms(out.detach()), args[0].grad_fn, args[1].grad_fn)
         return out
+
+
+def _same_shape_add(args: tuple, out: torch.Tensor) -> bool:
+    """Two float tensors of one shape added (a residual add is one): their RMS is recorded."""
+    return (
+        len(args) >= 2
+        and all(isinstance(a, torch.Tensor) and a.is_floating_point() for a in args[:2])
+        and out.grad_fn is not None
+        and args[0].shape == args[1].shape == out.shape
+    )
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:

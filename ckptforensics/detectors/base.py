@@ -66,7 +66,7 @@ class Thresholds:
             and PaLM's z-loss holds log Z at 0 (Chowdhery et al. 2022, sec. 5).
         attn_logit: a pre-softmax attention logit past which attention saturates: Gemma 2
             soft-caps attention logits at 50 (arXiv 2408.00118, sec. 2); ViT-22B's divergence
-            came with logits far past it (Dehghani et al. 2023, sec. 3.1.1).
+            came with logits far past it (Dehghani et al. 2023, arXiv 2302.05442, sec. 2).
         attn_growth: a layer's attention logits grew (its max over the steps up to the bad
             step against its own value on the window's first step) by this factor, or its
             most collapsed head's entropy fell by it (Zhai et al. 2023's entropy collapse).

@@ -77,7 +77,7 @@ def render_audit_markdown(doc: dict[str, Any]) -> str:
         f"**{v['summary']}**",
         "",
         f"- **Checkpoint**: `{au['checkpoint']}` (step {fmt(au['step'])})",
-        f"- **Compared with**: " + (f"`{au['compared_with']['path']}` (step {fmt(au['compared_with']['step'])})" if au.get("compared_with") else "—"),
+        "- **Compared with**: " + (f"`{au['compared_with']['path']}` (step {fmt(au['compared_with']['step'])})" if au.get("compared_with") else "—"),
         f"- **Probed on**: {au['batch']}",
         "- **Exposed to**: " + ", ".join(f"{x['cause']} ({x['confidence']:.0%})" for x in v["causes"]),
         "",

@@ -396,7 +396,8 @@ def beta2(ev: AuditEvidence) -> Check:
     what = f"beta2 {b2:g}: v's half-life is {half:.3g} steps" + (f" ({tok:.3g} tokens)" if math.isfinite(tok) else "")
     names = [n for n in ev.rms_t if n not in ev.embedding_params and ev.rms_t[n] > 0 and math.isfinite(ev.rms_t[n])]
     if len(names) < 4:
-        return _row("beta2", "optimizer", "unknown", value, RMS_T_LIMIT, what + "; RMS_t not measured (no batch to take a gradient on)", src)
+        why = ev.arch_note if ev.arch is None else "no batch of the run to take a gradient on" if (ev.batch_source or "").startswith("random") else "no Adam state"
+        return _row("beta2", "optimizer", "unknown", value, RMS_T_LIMIT, f"{what}; RMS_t not measured ({why})", src)
     vals = np.array([ev.rms_t[n] for n in names])
     z = robust_z(np.log10(vals), floor=0.1)
     i = int(np.argmax(vals))

@@ -165,6 +165,17 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 for r in rep["steps"]
             ],
         )
+        att = rep.get("attention") or {}
+        if att:
+            steps = sorted(att, key=int)
+            mods = att[steps[0]]["modules"]
+            top = sorted(range(len(mods)), key=lambda i: -max((att[s]["max_logit"][i] for s in steps if i < len(att[s]["max_logit"])), default=0.0))[:6]
+            top.sort()
+            lines += ["", "Largest pre-softmax attention logit per layer (entropy of its most collapsed head, of uniform):", ""]
+            lines += _table(
+                ["step", *[f"`{mods[i]}`" for i in top]],
+                [[s, *[f"{fmt(att[s]['max_logit'][i])} ({fmt(att[s]['entropy'][i])})" for i in top]] for s in steps],
+            )
         lines += ["", "Configuration (value, source):", ""]
         for k, c in rep["config"].items():
             val = c["value"]

@@ -22,7 +22,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_LAZY = {"api": None, "Report": "api", "open_checkpoint": "formats", "open_pair": "formats", "record": None, "Recorder": "record"}
+_LAZY = {"api": None, "Report": "api", "open_checkpoint": "formats", "open_pair": "formats", "completeness": "formats", "record": None, "Recorder": "record"}
 
 __all__ = ["__version__", *_LAZY]
 

@@ -9,11 +9,12 @@ from typing import Any
 
 from .detectors import Finding, diff_findings, first_steps_from_state, replay_findings
 from .diff import DiffConfig, DiffResult, diff_checkpoints
+from .errors import ForensicsError, ReplayMismatch, doing
 from .formats import open_checkpoint, open_pair
 from .report import build_report
-from .verdict import decide, decide_whatif
+from .verdict import decide, decide_whatif, reattribute
 
-__all__ = ["run_diff", "run_replay", "run_bisect", "run_whatif", "replay_section"]
+__all__ = ["run_diff", "run_replay", "run_bisect", "run_whatif", "replay_section", "withheld_section", "trusted", "ReplayMismatch"]
 
 Progress = Callable[[str], None]
 
@@ -117,6 +118,7 @@ def replay_section(rep: Any, suspect: int | None) -> dict[str, Any]:
         "config": rep.config,
         "precision": rep.precision,
         "attention": attention,
+        "check": rep.check.as_dict(),
         "steps": [asdict(r) for r in rep.records],
         "logged": {str(k): _core(v) for k, v in rep.logged.items()},
         "history": {str(k): _core(v) for k, v in rep.baseline.items()},
@@ -137,6 +139,11 @@ def replay_section(rep: Any, suspect: int | None) -> dict[str, Any]:
     }
 
 
+def _window(what: str, cfg: Any) -> str:
+    """'replaying ckpt-45 to ckpt-50' (what a fault's one line says was being done)."""
+    return f"{what} {cfg.before}" + (f" to {cfg.after}" if cfg.after is not None else "")
+
+
 def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> tuple[dict[str, Any], list[Finding]] | None:
     """`ckptforensics replay`: replay (and diff, when *after* is given), merged into one verdict.
 
@@ -146,7 +153,7 @@ def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> t
     """
     from .replay import distributed, replay
 
-    with distributed.joined(cfg.device):
+    with distributed.joined(cfg.device), doing(_window("replaying", cfg)):
         rep = replay(cfg, progress=progress)
         rfind = replay_findings(rep)
         a, b, diff, dfind = _pair_diff(cfg)
@@ -181,12 +188,40 @@ def _close(*cks: Any) -> None:
             c.close()
 
 
+def trusted(cfg: Any, rfind: list[Finding]) -> Finding | None:
+    """None when the replay is evidence; else the finding that withholds it (its evidence is
+    dropped and the report says why). A replay that misses the log on its first checked step
+    is refused outright unless `cfg.allow_mismatch`.
+
+    Raises:
+        ReplayMismatch: the first checked step misses and the mismatch is not allowed.
+    """
+    bad = next((f for f in rfind if f.kind == "replay_withheld"), None)
+    if bad is None:
+        return None
+    if bad.metrics["status"] == "missed_first" and not cfg.allow_mismatch:
+        raise ReplayMismatch(f"{bad.message}; pass --allow-mismatch to write the report from the checkpoint diff alone")
+    return bad
+
+
+def withheld_section(rep: Any, why: Finding) -> dict[str, Any]:
+    """The `replay` block of a replay that is not evidence: its configuration and its check
+    against the log, nothing it measured."""
+    return {"config": rep.config, "precision": rep.precision, "check": rep.check.as_dict(), "withheld": why.message}
+
+
 def _replay_report(
-    cfg: Any, rep: Any, rfind: list[Finding], a: Any, b: Any, diff: DiffResult | None, dfind: list[Finding], command: str
+    cfg: Any, rep: Any, rfind: list[Finding], a: Any, b: Any, diff: DiffResult | None, dfind: list[Finding], command: str, more: dict[str, Any] | None = None
 ) -> tuple[dict[str, Any], list[Finding]]:
-    findings = _number(dfind + rfind)
     before_ok = diff is None or not any(t.nonfinite_a for t in diff.tensors)
     after_label = str(cfg.after) if cfg.after is not None else f"the replay of step {rep.records[0].step}"
+    why = trusted(cfg, rfind)
+    if why is not None:
+        findings = _number([*dfind, why])
+        verdict = decide(findings, before=str(cfg.before), after=after_label, before_healthy=before_ok, replayed=False, extra={"replay_check": {"status": why.metrics["status"], "reason": why.message}})
+        doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, diff=diff, sections={"replay": withheld_section(rep, why), **(more or {})})
+        return doc, findings
+    findings = _number(reattribute(dfind + rfind))
     verdict = decide(
         findings, before=str(cfg.before), after=after_label, before_healthy=before_ok, replayed=True, state_steps=first_steps_from_state(dfind, rep)
     )
@@ -201,7 +236,7 @@ def run_bisect(cfg: Any, *, command: str, progress: Progress | None = None, toke
     skip list); under torchrun, on ranks other than 0, None (see `run_replay`)."""
     from .replay import distributed
 
-    with distributed.joined(cfg.device) as ranks:
+    with distributed.joined(cfg.device) as ranks, doing(_window("bisecting", cfg)):
         # The pair's state evidence pins bad steps that do not spike (an LR already off
         # schedule in *before*, a collapsed second moment), as in `replay`.
         a, b, diff, dfind = _pair_diff(cfg)
@@ -222,7 +257,12 @@ def _bisect_report(
     from .bisect import bisect
 
     res, rep = bisect(cfg, progress, tokenizer=tokenizer, state_findings=dfind)
-    findings = _number(dfind + replay_findings(rep))
+    rfind = replay_findings(rep)
+    why = trusted(cfg, rfind)
+    if why is not None:  # withheld (allowed): the diff's verdict, the bisection's note
+        doc, findings = _replay_report(cfg, rep, rfind, a, b, diff, dfind, command, {"bisect": asdict(res)})
+        return doc, findings, {"steps": [], "sample_ids": [], "rows": {}}
+    findings = _number(reattribute(dfind + rfind))
     # The bisection's step and rows are what it proved by replaying; they override the
     # replay's single-pass reading.
     extra: dict[str, Any] = {}
@@ -252,7 +292,7 @@ def run_whatif(
     (under torchrun: by every rank together; ranks other than 0 return None)."""
     from .replay import distributed
 
-    with distributed.joined(cfg.device) as ranks:
+    with distributed.joined(cfg.device) as ranks, doing(f"replaying {n_steps} steps from {cfg.before} under each mitigation"):
         got = _whatif(cfg, n_steps, tries, skip_rows, command, progress)
         return got if ranks is None or ranks.rank == 0 else None
 
@@ -285,7 +325,5 @@ def _whatif(cfg: Any, n_steps: int, tries: list[str], skip_rows: dict[int, list[
 def _step_of(path: Path) -> int:
     with open_checkpoint(path) as c:
         if c.step is None:
-            from .errors import ForensicsError
-
             raise ForensicsError(f"{path}: the checkpoint does not record its step")
         return c.step

@@ -71,16 +71,13 @@ class Report:
         return cls(doc, list(doc.get("findings", [])), {"skip": doc["bisect"]["skip"]} if (doc.get("bisect") or {}).get("skip") else {})
 
     def save(self, out: str | Path) -> list[Path]:
-        """report.json, report.md, report.html and evidence.h5 under `out`, each atomically
-        (plus skip.json for a bisect); returns the paths written."""
-        from .report import atomic_write, to_json, write_report
+        """report.json, report.md, report.html and evidence.h5 under `out` (plus skip.json
+        for a bisect), written together: a failure leaves the previous report as it was.
+        Returns the paths written."""
+        from .report import to_json, write_report
 
-        out = Path(out)
-        written = write_report(out, self.doc)
-        if "skip" in self.extra:
-            atomic_write(out / "skip.json", to_json(self.extra["skip"]))
-            written.append(out / "skip.json")
-        return written
+        extra = {"skip.json": to_json(self.extra["skip"])} if "skip" in self.extra else None
+        return write_report(Path(out), self.doc, extra)
 
 
 def resolve(step_or_path: str | int | Path, run_dir: str | Path | None = None) -> Path:
@@ -140,6 +137,8 @@ def replay(
     loss: str | None = None,
     metrics: str | Path | None = None,
     checkpoint_activations: bool = False,
+    labels: str | None = None,
+    allow_mismatch: bool = False,
     progress: Progress | None = None,
     command: str = "ckptforensics.replay",
 ) -> Report:
@@ -150,7 +149,10 @@ def replay(
     what the run recorded)."""
     from .analysis import run_replay
 
-    cfg = _config(before, after, batch, run_dir, data=data, model=model, step=step, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics, checkpoint_activations=checkpoint_activations)
+    cfg = _config(
+        before, after, batch, run_dir, data=data, model=model, step=step, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
+        checkpoint_activations=checkpoint_activations, labels=labels, allow_mismatch=allow_mismatch,
+    )  # fmt: skip
     return Report(*_rank_zero(run_replay(cfg, command=command, progress=progress), "replay"))
 
 
@@ -168,6 +170,8 @@ def bisect(
     loss: str | None = None,
     metrics: str | Path | None = None,
     checkpoint_activations: bool = False,
+    labels: str | None = None,
+    allow_mismatch: bool = False,
     tokenizer: str | Path | None = None,
     progress: Progress | None = None,
     command: str = "ckptforensics.bisect",
@@ -176,7 +180,10 @@ def bisect(
     skip list for the trainer is `report.extra["skip"]`."""
     from .analysis import run_bisect
 
-    cfg = _config(before, after, batch, run_dir, data=data, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics, checkpoint_activations=checkpoint_activations)
+    cfg = _config(
+        before, after, batch, run_dir, data=data, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
+        checkpoint_activations=checkpoint_activations, labels=labels, allow_mismatch=allow_mismatch,
+    )  # fmt: skip
     doc, findings, skip = _rank_zero(run_bisect(cfg, command=command, progress=progress, tokenizer=Path(tokenizer) if tokenizer else None), "bisect")
     return Report(doc, findings, {"skip": skip})
 
@@ -196,6 +203,8 @@ def whatif(
     loss: str | None = None,
     metrics: str | Path | None = None,
     checkpoint_activations: bool = False,
+    labels: str | None = None,
+    allow_mismatch: bool = False,
     progress: Progress | None = None,
     command: str = "ckptforensics.whatif",
 ) -> Report:
@@ -204,7 +213,10 @@ def whatif(
     invasive one that keeps the run on track."""
     from .analysis import run_whatif
 
-    cfg = _config(before, None, batch, run_dir, data=data, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics, checkpoint_activations=checkpoint_activations)
+    cfg = _config(
+        before, None, batch, run_dir, data=data, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
+        checkpoint_activations=checkpoint_activations, labels=labels, allow_mismatch=allow_mismatch,
+    )  # fmt: skip
     return Report(*_rank_zero(run_whatif(cfg, steps, list(tries), None, command=command, progress=progress), "whatif"))
 
 

@@ -75,8 +75,14 @@ def bisect(
     so the loss averaging is the trainer's). The per-sample gradient shares seed the
     search, so the common case costs a handful of evaluations.
     """
+    from .analysis import trusted
+
     rep = replay(cfg, progress, steps)
-    fields = replay_fields(replay_findings(rep), first_steps_from_state(state_findings or [], rep))
+    rfind = replay_findings(rep)
+    why = trusted(cfg, rfind)  # a replay that is not the run bisects nothing
+    if why is not None:
+        return BisectResult(first_bad_step=None, disagreements=_disagreements(rep), note=f"not bisected: {why.message}"), rep
+    fields = replay_fields(rfind, first_steps_from_state(state_findings or [], rep))
     res = BisectResult(first_bad_step=fields.get("first_bad_step"), disagreements=_disagreements(rep))
     s = res.first_bad_step
     if s is None or s == rep.records[0].step and len(rep.records) == 1 and not rep.baseline:

@@ -1,11 +1,18 @@
-"""Command line: parse, call the library, render. Exit codes: 0 done, 2 bad input, 1 --strict alarm."""
+"""Command line: parse, call the library, render.
+
+Exit codes: 0 done, 1 --strict alarm, 2 bad input, 3 internal error. Every failure is one
+line on stderr (`errors.one_line`), made in one place for every command (`_Cli.invoke`),
+on every torchrun rank alike; `--debug` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout
@@ -15,7 +22,7 @@ from typing import Any
 import click
 
 from . import __version__
-from .errors import ForensicsError
+from .errors import ForensicsError, one_line
 
 log = logging.getLogger("ckptforensics")
 
@@ -24,7 +31,10 @@ EXIT_HELP = """
 Exit codes:
   0  done (findings or not)
   1  --strict and a finding at or above --fail-on severity
-  2  bad input or usage (one line on stderr)
+  2  bad input or usage: a missing, damaged or incomplete checkpoint, an
+     unreadable file, an --out that cannot be written (one line on stderr)
+  3  internal error: a fault in ckptforensics itself (one line on stderr
+     naming what it was reading or computing; run with --debug and report it)
 """
 
 
@@ -40,21 +50,34 @@ def _setup_logging(verbose: int, quiet: bool) -> None:
 
 @contextmanager
 def _errors(ctx: click.Context) -> Iterator[None]:
-    """Library errors -> one line on stderr, exit 2; tracebacks only with --debug.
+    """The work of a command: anything a library prints (DeepSpeed's import-time
+    accelerator notice, say) goes to stderr, for stdout is the report (`--json`) and
+    nothing else. Failures are turned into one line by the group (`_Cli.invoke`)."""
+    with redirect_stdout(sys.stderr):
+        yield
 
-    While the work runs, anything a library prints (DeepSpeed's import-time accelerator
-    notice, say) goes to stderr: stdout is the report (`--json`) and nothing else."""
-    try:
-        with redirect_stdout(sys.stderr):
-            yield
-    except ForensicsError as e:
-        if ctx.obj.debug:
+
+class _Cli(click.Group):
+    """The command group. Every command's failure becomes one line on stderr here, in one
+    place: bad input (ForensicsError, an OSError on a file) exits 2, anything else is the
+    tool's own fault and exits 3 (`errors.one_line`). Under torchrun every rank runs this,
+    and the ranks' collectives hand one rank's failure to all (`errors.Failed`), so every
+    rank prints the same line. `--debug` re-raises for the traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
-        click.echo(f"error: {e}", err=True)
-        ctx.exit(2)
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        ctx.exit(130)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+        except Exception as e:
+            if ctx.params.get("debug") or (isinstance(e, OSError) and e.errno == errno.EPIPE):
+                raise  # --debug: the traceback; a closed stdout pipe: click's own handling
+            code, line = one_line(e)
+            click.echo(line, err=True)
+            ctx.exit(code)
 
 
 @contextmanager
@@ -83,11 +106,11 @@ def _progress(total: int, label: str, quiet: bool) -> Iterator[Callable[[str], N
         bar.close()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_HELP)
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_HELP)
 @click.version_option(__version__, prog_name="ckptforensics")
 @click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars or warnings.")
-@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+@click.option("--debug", is_flag=True, help="Show the traceback of a failure instead of its one line.")
 @click.pass_context
 def cli(ctx: click.Context, verbose: int, quiet: bool, debug: bool) -> None:
     """Post-mortem forensics for loss spikes in large-model pre-training.
@@ -175,8 +198,21 @@ def _replay_options(f: Any) -> Any:
             ),
             click.option("--clip", type=float, default=None, help="Gradient clipping norm (0 = none); default: from the checkpoint, else calibrated."),
             click.option("--loss", "loss", default=None, help="module:function(logits, batch) -> per-token loss; default causal-LM cross-entropy."),
+            click.option(
+                "--labels",
+                type=click.Choice(["shifted", "unshifted"]),
+                default=None,
+                help="What the batches' labels are, where the data cannot tell (it is measured: next-token targets, as Megatron, "
+                "nanoGPT, LitGPT and torchtitan feed them, are 'shifted'; HF's labels == input_ids are 'unshifted').",
+            ),
+            click.option(
+                "--allow-mismatch",
+                is_flag=True,
+                help="Write the report even when the replay does not reproduce the run's own log on its first checked step: "
+                "everything the replay measured is withheld and the verdict comes from the checkpoint diff alone.",
+            ),
             click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log (JSONL/CSV); discovered when absent."),
-            click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Write the report (and skip.json for bisect) here."),
+            click.option("--out", type=click.Path(path_type=Path), help="Write the report (and skip.json for bisect) here."),
             click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout."),
         ]
     ):
@@ -210,27 +246,32 @@ def formats_cmd() -> None:
 @click.option("--all", "show_all", is_flag=True, help="List every tensor, not only the notable ones.")
 @click.pass_context
 def inspect(ctx: click.Context, checkpoint: str, run_dir: Path, fmt: str | None, as_json: bool, show_all: bool) -> None:
-    """Summarise one checkpoint: format, step, sizes, optimizer, scaler, headroom.
+    """Summarise one checkpoint: complete or not, format, step, sizes, optimizer, scaler, headroom.
 
-    CHECKPOINT is a step number (resolved in --run-dir) or a path.
+    CHECKPOINT is a step number (resolved in --run-dir) or a path. First its files are
+    checked against its format's rule for a complete save (sizes, headers and end records:
+    a save that died half-way leaves a file missing or cut short); an incomplete one is
+    refused with what is missing (exit 2).
 
     \b
     Example:
       ckptforensics inspect --run-dir runs/7b 41950
       ckptforensics inspect runs/7b/checkpoint-41950 --json
     """
-    from .formats import open_checkpoint
+    from .formats import open_checkpoint, require_complete
     from .locate import resolve_checkpoint
     from .summary import summarize
 
     with _errors(ctx):
         path = resolve_checkpoint(checkpoint, run_dir)
-        with open_checkpoint(path, fmt) as ck, _progress(len(ck.names()), "inspect", ctx.obj.quiet) as prog:
+        whole = require_complete(path, fmt)  # an incomplete one: exit 2, naming what is missing
+        with open_checkpoint(path, fmt, check=False) as ck, _progress(len(ck.names()), "inspect", ctx.obj.quiet) as prog:
             s = summarize(ck, progress=prog)
     if as_json:
-        click.echo(json.dumps(_jsonable(s), indent=2))
+        click.echo(json.dumps({**_jsonable(s), "completeness": {"complete": whole.complete, "checked": whole.checked, "rule": whole.rule, "problems": list(whole.problems)}}, indent=2))
         return
     click.echo(f"{s.path}: {s.format}, step {s.step if s.step is not None else '?'}")
+    click.echo(f"  files: {whole.summary()}")
     click.echo(f"  {s.parameters:,} parameters in {s.tensors} tensors ({', '.join(f'{k}: {v}' for k, v in s.dtypes.items())})")
     if s.optimizer:
         o = s.optimizer
@@ -263,15 +304,28 @@ def _least_headroom(per: list[Any]) -> str:
     return f"{t.name} ({t.dtype}, max|x| {t.max_abs:.3g}, {t.headroom:.3g}x)"
 
 
-def _check_out(out: Path | None, inputs: list[Path]) -> None:
-    """Outputs never go into an input directory."""
+@contextmanager
+def _output(out: Path | None, inputs: list[Path], *, file: bool = False) -> Iterator[None]:
+    """--out, checked before any work: never inside an input checkpoint, and writable
+    (`report.prepare_out`: a file in the way, read-only, no room all fail here, in one
+    line). Directories made for it are removed again if the command then fails, so a
+    failed command leaves no trace in --out."""
     if out is None:
+        yield
         return
-    o = out.resolve()
+    o = Path(os.path.realpath(out))  # realpath: a symlink loop is bad input, said by the reader
     for p in inputs:
-        d = p.resolve() if p.is_dir() else p.resolve().parent
+        d = Path(os.path.realpath(p))
         if p.is_dir() and (o == d or d in o.parents):
             raise ForensicsError(f"--out {out} is inside the input checkpoint {p}; choose a directory outside it")
+    from .report import prepare_out, remove_made
+
+    made = prepare_out(out, file=file)
+    try:
+        yield
+    except BaseException:
+        remove_made(made)
+        raise
 
 
 @cli.command()
@@ -279,7 +333,7 @@ def _check_out(out: Path | None, inputs: list[Path]) -> None:
 @click.option("--after", "after", required=True, help="Step or path of the checkpoint after the spike.")
 @run_dir_option
 @format_option
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Write report.json and report.md here.")
+@click.option("--out", type=click.Path(path_type=Path), help="Write report.json and report.md here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
 @click.option("--strict", is_flag=True, help="Exit 1 when a finding at or above --fail-on exists.")
 @click.option("--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True)
@@ -327,14 +381,14 @@ def diff(
     rank, _ = dist_world()
     with _errors(ctx):
         pa, pb = resolve_checkpoint(before, run_dir), resolve_checkpoint(after, run_dir)
-        _check_out(out, [pa, pb])
-        with _progress(_count(pa, fmt), "diff", ctx.obj.quiet or rank != 0) as prog:
-            nworkers = workers or default_workers(_bytes(pa) + _bytes(pb))
-            try:
-                rep = api.diff(pa, pb, format=fmt, chunk=chunk_elems, progress=prog, workers=nworkers, command=_command("diff"))
-            except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
-                return
-        written = rep.save(out) if out else []
+        with _output(out if rank == 0 else None, [pa, pb]):
+            with _progress(_count(pa, fmt), "diff", ctx.obj.quiet or rank != 0) as prog:
+                nworkers = workers or default_workers(_bytes(pa) + _bytes(pb))
+                try:
+                    rep = api.diff(pa, pb, format=fmt, chunk=chunk_elems, progress=prog, workers=nworkers, command=_command("diff"))
+                except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
+                    return
+            written = rep.save(out) if out else []
     _finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on)
 
 
@@ -417,13 +471,13 @@ def replay(ctx: click.Context, before: str, after: str | None, run_dir: Path, ou
     with _errors(ctx):
         pa = resolve_checkpoint(before, run_dir)
         pb = resolve_checkpoint(after, run_dir) if after is not None else None
-        _check_out(out, [p for p in (pa, pb) if p is not None])
-        with _progress(0, "replay", ctx.obj.quiet or _not_rank_zero()) as prog:
-            try:
-                rep = api.replay(pa, opts.pop("batch"), after=pb, progress=prog, command=_command("replay"), **opts)
-            except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
-                return
-        written = rep.save(out) if out else []
+        with _output(None if _not_rank_zero() else out, [p for p in (pa, pb) if p is not None]):
+            with _progress(0, "replay", ctx.obj.quiet or _not_rank_zero()) as prog:
+                try:
+                    rep = api.replay(pa, opts.pop("batch"), after=pb, progress=prog, command=_command("replay"), **opts)
+                except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
+                    return
+            written = rep.save(out) if out else []
     _finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on)
 
 
@@ -453,13 +507,13 @@ def bisect_cmd(ctx: click.Context, before: str, after: str, run_dir: Path, out: 
 
     with _errors(ctx):
         pa, pb = resolve_checkpoint(before, run_dir), resolve_checkpoint(after, run_dir)
-        _check_out(out, [pa, pb])
-        with _progress(0, "bisect", ctx.obj.quiet or _not_rank_zero()) as prog:
-            try:
-                rep = api.bisect(pa, pb, opts.pop("batch"), tokenizer=tokenizer, progress=prog, command=_command("bisect"), **opts)
-            except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
-                return
-        written = rep.save(out) if out else []
+        with _output(None if _not_rank_zero() else out, [pa, pb]):
+            with _progress(0, "bisect", ctx.obj.quiet or _not_rank_zero()) as prog:
+                try:
+                    rep = api.bisect(pa, pb, opts.pop("batch"), tokenizer=tokenizer, progress=prog, command=_command("bisect"), **opts)
+                except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
+                    return
+            written = rep.save(out) if out else []
     _finish(ctx, rep.doc, rep.findings, as_json, written, False, "warning")
 
 
@@ -490,13 +544,13 @@ def whatif_cmd(ctx: click.Context, before: str, n_steps: int, tries: tuple[str, 
 
     with _errors(ctx):
         pa = resolve_checkpoint(before, run_dir)
-        _check_out(out, [pa])
-        with _progress(0, "whatif", ctx.obj.quiet or _not_rank_zero()) as prog:
-            try:
-                rep = api.whatif(pa, opts.pop("batch"), n_steps, list(tries), progress=prog, command=_command("whatif"), **opts)
-            except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
-                return
-        written = rep.save(out) if out else []
+        with _output(None if _not_rank_zero() else out, [pa]):
+            with _progress(0, "whatif", ctx.obj.quiet or _not_rank_zero()) as prog:
+                try:
+                    rep = api.whatif(pa, opts.pop("batch"), n_steps, list(tries), progress=prog, command=_command("whatif"), **opts)
+                except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
+                    return
+            written = rep.save(out) if out else []
     _finish(ctx, rep.doc, rep.findings, as_json, written, False, "warning")
 
 
@@ -508,7 +562,7 @@ def whatif_cmd(ctx: click.Context, before: str, n_steps: int, tries: tuple[str, 
 @click.option("--batch", "batch", default=None, help="Batch log or batch file to probe with (default: batches.h5 or a flight recorder beside the checkpoints; else random token ids).")
 @click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log (JSONL/CSV/...); discovered when absent.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Write report.json, report.md, report.html and evidence.h5 here.")
+@click.option("--out", type=click.Path(path_type=Path), help="Write report.json, report.md, report.html and evidence.h5 here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
 @click.option("--strict", is_flag=True, help="Exit 1 when a risk at or above --fail-on exists (a CI gate).")
 @click.option("--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True)
@@ -538,11 +592,13 @@ def audit_cmd(
     from . import api
 
     with _errors(ctx):
-        with _progress(0, "audit", ctx.obj.quiet) as prog:
-            rep = api.audit(step, run_dir=run_dir, compare=compare, progress=prog, command=_command("audit"), **opts)
-        if out is not None:
-            _check_out(out, [run_dir, api.resolve(step, run_dir) if step is not None else run_dir])
-        written = rep.save(out) if out else []
+        from .audit import default_checkpoint
+
+        path = api.resolve(step, run_dir) if step is not None else default_checkpoint(run_dir)
+        with _output(out, [path]):
+            with _progress(0, "audit", ctx.obj.quiet) as prog:
+                rep = api.audit(path, run_dir=run_dir, compare=compare, progress=prog, command=_command("audit"), **opts)
+            written = rep.save(out) if out else []
     _finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on)
 
 
@@ -556,7 +612,7 @@ def audit_cmd(
 @click.option("--z", "z", type=float, default=6.0, show_default=True, help="Robust z that marks a spike.")
 @click.option("--margin", type=click.IntRange(0), default=0, show_default=True, help="Steps the rollback checkpoint must precede the onset by.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Write triage.json, triage.md and triage.html (with a timeline) here.")
+@click.option("--out", type=click.Path(path_type=Path), help="Write triage.json, triage.md and triage.html (with a timeline) here.")
 @click.pass_context
 def triage_cmd(
     ctx: click.Context,
@@ -588,18 +644,15 @@ def triage_cmd(
     from . import api
     from .triage import TriageConfig, as_dict
 
-    with _errors(ctx):
+    with _errors(ctx), _output(out, [run_dir] if run_dir is not None else []):
         res = api.triage(metrics, run_dir, TriageConfig(window=window, z=z, margin=margin), {"loss": loss_key, "grad_norm": grad_key, "lr": lr_key})
         written: list[Path] = []
         if out is not None:
-            from .report import atomic_write
+            from .report import write_files
             from .report.timeline import render_triage_html, render_triage_markdown
 
-            _check_out(out, [run_dir] if run_dir is not None else [])
             doc = _jsonable(as_dict(res))
-            for name, text in (("triage.json", json.dumps(doc, indent=2) + "\n"), ("triage.md", render_triage_markdown(doc)), ("triage.html", render_triage_html(doc))):
-                atomic_write(out / name, text)
-                written.append(out / name)
+            written = write_files({out / "triage.json": json.dumps(doc, indent=2) + "\n", out / "triage.md": render_triage_markdown(doc), out / "triage.html": render_triage_html(doc)})
     if as_json:
         click.echo(json.dumps(_jsonable(as_dict(res)), indent=2))
         return
@@ -614,7 +667,9 @@ def triage_cmd(
         click.echo(f"  {o.message}")
     if res.drift:
         click.echo(f"  {res.drift}")
-    click.echo(f"rollback checkpoint: {res.rollback or 'none before the onset'}")
+    click.echo(f"rollback checkpoint: {res.rollback or 'none complete before the onset'}")
+    for note in res.skipped:
+        click.echo(f"  {note}")
     for c in res.commands:
         click.echo(f"  {c}")
     for w in written:
@@ -624,7 +679,7 @@ def triage_cmd(
 @cli.command("report")
 @click.argument("source", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--format", "out_format", type=click.Choice(["md", "html", "json"]), default="md", show_default=True)
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write here instead of stdout.")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Write here instead of stdout.")
 @click.pass_context
 def report_cmd(ctx: click.Context, source: Path, out_format: str, out: Path | None) -> None:
     """Re-render a report from evidence.h5 or report.json, without re-running anything.
@@ -637,7 +692,7 @@ def report_cmd(ctx: click.Context, source: Path, out_format: str, out: Path | No
     from .report.evidence import load_report
     from .report.html import render_html
 
-    with _errors(ctx):
+    with _errors(ctx), _output(out, [], file=True):
         doc = load_report(source)
         text = {"md": render_markdown, "html": render_html, "json": to_json}[out_format](doc)
         if out is not None:

@@ -24,7 +24,7 @@ from .diffstats import (
     scalar,
     tensor_role,
 )
-from .errors import ForensicsError, IncompatibleCheckpoints
+from .errors import IncompatibleCheckpoints, doing
 from .formats.base import Checkpoint
 
 __all__ = ["DiffConfig", "Candidate", "TensorDiff", "PairInfo", "DiffResult", "diff_checkpoints", "tensor_role"]
@@ -135,7 +135,7 @@ def diff_checkpoints(
         import torch.distributed as dist
 
         mine = shard.balanced(names, [a.meta(n).numel for n in names], dist.get_world_size())[dist.get_rank()]
-    error = None
+    error: Exception | None = None
     local: list[TensorDiff] = []
     try:
         if workers > 1 and len(mine) > 1:
@@ -143,10 +143,10 @@ def diff_checkpoints(
         else:
             with shard.single_threaded():
                 local = _diff_serial(a, b, mine, pair, cfg, progress)
-    except ForensicsError as e:
+    except Exception as e:  # under torchrun, any failure goes to every rank (`gather_to_rank0`)
         if not distributed:
             raise
-        error = str(e)
+        error = e
     if distributed:
         gathered = shard.gather_to_rank0(local, error, names)
         if gathered is None:
@@ -168,7 +168,8 @@ def _diff_serial(a: Checkpoint, b: Checkpoint, names: list[str], pair: PairInfo,
                 progress(name)
             if i + ahead < len(names):
                 pool.submit(prefetch, a, b, names[i + ahead])
-            out.append(diff_tensor(a, b, name, pair, cfg))
+            with doing(f"diffing tensor {name}"):
+                out.append(diff_tensor(a, b, name, pair, cfg))
     return out
 
 

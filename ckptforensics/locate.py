@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 from pathlib import Path
 
 from .errors import CheckpointNotFound
 
-__all__ = ["resolve_checkpoint", "list_checkpoints", "STEP_PATTERNS"]
+__all__ = ["resolve_checkpoint", "list_checkpoints", "first_complete", "must_exist", "STEP_PATTERNS"]
 
 # The names trainers write, with the step as the one group. Order is documentation only:
 # a step that matches several entries is an error, never a silent pick.
@@ -24,6 +26,7 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """All (step, path) pairs in `run_dir` whose names follow a known pattern, by step."""
     found: list[tuple[int, Path]] = []
     if not run_dir.is_dir():
+        _refuse_loop(run_dir)
         return found
     # Lightning's default layout keeps them in the logger's version folder:
     # `lightning_logs/version_N/checkpoints/` (or `checkpoints/` of the folder given).
@@ -58,6 +61,7 @@ def resolve_checkpoint(spec: str | Path, run_dir: str | Path = ".") -> Path:
     run = Path(run_dir)
     if not text.isdigit():
         path = Path(text)
+        _refuse_loop(path)
         if not path.exists():
             raise CheckpointNotFound(f"{path}: no such file or directory")
         return path
@@ -67,7 +71,9 @@ def resolve_checkpoint(spec: str | Path, run_dir: str | Path = ".") -> Path:
     if len(matches) == 1:
         return matches[0]
     if not run.is_dir():
-        raise CheckpointNotFound(f"run directory {run} does not exist; pass --run-dir or a checkpoint path")
+        _refuse_loop(run)
+        what = "is not a directory" if run.exists() else "does not exist"
+        raise CheckpointNotFound(f"run directory {run} {what}; pass --run-dir or a checkpoint path")
     listing = ", ".join(p.name for _, p in found[:12]) or "no checkpoints"
     more = f" (+{len(found) - 12} more)" if len(found) > 12 else ""
     if not matches:
@@ -77,3 +83,55 @@ def resolve_checkpoint(spec: str | Path, run_dir: str | Path = ".") -> Path:
         )
     names = ", ".join(p.name for p in matches)
     raise CheckpointNotFound(f"step {step} is ambiguous in {run}: {names}; pass the path instead")
+
+
+def must_exist(path: Path) -> None:
+    """A path that is there and readable, or a CheckpointNotFound that says why not: missing,
+    a symlink that leads nowhere (a loop, or dangling; `exists()` would only say False, and
+    the user would look for a missing file), a directory on the way that cannot be entered,
+    or no permission to read it."""
+    try:
+        path.stat()
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointNotFound(f"{path}: a symlink loop ({e.strerror}); pass the checkpoint itself") from None
+        if path.is_symlink():
+            raise CheckpointNotFound(f"{path}: a symlink to nothing ({os.readlink(path)}); pass the checkpoint itself") from None
+        if isinstance(e, FileNotFoundError):
+            raise CheckpointNotFound(f"{path}: no such file or directory") from None
+        raise CheckpointNotFound(f"{path}: {e.strerror or e}") from None
+    need = os.R_OK | (os.X_OK if path.is_dir() else 0)
+    if not os.access(path, need, effective_ids=os.access in os.supports_effective_ids):
+        what = "a directory" if path.is_dir() else "a file"
+        raise CheckpointNotFound(f"{path}: {what} this user may not read (permission denied); fix its permissions or run as its owner")
+
+
+def _refuse_loop(path: Path) -> None:
+    """A name that is a symlink leading nowhere: said as such."""
+    if path.is_symlink():
+        must_exist(path)
+
+
+def first_complete(candidates: list[tuple[int, Path]]) -> tuple[tuple[int, Path] | None, list[str]]:
+    """The first checkpoint of `candidates` (in the order given: newest first for a
+    rollback) that is complete by its format's rule (`formats.completeness`), and a note
+    for each one passed over: a save that died half-way is the commonest state of the
+    newest checkpoint after a crash, and must never be the one to roll back to.
+
+    Returns:
+        ((step, path) or None when none is complete, notes naming what each skipped one lacks).
+    """
+    from .errors import ForensicsError
+    from .formats import completeness
+
+    skipped: list[str] = []
+    for step, path in candidates:
+        try:
+            c = completeness(path)
+        except ForensicsError as e:  # nothing a reader recognises: a save that died at once
+            skipped.append(f"{path.name} skipped: {e}")
+            continue
+        if c.complete or not c.checked:
+            return (step, path), skipped
+        skipped.append(f"{path.name} skipped: incomplete ({'; '.join(c.problems)})")
+    return None, skipped

@@ -19,7 +19,7 @@ from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from typing import Any
 
-from .errors import ForensicsError
+from .errors import Failed, ForensicsError, doing, one_line
 
 __all__ = ["balanced", "dist_world", "default_workers", "single_threaded", "diff_in_workers", "gather_to_rank0"]
 
@@ -94,7 +94,8 @@ def _one(name: str) -> tuple[str, Any, str | None]:
     from .diffstats import diff_tensor
 
     try:
-        return name, diff_tensor(_STATE["a"], _STATE["b"], name, _STATE["pair"], _STATE["cfg"]), None
+        with doing(f"diffing tensor {name}"):
+            return name, diff_tensor(_STATE["a"], _STATE["b"], name, _STATE["pair"], _STATE["cfg"]), None
     except ForensicsError as e:  # errors cross the process boundary as text
         return name, None, str(e)
 
@@ -141,23 +142,28 @@ def _run_pool(ctx: Any, init: Any, initargs: tuple, names: Sequence[str], sizes:
 
 
 # ------------------------------------------------------------------ torchrun ranks
-def gather_to_rank0(local: list[Any], error: str | None, names: Sequence[str]) -> list[Any] | None:
+def gather_to_rank0(local: list[Any], error: BaseException | None, names: Sequence[str]) -> list[Any] | None:
     """Rank 0: every rank's TensorDiffs in checkpoint order; other ranks: None.
 
-    A rank that failed sends its error instead; every rank then raises it, so no rank
-    waits forever on one that stopped.
+    A rank that failed (bad input or a fault) sends its one line (`errors.one_line`)
+    instead; every rank then raises the first one, so no rank waits forever on one that
+    stopped, and every rank prints the same line with the same exit code.
     """
     import torch.distributed as dist
 
     rank = dist.get_rank()
+    mine = one_line(error) if error is not None else None
     parts: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
-    dist.gather_object((local, error), parts if rank == 0 else None, dst=0)
+    dist.gather_object((local if error is None else [], mine), parts if rank == 0 else None, dst=0)
     # Rank 0 tells everyone whether the whole diff succeeded.
     errors = [e for _, e in parts if e] if rank == 0 else []
     verdict = [errors[0] if errors else None]
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
-        raise ForensicsError(verdict[0])
+        code, line = verdict[0]
+        if error is not None and (code, line) == mine:
+            raise error  # this rank's own failure: its traceback stays for --debug
+        raise Failed(line, code)
     if rank != 0:
         return None
     by_name = {t.name: t for tensors, _ in parts for t in tensors}

@@ -11,7 +11,7 @@ import numpy as np
 
 from .detectors.log import Onset, TriageConfig, log_evidence, log_onsets
 from .errors import ForensicsError
-from .locate import list_checkpoints
+from .locate import first_complete, list_checkpoints
 from .logs import find_metrics, group_lrs, lr_columns, param_grad_columns, read_metrics
 
 __all__ = ["TriageConfig", "Onset", "TriageResult", "read_metrics", "find_metrics", "triage", "lr_columns", "group_lrs", "param_grad_columns"]
@@ -29,6 +29,7 @@ class TriageResult:
     after_step: int | None = None
     drift: str | None = None
     commands: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # incomplete checkpoints passed over, and what they lack
     timeline: dict[str, list[float]] = field(default_factory=dict)  # step, loss, grad_norm, checkpoints
 
 
@@ -52,12 +53,16 @@ def triage(metrics: Path, run_dir: Path | None, cfg: TriageConfig | None = None,
     }
     if res.first_bad_step is not None and ckpts:
         # The checkpoint of step c holds the state after c's update: safe only if c < onset.
+        # Incomplete ones (a save that died) are passed over, and said so (`first_complete`).
         safe = [(s, p) for s, p in ckpts if s < res.first_bad_step - cfg.margin]
         later = [(s, p) for s, p in ckpts if s >= res.first_bad_step]
-        if safe:
-            res.rollback_step, res.rollback = safe[-1][0], str(safe[-1][1])
-        if later:
-            res.after_step, res.after = later[0][0], str(later[0][1])
+        back, skipped_back = first_complete(safe[::-1])
+        after, skipped_after = first_complete(later)
+        res.skipped = skipped_back + skipped_after
+        if back is not None:
+            res.rollback_step, res.rollback = back[0], str(back[1])
+        if after is not None:
+            res.after_step, res.after = after[0], str(after[1])
     if res.rollback_step is not None and run_dir is not None and res.rollback is not None:
         res.commands = _commands(run_dir, Path(res.rollback), res.rollback_step, res.after_step)
     return res

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -10,7 +11,7 @@ from typing import Any
 
 from .detectors import Finding, module_of
 
-__all__ = ["replay_fields", "Verdict", "decide", "decide_audit", "CAUSES"]
+__all__ = ["replay_fields", "Verdict", "decide", "decide_audit", "reattribute", "CAUSES"]
 
 CAUSES = (
     "gradient_explosion",
@@ -79,6 +80,8 @@ class Verdict:
     corrupted_elements: list[dict[str, Any]] = field(default_factory=list)
     recommended_actions: list[str] = field(default_factory=list)
     rollback_checkpoint: str | None = None
+    # How the replay compares with the run's own log (status, reason); None: nothing replayed.
+    replay_check: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
@@ -124,6 +127,30 @@ def rank_causes(findings: Sequence[Finding]) -> list[dict[str, Any]]:
     return [{"cause": c, "confidence": round(score[c] / norm, 3), "evidence": evidence[c]} for c in order]
 
 
+def reattribute(findings: Sequence[Finding]) -> list[Finding]:
+    """Findings whose cause another finding settles, re-read (the one place evidence is
+    weighed together, before ranking).
+
+    A gradient burst is the implied g^2 over the window against the second moment *before*
+    remembered (`r_v`); where the replay shows that moment two orders of magnitude stale for
+    the same tensor (a primary RMS_t: a frozen-then-released or gated tensor), the burst
+    measures the stale moment, not a gradient the others share: Adam's instability first.
+    """
+    stale = {f.subject for f in findings if f.kind == "rms_t" and f.primary}
+    if not stale:
+        return list(findings)
+    out = []
+    for f in findings:
+        if f.kind == "gradient_burst" and f.subject in stale:
+            f = dataclasses.replace(
+                f,
+                supports=("adam_instability", "gradient_explosion"),
+                message=f"{f.message}; its second moment was stale (the replay's RMS_t), so the burst is Adam's, not the gradient's",
+            )
+        out.append(f)
+    return out
+
+
 # How a replay's reproduction finding settles `reproducible`.
 _REPRODUCED = {"replay_reproduces": True, "replay_mismatch_confined": False, "replay_config_mismatch": None}
 
@@ -158,6 +185,14 @@ def replay_fields(findings: Sequence[Finding], state_steps: Sequence[int] = ()) 
     for kind, value in _REPRODUCED.items():
         if by[kind]:
             out["reproducible"] = value
+    for f in by["replay_spike_not_reproduced"]:
+        # The replay matched the log up to this step and misses its spike: the spike is not
+        # reproduced, whatever the tensors after it say, and it is where the run went bad.
+        out["reproducible"] = False
+        out["first_bad_step"] = f.metrics["step"]
+    check = by["replay_log_agreement"] + by["replay_spike_not_reproduced"] + by["replay_withheld"]
+    if check:
+        out["replay_check"] = {"status": check[0].metrics["status"], "reason": check[0].message}
     return out
 
 
@@ -219,6 +254,14 @@ def decide(
         v.exploding_layers = list(dict.fromkeys(v.exploding_layers + list(extra.pop("replay_layers", []))))[:10]
     for k, val in extra.items():
         setattr(v, k, val)
+    withheld = v.replay_check is not None and v.replay_check["status"] in ("missed_first", "missed_later")
+    if withheld:
+        assert v.replay_check is not None
+        # The replay is not the run: nothing it measured is evidence; the diff speaks alone.
+        v.summary = _withheld(top, causes, findings, v, before, after, v.replay_check["reason"])
+        if top != "none":
+            v.recommended_actions = [a.format(rollback=rollback or "an earlier checkpoint", after=after) for a in _ACTIONS.get(top, [])]
+        return v
     if top == "none":
         v.summary = (
             f"No anomaly between {before} and {after}: "
@@ -279,6 +322,11 @@ def _summary(top: str, causes: list[dict[str, Any]], findings: Sequence[Finding]
     if v.rollback_checkpoint:
         parts.append(f"Last safe checkpoint: {v.rollback_checkpoint}.")
     return " ".join(parts)
+
+
+def _withheld(top: str, causes: list[dict[str, Any]], findings: Sequence[Finding], v: Verdict, before: str, after: str, reason: str) -> str:
+    head = _summary(top, causes, findings, v, before, after) if top != "none" else f"No anomaly in the checkpoint diff between {before} and {after}."
+    return f"{head} The replay is withheld and nothing in this report comes from it: {reason[0].lower()}{reason[1:]}."
 
 
 def decide_whatif(*, before: str, n_steps: int, outcome: str, recommended: str | None, baseline_on_track: bool) -> Verdict:

@@ -11,8 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import ForensicsError
+from .errors import ForensicsError, ReplayMismatch
 from .replay import ReplayConfig, plan
+from .replay.engine import diagnose_miss, settle_clip
+from .replay.logcheck import LogCheck, check_against_log
 from .tensors import MAD_TO_SIGMA
 
 __all__ = ["Mitigation", "Outcome", "parse_mitigation", "whatif", "INVASIVENESS"]
@@ -104,6 +106,7 @@ def whatif(
         (outcomes, recommended mitigation or None, the band used).
     """
     base_plan = plan(cfg, steps=None if n_steps <= 0 else list(range(_step_of(cfg) + 1, _step_of(cfg) + n_steps + 1)))
+    base_plan.clips = [settle_clip(base_plan, progress)]
     steps = base_plan.steps
     band = _band(base_plan.logged, steps[0])
     gband = _band(base_plan.logged, steps[0], "grad_norm")
@@ -117,6 +120,8 @@ def whatif(
 
             first = (outcomes[0].losses[0], outcomes[0].grad_norms[0])
             require_rebuilt_match(steps[0], first, base_plan.logged.get(steps[0]), base_plan.precision)
+        if len(outcomes) == 1:
+            check = _baseline_check(cfg, base_plan, outcomes[0])
     ranked = sorted(((m.rank, i) for i, (o, m) in enumerate(zip(outcomes[1:], tries, strict=True)) if o.on_track and not o.note))
     best = tries[ranked[0][1]].text if ranked and not outcomes[0].on_track else None
     info = {
@@ -126,8 +131,37 @@ def whatif(
         "grad_norm_band": gband[1] if gband else None,
         "source": "training log before the window" if band else "first replayed step (no training log)",
         "baseline_on_track": outcomes[0].on_track,
+        "clip": {"value": base_plan.clips[0][0], "source": base_plan.clips[0][1]},
+        "check": check.as_dict(),
     }
     return outcomes, best, info
+
+
+@dataclass(frozen=True, slots=True)
+class _Replayed:
+    """A baseline step in the shape `check_against_log` reads."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    sample_loss: tuple[float, ...] = ()
+
+
+def _baseline_check(cfg: ReplayConfig, p: Any, base: Outcome) -> LogCheck:
+    """The baseline against the run's own log: mitigations are compared on a replay that is
+    the run, so one that misses the log on its first checked step is refused (as `replay`
+    refuses it), unless `cfg.allow_mismatch`. After the spike the baseline may leave the log
+    (the run's own divergence is chaotic): that is not checked against it."""
+    recs = [_Replayed(s, loss, g) for s, loss, g in zip(base.steps, base.losses, base.grad_norms, strict=True)]
+    check = check_against_log(recs, p.logged, p.precision, None, p.clips[0][0])
+    miss = check.first_miss
+    if miss is not None and miss.step == check.first_checked and not cfg.allow_mismatch:
+        figures = f"loss {miss.loss:.5g} vs {miss.logged_loss:.5g} logged" if miss.loss_ok is False else f"grad norm {miss.grad_norm:.4g} vs {miss.logged_grad_norm:.4g} logged"
+        raise ReplayMismatch(
+            f"the baseline replay does not reproduce the run's own log on its first checked step {miss.step} ({figures}); "
+            f"likeliest: {diagnose_miss(p, miss, check.loss_atol)}; pass --allow-mismatch to compare the mitigations anyway"
+        )
+    return check
 
 
 def _step_of(cfg: ReplayConfig) -> int:
@@ -142,7 +176,7 @@ def _step_of(cfg: ReplayConfig) -> int:
 def _replay_with(cfg: ReplayConfig, base: Any, m: Mitigation, auto_rows: dict[int, list[int]], band: Any, gband: Any) -> Outcome:
     knobs = dict(m.knobs)
     p = plan(ReplayConfig(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "precision": knobs.get("precision", cfg.precision)}), steps=base.steps)  # type: ignore[attr-defined]
-    clip = float(knobs["clip"]) if "clip" in knobs else p.clips[-1][0]
+    clip = float(knobs["clip"]) if "clip" in knobs else base.clips[0][0]
     sess = p.session()
     out = Outcome(mitigation=m.text)
     try:

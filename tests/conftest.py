@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,27 @@ def draws(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     root = tmp_path_factory.mktemp("draws")
     with ProcessPoolExecutor(2, mp_context=mp.get_context("spawn")) as pool:
         return dict(zip(SUBSET, pool.map(build_draw, SUBSET, [root] * len(SUBSET)), strict=True))
+
+
+@pytest.fixture(scope="session")
+def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """`stage -> run dir` of a real DeepSpeed run at that ZeRO stage (2 ranks, gloo, CPU;
+    fixtures/deepspeed_zero.py: global_step2/, global_step3/, latest), each trained once a
+    session, when first asked for. Skips the asking test when DeepSpeed is not installed."""
+    root = tmp_path_factory.mktemp("deepspeed")
+    built: dict[int, Path] = {}
+
+    def run(stage: int) -> Path:
+        pytest.importorskip("deepspeed")
+        if stage not in built:
+            d = root / f"zero{stage}"
+            env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+            proc = torchrun([str(ROOT / "fixtures" / "deepspeed_zero.py"), str(d), str(stage)], env)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            built[stage] = d
+        return built[stage]
+
+    return run
 
 
 def draw_args(run: Path, command: str = "replay", batch: str | None = None) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,23 +13,14 @@ from click.testing import CliRunner
 
 from ckptforensics.cli import cli
 from ckptforensics.formats import open_checkpoint
-from tests.conftest import ROOT, torchrun
 from tests.test_cli import assert_bad_input
 
 pytest.importorskip("deepspeed")
 
 
 @pytest.fixture(scope="session")
-def zero_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    root = tmp_path_factory.mktemp("deepspeed")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    out = {}
-    for stage in (0, 1, 2, 3):
-        d = root / f"zero{stage}"
-        proc = torchrun([str(ROOT / "fixtures" / "deepspeed_zero.py"), str(d), str(stage)], env)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        out[stage] = d
-    return out
+def zero_runs(deepspeed_runs: Any) -> dict[int, Path]:
+    return {stage: deepspeed_runs(stage) for stage in (0, 1, 2, 3)}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

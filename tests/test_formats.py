@@ -117,7 +117,7 @@ def test_sharded_hf_weights_with_index(zoo: dict[str, Path], tmp_path: Path) -> 
 
     src = zoo["hf-trainer"] / "checkpoint-30"
     model = LlamaForCausalLM.from_pretrained(src)
-    out = tmp_path / "checkpoint-30"
+    out = tmp_path / "model-30"  # a save_pretrained dir (a Trainer's checkpoint-N also needs its optimizer and state)
     model.save_pretrained(out, max_shard_size="40KB")
     assert (out / "model.safetensors.index.json").is_file()
     assert len(list(out.glob("model-*.safetensors"))) > 1

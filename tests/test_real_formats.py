@@ -496,6 +496,32 @@ def test_megatron_core_replays_onto_after_with_the_reference_model(variant: str,
     assert rep["reproduction"]["mismatched"] == 0 and rep["reproduction"]["tensors"] == 45
 
 
+def test_a_megatron_batch_log_that_says_nothing_of_its_labels_replays_the_same(tmp_path: Path) -> None:
+    """Megatron hands the model next-token targets; a batch log a user writes from its loop
+    carries no attribute saying so. The replay measures it from the data (it used to shift
+    the labels again: step 11's loss then was another task's) and lands on iteration 20; its
+    steps are checked against the loss megatron-core logged."""
+    import shutil
+
+    import h5py
+
+    log = tmp_path / "batches.h5"
+    shutil.copy(MCORE / "batches.h5", log)
+    with h5py.File(log, "a") as h:
+        del h.attrs["labels_shifted"]
+    truth_steps = json.loads((MCORE / "truth.json").read_text())["variants"]["plain"]["steps"]
+    metrics = tmp_path / "log.jsonl"
+    metrics.write_text("".join(json.dumps({"step": st["step"], "loss": st["loss"], "grad_norm": st["grad_norm"]}) + "\n" for st in truth_steps))
+    out = tmp_path / "rep"
+    r = invoke("replay", "--run-dir", str(MCORE / "plain"), "--before", "10", "--after", "20", "--batch", str(log), "--metrics", str(metrics), "--out", str(out))
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "report.json").read_text())
+    rep = doc["replay"]
+    assert rep["config"]["labels"]["value"].startswith("next-token targets") and rep["config"]["labels"]["source"].startswith("measured")
+    assert rep["reproduction"]["mismatched"] == 0 and doc["verdict"]["replay_check"]["status"] == "matched"
+    assert rep["check"]["checked_steps"] == list(range(11, 21))
+
+
 def test_megatron_option_the_reference_lacks_is_refused_by_name() -> None:
     from ckptforensics.replay.model import ModelSpecError, build_model
 

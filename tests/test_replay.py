@@ -67,18 +67,28 @@ def test_replay_reproduces_a_healthy_window(zoo: dict[str, Path], tmp_path: Path
     assert rep["config"]["clip"] == {"value": 1.0, "source": "checkpoint config grad_clip"}
 
 
-def test_single_step_from_a_batch_file_with_hf_config(zoo: dict[str, Path], tmp_path: Path) -> None:
+def test_a_batch_the_run_did_not_train_on_is_refused_by_its_own_log(zoo: dict[str, Path], tmp_path: Path) -> None:
+    """Another run's batch, replayed on the HF run's step 31 (model from config.json), gives
+    a loss its trainer_state.json does not have: one line, exit 2; with --allow-mismatch the
+    report comes from the checkpoint alone, nothing the replay measured in it."""
     import h5py
 
     with h5py.File(zoo["healthy"] / "batches.h5") as h:
         torch.save({"input_ids": torch.from_numpy(h["input_ids"][30])}, tmp_path / "b.pt")
-    r = invoke("replay", "--run-dir", str(zoo["hf-trainer"]), "--before", "30", "--batch", str(tmp_path / "b.pt"), "--json")
+    args = ["replay", "--run-dir", str(zoo["hf-trainer"]), "--before", "30", "--batch", str(tmp_path / "b.pt")]
+    r = invoke(*args)
+    assert_bad_input(r, "the replay does not reproduce the run's own log on its first checked step (loss")
+    assert "likeliest: the batches (data, order, collator) or the model" in r.stderr
+    r = invoke(*args, "--allow-mismatch", "--json")
     assert r.exit_code == 0, r.output
-    import json
-
     doc = json.loads(r.stdout)
-    assert doc["replay"]["steps"][0]["step"] == 31
+    v = doc["verdict"]
+    assert v["replay_check"]["status"] == "missed_first"
+    assert (v["first_bad_step"], v["first_anomalous_module"], v["reproducible"], v["anomalous_samples"]) == (None, None, None, [])
+    assert {f["kind"] for f in doc["findings"]} <= {"replay_withheld", "weights_only", "lr_above_schedule"} and "replay_withheld" in {f["kind"] for f in doc["findings"]}
+    assert set(doc["replay"]) == {"config", "precision", "check", "withheld"}
     assert doc["replay"]["config"]["model"]["source"] == "checkpoint config.json"
+    assert doc["replay"]["check"]["first_miss"] == 31
 
 
 def test_batch_out_of_vocabulary(zoo: dict[str, Path], tmp_path: Path) -> None:

@@ -40,6 +40,10 @@ def test_replay_settles_what_the_diff_cannot(board: dict[str, Row]) -> None:
     assert board["poison_batch"].samples_ok is True
     assert board["fp16_overflow"].layer_ok is True
     assert board["silent_corruption"].reproducible == "false"
+    # A transient fault during training leaves no impossible element: only the replay, which
+    # matches the run's log up to the spike and does not spike, names it.
+    hw = board["hardware_fault"]
+    assert (hw.cause_ok, hw.reproducible, hw.first_bad_step_ok) == (True, "false", True)
     assert all(board[n].reproducible == "true" for n in ("lr_jump", "poison_batch", "healthy-nanogpt"))
     assert all(board[n].first_bad_step_ok for n in ("lr_jump", "poison_batch", "gradient_explosion", "fp16_overflow", "adam_instability"))
 

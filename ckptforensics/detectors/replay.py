@@ -22,9 +22,21 @@ from ..tensors import (
     theil_sen,
     trend_z,
 )
-from .base import Finding, Thresholds, cap
+from .base import Finding, Thresholds, cap, module_of
 
-__all__ = ["ReplayEvidence", "ReplayDetector", "ONSET_DETECTORS", "EXAMINE_DETECTORS", "STATE_DETECTORS", "ONSET_KINDS", "replay_findings", "first_steps_from_state", "step_z"]
+__all__ = [
+    "ReplayEvidence",
+    "ReplayDetector",
+    "ONSET_DETECTORS",
+    "EXAMINE_DETECTORS",
+    "STATE_DETECTORS",
+    "ONSET_KINDS",
+    "WITHHELD",
+    "replay_findings",
+    "first_steps_from_state",
+    "step_z",
+    "log_onset",
+]
 
 def step_z(values: Sequence[float], baseline: Sequence[float] = (), above_level: bool = False) -> np.ndarray:
     """Robust z of per-step values (log scale) against the run's own trend: the logged
@@ -108,19 +120,28 @@ def _went_bad(r: Any, i: int, zl: np.ndarray, zg: np.ndarray, th: Thresholds, ab
     return bool(zg[i] > th.z and loss_follows(zl, i, th.z, z_grad=zg, z_level=above))
 
 
-def _spike(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
-    """The first replayed step whose loss, or grad norm with the loss following, leaves the run's trend."""
-    rep = ev.rep
-    recs = rep.records
-    base = list(rep.baseline.values())
-    zg = _grad_z(rep)
+def _onset(recs: Sequence[Any], base: Sequence[dict[str, float]], th: Thresholds, grads: bool = True) -> tuple[int | None, np.ndarray, np.ndarray]:
+    """Index of the first step of `recs` (anything with .loss, .grad_norm, .skipped,
+    .loss_scale) that goes bad against the history `base` (logged rows), and the loss and
+    grad-norm z of every step (`grads` False: a log without grad norms, judged on the loss)."""
+    values = [r.grad_norm for r in recs]
+    zg = step_z(values, [b["grad_norm"] for b in base if "grad_norm" in b]) if grads else np.zeros(len(recs))
     losses, history = [r.loss for r in recs], [b["loss"] for b in base if "loss" in b]
     zl = step_z(losses, history)
     above = step_z(losses, history, above_level=True)
     bad = [i for i, r in enumerate(recs) if _went_bad(r, i, zl, zg, th, above)]
     if not bad or (len(recs) <= 1 and len(base) < 5):
+        return None, zl, zg
+    return bad[0], zl, zg
+
+
+def _spike(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
+    """The first replayed step whose loss, or grad norm with the loss following, leaves the run's trend."""
+    rep = ev.rep
+    recs = rep.records
+    i, zl, zg = _onset(recs, list(rep.baseline.values()), th)
+    if i is None:
         return []
-    i = bad[0]
     r = recs[i]
     return [
         Finding(
@@ -372,6 +393,11 @@ def _localise(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
             return robust_z(lc, floor=0.05, reference=lr, axis=0)
 
     zf, zb = z_of("fwd", ia), z_of("bwd", ig)
+    # A first anomaly whose own parameters' gradients dwarf Adam's second moment (RMS_t past
+    # STALE_RMS_T: a moment two orders of magnitude stale, a frozen-then-released or gated
+    # module) went bad through Adam, not through a gradient the others share.
+    rec = next((r for r in rep.records if r.step == s), None)
+    stale = {module_of(n) for n, v in (rec.param_rms_t if rec is not None else {}).items() if v > STALE_RMS_T}
     nf_f = p.fwd[:, FWD_STATS.index("nonfinite")].numpy()
     nf_b = p.bwd[:, BWD_STATS.index("grad_nonfinite")].numpy()
     out = []
@@ -381,7 +407,7 @@ def _localise(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
         out.append(
             _first_anomaly(
                 "forward", s, p.modules[fwd_first], float(zf[fwd_first]), float(nf_f[fwd_first]), th,
-                ("absmax", float(p.fwd[fwd_first, ia]), "output", "max |x|"),
+                ("absmax", float(p.fwd[fwd_first, ia]), "output", "max |x|"), stale=stale,
             )
         )
     ranked = sorted((i for i in range(len(p.modules)) if math.isfinite(zb[i]) and zb[i] > th.z), key=lambda i: -zb[i])
@@ -390,18 +416,33 @@ def _localise(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
             _first_anomaly(
                 "backward", s, p.modules[bwd_first], float(zb[bwd_first]), float(nf_b[bwd_first]), th,
                 ("grad_norm", float(p.bwd[bwd_first, ig]), "output gradient", "norm"),
-                ranked=[p.modules[i] for i in ranked[:8]],
+                ranked=[p.modules[i] for i in ranked[:8]], stale=stale,
             )
         )
     return out
 
 
+# RMS_t past which a parameter's second moment is two orders of magnitude stale (the `rms_t`
+# detector's primary level): Adam's updates of it go lr-sized and sign-like at once.
+STALE_RMS_T = 100.0
+
+
 def _first_anomaly(
-    order: str, s: int, name: str, z: float, nonfinite: float, th: Thresholds, stat: tuple[str, float, str, str], ranked: list[str] | None = None
+    order: str,
+    s: int,
+    name: str,
+    z: float,
+    nonfinite: float,
+    th: Thresholds,
+    stat: tuple[str, float, str, str],
+    ranked: list[str] | None = None,
+    stale: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> Finding:
-    """The first module, in forward or backward order, whose statistic leaves its range."""
+    """The first module, in forward or backward order, whose statistic leaves its range; where
+    it holds a parameter with a stale second moment, evidence of Adam's instability first."""
     key, value, what, label = stat
     extra = " on the window's other steps" if order == "forward" else ""
+    adam = any(m == name or m.startswith(name + ".") or name.startswith(m + ".") for m in stale)
     return Finding(
         "",
         f"first_{order}_anomaly",
@@ -409,9 +450,10 @@ def _first_anomaly(
         cap(z / th.z) if math.isfinite(z) else 10.0,
         "warning",
         {"step": s, "robust_z": z, "nonfinite": nonfinite, key: value, **({"ranked": ranked} if ranked is not None else {})},
-        f"step {s}: {name} is the first module in {order} order whose {what} leaves its range{extra} ({label} {value:.3g}, robust z {z:.1f})",
-        "docs/signatures.md#first-anomaly (OLMo-core 6 sigma)",
-        ("gradient_explosion",),
+        f"step {s}: {name} is the first module in {order} order whose {what} leaves its range{extra} ({label} {value:.3g}, robust z {z:.1f})"
+        + (f"; its gradient is over {STALE_RMS_T:g}x what Adam's second moment expects (RMS_t)" if adam else ""),
+        "docs/signatures.md#first-anomaly (OLMo-core 6 sigma)" + (", #rms-t" if adam else ""),
+        ("adam_instability", "gradient_explosion") if adam else ("gradient_explosion",),
     )
 
 
@@ -644,6 +686,12 @@ def _reproduction(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
             )
         ]
     worst = max(rep.matches, key=lambda m: m.mismatched / max(m.numel, 1))
+    miss = rep.check.first_miss
+    why = (
+        f"the run left the replay at step {miss.step}, where it stops matching the run's own log"
+        if miss is not None and miss.step != rep.check.first_checked
+        else "the replay configuration (LR, clipping, precision, loss averaging) differs from the trainer's; see replay.config"
+    )
     return [
         Finding(
             "",
@@ -652,16 +700,95 @@ def _reproduction(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
             1.0,
             "info",
             {"mismatched_share": mis / total, "impossible_tensors": len(imp), "worst": worst.name},
-            f"the replay deviates from after on {mis / total:.1%} of elements (worst: {worst.name} {worst.where}): "
-            "the replay configuration (LR, clipping, precision, loss averaging) differs from the trainer's; see replay.config",
+            f"the replay deviates from after on {mis / total:.1%} of elements (worst: {worst.name} {worst.where}): {why}",
             "docs/signatures.md#reproducibility",
             (),
         )
     ]
 
 
+@dataclass(frozen=True, slots=True)
+class _LoggedStep:
+    """A logged row in the shape the onset rule reads (grad norm NaN where not logged)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    skipped: bool = False
+    loss_scale: float | None = None
+
+
+def log_onset(rep: Any, th: Thresholds, until: int) -> int | None:
+    """The first step of the window, up to `until`, where the run's own log goes bad (the
+    replay's onset rule on the logged figures against the logged history)."""
+    rows = [(s, rep.logged[s]) for s in sorted(rep.logged) if s <= until and "loss" in rep.logged[s]]
+    if not rows:
+        return None
+    recs = [_LoggedStep(s, r["loss"], r.get("grad_norm", math.nan), False, r.get("loss_scale")) for s, r in rows]
+    i, _, _ = _onset(recs, list(rep.baseline.values()), th, grads=all("grad_norm" in r for _, r in rows))
+    return recs[i].step if i is not None else None
+
+
+# Statuses of the replay's check against the run's log whose replay is not evidence.
+WITHHELD = ("missed_first", "missed_later")
+
+
+def _log_agreement(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
+    """Whether the replay reproduces the run's own log, and so whether it is evidence.
+
+    Every replayed step with a logged figure is compared (`replay.logcheck`). The first miss
+    D decides: at or after the replay's own onset, the run diverged after the spike (still
+    evidence); where the log spikes at D and the replay, which matched every step before,
+    does not, the spike does not reproduce from the same state and batch (a hardware fault
+    or nondeterminism); otherwise the replay is not the run: on the first checked step it is
+    refused (`--allow-mismatch` writes the diff's report), later its evidence is withheld.
+    """
+    rep = ev.rep
+    check = rep.check
+    first, miss = check.first_checked, check.first_miss
+    base = {"checked": len([c for c in check.checks if c.checked]), "first_checked": first, "loss_as": check.loss_as, "note": check.note}
+    src = "docs/signatures.md#replay-vs-log"
+    if first is None:
+        why = check.note or "no logged figure for the window"
+        msg = f"the replay could not be checked against the run's log ({why}): its evidence stands unchecked"
+        return [Finding("", "replay_log_agreement", "run", 1.0, "info", {**base, "status": "unchecked"}, msg, src, ())]
+    if miss is None:
+        msg = f"every replayed step with a logged figure matches the run's log ({base['checked']} steps; the log's loss read as {check.loss_as})"
+        return [Finding("", "replay_log_agreement", "run", 1.0, "info", {**base, "status": "matched"}, msg, src, ())]
+    d = miss.step
+    figures = _figures(miss)
+    onset = ev.step if ev.bad else None
+    metrics = {**base, "step": d, "replayed_loss": miss.loss, "logged_loss": miss.logged_loss, "replayed_grad_norm": miss.grad_norm, "logged_grad_norm": miss.logged_grad_norm}
+    if onset is not None and onset <= d:
+        msg = f"the replay matches the run's log up to step {d - 1} and diverges from it at step {d} ({figures}), after the spike at step {onset}"
+        return [Finding("", "replay_log_agreement", "run", 1.0, "info", {**metrics, "status": "diverged_after_onset"}, msg, src, ())]
+    if log_onset(ev.rep, th, d) == d and len(rep.baseline) >= 5:
+        n = sum(c.checked for c in check.checks if c.step < d)
+        before = f"matching the log on every step before it ({n} checked)" if d != first else "from the checkpoint's own state"
+        msg = (
+            f"step {d}: the run's log spikes ({figures}) where the replay from the same state and batch does not, {before}: "
+            "the spike does not reproduce (a hardware fault or nondeterminism)"
+        )
+        return [Finding("", "replay_spike_not_reproduced", f"step {d}", 10.0, "critical", {**metrics, "status": "not_reproduced"}, msg, src, ("silent_corruption",), primary=True)]
+    status = "missed_first" if d == first else "missed_later"
+    where = "on its first checked step" if d == first else f"at step {d}, where neither the log nor the replay spikes"
+    msg = f"the replay does not reproduce the run's own log {where} ({figures})"
+    if rep.diagnosis:
+        msg += f"; likeliest: {rep.diagnosis}"
+    return [Finding("", "replay_withheld", f"step {d}", 1.0, "info", {**metrics, "status": status}, msg, src, ())]
+
+
+def _figures(miss: Any) -> str:
+    parts = []
+    if miss.loss_ok is False:
+        parts.append(f"loss {miss.loss:.5g} vs {miss.logged_loss:.5g} logged")
+    if miss.grad_ok is False:
+        parts.append(f"grad norm {miss.grad_norm:.4g} vs {miss.logged_grad_norm:.4g} logged")
+    return ", ".join(parts)
+
+
 # The onset detectors' findings whose step is the first bad step.
 ONSET_KINDS = ("lr_step_jump", "replay_spike")
 ONSET_DETECTORS: tuple[ReplayDetector, ...] = (_lr_steps, _spike)
 EXAMINE_DETECTORS: tuple[ReplayDetector, ...] = (_localise, _overflow, _samples, _attention)
-STATE_DETECTORS: tuple[ReplayDetector, ...] = (_output_logits, _rms_t, _reproduction)
+STATE_DETECTORS: tuple[ReplayDetector, ...] = (_output_logits, _rms_t, _reproduction, _log_agreement)

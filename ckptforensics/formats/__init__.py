@@ -2,25 +2,40 @@
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointNotFound, UnknownFormat
-from .base import Checkpoint, GroupHyper, OptimizerView, TensorMeta
-from .dcp import is_dcp_dir, open_dcp
-from .deepspeed import is_deepspeed_dir, open_deepspeed
-from .hf import is_hf_dir, open_hf_dir
-from .megatron import is_megatron_dir, is_megatron_dist_dir, open_megatron, open_megatron_dist
+from ..errors import CheckpointNotFound, IncompleteCheckpoint, UnknownFormat, doing
+from ..locate import must_exist
+from .base import Checker, Checkpoint, Completeness, GroupHyper, OptimizerView, TensorMeta
+from .dcp import dcp_completeness, is_dcp_dir, open_dcp
+from .deepspeed import deepspeed_completeness, is_deepspeed_dir, open_deepspeed
+from .hf import hf_completeness, is_hf_dir, open_hf_dir
+from .megatron import (
+    TRACKER,
+    is_megatron_dir,
+    is_megatron_dist_dir,
+    megatron_completeness,
+    megatron_dist_completeness,
+    open_megatron,
+    open_megatron_dist,
+)
 from .optim import settle_by_evidence, view_from_ids
-from .safetensors_file import open_safetensors
-from .torchfile import is_torch_zip
+from .safetensors_file import open_safetensors, safetensors_completeness
+from .torchfile import is_torch_zip, torch_file_completeness
 from .torchsave import open_torch_file
 
 __all__ = [
     "Checkpoint",
+    "Completeness",
+    "completeness",
+    "require_complete",
     "GroupHyper",
     "OptimizerView",
     "TensorMeta",
@@ -42,17 +57,22 @@ Sniffer = Callable[[Path], bool]
 FORMATS: dict[str, Opener] = {}
 # name -> sniffer, in the order `sniff` asks them (the most specific layout first).
 SNIFFERS: dict[str, Sniffer] = {}
+# name -> its completeness rule (`Completeness`); readers without one are not judged.
+CHECKERS: dict[str, Checker] = {}
 ENTRY_POINT_GROUP = "ckptforensics.formats"
 
 
-def register(name: str, opener: Opener, sniff: Sniffer | None = None, *, first: bool = False) -> None:
+def register(name: str, opener: Opener, sniff: Sniffer | None = None, *, first: bool = False, complete: Checker | None = None) -> None:
     """Add a reader: `opener(path) -> Checkpoint`, and optionally `sniff(path) -> bool`,
     which `sniff()` asks before the generic safetensors / torch.save checks (`first`: before
-    every registered one, for a layout that would otherwise pass for another). A second
-    reader under the same name is a programming error."""
+    every registered one, for a layout that would otherwise pass for another), and
+    `complete(path) -> Completeness`, the format's rule for a whole checkpoint (sizes,
+    headers, end records: cheap). A second reader under the same name is a programming error."""
     if name in FORMATS:
         raise ValueError(f"format {name!r} is already registered")
     FORMATS[name] = opener
+    if complete is not None:
+        CHECKERS[name] = complete
     if sniff is not None:
         items = list(SNIFFERS.items())
         SNIFFERS.clear()
@@ -62,21 +82,21 @@ def register(name: str, opener: Opener, sniff: Sniffer | None = None, *, first: 
 def _is_safetensors(path: Path) -> bool:
     if path.is_dir():
         return False
+    if path.suffix == ".safetensors":
+        return True
     with path.open("rb") as f:
         head = f.read(16)
-    return path.suffix == ".safetensors" or (len(head) >= 9 and head[8:9] == b"{")
+    return len(head) >= 9 and head[8:9] == b"{"
 
 
-register("megatron-dist", open_megatron_dist, lambda p: p.is_dir() and is_megatron_dist_dir(p))
-register("dcp", open_dcp, lambda p: p.is_dir() and is_dcp_dir(p))
-register("deepspeed", open_deepspeed, lambda p: p.is_dir() and is_deepspeed_dir(p))
-register("megatron", open_megatron, lambda p: p.is_dir() and is_megatron_dir(p))
-register("hf-trainer", open_hf_dir, lambda p: p.is_dir() and is_hf_dir(p))
-register("safetensors", open_safetensors, _is_safetensors)
-register("torch", lambda p: open_torch_file(p, "torch"))
-register("nanogpt", lambda p: open_torch_file(p, "nanogpt"))
-register("lightning", lambda p: open_torch_file(p, "lightning"))
-register("litgpt", lambda p: open_torch_file(p, "litgpt"))
+register("megatron-dist", open_megatron_dist, lambda p: p.is_dir() and is_megatron_dist_dir(p), complete=megatron_dist_completeness)
+register("dcp", open_dcp, lambda p: p.is_dir() and is_dcp_dir(p), complete=dcp_completeness)
+register("deepspeed", open_deepspeed, lambda p: p.is_dir() and is_deepspeed_dir(p), complete=deepspeed_completeness)
+register("megatron", open_megatron, lambda p: p.is_dir() and is_megatron_dir(p), complete=megatron_completeness)
+register("hf-trainer", open_hf_dir, lambda p: p.is_dir() and is_hf_dir(p), complete=hf_completeness)
+register("safetensors", open_safetensors, _is_safetensors, complete=safetensors_completeness)
+for _flavour in ("torch", "nanogpt", "lightning", "litgpt"):
+    register(_flavour, lambda p, f=_flavour: open_torch_file(p, f), complete=lambda p, f=_flavour: torch_file_completeness(p, f))
 _BUILTIN = frozenset(FORMATS)
 _plugins_loaded = False
 
@@ -120,6 +140,9 @@ def sniff(path: Path) -> str:
     if path.is_dir():
         if single_file(path) is not None:
             return "torch-file"
+        broken = broken_links(path)
+        if broken:  # the file that made it a checkpoint is a link to nothing (lit_model.pth -> a loop)
+            raise IncompleteCheckpoint(f"{path}: no checkpoint layout recognised, and {'; '.join(broken)}; pass a complete checkpoint (an earlier step)")
         from ..locate import list_checkpoints
 
         found = list_checkpoints(path)
@@ -131,6 +154,8 @@ def sniff(path: Path) -> str:
             f"{path}: a directory that is not a known checkpoint layout "
             "(expected model*.safetensors / pytorch_model*.bin); pass the checkpoint itself"
         )
+    if path.stat().st_size == 0:
+        raise IncompleteCheckpoint(f"{path}: empty (0 bytes): a save cut off before writing it; pass a complete checkpoint (an earlier step)")
     with path.open("rb") as f:
         head = f.read(16)
     # torch.save zips start with a local file header; a truncated one has lost its
@@ -154,40 +179,112 @@ def single_file(path: Path) -> Path | None:
 
 def _megatron_latest(path: Path) -> Path:
     """A Megatron save dir stands for its latest iteration (`latest_checkpointed_iteration.txt`),
-    as a DeepSpeed save dir stands for the tag in `latest`."""
-    marker = path / "latest_checkpointed_iteration.txt"
+    as a DeepSpeed save dir stands for the tag in `latest`.
+
+    Raises:
+        CheckpointNotFound: the tracker names an iteration that is not there.
+    """
+    marker = path / TRACKER
     if path.is_dir() and marker.is_file():
         text = marker.read_text().strip()
-        if text.isdigit() and (path / f"iter_{int(text):07d}").is_dir():
-            return path / f"iter_{int(text):07d}"
+        if text.isdigit():
+            it = path / f"iter_{int(text):07d}"
+            if not it.is_dir():
+                have = sorted(d.name for d in path.glob("iter_*") if d.is_dir())
+                raise CheckpointNotFound(
+                    f"{marker} names iteration {int(text)}, but {it.name}/ is not there (found: {', '.join(have[-6:]) or 'no iter_* dirs'}); "
+                    "pass one of the iterations that are"
+                )
+            return it
     return path
 
 
-def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
-    """Open any supported checkpoint read-only and lazily.
-
-    Args:
-        path: file or directory.
-        format: force a reader by name (see FORMATS); sniffed when None.
-
-    Raises:
-        CheckpointNotFound, UnknownFormat, CorruptCheckpoint, UnsafeCheckpoint,
-        OptimizerMappingError.
-    """
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointNotFound(f"{p}: no such file or directory")
+def _target(p: Path, format: str | None) -> tuple[Path, str]:
+    """(the path the reader opens, the reader's name or 'torch-file')."""
     p = _megatron_latest(p)
     if format is not None:
         load_plugins()
         if format not in FORMATS:
             raise UnknownFormat(f"unknown format {format!r}; known: {', '.join(sorted(FORMATS))}")
         inner = single_file(p) if p.is_dir() and format in ("torch", "nanogpt", "lightning", "litgpt") else None
-        return FORMATS[format](inner or p)
+        return inner or p, format
     kind = sniff(p)
     if kind == "torch-file":
-        return open_torch_file((single_file(p) if p.is_dir() else None) or p)
-    return FORMATS[kind](p)
+        return (single_file(p) if p.is_dir() else None) or p, kind
+    return p, kind
+
+
+def completeness(path: str | Path, format: str | None = None) -> Completeness:
+    """Whether the checkpoint at `path` is whole, by its format's rule (`Completeness`):
+    every file the format requires there, readable, and as long as its own header, index or
+    end record says. Cheap: sizes, headers and end records; no tensor data is read.
+
+    Raises:
+        CheckpointNotFound, UnknownFormat: nothing at `path` that a reader recognises.
+    """
+    p = Path(path)
+    must_exist(p)
+    with doing(f"checking that {p} is complete"):
+        target, kind = _target(p, format)
+        name = "torch" if kind == "torch-file" else kind
+        check = CHECKERS.get(name)
+        if check is None:
+            return Completeness(name, f"the {name} reader (a plugin) states no completeness rule", checked=False)
+        c = check(target)
+        broken = [b for b in broken_links(target) if not any(q.startswith(b.split(":")[0]) for q in c.problems)]
+        return dataclasses.replace(c, problems=(*c.problems, *broken)) if broken else c
+
+
+def broken_links(path: Path) -> list[str]:
+    """Symlinks inside a checkpoint directory that lead nowhere (loops, dangling): damage,
+    whatever the file's role; a reader that looks for the name would take it for absent."""
+    if not path.is_dir() or path.is_symlink():
+        return []
+    out = []
+    for d, dirs, files in os.walk(path):
+        for n in dirs + files:
+            p = Path(d) / n
+            if p.is_symlink():
+                try:
+                    p.stat()
+                except OSError as e:
+                    what = "a symlink loop" if e.errno == errno.ELOOP else f"a symlink to nothing ({os.readlink(p)})"
+                    out.append(f"{p.relative_to(path).as_posix()}: {what}")
+    return sorted(out)
+
+
+def require_complete(path: str | Path, format: str | None = None) -> Completeness:
+    """`completeness`, raising IncompleteCheckpoint (what is missing, the fix) unless whole."""
+    c = completeness(path, format)
+    if c.checked and not c.complete:
+        if all("not readable" in p for p in c.problems):
+            raise IncompleteCheckpoint(f"{path}: unreadable {c.format} checkpoint: {'; '.join(c.problems)}. Fix its permissions, or pass another")
+        raise IncompleteCheckpoint(f"{path}: incomplete {c.format} checkpoint: {'; '.join(c.problems)}. Pass a complete checkpoint (an earlier step)")
+    return c
+
+
+def open_checkpoint(path: str | Path, format: str | None = None, *, check: bool = True) -> Checkpoint:
+    """Open any supported checkpoint read-only and lazily.
+
+    Args:
+        path: file or directory.
+        format: force a reader by name (see FORMATS); sniffed when None.
+        check: refuse an incomplete checkpoint first (`require_complete`: a save that
+            died half-way, a file cut short), naming what is missing.
+
+    Raises:
+        CheckpointNotFound, UnknownFormat, IncompleteCheckpoint, CorruptCheckpoint,
+        UnsafeCheckpoint, OptimizerMappingError.
+    """
+    p = Path(path)
+    must_exist(p)
+    if check:
+        require_complete(p, format)
+    with doing(f"reading checkpoint {p}"):
+        target, kind = _target(p, format)
+        if kind == "torch-file":
+            return open_torch_file(target)
+        return FORMATS[kind](target)
 
 
 def settle_pair(a: Checkpoint, b: Checkpoint) -> None:

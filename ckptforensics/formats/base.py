@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import ctypes
+import errno
+import json
 import logging
 import mmap
+import os
+import stat
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,7 +17,14 @@ from typing import Any
 
 import torch
 
+from ..errors import doing
+
 __all__ = [
+    "Completeness",
+    "Checker",
+    "file_problem",
+    "json_problem",
+    "rel_name",
     "TensorMeta",
     "GroupHyper",
     "OptimizerView",
@@ -144,7 +155,8 @@ class Checkpoint:
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor, lazily read (mmap-backed where possible); never written to."""
-        return self._get[name]()
+        with doing(f"reading tensor {name} of {self.path}"):
+            return self._get[name]()
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of dim 0 of a tensor (a torchrun rank's shard), as a copy.
@@ -304,3 +316,86 @@ def read_rows(load: Any, start: int, stop: int) -> torch.Tensor:
         return load.rows(start, stop)
     t = load() if callable(load) else load
     return t[start:stop].clone()
+
+
+@dataclass(frozen=True, slots=True)
+class Completeness:
+    """Whether a checkpoint on disk is whole, judged cheaply: every file its format requires
+    is there, readable, and as long as its own header, index or end record says (no tensor
+    data is read). A save that died half-way is the commonest state of the newest checkpoint
+    after a crash; this is how it is told apart from a finished one.
+
+    Attributes:
+        format: the reader's name ('hf-trainer', 'dcp', ...).
+        rule: what a complete checkpoint of this format is, in one sentence.
+        problems: what is missing or cut short, each naming its file; empty when complete.
+        checked: False for a reader without a rule (a plugin): nothing was judged.
+    """
+
+    format: str
+    rule: str
+    problems: tuple[str, ...] = ()
+    checked: bool = True
+
+    @property
+    def complete(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        """'complete' / 'incomplete: a; b' / 'not checked (...)', for one line of output."""
+        if not self.checked:
+            return f"not checked ({self.rule})"
+        return "complete" if self.complete else "incomplete: " + "; ".join(self.problems)
+
+
+# A format's completeness rule: the checkpoint path (file or directory) -> its verdict.
+Checker = Callable[[Path], Completeness]
+
+
+def file_problem(path: Path, root: Path | None = None) -> str | None:
+    """What keeps `path` from being a whole, readable file, or None: missing, a symlink
+    that leads nowhere (dangling or a loop), not a regular file, unreadable, or empty.
+    Named relative to `root` when given."""
+    name = rel_name(path, root)
+    try:
+        st = path.stat()
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"{name}: a symlink loop"
+        if path.is_symlink():
+            return f"{name}: a symlink to nothing ({os.readlink(path)})"
+        return f"{name} missing"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{name}: not a regular file"
+    if not os.access(path, os.R_OK, effective_ids=os.access in os.supports_effective_ids):
+        return f"{name}: not readable (permission denied)"
+    try:
+        with path.open("rb") as f:
+            f.read(1)
+    except OSError as e:
+        return f"{name}: not readable ({e.strerror or e})"
+    if st.st_size == 0:
+        return f"{name}: empty (0 bytes)"
+    return None
+
+
+def json_problem(path: Path, root: Path | None = None) -> str | None:
+    """`file_problem`, or a JSON file cut short (or not JSON at all)."""
+    bad = file_problem(path, root)
+    if bad is not None:
+        return bad
+    try:
+        json.loads(path.read_bytes())
+    except (UnicodeDecodeError, ValueError):
+        return f"{rel_name(path, root)}: cut short or not JSON"
+    return None
+
+
+def rel_name(path: Path, root: Path | None) -> str:
+    """`path` relative to `root` (the checkpoint), as problems name their files."""
+    if root is None:
+        return str(path)
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return str(path)

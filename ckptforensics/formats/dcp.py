@@ -3,6 +3,7 @@ process without a process group, one tensor at a time, never the whole checkpoin
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import pickle
@@ -15,11 +16,21 @@ import torch
 
 from ..errors import CorruptCheckpoint, UnsafeCheckpoint
 from ..locate import STEP_PATTERNS
-from .base import Checkpoint, GroupHyper, LazyState, OptimizerView, TensorMeta
+from .base import (
+    Checkpoint,
+    Completeness,
+    GroupHyper,
+    LazyState,
+    OptimizerView,
+    TensorMeta,
+    file_problem,
+    json_problem,
+    rel_name,
+)
 from .inert import dcp_inert_classes, safe_load_globals
 from .optim import group_hyper, optimizer_kind
 
-__all__ = ["is_dcp_dir", "open_dcp", "read_metadata"]
+__all__ = ["is_dcp_dir", "open_dcp", "read_metadata", "dcp_completeness", "dcp_files_problems"]
 
 _MODEL_PREFIXES = ("model.", "")
 _OPTIM_PREFIXES = ("optim.", "optimizer.")
@@ -37,7 +48,13 @@ def _dcp_roots(path: Path) -> list[Path]:
 
 
 def is_dcp_dir(path: Path) -> bool:
-    return path.is_dir() and bool(_dcp_roots(path))
+    """A DCP directory, or one a DCP save died in: shard files (`__R_I.distcp`) but no
+    `.metadata` yet (the coordinator writes it after every rank's files)."""
+    if not path.is_dir():
+        return False
+    if _dcp_roots(path):
+        return True
+    return any(any(d.glob("*.distcp")) for d in (path, path / "model_and_optim", path / "pytorch_model_fsdp_0") if d.is_dir())
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -79,8 +96,20 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(root: Path) -> Any:
-    """The DCP Metadata record, through the restricted unpickler."""
+    """The DCP Metadata record, through the restricted unpickler. Read once per file state
+    (its size and mtime): the completeness check and the reader both need it, and a large
+    model's `.metadata` runs to tens of MB."""
     f = root / ".metadata"
+    try:
+        st = f.stat()
+    except OSError as e:
+        raise CorruptCheckpoint(f"{f}: {e.strerror}") from None
+    return _read_metadata(str(f), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_metadata(path: str, size: int, mtime_ns: int) -> Any:
+    f = Path(path)
     try:
         with f.open("rb") as fh:
             md = _MetadataUnpickler(fh).load()
@@ -367,3 +396,72 @@ def _optimizer(store: _Store, state: dict[str, dict[str, Any]], groups: dict[Any
     kind = optimizer_kind({k: dict.fromkeys(v) for k, v in state.items()})
     label = "FQN (DCP); param groups stored per parameter, grouped by equal values" if per_param else "FQN (DCP)"
     return OptimizerView(kind=kind, state=by_name, hyper=hyper_of, groups=hypers, mapping=label)
+
+
+_DCP_RULE = ".metadata (torch.distributed.checkpoint writes it after every rank's files) and every file it names, as long as the chunks it places there"
+
+
+def dcp_files_problems(root: Path, top: Path) -> list[str]:
+    """A DCP directory's `.metadata` and the files it names, checked against the byte
+    ranges it places in each (sizes only: no chunk is read). Named relative to `top`."""
+    meta = root / ".metadata"
+    bad = file_problem(meta, top)
+    if bad is not None:
+        return [f"{bad} (written after every rank's files: the save did not finish)" if bad.endswith("missing") else bad]
+    try:
+        md = read_metadata(root)
+    except (CorruptCheckpoint, UnsafeCheckpoint) as e:
+        return [f"{rel_name(meta, top)}: {str(e).removeprefix(f'{meta}: ')}"]
+    ends: dict[str, int] = {}
+    for info in md.storage_data.values():
+        name = Path(str(getattr(info, "relative_path", ""))).name
+        try:
+            end = int(info.offset) + int(info.length)
+        except (AttributeError, TypeError, ValueError):
+            return [f"{rel_name(meta, top)}: a storage record without offset and length"]
+        ends[name] = max(ends.get(name, 0), end)
+    out = []
+    for name in sorted(ends):
+        f = root / name
+        bad = file_problem(f, top)
+        if bad is not None:
+            out.append(f"{bad} (named in .metadata)" if bad.endswith("missing") else bad)
+        elif f.stat().st_size < ends[name]:
+            out.append(f"{rel_name(f, top)}: truncated ({f.stat().st_size} bytes; .metadata places chunks up to byte {ends[name]})")
+    return out
+
+
+def dcp_completeness(path: Path) -> Completeness:
+    """torchtitan / FSDP2 DCP directories, OLMo-core's `stepN/` (`.metadata.json`, written
+    last, `train/rank*.pt`, `model_and_optim/`) and accelerate's FSDP folders."""
+    roots = _dcp_roots(path)
+    if not roots:  # shards without .metadata: find where it should be
+        roots = [d for d in (path / "model_and_optim", path / "pytorch_model_fsdp_0", path) if d.is_dir() and any(d.glob("*.distcp"))][:1]
+    problems = [p for root in roots for p in dcp_files_problems(root, path)]
+    rule = _DCP_RULE
+    if (path / "model_and_optim").is_dir() or (path / "train").is_dir() or (path / ".metadata.json").exists():
+        rule = "an OLMo-core checkpoint: .metadata.json (written last), train/rank0.pt, and model_and_optim/ with " + _DCP_RULE
+        bad = json_problem(path / ".metadata.json", path)
+        if bad is not None:
+            problems.append(f"{bad} (OLMo-core writes it last: the save did not finish)" if bad.endswith("missing") else bad)
+        from .torchfile import torch_file_problem
+
+        for f in sorted({path / "train" / "rank0.pt", *(path / "train").glob("rank*.pt")}):
+            bad = torch_file_problem(f, path)
+            if bad is not None:
+                problems.append(bad)
+    elif (path / "pytorch_model_fsdp_0").is_dir():
+        rule = "accelerate's FSDP checkpoint: pytorch_model_fsdp_0/ and optimizer_0/, each with " + _DCP_RULE + "; trainer_state.json (written last)"
+        from .hf import is_trainer_checkpoint, save_only_model
+
+        opt = path / "optimizer_0"
+        if opt.is_dir() and opt not in roots:
+            problems += dcp_files_problems(opt, path)
+        elif not opt.is_dir() and not save_only_model(path):
+            problems.append("optimizer_0/ missing")
+        bad = file_problem(path / "trainer_state.json", path)
+        if bad is not None and is_trainer_checkpoint(path):
+            problems.append(f"{bad} (the Trainer writes it last: the save did not finish)" if bad.endswith("missing") else bad)
+    elif not roots:
+        problems.append("no .metadata and no shard files")
+    return Completeness("dcp", rule, tuple(problems))

@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpoint
-from .base import Checkpoint, GroupHyper, LazyState, OptimizerView, TensorMeta
+from ..errors import CorruptCheckpoint, ForensicsError
+from .base import Checkpoint, Completeness, GroupHyper, LazyState, OptimizerView, TensorMeta
 from .optim import group_hyper
 from .statedict import add_state_dict, attach_optimizer, to_plain
-from .torchfile import load_torch_file
+from .torchfile import load_torch_file, torch_file_problem
 
-__all__ = ["is_deepspeed_dir", "open_deepspeed"]
+__all__ = ["is_deepspeed_dir", "open_deepspeed", "deepspeed_completeness"]
 
 _RANK = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 
@@ -36,7 +36,17 @@ def _tag_dir(path: Path) -> Path | None:
 
 
 def is_deepspeed_dir(path: Path) -> bool:
-    return path.is_dir() and _tag_dir(path) is not None
+    """A DeepSpeed tag dir, or a save dir whose `latest` names one (even one that is not
+    there: `deepspeed_completeness` then says so)."""
+    if not path.is_dir():
+        return False
+    if _tag_dir(path) is not None:
+        return True
+    latest = path / "latest"
+    try:
+        return latest.is_file() and _STEP_TAG.match(latest.read_text().strip()) is not None
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def open_deepspeed(path: Path) -> Checkpoint:
@@ -213,3 +223,86 @@ def _lazy12(optim: list[dict[str, Any]], g: int, name: str, field: str, shape: t
         return flat.view(shape)
 
     return build
+
+
+_STEP_TAG = re.compile(r"^global_step(\d+)$")
+_MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+_OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_DS_RULE = (
+    "a DeepSpeed checkpoint: the model states of every model-parallel rank (of every data-parallel rank "
+    "under ZeRO-3) and the ZeRO optimizer states of every data-parallel rank for the dp_world_size its model "
+    "states record, each a whole torch.save file; `latest`, written once every rank has saved, naming this tag or a later one"
+)
+
+
+def deepspeed_completeness(path: Path) -> Completeness:
+    """A save dir (through its `latest`) or a `global_stepN` tag dir: every rank's files for
+    the world size the model states record, each whole (zip end records), and a `latest`
+    that does not lag behind the tag (DeepSpeed writes it after every rank saved)."""
+    problems: list[str] = []
+    latest = path / "latest"
+    if _tag_dir(path) is path or not latest.is_file():
+        tag = path
+        problems += _lagging_latest(path)
+    else:
+        name = latest.read_text().strip()
+        tag = path / Path(name).name
+        if not tag.is_dir():
+            return Completeness("deepspeed", _DS_RULE, (f"`latest` names {name}, which is not there",))
+    problems += _tag_problems(tag, path)
+    return Completeness("deepspeed", _DS_RULE, tuple(problems))
+
+
+def _lagging_latest(tag: Path) -> list[str]:
+    latest = tag.parent / "latest"
+    try:
+        named = latest.read_text().strip() if latest.is_file() else None
+    except (OSError, UnicodeDecodeError):
+        return []
+    mine, theirs = _STEP_TAG.match(tag.name), _STEP_TAG.match(named or "")
+    if mine and theirs and int(mine.group(1)) > int(theirs.group(1)):
+        return [f"newer than ../latest ({named}): DeepSpeed writes `latest` once every rank has saved, so this save did not finish"]
+    return []
+
+
+def _tag_problems(tag: Path, top: Path) -> list[str]:
+    def rel(name: str) -> str:
+        return (tag / name).relative_to(top).as_posix() if tag != top else name
+
+    names = [f.name for f in tag.iterdir()] if tag.is_dir() else []
+    models = {(int(m.group(1) or 0), int(m.group(2))): n for n in names if (m := _MODEL_FILE.match(n))}
+    optims = {(int(m.group(1)), int(m.group(2))): n for n in names if (m := _OPTIM_FILE.match(n))}
+    if not models:
+        return [f"{rel('mp_rank_00_model_states.pt')} missing"]
+    problems = [b for n in sorted(set(models.values()) | set(optims.values())) if (b := torch_file_problem(tag / n, top))]
+    if problems:
+        return problems
+    zero3 = any(n.startswith("zero_pp_rank_") for n in models.values())
+    first = tag / models[min(models)]
+    try:
+        ms, _ = load_torch_file(first)  # memory-mapped: the pickle is read, no tensor data
+    except ForensicsError as e:
+        return [f"{rel(first.name)}: {str(e).removeprefix(f'{first}: ')}"]
+    ms = ms if isinstance(ms, dict) else {}
+    dp = _int(ms.get("dp_world_size"), 1)
+    mp = _int(ms.get("mp_world_size"), 1 + max(m for _, m in models))
+    cfg = ms.get("ds_config") if isinstance(ms.get("ds_config"), dict) else {}
+    stage = _int((cfg.get("zero_optimization") or {}).get("stage"), 3 if zero3 else (1 if optims else 0))
+    for m in range(mp):
+        for r in range(dp if zero3 else 1):
+            if (r, m) not in models:
+                want = f"zero_pp_rank_{r}_mp_rank_{m:02d}_model_states.pt" if zero3 else f"mp_rank_{m:02d}_model_states.pt"
+                problems.append(f"{rel(want)} missing (dp_world_size {dp}, mp_world_size {mp} in the model states)")
+        if stage >= 1:
+            for r in range(dp):
+                if (r, m) not in optims:
+                    want = f"zero_pp_rank_{r}_mp_rank_{m:02d}_optim_states.pt"
+                    problems.append(f"{rel(want)} missing (dp_world_size {dp} in the model states)")
+    extra = sorted(r for r, _ in optims if r >= dp) + sorted(r for r, _ in models if zero3 and r >= dp)
+    if extra:
+        problems.append(f"files of rank {extra[0]} but dp_world_size {dp} in the model states: mismatched world sizes (two saves mixed?)")
+    return problems
+
+
+def _int(x: Any, default: int) -> int:
+    return int(x) if isinstance(x, int) and not isinstance(x, bool) else default

@@ -6,18 +6,19 @@ import functools
 import json
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpoint, UnsafeCheckpoint
-from .base import Checkpoint
+from .base import Checkpoint, Completeness, file_problem, json_problem
 from .hf_order import param_order
 from .optim import AmbiguousMapping, map_optimizer
-from .safetensors_file import SafetensorsFile, add_file
+from .safetensors_file import SafetensorsFile, add_file, safetensors_problem
 from .statedict import add_state_dict, scaler_scalars, scheduler_scalars
-from .torchfile import load_torch_file
+from .torchfile import load_torch_file, torch_file_problem
 
-__all__ = ["open_hf_dir", "is_hf_dir"]
+__all__ = ["open_hf_dir", "is_hf_dir", "hf_completeness", "is_trainer_checkpoint", "save_only_model"]
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +27,13 @@ def is_hf_dir(path: Path) -> bool:
     """A directory with HF weights (`model*.safetensors`, `pytorch_model*.bin`) or config."""
     if not path.is_dir():
         return False
-    return any(path.glob("model*.safetensors")) or any(path.glob("pytorch_model*.bin")) or (
-        (path / "config.json").is_file() and (path / "optimizer.pt").is_file()
-    )
+    if any(path.glob("model*.safetensors")) or any(path.glob("pytorch_model*.bin")):
+        return True
+    # A save that died before (or while) writing its weights: its index, or the config
+    # beside the Trainer's own files, still says what it was meant to be.
+    if (path / "model.safetensors.index.json").is_file() or (path / "pytorch_model.bin.index.json").is_file():
+        return True
+    return (path / "config.json").is_file() and is_trainer_checkpoint(path)
 
 
 def open_hf_dir(path: Path) -> Checkpoint:
@@ -204,3 +209,95 @@ def _optimizer(ckpt: Checkpoint, opt: Path) -> None:
     except AmbiguousMapping as e:
         ckpt.pending_optimizer = e.pending
         ckpt.notes.append(f"{e}")
+
+
+# The files HF's Trainer writes into `checkpoint-N/` besides the model's (transformers
+# Trainer._save_checkpoint): model, then optimizer/scheduler/scaler, RNG states, and
+# trainer_state.json last.
+_TRAINER_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt", "scaler.pt", "training_args.bin", "rng_state.pth")
+_TRAINER_DIR = re.compile(r"^checkpoint-\d+$")
+_SHARD = re.compile(r"^model-(\d+)-of-(\d+)\.safetensors$")
+
+
+def is_trainer_checkpoint(path: Path) -> bool:
+    """A Trainer's `checkpoint-N/` (by its name or its Trainer files), not a bare
+    `save_pretrained` model directory."""
+    return bool(_TRAINER_DIR.match(path.name)) or any((path / f).exists() or (path / f).is_symlink() for f in _TRAINER_FILES) or any(path.glob("rng_state_*.pth"))
+
+
+def save_only_model(path: Path) -> bool:
+    """TrainingArguments.save_only_model, from training_args.bin (inert unpickler): such
+    checkpoints have no optimizer.pt by design."""
+    f = path / "training_args.bin"
+    if file_problem(f) is not None:
+        return False
+    try:
+        obj, _ = load_torch_file(f)
+    except Exception:  # unreadable or refused: the optimizer is then required
+        return False
+    fields = obj.as_dict() if hasattr(obj, "as_dict") else (obj if isinstance(obj, dict) else {})
+    return fields.get("save_only_model") is True
+
+
+_RULE = (
+    "an HF Trainer checkpoint: every weight shard its index names (or its model*.safetensors / pytorch_model*.bin), "
+    "whole; optimizer.pt (unless save_only_model); trainer_state.json, which the Trainer writes last"
+)
+
+
+def hf_completeness(path: Path) -> Completeness:
+    """HF Trainer `checkpoint-N/` or `save_pretrained` directory: shards per the index,
+    headers and end records only; a Trainer checkpoint also needs optimizer.pt and
+    trainer_state.json (written last, so its absence means the save did not finish)."""
+    problems = _weights_problems(path)
+    if not is_trainer_checkpoint(path):
+        return Completeness("hf-trainer", "a save_pretrained model directory: every weight shard its index names, whole", tuple(problems))
+    bad = json_problem(path / "trainer_state.json", path)
+    if bad is not None:
+        problems.append(f"{bad} (the Trainer writes it last: the save did not finish)" if bad.endswith("missing") else bad)
+    opt = path / "optimizer.pt"
+    if opt.exists() or opt.is_symlink() or not save_only_model(path):
+        bad = torch_file_problem(opt, path)
+        if bad is not None:
+            problems.append(bad)
+    for extra in ("scheduler.pt", "scaler.pt", "training_args.bin"):  # the reader loads these when present
+        f = path / extra
+        if f.exists() or f.is_symlink():
+            bad = torch_file_problem(f, path)
+            if bad is not None:
+                problems.append(bad)
+    return Completeness("hf-trainer", _RULE, tuple(problems))
+
+
+def _weights_problems(path: Path) -> list[str]:
+    for index_name, check in (("model.safetensors.index.json", safetensors_problem), ("pytorch_model.bin.index.json", None)):
+        index = path / index_name
+        if not (index.exists() or index.is_symlink()):
+            continue
+        bad = json_problem(index, path)
+        if bad is not None:
+            return [bad]
+        doc = json.loads(index.read_bytes())
+        wm = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(wm, dict) or not wm:
+            return [f"{index_name}: no weight_map"]
+        by_file: dict[str, set[str]] = {}
+        for name, fname in wm.items():
+            by_file.setdefault(Path(str(fname)).name, set()).add(str(name))
+        out = []
+        for fname in sorted(by_file):
+            shard = path / fname
+            bad = check(shard, path, by_file[fname]) if check is not None else torch_file_problem(shard, path)
+            if bad is not None:
+                out.append(f"{bad} (listed in {index_name})" if bad.endswith("missing") else bad)
+        return out
+    files = sorted(f for f in path.glob("model*.safetensors") if f.is_file() or not f.is_symlink())  # links to nothing: `broken_links`
+    shards = {int(m.group(2)) for f in files if (m := _SHARD.match(f.name))}
+    if shards:  # save_pretrained writes the index after its shards
+        return [f"model.safetensors.index.json missing ({len(files)} of {max(shards)} shards there: save_pretrained writes the index after them)"]
+    if files:
+        return [b for b in (safetensors_problem(f, path) for f in files) if b]
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if bins:
+        return [b for b in (torch_file_problem(f, path) for f in bins) if b]
+    return ["no weights (model*.safetensors or pytorch_model*.bin)"]

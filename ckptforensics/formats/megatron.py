@@ -8,13 +8,23 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpoint, OptimizerMappingError
-from .base import Checkpoint, LazyState, OptimizerView, TensorMeta
+from ..errors import CorruptCheckpoint, ForensicsError, OptimizerMappingError
+from .base import Checkpoint, Completeness, LazyState, OptimizerView, TensorMeta, json_problem
 from .optim import group_hyper, optimizer_kind
 from .statedict import add_state_dict, attach_optimizer, scaler_scalars, to_plain
-from .torchfile import load_torch_file
+from .torchfile import load_torch_file, torch_file_problem
 
-__all__ = ["is_megatron_dir", "open_megatron", "is_megatron_dist_dir", "open_megatron_dist"]
+__all__ = [
+    "is_megatron_dir",
+    "open_megatron",
+    "is_megatron_dist_dir",
+    "open_megatron_dist",
+    "megatron_completeness",
+    "megatron_dist_completeness",
+    "TRACKER",
+]
+
+TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def _rank_files(path: Path) -> list[Path]:
@@ -22,7 +32,8 @@ def _rank_files(path: Path) -> list[Path]:
 
 
 def is_megatron_dir(path: Path) -> bool:
-    return path.is_dir() and bool(_rank_files(path))
+    """An `iter_N/` with `mp_rank_*/` rank dirs (even a rank dir whose file is missing)."""
+    return path.is_dir() and (bool(_rank_files(path)) or any(d.is_dir() for d in path.glob("mp_rank_*")))
 
 
 def open_megatron(path: Path) -> Checkpoint:
@@ -87,8 +98,12 @@ def is_megatron_dist_dir(path: Path) -> bool:
     try:
         meta = json.loads((path / "metadata.json").read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist" and (path / ".metadata").is_file()
+        # metadata.json is the last file Megatron writes: an iteration dir holding DCP
+        # files without it is a torch_dist save that did not finish.
+        return re.match(r"^iter_\d+$", path.name) is not None and ((path / ".metadata").exists() or any(path.glob("*.distcp")))
+    # Without `.metadata` (a save that died before DCP's coordinator wrote it) it is still
+    # Megatron's: `megatron_dist_completeness` then says what is missing.
+    return isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist"
 
 
 _NO_DECAY = re.compile(r"bias$|norm|layer_norm")
@@ -295,3 +310,83 @@ def _dist_optimizer(state: dict[str, dict[str, Any]], groups: list[dict[str, Any
         st = steps.get(hyper_of[n].index)
         built[n] = LazyState({**fields, "step": int(st)} if isinstance(st, (int, float)) and "step" not in fields else fields)
     return OptimizerView(kind=kind, state=built, hyper=hyper_of, groups=hypers, mapping="sharded key (Megatron torch_dist)")
+
+
+_RANK_DIR = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?$")
+_LEGACY_RULE = (
+    "a Megatron checkpoint: model_optim_rng.pt (and distrib_optim.pt, with the distributed optimizer) in every "
+    "mp_rank_TT[_PPP] dir of the tensor x pipeline parallel grid its args record, each a whole torch.save file; "
+    f"{TRACKER}, written once every rank has saved, naming this iteration or a later one"
+)
+_DIST_RULE = (
+    "a Megatron torch_dist checkpoint: metadata.json, .metadata and every __R_I.distcp it names, as long as the "
+    f"chunks it places there (common.pt, where there is one, whole); {TRACKER} naming this iteration or a later one"
+)
+
+
+def megatron_completeness(path: Path) -> Completeness:
+    """Legacy `iter_N/mp_rank_*/model_optim_rng.pt`: the whole TP x PP grid of rank dirs,
+    each file whole (zip end records), and a tracker that does not lag behind."""
+    problems = _tracker_problems(path)
+    dirs = {(int(m.group(1)), int(m.group(2) or 0)): d for d in path.iterdir() if (m := _RANK_DIR.match(d.name)) and d.is_dir()}
+    whole = [b for d in sorted(dirs.values()) if (b := torch_file_problem(d / "model_optim_rng.pt", path))]
+    problems += whole
+    distrib = any((d / "distrib_optim.pt").exists() for d in dirs.values())
+    if distrib:
+        problems += [b for d in sorted(dirs.values()) if (b := torch_file_problem(d / "distrib_optim.pt", path))]
+    tp, pp = 1 + max((t for t, _ in dirs), default=0), 1 + max((p for _, p in dirs), default=0)
+    first = dirs.get((0, 0))
+    if first is not None and not whole:
+        try:
+            obj, _ = load_torch_file(first / "model_optim_rng.pt")  # memory-mapped: the pickle only
+            args = obj.get("args") if isinstance(obj, dict) else None
+            tp = int(getattr(args, "tensor_model_parallel_size", tp) or tp)
+            pp = int(getattr(args, "pipeline_model_parallel_size", pp) or pp)
+        except ForensicsError as e:
+            problems.append(str(e))
+    pipelined = pp > 1 or any(d.name.count("_") == 3 for d in dirs.values())
+    for t in range(tp):
+        for p in range(pp):
+            if (t, p) not in dirs:
+                name = f"mp_rank_{t:02d}_{p:03d}" if pipelined else f"mp_rank_{t:02d}"
+                problems.append(f"{name}/ missing (tensor x pipeline parallel {tp} x {pp} in the args)")
+    extra = sorted(k for k in dirs if k[0] >= tp or k[1] >= pp)
+    if extra:
+        problems.append(f"{dirs[extra[0]].name}/ lies outside the {tp} x {pp} parallel grid the args record: mismatched world sizes")
+    return Completeness("megatron", _LEGACY_RULE, tuple(problems))
+
+
+def megatron_dist_completeness(path: Path) -> Completeness:
+    """torch_dist `iter_N/`: metadata.json (written last), the DCP files, common.pt whole
+    where there is one, and a tracker that does not lag behind."""
+    from .dcp import dcp_files_problems
+
+    problems = _tracker_problems(path)
+    bad = json_problem(path / "metadata.json", path)
+    if bad is not None:
+        problems.append(f"{bad} (Megatron writes it once every rank has saved)" if bad.endswith("missing") else bad)
+    files = dcp_files_problems(path, path)
+    problems += files
+    common = path / "common.pt"  # megatron-core <= 0.18 (0.19 keeps it in .metadata); the reader does without
+    if common.exists() or common.is_symlink():
+        bad = torch_file_problem(common, path)
+        if bad is not None:
+            problems.append(bad)
+    return Completeness("megatron-dist", _DIST_RULE, tuple(problems))
+
+
+def _tracker_problems(iter_dir: Path) -> list[str]:
+    """The save dir's tracker must name this iteration or a later one: Megatron writes it
+    once every rank has saved. Without one (an iteration dir copied on its own) the
+    iteration is judged by its own files."""
+    it = _iter_of(iter_dir)
+    tracker = iter_dir.parent / TRACKER
+    if it is None or not tracker.is_file():
+        return []
+    try:
+        text = tracker.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return [f"../{TRACKER}: unreadable"]
+    if text.isdigit() and int(text) < it:
+        return [f"newer than ../{TRACKER} ({int(text)}): Megatron writes it once every rank has saved, so this save did not finish"]
+    return []

@@ -54,6 +54,7 @@ def optimizer_kind(state: dict[Any, dict[str, Any]]) -> str:
 
 
 def group_hyper(group: dict[str, Any], index: int) -> GroupHyper:
+    group = _numbers_only(group)
     betas = group.get("betas")
     return GroupHyper(
         lr=float(_num(group.get("lr", 0.0))),
@@ -69,6 +70,27 @@ def group_hyper(group: dict[str, Any], index: int) -> GroupHyper:
 
 def _num(x: Any) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _is_number(x: Any) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) or (isinstance(x, torch.Tensor) and x.numel() == 1)
+
+
+def _numbers_only(group: dict[str, Any]) -> dict[str, Any]:
+    """The group with hyper-parameters that are not plain numbers (Adafactor's `eps` pair,
+    its relative-step `lr=None`) read as unknown: NaN for lr, eps and weight decay, absent
+    for the optional ones, no betas unless a pair of numbers. Never a TypeError."""
+    out = dict(group)
+    for k in ("lr", "eps", "weight_decay"):
+        if k in out and not _is_number(out[k]):
+            out[k] = math.nan
+    for k in ("initial_lr", "max_lr"):
+        if out.get(k) is not None and not _is_number(out[k]):
+            del out[k]
+    b = out.get("betas")
+    if b is not None and not (isinstance(b, (tuple, list)) and len(b) == 2 and all(_is_number(x) for x in b)):
+        out["betas"] = None
+    return out
 
 
 def _partitions(params: Sequence[Param], sizes: list[int]) -> list[tuple[str, list[list[Param]]]]:

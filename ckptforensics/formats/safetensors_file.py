@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpoint
-from .base import Checkpoint, TensorMeta
+from .base import Checkpoint, Completeness, TensorMeta, file_problem, rel_name
 
-__all__ = ["SafetensorsFile", "open_safetensors"]
+__all__ = ["SafetensorsFile", "open_safetensors", "safetensors_problem", "safetensors_completeness"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -120,3 +120,30 @@ def open_safetensors(path: Path) -> Checkpoint:
     if step is not None and str(step).isdigit():
         ckpt.scalars["global_step"] = int(step)
     return ckpt
+
+
+def safetensors_problem(path: Path, root: Path | None = None, names: set[str] | None = None) -> str | None:
+    """What keeps a safetensors file from being whole, or None; reads its header only.
+
+    The header (8-byte length, then JSON) places every tensor at byte offsets; a file
+    cut short ends before the last of them. `names`: tensors an index places in it.
+    """
+    bad = file_problem(path, root)
+    if bad is not None:
+        return bad
+    name = rel_name(path, root)
+    try:
+        st = SafetensorsFile(path)
+    except CorruptCheckpoint as e:
+        return f"{name}: {str(e).removeprefix(f'{path}: ')}"
+    if names:
+        missing = sorted(names - set(st.entries))
+        if missing:
+            return f"{name}: lacks {missing[0]}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''} that the index places there"
+    return None
+
+
+def safetensors_completeness(path: Path) -> Completeness:
+    """One safetensors file: its header and every tensor it places within the file."""
+    bad = safetensors_problem(path, path.parent)
+    return Completeness("safetensors", "a safetensors file: its header, and every tensor it places, within the file", (bad,) if bad else ())

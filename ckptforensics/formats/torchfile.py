@@ -12,9 +12,10 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpoint, UnsafeCheckpoint
+from .base import Completeness, file_problem, rel_name
 from .inert import allowed_names, safe_load_globals
 
-__all__ = ["load_torch_file", "is_torch_zip"]
+__all__ = ["load_torch_file", "is_torch_zip", "torch_file_problem", "torch_file_completeness"]
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,44 @@ def is_torch_zip(path: Path) -> bool:
         return zipfile.is_zipfile(path)
     except OSError:
         return False
+
+
+def torch_file_problem(path: Path, root: Path | None = None) -> str | None:
+    """What keeps a torch.save file from being whole, or None; reads only its end.
+
+    torch.save (since torch 1.6) writes a zip whose central directory and end record come
+    last, after every tensor: a file cut short anywhere has lost them. The directory's
+    members must also lie before it, and `data.pkl` must be one of them. A legacy
+    (pre-zip) file has no end record to check and passes on its size alone.
+    """
+    bad = file_problem(path, root)
+    if bad is not None:
+        return bad
+    name = rel_name(path, root)
+    with path.open("rb") as f:
+        head = f.read(2)
+    if head == b"\x80\x02" or head[:1] == b"\x80":
+        return None  # legacy torch.save: a pickle stream, no end record
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+            start_dir = int(getattr(z, "start_dir", 0))
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return f"{name}: truncated or not a torch file (no zip end record)"
+    if not any(i.filename.endswith("data.pkl") for i in infos):
+        return f"{name}: truncated or not a torch file (no data.pkl in its zip directory)"
+    end = max((i.header_offset + i.compress_size for i in infos), default=0)
+    if start_dir and end > start_dir:
+        return f"{name}: truncated or not a torch file (a member runs past the zip directory)"
+    return None
+
+
+def torch_file_completeness(path: Path, format: str = "torch") -> Completeness:
+    """A one-file torch.save checkpoint (nanoGPT, Lightning `.ckpt`, LitGPT, plain state
+    dicts): whole when its zip end record and directory are."""
+    bad = torch_file_problem(path, path.parent)
+    rule = "a torch.save file: its zip end record and directory intact, every member before them"
+    return Completeness(format, rule, (bad,) if bad else ())
 
 
 def load_torch_file(path: Path) -> tuple[Any, bool]:

@@ -237,6 +237,7 @@ class Recorder:
             attrs = {
                 "rank": self.rank, "world_size": self.world, "grad_clip": self.cfg.grad_clip,
                 "micro_batch_size": self.cfg.micro_batch_size or (_rows(p) if self.world > 1 or len(p.rows) > 1 else None), "dataset_fingerprint": self.cfg.fingerprint, "recorder": "ckptforensics.record/1",
+                "labels_shifted": _measured_labels(p.rows),
             }  # fmt: skip
             self._seg = Segment(self.root / segment_name(step, self.rank), attrs)
         rows: dict[str, np.ndarray] = {}
@@ -296,6 +297,18 @@ def _narrow(a: np.ndarray) -> np.ndarray:
     if a.dtype == np.int64 and a.size and int(a.min()) >= -(2**31) and int(a.max()) < 2**31:
         return a.astype(np.int32)
     return a
+
+
+def _measured_labels(rows: list[dict[str, torch.Tensor]]) -> bool | None:
+    """Whether the loop hands its model next-token targets, measured on the segment's first
+    step as the replay measures it (`replay.conventions`): the log then says what it holds.
+    None where the rows do not decide (no labels, or too few positions that tell)."""
+    from ..replay.conventions import AGREEMENT, measure_labels
+
+    same, nxt, n = measure_labels([r for r in rows if "input_ids" in r and "labels" in r])
+    if same is None or not n:
+        return None
+    return True if nxt >= AGREEMENT else False if same >= AGREEMENT else None
 
 
 def _rows(p: _Pending) -> int | None:

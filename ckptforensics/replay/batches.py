@@ -33,8 +33,11 @@ class BatchSource:
         loss_scale: step -> loss scale, when recorded.
         grad_clip: the clip norm the batch log states, if any.
         sample_ids: step -> dataset index of each row, when recorded.
-        labels_shifted: `/labels` are next-token targets (OLMo-core, LitGPT: `labels[t]` is
-            the token after `t`) rather than HF-style inputs shifted inside the loss.
+        labels_shifted: what the source declares of its `/labels`: next-token targets
+            (True: Megatron, OLMo-core, LitGPT, nanoGPT, torchtitan: `labels[t]` is the token
+            after `t`), the inputs (False: HF, shifted inside the loss), or nothing (None).
+            The replay measures the convention from the data (`conventions.settle_labels`);
+            a declaration the data contradicts is an error.
         micro_batch_size: rows per forward/backward when the step accumulated gradients
             (the `micro_batch_size` attribute), for losses averaged per micro-batch.
         rebuilt: the batches were rebuilt from the run's data pipeline rather than read
@@ -51,7 +54,7 @@ class BatchSource:
     loss_scale: dict[int, float] = field(default_factory=dict)
     grad_clip: float | None = None
     sample_ids: dict[int, list[int]] = field(default_factory=dict)
-    labels_shifted: bool = False
+    labels_shifted: bool | None = None
     micro_batch_size: int | None = None
     rebuilt: bool = False
     fingerprint: str | None = None
@@ -167,7 +170,8 @@ def _h5(path: Path) -> BatchSource:
     if "sample_id" in h:
         sid = np.asarray(h["sample_id"])
         src.sample_ids = {s: [int(x) for x in sid[i][: None if rows_ is None else int(rows_[i])]] for s, i in row.items()}
-    src.labels_shifted = bool(h.attrs.get("labels_shifted", False))
+    declared = h.attrs.get("labels_shifted")
+    src.labels_shifted = None if declared is None else bool(declared)
     mbs = h.attrs.get("micro_batch_size")
     src.micro_batch_size = int(mbs) if mbs is not None and int(mbs) > 0 else None
     clip = h.attrs.get("grad_clip")

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ..errors import ForensicsError
+from ..errors import Failed, one_line
 
 __all__ = ["Ranks", "current", "start", "stop", "joined", "agree", "params_on_meta", "checkpoint_blocks", "shard_model", "materialize", "local_rows"]
 
@@ -196,19 +196,25 @@ def stop() -> None:
 
 
 def agree(ranks: Ranks | None, fn: Callable[[], T]) -> T:
-    """Run `fn` on every rank; if it raised a ForensicsError on any rank, raise the first
-    rank's error on every rank, so that no rank waits forever on one that stopped."""
+    """Run `fn` on every rank; if it failed on any rank (bad input or a fault), raise the
+    first failing rank's one line (`errors.one_line`) on every rank, so that no rank waits
+    forever on one that stopped and every rank prints the same line and exit code."""
     if ranks is None:
         return fn()
-    err: str | None = None
+    err: tuple[int, str] | None = None
     out: Any = None
     try:
         out = fn()
-    except ForensicsError as e:
-        err = str(e)
+    except Exception as e:
+        err = one_line(e)
+        mine: Exception | None = e
+    else:
+        mine = None
     errors = [e for e in ranks.objects(err) if e]
     if errors:
-        raise ForensicsError(errors[0])
+        if mine is not None and tuple(errors[0]) == err:
+            raise mine  # this rank's own failure: its traceback stays for --debug
+        raise Failed(errors[0][1], errors[0][0])
     return out
 
 

@@ -15,13 +15,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import ForensicsError
+from ..errors import ForensicsError, doing
 from ..formats import open_checkpoint, open_pair
 from ..formats.base import Checkpoint
 from ..logs import group_lrs, read_metrics
 from ..tensors import LR_GROWTH_MARGIN, adam_ratio_bound
 from . import distributed
 from .batches import BatchSource, open_batches
+from .conventions import CallConvention, LabelConvention, call_model, detect_call, settle_labels
+from .logcheck import GRAD_RTOL, LOSS_RTOL, LogCheck, check_against_log
 from .model import (
     LossNorm,
     build_model,
@@ -56,6 +58,10 @@ class ReplayConfig:
         metrics: training log for per-step LR (JSONL/CSV); None = discovered beside the checkpoints.
         checkpoint_activations: recompute each block's activations in the backward pass
             (non-reentrant activation checkpointing per block; same numbers, less memory).
+        labels: 'shifted' or 'unshifted' where the batches' labels do not decide their
+            convention themselves (`conventions.settle_labels`); None: measured.
+        allow_mismatch: write the report even when the replay misses the run's own log on
+            its first checked step (every replay-derived verdict field withheld).
     """
 
     before: Path
@@ -70,6 +76,8 @@ class ReplayConfig:
     loss: str | None = None
     metrics: Path | None = None
     checkpoint_activations: bool = False
+    labels: str | None = None
+    allow_mismatch: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +101,7 @@ class StepRecord:
     param_spikes: dict[str, int] = field(default_factory=dict)
     logit_absmax: float = math.nan  # max |logit| of the step's batch
     log_z: float = math.nan  # mean logsumexp of the logits (softmax normaliser, nats)
+    sample_tokens: tuple[int, ...] = ()  # target tokens of each row (weights of its mean loss)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +120,7 @@ class _Grads:
     sample_grad_sq: tuple[float, ...] | None
     logit_absmax: float
     log_z: float
+    sample_tokens: tuple[int, ...] = ()
 
 
 def _local(t: Any) -> Any:
@@ -148,6 +158,8 @@ class ReplayResult:
     matches: list[TensorMatch] | None = None
     logged: dict[int, dict[str, float]] = field(default_factory=dict)
     baseline: dict[int, dict[str, float]] = field(default_factory=dict)  # logged steps before the window
+    check: LogCheck = field(default_factory=LogCheck)  # every replayed step against the run's log
+    diagnosis: str = ""  # the likeliest reason the first checked step misses the log, where it does
 
 
 def _autocast(precision: str, device: str) -> contextlib.AbstractContextManager[Any]:
@@ -155,17 +167,6 @@ def _autocast(precision: str, device: str) -> contextlib.AbstractContextManager[
         return contextlib.nullcontext()
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16
     return torch.autocast(device_type=device, dtype=dtype)
-
-
-def _logits(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    logits = getattr(out, "logits", None)
-    if logits is None and isinstance(out, (tuple, list)):
-        logits = out[0]
-    if not isinstance(logits, torch.Tensor):
-        raise ForensicsError("the model's output has no logits; pass --loss module:function")
-    return logits
 
 
 def _precision(cfg: ReplayConfig, ckpt: Checkpoint) -> tuple[str, str]:
@@ -242,8 +243,9 @@ class Session:
         a: Checkpoint,
         precision: str,
         loss_fn: Callable[..., torch.Tensor] | None,
-        labels_shifted: bool = False,
+        labels: LabelConvention,
         micro_batch_size: int | None = None,
+        first: tuple[int, dict[str, torch.Tensor]] | None = None,
     ) -> None:
         self.cfg = cfg
         self.ranks = distributed.current()
@@ -264,6 +266,12 @@ class Session:
         self.model.to(self.device).train()
         self.opt = build_optimizer(self.model, a, self.to_ckpt, self.ranks)
         self.precision = precision
+        self.loss_fn = loss_fn
+        self.labels = labels
+        self.call = None
+        if first is not None:  # the calling convention, from the window's first batch
+            check_vocab(self.model, first[1], first[0])
+            self.call = self._detect_call(first[1])
         self.scaler = None
         if precision == "fp16":
             self.scaler = torch.amp.GradScaler(self.device.type)
@@ -273,10 +281,30 @@ class Session:
         self.probe = ModuleProbe(self.model, self.device, self.ranks)
         self.probe.once = cfg.checkpoint_activations
         self.psg = PerSampleGrad(self.model)
-        self.loss_fn = loss_fn
-        self.labels_shifted = labels_shifted
         self.params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._group_of = {id(p): g for g in self.opt.param_groups for p in g["params"]}
+
+    @property
+    def labels_shifted(self) -> bool:
+        return self.labels.shifted
+
+    def _detect_call(self, batch: dict[str, torch.Tensor]) -> CallConvention:
+        """How the run's trainer calls this model (`conventions.detect_call`), from one
+        forward of the first batch (no gradients, before the probes are attached)."""
+        if self.ranks is not None:
+            batch = self.ranks.my_rows(batch)
+        on = {k: v.to(self.device) for k, v in batch.items()}
+        with torch.no_grad(), _autocast(self.precision, self.device.type):
+            return detect_call(self.model, on, self.labels.shifted)
+
+    def _forward(self, batch: dict[str, torch.Tensor], precision: str) -> torch.Tensor:
+        """The logits of every position [B, T, V], the model called as its trainer calls it."""
+        assert self.call is not None
+        with _autocast(precision, self.device.type):
+            out = call_model(self.model, self.call, batch, self.labels.shifted)
+        if isinstance(out, torch.Tensor):
+            return out
+        return out.logits if self.call.output == "object" else out[0]
 
     def _loss(self, batch: dict[str, torch.Tensor], precision: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's loss as the trainer averaged it, and each row's mean token loss.
@@ -288,28 +316,24 @@ class Session:
         if self.ranks is not None:
             batch = self.ranks.my_rows(batch)
             self.probe.rows = batch["input_ids"].shape[0]
-        ids = batch["input_ids"].to(self.device)
-        kwargs = {"input_ids": ids}
-        if "attention_mask" in batch:
-            kwargs["attention_mask"] = batch["attention_mask"].to(self.device)
-        with _autocast(precision, self.device.type):
-            try:
-                out = self.model(**kwargs)
-            except TypeError:
-                out = self.model(ids)
-            logits = _logits(out)
-        labels = batch.get("labels", batch["input_ids"]).to(self.device)
-        shifted = self.labels_shifted and "labels" in batch
+        on = {k: v.to(self.device) for k, v in batch.items()}
+        if self.call is None:
+            self.call = self._detect_call(full)
+        logits = self._forward(on, precision)
+        labels = on.get("labels", on["input_ids"])
+        shifted = self.labels.shifted and "labels" in on
+        am = on.get("attention_mask")
         if self.loss_fn is not None:
-            tok = self.loss_fn(logits, {k: v.to(self.device) for k, v in batch.items()})
+            tok = self.loss_fn(logits, on)
             mask = torch.ones_like(tok)
         else:
-            tok = per_token_loss(logits, labels, kwargs.get("attention_mask"), shifted=shifted)
-            mask = ((labels if shifted else labels[:, 1:]) != -100).to(tok.dtype)
-            if "attention_mask" in kwargs:
-                mask = mask * (kwargs["attention_mask"] if shifted else kwargs["attention_mask"][:, 1:]).to(tok.dtype)
+            tok = per_token_loss(logits, labels, am, shifted=shifted)
+            mask = ((labels if shifted else labels[:, 1:]) >= 0).to(tok.dtype)
+            if am is not None:
+                mask = mask * (am if shifted else am[:, 1:]).to(tok.dtype)
         masked = tok * mask
-        per_sample = masked.sum(1) / mask.sum(1).clamp_min(1)
+        self.row_tokens = mask.sum(1)
+        per_sample = masked.sum(1) / self.row_tokens.clamp_min(1)
         loss = self._normalise(masked, mask, labels, shifted) if self.ranks is None else self._share(masked, mask, full, shifted)
         with torch.no_grad():
             lg = logits.detach()
@@ -324,7 +348,7 @@ class Session:
         """The step's loss as its trainer averaged it (`trainer_loss_norm`)."""
         kind = self.loss_norm.kind if self.loss_fn is None else "targets"
         if kind == "labels" and not shifted:
-            return tok.sum() / (labels != -100).sum().clamp_min(1)
+            return tok.sum() / (labels >= 0).sum().clamp_min(1)
         if kind == "micro" and self.micro_batch_size and self.micro_batch_size < tok.shape[0]:
             parts = [(t.sum() / m.sum().clamp_min(1)) for t, m in zip(tok.split(self.micro_batch_size), mask.split(self.micro_batch_size), strict=True)]
             return torch.stack(parts).mean()
@@ -337,17 +361,17 @@ class Session:
         labels = full.get("labels", full["input_ids"])
         rows = labels.shape[0]
         if kind == "labels" and not shifted:
-            return tok.sum() / (labels != -100).sum().clamp_min(1).to(tok.device)
+            return tok.sum() / (labels >= 0).sum().clamp_min(1).to(tok.device)
         if kind == "micro" and self.micro_batch_size and self.micro_batch_size < rows:
             parts = [t.sum() / m.sum().clamp_min(1) for t, m in zip(tok.split(self.micro_batch_size), mask.split(self.micro_batch_size), strict=True)]
             return torch.stack(parts).sum() / -(-rows // self.micro_batch_size) if parts else tok.sum() * 0
         if self.loss_fn is not None:
             count = torch.tensor(rows * tok.shape[1])
         else:
-            count = ((labels if shifted else labels[:, 1:]) != -100).sum()
+            count = ((labels if shifted else labels[:, 1:]) >= 0).sum()
             if "attention_mask" in full:
                 am = full["attention_mask"] if shifted else full["attention_mask"][:, 1:]
-                count = (((labels if shifted else labels[:, 1:]) != -100) & (am != 0)).sum()
+                count = (((labels if shifted else labels[:, 1:]) >= 0) & (am != 0)).sum()
         return tok.sum() / count.clamp_min(1).to(tok.device)
 
     def probe_pass(self, batch: dict[str, torch.Tensor], precision: str) -> PassStats:
@@ -359,12 +383,13 @@ class Session:
         self.opt.zero_grad(set_to_none=True)
         return stats
 
-    def evaluate(self, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
-        """(loss, pre-clip grad norm) of a batch at the current state; no update, no probes."""
+    def evaluate(self, batch: dict[str, torch.Tensor], precision: str | None = None) -> tuple[float, float]:
+        """(loss, pre-clip grad norm) of a batch at the current state; no update, no probes
+        (`precision`: another than the session's, to test what the run used)."""
         self.probe.enabled = False
         try:
             self.opt.zero_grad(set_to_none=True)
-            loss, _ = self._loss(batch, self.precision)
+            loss, _ = self._loss(batch, precision or self.precision)
             loss.backward()
             grads = [_local(p.grad) for _, p in self.params if p.grad is not None]
             if self.ranks is not None:  # the ranks' loss shares and squared norms, summed
@@ -424,6 +449,7 @@ class Session:
             param_spikes=g.spikes,
             logit_absmax=g.logit_absmax,
             log_z=g.log_z,
+            sample_tokens=g.sample_tokens,
         )
         return rec, stats
 
@@ -450,6 +476,7 @@ class Session:
             sample_grad_sq=tuple(sq.cpu().tolist()) if sq is not None else None,
             logit_absmax=logit_absmax,
             log_z=log_z,
+            sample_tokens=tuple(int(x) for x in self.row_tokens.cpu().tolist()),
         )
 
     def _gradients_ranks(
@@ -458,8 +485,8 @@ class Session:
         """The step's gradient evidence across torchrun ranks, then clipping.
 
         Each rank holds its shard of every gradient and its rows' per-sample figures; all of
-        it travels in one gather: [loss share, logit stats, rows, per-sample loss and grad
-        norm^2 (padded), per parameter: sum g^2, sum g^2 / v_hat, spikes, finite]. The
+        it travels in one gather: [loss share, logit stats, rows, per-sample loss, grad
+        norm^2 and target tokens (padded), per parameter: sum g^2, sum g^2 / v_hat, spikes, finite]. The
         total norm and clipping follow from the merged sums (torch's clip_grad_norm_ rule).
         """
         assert self.ranks is not None
@@ -468,16 +495,17 @@ class Session:
         n = per_sample.shape[0]
         sq = self.psg.sq
         head = torch.cat([loss.detach().float().reshape(1), self.logit_stats.float(), torch.tensor([float(n), float(sq is not None)], device=dev)])
-        samples = torch.zeros(2, pad, device=dev)
+        samples = torch.zeros(3, pad, device=dev)
         samples[0, :n] = per_sample.detach().float()
         if sq is not None:
             samples[1, :n] = sq.float()
+        samples[2, :n] = self.row_tokens.float()
         rows = [torch.cat([param_grad_sums(_local(p.grad), _local_state(self.opt.state.get(p)), self._group_of[id(p)]), torch.isfinite(_local(p.grad)).all().float().reshape(1)]) for _, p in with_grad]
         table = torch.stack(rows) if rows else torch.zeros(0, 4, device=dev)
         flat = torch.cat([head, samples.reshape(-1), table.reshape(-1)]).double()
         every = self.ranks.gather(flat).cpu()  # the step's one collective: [W, len(flat)]
         h = len(head)
-        heads, smp, tab = every[:, :h], every[:, h : h + 2 * pad].reshape(-1, 2, pad), every[:, h + 2 * pad :].reshape(self.ranks.world, -1, 4)
+        heads, smp, tab = every[:, :h], every[:, h : h + 3 * pad].reshape(-1, 3, pad), every[:, h + 3 * pad :].reshape(self.ranks.world, -1, 4)
         counts = heads[:, 4].long().tolist()
         sums = tab[..., :3].sum(0)  # [P, 3]
         ok = tab[..., 3].amin(0)
@@ -498,6 +526,7 @@ class Session:
             sample_grad_sq=tuple(float(x) for w, c in enumerate(counts) for x in smp[w, 1, :c].tolist()) if bool(heads[:, 5].all()) else None,
             logit_absmax=float(heads[:, 1].max()),
             log_z=float(heads[:, 2].sum() / heads[:, 3].sum().clamp_min(1)),
+            sample_tokens=tuple(int(x) for w, c in enumerate(counts) for x in smp[w, 2, :c].tolist()),
         )
 
     def close(self) -> None:
@@ -647,8 +676,10 @@ class Plan:
     loss_fn: Callable[..., torch.Tensor] | None
     logged: dict[int, dict[str, float]]
     metrics_file: Path | None
+    labels: LabelConvention
     model_source: str = ""
     loss_norm: LossNorm | None = None
+    call: CallConvention | None = None
 
     def config(self, clip: float | None, clip_source: str) -> dict[str, dict[str, Any]]:
         """replay.config: every assumption with its source (the report states it: replay.config)."""
@@ -658,8 +689,13 @@ class Plan:
             "lr": {"value": {s: self.lrs[s] for s in self.steps}, "source": self.lr_source},
             "clip": {"value": clip, "source": clip_source},
             "loss": {
-                "value": cfg.loss or f"causal LM cross-entropy on the logits (shifted); {self.loss_norm.source if self.loss_norm else 'mean over target tokens'}",
+                "value": cfg.loss or f"causal LM cross-entropy on the logits; {self.loss_norm.source if self.loss_norm else 'mean over target tokens'}",
                 "source": "--loss" if cfg.loss else ("the run's trainer" if self.loss_norm and self.loss_norm.kind != "targets" else "default"),
+            },
+            "labels": {"value": self.labels.describe(), "source": self.labels.source},
+            "call": {
+                "value": self.call.describe if self.call else None,
+                "source": "the forward's signature and one forward of the first batch; checked on the first step against the log",
             },
             "optimizer": {"value": "AdamW", "source": "checkpoint optimizer state"},
             "model": {"value": self.model_source or cfg.model or "config.json", "source": _model_source(cfg.model, self.model_source)},
@@ -676,10 +712,11 @@ class Plan:
 
     def session(self) -> Session:
         # Under torchrun each rank reads its own rows: a rank that cannot stops them all.
+        first = (self.steps[0], self.batches.batch(self.steps[0]))
         sess = distributed.agree(
-            distributed.current(), lambda: Session(self.cfg, self.a, self.precision, self.loss_fn, self.batches.labels_shifted, self.batches.micro_batch_size)
+            distributed.current(), lambda: Session(self.cfg, self.a, self.precision, self.loss_fn, self.labels, self.batches.micro_batch_size, first)
         )
-        self.model_source, self.loss_norm = sess.model_source, sess.loss_norm
+        self.model_source, self.loss_norm, self.call = sess.model_source, sess.loss_norm, sess.call
         return sess
 
 
@@ -704,8 +741,8 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
         else:
             steps = [cfg.step if cfg.step is not None else a.step + 1]
     batches = _batches(cfg, a)
-    for s in steps:
-        batches.batch(s)  # fail early on a missing step
+    window = [batches.batch(s) for s in steps]  # fail early on a missing step
+    labels = settle_labels(window, batches.labels_shifted, cfg.labels, batches.describe)
     mfile = _metrics_file(cfg)
     logged = read_metrics(mfile) if mfile is not None else {}
     precision, psrc = _precision(cfg, a)
@@ -722,9 +759,11 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
         clips = [found]
     elif b is not None:
         clips = [(None, "calibrated: none"), (1.0, "calibrated: 1.0")]
+    elif sum(s in logged for s in steps) >= 2:  # the loss of a step after the first shows the clip
+        clips = [(None, "calibrated against the log: none"), (1.0, "calibrated against the log: 1.0")]
     else:
-        clips = [(None, "assumed: none (no after to calibrate against)")]
-    return Plan(cfg, a, b, steps, batches, lrs, lsrc, clips, precision, psrc, loss_fn, logged, mfile)
+        clips = [(None, "assumed: none (no after and no log to calibrate against)")]
+    return Plan(cfg, a, b, steps, batches, lrs, lsrc, clips, precision, psrc, loss_fn, logged, mfile, labels)
 
 
 def _batches(cfg: ReplayConfig, a: Checkpoint) -> BatchSource:
@@ -766,10 +805,14 @@ def _check_rebuilt(p: Plan, result: ReplayResult) -> None:
 
 
 def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, steps: list[int] | None = None) -> ReplayResult:
-    """Replay the window from *before* with probes; compare with *after* when given.
+    """Replay the window from *before* with probes; compare with *after* when given, and
+    every replayed step with the run's own log (`logcheck`).
 
-    With no clipping stated anywhere, the window is replayed under each usual setting
-    and the one that reproduces *after* best is kept (calibration, said in the report).
+    With no clipping stated anywhere, the window is replayed under each usual setting and
+    the one that reproduces *after* best is kept; without *after*, the one that reproduces
+    the log best (calibration, said in the report). A replay that misses the log on its
+    first step is not calibrated further (the first step does not depend on the clip): it
+    carries the likeliest reason (`diagnose_miss`) for the detectors to withhold it.
 
     Raises:
         ForensicsError: bad checkpoints, model, batches or configuration.
@@ -777,7 +820,7 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
     torch.manual_seed(0)
     p = plan(cfg, steps)
     _settle_ratio_change(p, progress)
-    best: tuple[float, ReplayResult] | None = None
+    best: tuple[tuple[float, float], ReplayResult] | None = None
     todo = list(p.clips)
     tried: set[float | None] = set()
     while todo:
@@ -789,16 +832,127 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
         result.config = p.config(clip, csrc)
         result.logged = {s: p.logged[s] for s in p.steps if s in p.logged}
         result.baseline = p.baseline()
-        err = _mismatch_score(result)
+        result.check = check_against_log(result.records, p.logged, p.precision, p.batches.micro_batch_size, clip)
+        err = (_mismatch_score(result), _log_score(result.check)) if p.b is not None else (_log_score(result.check), 0.0)
         if best is None or err < best[0]:
             best = (err, result)
-        if not todo and best[0] > 0 and csrc.startswith("calibrated"):
-            # Neither usual setting lands on *after*: the other clip norms trainers use,
-            # where they would have clipped at all (below the window's largest grad norm).
+        miss = result.check.first_miss
+        if miss is not None and miss.step == p.steps[0]:
+            break  # nothing a clip changes reaches the first step
+        if not todo and best[0][0] > 0 and csrc.startswith("calibrated"):
+            # Neither usual setting lands: the other clip norms trainers use, where they
+            # would have clipped at all (below the window's largest grad norm).
             top = max((r.grad_norm for r in result.records if math.isfinite(r.grad_norm)), default=0.0)
-            todo = [(c, f"calibrated: {c:g}") for c in CLIP_CANDIDATES if c not in tried and c < top]
+            how = csrc.split(":")[0]
+            todo = [(c, f"{how}: {c:g}") for c in CLIP_CANDIDATES if c not in tried and c < top]
     assert best is not None
-    return best[1]
+    result = best[1]
+    miss = result.check.first_miss
+    if miss is not None and miss.step == result.check.first_checked:
+        result.diagnosis = diagnose_miss(p, miss, result.check.loss_atol)
+    return result
+
+
+def settle_clip(p: Plan, progress: Callable[[str], None] | None = None, probe_steps: int = 4) -> tuple[float | None, str]:
+    """The plan's clip norm: the stated one, else the candidate whose replay of the window's
+    first `probe_steps` steps lands on the run's log best (the mitigation comparisons of
+    `whatif` replay from it). Without a log to tell, the first candidate, said so."""
+    if len(p.clips) == 1:
+        return p.clips[0]
+    head = p.steps[:probe_steps]
+    if sum(s in p.logged for s in head) < 2:
+        return p.clips[0][0], f"{p.clips[0][1]} (the log cannot tell within {len(head)} steps)"
+    short = dataclasses.replace(p, steps=head, b=None)
+    scored = []
+    for clip, src in p.clips:
+        if progress is not None:
+            progress(f"clip {clip}?")
+        recs = _run(short, clip, None).records
+        scored.append((_log_score(check_against_log(recs, p.logged, p.precision, p.batches.micro_batch_size, clip)), clip, src))
+    _, clip, src = min(scored, key=lambda x: x[0])
+    return clip, src
+
+
+def _log_score(check: LogCheck) -> float:
+    """How far a replay is from the run's log: the share of its checked steps that miss, plus
+    their mean relative loss error (a tie-break below one step's share)."""
+    done = [c for c in check.checks if c.checked]
+    if not done:
+        return 0.0
+    errs = [abs(c.loss - c.logged_loss) / max(abs(c.logged_loss), 1e-12) for c in done if c.loss is not None and c.logged_loss is not None]
+    finite = [e for e in errs if math.isfinite(e)]
+    return sum(not c.ok for c in done) / len(done) + min(sum(finite) / max(len(finite), 1), 1.0) / (len(done) + 1)
+
+
+def _lands(got: tuple[float, float], miss: Any, atol: float, precision: str) -> bool:
+    """Whether (loss, grad norm) lands on the log's figures of the missed step."""
+    loss, grad = got
+    ok = miss.logged_loss is None or abs(loss - miss.logged_loss) <= LOSS_RTOL.get(precision, 5e-3) * abs(miss.logged_loss) + atol
+    if miss.logged_grad_norm is not None and miss.grad_ok is not None:
+        ok = ok and abs(grad - miss.logged_grad_norm) <= GRAD_RTOL.get(precision, 3e-2) * abs(miss.logged_grad_norm)
+    return bool(ok and math.isfinite(loss))
+
+
+def diagnose_miss(p: Plan, miss: Any, atol: float = 0.0) -> str:
+    """The likeliest reason a replay misses the log on its first checked step, from the
+    figures: the same batch re-evaluated from *before* with each convention the replay may
+    have got wrong (labels, loss normalisation, precision); the first that lands on the log
+    is named with its figure. On a later first checked step the window's updates (LR,
+    clipping, optimizer state) before it are suspects too."""
+    if miss.step != p.steps[0]:
+        return (
+            f"the log has no figure before step {miss.step} to check the earlier steps against: the batches, model, labels or "
+            "precision, or the updates before it (LR, clipping, optimizer state), differ from the run's"
+        )
+    batch = p.batches.batch(miss.step)
+    session = p.session()
+    tried: list[str] = []
+    try:
+        labels, norm = session.labels, session.loss_norm
+        variants: list[tuple[str, Callable[[], None], str]] = []
+        if "labels" in batch and labels.same is not None:
+            flipped = dataclasses.replace(labels, shifted=not labels.shifted)
+
+            def use_flipped() -> None:
+                session.labels = flipped
+
+            variants.append((f"labels: read as {flipped.name}", use_flipped, session.precision))
+        for kind in ("targets", "labels", "micro"):
+            if kind != norm.kind:
+
+                def use_norm(kind: str = kind) -> None:
+                    session.labels, session.loss_norm = labels, LossNorm(kind, kind)
+
+                variants.append((f"loss normalisation: {kind}", use_norm, session.precision))
+        for prec in ("fp32", "bf16", "fp16"):
+            if prec != session.precision:
+
+                def use_default() -> None:
+                    session.labels, session.loss_norm = labels, norm
+
+                variants.append((f"precision: {prec}", use_default, prec))
+        for what, apply, prec in variants:
+            apply()
+            try:
+                got = session.evaluate(batch, prec)
+            except (RuntimeError, ValueError) as e:  # a variant the model cannot run (fp16 on CPU kernels, say)
+                tried.append(f"{what} fails ({type(e).__name__})")
+                continue
+            if _lands(got, miss, atol, prec):
+                return f"{what} (it gives loss {got[0]:.5g}, grad norm {got[1]:.4g})"
+            tried.append(f"{what} gives loss {got[0]:.4g}")
+    finally:
+        session.close()
+    dropout = [n for n, m in session.model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    if dropout:
+        return f"dropout is on ({dropout[0]} p={session.model.get_submodule(dropout[0]).p:g}...): a replay cannot draw the run's masks; none of {', '.join(tried)}"
+    if miss.loss_ok is not False:
+        return "the loss matches but the gradient does not: the loss scaling, frozen parameters or what the log calls its grad norm differ"
+    off = abs(miss.loss - miss.logged_loss) / max(abs(miss.logged_loss), 1e-12)
+    if off <= 3 * LOSS_RTOL.get(p.precision, 5e-3):
+        return f"a numerical difference just past float noise (kernels, TF32, fused ops) ({off:.2%} off); none of: {'; '.join(tried)}"
+    # Another batch of the same data lands ~1% away; a different task or model far further.
+    return f"the batches (data, order, collator) or the model (architecture, activation, norm) differ from the run's ({off:.1%} off); none of: {'; '.join(tried)}"
 
 
 def ratio_change(a: Checkpoint, b: Checkpoint | None) -> tuple[list[int], list[float], list[float]] | None:
@@ -911,18 +1065,17 @@ def _run(p: Plan, clip: float | None, progress: Callable[[str], None] | None) ->
     session = p.session()
     result = ReplayResult(config={}, precision=precision)
     window = {s: batches.batch(s) for s in steps}
-    vocab = _vocab_size(session.model)
     try:
         for s in steps:
             if progress is not None:
                 progress(f"step {s}")
             batch = window[s]
             ids = batch["input_ids"]
-            if vocab is not None and (int(ids.max()) >= vocab or int(ids.min()) < 0):
-                raise ForensicsError(f"batch of step {s}: token id {int(ids.max())} outside the model's vocabulary of {vocab}")
-            if precision != "fp32":
-                result.fp32_passes[s] = session.probe_pass(batch, "fp32")
-            rec, stats = session.step(s, batch, lrs[s], clip)
+            check_vocab(session.model, batch, s)
+            with doing(f"replaying step {s}"):
+                if precision != "fp32":
+                    result.fp32_passes[s] = session.probe_pass(batch, "fp32")
+                rec, stats = session.step(s, batch, lrs[s], clip)
             if batches.sample_ids.get(s):
                 rec = dataclasses.replace(rec, sample_ids=tuple(batches.sample_ids[s]))
             result.records.append(rec)
@@ -934,6 +1087,15 @@ def _run(p: Plan, clip: float | None, progress: Callable[[str], None] | None) ->
     finally:
         session.close()
     return result
+
+
+def check_vocab(model: nn.Module, batch: dict[str, torch.Tensor], step: int) -> None:
+    """A token id the model's embedding cannot index is bad input, said before any forward."""
+    vocab = _vocab_size(model)
+    ids = batch["input_ids"]
+    if vocab is not None and ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+        bad = int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())
+        raise ForensicsError(f"batch of step {step}: token id {bad} outside the model's vocabulary of {vocab}")
 
 
 def _vocab_size(model: nn.Module) -> int | None:

@@ -14,11 +14,13 @@ __all__ = ["RowStats", "row_data_stats", "PerSampleGrad", "per_token_loss"]
 def per_token_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None, shifted: bool = False) -> torch.Tensor:
     """Causal-LM cross entropy per token (ignored tokens 0).
 
-    HF's labels are the inputs, shifted inside the loss: [B, T-1]. OLMo-core and LitGPT
-    hand the model targets already shifted (`labels[t]` is the token after `t`): with
-    `shifted`, every position is scored as is: [B, T].
+    HF's labels are the inputs, shifted inside the loss: [B, T-1]. Megatron, nanoGPT,
+    LitGPT, torchtitan and OLMo-core hand the model targets already shifted (`labels[t]` is
+    the token after `t`): with `shifted`, every position is scored as is: [B, T]. Any
+    negative label is ignored (HF's -100, nanoGPT's -1).
     """
     lg, tgt = (logits.float(), labels) if shifted else (logits[:, :-1].float(), labels[:, 1:])
+    tgt = torch.where(tgt < 0, torch.full_like(tgt, -100), tgt)
     loss = nn.functional.cross_entropy(lg.reshape(-1, lg.size(-1)), tgt.reshape(-1), reduction="none", ignore_index=-100)
     loss = loss.view(tgt.shape)
     if mask is not None:

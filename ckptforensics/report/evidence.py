@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +10,7 @@ import numpy as np
 
 from ..errors import ForensicsError
 
-__all__ = ["write_evidence", "load_report"]
+__all__ = ["write_evidence", "write_h5", "load_report"]
 
 _DIFF_COLUMNS = ("update_ratio", "dw_max_abs", "r_v", "rho_share_a", "rho_share_b", "headroom_b", "max_abs_b", "bound_violations", "nonfinite_b")
 
@@ -23,51 +21,47 @@ def _floats(xs: list[Any]) -> np.ndarray:
 
 def write_evidence(path: Path, doc: dict[str, Any]) -> None:
     """Write evidence.h5 atomically (temp file + rename)."""
+    from . import write_files
+
+    write_files({path: lambda tmp: write_h5(tmp, doc)})
+
+
+def write_h5(path: Path, doc: dict[str, Any]) -> None:
+    """evidence.h5's content, written to `path` as it is (`write_files` makes it atomic)."""
     import h5py
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".evidence.", suffix=".h5", dir=path.parent)
-    os.close(fd)
-    try:
-        with h5py.File(tmp, "w") as h:
-            h.attrs["schema"] = doc["schema"]
-            h.attrs["tool_version"] = doc["incident"]["tool_version"]
-            h.create_dataset("report_json", data=json.dumps(doc))
-            diff = doc.get("diff") or {}
-            if diff.get("tensors"):
-                g = h.create_group("diff")
-                g.create_dataset("name", data=np.array([t["name"] for t in diff["tensors"]], dtype=h5py.string_dtype()))
-                for col in _DIFF_COLUMNS:
-                    g.create_dataset(col, data=_floats([t.get(col) for t in diff["tensors"]]))
-            rep = doc.get("replay") or {}
-            if rep.get("steps"):
-                g = h.create_group("replay")
-                steps = rep["steps"]
-                g.create_dataset("step", data=np.array([s["step"] for s in steps], dtype=np.int64))
-                for col in ("loss", "grad_norm", "logit_absmax", "log_z"):
-                    g.create_dataset(col, data=_floats([s.get(col) for s in steps]))
-                g.create_dataset("skipped", data=np.array([bool(s["skipped"]) for s in steps]))
-                mods = rep.get("modules") or []
-                per = rep.get("per_module_steps") or {}
-                if mods and per:
-                    g.create_dataset("modules", data=np.array(mods, dtype=h5py.string_dtype()))
-                    order = [str(s["step"]) for s in steps if str(s["step"]) in per]
-                    for stat in ("absmax", "rms", "grad_norm"):
-                        # [steps, modules], rows in step order
-                        g.create_dataset(f"module_{stat}", data=np.array([_floats(per[s][stat]) for s in order]))
-                sl = [s["sample_loss"] for s in steps]
-                if sl and all(len(x) == len(sl[0]) for x in sl):
-                    g.create_dataset("sample_loss", data=np.array(sl, dtype=np.float64))
-                sq = [s["sample_grad_sq"] for s in steps]
-                if sq and all(x is not None and len(x) == len(sq[0]) for x in sq):
-                    g.create_dataset("sample_grad_sq", data=_floats([v for x in sq for v in x]).reshape(len(sq), -1))
-        from . import current_umask
-
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with h5py.File(path, "w") as h:
+        h.attrs["schema"] = doc["schema"]
+        h.attrs["tool_version"] = doc["incident"]["tool_version"]
+        h.create_dataset("report_json", data=json.dumps(doc))
+        diff = doc.get("diff") or {}
+        if diff.get("tensors"):
+            g = h.create_group("diff")
+            g.create_dataset("name", data=np.array([t["name"] for t in diff["tensors"]], dtype=h5py.string_dtype()))
+            for col in _DIFF_COLUMNS:
+                g.create_dataset(col, data=_floats([t.get(col) for t in diff["tensors"]]))
+        rep = doc.get("replay") or {}
+        if rep.get("steps"):
+            g = h.create_group("replay")
+            steps = rep["steps"]
+            g.create_dataset("step", data=np.array([s["step"] for s in steps], dtype=np.int64))
+            for col in ("loss", "grad_norm", "logit_absmax", "log_z"):
+                g.create_dataset(col, data=_floats([s.get(col) for s in steps]))
+            g.create_dataset("skipped", data=np.array([bool(s["skipped"]) for s in steps]))
+            mods = rep.get("modules") or []
+            per = rep.get("per_module_steps") or {}
+            if mods and per:
+                g.create_dataset("modules", data=np.array(mods, dtype=h5py.string_dtype()))
+                order = [str(s["step"]) for s in steps if str(s["step"]) in per]
+                for stat in ("absmax", "rms", "grad_norm"):
+                    # [steps, modules], rows in step order
+                    g.create_dataset(f"module_{stat}", data=np.array([_floats(per[s][stat]) for s in order]))
+            sl = [s["sample_loss"] for s in steps]
+            if sl and all(len(x) == len(sl[0]) for x in sl):
+                g.create_dataset("sample_loss", data=np.array(sl, dtype=np.float64))
+            sq = [s["sample_grad_sq"] for s in steps]
+            if sq and all(x is not None and len(x) == len(sq[0]) for x in sq):
+                g.create_dataset("sample_grad_sq", data=_floats([v for x in sq for v in x]).reshape(len(sq), -1))
 
 
 def load_report(path: Path) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import io
 import math
 from typing import Any
 
-from .markdown import fmt
+from .markdown import fmt, reproduces
 
 __all__ = ["render_html"]
 
@@ -210,7 +210,8 @@ def render_html(doc: dict[str, Any]) -> str:
                 ["before", f"{inc['before']['path']} (step {fmt(inc['before']['step'])}, {inc['before']['format']})"],
                 ["after", f"{inc['after']['path']} (step {fmt(inc['after']['step'])}, {inc['after']['format']})"],
                 ["causes", ", ".join(f"{c['cause']} ({c['confidence']:.0%})" for c in v["causes"])],
-                ["reproduces", fmt(v["reproducible"]) if v["reproducible"] is not None else "not replayed"],
+                ["reproduces", reproduces(v)],
+                ["replay vs the run's log", (v.get("replay_check") or {}).get("reason") or "—"],
                 ["first bad step", fmt(v["first_bad_step"])],
                 ["first anomalous module", v["first_anomalous_module"] or "—"],
                 ["layers standing out", ", ".join(v["exploding_layers"][:5]) or "—"],

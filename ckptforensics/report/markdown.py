@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["render_markdown", "fmt", "md_table"]
+__all__ = ["render_markdown", "fmt", "md_table", "reproduces"]
 
 
 def fmt(x: Any) -> str:
@@ -30,6 +30,24 @@ def fmt(x: Any) -> str:
     return str(x)
 
 
+# How the verdict's replay check reads in a ticket.
+_CHECK_WORDS = {
+    "missed_first": "withheld: the replay does not reproduce the run's own log",
+    "missed_later": "withheld: the replay leaves the run's own log before any spike",
+    "unchecked": "inconclusive (no logged figure to check the replay against)",
+}
+
+
+def reproduces(v: dict[str, Any]) -> str:
+    """The verdict's 'reproduces' cell: yes / no, or why there is no answer."""
+    if v["reproducible"] is not None:
+        return fmt(v["reproducible"])
+    check = v.get("replay_check")
+    if check is None:
+        return "not replayed"
+    return _CHECK_WORDS.get(check["status"], "inconclusive (the replay deviates from after: see replay.config)")
+
+
 def _finite(x: Any) -> str:
     """A replayed figure; JSON carries inf/NaN as null, which here means 'not finite'."""
     return "not finite" if x is None or (isinstance(x, float) and not math.isfinite(x)) else fmt(x)
@@ -45,6 +63,23 @@ def md_table(head: list[str], rows: list[list[Any]]) -> list[str]:
 
 
 _table = md_table
+
+
+def _config_lines(config: dict[str, Any]) -> list[str]:
+    out = ["", "Configuration (value, source):", ""]
+    for k, c in config.items():
+        val = c["value"]
+        if isinstance(val, dict) and len(val) > 4:
+            val = f"{len(val)} steps"
+        out.append(f"- {k}: {val} ({c['source']})")
+    return out
+
+
+def _check_table(check: dict[str, Any]) -> list[str]:
+    rows = [[c["step"], fmt(c["loss"]), fmt(c["logged_loss"]), fmt(c["loss_ok"]), fmt(c["grad_norm"]), fmt(c["logged_grad_norm"]), fmt(c["grad_ok"])] for c in check.get("steps", [])]
+    if not rows:
+        return [f"No logged figure to compare ({check.get('note') or 'no log'})."]
+    return _table(["step", "replayed loss", "logged loss", "match", "replayed grad norm", "logged grad norm", "match"], rows)
 
 
 def render_markdown(doc: dict[str, Any]) -> str:
@@ -71,9 +106,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += [
             f"- **After**: `{a['path']}` (step {fmt(a['step'])}, {a['format']})",
             "- **Causes**: " + ", ".join(f"{c['cause']} ({c['confidence']:.0%})" for c in v["causes"]),
-            f"- **Reproduces**: {fmt(v['reproducible']) if v['reproducible'] is not None else 'not replayed'}",
+            f"- **Reproduces**: {reproduces(v)}",
             f"- **Rollback checkpoint**: {('`' + v['rollback_checkpoint'] + '`') if v['rollback_checkpoint'] else '—'}",
         ]
+    if v.get("replay_check"):
+        lines.append(f"- **Replay vs the run's log**: {v['replay_check']['reason']}")
     if v["exploding_layers"]:
         lines.append("- **Layers standing out**: " + ", ".join(f"`{m}`" for m in v["exploding_layers"][:5]))
     if v["first_bad_step"] is not None:
@@ -147,7 +184,12 @@ def render_markdown(doc: dict[str, Any]) -> str:
         )
         lines += ["", "</details>"]
     rep = doc.get("replay") or {}
-    if rep:
+    if rep.get("withheld"):
+        lines += ["", f"<details><summary>Replay (withheld, {rep['precision']})</summary>", "", rep["withheld"] + ".", ""]
+        lines += _check_table(rep.get("check") or {})
+        lines += _config_lines(rep["config"])
+        lines += ["", "</details>"]
+    elif rep:
         lines += ["", f"<details><summary>Replay ({len(rep['steps'])} steps, {rep['precision']})</summary>", ""]
         lines += _table(
             ["step", "loss", "logged loss", "grad norm", "skipped", "loss scale", "max abs logit", "log Z"],
@@ -176,12 +218,14 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 ["step", *[f"`{mods[i]}`" for i in top]],
                 [[s, *[f"{fmt(att[s]['max_logit'][i])} ({fmt(att[s]['entropy'][i])})" for i in top]] for s in steps],
             )
-        lines += ["", "Configuration (value, source):", ""]
-        for k, c in rep["config"].items():
-            val = c["value"]
-            if isinstance(val, dict) and len(val) > 4:
-                val = f"{len(val)} steps"
-            lines.append(f"- {k}: {val} ({c['source']})")
+        lines += _config_lines(rep["config"])
+        check = rep.get("check") or {}
+        if check.get("checked_steps"):
+            t = check["tolerance"]
+            lines += ["", f"Checked against the run's log on {len(check['checked_steps'])} steps (its loss read as {check['loss_as']}; "
+                      f"tolerance {t['loss_rtol']:g} relative on the loss, {t['grad_rtol']:g} on the grad norm)."]  # fmt: skip
+        if check.get("note"):
+            lines += ["", f"Log check: {check['note']}."]
         r = rep.get("reproduction")
         if r:
             lines += ["", f"Reproduction against after: {r['mismatched']:,} of {r['elements']:,} elements outside tolerance, {r['impossible']:,} beyond any Adam step."]

@@ -18,6 +18,7 @@ def _head(t: dict[str, Any]) -> list[tuple[str, str]]:
         ("first bad step", fmt(t["first_bad_step"])),
         ("rollback checkpoint", t["rollback"] or "none before the onset"),
         ("checkpoint after the onset", t["after"] or "—"),
+        *[("passed over", note) for note in t.get("skipped") or []],
     ]
 
 

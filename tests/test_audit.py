@@ -321,3 +321,54 @@ def test_audit_bad_input_is_one_line(tmp_path: Path) -> None:
 def test_audit_help_teaches() -> None:
     r = CliRunner().invoke(cli, ["audit", "--help"])
     assert r.exit_code == 0 and "Example:" in r.output and "--strict" in r.output and "jq .architecture.norm_placement" in r.output
+
+
+# ----------------------------------------------------------------- numerics and optimizer rows
+def _low_precision_run(root: Path, dtype: torch.dtype, lr: float, steps: int = 3) -> Path:
+    """The project's GPT trained in `dtype` itself (weights and Adam state, no scaler, no fp32
+    copy), saved as nanoGPT does."""
+    from fixtures.zoo import batch_for_step, markov_table
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2)).to(dtype)
+    opt = torch.optim.AdamW(model.param_groups(0.1), lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    table = markov_table(0)
+    root.mkdir(parents=True)
+    for step in range(1, steps + 1):
+        ids = batch_for_step(step, table)
+        opt.zero_grad(set_to_none=True)
+        model(ids, labels=ids).backward()
+        opt.step()
+    cfg = {"learning_rate": lr, "grad_clip": 0.0, "beta2": 0.95}
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "model_args": model.model_args(), "iter_num": steps, "config": cfg}, root / f"step_{steps}.pt")
+    return root
+
+
+def test_fp16_without_a_scaler_is_critical_and_fails_a_strict_gate(tmp_path: Path) -> None:
+    run = _low_precision_run(tmp_path / "fp16", torch.float16, 3e-3)
+    r = CliRunner().invoke(cli, ["audit", "--run-dir", str(run), "--model", MODEL, "--json", "--strict", "--fail-on", "critical"])
+    assert r.exit_code == 1, r.output
+    rows = _rows(json.loads(r.output))
+    assert rows["fp16_loss_scaler"]["status"] == "risk" and rows["fp16_loss_scaler"]["severity"] == "critical"
+    assert rows["clipping"]["status"] == "risk" and rows["clipping"]["value"] == 0.0  # grad_clip 0 recorded
+    assert json.loads(r.output)["audit"]["rows"][0]["id"] == "fp16_loss_scaler"  # severity first
+
+
+def test_pure_bf16_at_a_small_lr_loses_its_updates(tmp_path: Path) -> None:
+    run = _low_precision_run(tmp_path / "bf16", torch.bfloat16, 1e-5)
+    rows = _rows(_audit(run, MODEL))
+    mw = rows["master_weights"]
+    assert mw["status"] == "risk" and mw["severity"] == "warning" and mw["value"] > 0.5
+    assert rows["fp16_loss_scaler"]["status"] == "ok" and rows["fp16_loss_scaler"]["value"] == "bf16"
+
+
+def test_loss_scale_history_of_an_fp16_run_with_a_scaler(zoo: dict[str, Path]) -> None:
+    """The zoo's fp16 run: GradScaler (growth interval 20) whose scale the log records."""
+    rows = _rows(_audit(zoo["fp16_overflow"], MODEL))
+    fp = rows["fp16_loss_scaler"]
+    assert fp["status"] == "ok" and fp["value"] >= 1
+    ls = rows["loss_scale_history"]
+    scales = [json.loads(x)["loss_scale"] for x in (zoo["fp16_overflow"] / "metrics.jsonl").read_text().splitlines()]
+    backoffs = sum(1 for a, b in zip(scales, scales[1:], strict=False) if b < a)
+    assert ls["status"] in ("ok", "risk") and ls["value"] == pytest.approx(1000 * backoffs / (len(scales) - 1))
+    assert ls["threshold"] == pytest.approx(1000 / 20)  # the scaler's own growth interval

@@ -278,7 +278,7 @@ def decide(
             )
         )
         return v
-    layer_finding = next((f for f in findings if top in _LAYER_CAUSES and f.kind == _LAYER_CAUSES[top] and f.primary), None)
+    layer_finding = next((f for f in findings if top in _LAYER_CAUSES and f.kind == _LAYER_CAUSES[top] and top in f.supports), None)
     if layer_finding is not None:
         # The layer whose logits grew is the one to fix; modules the replay saw move after it are its effect.
         v.first_anomalous_module = layer_finding.subject

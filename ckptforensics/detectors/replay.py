@@ -275,7 +275,8 @@ def _attention(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     examined step (earliest step, then forward order), with its growth over the window and
     its heads' entropy. Evidence of this cause where the window went bad and that layer's
     logits grew into the bad step, or its most collapsed head's entropy fell (Dehghani et
-    al. 2023; Zhai et al. 2023); context (info) otherwise."""
+    al. 2023; Zhai et al. 2023); a warning without a spike where both happen inside the
+    window; context (info) otherwise."""
     rep = ev.rep
     steps = [s for s in sorted(rep.passes) if rep.passes[s].attn is not None and rep.passes[s].attn_modules]
     if not steps:
@@ -295,6 +296,11 @@ def _attention(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     fell = float(ent[0, j] / max(ent[-1, j], 1e-12))
     grew = growth >= th.attn_growth or fell >= th.attn_growth
     evidence = ev.bad and grew
+    # Without a spike the mechanism can still be under way: the layer's logits, already past
+    # the cap, grow by the factor and its heads' entropy falls by it inside the window (the
+    # slow divergence small models show, Wortsman et al. 2023, sec. 3.1.1): a warning that
+    # names the cause, never the onset.
+    developing = not ev.bad and growth >= th.attn_growth and fell >= th.attn_growth
     heads = rep.passes[end if end in rep.passes else upto[-1]].attn[j].numpy()
     collapsed = [int(h) for h in np.nonzero(heads[:, 1] < ent[0, j] / th.attn_growth)[0]]
     return [
@@ -303,7 +309,7 @@ def _attention(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
             "attention_logit_growth",
             name,
             cap(float(np.nanmax(logit[:, j])) / th.attn_logit),
-            "warning" if evidence else "info",
+            "warning" if evidence or developing else "info",
             {
                 "step": upto[k],
                 "examined_step": end,
@@ -316,11 +322,11 @@ def _attention(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
                 "limit": th.attn_logit,
                 "layers_past": [mods[i] for _, i in sorted(crossed)],
             },
-            f"{name}'s largest pre-softmax logit is {logit[k, j]:.3g} at step {upto[k]}, past the {th.attn_logit:g} at which "
+            f"attention layer {name}: its largest pre-softmax logit is {logit[k, j]:.3g} at step {upto[k]}, past the {th.attn_logit:g} at which "
             f"Gemma 2 caps attention logits; it reaches {float(np.nanmax(logit[:, j])):.3g} by step {end} (x{growth:.2g} the window's "
             f"first step) and its most collapsed head's entropy goes {ent[0, j]:.2f} -> {ent[-1, j]:.2f} of uniform",
             "docs/signatures.md#attention-logits (Dehghani 2302.05442; Wortsman 2309.14322; Zhai 2303.06296)",
-            ("attention_logit_growth",) if evidence else (),
+            ("attention_logit_growth",) if evidence or developing else (),
             primary=evidence,
         )
     ]

@@ -153,6 +153,11 @@ def placement_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         run = Run(name=norm, out=root / norm, steps=20, save_every=10, cfg=GPTConfig(n_layer=2, norm=norm))
         train(run)
         out[norm] = run.out
+    # nanoGPT's calling convention: forward(idx, targets) -> (logits, loss), the last position's
+    # logits only without targets; labels are next-token targets.
+    run = Run(name="targets", out=root / "targets", steps=20, save_every=10, cfg=GPTConfig(n_layer=2), convention="targets")
+    train(run)
+    out["targets"] = run.out
     return out
 
 
@@ -196,6 +201,16 @@ def test_audit_own_loop_post_ln_and_reordered(placement_runs: dict[str, Path], n
         assert rows["embedding_scale"]["status"] == "ok"  # the stream is normalised after every add
     # the pair's rows compare with the checkpoint before
     assert doc["audit"]["compared_with"]["step"] == 10 and rows["activation_growth"]["status"] in ("ok", "risk")
+
+
+def test_nanogpt_calling_convention_is_traced_on_every_position(placement_runs: dict[str, Path]) -> None:
+    """A model that returns the last position's logits unless given targets is called as its
+    trainer calls it (replay.conventions): the head and RMS_t see every position."""
+    doc = _audit(placement_runs["targets"], "fixtures/tinygpt.py:targets_factory")
+    arch = doc["architecture"]
+    assert arch["norm_placement"] == "pre" and arch["tied_embeddings"] is True and arch["head_param"] == "transformer.wte.weight"  # tied: its first name
+    rows = _rows(doc)
+    assert rows["beta2"]["status"] in ("ok", "risk") and rows["beta2"]["value"]["rms_t_max"] > 0
 
 
 def test_litgpt_architecture_or_what_to_install() -> None:

@@ -67,7 +67,7 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
     mfile = cfg.metrics or next((f for f in (find_metrics(d) for d in _near(run_dir, cfg.checkpoint)) if f is not None), None)
     rows = read_metrics(mfile) if mfile is not None else {}
     say("batch")
-    batch, batch_source, batch_log, tokens = _batch(cfg, a, run_dir, notes)
+    batch, batch_source, batch_log, tokens, shifted_declared = _batch(cfg, a, run_dir, notes)
     arch = prev = None
     arch_note = None
     prev_step = None
@@ -82,13 +82,14 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
         model.to(cfg.device)
         batch = batch if batch is not None else _random_batch(model)
         batch = {k: v.to(cfg.device) for k, v in batch.items()}
+        shifted, call = _convention(model, batch, shifted_declared, notes)
         say("trace")
-        arch, logits = trace_pass(model, batch)
-        rms_t = _rms_t(model, a, to_ckpt, logits, batch, batch_source, notes)
+        arch, logits = trace_pass(model, batch, call)
+        rms_t = _rms_t(model, a, to_ckpt, logits, batch, shifted, batch_source, notes)
         prev_path = _earlier(cfg, a, run_dir)
         if prev_path is not None:
             say("earlier checkpoint")
-            prev, prev_step = _trace_other(cfg, prev_path, batch, notes)
+            prev, prev_step = _trace_other(cfg, prev_path, batch, call, notes)
     except ForensicsError as e:
         arch_note = str(e)
         notes.append(f"model not built: {e}")
@@ -275,7 +276,7 @@ def _main_dtype(a: Checkpoint) -> str:
 
 
 # ---------------------------------------------------------------- batch
-def _batch(cfg: AuditConfig, a: Checkpoint, run_dir: Path, notes: list[str]) -> tuple[dict[str, torch.Tensor] | None, str, str | None, float]:
+def _batch(cfg: AuditConfig, a: Checkpoint, run_dir: Path, notes: list[str]) -> tuple[dict[str, torch.Tensor] | None, str, str | None, float, bool | None]:
     """The batch to trace: the run's next batch after the checkpoint where a batch log has it."""
     from ..replay.batches import BatchError, open_batches
 
@@ -291,27 +292,42 @@ def _batch(cfg: AuditConfig, a: Checkpoint, run_dir: Path, notes: list[str]) -> 
                 break
         spec = str(found) if found is not None else None
     if spec is None:
-        return None, "random token ids (no batch log found)", None, math.nan
+        return None, "random token ids (no batch log found)", None, math.nan, None
     try:
         src = open_batches(spec)
     except (BatchError, ForensicsError) as e:
         notes.append(f"batch log not read: {e}")
-        return None, "random token ids (the batch log could not be read)", spec, math.nan
+        return None, "random token ids (the batch log could not be read)", spec, math.nan, None
     if src.ids_only:
         notes.append(f"{spec} keeps sample ids, not tokens")
-        return None, "random token ids (the batch log keeps sample ids only)", spec, math.nan
+        return None, "random token ids (the batch log keeps sample ids only)", spec, math.nan, None
     step = a.step or 0
     steps = src.steps
     pick = step + 1 if steps is None or step + 1 in steps else (min((s for s in steps if s > step), default=None) or max((s for s in steps if s <= step), default=None))
     if pick is None:
-        return None, "random token ids (the batch log has no step)", spec, math.nan
+        return None, "random token ids (the batch log has no step)", spec, math.nan, None
     try:
         b = src.batch(pick)
     except (BatchError, ForensicsError) as e:
         notes.append(str(e))
-        return None, "random token ids (the batch could not be read)", spec, math.nan
+        return None, "random token ids (the batch could not be read)", spec, math.nan, None
     batch = {k: v for k, v in b.items() if k in ("input_ids", "attention_mask", "labels")}
-    return batch, f"the batch of step {pick} ({src.describe})", spec, float(batch["input_ids"].numel())
+    return batch, f"the batch of step {pick} ({src.describe})", spec, float(batch["input_ids"].numel()), src.labels_shifted
+
+
+def _convention(model: nn.Module, batch: dict[str, torch.Tensor], declared: bool | None, notes: list[str]) -> tuple[bool, Callable[[nn.Module, dict[str, torch.Tensor]], Any]]:
+    """The batch's label convention (measured from the data) and how the run's trainer calls
+    the model (`replay.conventions`), so that the traced pass gives every position's logits."""
+    from ..replay.conventions import LabelError, call_model, detect_call, settle_labels
+
+    try:
+        shifted = settle_labels([batch], declared).shifted
+    except LabelError as e:
+        notes.append(f"label convention not settled ({e}); the inputs taken as the targets")
+        shifted = False
+    with torch.no_grad():
+        conv = detect_call(model, batch, shifted)
+    return shifted, lambda m, b: call_model(m, conv, b, shifted)
 
 
 def _random_batch(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -323,7 +339,9 @@ def _random_batch(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------- gradient and state
-def _rms_t(model: nn.Module, a: Checkpoint, to_ckpt: Callable[[str], str], logits: torch.Tensor, batch: dict[str, torch.Tensor], source: str, notes: list[str]) -> dict[str, float]:
+def _rms_t(
+    model: nn.Module, a: Checkpoint, to_ckpt: Callable[[str], str], logits: torch.Tensor, batch: dict[str, torch.Tensor], shifted: bool, source: str, notes: list[str]
+) -> dict[str, float]:
     """RMS_t = sqrt(mean(g^2 / v_hat)) per tensor, the gradient of the causal-LM loss on the
     traced batch (a real batch only: random tokens say nothing about v)."""
     if source.startswith("random") or a.optimizer is None or a.optimizer.kind != "adam":
@@ -338,7 +356,7 @@ def _rms_t(model: nn.Module, a: Checkpoint, to_ckpt: Callable[[str], str], logit
         notes.append(f"RMS_t not measured: {e}")
         return {}
     labels = batch.get("labels", batch["input_ids"])
-    loss = per_token_loss(logits, labels, batch.get("attention_mask")).mean()
+    loss = per_token_loss(logits, labels, batch.get("attention_mask"), shifted=shifted).mean()
     model.zero_grad(set_to_none=True)
     loss.backward()
     group = {id(p): g for g in opt.param_groups for p in g["params"]}
@@ -414,7 +432,7 @@ def _earlier(cfg: AuditConfig, a: Checkpoint, run_dir: Path) -> Path | None:
     return before[-1] if before else None
 
 
-def _trace_other(cfg: AuditConfig, path: Path, batch: dict[str, torch.Tensor], notes: list[str]) -> tuple[Architecture | None, int | None]:
+def _trace_other(cfg: AuditConfig, path: Path, batch: dict[str, torch.Tensor], call: Any, notes: list[str]) -> tuple[Architecture | None, int | None]:
     """The earlier checkpoint's trace on the same batch (the between-checkpoint rows)."""
     from ..replay.model import build_model, load_weights
 
@@ -423,7 +441,7 @@ def _trace_other(cfg: AuditConfig, path: Path, batch: dict[str, torch.Tensor], n
             model, _ = build_model(cfg.model, b)
             load_weights(model, b)
             model.to(cfg.device)
-            return trace_pass(model, batch)[0], b.step
+            return trace_pass(model, batch, call)[0], b.step
     except (ForensicsError, ValueError) as e:
         notes.append(f"earlier checkpoint {path} not traced: {e}")
         return None, None

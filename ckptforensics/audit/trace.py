@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -479,7 +479,8 @@ def _walk_between(g: _Graph, out: Any, inp: Any) -> list[Any]:
 
 # --------------------------------------------------------------------------- the pass
 def _call(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
-    """The model called as the replay calls it: keywords first, the ids alone otherwise."""
+    """The model called with keywords, else with the ids alone (a caller that knows the
+    run's calling convention passes its own `call`)."""
     ids = batch["input_ids"]
     kwargs = {"input_ids": ids}
     if "attention_mask" in batch:
@@ -490,13 +491,18 @@ def _call(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
         return model(ids)
 
 
-def trace_architecture(model: nn.Module, batch: dict[str, torch.Tensor]) -> Architecture:
+Call = Callable[[nn.Module, dict[str, torch.Tensor]], Any]
+
+
+def trace_architecture(model: nn.Module, batch: dict[str, torch.Tensor], call: Call | None = None) -> Architecture:
     """Run one forward pass of `model` on `batch` (on the model's device; grad enabled, no
     backward) and read the architecture off it.
 
     Args:
         model: the model, its weights loaded (eval mode is set for the pass: no dropout).
         batch: `input_ids` [B, T] (and optionally `attention_mask`).
+        call: how to call the model (`replay.conventions.call_model` with the run's
+            convention); default: keywords, else the ids alone.
 
     Returns:
         The architecture (`Architecture`); what could not be decided is in its notes.
@@ -506,10 +512,10 @@ def trace_architecture(model: nn.Module, batch: dict[str, torch.Tensor]) -> Arch
         >>> arch.norm_placement, arch.qk_norm
         ('pre', False)
     """
-    return trace_pass(model, batch)[0]
+    return trace_pass(model, batch, call)[0]
 
 
-def trace_pass(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Architecture, torch.Tensor]:
+def trace_pass(model: nn.Module, batch: dict[str, torch.Tensor], call: Call | None = None) -> tuple[Architecture, torch.Tensor]:
     """`trace_architecture`, and the pass's logits with their graph (a caller may take the
     gradient of a loss on them: the audit's RMS_t)."""
     was_training = model.training
@@ -523,7 +529,7 @@ def trace_pass(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Archit
         p.requires_grad_(True)
     try:
         with torch.enable_grad(), _Recorder(trace):
-            out = _call(model, batch)
+            out = (call or _call)(model, batch)
     finally:
         trace.remove()
         for p in needs:

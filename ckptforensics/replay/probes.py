@@ -436,8 +436,9 @@ class ModuleProbe:
         m = table.numel()
         flat = torch.cat([table.reshape(-1), attn.reshape(-1).double().to(table.device), self._logits.double().to(table.device)])
         gathered = self.ranks.gather(flat).reshape(-1, flat.numel())  # [W, m + attn + 2]
-        every = gathered[:, :m].reshape(-1, *table.shape)  # [W, M, nf + nb + 2]
-        att_r = gathered[:, m : m + attn.numel()].reshape(-1, *attn.shape)
+        w = gathered.shape[0]
+        every = gathered[:, :m].reshape(w, *table.shape)  # [W, M, nf + nb + 2]
+        att_r = gathered[:, m : m + attn.numel()].reshape(w, *attn.shape)
         logit_r = gathered[:, m + attn.numel() :]
         fwd_r, bwd_r, nfw = every[..., :nf], every[..., nf : nf + nb], every[..., nf + nb]
         fwd = fwd_r.amax(0)

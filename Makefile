@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned: 2.13.0 is the CPU build; an unpinned torch pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: venv demo test lint bench clean zoo zoo-heldout zoo-tuning fuzz
+.PHONY: venv demo test lint bench clean zoo zoo-heldout zoo-tuning fuzz log-draws-tuning log-draws-heldout
 
 $(BIN)/.ready: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,14 @@ zoo-tuning: venv
 zoo-heldout: venv
 	rm -rf build/draws/heldout build/draws/heldout-reports
 	$(BIN)/python bench/zoo.py --draws heldout --record --jobs 2
+
+# triage on log-only draws (fixtures/log_draws.py): noisy logs, hard batches, excerpts.
+log-draws-tuning: venv
+	$(BIN)/python bench/log_draws.py --split tuning --build
+
+log-draws-heldout: venv
+	rm -rf build/log-draws/heldout
+	$(BIN)/python bench/log_draws.py --split heldout --build --record
 
 test: venv
 	$(BIN)/ruff check ckptforensics tests fixtures bench

@@ -155,12 +155,32 @@ def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> t
 
     with distributed.joined(cfg.device), doing(_window("replaying", cfg)):
         rep = replay(cfg, progress=progress)
-        rfind = replay_findings(rep)
+        rfind = replay_findings(rep) + _data_restart(cfg, rep)
         a, b, diff, dfind = _pair_diff(cfg)
         try:
             return None if diff is _NOT_RANK_ZERO else _replay_report(cfg, rep, rfind, a, b, diff, dfind, command)
         finally:
             _close(a, b)
+
+
+def _data_restart(cfg: Any, rep: Any) -> list[Finding]:
+    """The batch log's sample ids against the window (detectors.resume): a data loader that
+    restarted at a resume re-reads samples the run already consumed. Only where a batch log
+    with `/sample_id` ran (the flight recorder, the zoo's fixtures)."""
+    from .detectors.resume import detect_data_restart
+
+    path = Path(cfg.batch) if cfg.batch else None
+    if path is None or path.suffix not in (".h5", ".hdf5") or not path.is_file():
+        return []
+    import h5py
+    import numpy as np
+
+    with h5py.File(path, "r") as h:
+        if "sample_id" not in h or "step" not in h:
+            return []
+        steps, ids = np.asarray(h["step"]), np.asarray(h["sample_id"])
+    window = [r.step for r in rep.records]
+    return detect_data_restart({int(s): row.tolist() for s, row in zip(steps, ids, strict=False)}, window)
 
 
 # The pair's diff under torchrun on ranks other than 0, which gather nothing.

@@ -189,7 +189,7 @@ def _replay_options(f: Any) -> Any:
                 "OLMo-core: the dir its dataset.paths are relative to. With a flight recorder's sample-id log "
                 "(--batch), the dataset those ids index.",
             ),
-            click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True),
+            click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16", "bf16-params"]), default="auto", show_default=True),
             click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True, help="cuda: under torchrun, one GPU a rank (NCCL)."),
             click.option(
                 "--checkpoint-activations",
@@ -603,7 +603,14 @@ def audit_cmd(
 
 
 @cli.command("triage")
-@click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log: JSONL, CSV, trainer_state.json or TensorBoard events; discovered in --run-dir when absent.")
+@click.option(
+    "--metrics",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Training log: a file, a folder of its files (a restarted run's legs merge, the latest winning) or a quoted glob. "
+    "JSONL, CSV, trainer_state.json, Megatron's printed log, TensorBoard events, W&B offline runs, MLflow mlruns/ or mlflow.db. "
+    "Discovered in --run-dir when absent.",
+)
 @run_dir_option
 @click.option("--loss-key", default="loss", show_default=True, help="Column holding the loss.")
 @click.option("--grad-key", default="grad_norm", show_default=True, help="Column holding the (pre-clip) grad norm.")
@@ -629,17 +636,27 @@ def triage_cmd(
 ) -> None:
     """Find the spike onset in the training log and the checkpoint to roll back to.
 
-    Robust z of the grad norm (the first signal to move) and the loss against the
-    previous --window steps, LR jumps (the main LR and any per-group LR the log has:
-    "optim/LR (group N)", "lr-AdamW/pgN"), loss-scale backoffs, and a parameter whose
-    gradient comes back after vanishing (per-parameter norms "optim/grad/<param>.norm":
-    Adam's second moment has decayed, its next updates are sign-like). Then the last
-    checkpoint before the onset, and the diff/replay/bisect commands to run next.
+    Reads the log as its trainer wrote it: JSONL, CSV (Lightning, LitGPT),
+    trainer_state.json, OLMo-core's metrics_step*.json, Megatron's printed log (a pasted
+    excerpt too), TensorBoard events, W&B offline runs, MLflow's mlruns/ or mlflow.db. A restarted run's
+    files (or Megatron's appended log) merge by step, the latest leg winning; the report lists
+    every file and leg read.
+
+    Robust z of the grad norm (the first signal to move) and the loss against their own trend,
+    LR jumps (the main LR and any per-group LR: "optim/LR (group N)", "lr-AdamW/pgN"),
+    loss-scale backoffs, and a parameter whose gradient comes back after vanishing
+    ("optim/grad/<param>.norm"). On a noisy log a loss blip that recovers within two steps is
+    an onset only when the log has no other blips like it; a pasted excerpt's first lines are
+    judged by ratio rules (Megatron's 10x, Lightning's rtol 2). The report names the rule that
+    decided and how noisy the log is; then the last checkpoint before the onset, and the
+    diff/replay/bisect commands to run next.
 
     \b
     Example:
       ckptforensics triage --run-dir runs/7b
       ckptforensics triage --metrics runs/7b/metrics.csv --grad-key train/grad_norm --json
+      ckptforensics triage --metrics 'logs/slurm-*.out' --run-dir /ckpt/7b
+      ckptforensics triage --metrics pasted.txt        # a few Megatron iteration lines
     """
     from . import api
     from .triage import TriageConfig, as_dict
@@ -656,13 +673,24 @@ def triage_cmd(
     if as_json:
         click.echo(json.dumps(_jsonable(as_dict(res)), indent=2))
         return
-    click.echo(f"read {res.metrics_file} ({res.steps} steps)")
+    click.echo(f"read {res.metrics_file} ({res.steps} steps, {res.log_format})")
+    if len(res.files) > 1 or len(res.legs) > 1:
+        for leg in res.legs:
+            redone = f"; {leg['superseded']} of them logged again by a later leg" if leg["superseded"] else ""
+            click.echo(f"  leg {leg['source']}: steps {leg['first']}-{leg['last']}{redone}")
+    n = res.noise
+    if n:
+        cols = f"; ignored columns: {n['ignored_columns']} (0 on every row: never computed)" if n.get("ignored_columns") else ""
+        click.echo(
+            f"log noise: {n['kind']} (loss moves {n['loss_noise_pct_per_step']}% a step; {n['steps_over_z']} steps over z where normal noise "
+            f"gives {n['expected_over_z_if_normal']:.2g}; {n['recovering_blips']} blips that recover){cols}"
+        )
     if res.first_bad_step is None:
         click.echo("no spike onset found")
         for w in written:
             click.echo(f"wrote {w}")
         return
-    click.echo(f"first bad step: {res.first_bad_step}")
+    click.echo(f"first bad step: {res.first_bad_step} (rule: {res.rule})")
     for o in res.onsets[:8]:
         click.echo(f"  {o.message}")
     if res.drift:

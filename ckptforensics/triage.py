@@ -3,26 +3,37 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .detectors.log import Onset, TriageConfig, log_evidence, log_onsets
+from .detectors.log import Onset, TriageConfig, log_evidence, log_noise, log_onsets
 from .errors import ForensicsError
 from .locate import first_complete, list_checkpoints
-from .logs import find_metrics, group_lrs, lr_columns, param_grad_columns, read_metrics
+from .logs import find_metrics, group_lrs, lr_columns, param_grad_columns, read_log, read_metrics
 
 __all__ = ["TriageConfig", "Onset", "TriageResult", "read_metrics", "find_metrics", "triage", "lr_columns", "group_lrs", "param_grad_columns"]
 
 @dataclass(slots=True)
 class TriageResult:
+    """What `triage` found: the onsets, the rollback, and what it read to find them.
+
+    `metrics_file` is the log as given or discovered (a file, a folder of legs, a glob);
+    `files` every file read; `legs` each leg (a launch of the trainer) with the steps a
+    later leg logged again (the later leg wins)."""
+
     metrics_file: str
     steps: int
+    files: list[str] = field(default_factory=list)
+    log_format: str = ""
+    legs: list[dict[str, Any]] = field(default_factory=list)
     onsets: list[Onset] = field(default_factory=list)
     ignored: list[Onset] = field(default_factory=list)  # grad-norm blips / backoffs the loss did not follow
     first_bad_step: int | None = None
+    rule: str | None = None  # the rule that decided the first onset (docs/signatures.md#log-onset)
+    noise: dict[str, Any] = field(default_factory=dict)  # how noisy the log is (detectors.log.log_noise)
     rollback: str | None = None
     rollback_step: int | None = None
     after: str | None = None
@@ -33,16 +44,22 @@ class TriageResult:
     timeline: dict[str, list[float]] = field(default_factory=dict)  # step, loss, grad_norm, checkpoints
 
 
-def triage(metrics: Path, run_dir: Path | None, cfg: TriageConfig | None = None, keys: dict[str, str] | None = None) -> TriageResult:
-    """Find the first bad step in a training log and the checkpoint to roll back to."""
+def triage(metrics: Path | str, run_dir: Path | None, cfg: TriageConfig | None = None, keys: dict[str, str] | None = None) -> TriageResult:
+    """Find the first bad step in a training log and the checkpoint to roll back to.
+
+    `metrics`: a log file, a folder of its files (a restarted run's legs), or a glob."""
     cfg = cfg or TriageConfig()
-    rows = read_metrics(metrics, keys)
+    log = read_log(metrics, keys)
+    rows = log.rows
     if not rows:
         raise ForensicsError(f"{metrics}: no rows with a step")
-    res = TriageResult(metrics_file=str(metrics), steps=len(rows))
-    res.onsets, res.ignored = log_onsets(log_evidence(rows, cfg), cfg)
+    res = TriageResult(metrics_file=str(metrics), steps=len(rows), files=log.files, log_format=log.kind, legs=[asdict(leg) for leg in log.legs])
+    ev = log_evidence(rows, cfg)
+    res.onsets, res.ignored = log_onsets(ev, cfg)
+    res.noise = log_noise(ev, cfg)
     if res.onsets:
         res.first_bad_step = res.onsets[0].step
+        res.rule = res.onsets[0].rule
         res.drift = _drift(rows, res.first_bad_step, cfg)
     ckpts = list_checkpoints(run_dir) if run_dir is not None else []
     res.timeline = {
@@ -95,6 +112,4 @@ def _drift(rows: dict[int, dict[str, float]], onset: int, cfg: TriageConfig) -> 
 
 
 def as_dict(res: TriageResult) -> dict[str, Any]:
-    from dataclasses import asdict
-
     return asdict(res)

@@ -11,7 +11,7 @@ from typing import Any
 
 from .detectors import Finding, module_of
 
-__all__ = ["replay_fields", "Verdict", "decide", "decide_audit", "reattribute", "CAUSES"]
+__all__ = ["replay_fields", "Verdict", "decide", "decide_audit", "reattribute", "CAUSES", "RESUME_CAUSES"]
 
 CAUSES = (
     "gradient_explosion",
@@ -24,9 +24,17 @@ CAUSES = (
     "attention_logit_growth",
     "output_logit_divergence",
     "silent_corruption",
+    # A resume that restored the weights but not the rest of the training state.
+    "optimizer_state_lost",
+    "lr_scheduler_restarted",
+    "loss_scaler_reset",
+    "data_loader_restarted",
     "none",
     "undiagnosed",  # whatif: mitigations compared, no cause named
 )
+
+# Causes of a resume that lost state: their finding's `resume_step` sets the first bad step.
+RESUME_CAUSES = ("optimizer_state_lost", "lr_scheduler_restarted", "loss_scaler_reset", "data_loader_restarted")
 
 _SEVERITY_WEIGHT = {"info": 0.0, "warning": 1.0, "critical": 3.0}
 
@@ -58,6 +66,30 @@ _ACTIONS = {
     "output_logit_divergence": [
         "Resume from {rollback} with z-loss (1e-4 log^2 Z, PaLM) or final-logit soft-capping (Gemma 2: 30 tanh(x/30)) on "
         "{layer}, or weight decay on the head; `ckptforensics audit` checks log Z.",
+    ],
+    "optimizer_state_lost": [
+        "Resume from {rollback} with its optimizer state loaded, the trainer's own way: HF Trainer "
+        "`trainer.train(resume_from_checkpoint=...)`; Lightning `trainer.fit(model, ckpt_path=...)`; DeepSpeed "
+        "`engine.load_checkpoint(dir, load_optimizer_states=True)`; Megatron without `--no-load-optim` (and "
+        "without `--finetune`); DCP: load the `optim` (torchtitan `optimizer`) key with `set_optimizer_state_dict`; "
+        "a hand-written loop: `optimizer.load_state_dict(ckpt['optimizer'])` after building the optimizer.",
+        "Check the resume log: a fresh optimizer counts its steps from the resume, so its step counter "
+        "(`state[...]['step']`) trails the trainer's global step from there on.",
+    ],
+    "lr_scheduler_restarted": [
+        "Resume from {rollback} with the LR scheduler's state: HF Trainer `resume_from_checkpoint` restores "
+        "`scheduler.pt`; Lightning `ckpt_path=` restores `lr_schedulers`; DeepSpeed `load_lr_scheduler_states=True`; "
+        "Megatron restores `opt_param_scheduler` unless `--override-opt_param-scheduler`; a hand-written loop: "
+        "`scheduler.load_state_dict(ckpt['scheduler'])`.",
+    ],
+    "loss_scaler_reset": [
+        "Resume from {rollback} with the loss scaler's state: HF Trainer `resume_from_checkpoint` restores "
+        "`scaler.pt`; Lightning `ckpt_path=` restores the precision plugin's scaler; DeepSpeed restores it with the "
+        "optimizer states; a hand-written loop: `scaler.load_state_dict(ckpt['scaler'])`.",
+    ],
+    "data_loader_restarted": [
+        "Resume from {rollback} with the data loader's position (a stateful sampler / dataloader state; HF Trainer "
+        "skips the consumed batches unless `ignore_data_skip`): the run is re-reading samples it has already seen.",
     ],
 }
 
@@ -150,6 +182,9 @@ def reattribute(findings: Sequence[Finding]) -> list[Finding]:
         out.append(f)
     return out
 
+
+# The findings of a resume that lost state (detectors.diff), each carrying its `resume_step`.
+_RESUME_KINDS = ("optimizer_state_lost", "lr_scheduler_restarted", "loss_scaler_reset", "data_loader_restarted")
 
 # How a replay's reproduction finding settles `reproducible`.
 _REPRODUCED = {"replay_reproduces": True, "replay_mismatch_confined": False, "replay_config_mismatch": None}
@@ -249,6 +284,11 @@ def decide(
                 )
     v.exploding_layers = [m for m, _ in sorted(layers.items(), key=lambda kv: -kv[1])]
     extra = {**(replay_fields(findings, state_steps) if replayed else {}), **(extra or {})}
+    resumed = [f.metrics["resume_step"] for f in findings if top in RESUME_CAUSES and f.kind in _RESUME_KINDS and f.metrics.get("resume_step") is not None]
+    if resumed:
+        # The first update after a resume that lost state is the first bad one; the replay's
+        # own onset (a spike it cannot reproduce from the healthy state) does not override it.
+        extra["first_bad_step"] = min(resumed) + 1
     v.overflowing_tensors = list(extra.pop("overflowing_tensors", [])) + v.overflowing_tensors
     if replayed:  # the diff's layers, then the replay's; ten are enough to read
         v.exploding_layers = list(dict.fromkeys(v.exploding_layers + list(extra.pop("replay_layers", []))))[:10]

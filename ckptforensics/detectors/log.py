@@ -4,7 +4,12 @@ incident starts (docs/signatures.md#log-onset).
 Each detector is a pure function `(LogEvidence, TriageConfig) -> list[Onset]`. The seed
 detectors (grad-norm spikes, loss-scale backoffs) raise candidates that count only where
 the loss follows (`log_onsets` settles that); the onset detectors (loss spikes, LR jumps,
-a gradient's return) are onsets as they stand.
+a gradient's return) are onsets as they stand; then the log's own tail of recovering blips
+filters what a noisy log does routinely, and `log_noise` says how noisy it is.
+
+One module past 400 lines on purpose: every rule here reads the same `LogEvidence` and
+settles in one `log_onsets`, whose order of signals and filters is easier to check on one
+page than across files.
 """
 
 from __future__ import annotations
@@ -16,7 +21,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..logs import lr_columns, param_grad_columns
-from ..tensors import CURVE_MIN_HISTORY, LOSS_FOLLOW, loss_follows, lr_growth_limit, trend_z
+from ..stats import (
+    CURVE_FLOOR,
+    CURVE_MIN_HISTORY,
+    CURVE_SHORT,
+    LOSS_FOLLOW,
+    expected_exceedances,
+    loss_follows,
+    trend_z,
+)
+from ..tensors import lr_growth_limit
 
 __all__ = ["TriageConfig", "Onset", "Curve", "LogEvidence", "LogDetector", "SEED_DETECTORS", "ONSET_DETECTORS", "log_evidence", "log_onsets"]
 
@@ -33,10 +47,10 @@ class TriageConfig:
         loss_factor: a loss this many times the window median is a spike whatever z (Megatron: 10).
         min_history: steps of quiet a parameter's gradient needs before its return counts.
         judge_after: steps of a curve's own history needed before a step is judged
-            (`tensors.CURVE_MIN_HISTORY`).
+            (`stats.CURVE_MIN_HISTORY`).
         margin: extra steps the rollback checkpoint must precede the onset by.
         follow: steps within which the loss must follow a grad-norm spike or a loss-scale
-            backoff for it to count as an onset (`tensors.LOSS_FOLLOW`).
+            backoff for it to count as an onset (`stats.LOSS_FOLLOW`).
     """
 
     window: int = 128
@@ -58,11 +72,12 @@ class Onset:
     baseline: float
     robust_z: float
     message: str
+    rule: str = "trend"  # which rule decided (docs/signatures.md#log-onset): trend, megatron-10x, ...
 
 
 @dataclass(frozen=True, slots=True)
 class Curve:
-    """One logged signal judged against its own trend (`tensors.trend_z`), once."""
+    """One logged signal judged against its own trend (`stats.trend_z`), once."""
 
     key: str
     steps: list[int]
@@ -80,22 +95,45 @@ class LogEvidence:
     loss: Curve
     grad_norm: Curve
     scaled: bool
-    loss_level: Curve  # the loss judged `above_level` too (tensors.trend_z)
+    loss_level: Curve  # the loss judged `above_level` too (stats.trend_z)
+    ignored_columns: tuple[str, ...] = ()  # constant zero on every row: never computed
+    excerpt: bool = False  # the log starts mid-run (its first step past `judge_after`)
 
 
 LogDetector = Callable[[LogEvidence, TriageConfig], list[Onset]]
 
 
 def _curve(rows: Rows, key: str, cfg: TriageConfig, above_level: bool = False) -> Curve:
-    steps = [s for s in rows if key in rows[s]]
+    # A grad norm of exactly 0 is no measurement (a run that never computes it prints 0.000).
+    steps = [s for s in rows if key in rows[s] and not (key == "grad_norm" and rows[s][key] == 0)]
     vals = [rows[s][key] for s in steps]
     z, level = trend_z(vals, z=cfg.z, window=cfg.window, min_history=cfg.judge_after, above_level=above_level)
     return Curve(key, steps, vals, z, level)
 
 
+def _constant_zero(rows: Rows, key: str) -> bool:
+    vals = [r[key] for r in rows.values() if key in r]
+    return bool(vals) and all(v == 0 for v in vals)
+
+
 def log_evidence(rows: Rows, cfg: TriageConfig) -> LogEvidence:
+    """The curves judged once. A column that is 0 on every row was never computed (a
+    Megatron-DeepSpeed run prints "grad norm: 0.000" when its engine did not compute one):
+    it is left out, and said so (docs/signatures.md#log-zero-column)."""
+    zero = tuple(k for k in ("grad_norm", "loss_scale") if _constant_zero(rows, k))
+    if zero:
+        rows = {s: {k: v for k, v in r.items() if k not in zero} for s, r in rows.items()}
     scaled = any("loss_scale" in r for r in rows.values())
-    return LogEvidence(rows, _curve(rows, "loss", cfg), _curve(rows, "grad_norm", cfg), scaled, _curve(rows, "loss", cfg, above_level=True))
+    first = min(rows) if rows else 0
+    return LogEvidence(
+        rows,
+        _curve(rows, "loss", cfg),
+        _curve(rows, "grad_norm", cfg),
+        scaled,
+        _curve(rows, "loss", cfg, above_level=True),
+        zero,
+        first > cfg.judge_after,
+    )
 
 
 def _spikes(c: Curve, cfg: TriageConfig) -> list[Onset]:
@@ -106,7 +144,8 @@ def _spikes(c: Curve, cfg: TriageConfig) -> list[Onset]:
     for s, v, zi, base in zip(c.steps, c.values, c.z, c.level, strict=True):
         factor = (not math.isfinite(v)) or (key == "loss" and math.isfinite(base) and v >= cfg.loss_factor * base)
         if zi > cfg.z or factor:
-            out.append(Onset(s, key, v, float(base), float(zi), f"{key} {v:.4g} at step {s} vs {base:.4g} on its trend (robust z {zi:.1f})"))
+            rule = "nonfinite" if not math.isfinite(v) else "trend" if zi > cfg.z else "megatron-10x"
+            out.append(Onset(s, key, v, float(base), float(zi), f"{key} {v:.4g} at step {s} vs {base:.4g} on its trend (robust z {zi:.1f})", rule))
     return out
 
 
@@ -137,13 +176,16 @@ def scale_drops(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     for a, b in zip(steps, steps[1:], strict=False):
         sa, sb = ev.rows[a]["loss_scale"], ev.rows[b]["loss_scale"]
         if sb < sa:
-            out.append(Onset(a, "loss_scale", sb, sa, math.inf, f"loss scale backs off after step {a} ({sa:g} -> {sb:g}): that step overflowed"))
+            out.append(Onset(a, "loss_scale", sb, sa, math.inf, f"loss scale backs off after step {a} ({sa:g} -> {sb:g}): that step overflowed", "loss-scale-backoff"))
     return out
 
 
 def lr_jumps(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     """Any logged LR (the main one or a group's) rising faster than a linear warmup from
-    zero can (2x the step ratio); one onset per step, naming the columns that jumped."""
+    zero can (2x the step ratio); one onset per step, naming the columns that jumped. Where
+    the log skips steps (Megatron's --log-interval), the jump lies somewhere after the last
+    row with the old LR: the onset is the step after it, the earliest the log allows (a
+    rollback must precede the fault)."""
     rows = ev.rows
     cols = sorted({k for r in rows.values() for k in lr_columns(r)})
     jumps: dict[int, list[tuple[str, float, float]]] = {}
@@ -152,12 +194,62 @@ def lr_jumps(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
         for a, b in zip(steps, steps[1:], strict=False):
             la, lb = rows[a][col], rows[b][col]
             if la > 0 and lb / la > lr_growth_limit(a, b):
-                jumps.setdefault(b, []).append((col, la, lb))
+                jumps.setdefault(a + 1, []).append((col, la, lb, b))
     out = []
-    for b, hits in sorted(jumps.items()):
-        col, la, lb = max(hits, key=lambda h: h[2] / h[1])
+    for first, hits in sorted(jumps.items()):
+        col, la, lb, b = max(hits, key=lambda h: h[2] / h[1])
         where = "" if col == "lr" else f" in {col}" + (f" (and {len(hits) - 1} more)" if len(hits) > 1 else "")
-        out.append(Onset(b, "lr", lb, la, math.inf, f"lr jumps {lb / la:.0f}x at step {b}{where} ({la:.3g} -> {lb:.3g})"))
+        when = f"at step {b}" if b == first else f"between steps {first - 1} and {b} (the log skips the steps between)"
+        out.append(Onset(first, "lr", lb, la, math.inf, f"lr jumps {lb / la:.0f}x {when}{where} ({la:.3g} -> {lb:.3g})", "lr-growth"))
+    return out
+
+
+# Logged LR values that must repeat the run's first ones for a restart to count: three
+# steps of a warm-up (docs/signatures.md#lr-scheduler-restarted).
+LR_RESTART_STEPS = 3
+
+
+def lr_restarts(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
+    """The LR re-running its warm-up: from some step on, the logged LR repeats the run's own
+    first values (a scheduler rebuilt at a resume without its state), where it had left them.
+    The repeat may start a value or two in (a resume that loads the optimizer's groups after
+    building the scheduler keeps the saved LR for one step): the restart is then that many
+    steps earlier. A single step back at the run's first LR is a rebuilt scheduler whose
+    state was loaded after its first value. Only a log that starts at the run's start with a
+    warm-up can say."""
+    rows = ev.rows
+    steps = [s for s in sorted(rows) if "lr" in rows[s]]
+    vals = [rows[s]["lr"] for s in steps]
+    n = LR_RESTART_STEPS
+    if len(vals) < 3 * n or not all(0 < vals[i] < vals[i + 1] for i in range(2 * n - 1)):
+        return []
+
+    def repeats(i: int) -> int | None:
+        """The offset j < n of the run's start that the LR from index i repeats, if any."""
+        for j in range(n):
+            if i > j + n and np.allclose(vals[i : i + n], vals[j : j + n], rtol=1e-6, atol=0.0):
+                return j
+        return None
+
+    def dip(i: int) -> bool:
+        """One step back at the run's first LR between two steps of its schedule: a fresh
+        scheduler's first value, then the saved schedule loaded over it (a resume that
+        rebuilt the optimizer and its scheduler and restored only the scheduler's state)."""
+        return math.isclose(vals[i], vals[0], rel_tol=1e-6) and vals[i - 1] > 2 * vals[i] and vals[i + 1] > 2 * vals[i]
+
+    out = []
+    i = n + 1
+    while i <= len(vals) - n:
+        j = repeats(i)
+        if j is None and dip(i):
+            b = steps[i]
+            out.append(Onset(b, "lr_restart", vals[i], vals[i - 1], math.inf, f"the LR falls back to the run's first value at step {b} for one step ({vals[i - 1]:.3g} -> {vals[i]:.3g} -> {vals[i + 1]:.3g}): an optimizer and scheduler rebuilt at a resume"))
+            i += n
+        elif j is not None and repeats(i - 1) is None:
+            b = steps[i] - j
+            out.append(Onset(b, "lr_restart", vals[i], vals[i - 1], math.inf, f"the LR re-runs its warm-up from step {b} (the run's first values again: {vals[i - 1]:.3g} -> {vals[i]:.3g}): the scheduler restarted at a resume"))
+            i += n
+        i += 1
     return out
 
 
@@ -199,14 +291,96 @@ def gradient_returns(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
             math.inf,
             f"{mod}: its gradient sat >= 1000x below its peers' for {n} steps and returns {jump:.0e}x at step {s}; "
             "Adam's second moment has decayed, so its next updates are sign-like (Adam instability)",
+            "gradient-return",
         )
         for mod, (s, jump, n) in first.items()
     ]
 
 
+def nan_iterations(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
+    """Megatron's "number of nan iterations" above 0 on a printed line: an iteration of that
+    interval had a NaN or Inf loss (training_log counts them apart from the routine
+    skipped iterations of a loss-scale overflow). The line's iteration is the onset: the
+    NaN lies in the interval that line closes (docs/signatures.md#log-nan-iterations)."""
+    for s, r in ev.rows.items():
+        n = r.get("nan_iterations", 0.0)
+        if n > 0:
+            return [Onset(s, "loss", math.nan, math.nan, math.inf, f"{n:g} NaN iteration(s) in the interval ending at iteration {s} (Megatron's count)", "nan-iterations")]
+    return []
+
+
+# Ratio rules for an excerpt's first lines, where the trend has no history yet:
+# - Megatron-LM's spiky-loss check: a value >= 10x the largest seen (rerun_state_machine
+#   .is_unexpectedly_large, threshold=10 in pretrain_gpt.py's SPIKY_LOSS_FACTOR and in
+#   param_and_grad_buffer.py for the grads);
+# - Lightning's SpikeDetection: loss - running mean >= rtol x running mean, rtol 2 over a
+#   window of 10 (lightning.fabric.utilities.spike);
+# - the trend rule's own statistic on what history there is: robust z of log10(value) against
+#   the excerpt's earlier lines (at least SHORT_MIN of them), the spread floored at the trend
+#   rule's 4.7% (stats.CURVE_FLOOR), threshold z (OLMo-core's 6 sigma).
+MEGATRON_SPIKY_FACTOR = 10.0
+LIGHTNING_RTOL, LIGHTNING_WINDOW = 2.0, 10
+SHORT_MIN = 3
+# A loss scale at <= 1/4 of its recent maximum has halved twice with no growth between:
+# overflows on consecutive steps past the scaler's hysteresis (Megatron's default 2), not the
+# routine backoff of one overflow every growth interval.
+SCALE_COLLAPSE = 0.25
+
+
+def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
+    """An excerpt's steps the trend cannot judge yet (its first `judge_after` lines), by the
+    ratio rules above: the loss by any of them; the grad norm by Megatron's 10x and a loss
+    scale collapsing, each only where the loss rises past all it was (or the excerpt ends)
+    (docs/signatures.md#log-short)."""
+    if not ev.excerpt:
+        return []
+    steps = list(ev.rows)[: cfg.judge_after]
+    loss = [(s, ev.rows[s]["loss"]) for s in steps if "loss" in ev.rows[s]]
+    out: list[Onset] = []
+    for k, (s, v) in enumerate(loss):
+        prev = [x for _, x in loss[:k] if math.isfinite(x)]
+        if not prev:
+            continue
+        mean = float(np.mean(prev[-LIGHTNING_WINDOW:]))
+        if not math.isfinite(v):
+            out.append(Onset(s, "loss", v, mean, math.inf, f"loss {v} at step {s}", "nonfinite"))
+        elif v >= MEGATRON_SPIKY_FACTOR * max(prev):
+            out.append(Onset(s, "loss", v, max(prev), math.inf, f"loss {v:.4g} at step {s} is >= 10x the largest before it ({max(prev):.4g}; Megatron's spiky-loss rule)", "megatron-10x"))
+        elif v - mean >= LIGHTNING_RTOL * mean:
+            out.append(Onset(s, "loss", v, mean, math.inf, f"loss {v:.4g} at step {s} is >= 3x the mean of the {min(len(prev), LIGHTNING_WINDOW)} lines before it ({mean:.4g}; Lightning's SpikeDetection, rtol 2)", "lightning-rtol"))
+        elif len(prev) >= SHORT_MIN:
+            lp = np.log10(np.maximum(prev, 1e-12))
+            med = float(np.median(lp))
+            scale = max(float(np.median(np.abs(lp - med))) * 1.4826, CURVE_FLOOR)
+            z = (math.log10(v) - med) / scale if v > 0 else -math.inf
+            if z > cfg.z:
+                out.append(Onset(s, "loss", v, 10**med, z, f"loss {v:.4g} at step {s} vs {10**med:.4g} over the {len(prev)} lines before it (robust z {z:.1f}, spread floored at 4.7%)", "short-z"))
+    seen = {o.step for o in out}
+    losses = dict(loss)
+
+    def rises(s: int) -> bool:
+        """The loss on this line or the next above everything before this line (or the excerpt ends)."""
+        before = [v for t, v in loss if t < s and math.isfinite(v)]
+        after = [v for t, v in loss if t >= s][:2]
+        return not after or not before or any(not math.isfinite(v) or v > max(before) for v in after)
+
+    grad = [(s, ev.rows[s]["grad_norm"]) for s in steps if "grad_norm" in ev.rows[s]]
+    for k, (s, g) in enumerate(grad):
+        prev_g = [x for _, x in grad[:k] if math.isfinite(x)]
+        if prev_g and max(prev_g) > 0 and (not math.isfinite(g) or g >= MEGATRON_SPIKY_FACTOR * max(prev_g)) and rises(s) and s not in seen:
+            out.append(Onset(s, "grad_norm", g, max(prev_g), math.inf, f"grad norm {g:.4g} at step {s} is >= 10x the largest before it ({max(prev_g):.4g}; Megatron's rule for grads), and the loss rises with it ({losses.get(s, math.nan):.4g})", "megatron-10x"))
+    scale = [(s, ev.rows[s]["loss_scale"]) for s in steps if "loss_scale" in ev.rows[s]]
+    for k, (s, v) in enumerate(scale):
+        top = max((x for _, x in scale[:k]), default=0.0)
+        if top > 0 and v <= SCALE_COLLAPSE * top and rises(s):
+            out.append(Onset(s, "loss_scale", v, top, math.inf, f"loss scale collapses to {v:g} at step {s} from {top:g} (overflows on consecutive steps), and the loss rises with it", "loss-scale-collapse"))
+            break
+    return out
+
+
 def _followed(onset: Onset, ev: LogEvidence, cfg: TriageConfig) -> bool:
     """A grad-norm spike or a loss-scale backoff starts an incident only where the loss
-    follows (`tensors.loss_follows`): a grad-norm blip the loss ignores, and dynamic loss
+    follows (`stats.loss_follows`): a grad-norm blip the loss ignores, and dynamic loss
     scaling's routine backoff (every growth_interval steps), are normal operation."""
     steps = ev.loss.steps
     if not steps:
@@ -221,15 +395,140 @@ def _followed(onset: Onset, ev: LogEvidence, cfg: TriageConfig) -> bool:
 
 
 SEED_DETECTORS: tuple[LogDetector, ...] = (grad_spikes, scale_drops)
-ONSET_DETECTORS: tuple[LogDetector, ...] = (loss_spikes, lr_jumps, gradient_returns)
+ONSET_DETECTORS: tuple[LogDetector, ...] = (loss_spikes, lr_jumps, lr_restarts, gradient_returns, nan_iterations, short_history)
 # When two signals start on one step, the report names the most causal first.
-_SIGNAL_ORDER = ("lr", "param_grad", "loss_scale", "grad_norm", "loss")
+_SIGNAL_ORDER = ("lr", "lr_restart", "param_grad", "loss_scale", "grad_norm", "loss")
+
+# A loss excursion that is back under z/2 within RECOVER steps (the median of the next
+# RECOVER + HOLD steps there too) is a blip; the log's own blips are its tail. A blip is an
+# onset only where the log has too few other blips reaching half its z: TAIL_PEERS, plus the
+# count normal noise of the log's spread and length could give at that height (the Poisson
+# 99% bound on stats.expected_exceedances: a 20,000-step quiet log has ~5 steps over z 3.5
+# by chance). A run whose logged loss is one micro-batch of one rank has hundreds of them, a
+# data order with a hard batch at fixed steps blips there every time; a poisoned batch in an
+# averaged, quiet log is alone.
+RECOVER, HOLD, TAIL_PEERS = 2, 3, 2
+
+
+def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dict[int, tuple[float, float]]:
+    """step -> (robust z, log10 excess over the level before it) of every loss excursion
+    (z > `floor`, default cfg.z; finite, under the 10x rule) that recovers: back under z/2 within RECOVER steps, the next RECOVER + HOLD
+    steps' median there too (docs/signatures.md#log-blip)."""
+    z, steps, vals, base = ev.loss.z, ev.loss.steps, ev.loss.values, ev.loss.level
+    floor = cfg.z if floor is None else floor
+    lv = np.log10(np.maximum(np.asarray(vals, dtype=np.float64), 1e-30))
+    out = {}
+    for i, zi in enumerate(z):
+        if not (zi > floor and math.isfinite(vals[i]) and math.isfinite(base[i])) or vals[i] >= cfg.loss_factor * base[i]:
+            continue
+        # Recovery is judged against the level before the excursion, in the noise units the
+        # excursion was measured in: the trend itself moves up under a rise it accepts (steps
+        # under z 6 enter it), so the next steps' own z would call a held rise recovered.
+        scale = (lv[i] - math.log10(base[i])) / zi
+        band = math.log10(base[i]) + (cfg.z / 2) * scale
+        after = lv[i + 1 : i + 1 + RECOVER + HOLD]
+        if len(after) == RECOVER + HOLD and np.isfinite(after).all() and (after[:RECOVER] <= band).any() and float(np.median(after)) <= band:
+            out[steps[i]] = (float(zi), float(lv[i] - math.log10(base[i])))
+    return out
+
+
+def _within_tail(o: Onset, tail: dict[int, tuple[float, float]], ev: LogEvidence, cfg: TriageConfig) -> bool:
+    """A loss or grad-norm onset whose loss blip recovers, with enough other blips of the log
+    at least half its size (its log10 excess over the level before it: the noise, and so a
+    blip's z, shrinks as training goes on while a hard batch stays as hard); in the log's last
+    RECOVER + HOLD steps, where recovery cannot be seen yet, two thirds of its size."""
+    if o.signal not in ("loss", "grad_norm") or o.rule != "trend":
+        return False
+    if o.step in tail:
+        zs, es = tail[o.step]
+        share = 0.5
+    else:
+        steps = ev.loss.steps
+        i = next((k for k, s in enumerate(steps) if s >= o.step), len(steps))
+        base = ev.loss.level[i] if i < len(steps) else math.nan
+        if i >= len(steps) or len(steps) - 1 - i >= RECOVER + HOLD or not (math.isfinite(ev.loss.values[i]) and math.isfinite(base)):
+            return False
+        zs = float(ev.loss.z[i])
+        if not zs > cfg.z:  # a grad-norm seed the loss followed at half z: judged by the loss's own size
+            return False
+        es, share = math.log10(ev.loss.values[i] / base), 2 / 3
+    from scipy import stats
+
+    chance = expected_exceedances(int(np.count_nonzero(ev.loss.z)), max(share * zs, cfg.z / 2))
+    peers = sum(1 for s, (_, eb) in tail.items() if s != o.step and eb >= share * es)
+    return peers >= TAIL_PEERS + float(stats.poisson.isf(0.01, chance))
 
 
 def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[Onset]]:
-    """(onsets by step, seeds the loss did not follow: ignored)."""
+    """(onsets by step, seeds the loss did not follow and blips within the log's tail: ignored)."""
     seeds = [o for d in SEED_DETECTORS for o in d(ev, cfg)]
     kept = [o for o in seeds if _followed(o, ev, cfg)]
     ignored = [o for o in seeds if o not in kept]
     onsets = kept + [o for d in ONSET_DETECTORS for o in d(ev, cfg)]
+    tail = blips(ev, cfg, cfg.z / 2)
+    blipped = [o for o in onsets if _within_tail(o, tail, ev, cfg)]
+    onsets = [o for o in onsets if o not in blipped] + held_rise(ev, cfg, tail)
+    ignored += [
+        Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, o.message + f"; the loss recovers within {RECOVER} steps, as {sum(1 for s, (zb, _) in tail.items() if s != o.step and zb > cfg.z)} other blips over z {cfg.z:g} of this log do", "tail")
+        for o in blipped
+    ]
     return sorted(onsets, key=lambda o: (o.step, _SIGNAL_ORDER.index(o.signal))), ignored
+
+
+# On a noisy log (one whose loss has blips of its own) a fault that lifts the loss by less
+# than z noise-widths a step shows as a held excursion: the median z of CURVE_SHORT steps in
+# a row at z/3 or more (a median of 8 normal values has a spread of 0.44: z/3 = 2 is 4.5 of
+# its own sigmas), which the trend, reading each step alone, absorbs.
+HELD_Z = 1 / 3
+
+
+def held_rise(ev: LogEvidence, cfg: TriageConfig, tail: dict[int, tuple[float, float]]) -> list[Onset]:
+    """The first step of a held rise of the loss on a log with more than TAIL_PEERS blips
+    (elsewhere the trend's own per-step rule stands alone; docs/signatures.md#log-held)."""
+    if sum(1 for zb, _ in tail.values() if zb > cfg.z) <= TAIL_PEERS:
+        return []
+    # Judged above the level the loss has just been at too (`above_level`): in a descent a
+    # pause runs above the trend line, not above where the curve is. The window is measured
+    # against the level before its first step, in that step's noise units: the trend accepts
+    # steps under z 6 and would follow the rise it is asked about.
+    z, steps, vals, base = ev.loss_level.z, ev.loss_level.steps, ev.loss_level.values, ev.loss_level.level
+    lv = np.log10(np.maximum(np.asarray(vals, dtype=np.float64), 1e-30))
+    k = CURVE_SHORT
+    for i in range(len(z) - k + 1):
+        if not (z[i] >= HELD_Z * cfg.z and math.isfinite(z[i]) and math.isfinite(base[i]) and math.isfinite(lv[i])):
+            continue
+        scale = (lv[i] - math.log10(base[i])) / z[i]
+        # Most of the window held (its lower quartile: 6 of 8 steps), not a cluster of blips.
+        held = float(np.percentile(lv[i : i + k] - math.log10(base[i]), 25)) / scale
+        if held >= HELD_Z * cfg.z:
+            return [Onset(steps[i], "loss", vals[i], float(base[i]), held,
+                          f"loss {vals[i]:.4g} at step {steps[i]} starts {k} steps held above its level {base[i]:.4g} (6 of 8 at robust z {held:.1f} or more, on a log whose blips recover)", "held")]  # fmt: skip
+    return []
+
+
+def log_noise(ev: LogEvidence, cfg: TriageConfig) -> dict[str, float | int | str]:
+    """How noisy the log is: the loss's robust spread per step, its blips, and how heavy its
+    tail is against a normal noise of that spread (stats.tail_df, stats.expected_exceedances;
+    docs/signatures.md#log-noise)."""
+    from ..stats import expected_exceedances, family_z, robust_sigma, tail_df
+
+    z = ev.loss.z[np.isfinite(ev.loss.z) & (ev.loss.z != 0)]
+    lv = np.log10(np.maximum(np.asarray(ev.loss.values, dtype=np.float64), 1e-12))
+    steps_judged = int(z.size)
+    tail = blips(ev, cfg)
+    over = int(np.sum(z > cfg.z))
+    df = tail_df(z)
+    sigma = robust_sigma(np.diff(lv)) / math.sqrt(2) if lv.size > 3 else math.nan
+    kind = "quiet" if over <= 1 else ("heavy-tailed" if (math.isfinite(df) and df < 10) else "noisy")
+    return {
+        "loss_noise_pct_per_step": round(100 * (10**sigma - 1), 2) if math.isfinite(sigma) else math.nan,
+        "steps_judged": steps_judged,
+        "steps_over_z": over,
+        "expected_over_z_if_normal": expected_exceedances(steps_judged, cfg.z),
+        "recovering_blips": len(tail),
+        "largest_blip_z": max((zb for zb, _ in tail.values()), default=0.0),
+        "tail_df": df,
+        "family_z": family_z(max(steps_judged, 1)),
+        "kind": kind,
+        "ignored_columns": ", ".join(ev.ignored_columns),
+    }

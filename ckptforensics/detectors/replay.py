@@ -11,15 +11,14 @@ from typing import Any
 import numpy as np
 
 from ..diff import tensor_role
+from ..stats import MAD_TO_SIGMA, theil_sen
 from ..tensors import (
     CURVE_FLOOR,
     CURVE_MIN_HISTORY,
-    MAD_TO_SIGMA,
     log_curve,
     loss_follows,
     lr_growth_limit,
     robust_z,
-    theil_sen,
     trend_z,
 )
 from .base import Finding, Thresholds, cap, module_of
@@ -115,7 +114,8 @@ def _went_bad(r: Any, i: int, zl: np.ndarray, zg: np.ndarray, th: Thresholds, ab
     if not math.isfinite(r.loss) or (zl[i] > th.z and (above[i] > th.z or zg[i] >= th.z / 2)):
         return True
     scaled = bool(r.loss_scale and r.loss_scale > 1)
-    if r.skipped or not math.isfinite(zg[i]):
+    # A step SkipStepAdamW skipped by its outlier rule is judged by its loss and grad norm.
+    if (r.skipped and getattr(r, "skipped_by", "") != "optimizer rule") or not math.isfinite(zg[i]):
         return loss_follows(zl, i, th.z, z_grad=zg, benefit=False, routine=True) if scaled else True
     return bool(zg[i] > th.z and loss_follows(zl, i, th.z, z_grad=zg, z_level=above))
 

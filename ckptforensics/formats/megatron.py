@@ -59,7 +59,7 @@ def open_megatron(path: Path) -> Checkpoint:
     if args is not None and hasattr(args, "__dict__"):
         a = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool)) or v is None}
         ckpt.config = a
-        ckpt.scalars["train_config"] = {"grad_clip": a.get("clip_grad"), "learning_rate": a.get("lr"), "warmup_iters": a.get("lr_warmup_iters")}
+        ckpt.scalars["train_config"] = {"grad_clip": a.get("clip_grad"), "learning_rate": a.get("lr"), "warmup_iters": a.get("lr_warmup_iters"), "megatron": True, "bf16": a.get("bf16"), "fp16": a.get("fp16")}
     if len(files) > 1:
         ckpt.notes.append(f"{len(files)} model-parallel ranks: only {files[0].parent.name} is read (a shard of each split tensor)")
     opt = obj.get("optimizer")
@@ -154,7 +154,7 @@ def open_megatron_dist(path: Path) -> Checkpoint:
     if args is not None and hasattr(args, "__dict__"):
         a = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool)) or v is None}
         ckpt.config = a
-        ckpt.scalars["train_config"] = {"grad_clip": a.get("clip_grad"), "learning_rate": a.get("lr"), "warmup_iters": a.get("lr_warmup_iters")}
+        ckpt.scalars["train_config"] = {"grad_clip": a.get("clip_grad"), "learning_rate": a.get("lr"), "warmup_iters": a.get("lr_warmup_iters"), "megatron": True, "bf16": a.get("bf16"), "fp16": a.get("fp16")}
     opt = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
     ckpt.scalars.update(scaler_scalars(opt.get("grad_scaler")))
     inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else opt

@@ -11,11 +11,24 @@ from .markdown import fmt
 __all__ = ["render_triage_markdown", "render_triage_html"]
 
 
+def _noise(t: dict[str, Any]) -> str:
+    n = t.get("noise") or {}
+    if not n:
+        return "—"
+    cols = f"; left out (0 on every row): {n['ignored_columns']}" if n.get("ignored_columns") else ""
+    return (f"{n['kind']}: the loss moves {n['loss_noise_pct_per_step']}% a step; {n['steps_over_z']} steps over z "
+            f"(normal noise: {n['expected_over_z_if_normal']:.2g}); {n['recovering_blips']} blips that recover{cols}")  # fmt: skip
+
+
 def _head(t: dict[str, Any]) -> list[tuple[str, str]]:
+    files = t.get("files") or [t["metrics_file"]]
     return [
         ("training log", t["metrics_file"]),
+        ("files read", f"{len(files)} ({t.get('log_format') or '?'}, {len(t.get('legs') or [])} legs)"),
         ("steps read", fmt(t["steps"])),
         ("first bad step", fmt(t["first_bad_step"])),
+        ("rule", t.get("rule") or "—"),
+        ("log noise", _noise(t)),
         ("rollback checkpoint", t["rollback"] or "none before the onset"),
         ("checkpoint after the onset", t["after"] or "—"),
         *[("passed over", note) for note in t.get("skipped") or []],
@@ -32,8 +45,8 @@ def render_triage_markdown(t: dict[str, Any]) -> str:
     if t["commands"]:
         lines += ["", "**Next**", "", "```", *t["commands"], "```"]
     if t["onsets"]:
-        lines += ["", f"<details><summary>Signals ({len(t['onsets'])})</summary>", "", "| step | signal | message |", "| --- | --- | --- |"]
-        lines += [f"| {o['step']} | {o['signal']} | {o['message'].replace('|', '/')} |" for o in t["onsets"]]
+        lines += ["", f"<details><summary>Signals ({len(t['onsets'])})</summary>", "", "| step | signal | rule | message |", "| --- | --- | --- | --- |"]
+        lines += [f"| {o['step']} | {o['signal']} | {o.get('rule', '')} | {o['message'].replace('|', '/')} |" for o in t["onsets"]]
         lines += ["", "</details>"]
     return "\n".join(lines) + "\n"
 
@@ -85,6 +98,6 @@ def render_triage_html(t: dict[str, Any]) -> str:
     if t["commands"]:
         parts.append("<h2>Next</h2><pre>" + html.escape("\n".join(t["commands"])) + "</pre>")
     if t["onsets"]:
-        parts.append("<h2>Signals</h2>" + table(["step", "signal", "message"], [[o["step"], o["signal"], o["message"]] for o in t["onsets"]]))
+        parts.append("<h2>Signals</h2>" + table(["step", "signal", "rule", "message"], [[o["step"], o["signal"], o.get("rule", ""), o["message"]] for o in t["onsets"]]))
     parts.append("</body></html>")
     return "\n".join(parts)

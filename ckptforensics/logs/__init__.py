@@ -1,0 +1,170 @@
+"""Training logs: find a run's logs, read each in its trainer's format, and merge the legs of
+a restarted run into one step -> metrics table.
+
+Formats: JSONL; CSV (Lightning's / LitGPT's CSVLogger; W&B's CSV exports, untested on a real one); HF
+`trainer_state.json`; OLMo-core's `metrics_step{N}.json`; Megatron-LM's printed log (and
+Megatron-DeepSpeed's variant of the line); TensorBoard event files (the tensorboard extra);
+W&B offline runs (`.wandb`, the wandb extra); MLflow's local stores (`mlruns/`; `mlflow.db`,
+MLflow 3's default). Shared
+by `triage` and the replay (which takes each step's LR and the history before its window
+from here): `read_metrics(path) -> {step: {"loss", "grad_norm", "lr", per-group LRs,
+"loss_scale", ...}}`, steps as the trainer counts optimizer steps (docs: README, "Training logs").
+"""
+
+from __future__ import annotations
+
+import glob as _glob
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ForensicsError
+from .columns import ALIASES, canonical, group_lrs, lr_columns, param_grad_columns
+from .discover import find_logs
+from .readers import Leg, MissingExtra, megatron_line, read_file
+
+__all__ = [
+    "MetricsLog",
+    "LegInfo",
+    "read_log",
+    "read_metrics",
+    "find_logs",
+    "find_metrics",
+    "discover_metrics",
+    "group_lrs",
+    "lr_columns",
+    "param_grad_columns",
+    "megatron_line",
+    "ALIASES",
+    "MissingExtra",
+]
+
+Rows = dict[int, dict[str, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class LegInfo:
+    """One leg as read: its file, its format, its steps, and the steps a later leg replaced."""
+
+    source: str
+    kind: str
+    first: int
+    last: int
+    steps: int
+    superseded: int  # of its steps, how many a later leg logged again (the later leg won)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsLog:
+    """A run's log, merged: the rows, and which files and legs made them."""
+
+    rows: Rows
+    files: list[str]
+    legs: list[LegInfo] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        kinds = sorted({leg.kind for leg in self.legs})
+        return "+".join(kinds) if kinds else "unknown"
+
+
+def merge_legs(legs: list[Leg]) -> tuple[Rows, list[LegInfo]]:
+    """One timeline from the legs of a restarted run: legs in the order they started, each
+    replacing every step from its first on (a restart resumes from a checkpoint: what the
+    earlier leg logged past that point is what the run undid)."""
+    ordered = sorted(legs, key=lambda leg: (leg.started, leg.source, leg.order))
+    rows: Rows = {}
+    owner: dict[tuple[int, str], int] = {}
+    lost = [0] * len(ordered)
+    for i, leg in enumerate(ordered):
+        if not leg.rows:
+            continue
+        first = min(leg.rows)
+        cols = {k for v in leg.rows.values() for k in v}
+        # Only the columns this leg logs: two writers of one run (a train and an eval
+        # writer, the trainer's log beside a callback's) are not restarts of each other.
+        for s in [s for s in rows if s >= first]:
+            hit = cols & set(rows[s])
+            for k in hit:
+                del rows[s][k]
+            if hit:
+                lost[owner[(s, next(iter(hit)))]] += 1
+            if not rows[s]:
+                del rows[s]
+        for s, v in leg.rows.items():
+            rows.setdefault(s, {}).update(v)
+            for k in v:
+                owner[(s, k)] = i
+    info = [
+        LegInfo(leg.source, leg.kind, min(leg.rows), max(leg.rows), len(leg.rows), lost[i])
+        for i, leg in enumerate(ordered)
+        if leg.rows
+    ]
+    return dict(sorted(rows.items())), info
+
+
+def _paths(path: Path | str) -> list[Path]:
+    """A file, a folder (the logs `find_logs` finds in it) or a glob -> the log files."""
+    p = Path(path)
+    if any(c in str(path) for c in "*?["):
+        found = [Path(f) for f in sorted(_glob.glob(str(path), recursive=True))]
+        files = [f for f in found if f.is_file() or (f / "meta.yaml").is_file()]
+        if not files:
+            raise ForensicsError(f"{path}: no training log matches")
+        return files
+    if p.is_dir():
+        if (p / "meta.yaml").is_file() and (p / "metrics").is_dir():  # one MLflow run
+            return [p]
+        if any(p.glob("run-*.wandb")):  # one W&B run folder (wandb/latest-run, say)
+            return sorted(p.glob("run-*.wandb"))
+        files = find_logs(p)
+        if not files:
+            raise ForensicsError(f"{p}: no training log in this folder (see `ckptforensics triage --help` for the formats read)")
+        return files
+    if not p.is_file():
+        raise ForensicsError(f"{p}: no such training log")
+    return [p]
+
+
+def read_log(path: Path | str, keys: dict[str, str] | None = None) -> MetricsLog:
+    """The run's log at `path` (a file, a run's log folder, or a glob), every leg merged.
+
+    Args:
+        path: the log.
+        keys: our name -> the log's column name (e.g. {"loss": "train/loss"}).
+
+    Raises:
+        ForensicsError: no log there, an unreadable or unknown format; MissingExtra (a
+            ForensicsError) when the format's reader needs a package not installed.
+    """
+    files = _paths(path)
+    legs = [leg for f in files for leg in read_file(f)]
+    rows, info = merge_legs(legs)
+    canonical(rows, keys)
+    return MetricsLog(rows, [str(f) for f in files], info)
+
+
+def read_metrics(path: Path | str, keys: dict[str, str] | None = None) -> Rows:
+    """step -> metrics from a training log (`read_log`'s rows): our names `loss`,
+    `grad_norm`, `lr`, `loss_scale`, `skipped` beside the log's own columns."""
+    return read_log(path, keys).rows
+
+
+def find_metrics(run_dir: Path) -> Path | None:
+    """The run's training log: the file when there is one, the folder when the run's log is
+    several files (legs of a restarted run; `read_metrics` merges them), None when none."""
+    files = find_logs(run_dir)
+    if not files:
+        return None
+    return files[0] if len(files) == 1 else run_dir
+
+
+def discover_metrics(run_dir: Path) -> Path:
+    """`find_metrics`, or a one-line error naming what was looked for."""
+    found = find_metrics(run_dir)
+    if found is None:
+        raise ForensicsError(
+            f"no training log in {run_dir} (looked for metrics.jsonl / .csv, trainer_state.json, lightning_logs, LitGPT logs/csv, "
+            "OLMo-core metrics_step*.json, Megatron's printed log (*.log, *.out, *.txt), TensorBoard events (tb/, runs/, "
+            "--tensorboard-dir), wandb/latest-run, mlruns/); pass --metrics"
+        )
+    return found

@@ -1,0 +1,44 @@
+"""The package's central statistics: robust z, a curve judged against its own trend, whether the
+loss follows a seed signal, and thresholds that count how many values are tested.
+
+Pure functions over numbers (no files, no torch): triage, the replay, bisect and the
+recorder's monitor all judge a step by these (docs/signatures.md#log-onset).
+"""
+
+from __future__ import annotations
+
+from .follow import LOSS_FOLLOW, loss_follows
+from .robust import MAD_TO_SIGMA, robust_sigma, robust_z
+from .thresholds import expected_exceedances, family_z, t_robust_z, tail_df
+from .trend import (
+    CURVE_FLOOR,
+    CURVE_MIN_HISTORY,
+    CURVE_SHORT,
+    CURVE_WINDOW,
+    TrendBaseline,
+    log_curve,
+    theil_sen,
+    theil_sen_at,
+    trend_z,
+)
+
+__all__ = [
+    "MAD_TO_SIGMA",
+    "robust_z",
+    "robust_sigma",
+    "CURVE_SHORT",
+    "CURVE_WINDOW",
+    "CURVE_FLOOR",
+    "CURVE_MIN_HISTORY",
+    "log_curve",
+    "trend_z",
+    "TrendBaseline",
+    "theil_sen_at",
+    "theil_sen",
+    "LOSS_FOLLOW",
+    "loss_follows",
+    "family_z",
+    "expected_exceedances",
+    "t_robust_z",
+    "tail_df",
+]

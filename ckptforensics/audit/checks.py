@@ -121,6 +121,8 @@ class AuditEvidence:
         precision: 'fp32', 'bf16' or 'fp16', with `precision_source`.
         weight_dtype: the dtype holding most of the weights' elements.
         moment_dtype: the dtype of Adam's moments (None: no optimizer state).
+        fp32_masters: the run keeps fp32 master weights beside its bf16 ones (the optimizer
+            state holds them, or its config says so: Megatron / DeepSpeed bf16).
         loss_scale: the scaler's current scale (None: no scaler).
         growth_interval: the scaler's growth interval when recorded.
         scales: (step, loss scale) from the training log.
@@ -152,6 +154,7 @@ class AuditEvidence:
     precision_source: str = ""
     weight_dtype: str = "float32"
     moment_dtype: str | None = None
+    fp32_masters: bool = False
     loss_scale: float | None = None
     growth_interval: int | None = None
     scales: tuple[tuple[int, float], ...] = ()
@@ -320,6 +323,8 @@ def master_weights(ev: AuditEvidence) -> Check:
     if ev.weight_dtype != "bfloat16":
         return _row("master_weights", "numerics", "ok", ev.weight_dtype, None, f"weights stored in {ev.weight_dtype}", src)
     lost = ev.bf16_lost
+    if ev.fp32_masters:
+        return _row("master_weights", "numerics", "ok", "fp32 masters", None, f"bf16 weights over fp32 master weights ({ev.precision_source})", src)
     if ev.moment_dtype == "float32":
         return _row(
             "master_weights", "numerics", "unknown", ev.moment_dtype, None,

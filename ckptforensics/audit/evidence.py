@@ -65,7 +65,11 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
     run_dir = cfg.run_dir or cfg.checkpoint.parent
     rc = run_config(a, cfg.checkpoint)
     mfile = cfg.metrics or next((f for f in (find_metrics(d) for d in _near(run_dir, cfg.checkpoint)) if f is not None), None)
-    rows = read_metrics(mfile) if mfile is not None else {}
+    try:
+        rows = read_metrics(mfile) if mfile is not None else {}
+    except ForensicsError as e:  # an unreadable log takes its rows to unknown, not the audit down
+        notes.append(f"training log not read: {e}")
+        rows, mfile = {}, None
     say("batch")
     batch, batch_source, batch_log, tokens, shifted_declared = _batch(cfg, a, run_dir, notes)
     arch = prev = None
@@ -96,14 +100,14 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
     except ValueError as e:  # the model's output has no logits with a graph
         arch_note = str(e)
         notes.append(f"no traced pass: {e}")
-    names = {**_names(arch, to_ckpt, a)}
+    names = _names(arch, to_ckpt, a)
     say("optimizer state")
     moments, decayed, betas, eps, lrs, moment_dtype, lost = _optimizer(a, names)
-    precision, psrc = _precision(a, rc)
+    precision, psrc, masters = _precision(a, rc)
     scaler = a.scalars.get("scaler") if isinstance(a.scalars.get("scaler"), dict) else {}
     interval = scaler.get("growth_interval", scaler.get("_growth_interval"))
     scales = tuple((s, float(r["loss_scale"])) for s, r in sorted(rows.items()) if "loss_scale" in r and math.isfinite(float(r["loss_scale"])))
-    clip, csrc = _clip(rc, batch_log)
+    clip, csrc = _clip(rc)
     warm, wsrc = _warmup(rc, rows)
     z, zsrc = _z_loss(rc)
     per_param = max((len(param_grad_columns(r)) for r in list(rows.values())[:50]), default=0)
@@ -118,6 +122,7 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
         precision_source=psrc,
         weight_dtype=_main_dtype(a),
         moment_dtype=moment_dtype,
+        fp32_masters=masters,
         loss_scale=a.scalars.get("loss_scale"),
         growth_interval=int(interval) if isinstance(interval, (int, float)) else None,
         scales=scales,
@@ -215,7 +220,7 @@ def _z_loss(rc: dict[str, Any]) -> tuple[float | None, str | None]:
     return None, None
 
 
-def _clip(rc: dict[str, Any], batch_log: str | None) -> tuple[float | None, str | None]:
+def _clip(rc: dict[str, Any]) -> tuple[float | None, str | None]:
     for path in (("train", "grad_clip"), ("train", "max_grad_norm"), ("args", "clip_grad"), ("olmo", "train_module", "max_grad_norm"), ("litgpt", "train", "max_norm")):
         v = _get(rc, *path)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -249,21 +254,22 @@ def _total_steps(rc: dict[str, Any]) -> int | None:
     return None
 
 
-def _precision(a: Checkpoint, rc: dict[str, Any]) -> tuple[str, str]:
-    """The precision the run trained in, from what it recorded (its scaler first)."""
-    if a.scalars.get("loss_scale") is not None:
-        return "fp16", "loss-scaler state in the checkpoint"
-    for sec in ("train", "args", "training_args"):
-        for flag in ("fp16", "bf16"):
-            if _get(rc, sec, flag) is True:
-                return flag, f"{sec}.{flag}"
-    prec = str(_get(rc, "litgpt", "precision") or "")
-    if prec.startswith(("bf16", "16")):
-        return ("bf16" if prec.startswith("bf16") else "fp16"), f"hyperparameters.yaml precision {prec}"
-    dt = _main_dtype(a)
-    if dt in ("bfloat16", "float16"):
-        return ("bf16" if dt == "bfloat16" else "fp16"), f"{dt} weights"
-    return "fp32", "fp32 weights, no precision flag or scaler recorded"
+def _precision(a: Checkpoint, rc: dict[str, Any]) -> tuple[str, str, bool]:
+    """The precision the run trained in and whether it keeps fp32 master weights, from what
+    it recorded (`replay.precision`: its scaler, its config's flags, then the weights'
+    dtypes; LitGPT's `precision` read here besides)."""
+    from ..replay import precision as mp
+
+    prec, src = mp.resolve("auto", a)
+    masters = prec == "bf16-params" or bool(a.scalars.get("fp32_masters"))
+    if prec == "bf16-params":
+        return "bf16", src, masters
+    lit = str(_get(rc, "litgpt", "precision") or "")
+    if prec == "fp32" and lit.startswith(("bf16", "16")):
+        return ("bf16" if lit.startswith("bf16") else "fp16"), f"hyperparameters.yaml precision {lit}", masters
+    if prec == "fp32" and _main_dtype(a) == "float16":  # fp16 parameters: trained in fp16 itself
+        return "fp16", "float16 weights in the checkpoint", masters
+    return prec, src, masters
 
 
 def _main_dtype(a: Checkpoint) -> str:

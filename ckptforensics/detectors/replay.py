@@ -4,6 +4,7 @@ that leaves its range first, overflow, the rows that carry the spike, reproducti
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -284,16 +285,24 @@ def _attention(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     end = ev.step if ev.step is not None and ev.bad else steps[-1]
     upto = [s for s in steps if s <= end] or steps[:1]
     mods = rep.passes[upto[0]].attn_modules
-    # [steps, layers]: the layer's largest logit over its heads, its most collapsed head's entropy
-    logit = np.stack([np.nanmax(rep.passes[s].attn[..., 0].numpy(), axis=1) for s in upto])
-    ent = np.stack([np.nanmin(rep.passes[s].attn[..., 1].numpy(), axis=1) for s in upto])
-    crossed = [(int(np.argmax(logit[:, j] > th.attn_logit)), j) for j in range(logit.shape[1]) if (logit[:, j] > th.attn_logit).any()]
+    if any(len(rep.passes[s].attn_modules) != len(mods) for s in upto):
+        return []
+    # [steps, layers]: the layer's largest logit over its heads, its most collapsed head's
+    # entropy. Non-finite logits (an overflow upstream fed the attention NaN or inf) are the
+    # overflow detector's, never a logit that grew: they count as absent here.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a layer whose heads are all NaN
+        logit = np.stack([np.nanmax(np.where(np.isfinite(a := rep.passes[s].attn[..., 0].numpy()), a, np.nan), axis=1) for s in upto])
+        ent = np.stack([np.nanmin(rep.passes[s].attn[..., 1].numpy(), axis=1) for s in upto])
+    over = np.isfinite(logit) & (logit > th.attn_logit)
+    crossed = [(int(np.argmax(over[:, j])), j) for j in range(logit.shape[1]) if over[:, j].any()]
     if not crossed:
         return []
     k, j = min(crossed)
     name = mods[j]
-    growth = float(np.nanmax(logit[:, j]) / max(logit[0, j], 1e-12))
-    fell = float(ent[0, j] / max(ent[-1, j], 1e-12))
+    first_logit = logit[0, j] if np.isfinite(logit[0, j]) else logit[k, j]
+    growth = float(np.nanmax(logit[:, j]) / max(first_logit, 1e-12))
+    fell = float(ent[0, j] / max(ent[-1, j], 1e-12)) if np.isfinite(ent[0, j]) and np.isfinite(ent[-1, j]) else 1.0
     grew = growth >= th.attn_growth or fell >= th.attn_growth
     evidence = ev.bad and grew
     # Without a spike the mechanism can still be under way: the layer's logits, already past

@@ -211,7 +211,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
         if att:
             steps = sorted(att, key=int)
             mods = att[steps[0]]["modules"]
-            top = sorted(range(len(mods)), key=lambda i: -max((att[s]["max_logit"][i] for s in steps if i < len(att[s]["max_logit"])), default=0.0))[:6]
+            def peak(i: int) -> float:  # JSON null: a non-finite logit (an overflow upstream)
+                return max((v for s in steps if i < len(att[s]["max_logit"]) and (v := att[s]["max_logit"][i]) is not None), default=0.0)
+
+            top = sorted(range(len(mods)), key=lambda i: -peak(i))[:6]
             top.sort()
             lines += ["", "Largest pre-softmax attention logit per layer (entropy of its most collapsed head, of uniform):", ""]
             lines += _table(

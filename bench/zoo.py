@@ -353,6 +353,7 @@ def _shape(d: dict[str, Any]) -> str:
         hf = f" zero{d.get('zero_stage')}"
     if d.get("trainer") == "hf":
         hf = f" {d['family']}" + (" padded" if d.get("padded") else "") + (f" ga{d['accum']}" if d.get("accum", 1) > 1 else "")
+        hf += " lm-collator" if d.get("collator") == "lm" else ""
     opt = f" {d['optimizer']}" if d.get("optimizer", "adamw") != "adamw" else ""
     return f"{d['position']} {d['schedule']} L{d['n_layer']} d{d['n_embd']} T{d['seq']} {d['precision']} {d['fmt']}{hf}{opt}"
 

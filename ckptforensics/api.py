@@ -127,6 +127,7 @@ def replay(
     batch: str | Path | None = None,
     *,
     data: str | Path | None = None,
+    collator: str | None = None,
     after: str | int | Path | None = None,
     run_dir: str | Path | None = None,
     model: str | None = None,
@@ -145,12 +146,13 @@ def replay(
     """Replay the window (before, after] from *before* with probes on every module, merged
     with the pair's diff into one verdict. `batch`: a batch log (.h5), batch file or
     `module:function`, or None with `data` (an HF Trainer run's training data: the batches
-    are rebuilt with the Trainer's sampler); `model`: `module:factory` or None (built from
-    what the run recorded)."""
+    are rebuilt with the Trainer's sampler and `collator`, `module:obj`, or the standard
+    collator whose first step lands on the log); `model`: `module:factory` or None (built
+    from what the run recorded)."""
     from .analysis import run_replay
 
     cfg = _config(
-        before, after, batch, run_dir, data=data, model=model, step=step, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
+        before, after, batch, run_dir, data=data, collator=collator, model=model, step=step, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
         checkpoint_activations=checkpoint_activations, labels=labels, allow_mismatch=allow_mismatch,
     )  # fmt: skip
     return Report(*_rank_zero(run_replay(cfg, command=command, progress=progress), "replay"))
@@ -162,6 +164,7 @@ def bisect(
     batch: str | Path | None = None,
     *,
     data: str | Path | None = None,
+    collator: str | None = None,
     run_dir: str | Path | None = None,
     model: str | None = None,
     precision: str = "auto",
@@ -181,7 +184,7 @@ def bisect(
     from .analysis import run_bisect
 
     cfg = _config(
-        before, after, batch, run_dir, data=data, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
+        before, after, batch, run_dir, data=data, collator=collator, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
         checkpoint_activations=checkpoint_activations, labels=labels, allow_mismatch=allow_mismatch,
     )  # fmt: skip
     doc, findings, skip = _rank_zero(run_bisect(cfg, command=command, progress=progress, tokenizer=Path(tokenizer) if tokenizer else None), "bisect")
@@ -195,6 +198,7 @@ def whatif(
     tries: Sequence[str],
     *,
     data: str | Path | None = None,
+    collator: str | None = None,
     run_dir: str | Path | None = None,
     model: str | None = None,
     precision: str = "auto",
@@ -214,7 +218,7 @@ def whatif(
     from .analysis import run_whatif
 
     cfg = _config(
-        before, None, batch, run_dir, data=data, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
+        before, None, batch, run_dir, data=data, collator=collator, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
         checkpoint_activations=checkpoint_activations, labels=labels, allow_mismatch=allow_mismatch,
     )  # fmt: skip
     return Report(*_rank_zero(run_whatif(cfg, steps, list(tries), None, command=command, progress=progress), "whatif"))

@@ -189,6 +189,15 @@ def _replay_options(f: Any) -> Any:
                 "OLMo-core: the dir its dataset.paths are relative to. With a flight recorder's sample-id log "
                 "(--batch), the dataset those ids index.",
             ),
+            click.option(
+                "--collator",
+                "collator",
+                default=None,
+                help="With --data on an HF Trainer run: the collator it passed to Trainer(data_collator=...), as module:obj "
+                "(or module:factory taking the run's tokenizer). Default: default_data_collator, "
+                "DataCollatorForLanguageModeling(mlm=False) and DataCollatorWithPadding (with the tokenizer saved in the "
+                "checkpoint) are tried, and the first whose first step lands on the log is kept.",
+            ),
             click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16", "bf16-params"]), default="auto", show_default=True),
             click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True, help="cuda: under torchrun, one GPU a rank (NCCL)."),
             click.option(
@@ -457,6 +466,8 @@ def replay(ctx: click.Context, before: str, after: str | None, run_dir: Path, ou
       ckptforensics replay --run-dir runs/7b --before 41950 --after 42000 \\
           --batch runs/7b/batches.h5 --model train.py:build_model --out incident/
       ckptforensics replay --run-dir runs/hf --before 45 --after 50 --data data/train
+      ckptforensics replay --run-dir runs/hf --before 45 --after 50 --data data/train \\
+          --collator collate.py:make_collator
 
     Models that do not fit one process: run it under torchrun; each rank holds an FSDP2
     shard of the model and its Adam state and replays its rows of every batch.

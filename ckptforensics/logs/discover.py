@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -11,6 +12,8 @@ from ..locate import list_checkpoints
 from .readers import is_megatron_text, mlflow_run_name
 
 __all__ = ["find_logs"]
+
+log = logging.getLogger(__name__)
 
 # Folders a walk does not enter: checkpoints are large and hold no logs of their own that
 # the searches below want (trainer_state.json is looked up through list_checkpoints).
@@ -79,9 +82,16 @@ def find_logs(run_dir: Path) -> list[Path]:
         found = sorted(run_dir.glob(pattern), key=lambda p: int(p.parent.name.split("_")[-1]))
         if found:
             return found
-    ckpts = list_checkpoints(run_dir)
-    if ckpts and (Path(ckpts[-1][1]) / "trainer_state.json").is_file():
-        return [Path(ckpts[-1][1]) / "trainer_state.json"]
+    ckpts = [(s, Path(p)) for s, p in list_checkpoints(run_dir) if (Path(p) / "trainer_state.json").is_file()]
+    if ckpts:
+        # The newest complete checkpoint's: a save that died half-way may hold a torn one.
+        from ..locate import first_complete
+
+        found, skipped = first_complete(list(reversed(ckpts)))
+        for note in skipped:
+            log.info("training log: %s", note)
+        if found is not None:
+            return [found[1] / "trainer_state.json"]
     olmo = sorted(run_dir.glob("metrics_step*.json"))
     if olmo:
         return [olmo[0]]

@@ -25,13 +25,14 @@ from . import distributed, skipstep
 from . import precision as mp
 from .batches import BatchSource, open_batches
 from .conventions import CallConvention, LabelConvention, call_model, detect_call, settle_labels
-from .logcheck import GRAD_RTOL, LOSS_RTOL, LogCheck, check_against_log
+from .logcheck import GRAD_RTOL, LOSS_RTOL, LogCheck, StepCheck, check_against_log, log_rounding
 from .model import (
     LossNorm,
     build_model,
     build_optimizer,
     load_callable,
     load_weights,
+    padding_rows_trained,
     trainer_loss_norm,
 )
 from .probes import ModuleProbe, PassStats, param_grad_stats, param_grad_sums
@@ -52,6 +53,8 @@ class ReplayConfig:
         batch: batch file, batch log (.h5) or `module:function`; None with `data`.
         data: the run's training data (`--data`: an HF `save_to_disk` dir or
             `module:function`), from which the Trainer's batches are rebuilt.
+        collator: `module:obj`, the collator an HF Trainer run used (`--collator`); None:
+            the standard ones are tried (`choose_batches`).
         step: the step to replay when there is no *after*.
         precision: 'auto' (what the run used), 'fp32', 'bf16' or 'fp16' (autocast; fp16 with
             the run's loss scale), or 'bf16-params' (bf16 weights on fp32 masters: FSDP2's
@@ -73,6 +76,7 @@ class ReplayConfig:
     model: str | None = None
     batch: str | None = None
     data: str | None = None
+    collator: str | None = None
     step: int | None = None
     precision: str = "auto"
     device: str = "cpu"
@@ -164,6 +168,7 @@ class ReplayResult:
     logged: dict[int, dict[str, float]] = field(default_factory=dict)
     baseline: dict[int, dict[str, float]] = field(default_factory=dict)  # logged steps before the window
     check: LogCheck = field(default_factory=LogCheck)  # every replayed step against the run's log
+    plan: Any = None  # the settled Plan the replay ran (bisect continues from it)
     diagnosis: str = ""  # the likeliest reason the first checked step misses the log, where it does
 
 
@@ -257,6 +262,9 @@ class Session:
         self.to_ckpt = load_weights(self.model, a, self.ranks)
         self.model.to(self.device).train()
         self.opt = build_optimizer(self.model, a, self.to_ckpt, self.ranks)
+        unpadded = padding_rows_trained(self.model, self.opt) if self.ranks is None else []
+        if unpadded:
+            self.model_source += f"; padding_idx of {', '.join(unpadded)}: the run trained the row config.json names (its exp_avg_sq is not 0 there)"
         self.precision = precision
         self.loss_fn = loss_fn
         self.labels = labels
@@ -804,8 +812,11 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
             steps = list(range(a.step + 1, b.step + 1))
         else:
             steps = [cfg.step if cfg.step is not None else a.step + 1]
-    batches = _batches(cfg, a)
-    window = [batches.batch(s) for s in steps]  # fail early on a missing step
+    candidates = _batches(cfg, a)
+    batches = candidates[0]
+    # Several candidates (the collators an HF run may have used): the window and its labels
+    # once one is chosen (`choose_batches`).
+    window = [batches.batch(s) for s in steps] if len(candidates) == 1 else []  # fail early on a missing step
     labels = settle_labels(window, batches.labels_shifted, cfg.labels, batches.describe)
     mfile = _metrics_file(cfg)
     logged = read_metrics(mfile) if mfile is not None else {}
@@ -829,37 +840,88 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
         clips = [(None, "assumed: none (no after and no log to calibrate against)")]
     scale = mp.scale_plan(a, b, steps, batches.loss_scale, logged) if precision == "fp16" else None
     skip = skipstep.skip_rule(a, logged, steps[0])
-    return Plan(cfg, a, b, steps, batches, lrs, lsrc, clips, precision, psrc, loss_fn, logged, mfile, labels, scale=scale, skip=skip)
+    p = Plan(cfg, a, b, steps, batches, lrs, lsrc, clips, precision, psrc, loss_fn, logged, mfile, labels, scale=scale, skip=skip)
+    if len(candidates) > 1:
+        p.batches = choose_batches(p, candidates)
+    return p
 
 
-def _batches(cfg: ReplayConfig, a: Checkpoint) -> BatchSource:
-    """`--batch` as given, or the batches rebuilt from the run's data (`--data`)."""
+def choose_batches(p: Plan, candidates: list[BatchSource]) -> BatchSource:
+    """The first candidate (the rebuilt batches under each collator an HF run may have
+    used) whose first replayed step, evaluated from *before*, gives the loss and grad norm
+    the log recorded (`require_rebuilt_match`); its `describe` says so and what was passed
+    over. A candidate whose collator cannot collate the window's rows, or whose labels
+    follow no convention, is passed over too. Leaves `p.labels` measured on the chosen
+    candidate's window. None lands: one line, the figures of each."""
+    from .hfdata import require_rebuilt_match
+
+    step = p.steps[0]
+    logged = p.logged.get(step)
+    if not logged or "loss" not in logged:
+        raise ForensicsError(f"the rebuilt batches cannot be checked: the log has no loss for step {step} to tell the collators apart; pass --collator or --batch")
+    missed: list[str] = []
+    session: Session | None = None
+    try:
+        with torch.random.fork_rng(devices=[torch.device(p.cfg.device)] if p.cfg.device == "cuda" else []):
+            for c in candidates:
+                name = c.collator or c.describe
+                try:
+                    window = [c.batch(s) for s in p.steps]
+                    labels = settle_labels(window, c.labels_shifted, p.cfg.labels, c.describe)
+                except ForensicsError as e:  # BatchError names the collator, the step and its error
+                    missed.append(getattr(e, "brief", str(e)))
+                    continue
+                p.batches, p.labels = c, labels
+                if session is None:
+                    session = p.session()  # the model called as its trainer calls it, from this window
+                session.labels = labels
+                loss, grad = session.evaluate(window[0])
+                try:
+                    require_rebuilt_match(step, (loss, grad), logged, p.precision)
+                except ForensicsError:
+                    missed.append(f"{name}: loss {loss:.4g}" + (f", grad norm {grad:.4g}" if "grad_norm" in logged else ""))
+                    continue
+                passed = f"; passed over: {'; '.join(missed)}" if missed else ""
+                return dataclasses.replace(c, describe=f"{c.describe}: its step {step} lands on the log{passed}")
+    finally:
+        if session is not None:
+            session.close()
+    want = f"loss {logged['loss']:.4g}" + (f", grad norm {logged['grad_norm']:.4g}" if "grad_norm" in logged else "")
+    raise ForensicsError(
+        f"the data pipeline differs: no collator rebuilds step {step} as logged ({want}); pass --collator module:obj or --batch. "
+        f"Tried: {'; '.join(missed)}"
+    )
+
+
+def _batches(cfg: ReplayConfig, a: Checkpoint) -> list[BatchSource]:
+    """`--batch` as given, or the batches rebuilt from the run's data (`--data`): HF
+    Trainer runs give a candidate per collator (`choose_batches` keeps one)."""
     if cfg.batch is not None:
         src = open_batches(cfg.batch)
         if not src.ids_only:
-            return src
+            return [src]
         if cfg.data is None:
             raise ForensicsError(f"{cfg.batch}: the log keeps sample ids, not tokens: pass --data (the dataset they index) as well")
         from .batches import with_rows
         from .hfdata import _dataset
 
-        return with_rows(src, _dataset(cfg.data), f"--data {cfg.data}")
+        return [with_rows(src, _dataset(cfg.data), f"--data {cfg.data}")]
     if cfg.data is None:
         raise ForensicsError("pass --batch (the batches the run consumed) or --data (the run's training data: HF Trainer, Megatron and OLMo-core runs)")
     if a.format.startswith("megatron"):
         from .megatron_data import megatron_batches
 
-        return megatron_batches(cfg.data, a.config)
+        return [megatron_batches(cfg.data, a.config, a.path.parent)]
     from .olmo_data import is_olmo_checkpoint, olmo_batches
 
     if is_olmo_checkpoint(a.path):
-        return olmo_batches(cfg.data, a.path)
+        return [olmo_batches(cfg.data, a.path)]
     if a.format != "hf-trainer":
         raise ForensicsError(f"{a.path}: --data rebuilds HF Trainer runs' batches; this is a {a.format} checkpoint: pass --batch")
     from .hfdata import trainer_batches
 
     world = len(list(a.path.glob("rng_state_*.pth"))) or 1  # the Trainer saves one RNG state per process
-    return trainer_batches(cfg.data, a.scalars.get("training_args"), a.config, world)
+    return trainer_batches(cfg.data, a.scalars.get("training_args"), a.config, world, cfg.collator, a.path)
 
 
 def _check_rebuilt(p: Plan, result: ReplayResult) -> None:
@@ -885,8 +947,7 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
     """
     torch.manual_seed(0)
     p = plan(cfg, steps)
-    _settle_ratio_change(p, progress)
-    mp.settle_loss_scale(p, progress)
+    settle(p, progress)
     best: tuple[tuple[float, float], ReplayResult] | None = None
     todo = list(p.clips)
     tried: set[float | None] = set()
@@ -914,10 +975,51 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
             todo = [(c, f"{how}: {c:g}") for c in CLIP_CANDIDATES if c not in tried and c < top]
     assert best is not None
     result = best[1]
+    result.plan = p
     miss = result.check.first_miss
     if miss is not None and miss.step == result.check.first_checked:
         result.diagnosis = diagnose_miss(p, miss, result.check.loss_atol)
     return result
+
+
+def settle(p: Plan, progress: Callable[[str], None] | None = None) -> None:
+    """What the plan cannot read from the run's files, calibrated: a per-group LR change the
+    log does not show, the precision where the run states none (the first step against the
+    log), the fp16 loss scale where the run recorded none."""
+    _settle_ratio_change(p, progress)
+    settle_precision(p)
+    mp.settle_loss_scale(p, progress)
+
+
+def settle_precision(p: Plan) -> None:
+    """Where the run states no precision (fp32 weights: fp32, bf16 parameters on fp32 masters
+    and bf16 autocast all keep them), the candidate whose first replayed step lands on the
+    logged loss and grad norm (`precision.candidates`, likeliest first). Without a logged
+    first step the likeliest stands, said so."""
+    cands = [c for c in mp.candidates(p.a, p.cfg.precision) if c[0] != "fp16"]
+    if len(cands) < 2:
+        return
+    first = p.steps[0]
+    row = p.logged.get(first) or {}
+    if "loss" not in row or distributed.current() is not None:
+        p.precision_source += "; other precisions possible, the log cannot tell (no logged loss at the first step)" if "loss" not in row else ""
+        return
+    miss = StepCheck(step=first, logged_loss=row["loss"], logged_grad_norm=row.get("grad_norm"), loss_ok=False, grad_ok=False if "grad_norm" in row else None)
+    atol = log_rounding([r["loss"] for r in p.logged.values() if "loss" in r])
+    batch = p.batches.batch(first)
+    session = p.session()
+    tried = []
+    try:
+        for prec, why in cands:
+            got = session.evaluate(batch, prec)
+            tried.append(f"{prec} {got[0]:.5g}")
+            if _lands(got, miss, atol, prec):
+                p.precision = prec
+                p.precision_source = f"{why}; calibrated: its first step gives loss {got[0]:.6g}, the log {row['loss']:.6g} ({', '.join(tried)})"
+                return
+    finally:
+        session.close()
+    p.precision_source += f"; no candidate lands on the log's first step ({', '.join(tried)}; logged {row['loss']:.5g})"
 
 
 def settle_clip(p: Plan, progress: Callable[[str], None] | None = None, probe_steps: int = 4) -> tuple[float | None, str]:
@@ -991,7 +1093,7 @@ def diagnose_miss(p: Plan, miss: Any, atol: float = 0.0) -> str:
                     session.labels, session.loss_norm = labels, LossNorm(kind, kind)
 
                 variants.append((f"loss normalisation: {kind}", use_norm, session.precision))
-        for prec in ("fp32", "bf16", "fp16"):
+        for prec in ("fp32", "bf16-params", "bf16", "fp16"):
             if prec != session.precision:
 
                 def use_default() -> None:

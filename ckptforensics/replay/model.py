@@ -30,6 +30,7 @@ __all__ = [
     "ModelSpecError",
     "LossNorm",
     "trainer_loss_norm",
+    "padding_rows_trained",
 ]
 
 log = logging.getLogger(__name__)
@@ -634,3 +635,31 @@ def _shard_moment(p: Any, ckpt: Checkpoint, name: str, field: str, ranks: Any) -
     local = local_rows(ranks, p, stored, lambda lo, hi: ckpt.state_rows(name, field, lo, hi), lambda: st[field])
     local = local.to(p.device, torch.float32).reshape(p.to_local().shape)
     return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+
+
+def padding_rows_trained(model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    """Embeddings whose padding row (`padding_idx`, a row whose gradient is always zeroed)
+    is not the one config.json names, read from the data. transformers' Trainer aligns
+    `config.pad_token_id` with the tokenizer's pad id after the model's embedding was built
+    (`align_special_tokens`), so a saved config can name a row the run never froze and miss
+    the one it did. The run's padding row is the one whose weights are still the zeros
+    `nn.Embedding` starts it with and whose second moment never saw a gradient; where exactly
+    one row is, it is the padding row; where none is and the named row trained, there is
+    none. The changes are returned for `replay.config`. One process only (a sharded row lives
+    on one rank)."""
+    fixed = []
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Embedding):
+            continue
+        v = (opt.state.get(m.weight) or {}).get("exp_avg_sq")
+        if not isinstance(v, torch.Tensor) or hasattr(v, "to_local") or v.dim() != 2 or v.shape != m.weight.shape:
+            continue
+        frozen = torch.nonzero((v.abs().sum(1) == 0) & (m.weight.detach().abs().sum(1) == 0)).flatten().tolist()
+        was = m.padding_idx
+        if len(frozen) == 1:
+            m.padding_idx = frozen[0]
+        elif was is not None and bool(v[was].abs().sum() > 0):
+            m.padding_idx = None
+        if m.padding_idx != was:
+            fixed.append(f"{name} {was} -> {m.padding_idx}")
+    return fixed

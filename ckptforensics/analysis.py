@@ -101,9 +101,23 @@ def replay_section(rep: Any, suspect: int | None) -> dict[str, Any]:
         }
         for s, p in rep.passes.items()
     }
+    # Per step, each attention layer's largest pre-softmax logit and its most collapsed head's
+    # entropy (the attention-logits probe), and the head's mean logit.
+    attention = {
+        str(s): {
+            "modules": list(p.attn_modules),
+            "max_logit": [float(x) for x in p.attn[..., 0].nan_to_num(float("-inf")).amax(1).tolist()],
+            "entropy": [float(x) for x in p.attn[..., 1].nan_to_num(float("inf")).amin(1).tolist()],
+            "head": p.head,
+            "logit_mean": p.logit_mean,
+        }
+        for s, p in rep.passes.items()
+        if p.attn is not None and p.attn_modules
+    }
     return {
         "config": rep.config,
         "precision": rep.precision,
+        "attention": attention,
         "check": rep.check.as_dict(),
         "steps": [asdict(r) for r in rep.records],
         "logged": {str(k): _core(v) for k, v in rep.logged.items()},

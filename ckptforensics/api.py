@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Report", "diff", "replay", "bisect", "whatif", "plan", "plan_from", "recovery", "triage", "resolve", "NotRankZero"]
+__all__ = ["Report", "diff", "replay", "bisect", "whatif", "plan", "plan_from", "recovery", "triage", "audit", "resolve", "NotRankZero"]
 
 Progress = Callable[[str], None]
 
@@ -375,3 +375,42 @@ def triage(metrics: str | Path | None = None, run_dir: str | Path | None = None,
     rd = Path(run_dir) if run_dir is not None else None
     log = Path(metrics) if metrics is not None else discover_metrics(rd or Path("."))
     return _triage(log, rd, config, keys)
+
+
+def audit(
+    step: str | int | Path | None = None,
+    *,
+    run_dir: str | Path | None = None,
+    compare: str | int | Path | None = None,
+    model: str | None = None,
+    batch: str | Path | None = None,
+    metrics: str | Path | None = None,
+    device: str = "cpu",
+    progress: Progress | None = None,
+    command: str = "ckptforensics.audit",
+) -> Report:
+    """Audit a checkpoint (a step resolved in `run_dir`, a path, or None: the run's latest)
+    for known instability risks: `report.doc["architecture"]` (norm placement, QK-norm, ...)
+    and `report.doc["audit"]["rows"]` (each check's figure, threshold and source). `compare`:
+    an earlier checkpoint for the rows that compare two (default: the one before; "none": skip).
+
+        rep = cf.api.audit(run_dir="runs/x")
+        rep.doc["architecture"]["norm_placement"], [r["id"] for r in rep.doc["audit"]["rows"] if r["status"] == "risk"]
+    """
+    from .audit import AuditConfig, default_checkpoint, run_audit
+
+    rd = Path(run_dir) if run_dir is not None else Path(".")
+    path = resolve(step, rd) if step is not None else default_checkpoint(rd)
+    cmp: Path | bool | None = None
+    if compare is not None:
+        cmp = False if str(compare).lower() == "none" else resolve(compare, rd)
+    cfg = AuditConfig(
+        checkpoint=path,
+        compare=cmp,
+        run_dir=rd if run_dir is not None else path.parent,
+        model=model,
+        batch=str(batch) if batch is not None else None,
+        metrics=Path(metrics) if metrics is not None else None,
+        device=device,
+    )
+    return Report(*run_audit(cfg, command=command, progress=progress))

@@ -698,6 +698,54 @@ def _fmt(x: Any) -> str:
     return "—" if x is None else f"{x:.3g}"
 
 
+@cli.command("audit")
+@click.argument("step", required=False)
+@run_dir_option
+@click.option("--compare", default=None, help="An earlier step or path for the rows that compare two checkpoints [default: the checkpoint before STEP; 'none': skip them].")
+@click.option("--model", "model", default=None, help="module:factory, path/file.py:factory, or an HF config dir (default: what the run recorded).")
+@click.option("--batch", "batch", default=None, help="Batch log or batch file to probe with (default: batches.h5 or a flight recorder beside the checkpoints; else random token ids).")
+@click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log (JSONL/CSV/...); discovered when absent.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), help="Write report.json, report.md, report.html and evidence.h5 here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
+@click.option("--strict", is_flag=True, help="Exit 1 when a risk at or above --fail-on exists (a CI gate).")
+@click.option("--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True)
+@click.pass_context
+def audit_cmd(
+    ctx: click.Context, step: str | None, run_dir: Path, compare: str | None, out: Path | None, as_json: bool, strict: bool, fail_on: str, **opts: Any
+) -> None:
+    """Audit a run for known instability risks before the next spike.
+
+    From the checkpoint, the configuration and log the run recorded, and one probed
+    forward pass on a batch of the run: the architecture (norm placement and QK-norm read
+    from the module graph, z-loss or soft-capping, tied embeddings, embedding scale),
+    numerics (fp16 without a loss scaler, bf16 without fp32 master weights, loss-scale
+    backoffs), the optimizer (eps-dominated moments, beta2, weight decay on norms and
+    embeddings, clipping, warm-up), headroom now (attention and output logits, activation
+    growth since the previous checkpoint) and observability. Each row: the figure
+    measured, the level it is judged against and its source; risks first, by severity.
+
+    STEP is a step (resolved in --run-dir) or a path; default: the latest checkpoint.
+
+    \b
+    Example:
+      ckptforensics audit --run-dir runs/7b 41950
+      ckptforensics audit --run-dir runs/7b --json | jq .architecture.norm_placement
+      ckptforensics audit --run-dir runs/7b --strict --fail-on critical   # CI gate
+    """
+    from . import api
+
+    with _errors(ctx):
+        from .audit import default_checkpoint
+
+        path = api.resolve(step, run_dir) if step is not None else default_checkpoint(run_dir)
+        with _output(out, [path]):
+            with _progress(0, "audit", ctx.obj.quiet) as prog:
+                rep = api.audit(path, run_dir=run_dir, compare=compare, progress=prog, command=_command("audit"), **opts)
+            written = rep.save(out) if out else []
+    _finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on)
+
+
 @cli.command("triage")
 @click.option(
     "--metrics",

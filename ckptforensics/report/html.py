@@ -280,6 +280,10 @@ def _render_recovery(doc: dict[str, Any]) -> str:
 def render_html(doc: dict[str, Any]) -> str:
     if doc.get("recovery"):
         return _render_recovery(doc)
+    if doc.get("audit"):
+        from .audit import render_audit_html
+
+        return render_audit_html(doc)
     v, inc = doc["verdict"], doc["incident"]
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>ckptforensics report</title>",

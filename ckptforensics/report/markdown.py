@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["render_markdown", "fmt", "reproduces", "plan_lines", "recovery_lines"]
+__all__ = ["render_markdown", "fmt", "md_table", "reproduces", "plan_lines", "recovery_lines"]
 
 
 def fmt(x: Any) -> str:
@@ -58,8 +58,12 @@ def _row(cells: list[Any]) -> str:
     return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
-def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
+def md_table(head: list[str], rows: list[list[Any]]) -> list[str]:
+    """A markdown table's lines (cells escaped)."""
     return [_row(head), _row(["---"] * len(head)), *(_row(r) for r in rows)]
+
+
+_table = md_table
 
 
 def _config_lines(config: dict[str, Any]) -> list[str]:
@@ -180,6 +184,10 @@ def _render_recovery(doc: dict[str, Any]) -> str:
 def render_markdown(doc: dict[str, Any]) -> str:
     if doc.get("recovery"):
         return _render_recovery(doc)
+    if doc.get("audit"):
+        from .audit import render_audit_markdown
+
+        return render_audit_markdown(doc)
     v = doc["verdict"]
     inc = doc["incident"]
     b, a = inc["before"], inc["after"]
@@ -305,6 +313,20 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 for r in rep["steps"]
             ],
         )
+        att = rep.get("attention") or {}
+        if att:
+            steps = sorted(att, key=int)
+            mods = att[steps[0]]["modules"]
+            def peak(i: int) -> float:  # JSON null: a non-finite logit (an overflow upstream)
+                return max((v for s in steps if i < len(att[s]["max_logit"]) and (v := att[s]["max_logit"][i]) is not None), default=0.0)
+
+            top = sorted(range(len(mods)), key=lambda i: -peak(i))[:6]
+            top.sort()
+            lines += ["", "Largest pre-softmax attention logit per layer (entropy of its most collapsed head, of uniform):", ""]
+            lines += _table(
+                ["step", *[f"`{mods[i]}`" for i in top]],
+                [[s, *[f"{fmt(att[s]['max_logit'][i])} ({fmt(att[s]['entropy'][i])})" for i in top]] for s in steps],
+            )
         lines += _config_lines(rep["config"])
         check = rep.get("check") or {}
         if check.get("checked_steps"):

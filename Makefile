@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned: 2.13.0 is the CPU build; an unpinned torch pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: venv demo demo-loop test lint bench clean zoo zoo-heldout zoo-tuning fuzz log-draws-tuning log-draws-heldout
+.PHONY: venv demo demo-loop test test-unit lint bench clean zoo zoo-heldout zoo-tuning fuzz log-draws-tuning log-draws-heldout
 
 $(BIN)/.ready: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -53,9 +53,14 @@ log-draws-heldout: venv
 	rm -rf build/log-draws/heldout
 	$(BIN)/python bench/log_draws.py --split heldout --build --record
 
+# Two workers (CI has two cores); a module's tests stay on one worker (tests/conftest.py).
 test: venv
 	$(BIN)/ruff check ckptforensics tests fixtures bench
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+
+# The fast tier: no training, under a minute.
+test-unit: venv
+	$(BIN)/python -m pytest -q tests/unit
 
 # A longer fuzzing campaign than CI's seeded one.
 fuzz: venv

@@ -17,7 +17,44 @@ sys.path.insert(0, str(ROOT))
 
 from fixtures.zoo import build  # noqa: E402
 
-__all__ = ["ROOT", "SUBSET", "build", "draw_args", "free_port", "torchrun"]
+__all__ = ["ROOT", "SUBSET", "build", "draw_args", "free_port", "torchrun", "validate_reports"]
+
+
+# `make test` runs the suite on two workers (pytest-xdist, --dist loadgroup): each module's
+# tests run on one worker, so a module's fixtures are built once; the modules sharing an
+# expensive session fixture (the drawn runs, the DeepSpeed runs) run on one worker together.
+_SHARED = {"test_draws": "draws", "test_distributed_replay": "draws", "test_deepspeed": "deepspeed", "test_crash_corpus": "deepspeed"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        stem = item.path.stem
+        item.add_marker(pytest.mark.xdist_group(_SHARED.get(stem, stem)))
+
+
+@pytest.fixture(autouse=True)
+def _reports_validate(request: pytest.FixtureRequest) -> Any:
+    """Every report.json a test writes under its tmp_path validates against the shipped JSON
+    Schema (checked as the test ends, whatever order tests run in)."""
+    where = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if where is not None:
+        validate_reports(where)
+
+
+def validate_reports(root: Path) -> int:
+    """Validate every report.json under `root`; returns how many."""
+    import jsonschema
+
+    from ckptforensics.report import schema
+
+    docs = sorted(root.rglob("report.json"))
+    if docs:
+        validator = jsonschema.Draft202012Validator(schema())
+        for d in docs:
+            errors = sorted(validator.iter_errors(json.loads(d.read_text())), key=str)
+            assert not errors, f"{d}: {errors[0].message}"
+    return len(docs)
 
 
 @pytest.fixture(scope="session")
@@ -98,6 +135,7 @@ def draw_report(tmp_path_factory: pytest.TempPathFactory) -> Any:
             out = root / str(len(done))
             r = CliRunner().invoke(cli, ["-q", *draw_args(run, command, batch), "--out", str(out)], catch_exceptions=False)
             assert r.exit_code == 0, r.output
+            assert validate_reports(out) == 1
             done[key] = out
         return json.loads((done[key] / "report.json").read_text())
 

@@ -151,9 +151,12 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
 
 
 def _near(run_dir: Path, ckpt: Path) -> list[Path]:
-    """Where a run keeps its log and batch log: the run dir, the checkpoint's folder, their parents."""
+    """Where a run keeps its log and batch log: the run dir, the checkpoint's folder and the
+    run's folders above it (`logs.log_dirs`: never the folder of other runs)."""
+    from ..logs import log_dirs
+
     out: list[Path] = []
-    for d in (run_dir, ckpt.parent, run_dir.parent, ckpt.parent.parent):
+    for d in (run_dir, *log_dirs(ckpt)):
         if d.is_dir() and d not in out:
             out.append(d)
     return out

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import ForensicsError
 from .columns import ALIASES, canonical, group_lrs, lr_columns, param_grad_columns
-from .discover import find_logs
+from .discover import find_logs, log_dirs
 from .readers import Leg, MissingExtra, megatron_line, read_file
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "read_log",
     "read_metrics",
     "find_logs",
+    "log_dirs",
     "find_metrics",
     "discover_metrics",
     "group_lrs",

@@ -190,9 +190,9 @@ def _model_source(spec: str | None, desc: str | None) -> str:
 def _metrics_file(cfg: ReplayConfig) -> Path | None:
     if cfg.metrics is not None:
         return cfg.metrics
-    from ..logs import find_metrics
+    from ..logs import find_metrics, log_dirs
 
-    found = next((f for f in (find_metrics(d) for d in (cfg.before.parent, cfg.before.parent.parent)) if f is not None), None)
+    found = next((f for f in (find_metrics(d) for d in log_dirs(cfg.before)) if f is not None), None)
     if found is None and cfg.batch is not None:
         # A flight recorder's directory (or a black box inside one) keeps the run's log too.
         for d in (Path(cfg.batch), Path(cfg.batch).parent):

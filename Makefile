@@ -56,7 +56,7 @@ log-draws-heldout: venv
 # Two workers (CI has two cores); a module's tests stay on one worker (tests/conftest.py).
 test: venv
 	$(BIN)/ruff check ckptforensics tests fixtures bench
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -n 2
 
 # The fast tier: no training, under a minute.
 test-unit: venv

@@ -4,7 +4,7 @@ The CLI is these functions plus argument parsing and printing. Each returns a `R
 (the report document, its findings, and renderings); checkpoints it opens are closed
 before it returns.
 
-    import ckptforensics as cf
+    import ckptforensics as cf   # the commands are the package's functions too
     rep = cf.replay("runs/x/step_30.pt", "runs/x/batches.h5", after="runs/x/step_40.pt")
     rep.cause, rep.verdict["first_bad_step"]
     print(rep.to_markdown())

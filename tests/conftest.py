@@ -20,16 +20,31 @@ from fixtures.zoo import build  # noqa: E402
 __all__ = ["ROOT", "SUBSET", "build", "draw_args", "free_port", "torchrun", "validate_reports"]
 
 
-# `make test` runs the suite on two workers (pytest-xdist, --dist loadgroup): each module's
-# tests run on one worker, so a module's fixtures are built once; the modules sharing an
-# expensive session fixture (the drawn runs, the DeepSpeed runs) run on one worker together.
+# `make test` runs the suite on two workers (pytest-xdist): each module's tests run on one
+# worker, so a module's fixtures are built once; the modules sharing an expensive session
+# fixture (the drawn runs, the DeepSpeed runs) run on one worker together.
 _SHARED = {"test_draws": "draws", "test_distributed_replay": "draws", "test_deepspeed": "deepspeed", "test_crash_corpus": "deepspeed"}
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        stem = item.path.stem
-        item.add_marker(pytest.mark.xdist_group(_SHARED.get(stem, stem)))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scope scheduling with a module (or a `_SHARED` group of modules) as the scope
+    (its `xdist_group` marks no longer reach the scheduler under pytest 9)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return _SHARED.get(Path(module).stem, module)
+
+    return ByModule(config, log)
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)

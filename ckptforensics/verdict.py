@@ -220,6 +220,12 @@ def replay_fields(findings: Sequence[Finding], state_steps: Sequence[int] = ()) 
     for kind, value in _REPRODUCED.items():
         if by[kind]:
             out["reproducible"] = value
+    agreed = [f for f in by["replay_log_agreement"] if f.metrics.get("status") == "matched"]
+    if by["replay_config_mismatch"] and agreed and onset and agreed[0].metrics.get("first_checked") is not None and agreed[0].metrics["first_checked"] <= min(onset):
+        # The replay's tensors deviate from *after* (its configuration: e.g. one process for
+        # the run's ranks under bf16), but it reproduced the run's own log step by step from
+        # before the onset on, the spike included: the failure reproduces.
+        out["reproducible"] = True
     for f in by["replay_spike_not_reproduced"]:
         # The replay matched the log up to this step and misses its spike: the spike is not
         # reproduced, whatever the tensors after it say, and it is where the run went bad.

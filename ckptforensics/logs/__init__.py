@@ -8,7 +8,7 @@ W&B offline runs (`.wandb`, the wandb extra); MLflow's local stores (`mlruns/`; 
 MLflow 3's default). Shared
 by `triage` and the replay (which takes each step's LR and the history before its window
 from here): `read_metrics(path) -> {step: {"loss", "grad_norm", "lr", per-group LRs,
-"loss_scale", ...}}`, steps as the trainer counts optimizer steps (docs: README, "Training logs").
+"loss_scale", ...}}`, steps as the trainer counts optimizer steps (docs/internals.md, the triage section: training logs).
 """
 
 from __future__ import annotations

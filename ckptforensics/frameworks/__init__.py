@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from ..formats.base import Checkpoint
 
-__all__ = ["Settings", "Edit", "Skip", "Planner", "planner_for", "PLANNERS", "key_diff", "value_text", "skip_json", "flatten"]
+__all__ = ["Settings", "Edit", "Skip", "Planner", "planner_for", "PLANNERS", "key_diff", "value_text", "skip_json", "flatten", "lr_fix_edit", "LR_FIX_PREFIX"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +84,16 @@ class Planner(Protocol):
     def skip(self, steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings) -> Skip: ...
 
     def resume(self, rollback: Path, step: int, s: Settings) -> list[Edit]: ...
+
+
+# The key of a per-group LR fix: not a setting of any trainer (renderers leave it out of
+# their key diffs), its note says where the factor lives in that trainer.
+LR_FIX_PREFIX = "LR of param groups"
+
+
+def lr_fix_edit(value: dict[str, Any], note: str) -> Edit:
+    """The edit of a per-group LR fix (`lr_fix`): those groups' LR from the jump back to before it."""
+    return Edit(f"{LR_FIX_PREFIX} {value['groups']} from step {value['from_step']}", value["lr"], value["lr_before"], note)
 
 
 def value_text(v: Any) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..formats.base import Checkpoint
-from . import Edit, Settings, Skip, flatten, key_diff, skip_json
+from . import LR_FIX_PREFIX, Edit, Settings, Skip, flatten, key_diff, lr_fix_edit, skip_json
 
 NAME = "deepspeed"
 TITLE = "DeepSpeed"
@@ -46,12 +46,12 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
         note = "load_checkpoint(..., load_lr_scheduler_states=False) or the saved scheduler keeps the old LR"
         return [Edit(k, v[k], v[k] * f, note) for k in keys] or [Edit("optimizer.params.lr", None, f"x{f:g}", note)]
     if knob == "lr_fix":
-        return [Edit(f"LR of param groups {value['groups']} from step {value['from_step']}", value["lr"], value["lr_before"], "the per-group LR the client optimizer sets: fix its factor")]
+        return [lr_fix_edit(value, "the per-group LR the client optimizer sets: fix its factor")]
     return []
 
 
 def render(edits: Sequence[Edit], s: Settings) -> str:
-    keys = [e for e in edits if not e.key.startswith("LR of") and e.key != "load_checkpoint"]
+    keys = [e for e in edits if not e.key.startswith(LR_FIX_PREFIX) and e.key != "load_checkpoint"]
     return key_diff(s.source, keys, lambda k, val: f'  "{k}": {json.dumps(val)}')
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..formats.base import Checkpoint
-from . import Edit, Settings, Skip, key_diff, skip_json
+from . import LR_FIX_PREFIX, Edit, Settings, Skip, key_diff, lr_fix_edit, skip_json
 
 NAME = "hf"
 TITLE = "HF Trainer"
@@ -53,10 +53,8 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
         ]
     if knob == "lr_fix":
         return [
-            Edit(
-                f"LR of param groups {value['groups']} from step {value['from_step']}",
-                value["lr"],
-                value["lr_before"],
+            lr_fix_edit(
+                value,
                 "the jump is in the optimizer/scheduler the run passed to Trainer(optimizers=...), not in learning_rate: "
                 f"fix its per-group factor (x{value['scale']:.3g} from step {value['from_step']})",
             )
@@ -69,7 +67,7 @@ def _kw(k: str, v: Any) -> str:
 
 
 def render(edits: Sequence[Edit], s: Settings) -> str:
-    keys = [e for e in edits if not e.key.startswith("LR of")]
+    keys = [e for e in edits if not e.key.startswith(LR_FIX_PREFIX)]
     text = key_diff(s.source and f"{s.source} (TrainingArguments)", keys, _kw)
     flags = " ".join(f"--{e.key} {e.after}" for e in keys if e.after is not None)
     out = [text, "", f"# or on the command line of an HfArgumentParser script: {flags}"]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..formats.base import Checkpoint
-from . import Edit, Settings, Skip, key_diff, skip_json, value_text
+from . import LR_FIX_PREFIX, Edit, Settings, Skip, key_diff, lr_fix_edit, skip_json, value_text
 
 NAME = "lightning"
 TITLE = "Lightning"
@@ -81,10 +81,8 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
         ]
     if knob == "lr_fix":
         return [
-            Edit(
-                f"LR of param groups {value['groups']} from step {value['from_step']}",
-                value["lr"],
-                value["lr_before"],
+            lr_fix_edit(
+                value,
                 f"configure_optimizers (or its scheduler) gives these groups x{1 / value['scale']:.3g} from step {value['from_step']}: fix that factor",
             )
         ]
@@ -92,7 +90,7 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
 
 
 def render(edits: Sequence[Edit], s: Settings) -> str:
-    keys = [e for e in edits if "." in e.key and ":" not in e.key and not e.key.startswith("LR of")]
+    keys = [e for e in edits if "." in e.key and ":" not in e.key and not e.key.startswith(LR_FIX_PREFIX)]
     out: list[str] = []
     if s.extra.get("cli"):
         out.append(key_diff(s.source, keys, lambda k, val: f"{k}: {value_text(val)}"))

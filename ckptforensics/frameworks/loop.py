@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..formats.base import Checkpoint
-from . import Edit, Settings, Skip, skip_json
+from . import LR_FIX_PREFIX, Edit, Settings, Skip, lr_fix_edit, skip_json
 
 NAME = "loop"
 TITLE = "training loop"
@@ -33,7 +33,7 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
     if knob == "lr_scale":
         return [Edit("LR scale (every param group, every step)", None, float(value))]
     if knob == "lr_fix":
-        return [Edit(f"LR of param groups {value['groups']} from step {value['from_step']}", value["lr"], value["lr_before"], f"x{value['scale']:.3g}: fix the factor your loop gives them")]
+        return [lr_fix_edit(value, f"x{value['scale']:.3g}: fix the factor your loop gives them")]
     if knob == "precision":
         return [Edit("autocast dtype", None, str(value))]
     if knob == "eps":
@@ -48,7 +48,7 @@ def render(edits: Sequence[Edit], s: Settings) -> str:
             lines.append(f"torch.nn.utils.clip_grad_norm_(model.parameters(), {e.after:g})  # was {e.before if e.before is not None else 'not recorded'}")
         elif e.key.startswith("LR scale"):
             lines.append(f"for g in optimizer.param_groups: g['lr'] *= {e.after:g}  # after the schedule sets it, every step")
-        elif e.key.startswith("LR of param groups"):
+        elif e.key.startswith(LR_FIX_PREFIX):
             groups = e.key.split("[", 1)[1].split("]", 1)[0]
             lines.append(f"# {e.key}: {e.before:.4g} -> {e.after:.4g} (the schedule's); the factor your loop gives groups [{groups}] is the bug")
         elif e.key == "autocast dtype":

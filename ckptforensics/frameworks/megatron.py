@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..formats.base import Checkpoint
-from . import Edit, Settings, Skip, key_diff
+from . import LR_FIX_PREFIX, Edit, Settings, Skip, key_diff, lr_fix_edit
 
 NAME = "megatron"
 TITLE = "Megatron-LM"
@@ -51,10 +51,8 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
         return out
     if knob == "lr_fix":
         return [
-            Edit(
-                f"LR of param groups {value['groups']} from step {value['from_step']}",
-                value["lr"],
-                value["lr_before"],
+            lr_fix_edit(
+                value,
                 "a per-group LR multiplier (--decoupled-lr, a param-group override) gives these groups "
                 f"x{1 / value['scale']:.3g} from iteration {value['from_step']}: fix it",
             )
@@ -72,7 +70,7 @@ def _flag(key: str, v: Any) -> str:
 
 
 def render(edits: Sequence[Edit], s: Settings) -> str:
-    keys = [e for e in edits if not e.key.startswith("LR of")]
+    keys = [e for e in edits if not e.key.startswith(LR_FIX_PREFIX)]
     return key_diff(s.source, keys, _flag)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..formats.base import Checkpoint
-from . import Edit, Settings, Skip, key_diff, skip_json
+from . import LR_FIX_PREFIX, Edit, Settings, Skip, key_diff, lr_fix_edit, skip_json
 
 NAME = "nanogpt"
 TITLE = "nanoGPT train.py"
@@ -44,12 +44,12 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
     if knob == "eps":
         return [Edit("configure_optimizers: eps", None, float(value), "model.configure_optimizers builds AdamW without eps: pass it there")]
     if knob == "lr_fix":
-        return [Edit(f"LR of param groups {value['groups']} from step {value['from_step']}", value["lr"], value["lr_before"], "fix the per-group LR your loop sets")]
+        return [lr_fix_edit(value, "fix the per-group LR your loop sets")]
     return []
 
 
 def render(edits: Sequence[Edit], s: Settings) -> str:
-    keys = [e for e in edits if ":" not in e.key and not e.key.startswith("LR of")]
+    keys = [e for e in edits if ":" not in e.key and not e.key.startswith(LR_FIX_PREFIX)]
     return key_diff(s.source, keys, lambda k, val: f"{k} = {val!r}")
 
 

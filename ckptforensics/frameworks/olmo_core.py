@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..formats.base import Checkpoint
-from . import Edit, Settings, Skip, flatten, key_diff, skip_json
+from . import LR_FIX_PREFIX, Edit, Settings, Skip, flatten, key_diff, lr_fix_edit, skip_json
 
 NAME = "olmo_core"
 TITLE = "OLMo-core"
@@ -59,12 +59,12 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
         lr = v.get("train_module.optim.lr")
         return [Edit("train_module.optim.lr", lr, lr * float(value) if isinstance(lr, (int, float)) else None, "the restored groups keep their initial_lr: check the logged LR")]
     if knob == "lr_fix":
-        return [Edit(f"LR of param groups {value['groups']} from step {value['from_step']}", value["lr"], value["lr_before"], "a group override (optim.group_overrides lr) is the likely source: fix its factor")]
+        return [lr_fix_edit(value, "a group override (optim.group_overrides lr) is the likely source: fix its factor")]
     return []
 
 
 def render(edits: Sequence[Edit], s: Settings) -> str:
-    return key_diff(s.source, [e for e in edits if not e.key.startswith("LR of")], lambda k, val: f'  "{k}": {json.dumps(val)}')
+    return key_diff(s.source, [e for e in edits if not e.key.startswith(LR_FIX_PREFIX)], lambda k, val: f'  "{k}": {json.dumps(val)}')
 
 
 def skip(steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings) -> Skip:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..formats.base import Checkpoint
-from . import Edit, Settings, Skip, flatten, key_diff, skip_json
+from . import LR_FIX_PREFIX, Edit, Settings, Skip, flatten, key_diff, lr_fix_edit, skip_json
 
 NAME = "torchtitan"
 TITLE = "torchtitan"
@@ -57,7 +57,7 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
         lr = v.get("optimizer.lr")
         return [Edit("optimizer.lr", lr, lr * float(value) if isinstance(lr, (int, float)) else f"x{float(value):g}", "the LR scheduler's state is restored from the checkpoint: check the logged LR")]
     if knob == "lr_fix":
-        return [Edit(f"LR of param groups {value['groups']} from step {value['from_step']}", value["lr"], value["lr_before"], "fix the per-group LR factor your optimizer builder sets")]
+        return [lr_fix_edit(value, "fix the per-group LR factor your optimizer builder sets")]
     return []
 
 
@@ -67,7 +67,7 @@ def _toml_line(k: str, v: Any) -> str:
 
 
 def render(edits: Sequence[Edit], s: Settings) -> str:
-    keys = [e for e in edits if not e.key.startswith("LR of")]
+    keys = [e for e in edits if not e.key.startswith(LR_FIX_PREFIX)]
     flags = " ".join(f"--{e.key} {e.after}" for e in keys if e.after is not None)
     return key_diff(s.source, keys, _toml_line) + f"\n\n# or as flags: {flags}"
 

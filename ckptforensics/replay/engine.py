@@ -19,6 +19,7 @@ from ..errors import ForensicsError, doing
 from ..formats import open_checkpoint, open_pair
 from ..formats.base import Checkpoint
 from ..logs import group_lrs, read_metrics
+from ..options import ReplayOptions
 from ..tensors import LR_GROWTH_MARGIN, adam_ratio_bound
 from ..updates import replay_bound
 from . import distributed, skipstep
@@ -44,48 +45,20 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
-class ReplayConfig:
-    """What to replay and how.
+class ReplayConfig(ReplayOptions):
+    """What to replay (the window) and how (`options.ReplayOptions`, every field of which
+    is a keyword here too).
 
     Attributes:
         before, after: checkpoint paths (after optional: then one step is replayed).
-        model: `module:factory`, `path/file.py:factory`, an HF config dir, or None (config.json).
         batch: batch file, batch log (.h5) or `module:function`; None with `data`.
-        data: the run's training data (`--data`: an HF `save_to_disk` dir or
-            `module:function`), from which the Trainer's batches are rebuilt.
-        collator: `module:obj`, the collator an HF Trainer run used (`--collator`); None:
-            the standard ones are tried (`choose_batches`).
         step: the step to replay when there is no *after*.
-        precision: 'auto' (what the run used), 'fp32', 'bf16' or 'fp16' (autocast; fp16 with
-            the run's loss scale), or 'bf16-params' (bf16 weights on fp32 masters: FSDP2's
-            MixedPrecisionPolicy, Megatron --bf16, DeepSpeed bf16); see replay/precision.py.
-        device: 'cpu' or 'cuda'.
-        clip: gradient clipping norm; None = what the checkpoint or batch log states, else calibrated.
-        loss: `module:function(logits, batch) -> per-token loss [B, T']`; None = causal LM CE.
-        metrics: training log for per-step LR (JSONL/CSV); None = discovered beside the checkpoints.
-        checkpoint_activations: recompute each block's activations in the backward pass
-            (non-reentrant activation checkpointing per block; same numbers, less memory).
-        labels: 'shifted' or 'unshifted' where the batches' labels do not decide their
-            convention themselves (`conventions.settle_labels`); None: measured.
-        allow_mismatch: write the report even when the replay misses the run's own log on
-            its first checked step (every replay-derived verdict field withheld).
     """
 
     before: Path
     after: Path | None = None
-    model: str | None = None
     batch: str | None = None
-    data: str | None = None
-    collator: str | None = None
     step: int | None = None
-    precision: str = "auto"
-    device: str = "cpu"
-    clip: float | None = None
-    loss: str | None = None
-    metrics: Path | None = None
-    checkpoint_activations: bool = False
-    labels: str | None = None
-    allow_mismatch: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -161,7 +161,7 @@ def test_plan_applied_by_the_hf_trainer_makes_the_run_recover(hf_resumes: dict[s
     src = hf_resumes["hf-none"].parent / "hf" / "run"
     t = json.loads((src / "truth.json").read_text())
     data = src.parent / t["data"]
-    rep = api.plan(t["before"], t["after"], None, data=data, run_dir=src)
+    rep = api.plan(t["before"], t["after"], data=data, run_dir=src)
     p = rep.plan
     assert p["status"] == "ready" and p["trainer"] == "hf" and p["rollback"]["step"] == t["before"]
     assert p["skip"]["format"] == "HF dataset indices" and p["skip"]["value"] == t["sample_ids"]

@@ -205,14 +205,21 @@ def test_lamb_implementations_one_line(runs: dict[str, dict[str, Path]], tmp_pat
         assert doc["verdict"]["causes"][0]["cause"] == "none", (impl, doc["verdict"]["summary"])
 
 
-def test_unknown_optimizer_one_line(tmp_path: Path) -> None:
-    """An optimizer the tool does not know (torch's Adagrad): diff compares the weights and
-    names it; replay refuses in one line."""
+@pytest.mark.parametrize("which", ["adagrad", _opt("adam8bit")])
+def test_unknown_optimizer_one_line(tmp_path: Path, which: str) -> None:
+    """An optimizer the tool does not know (torch's Adagrad; bitsandbytes' AdEMAMix8bit,
+    whose 8-bit state is not Adam's rule): diff compares the weights and names it; replay
+    refuses in one line."""
     from fixtures.tinygpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=16))
-    opt = torch.optim.Adagrad(model.parameters(), lr=1e-2)
+    if which == "adagrad":
+        opt = torch.optim.Adagrad(model.parameters(), lr=1e-2)
+    else:
+        import bitsandbytes as bnb
+
+        opt = bnb.optim.AdEMAMix8bit(model.parameters(), lr=1e-3, min_8bit_size=16)
     for step in (1, 2):
         ids = torch.randint(0, 60, (4, 16))
         opt.zero_grad()
@@ -222,7 +229,8 @@ def test_unknown_optimizer_one_line(tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, ["diff", "--before", str(tmp_path / "step_1.pt"), "--after", str(tmp_path / "step_2.pt"), "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
-    assert any("not one the tool knows" in n and "sum" in n for n in doc["diff"]["pair"]["notes"])
+    named = "sum" if which == "adagrad" else "bitsandbytes"  # Adagrad's state key; bnb's package
+    assert any("not one the tool knows" in n and named in n for n in doc["diff"]["pair"]["notes"]), doc["diff"]["pair"]["notes"]
     with open_checkpoint(tmp_path / "step_1.pt") as ck:
         from ckptforensics.replay.model import build_optimizer
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import ForensicsError, doing
-from ..formats import open_checkpoint, open_pair
+from ..formats import bnb, open_checkpoint, open_pair
 from ..formats.base import Checkpoint
 from ..logs import group_lrs, read_metrics
 from ..options import ReplayOptions
@@ -569,10 +569,13 @@ def _compare(session: Session, b: Checkpoint, lrs: dict[int, list[float]], only:
         st_p = state.get(p, {})
         ref = b.tensor(name).to(torch.float32).view_as(p)
         mine = p.detach().cpu().to(torch.float32)
+        quant = g.get("family") == "adam8bit" and bnb.is_quantised(st_p)
         # The seam to the optimizer's family: its own per-step bound (updates.replay_bound).
-        c, wd = replay_bound(g, st_p, k, lr, tuple(p.shape), float(mine.pow(2).mean().sqrt()))
+        c, wd = replay_bound({**g, "quantised": quant}, st_p, k, lr, tuple(p.shape), float(mine.pow(2).mean().sqrt()))
         out.append(_weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, wd, mp.reach(session.precision)))
         st = b.optim_state(name)
+        if st_p and g.get("family") == "adam8bit":
+            st_p = {kk: v for kk, v in bnb.with_moments(st_p).items() if kk in ("step", *bnb.DERIVED)}
         if st_p and st:
             pairs = {where: (st_p[where].cpu().float(), st[where].float().view_as(st_p[where])) for where in _shared_state(st_p, st)}
             v = pairs.get("exp_avg_sq")
@@ -580,8 +583,21 @@ def _compare(session: Session, b: Checkpoint, lrs: dict[int, list[float]], only:
                 # Relative rounding per step, floored at the tensor's own scale: elements
                 # whose true gradient is zero (a key bias, say) hold pure rounding noise.
                 scale = mp.moment_scale(session.precision, where, x, y, *v) if v is not None else torch.maximum(x.abs(), y.abs())
-                out.append(_match(name, where, x, y, _moment_tol(scale, float(scale.max()), k, mp.moment_rounding(session.precision)), None))
+                tol = _moment_tol(scale, float(scale.max()), k, mp.moment_rounding(session.precision))
+                if quant:
+                    tol = tol + _code_tol(state.get(p, {}), where, x)
+                out.append(_match(name, where, x, y, tol, None))
     return out if ranks is None else merge_matches(ranks, out)
+
+
+def _code_tol(raw: dict[str, Any], where: str, like: torch.Tensor) -> torch.Tensor:
+    """An 8-bit moment's extra tolerance: a gradient that differs in its last bits can round
+    the replayed value to the neighbouring code, one code gap of its block's absmax away."""
+    parts = bnb.quant_parts(raw, 1 if where == "exp_avg" else 2)
+    if parts is None:
+        return torch.zeros_like(like)
+    _, qmap, scale = parts
+    return (bnb.per_element(scale.cpu(), like.numel()) * bnb.code_gap(qmap)).view_as(like)
 
 
 def _shared_state(mine: dict, after: dict) -> list[str]:
@@ -755,11 +771,11 @@ def _optimizer_name(a: Checkpoint) -> str:
     """The rebuilt optimizer's classes, as `replay.config` states them."""
     if a.optimizer is None:
         return "none"
-    names = {"adam": "AdamW", "lion": "lion_pytorch.Lion", "muon": "torch.optim.Muon", "sgd": "torch.optim.SGD"}
+    names = {"adam": "AdamW", "lion": "lion_pytorch.Lion", "muon": "torch.optim.Muon", "sgd": "torch.optim.SGD", "adam8bit": "bitsandbytes.optim.AdamW8bit"}
     out = []
     for h in a.optimizer.groups:
         impl = str(h.options.get("implementation", ""))
-        n = impl if h.family == "adafactor" else names.get(h.family, h.family)
+        n = impl if h.family in ("adafactor", "lamb") else names.get(h.family, h.family)
         if n not in out:
             out.append(n)
     return " + ".join(out)

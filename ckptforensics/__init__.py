@@ -15,7 +15,9 @@ are the fields of `ReplayOptions`, by name or as one record (`options=`). `inspe
 
 `diff`, `replay`, `bisect`, `whatif`, `triage`, `plan`, `recovery` and `audit` are also the
 names of the package's submodules; the package keeps the command under each name (the
-submodule stays importable: `from ckptforensics.replay.engine import plan`). The training
+submodule stays importable: `from ckptforensics.replay.engine import plan`, or
+`from ckptforensics.replay import engine`; `import ckptforensics.replay.engine as engine`
+reads the name `replay` off the package and finds the command, so it fails). The training
 side is `Recorder` (the flight recorder a loop attaches so that the next incident is
 replayable).
 """

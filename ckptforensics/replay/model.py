@@ -505,7 +505,15 @@ def _family_class(family: str, impl: str) -> Any:
         return torch.optim.SGD
     if family == "adam8bit":
         try:
-            import bitsandbytes as bnb
+            # Its import warns about an optional 4-bit GEMM kernel on CPUs with AVX512-BF16
+            # (nothing the 8-bit optimizer uses): kept out of the user's terminal.
+            quiet = logging.getLogger("bitsandbytes")
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)
+            try:
+                import bitsandbytes as bnb
+            finally:
+                quiet.setLevel(level)
         except ImportError:
             raise ForensicsError("replaying 8-bit Adam needs its package: pip install bitsandbytes") from None
         # Adam8bit and AdamW8bit are one Optimizer2State("adam"): decay applied as w (1 - lr wd).

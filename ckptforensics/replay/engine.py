@@ -152,6 +152,7 @@ class TensorMatch:
     numel: int
     tolerance: float
     impossible: int = 0  # elements further from *after* than any Adam step allows
+    worst: float = 0.0  # the largest |difference| / tolerance of an element (< 1: every element within)
 
 
 @dataclass(slots=True)
@@ -686,6 +687,7 @@ def merge_matches(ranks: distributed.Ranks, local: list[TensorMatch]) -> list[Te
                 numel=o.numel + m.numel,
                 tolerance=max(o.tolerance, m.tolerance),
                 impossible=o.impossible + m.impossible,
+                worst=max(o.worst, m.worst),
             )
     return [merged[(m.name, m.where)] for m in local]
 
@@ -694,6 +696,7 @@ def _match(name: str, where: str, x: torch.Tensor, y: torch.Tensor, tol: torch.T
     diff = (x - y).abs()
     bad = ~(diff <= tol)
     impossible = int((~(diff <= bound)).sum()) if bound is not None else 0
+    ratio = torch.where(diff == 0, 0.0, torch.nan_to_num(diff / torch.as_tensor(tol, dtype=diff.dtype), nan=float("inf")))
     return TensorMatch(
         name=name,
         where=where,
@@ -702,6 +705,7 @@ def _match(name: str, where: str, x: torch.Tensor, y: torch.Tensor, tol: torch.T
         numel=x.numel(),
         tolerance=float(torch.as_tensor(tol).max()),
         impossible=impossible,
+        worst=float(ratio.max()) if ratio.numel() else 0.0,
     )
 
 

@@ -145,7 +145,7 @@ def _stated(ckpt: Checkpoint) -> tuple[str, str] | None:
             return "fp16", "ds_config fp16.enabled"
     if tc.get("megatron"):
         if tc.get("bf16") is True:
-            return "bf16-params", "Megatron args bf16 (bf16 params, fp32 main params in the optimizer)"
+            return "bf16-params", _megatron_bf16(tc.get("megatron_precision") or {}, bool(ckpt.scalars.get("fp32_masters")))
         if tc.get("fp16") is True:
             return "fp16", "Megatron args fp16"
     for flag in ("bf16", "fp16"):  # HF TrainingArguments (autocast over fp32 weights)
@@ -156,6 +156,27 @@ def _stated(ckpt: Checkpoint) -> tuple[str, str] | None:
         name = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dtype]
         return name, f"checkpoint config dtype={dtype!r}"
     return None
+
+
+def _megatron_bf16(policy: dict[str, Any], masters: bool) -> str:
+    """The source of a Megatron `--bf16` run's precision: the args that set its policy, and
+    any part of it the replay does not follow (bf16-params models bf16 weights computed on,
+    gradients reduced in fp32, an fp32 optimizer stepping fp32 main params)."""
+    said = ["bf16=True (bf16 params, cast from fp32 main params after each step)"]
+    for key in ("main_params_dtype", "main_grads_dtype", "accumulate_allreduce_grads_in_fp32", "use_distributed_optimizer"):
+        if key in policy:
+            said.append(f"{key}={policy[key]}")
+    off = []
+    if policy.get("accumulate_allreduce_grads_in_fp32") is False or policy.get("grad_reduce_in_bf16"):
+        off.append("gradients accumulated in bf16")
+    if policy.get("main_params_dtype") not in (None, "torch.float32"):
+        off.append(f"main params in {policy['main_params_dtype']}")
+    off += [f"{k}={policy[k]}" for k in ("exp_avg_dtype", "exp_avg_sq_dtype") if policy.get(k) not in (None, "torch.float32")]
+    if policy.get("fp8"):
+        off.append(f"fp8={policy['fp8']}")
+    text = "Megatron args " + ", ".join(said)
+    text += "; starting from the optimizer's fp32 main params" if masters else "; the checkpoint's fp32 main params were not read: starting from the bf16 weights"
+    return text + (f"; not modelled: {', '.join(off)} (the replay accumulates in fp32)" if off else "")
 
 
 def autocast(precision: str, device: str) -> contextlib.AbstractContextManager[Any]:
@@ -222,6 +243,17 @@ def reach(precision: str) -> float:
     true gradient is zero (an attention key's bias) moves on rounding noise alone, up to the
     bound each step, and the run's noise and the replay's can push it opposite ways."""
     return 2.0 if precision in ("bf16", "bf16-params") else 1.0
+
+
+def tolerance(precision: str) -> dict[str, str]:
+    """The tolerance a replay in `precision` is held to against *after*, as the report states it
+    (engine._weight_match, engine._moment_tol)."""
+    first = "; the first moment's relative to the gradient's size (sqrt of the second)" if precision in ("bf16", "bf16-params") else ""
+    return {
+        "weights": f"1% of the window's Adam steps (k x lr) plus 4 ulp of after's dtype; impossible past {reach(precision):g} x the Adam bound",
+        "moments": f"{moment_rounding(precision):.3g} relative per replayed step ({precision}){first}",
+        "source": "docs/signatures.md#replay-precision",
+    }
 
 
 def moment_scale(precision: str, where: str, x: torch.Tensor, y: torch.Tensor, vx: torch.Tensor, vy: torch.Tensor) -> torch.Tensor:

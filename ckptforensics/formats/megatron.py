@@ -202,6 +202,7 @@ def _read_args(ckpt: Checkpoint, args: Any) -> None:
     ckpt.scalars["train_config"] = {
         "grad_clip": a.get("clip_grad"), "learning_rate": a.get("lr"), "warmup_iters": a.get("lr_warmup_iters"),
         "megatron": True, "bf16": a.get("bf16"), "fp16": a.get("fp16"), "megatron_precision": policy,
+        "micro_batch_size": a.get("micro_batch_size"),
     }
 
 

@@ -592,7 +592,7 @@ def test_megatron_bf16_run_replays_in_its_own_precision_onto_after(variant: str,
     assert "accumulate_allreduce_grads_in_fp32=True (each micro-batch of micro_batch_size=2 rows" in prec["source"]
     assert "main_params_dtype=torch.float32" in prec["source"]
     assert f"use_distributed_optimizer={variant == 'bf16-distopt'}" in prec["source"]
-    assert "starting from the optimizer's fp32 main params" in prec["source"]
+    assert "the weights read (and replayed from) are the optimizer's fp32 main params" in prec["source"]
     for got in rep["steps"]:
         logged = steps[got["step"] - 1]
         assert got["loss"] == pytest.approx(logged["loss"], rel=1e-5), got["step"]

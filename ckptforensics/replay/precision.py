@@ -182,7 +182,7 @@ def _megatron_bf16(tc: dict[str, Any], masters: bool) -> str:
     if policy.get("fp8"):
         off.append(f"fp8={policy['fp8']}")
     text = "Megatron args " + ", ".join(said)
-    text += "; starting from the optimizer's fp32 main params" if masters else "; the checkpoint's fp32 main params were not read: starting from the bf16 weights"
+    text += "; the weights read (and replayed from) are the optimizer's fp32 main params" if masters else "; the checkpoint's fp32 main params were not read: the weights are its bf16 ones"
     return text + (f"; not modelled: {', '.join(off)}" if off else "")
 
 

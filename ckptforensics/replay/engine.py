@@ -125,6 +125,7 @@ class TensorMatch:
     numel: int
     tolerance: float
     impossible: int = 0  # elements further from *after* than any Adam step allows
+    worst: float = 0.0  # the largest |difference| / tolerance of an element (< 1: every element within)
 
 
 @dataclass(slots=True)
@@ -244,6 +245,8 @@ class Session:
         self.call = None
         # bf16 parameters on fp32 masters in one process (FSDP2 casts them under torchrun).
         self.bf16_params = mp.BF16Params([p for _, p in self.model.named_parameters() if p.requires_grad]) if precision == "bf16-params" and self.ranks is None else None
+        # Megatron --bf16: each micro-batch's bf16 gradient summed in fp32 (`_regrad_micro`).
+        self.micro_fp32 = mp.fp32_micro_batches(a) if self.bf16_params is not None else None
         if first is not None:  # the calling convention, from the window's first batch
             check_vocab(self.model, first[1], first[0])
             self.call = self._detect_call(first[1])
@@ -341,6 +344,37 @@ class Session:
             if self.bf16_params is not None:
                 self.bf16_params.restore()
 
+    def _regrad_micro(self, batch: dict[str, torch.Tensor]) -> None:
+        """The step's gradient again, one micro-batch at a time, each micro-batch's bf16
+        gradient cast to fp32 and summed (`precision.fp32_micro_batches`: Megatron's fp32
+        main_grad buffer). One backward over the whole batch rounds the sum to bf16 once
+        instead: a different gradient by bf16's rounding. The whole-batch pass before this
+        one gives the loss, the probes and the per-sample figures; its gradient is replaced."""
+        mbs, bp = self.micro_fp32, self.bf16_params
+        rows = batch["input_ids"].shape[0]
+        kind = self.loss_norm.kind if self.loss_fn is None else "targets"
+        if mbs is None or bp is None or mbs >= rows or kind not in ("targets", "micro"):
+            return
+        keep, probing = (self.row_tokens, self.logit_stats), self.probe.enabled
+        total = self.row_tokens.sum().clamp_min(1)
+        n = -(-rows // mbs)
+        acc: list[torch.Tensor | None] = [None] * len(bp.params)
+        self.opt.zero_grad(set_to_none=True)
+        self.probe.enabled = False
+        try:
+            for i in range(0, rows, mbs):
+                part = {k: v[i : i + mbs] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == rows else v for k, v in batch.items()}
+                loss, _ = self._loss(part, "bf16-params")
+                share = 1.0 / n if kind == "micro" else self.row_tokens.sum() / total  # its part of the step's loss
+                (loss * share).backward()
+                acc = bp.accumulate(acc)
+        finally:
+            bp.restore()
+            self.probe.enabled = probing
+            self.row_tokens, self.logit_stats = keep
+        for p, g in zip(bp.params, acc, strict=True):
+            p.grad = g
+
     def _normalise(self, tok: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
         """The step's loss as its trainer averaged it (`trainer_loss_norm`)."""
         kind = self.loss_norm.kind if self.loss_fn is None else "targets"
@@ -388,6 +422,8 @@ class Session:
             self.opt.zero_grad(set_to_none=True)
             loss, _ = self._loss(batch, precision or self.precision)
             self._backward(loss)
+            if (precision or self.precision) == "bf16-params":
+                self._regrad_micro(batch)
             grads = [_local(p.grad) for _, p in self.params if p.grad is not None]
             if self.ranks is not None:  # the ranks' loss shares and squared norms, summed
                 sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
@@ -418,6 +454,7 @@ class Session:
             verdict = ls.settle(step, ls.unscale(self.opt, [p for _, p in self.params])) if ls is not None else None
             if verdict != "redo":
                 break
+        self._regrad_micro(batch)
         with_grad = [(n, p) for n, p in self.params if p.grad is not None]
         if self.ranks is None:
             g = self._gradients(with_grad, clip, loss, per_sample)
@@ -675,6 +712,7 @@ def merge_matches(ranks: distributed.Ranks, local: list[TensorMatch]) -> list[Te
                 numel=o.numel + m.numel,
                 tolerance=max(o.tolerance, m.tolerance),
                 impossible=o.impossible + m.impossible,
+                worst=max(o.worst, m.worst),
             )
     return [merged[(m.name, m.where)] for m in local]
 
@@ -683,6 +721,7 @@ def _match(name: str, where: str, x: torch.Tensor, y: torch.Tensor, tol: torch.T
     diff = (x - y).abs()
     bad = ~(diff <= tol)
     impossible = int((~(diff <= bound)).sum()) if bound is not None else 0
+    ratio = torch.where(diff == 0, 0.0, torch.nan_to_num(diff / torch.as_tensor(tol, dtype=diff.dtype), nan=float("inf")))
     return TensorMatch(
         name=name,
         where=where,
@@ -691,6 +730,7 @@ def _match(name: str, where: str, x: torch.Tensor, y: torch.Tensor, tol: torch.T
         numel=x.numel(),
         tolerance=float(torch.as_tensor(tol).max()),
         impossible=impossible,
+        worst=float(ratio.max()) if ratio.numel() else 0.0,
     )
 
 

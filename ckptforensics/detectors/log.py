@@ -28,6 +28,7 @@ from ..stats import (
     LOSS_FOLLOW,
     expected_exceedances,
     loss_follows,
+    recurrence_period,
     trend_z,
 )
 from ..tensors import lr_growth_limit
@@ -350,110 +351,166 @@ ONSET_DETECTORS: tuple[LogDetector, ...] = (loss_spikes, lr_jumps, gradient_retu
 # When two signals start on one step, the report names the most causal first.
 _SIGNAL_ORDER = ("lr", "param_grad", "loss_scale", "grad_norm", "loss")
 
-# A loss excursion that is back under z/2 within RECOVER steps (the median of the next
-# RECOVER + HOLD steps there too) is a blip; the log's own blips are its tail. A blip is an
-# onset only where the log has too few other blips reaching half its z: TAIL_PEERS, plus the
-# count normal noise of the log's spread and length could give at that height (the Poisson
-# 99% bound on stats.expected_exceedances: a 20,000-step quiet log has ~5 steps over z 3.5
-# by chance). A run whose logged loss is one micro-batch of one rank has hundreds of them, a
-# data order with a hard batch at fixed steps blips there every time; a poisoned batch in an
-# averaged, quiet log is alone.
-RECOVER, HOLD, TAIL_PEERS = 2, 3, 2
+# A loss excursion that is back under z/2 within RECOVER steps is a blip; the log's own blips
+# (those over z/2) are its tail. A blip is an onset only where all of these hold (issue 32: an
+# onset is an excursion that persists, or that the grad norm and the following steps confirm,
+# judged against the log's own tail):
+# - the grad norm confirms it (z/2 or more on its trend, on that step or the next): a loss
+#   blip the gradient does not see is a batch the model found hard, not a bad update; a log
+#   without a grad norm cannot confirm one;
+# - the log has too few other blips reaching half its size: TAIL_PEERS, plus the count normal
+#   noise of the log's spread and length could give at that height (the Poisson 99% bound on
+#   stats.expected_exceedances: a 20,000-step quiet log has ~5 steps over z 3.5 by chance). A
+#   run whose logged loss is one micro-batch of one rank has hundreds of them;
+# - it does not recur at a period of the log's own blips (stats.recurrence_period): a fixed
+#   data order blips at the same step of every epoch, however few epochs the log holds.
+# A poisoned batch in an averaged, quiet log is alone, and its gradient is large.
+RECOVER, TAIL_PEERS = 2, 2
 
 
 def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dict[int, tuple[float, float]]:
     """step -> (robust z, log10 excess over the level before it) of every loss excursion
-    (z > `floor`, default cfg.z; finite, under the 10x rule) that recovers: back under z/2 within RECOVER steps, the next RECOVER + HOLD
-    steps' median there too (docs/signatures.md#log-blip)."""
+    (z > `floor`, default cfg.z; finite, under the 10x rule) that recovers: back under z/2
+    within RECOVER steps, and the next CURVE_SHORT steps' median under half its excess (a
+    spike that dips once and climbs back is the start of a held rise, not a blip;
+    docs/signatures.md#log-blip)."""
     z, steps, vals, base = ev.loss.z, ev.loss.steps, ev.loss.values, ev.loss.level
     floor = cfg.z if floor is None else floor
     lv = np.log10(np.maximum(np.asarray(vals, dtype=np.float64), 1e-30))
+    usual = _usual_excess(ev)
     out = {}
     for i, zi in enumerate(z):
         if not (zi > floor and math.isfinite(vals[i]) and math.isfinite(base[i])) or vals[i] >= cfg.loss_factor * base[i]:
             continue
-        # Recovery is judged against the level before the excursion, in the noise units the
-        # excursion was measured in: the trend itself moves up under a rise it accepts (steps
-        # under z 6 enter it), so the next steps' own z would call a held rise recovered.
-        scale = (lv[i] - math.log10(base[i])) / zi
-        band = math.log10(base[i]) + (cfg.z / 2) * scale
-        after = lv[i + 1 : i + 1 + RECOVER + HOLD]
-        if len(after) == RECOVER + HOLD and np.isfinite(after).all() and (after[:RECOVER] <= band).any() and float(np.median(after)) <= band:
-            out[steps[i]] = (float(zi), float(lv[i] - math.log10(base[i])))
+        # Recovery is judged against the level before the excursion, in the noise units it
+        # was measured in (the trend itself moves up under a rise it accepts: steps under z 6
+        # enter it, so the next steps' own z would call a held rise recovered), or within
+        # where this log's steps usually are, if that is wider (a heavy tail's MAD is narrow).
+        lb = math.log10(base[i])
+        excess = lv[i] - lb
+        band = lb + max((cfg.z / 2) * excess / zi, usual)
+        after = lv[i + 1 : i + 1 + CURVE_SHORT]
+        if len(after) < RECOVER or not np.isfinite(after[:RECOVER]).all() or not (after[:RECOVER] <= band).any():
+            continue
+        if len(after) > RECOVER and not float(np.median(np.where(np.isfinite(after), after, np.inf))) < lb + excess / 2:
+            continue
+        out[steps[i]] = (float(zi), float(excess))
     return out
 
 
-def _within_tail(o: Onset, tail: dict[int, tuple[float, float]], ev: LogEvidence, cfg: TriageConfig) -> bool:
-    """A loss or grad-norm onset whose loss blip recovers, with enough other blips of the log
-    at least half its size (its log10 excess over the level before it: the noise, and so a
-    blip's z, shrinks as training goes on while a hard batch stays as hard); in the log's last
-    RECOVER + HOLD steps, where recovery cannot be seen yet, two thirds of its size."""
-    if o.signal not in ("loss", "grad_norm") or o.rule != "trend":
-        return False
-    if o.step in tail:
-        zs, es = tail[o.step]
-        share = 0.5
-    else:
-        steps = ev.loss.steps
-        i = next((k for k, s in enumerate(steps) if s >= o.step), len(steps))
-        base = ev.loss.level[i] if i < len(steps) else math.nan
-        if i >= len(steps) or len(steps) - 1 - i >= RECOVER + HOLD or not (math.isfinite(ev.loss.values[i]) and math.isfinite(base)):
-            return False
-        zs = float(ev.loss.z[i])
-        if not zs > cfg.z:  # a grad-norm seed the loss followed at half z: judged by the loss's own size
-            return False
-        es, share = math.log10(ev.loss.values[i] / base), 2 / 3
+# "Where the log's steps usually are": the 90th percentile of their log10 excess over the
+# level before them. On a normal noise that is 1.3 noise units (inside the z/2 band); on a
+# loss logged from one rank's micro-batch, whose MAD is narrow and whose tail is wide, it is
+# the step-to-step range the log lives in.
+USUAL_Q = 90
+
+
+def _usual_excess(ev: LogEvidence) -> float:
+    lv = np.log10(np.maximum(np.asarray(ev.loss.values, dtype=np.float64), 1e-30))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        e = lv - np.log10(np.asarray(ev.loss.level, dtype=np.float64))
+    e = e[np.isfinite(e) & (ev.loss.z != 0)]
+    return float(np.percentile(e, USUAL_Q)) if e.size >= CURVE_SHORT else 0.0
+
+
+def _grad_confirms(step: int, ev: LogEvidence, cfg: TriageConfig) -> tuple[bool, str]:
+    """Whether the grad norm confirms a loss excursion at `step`: z/2 or more on its trend on
+    that step or the next (a Megatron line's grad norm is its interval's last iteration's)."""
+    if not ev.grad_norm.steps:
+        return False, "the log has no grad norm to confirm it"
+    g = dict(zip(ev.grad_norm.steps, ev.grad_norm.z, strict=True))
+    nxt = [s for s in ev.grad_norm.steps if s > step][:1]
+    zs = [float(g[s]) for s in [step, *nxt] if s in g]
+    if not zs:
+        return False, "no grad norm was logged there"
+    top = max(zs)
+    return (top >= cfg.z / 2 or not math.isfinite(top)), f"the grad norm stays at robust z {top:.1f} (under {cfg.z / 2:g})"
+
+
+def _peers(tail: dict[int, tuple[float, float]], step: int, excess: float, zs: float, share: float, ev: LogEvidence, cfg: TriageConfig) -> tuple[bool, int]:
+    """Whether the log has enough other blips at least `share` of this one's size (its log10
+    excess over the level before it: the noise, and so a blip's z, shrinks as training goes on
+    while a hard batch stays as hard)."""
     from scipy import stats
 
     chance = expected_exceedances(int(np.count_nonzero(ev.loss.z)), max(share * zs, cfg.z / 2))
-    peers = sum(1 for s, (_, eb) in tail.items() if s != o.step and eb >= share * es)
-    return peers >= TAIL_PEERS + float(stats.poisson.isf(0.01, chance))
+    peers = sum(1 for s, (_, eb) in tail.items() if s != step and eb >= share * excess)
+    return peers >= TAIL_PEERS + float(stats.poisson.isf(0.01, chance)), peers
+
+
+def _routine(o: Onset, tail: dict[int, tuple[float, float]], ev: LogEvidence, cfg: TriageConfig) -> str | None:
+    """Why a loss or grad-norm onset of the trend rule is the log's routine (a message), or
+    None when it stands. A blip that recovers: unconfirmed by the grad norm, within the log's
+    tail, or recurring at the log's period; in the log's last CURVE_SHORT steps, where
+    recovery cannot be seen yet, only peers two thirds its size excuse it."""
+    if o.signal not in ("loss", "grad_norm") or o.rule != "trend":
+        return None
+    steps = ev.loss.steps
+    if o.step in tail:
+        zs, es = tail[o.step]
+        ok, why = _grad_confirms(o.step, ev, cfg) if o.signal == "loss" else (True, "")
+        if not ok:
+            return f"the loss recovers within {RECOVER} steps and {why}"
+        enough, n = _peers(tail, o.step, es, zs, 0.5, ev, cfg)
+        if enough:
+            return f"the loss recovers within {RECOVER} steps, as {n} other blips of this log at least half its size do"
+        hard = {s for s in tail} | {s for s, v in zip(steps, ev.loss.values, strict=True) if not math.isfinite(v)}
+        spacing = int(np.median(np.diff(steps))) if len(steps) > 2 else 1
+        p = recurrence_period(o.step, hard, [s for s, zz in zip(steps, ev.loss.z, strict=True) if zz != 0], spacing)
+        if p is not None:
+            return f"the loss recovers within {RECOVER} steps, and blips every {p} steps of this log (a batch that comes back each epoch)"
+        return None
+    i = next((k for k, s in enumerate(steps) if s >= o.step), len(steps))
+    if i >= len(steps) or len(steps) - 1 - i >= RECOVER:
+        return None
+    base = ev.loss.level[i]
+    if not (math.isfinite(ev.loss.values[i]) and math.isfinite(base)) or not float(ev.loss.z[i]) > cfg.z:
+        return None  # a grad-norm seed the loss followed at half z: judged by the loss's own size
+    enough, n = _peers(tail, o.step, math.log10(ev.loss.values[i] / base), float(ev.loss.z[i]), 2 / 3, ev, cfg)
+    return f"in the log's last steps, where recovery cannot be seen yet, {n} other blips of this log reach two thirds its size" if enough else None
 
 
 def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[Onset]]:
-    """(onsets by step, seeds the loss did not follow and blips within the log's tail: ignored)."""
+    """(onsets by step, seeds the loss did not follow and the log's routine blips: ignored)."""
     seeds = [o for d in SEED_DETECTORS for o in d(ev, cfg)]
     kept = [o for o in seeds if _followed(o, ev, cfg)]
     ignored = [o for o in seeds if o not in kept]
     onsets = kept + [o for d in ONSET_DETECTORS for o in d(ev, cfg)]
     tail = blips(ev, cfg, cfg.z / 2)
-    blipped = [o for o in onsets if _within_tail(o, tail, ev, cfg)]
-    onsets = [o for o in onsets if o not in blipped] + held_rise(ev, cfg, tail)
-    ignored += [
-        Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, o.message + f"; the loss recovers within {RECOVER} steps, as {sum(1 for s, (zb, _) in tail.items() if s != o.step and zb > cfg.z)} other blips over z {cfg.z:g} of this log do", "tail")
-        for o in blipped
-    ]
+    why = {id(o): _routine(o, tail, ev, cfg) for o in onsets}
+    ignored += [Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, f"{o.message}; {why[id(o)]}", "tail") for o in onsets if why[id(o)]]
+    onsets = [o for o in onsets if not why[id(o)]] + held_rise(ev, cfg)
     return sorted(onsets, key=lambda o: (o.step, _SIGNAL_ORDER.index(o.signal))), ignored
 
 
-# On a noisy log (one whose loss has blips of its own) a fault that lifts the loss by less
-# than z noise-widths a step shows as a held excursion: the median z of CURVE_SHORT steps in
-# a row at z/3 or more (a median of 8 normal values has a spread of 0.44: z/3 = 2 is 4.5 of
-# its own sigmas), which the trend, reading each step alone, absorbs.
+# A fault that lifts the loss by less than z noise-widths a step shows as a held excursion:
+# CURVE_SHORT steps in a row with their lower quartile (6 of 8) at z/3 or more above the level
+# before the first (6 of 8 normal values >= 2 sigma has probability 4e-9, binomial), which the
+# trend, reading each step alone, absorbs. Its first step is the first of two in a row at z/3:
+# a blip just before the fault, followed by a step back at the level, is not its start.
 HELD_Z = 1 / 3
 
 
-def held_rise(ev: LogEvidence, cfg: TriageConfig, tail: dict[int, tuple[float, float]]) -> list[Onset]:
-    """The first step of a held rise of the loss on a log with more than TAIL_PEERS blips
-    (elsewhere the trend's own per-step rule stands alone; docs/signatures.md#log-held)."""
-    if sum(1 for zb, _ in tail.values() if zb > cfg.z) <= TAIL_PEERS:
-        return []
+def held_rise(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
+    """The first step of a held rise of the loss (docs/signatures.md#log-held)."""
     # Judged above the level the loss has just been at too (`above_level`): in a descent a
     # pause runs above the trend line, not above where the curve is. The window is measured
     # against the level before its first step, in that step's noise units: the trend accepts
     # steps under z 6 and would follow the rise it is asked about.
     z, steps, vals, base = ev.loss_level.z, ev.loss_level.steps, ev.loss_level.values, ev.loss_level.level
     lv = np.log10(np.maximum(np.asarray(vals, dtype=np.float64), 1e-30))
+    lv = np.where(np.isfinite(lv), lv, np.inf)  # a NaN loss is held above any level
     k = CURVE_SHORT
     for i in range(len(z) - k + 1):
         if not (z[i] >= HELD_Z * cfg.z and math.isfinite(z[i]) and math.isfinite(base[i]) and math.isfinite(lv[i])):
             continue
-        scale = (lv[i] - math.log10(base[i])) / z[i]
-        # Most of the window held (its lower quartile: 6 of 8 steps), not a cluster of blips.
-        held = float(np.percentile(lv[i : i + k] - math.log10(base[i]), 25)) / scale
-        if held >= HELD_Z * cfg.z:
+        lb = math.log10(base[i])
+        scale = (lv[i] - lb) / z[i]
+        units = (lv[i : i + k] - lb) / scale
+        held = float(np.percentile(units, 25))
+        if held >= HELD_Z * cfg.z and units[1] >= HELD_Z * cfg.z:
             return [Onset(steps[i], "loss", vals[i], float(base[i]), held,
-                          f"loss {vals[i]:.4g} at step {steps[i]} starts {k} steps held above its level {base[i]:.4g} (6 of 8 at robust z {held:.1f} or more, on a log whose blips recover)", "held")]  # fmt: skip
+                          f"loss {vals[i]:.4g} at step {steps[i]} starts {k} steps held above its level {base[i]:.4g} (6 of 8 at robust z {held:.1f} or more)", "held")]  # fmt: skip
     return []
 
 

@@ -8,6 +8,7 @@ recorder's monitor all judge a step by these (docs/signatures.md#log-onset).
 from __future__ import annotations
 
 from .follow import LOSS_FOLLOW, loss_follows
+from .recur import RECUR_MIN_PERIOD, recurrence_period
 from .robust import MAD_TO_SIGMA, robust_sigma, robust_z
 from .thresholds import expected_exceedances, family_z, t_robust_z, tail_df
 from .trend import (
@@ -39,4 +40,6 @@ __all__ = [
     "expected_exceedances",
     "t_robust_z",
     "tail_df",
+    "RECUR_MIN_PERIOD",
+    "recurrence_period",
 ]

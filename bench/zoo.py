@@ -284,7 +284,7 @@ def score_draw(seed: int, root: Path) -> dict[str, Any]:
 
     run = root / f"draw-{seed}"
     built = json.loads((run / "truth.json").read_text())["draw"] if (run / "truth.json").is_file() else None
-    if built is None or built.get("trainer", "own") != draw(seed).trainer:
+    if built is None or built.get("trainer", "own") != draw(seed).trainer or built.get("optimizer", "adamw") != draw(seed).optimizer:
         shutil.rmtree(run, ignore_errors=True)
         build_draw(seed, root)
     truth = json.loads((run / "truth.json").read_text())
@@ -353,7 +353,9 @@ def _shape(d: dict[str, Any]) -> str:
         hf = f" zero{d.get('zero_stage')}"
     if d.get("trainer") == "hf":
         hf = f" {d['family']}" + (" padded" if d.get("padded") else "") + (f" ga{d['accum']}" if d.get("accum", 1) > 1 else "")
-    return f"{d['position']} {d['schedule']} L{d['n_layer']} d{d['n_embd']} T{d['seq']} {d['precision']} {d['fmt']}{hf}"
+        hf += " lm-collator" if d.get("collator") == "lm" else ""
+    opt = f" {d['optimizer']}" if d.get("optimizer", "adamw") != "adamw" else ""
+    return f"{d['position']} {d['schedule']} L{d['n_layer']} d{d['n_embd']} T{d['seq']} {d['precision']} {d['fmt']}{hf}{opt}"
 
 
 def draws_table(split: str, rows: list[dict[str, Any]], agg: dict[str, str]) -> str:

@@ -13,7 +13,8 @@ import torch
 
 from .detectors import Finding, first_steps_from_state, replay_findings, step_z
 from .errors import ForensicsError
-from .replay import ReplayConfig, plan, replay
+from .record.segments import pad_rows
+from .replay import ReplayConfig, replay
 from .replay.engine import ReplayResult
 from .verdict import replay_fields
 
@@ -87,7 +88,7 @@ def bisect(
     s = res.first_bad_step
     if s is None or s == rep.records[0].step and len(rep.records) == 1 and not rep.baseline:
         return res, rep
-    p = plan(cfg, steps)
+    p = rep.plan  # the replay's settled plan: its precision, loss scale and LRs
     clip = rep.config["clip"]["value"]
     sess = p.session()
     try:
@@ -103,6 +104,14 @@ def bisect(
             res.note = f"no healthy batch before step {s} to fill rows with; sample bisection skipped"
             return res, rep
         filler = p.batches.batch(filler_step)
+        if batch["input_ids"].shape[1] != filler["input_ids"].shape[1]:
+            if "attention_mask" not in batch or "attention_mask" not in filler:
+                res.note = f"the batches of steps {filler_step} and {s} differ in width and carry no attention mask to pad them with; sample bisection skipped"
+                return res, rep
+            # Dynamic padding (a collator pads each batch to its longest row): the narrower
+            # one is padded out (mask 0, label -100), which no loss or attention reads.
+            width = max(batch["input_ids"].shape[1], filler["input_ids"].shape[1])
+            batch, filler = ({k: pad_rows(v, width, k) for k, v in b.items()} for b in (batch, filler))
         base_loss = [v["loss"] for v in rep.baseline.values() if "loss" in v] or [r.loss for r in rep.records if r.step < s]
         base_grad = [v["grad_norm"] for v in rep.baseline.values() if "grad_norm" in v] or [r.grad_norm for r in rep.records if r.step < s]
         n = batch["input_ids"].shape[0]

@@ -26,6 +26,7 @@ from .diffstats import (
 )
 from .errors import IncompatibleCheckpoints, doing
 from .formats.base import Checkpoint
+from .formats.optim import FAMILIES
 
 __all__ = ["DiffConfig", "Candidate", "TensorDiff", "PairInfo", "DiffResult", "diff_checkpoints", "tensor_role"]
 
@@ -37,6 +38,15 @@ def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
     if (oa is None) != (ob is None):
         notes.append("optimizer state present on one side only: weights-only diff")
     weights_only = oa is None or ob is None
+    unknown = [o.kind for o in (oa, ob) if o is not None and not _known(o.kind)]
+    if unknown:
+        # An optimizer the tool does not know: its state is read but not judged; the
+        # weights are still compared among peers (isolated changes located by bit flips).
+        notes.append(
+            f"optimizer {unknown[0].removeprefix('unknown:')!r} is not one the tool knows (known: {', '.join(FAMILIES)}): "
+            "weights-only diff, its state not checked against any update bound"
+        )
+        weights_only = True
     if not weights_only and oa.kind != ob.kind:  # type: ignore[union-attr]
         raise IncompatibleCheckpoints(
             f"optimizer kinds differ: {a.path} has {oa.kind}, {b.path} has {ob.kind}; "  # type: ignore[union-attr]
@@ -50,6 +60,9 @@ def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
     def steps(o: Any) -> int | None:
         vals = [s for s in (adam_step(st) for st in o.state.values()) if s is not None] if o else []
         return max(vals) if vals else None
+
+    if not weights_only and ob is not None and any(g.family == "adam8bit" for g in ob.groups):
+        notes.append("bitsandbytes 8-bit optimizer state (quantised state1/state2): moments not dequantised; update bounds not checked")
 
     betas = ob.groups[0].betas if ob and ob.groups else None
     base = tuple(
@@ -74,7 +87,28 @@ def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
         betas=betas,
         weights_only=weights_only,
         notes=tuple(notes),
+        skip_optimizer=_skip_optimizer(b),
+        scheduler_a=_dict(a.scalars.get("scheduler")),
+        scheduler_b=_dict(b.scalars.get("scheduler")),
+        scaler_a=_dict(a.scalars.get("scaler")),
+        scaler_b=_dict(b.scalars.get("scaler")),
     )
+
+
+def _skip_optimizer(ckpt: Checkpoint) -> str | None:
+    """OLMo-core's SkipStep optimizers skip an outlier step on their own (its config.json)."""
+    optim = ckpt.scalars.get("olmo_optim")
+    cls = str(optim.get("_CLASS_", "")) if isinstance(optim, dict) else ""
+    return cls.rsplit(".", 1)[-1].removesuffix("Config") if "SkipStep" in cls else None
+
+
+def _dict(x: Any) -> dict[str, Any] | None:
+    return dict(x) if isinstance(x, dict) else None
+
+
+def _known(kind: str) -> bool:
+    """Every family of a (possibly '+'-joined) optimizer kind is one the tool knows."""
+    return all(k in FAMILIES or k == "none" for k in kind.split("+"))
 
 
 def _check_compatible(a: Checkpoint, b: Checkpoint) -> list[str]:

@@ -18,9 +18,22 @@ import torch
 
 from .errors import IncompatibleCheckpoints
 from .formats.base import Checkpoint
-from .tensors import adam_ratio_bound, dtype_limits, dtype_name, flip_bit
+from .tensors import dtype_limits, dtype_name, flip_bit
+from .updates import MOMENT_FAMILIES, SECOND_MOMENTS, second_moment_floor, step_bound
 
-__all__ = ["DiffConfig", "Candidate", "TensorDiff", "PairInfo", "DiffResult", "tensor_role", "diff_tensor", "prefetch", "scalar", "adam_step"]
+__all__ = [
+    "DiffConfig",
+    "Candidate",
+    "TensorDiff",
+    "PairInfo",
+    "DiffResult",
+    "tensor_role",
+    "tensor_family",
+    "diff_tensor",
+    "prefetch",
+    "scalar",
+    "adam_step",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +123,12 @@ class TensorDiff:
     vfloor_violations: int = 0
     mbound_violations: int = 0
     outlier_changes: int = 0  # weights-only: isolated changes far above the tensor's own
+    norm_violations: int = 0  # the tensor's update RMS past its family's bound (Adafactor's clipping)
+    family: str = ""  # the optimizer family that updated it ('adam', 'lion', 'adafactor', ...)
+    # Share of second-moment elements under the floor the trainer's step delta allows
+    # (v_B < beta2^g v_A, g trainer steps): ~0 in any healthy run, most elements when the
+    # moments restarted from zero (optimizer state lost at a resume).
+    restart_share: float = math.nan
     candidates: tuple[Candidate, ...] = ()
 
 
@@ -131,6 +150,11 @@ class PairInfo:
     betas: tuple[float, float] | None
     weights_only: bool
     notes: tuple[str, ...] = ()
+    skip_optimizer: str | None = None  # an optimizer that skips outlier steps itself (OLMo-core's SkipStep*)
+    scheduler_a: dict[str, Any] | None = None  # the LR scheduler's state (last_epoch, _step_count)
+    scheduler_b: dict[str, Any] | None = None
+    scaler_a: dict[str, Any] | None = None  # the loss scaler's state (scale, _growth_tracker, growth_interval)
+    scaler_b: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -212,6 +236,33 @@ def prefetch(a: Checkpoint, b: Checkpoint, name: str) -> None:
     b.prefetch(name)
 
 
+def tensor_family(hyper: Any, state: dict[str, Any]) -> str:
+    """The family of the optimizer that updated a tensor: its group's, or Adam's where a
+    reader that maps state itself (DCP, DeepSpeed, Megatron) saw Adam's two moments."""
+    fam = getattr(hyper, "family", "") or ""
+    if fam in ("", "none") and isinstance(state.get("exp_avg"), torch.Tensor) and isinstance(state.get("exp_avg_sq"), torch.Tensor):
+        return "adam"
+    return fam
+
+
+def _window_lr(ha: Any, hb: Any, pair: PairInfo, step_a: int, step_b: int) -> float:
+    """The largest LR the window can have run at: the larger stored LR of its ends, or the
+    schedule's base where the window holds the end of warmup (the LR peaked in between)."""
+    lr = max(hb.lr, ha.lr if ha else 0.0) if math.isfinite(hb.lr) else math.nan
+    base = pair.base_lr[hb.index] if hb.index < len(pair.base_lr) else None
+    w = pair.warmup_iters
+    over_peak = (w is not None and step_a < w <= step_b) or (w is None and ha is not None and ha.lr < hb.lr)
+    if over_peak and base is not None and base > lr:
+        lr = base
+    return lr
+
+
+def _trainer_steps(pair: PairInfo) -> int | None:
+    if pair.step_a is None or pair.step_b is None or pair.step_b <= pair.step_a:
+        return None
+    return pair.step_b - pair.step_a
+
+
 def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: DiffConfig) -> TensorDiff:
     meta = a.meta(name)
     wa_full, wb_full = a.tensor(name), b.tensor(name)
@@ -219,39 +270,91 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
     lim = dtype_limits(meta.dtype)
     sa, sb = a.optim_state(name), b.optim_state(name)
     ha, hb = a.hyper(name), b.hyper(name)
+    family = tensor_family(hb, sb) if hb is not None and not pair.weights_only else ""
+    g_steps = _trainer_steps(pair)
     moments = (
         not pair.weights_only
         and lim is not None
+        and family in MOMENT_FAMILIES
         and isinstance(sa.get("exp_avg"), torch.Tensor)
         and isinstance(sb.get("exp_avg"), torch.Tensor)
+        and isinstance(sa.get("exp_avg_sq"), torch.Tensor)
+        and isinstance(sb.get("exp_avg_sq"), torch.Tensor)
         and hb is not None
         and hb.betas is not None
     )
     k = 0
+    step_a = step_b = 0
+    restart = False  # both ends hold Adam's moments but the counter did not advance: a reset
     if moments:
         step_a, step_b = adam_step(sa) or 0, adam_step(sb) or 0
         k = step_b - step_a
+        restart = k <= 0 and g_steps is not None
         moments = k > 0
+    # Families other than Adam's: a per-step bound on the weight, and (Adafactor) a floor
+    # on the factored second moment; steps from the optimizer's counter, else the trainer's.
+    other = (
+        not pair.weights_only
+        and lim is not None
+        and hb is not None
+        and family not in MOMENT_FAMILIES
+        and family not in ("", "none")
+        and not family.startswith("unknown")
+        and bool(sb)
+    )
+    obound = None
+    o_k = 0
+    o_floor: float | None = None
+    o_restart_floor: float | None = None
+    o_lr = math.nan
+    if other:
+        assert hb is not None
+        ca, cb = adam_step(sa), adam_step(sb)
+        if ca is not None and cb is not None:
+            o_k, step_a, step_b = cb - ca, ca, cb
+        elif g_steps is not None:
+            o_k = g_steps
+            step_a, step_b = pair.step_a or 0, pair.step_b or 0
+        o_lr = _window_lr(ha, hb, pair, step_a, step_b)
+        rms_w = 0.0
+        if family == "adafactor" and (hb.options.get("scale_parameter", True) or "d" in hb.options):
+            rms_w = max(_rms(wa_full), _rms(wb_full))
+        if o_k > 0:
+            obound = step_bound(
+                family, lr=o_lr if math.isfinite(o_lr) else 1.0, weight_decay=hb.weight_decay, betas=hb.betas, options=hb.options,
+                t_first=step_a + 1, t_last=step_b, shape=meta.shape, rms_w=rms_w,
+            )  # fmt: skip
+            if not math.isfinite(o_lr) and not (family == "adafactor" and hb.options.get("relative_step")):
+                obound = None  # no LR recorded: nothing to bound against
+            o_floor = second_moment_floor(family, hb.betas, hb.options, step_a + 1, step_b)
+        elif ca is not None and cb is not None and cb <= ca and g_steps is not None:
+            o_restart_floor = second_moment_floor(family, hb.betas, hb.options, ca + 1, ca + g_steps)
+    sgd_bufs = None
+    if other and family == "sgd" and o_k > 0 and math.isfinite(o_lr):
+        ba_, bb_ = sa.get("momentum_buffer"), sb.get("momentum_buffer")
+        if isinstance(ba_, torch.Tensor) and isinstance(bb_, torch.Tensor) and ba_.shape == bb_.shape and ba_.numel() == meta.numel:
+            sgd_bufs = (ba_, bb_)
     acc = _Acc()
     cands: list[Candidate] = []
-    counts = {"bound": 0, "vfloor": 0, "mbound": 0, "outlier": 0}
+    counts = {"bound": 0, "vfloor": 0, "mbound": 0, "outlier": 0, "norm": 0}
     lr = math.nan
+    restart_floor = None
+    if restart:
+        assert hb is not None and hb.betas is not None and g_steps is not None
+        restart_floor = hb.betas[1] ** g_steps
     if moments:
         assert hb is not None and hb.betas is not None
         beta1, beta2 = hb.betas
-        lr = max(hb.lr, ha.lr if ha else 0.0)
-        base = pair.base_lr[hb.index] if hb.index < len(pair.base_lr) else None
-        w = pair.warmup_iters
-        over_peak = (w is not None and step_a < w <= step_b) or (w is None and ha is not None and ha.lr < hb.lr)
-        if over_peak and base is not None and base > lr:
-            # The window holds the end of warmup (recorded, or the LR rose over it): the LR
-            # peaked in between and came down again, so the stored LRs of both ends understate
-            # what the middle steps ran at; the schedule's base bounds it.
-            lr = base
+        lr = _window_lr(ha, hb, pair, step_a, step_b)
         eps, wd = hb.eps, hb.weight_decay
-        c_step = adam_ratio_bound(beta1, beta2, step_a + 1, step_b)
+        sb_ = step_bound(family, lr=1.0, weight_decay=wd, betas=hb.betas, options=hb.options, t_first=step_a + 1, t_last=step_b, shape=meta.shape)
+        c_step, wd_step = sb_.per_step, sb_.decay  # per unit LR
         c_raw_b = _raw_ratio_bound(beta1, beta2, step_b)
         decay_k = beta2**k
+        # Moments stored in a narrow dtype (torchtitan's bf16 optimizer states, Megatron's
+        # --exp-avg-dtype) are rounded once per save: their bounds widen by that rounding.
+        store_eps = max(_storage_eps(sa["exp_avg_sq"]), _storage_eps(sb["exp_avg_sq"]), _storage_eps(sb["exp_avg"]))
+    if moments or restart:
         streams = [sa["exp_avg"], sb["exp_avg"], sa["exp_avg_sq"], sb["exp_avg_sq"]]
         for t in streams:
             if tuple(t.shape) != meta.shape:
@@ -285,6 +388,11 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
                 nfb=(~fin_b).sum(),
             )
             acc.max(dmax=_finite_absmax(d), bmax=_finite_absmax(fb))
+        if restart:
+            assert restart_floor is not None
+            va, vb = (t.reshape(-1)[lo:hi].float() for t in streams[2:])
+            acc.add(restart_low=torch.count_nonzero((vb < va * restart_floor) & (va > 0)), restart_n=torch.count_nonzero(va > 0))
+            _release_all(a, b, *(t.reshape(-1)[lo:hi] for t in streams))
         if moments:
             ma, mb, va, vb = (t.reshape(-1)[lo:hi].float() for t in streams)
             sq_b = vb.sqrt()
@@ -307,38 +415,57 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
                 # sqrt(v) < 10 eps  <=>  v < 100 eps^2
                 van_a=torch.count_nonzero(va_s < 100 * eps * eps),
                 van_b=torch.count_nonzero(vb_s < 100 * eps * eps),
+                v_n=torch.count_nonzero(va > 0),
             )
             acc.max(mmax=mom[2], vmax=mom[3])
-            slack = 1 + cfg.bound_slack
-            # Adam update bound: |dw| <= k lr (C + wd |w|), plus one storage ulp each
-            # side. Only elements past the weight-free part k lr C need the full bound.
+            slack = 1 + cfg.bound_slack + 2 * store_eps
+            # Update bound: |dw| <= k lr (C + wd |w|), plus one storage ulp each side. Only
+            # elements past the weight-free part k lr C need the full bound.
             coarse = ad > klr * slack * c_step
             if bool(coarse.any()):
                 idx = torch.nonzero(coarse).flatten()
                 wmax = torch.maximum(fa[idx].abs(), fb[idx].abs())
-                bound = wmax * (klr * slack * wd + 2 * lim.eps) + klr * slack * c_step
+                bound = wmax * (klr * slack * wd_step + 2 * lim.eps) + klr * slack * c_step
                 over = ad[idx] > bound
                 _collect(cands, counts, "bound", "weight", idx[over], fa, fb, "near", bound[over], lo, meta.shape, wb.dtype, cfg)
-            # v floor: v_B >= beta2^k v_A; fp32 rounding allows a few ulps per step.
-            floor_k = decay_k * (1 - 1e-6 * (k + 4))
+            # v floor: v_B >= beta2^k v_A; fp32 rounding allows a few ulps per step, a
+            # narrow storage dtype its rounding at every step (Megatron's precision-aware
+            # optimizer and pure-bf16 AdamW store the moment in bf16 after each update).
+            floor_k = decay_k * (1 - 1e-6 * (k + 4)) * (1 - (k + 1) * store_eps)
             low = vb < va * floor_k
             if bool(low.any()):
                 idx = torch.nonzero(low).flatten()
-                _collect(cands, counts, "vfloor", "exp_avg_sq", idx, va, vb, "at_least", va[idx] * floor_k, lo, meta.shape, torch.float32, cfg)
+                _collect(cands, counts, "vfloor", "exp_avg_sq", idx, va, vb, "at_least", va[idx] * floor_k, lo, meta.shape, sb["exp_avg_sq"].dtype, cfg)
             # |m_B| <= C_raw sqrt(v_B): the raw EMAs obey Cauchy-Schwarz at every step.
             big = amb > sq_b * (c_raw_b * slack)
             if bool(big.any()):
                 idx = torch.nonzero(big).flatten()
-                _collect(cands, counts, "mbound", "exp_avg", idx, ma, mb, "abs_within", sq_b[idx] * (c_raw_b * slack), lo, meta.shape, torch.float32, cfg)
+                _collect(cands, counts, "mbound", "exp_avg", idx, ma, mb, "abs_within", sq_b[idx] * (c_raw_b * slack), lo, meta.shape, sb["exp_avg"].dtype, cfg)
             _release_all(a, b, *(t.reshape(-1)[lo:hi] for t in streams))
+        elif obound is not None and math.isfinite(obound.per_step) and obound.sharp:
+            # The family's own per-element bound (Lion's exact lr, Muon's spectral norm).
+            slack = 1 + cfg.bound_slack
+            coarse = ad > o_k * obound.per_step * slack
+            if bool(coarse.any()):
+                idx = torch.nonzero(coarse).flatten()
+                wmax = torch.maximum(fa[idx].abs(), fb[idx].abs())
+                bound = wmax * (o_k * obound.decay * slack + 2 * lim.eps) + o_k * obound.per_step * slack
+                over = ad[idx] > bound
+                _collect(cands, counts, "bound", "weight", idx[over], fa, fb, "near", bound[over], lo, meta.shape, wb.dtype, cfg)
         elif fa.numel() >= 64:
-            # Weights only: no Adam bound to test against. An element counts when its
-            # change dwarfs the tensor's typical change *and* one stored bit flipped
-            # back brings it within the typical change (a weight merely shrinking to
-            # ~0 cannot be told from a legitimate update).
+            # No sharp bound to test against (weights only, Adafactor, SGD): an element
+            # counts when its change dwarfs the tensor's typical change *and* one stored
+            # bit flipped back brings it within the typical change (a weight merely
+            # shrinking to ~0 cannot be told from a legitimate update).
             fin = torch.isfinite(ad)
             scale = torch.where(fin, ad, 0).mean() + lim.eps * torch.where(torch.isfinite(fa), fa.abs(), 0).mean()
             flagged = ad > 16 * scale
+            if sgd_bufs is not None:
+                # SGD moves an element by lr times its momentum buffer each step: a large
+                # move its buffers at both ends account for is training (tuning run
+                # sgd-healthy: a weight tripled by a buffer of its size), not a flip.
+                ba, bb = (x.reshape(-1)[lo:hi].float().abs() for x in sgd_bufs)
+                flagged &= ad > 16 * o_k * o_lr * torch.maximum(ba, bb)
             n_flag = int(flagged.sum())
             if 0 < n_flag <= 256:
                 idx = torch.nonzero(flagged).flatten()
@@ -346,13 +473,22 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
                 _collect(cands, counts, "outlier", "weight", idx, fa, fb, "near", limits, lo, meta.shape, wb.dtype, cfg, only_flips=True)
         _release_all(a, b, wa, wb)
 
+    if other and (o_floor is not None or o_restart_floor is not None):
+        _factored_floor(sa, sb, family, o_floor, o_restart_floor, acc, cands, counts, cfg)
     a.forget(name)
     b.forget(name)
     s, m = acc.sums, acc.maxes
-    steps = k if k > 0 else max(1, (pair.step_b or 1) - (pair.step_a or 0)) if pair.step_a is not None else 1
+    kk = k if k > 0 else o_k
+    steps = kk if kk > 0 else max(1, (pair.step_b or 1) - (pair.step_a or 0)) if pair.step_a is not None else 1
     w_norm = math.sqrt(s.get("wa2", 0.0))
     dw_norm = math.sqrt(s.get("d2", 0.0))
     bmax = m.get("bmax", 0.0)
+    if obound is not None and obound.rms is not None and meta.numel > 0:
+        # The tensor as a whole: RMS(dw) <= k (rms + decay RMS(w)) (Adafactor's update clipping).
+        rms_w = max(w_norm / math.sqrt(meta.numel), _rms(wb_full))
+        allowed = o_k * (obound.rms + obound.decay * rms_w) * (1 + cfg.bound_slack) + 2 * lim.eps * rms_w if lim else math.inf
+        if dw_norm / math.sqrt(meta.numel) > allowed:
+            counts["norm"] += 1
     out: dict[str, Any] = dict(
         name=name,
         role=role,
@@ -371,10 +507,18 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
         vfloor_violations=counts["vfloor"],
         mbound_violations=counts["mbound"],
         outlier_changes=counts["outlier"],
+        norm_violations=counts["norm"],
         candidates=tuple(cands),
         group=hb.index if hb is not None else None,
         eps=hb.eps if hb is not None else math.nan,
+        family=family,
+        k=kk if kk > 0 else 0,
+        lr=o_lr if other else math.nan,
     )
+    if restart and s.get("restart_n", 0) > 0:
+        out["restart_share"] = s["restart_low"] / s["restart_n"]
+    if other and "restart_n" in s and s["restart_n"] > 0:
+        out["restart_share"] = s["restart_low"] / s["restart_n"]
     if moments:
         # r_v = sum(v_B - b2^k v_A) / sum((1 - b2^k) v_hat_A): the mean g^2 the window
         # implies over the running average before it; v_A is bias-corrected, as it is
@@ -395,7 +539,44 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
             max_v_b=m["vmax"],
             moment_headroom_b=torch.finfo(torch.float32).max / m["vmax"] if m["vmax"] > 0 else math.inf,
         )
+        if g_steps is not None and g_steps == k and s.get("v_n", 0) > 0:
+            out["restart_share"] = counts["vfloor"] / s["v_n"]
     return TensorDiff(**out)
+
+
+def _rms(t: torch.Tensor) -> float:
+    n = t.numel()
+    return float(torch.linalg.vector_norm(t.float())) / math.sqrt(n) if n else 0.0
+
+
+def _storage_eps(t: torch.Tensor) -> float:
+    """The relative rounding of a stored moment's dtype beyond fp32's (0 for fp32 and wider)."""
+    if not t.dtype.is_floating_point or t.dtype in (torch.float32, torch.float64):
+        return 0.0
+    return float(torch.finfo(t.dtype).eps)
+
+
+def _factored_floor(
+    sa: dict[str, Any], sb: dict[str, Any], family: str, floor: float | None, restart_floor: float | None, acc: _Acc,
+    cands: list[Candidate], counts: dict[str, int], cfg: DiffConfig,
+) -> None:
+    """Adafactor's second moments (rows, columns, vector variances) against their decay
+    floor; with the counter reset, the share under the trainer's step delta's floor."""
+    for key in SECOND_MOMENTS.get(family, ()):
+        xa, xb = sa.get(key), sb.get(key)
+        if not isinstance(xa, torch.Tensor) or not isinstance(xb, torch.Tensor) or xa.shape != xb.shape:
+            continue
+        va, vb = xa.reshape(-1).float(), xb.reshape(-1).float()
+        if restart_floor is not None:
+            acc.add(restart_low=torch.count_nonzero((vb < va * restart_floor) & (va > 0)), restart_n=torch.count_nonzero(va > 0))
+            continue
+        assert floor is not None
+        f = floor * (1 - 1e-6 * 8) * (1 - 2 * _storage_eps(xb))
+        low = vb < va * f
+        acc.add(restart_low=torch.count_nonzero(low & (va > 0)), restart_n=torch.count_nonzero(va > 0))
+        if bool(low.any()):
+            idx = torch.nonzero(low).flatten()
+            _collect(cands, counts, "vfloor", key, idx, va, vb, "at_least", va[idx] * f, 0, tuple(xb.shape), xb.dtype, cfg)
 
 
 def _release_all(a: Checkpoint, b: Checkpoint, *ts: torch.Tensor) -> None:

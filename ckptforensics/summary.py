@@ -78,6 +78,9 @@ def summarize(ckpt: Checkpoint, chunk: int = 1 << 22, progress: Callable[[str], 
             "params_with_state": len(o.state),
             "groups": [
                 {
+                    "family": g.family,
+                    "implementation": g.options.get("implementation") or None,
+                    "optimizer": g.optimizer,
                     "lr": g.lr,
                     "betas": list(g.betas) if g.betas else None,
                     "eps": g.eps,

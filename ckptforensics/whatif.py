@@ -13,7 +13,7 @@ import torch
 
 from .errors import ForensicsError, ReplayMismatch
 from .replay import ReplayConfig, plan
-from .replay.engine import diagnose_miss, settle_clip
+from .replay.engine import diagnose_miss, settle, settle_clip
 from .replay.logcheck import LogCheck, check_against_log
 from .tensors import MAD_TO_SIGMA
 
@@ -106,6 +106,7 @@ def whatif(
         (outcomes, recommended mitigation or None, the band used).
     """
     base_plan = plan(cfg, steps=None if n_steps <= 0 else list(range(_step_of(cfg) + 1, _step_of(cfg) + n_steps + 1)))
+    settle(base_plan, progress)
     base_plan.clips = [settle_clip(base_plan, progress)]
     steps = base_plan.steps
     band = _band(base_plan.logged, steps[0])
@@ -175,7 +176,10 @@ def _step_of(cfg: ReplayConfig) -> int:
 
 def _replay_with(cfg: ReplayConfig, base: Any, m: Mitigation, auto_rows: dict[int, list[int]], band: Any, gband: Any) -> Outcome:
     knobs = dict(m.knobs)
-    p = plan(ReplayConfig(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "precision": knobs.get("precision", cfg.precision)}), steps=base.steps)  # type: ignore[attr-defined]
+    p = base  # the baseline's settled plan (precision, loss scale, clip); a precision knob changes it
+    if "precision" in knobs:
+        p = plan(ReplayConfig(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "precision": knobs["precision"]}), steps=base.steps)  # type: ignore[attr-defined]
+        settle(p)
     clip = float(knobs["clip"]) if "clip" in knobs else base.clips[0][0]
     sess = p.session()
     out = Outcome(mitigation=m.text)

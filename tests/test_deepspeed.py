@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from ckptforensics.cli import cli
 from ckptforensics.formats import open_checkpoint
+from tests.conftest import ROOT, torchrun
 from tests.test_cli import assert_bad_input
 
 pytest.importorskip("deepspeed")
@@ -59,3 +60,38 @@ def test_foreign_class_in_a_deepspeed_file_is_refused(zero_runs: dict[int, Path]
     torch.save(obj, f)
     assert_bad_input(CliRunner().invoke(cli, ["inspect", str(d)]), "refused to unpickle posix.system")
     assert not canary.exists()
+
+
+@pytest.fixture(scope="session")
+def zero_bf16_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """DeepSpeed's bf16 on CPU (DS_ACCELERATOR=cpu), ZeRO 1 (its BF16_Optimizer) and 3."""
+    root = tmp_path_factory.mktemp("deepspeed-bf16")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    out = {}
+    for stage in (1, 3):
+        d = root / f"zero{stage}"
+        proc = torchrun([str(ROOT / "fixtures" / "deepspeed_zero.py"), str(d), str(stage), "bf16"], env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out[stage] = d
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_bf16_weights_are_the_fp32_masters_and_the_precision_is_bf16_parameters(zero_bf16_runs: dict[int, Path], stage: int) -> None:
+    """A bf16 run's optimizer steps fp32 master weights (ZeRO-1/2:
+    `single_partition_of_fp32_groups`; ZeRO-3: `fp32_flat_groups`); the module holds their
+    bf16 rounding. The masters are read as the weights, and the replay computes in bf16 on
+    them, as `ds_config` says."""
+    from ckptforensics.replay.precision import candidates
+
+    ck = open_checkpoint(zero_bf16_runs[stage])
+    assert candidates(ck) == [("bf16-params", "ds_config bf16.enabled (bf16 weights, fp32 partitions in the optimizer)")]
+    assert all(ck.meta(n).dtype == torch.float32 for n in ck.names())
+    if stage == 1:
+        from ckptforensics.formats.torchfile import load_torch_file
+
+        module = load_torch_file(zero_bf16_runs[stage] / "global_step3" / "mp_rank_00_model_states.pt")[0]["module"]
+        for n in ck.names():
+            assert module[n].dtype == torch.bfloat16
+            assert torch.equal(ck.tensor(n).to(torch.bfloat16), module[n]), n  # the module is the masters' rounding
+        assert any(not torch.equal(ck.tensor(n), module[n].float()) for n in ck.names())  # and the masters hold more

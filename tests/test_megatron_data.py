@@ -104,3 +104,54 @@ def test_a_dataset_that_is_not_the_runs_is_refused_in_one_line(tmp_path: Path) -
     tokens.tofile(other / "text.bin")
     args = ["replay", "--run-dir", str(MCORE / "plain"), "--before", "10", "--after", "20", "--data", str(other), "--metrics", str(_metrics(tmp_path))]
     assert_bad_input(CliRunner().invoke(cli, args), "the data pipeline differs")
+
+
+@pytest.mark.parametrize("data", ["prefix", "launch dir"])
+def test_paths_recorded_relative_to_the_launch_directory_are_found(data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron-core wrote this run launched from the repository root: its args hold
+    `--data-path fixtures/.../gptdataset/text` and `--data-cache-path fixtures/.../gptdataset/cache`,
+    relative to there. The run copied under another launch directory, the dataset moved
+    elsewhere and the caches left where the run's relative path puts them, replayed from
+    yet another working directory: the caches (and, with --data the launch directory, the
+    dataset) are found against the run directory's parents, said in replay.config, and the
+    replay lands on *after*."""
+    import json
+
+    from click.testing import CliRunner
+
+    from ckptforensics.cli import cli
+    from ckptforensics.formats import open_checkpoint
+
+    with open_checkpoint(MCORE / "plain" / "iter_0000010") as ck:
+        args = ck.config
+    rel_cache, rel_data = args["data_cache_path"], args["data_path"][0]
+    assert not Path(rel_cache).is_absolute() and not Path(rel_data).is_absolute()
+    launch = tmp_path / "launch"
+    run = launch / Path(args["save"])
+    shutil.copytree(MCORE / "plain", run)
+    shutil.copytree(DATA / "cache", launch / rel_cache)
+    store = tmp_path / "store"
+    for ext in (".bin", ".idx"):
+        store.mkdir(exist_ok=True)
+        shutil.copy(DATA / f"text{ext}", store / f"text{ext}")
+        if data == "launch dir":
+            (launch / rel_data).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(DATA / f"text{ext}", launch / f"{rel_data}{ext}")
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    monkeypatch.chdir(work)  # where the tool runs says nothing about where the run was launched
+    given = str(store / "text") if data == "prefix" else str(launch)
+    metrics = _metrics(tmp_path)
+    r = CliRunner().invoke(cli, ["replay", "--run-dir", str(run), "--before", "10", "--after", "20", "--data", given, "--metrics", str(metrics), "--out", str(tmp_path / "rep")], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert doc["verdict"]["reproducible"] is True and doc["replay"]["reproduction"]["mismatched"] == 0
+    said = doc["replay"]["config"]["batches"]["value"]
+    assert f"caches: --data-cache-path {rel_cache} resolved against the run directory's parent {launch}" in said
+    if data == "launch dir":
+        assert f"dataset: --data-path {rel_data} resolved against the run directory's parent {launch}" in said
+
+    # Before: the relative cache path was only tried against the working directory.
+    shutil.rmtree(launch / rel_cache)
+    with open_checkpoint(run / "iter_0000010") as ck, pytest.raises(BatchError, match="0 GPTDataset train caches"):
+        megatron_batches(given, ck.config, run)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -54,4 +55,26 @@ def test_token_files_that_are_not_the_runs_are_refused_in_one_line(tmp_path: Pat
     tokens.tofile(f)
     args = ["replay", "--run-dir", str(OLMO / "run"), "--before", "10", "--after", "20", "--data", str(other)]
     assert_bad_input(CliRunner().invoke(cli, args), "the data pipeline differs")
-    assert_bad_input(CliRunner().invoke(cli, [*args[:-1], str(tmp_path / "none")]), "no token file")
+    run = shutil.copytree(OLMO / "run", tmp_path / "moved" / "run")  # away from the token files its paths are relative to
+    args = ["replay", "--run-dir", str(run), "--before", "10", "--after", "20", "--data", str(tmp_path / "none")]
+    assert_bad_input(CliRunner().invoke(cli, args), "no token file tokens/part-00000.npy")
+
+
+def test_token_paths_relative_to_the_launch_directory_are_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OLMo-core recorded `dataset.paths` relative to where the run was launched (its save
+    folder `run` sits there too). Replayed from elsewhere with --data naming a directory
+    that does not hold them, they resolve against the run directory's parent, the launch
+    directory, and the replay says so and lands on *after*."""
+    cfg = json.loads((OLMO / "run" / "step10" / "config.json").read_text())
+    assert cfg["dataset"]["paths"] == ["tokens/part-00000.npy"]
+    launch = tmp_path / "launch"
+    shutil.copytree(OLMO / "run", launch / "run")
+    shutil.copytree(OLMO / "tokens", launch / "tokens")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    args = ["replay", "--run-dir", str(launch / "run"), "--before", "10", "--after", "20", "--data", str(tmp_path / "work"), "--out", str(tmp_path / "rep")]
+    r = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert doc["verdict"]["reproducible"] is True
+    assert f"token files: tokens/part-00000.npy resolved against the run directory's parent {launch}" in doc["replay"]["config"]["batches"]["value"]

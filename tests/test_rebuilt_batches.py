@@ -135,7 +135,7 @@ def test_a_two_process_runs_batches_are_what_each_process_consumed(hf_ddp_run: P
     w, accum = seen["world"], seen["accum"]
     with open_checkpoint(hf_ddp_run / "checkpoint-25") as ck:
         assert len(list(ck.path.glob("rng_state_*.pth"))) == w
-        src = trainer_batches(str(hf_ddp_run.parent / "data"), ck.scalars.get("training_args"), ck.config, w)
+        [src] = trainer_batches(str(hf_ddp_run.parent / "data"), ck.scalars.get("training_args"), ck.config, w, ckpt_dir=ck.path)
     steps = len(seen["ranks"][0]) // accum
     assert steps == 25
     for s in range(1, steps + 1):
@@ -157,3 +157,124 @@ def test_a_two_process_run_replays_from_its_data_onto_after_with_no_alarm(hf_ddp
     assert [c["cause"] for c in doc["verdict"]["causes"]] == ["none"]
     assert [f["kind"] for f in doc["findings"] if f["severity"] != "info"] == []
     assert "2 processes" in doc["replay"]["config"]["batches"]["value"]
+
+
+# ---------------------------------------------------------------- the run's collator
+@pytest.fixture(scope="session")
+def hf_lm_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The causal-LM recipe: tokenized rows of varying length, unpadded, padded per
+    micro-batch by DataCollatorForLanguageModeling(mlm=False) (labels -100 on the padding);
+    the tokenizer saved in every checkpoint by the Trainer (its processing_class)."""
+    from fixtures.hf_data_run import build
+
+    return build(tmp_path_factory.mktemp("hf-lm"), collator="lm")
+
+
+def _shuffled(data: Path, out: Path) -> Path:
+    import datasets
+
+    ds = datasets.load_from_disk(str(data))
+    order = list(range(len(ds)))
+    random.Random(1).shuffle(order)
+    ds.select(order).flatten_indices().save_to_disk(str(out))
+    return out
+
+
+def test_rows_padded_by_the_runs_collator_are_found_by_their_dataset_index(hf_lm_run: Path, tmp_path: Path) -> None:
+    """default_data_collator cannot stack rows of varying length: passed over, not an error;
+    DataCollatorForLanguageModeling(mlm=False) with the checkpoint's tokenizer lands on the
+    log at the first step, and the replay finds the planted step and rows, and lands on *after*."""
+    t = json.loads((hf_lm_run / "truth.json").read_text())
+    r = _replay(hf_lm_run, hf_lm_run.parent / t["data"], "--out", str(tmp_path / "rep"))
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "rep" / "report.json").read_text())
+    v = doc["verdict"]
+    assert v["causes"][0]["cause"] == "poison_batch" and v["first_bad_step"] == t["first_bad_step"]
+    assert sorted(x["index"] for x in v["anomalous_samples"]) == t["samples"]
+    assert sorted(x["sample_id"] for x in v["anomalous_samples"]) == t["sample_ids"]
+    assert v["reproducible"] is True and doc["replay"]["reproduction"]["mismatched"] == 0
+    said = doc["replay"]["config"]["batches"]["value"]
+    assert "collator DataCollatorForLanguageModeling(mlm=False; pad id 63, right padding; the tokenizer saved in checkpoint-35)" in said
+    assert f"its step {t['before'] + 1} lands on the log" in said
+    assert "passed over: default_data_collator cannot collate (ValueError: expected sequence of length" in said
+
+
+def test_bisect_names_the_rows_the_collator_padded(hf_lm_run: Path, tmp_path: Path) -> None:
+    t = json.loads((hf_lm_run / "truth.json").read_text())
+    args = ["bisect", "--run-dir", str(hf_lm_run), "--before", str(t["before"]), "--after", str(t["after"])]
+    r = CliRunner().invoke(cli, [*args, "--data", str(hf_lm_run.parent / t["data"]), "--out", str(tmp_path / "bis")], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    skip = json.loads((tmp_path / "bis" / "skip.json").read_text())
+    assert skip["steps"] == [t["first_bad_step"]]
+    assert sorted(skip["sample_ids"]) == t["sample_ids"]
+
+
+def test_a_shuffled_copy_under_every_collator_is_refused_in_one_line(hf_lm_run: Path, tmp_path: Path) -> None:
+    """No candidate collator lands: one line with each one's figure against the log, exit 2,
+    no report (it used to crash inside default_data_collator with exit 1)."""
+    t = json.loads((hf_lm_run / "truth.json").read_text())
+    r = _replay(hf_lm_run, _shuffled(hf_lm_run.parent / t["data"], tmp_path / "shuffled"), "--out", str(tmp_path / "rep"))
+    assert_bad_input(r, "the data pipeline differs")
+    line = r.stderr.strip()
+    assert f"no collator rebuilds step {t['before'] + 1} as logged" in line and "pass --collator module:obj" in line
+    assert "default_data_collator cannot collate" in line and "DataCollatorForLanguageModeling(mlm=False): loss" in line and "DataCollatorWithPadding: loss" in line
+    assert not (tmp_path / "rep").exists()
+
+
+def test_the_collator_given_is_the_only_one_tried(hf_lm_run: Path) -> None:
+    """--collator module:factory (its one argument the run's tokenizer) replays the step; a
+    collator that cannot collate the rows is one line, exit 2."""
+    t = json.loads((hf_lm_run / "truth.json").read_text())
+    base = ["replay", "--run-dir", str(hf_lm_run), "--before", str(t["before"]), "--step", str(t["before"] + 1), "--data", str(hf_lm_run.parent / t["data"])]
+    r = CliRunner().invoke(cli, [*base, "--collator", "fixtures/hf_data_run.py:lm_collator", "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    said = json.loads(r.stdout)["replay"]["config"]["batches"]["value"]
+    assert "collator fixtures/hf_data_run.py:lm_collator(tokenizer) (--collator; pad id 63" in said and "passed over" not in said
+    r = CliRunner().invoke(cli, [*base, "--collator", "transformers:default_data_collator"])
+    assert_bad_input(r, "transformers:default_data_collator (--collator) cannot collate the rows of step")
+
+
+def test_candidates_come_in_order_and_fail_as_batch_errors(hf_lm_run: Path, tmp_path: Path) -> None:
+    """The seam `engine.choose_batches` reads: one BatchSource per standard collator, in
+    order; default_data_collator's fails on these rows with a BatchError (not a ValueError);
+    the LM collator's labels are -100 exactly on the padding it added. A copy of the run whose
+    checkpoints hold no tokenizer finds it in the run's output_dir, recorded relative to the
+    launch directory ("run")."""
+    import shutil
+
+    import torch
+
+    from ckptforensics.formats import open_checkpoint
+    from ckptforensics.replay.batches import BatchError
+    from ckptforensics.replay.hfdata import trainer_batches
+
+    t = json.loads((hf_lm_run / "truth.json").read_text())
+    data = str(hf_lm_run.parent / t["data"])
+    with open_checkpoint(hf_lm_run / f"checkpoint-{t['before']}") as ck:
+        record = ck.scalars.get("training_args")
+        assert record["output_dir"] == "run"
+        cands = trainer_batches(data, record, ck.config, ckpt_dir=ck.path)
+    assert [c.collator.split("(")[0] for c in cands] == ["default_data_collator", "DataCollatorForLanguageModeling", "DataCollatorWithPadding"]
+    with pytest.raises(BatchError, match="default_data_collator cannot collate the rows of step 37"):
+        cands[0].batch(t["first_bad_step"])
+    b = cands[1].batch(t["first_bad_step"])
+    pad = b["attention_mask"] == 0
+    assert pad.any() and torch.equal(b["labels"] == -100, pad)
+    # the collator pads with the tokenizer's <pad>; the step's narrower micro-batch is padded
+    # out to its wider one (mask 0, label -100) when they are joined
+    assert 63 in b["input_ids"][pad].tolist() and set(b["input_ids"][pad].tolist()) <= {63, 0}
+    assert cands[1].sample_ids[t["first_bad_step"]] == cands[2].sample_ids[t["first_bad_step"]]
+
+    moved = tmp_path / "elsewhere" / "run"  # the run copied away from where it was launched
+    shutil.copytree(hf_lm_run, moved)
+    data = str(shutil.copytree(hf_lm_run.parent / t["data"], moved.parent / "data"))
+    for ckpt in moved.glob("checkpoint-*"):
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (ckpt / f).unlink()
+    with open_checkpoint(moved / f"checkpoint-{t['before']}") as ck:
+        cands = trainer_batches(data, ck.scalars.get("training_args"), ck.config, ckpt_dir=ck.path)
+    assert f"the tokenizer saved in the run's output_dir (run resolved against the run directory's parent {moved.parent})" in cands[1].describe
+    (moved / "tokenizer.json").unlink()
+    with open_checkpoint(moved / f"checkpoint-{t['before']}") as ck:
+        cands = trainer_batches(data, ck.scalars.get("training_args"), ck.config, ckpt_dir=ck.path)
+    assert len(cands) == 1 and "the tokenizer-based collators were not tried: no tokenizer.json" in cands[0].describe

@@ -205,6 +205,55 @@ def lr_jumps(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     return out
 
 
+# Logged LR values that must repeat the run's first ones for a restart to count: three
+# steps of a warm-up (docs/signatures.md#lr-scheduler-restarted).
+LR_RESTART_STEPS = 3
+
+
+def lr_restarts(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
+    """The LR re-running its warm-up: from some step on, the logged LR repeats the run's own
+    first values (a scheduler rebuilt at a resume without its state), where it had left them.
+    The repeat may start a value or two in (a resume that loads the optimizer's groups after
+    building the scheduler keeps the saved LR for one step): the restart is then that many
+    steps earlier. A single step back at the run's first LR is a rebuilt scheduler whose
+    state was loaded after its first value. Only a log that starts at the run's start with a
+    warm-up can say."""
+    rows = ev.rows
+    steps = [s for s in sorted(rows) if "lr" in rows[s]]
+    vals = [rows[s]["lr"] for s in steps]
+    n = LR_RESTART_STEPS
+    if len(vals) < 3 * n or not all(0 < vals[i] < vals[i + 1] for i in range(2 * n - 1)):
+        return []
+
+    def repeats(i: int) -> int | None:
+        """The offset j < n of the run's start that the LR from index i repeats, if any."""
+        for j in range(n):
+            if i > j + n and np.allclose(vals[i : i + n], vals[j : j + n], rtol=1e-6, atol=0.0):
+                return j
+        return None
+
+    def dip(i: int) -> bool:
+        """One step back at the run's first LR between two steps of its schedule: a fresh
+        scheduler's first value, then the saved schedule loaded over it (a resume that
+        rebuilt the optimizer and its scheduler and restored only the scheduler's state)."""
+        return math.isclose(vals[i], vals[0], rel_tol=1e-6) and vals[i - 1] > 2 * vals[i] and vals[i + 1] > 2 * vals[i]
+
+    out = []
+    i = n + 1
+    while i <= len(vals) - n:
+        j = repeats(i)
+        if j is None and dip(i):
+            b = steps[i]
+            out.append(Onset(b, "lr_restart", vals[i], vals[i - 1], math.inf, f"the LR falls back to the run's first value at step {b} for one step ({vals[i - 1]:.3g} -> {vals[i]:.3g} -> {vals[i + 1]:.3g}): an optimizer and scheduler rebuilt at a resume"))
+            i += n
+        elif j is not None and repeats(i - 1) is None:
+            b = steps[i] - j
+            out.append(Onset(b, "lr_restart", vals[i], vals[i - 1], math.inf, f"the LR re-runs its warm-up from step {b} (the run's first values again: {vals[i - 1]:.3g} -> {vals[i]:.3g}): the scheduler restarted at a resume"))
+            i += n
+        i += 1
+    return out
+
+
 def gradient_returns(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     """A parameter whose gradient norm sat >= 1000x below its peers' for `min_history`
     steps and comes back >= 1000x at once, to within 100x of its peers. Adam's second
@@ -347,9 +396,9 @@ def _followed(onset: Onset, ev: LogEvidence, cfg: TriageConfig) -> bool:
 
 
 SEED_DETECTORS: tuple[LogDetector, ...] = (grad_spikes, scale_drops)
-ONSET_DETECTORS: tuple[LogDetector, ...] = (loss_spikes, lr_jumps, gradient_returns, nan_iterations, short_history)
+ONSET_DETECTORS: tuple[LogDetector, ...] = (loss_spikes, lr_jumps, lr_restarts, gradient_returns, nan_iterations, short_history)
 # When two signals start on one step, the report names the most causal first.
-_SIGNAL_ORDER = ("lr", "param_grad", "loss_scale", "grad_norm", "loss")
+_SIGNAL_ORDER = ("lr", "lr_restart", "param_grad", "loss_scale", "grad_norm", "loss")
 
 # A loss excursion that is back under z/2 within RECOVER steps is a blip; the log's own blips
 # (those over z/2) are its tail. A blip is an onset only where all of these hold (issue 32: an

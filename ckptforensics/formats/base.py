@@ -66,6 +66,14 @@ class GroupHyper:
         index: the group's position in `param_groups`.
         fused: the group's `fused` flag as saved (torch's fused AdamW rounds differently
             from the foreach one; a replay that must land on *after* uses the same).
+        family: the optimizer family that owns the group, read from its state layout and
+            its group's own keys ('adam', 'lamb', 'lion', 'adafactor', 'muon', 'sgd',
+            'adam8bit'; see `formats.optim.FAMILIES`).
+        options: the family's other settings as saved, plain values (Adafactor's `eps2`,
+            `d` / `clip_threshold`, `beta2_decay` / `decay_rate`, `relative_step`; Muon's
+            `momentum`, `nesterov`, `ns_coefficients`, `ns_steps`, `adjust_lr_fn`; LAMB's
+            `max_coeff`; SGD's `momentum`, `dampening`, `nesterov`; `implementation`).
+        optimizer: which optimizer of the checkpoint holds the group (Muon runs save two).
     """
 
     lr: float
@@ -76,6 +84,9 @@ class GroupHyper:
     max_lr: float | None = None
     index: int = 0
     fused: bool | None = None
+    family: str = "adam"
+    options: dict[str, Any] = field(default_factory=dict)
+    optimizer: int = 0
 
 
 @dataclass(slots=True)
@@ -83,7 +94,9 @@ class OptimizerView:
     """Optimizer state keyed by parameter name.
 
     Attributes:
-        kind: 'adam' (Adam/AdamW moments), 'sgd', or the state's keys when unknown.
+        kind: the family ('adam', 'lamb', 'lion', 'adafactor', 'muon', 'sgd', 'adam8bit'),
+            two joined by '+' when a checkpoint holds two optimizers ('muon+adam'), or
+            'unknown:<state keys>' for an optimizer the tool does not know.
         state: name -> {"exp_avg", "exp_avg_sq", "step", ...}; tensors may be lazy (mmap).
         hyper: name -> its group's hyper-parameters.
         groups: one GroupHyper per param group, in order.

@@ -250,6 +250,7 @@ def open_dcp(path: Path) -> Checkpoint:
     if step is not None:
         ckpt.scalars["global_step"] = step
     _olmo_config(ckpt, path)
+    _job_config(ckpt, path)
     if state and opt_store is not None:
         _untie(ckpt, state)
         ckpt.optimizer = _optimizer(opt_store, state, groups)
@@ -306,13 +307,36 @@ def _olmo_config(ckpt: Checkpoint, path: Path) -> None:
         tm = cfg.get("train_module") or {}
         optim = tm.get("optim") or {}
         ckpt.scalars["train_config"] = {"grad_clip": tm.get("max_grad_norm"), "learning_rate": optim.get("lr")}
+        ckpt.scalars["olmo_optim"] = optim  # the replay follows a SkipStep optimizer's skips (replay/skipstep)
         if "skip_step" in str(optim.get("type", "")) or "SkipStep" in str(optim.get("_CLASS_", "")):
             ckpt.notes.append(
                 f"the optimizer is OLMo-core's {optim.get('_CLASS_', 'SkipStepAdamW').rsplit('.', 1)[-1]}: it skips a step whose loss or "
                 f"grad norm exceeds the mean of the last {optim.get('rolling_interval_length', 128)} by "
-                f"{optim.get('sigma_factor', 6)} standard deviations (a replay applies every step)"
+                f"{optim.get('sigma_factor', 6)} standard deviations (a replay skips the steps the run's log or that rule says)"
             )
         return
+
+
+def _job_config(ckpt: Checkpoint, path: Path) -> None:
+    """A torchtitan job config (TOML) in the run dir or above it: its FSDP2 mixed-precision
+    policy (`[training] mixed_precision_param`, `mixed_precision_reduce`; torchtitan's
+    defaults bfloat16 / float32), which the replay computes in (replay/precision.py)."""
+    import tomllib
+
+    for d in (path.parent, path.parent.parent):
+        for f in sorted(d.glob("*.toml")) if d.is_dir() else []:
+            try:
+                doc = tomllib.loads(f.read_text())
+            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+                continue
+            training = doc.get("training") if isinstance(doc, dict) else None
+            if isinstance(training, dict) and isinstance(training.get("mixed_precision_param"), str):
+                ckpt.scalars["mixed_precision"] = {
+                    "param_dtype": training["mixed_precision_param"],
+                    "reduce_dtype": str(training.get("mixed_precision_reduce", "float32")),
+                    "source": f"{f.name} training.mixed_precision_param={training['mixed_precision_param']!r} (torchtitan's FSDP2 policy)",
+                }
+                return
 
 
 def _olmo_train_state(path: Path) -> int | None:

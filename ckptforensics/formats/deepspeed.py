@@ -71,6 +71,8 @@ def open_deepspeed(path: Path) -> Checkpoint:
         _stage3_weights(ckpt, shapes, optim, ms)
     else:
         add_state_dict(ckpt, ms.get("module") or {})
+        if stage in (1, 2):
+            _stage12_masters(ckpt, shapes, optim, str(tag))
     ckpt.scalars["global_step"] = int(ms.get("global_steps", 0))
     ckpt.scalars["skipped_steps"] = int(ms.get("skipped_steps", 0))
     ckpt.scalars["zero_stage"] = stage
@@ -78,10 +80,12 @@ def open_deepspeed(path: Path) -> Checkpoint:
     cfg = ms.get("ds_config")
     if isinstance(cfg, dict):
         plain = to_plain(cfg)
+        ckpt.scalars["ds_config"] = plain  # the whole config: a resume plan edits its keys
         ckpt.scalars["train_config"] = {
             "grad_clip": cfg.get("gradient_clipping"),
             **{k: v for k, v in plain.items() if not isinstance(v, dict)},
             **{k: True for k in ("fp16", "bf16") if _enabled(plain, k)},  # what the replay's precision reads
+            "ds_config": plain,
         }
     if optim:
         scale = _loss_scale(optim[0]["optimizer_state_dict"].get("loss_scaler"), cfg)
@@ -186,6 +190,41 @@ def _stage3_weights(ckpt: Checkpoint, shapes: list[list[tuple[str, tuple[int, ..
         for name, shape in members:
             ckpt.add_tensor(name, TensorMeta(shape, torch.float32), _lazy3(optim, g, offs[name], shape, None))
     ckpt.notes.append("ZeRO-3: weights are the fp32 master partitions, gathered")
+
+
+def _stage12_masters(ckpt: Checkpoint, shapes: list[list[tuple[str, tuple[int, ...]]]], optim: list[dict[str, Any]], source: str) -> None:
+    """ZeRO-1/2 with bf16 or fp16 weights: the optimizer files hold the fp32 master weights
+    (`single_partition_of_fp32_groups`, cut like the moments by `param_slice_mappings`),
+    which the optimizer steps; the module holds their rounding. The masters are the weights
+    (a replay updates them, as the run did)."""
+    osd = optim[0]["optimizer_state_dict"] if optim else {}
+    if "single_partition_of_fp32_groups" not in osd or not shapes:
+        return
+    low = [n for g in shapes for n, _ in g if ckpt.has(n) and ckpt.meta(n).dtype in (torch.bfloat16, torch.float16)]
+    if not low:
+        return
+    for g, members in enumerate(shapes):
+        for name, shape in members:
+            if name in low:
+                ckpt.add_tensor(name, TensorMeta(shape, torch.float32), _lazy_master(optim, g, name, shape, source))
+    ckpt.scalars["fp32_masters"] = True
+    ckpt.notes.append(f"ZeRO-{_stage(optim)}: weights are the fp32 master partitions (the module holds their bf16/fp16 rounding)")
+
+
+def _lazy_master(optim: list[dict[str, Any]], g: int, name: str, shape: tuple[int, ...], source: str) -> Callable[[], torch.Tensor]:
+    def build() -> torch.Tensor:
+        pieces = []
+        for o in optim:
+            osd = o["optimizer_state_dict"]
+            frag = osd["param_slice_mappings"][g].get(name)
+            if frag is not None:
+                pieces.append(osd["single_partition_of_fp32_groups"][g].narrow(0, int(frag.get("start")), int(frag.get("numel"))))
+        flat = torch.cat(pieces) if pieces else torch.empty(0)
+        if flat.numel() != math.prod(shape):
+            raise CorruptCheckpoint(f"{source}: {name} has {flat.numel()} fp32 master elements across ranks, expected {math.prod(shape)}")
+        return flat.view(shape)
+
+    return build
 
 
 def _lazy3(optim: list[dict[str, Any]], g: int, off: int, shape: tuple[int, ...], field: str | None) -> Callable[[], torch.Tensor]:

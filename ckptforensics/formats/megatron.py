@@ -31,6 +31,11 @@ def _rank_files(path: Path) -> list[Path]:
     return sorted(path.glob("mp_rank_*/model_optim_rng.pt"))
 
 
+def _plain(v: object) -> bool:
+    """An args value kept in `config`: scalars, and lists of strings (`--data-path`)."""
+    return isinstance(v, (int, float, str, bool)) or v is None or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v))
+
+
 def is_megatron_dir(path: Path) -> bool:
     """An `iter_N/` with `mp_rank_*/` rank dirs (even a rank dir whose file is missing)."""
     return path.is_dir() and (bool(_rank_files(path)) or any(d.is_dir() for d in path.glob("mp_rank_*")))
@@ -57,9 +62,9 @@ def open_megatron(path: Path) -> Checkpoint:
         ckpt.scalars["global_step"] = int(obj["iteration"])
     args = obj.get("args")
     if args is not None and hasattr(args, "__dict__"):
-        a = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool)) or v is None}
+        a = {k: v for k, v in vars(args).items() if _plain(v)}
         ckpt.config = a
-        ckpt.scalars["train_config"] = {"grad_clip": a.get("clip_grad"), "learning_rate": a.get("lr"), "warmup_iters": a.get("lr_warmup_iters")}
+        ckpt.scalars["train_config"] = {"grad_clip": a.get("clip_grad"), "learning_rate": a.get("lr"), "warmup_iters": a.get("lr_warmup_iters"), "megatron": True, "bf16": a.get("bf16"), "fp16": a.get("fp16")}
     if len(files) > 1:
         ckpt.notes.append(f"{len(files)} model-parallel ranks: only {files[0].parent.name} is read (a shard of each split tensor)")
     opt = obj.get("optimizer")
@@ -152,9 +157,9 @@ def open_megatron_dist(path: Path) -> Checkpoint:
         ckpt.scalars["global_step"] = step
     args = common.get("args")
     if args is not None and hasattr(args, "__dict__"):
-        a = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool)) or v is None}
+        a = {k: v for k, v in vars(args).items() if _plain(v)}
         ckpt.config = a
-        ckpt.scalars["train_config"] = {"grad_clip": a.get("clip_grad"), "learning_rate": a.get("lr"), "warmup_iters": a.get("lr_warmup_iters")}
+        ckpt.scalars["train_config"] = {"grad_clip": a.get("clip_grad"), "learning_rate": a.get("lr"), "warmup_iters": a.get("lr_warmup_iters"), "megatron": True, "bf16": a.get("bf16"), "fp16": a.get("fp16")}
     opt = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
     ckpt.scalars.update(scaler_scalars(opt.get("grad_scaler")))
     inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else opt

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import CorruptCheckpoint
 from .base import Checkpoint, TensorMeta
-from .optim import AmbiguousMapping, map_optimizer, trainable_order
+from .optim import AmbiguousMapping, map_optimizer, merge_optimizers, trainable_order
 
 __all__ = ["add_state_dict", "attach_optimizer", "scaler_scalars", "scheduler_scalars", "to_plain"]
 
@@ -35,7 +35,14 @@ def _const(t: torch.Tensor) -> Any:
 
 
 def attach_optimizer(ckpt: Checkpoint, osd: Any, source: str) -> None:
-    """Map an integer-id optimizer state_dict onto the checkpoint's own parameter order."""
+    """Map an integer-id optimizer state_dict onto the checkpoint's own parameter order.
+
+    A list of state_dicts is several optimizers over disjoint parameters (a Muon run's
+    Muon for the hidden matrices and AdamW for the rest, saved as `optimizers=[...]`;
+    Lightning's `optimizer_states`): read as one, each group keeping its optimizer's index.
+    """
+    if isinstance(osd, (list, tuple)):
+        osd = osd[0] if len(osd) == 1 else merge_optimizers([dict(o) if isinstance(o, Mapping) else o for o in osd], source)
     if not isinstance(osd, Mapping):
         raise CorruptCheckpoint(f"{source}: optimizer state is not a state_dict")
     names = ckpt.names() + list(ckpt.aliases)

@@ -17,6 +17,8 @@ __all__ = ["open_torch_file", "sniff_torch_object"]
 
 _MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module", "model_state")
 _OPTIM_KEYS = ("optimizer", "optimizer_state_dict", "optim", "opt")
+# Several optimizers saved as a list (modded-nanogpt's Muon runs: `optimizers=[...]`).
+_OPTIMS_KEYS = ("optimizers", "optimizer_states", "optimizer_state_dicts")
 _STEP_KEYS = ("global_step", "step", "iteration", "iter_num", "steps")
 
 
@@ -65,6 +67,9 @@ def _plain(ckpt: Checkpoint, obj: Mapping[str, Any]) -> None:
     model = next((obj[k] for k in _MODEL_KEYS if isinstance(obj.get(k), Mapping)), obj)
     add_state_dict(ckpt, model)
     osd = next((obj[k] for k in _OPTIM_KEYS if isinstance(obj.get(k), Mapping)), None)
+    if osd is None:
+        key = next((k for k in _OPTIMS_KEYS if isinstance(obj.get(k), (list, tuple)) and obj[k]), None)
+        osd = obj[key] if key is not None else None
     if osd is not None:
         attach_optimizer(ckpt, osd, f"{ckpt.path}:optimizer")
     for k in _STEP_KEYS:
@@ -87,6 +92,8 @@ def _nanogpt(ckpt: Checkpoint, obj: Mapping[str, Any]) -> None:
     add_state_dict(ckpt, obj["model"], strip="_orig_mod.")
     if isinstance(obj.get("optimizer"), Mapping):
         attach_optimizer(ckpt, obj["optimizer"], f"{ckpt.path}:optimizer")
+    elif isinstance(obj.get("optimizers"), (list, tuple)) and obj["optimizers"]:
+        attach_optimizer(ckpt, list(obj["optimizers"]), f"{ckpt.path}:optimizers")
     if "iter_num" in obj:
         ckpt.scalars["global_step"] = int(obj["iter_num"])
     cfg = to_plain(obj.get("model_args"))
@@ -100,9 +107,7 @@ def _lightning(ckpt: Checkpoint, obj: Mapping[str, Any]) -> None:
     add_state_dict(ckpt, obj["state_dict"])
     opts = obj.get("optimizer_states") or []
     if opts:
-        attach_optimizer(ckpt, opts[0], f"{ckpt.path}:optimizer_states[0]")
-        if len(opts) > 1:
-            ckpt.notes.append(f"{len(opts)} optimizers saved; only the first is read")
+        attach_optimizer(ckpt, list(opts), f"{ckpt.path}:optimizer_states")
     if "global_step" in obj:
         ckpt.scalars["global_step"] = int(obj["global_step"])
     if "epoch" in obj:

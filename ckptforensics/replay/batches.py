@@ -45,6 +45,7 @@ class BatchSource:
         fingerprint: what identifies the dataset the sample ids index, when recorded.
         ids_only: the log kept sample ids, not tokens (the recorder's `tokens=False`): the
             rows come from the dataset (`with_rows`).
+        collator: the collator that builds rebuilt batches (HF `--data`), by name.
     """
 
     describe: str
@@ -59,6 +60,7 @@ class BatchSource:
     rebuilt: bool = False
     fingerprint: str | None = None
     ids_only: bool = False
+    collator: str | None = None
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         if self.steps is not None and step not in self.steps:

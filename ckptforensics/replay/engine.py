@@ -20,16 +20,19 @@ from ..formats import open_checkpoint, open_pair
 from ..formats.base import Checkpoint
 from ..logs import group_lrs, read_metrics
 from ..tensors import LR_GROWTH_MARGIN, adam_ratio_bound
-from . import distributed
+from ..updates import replay_bound
+from . import distributed, skipstep
+from . import precision as mp
 from .batches import BatchSource, open_batches
 from .conventions import CallConvention, LabelConvention, call_model, detect_call, settle_labels
-from .logcheck import GRAD_RTOL, LOSS_RTOL, LogCheck, check_against_log
+from .logcheck import GRAD_RTOL, LOSS_RTOL, LogCheck, StepCheck, check_against_log, log_rounding
 from .model import (
     LossNorm,
     build_model,
     build_optimizer,
     load_callable,
     load_weights,
+    padding_rows_trained,
     trainer_loss_norm,
 )
 from .probes import ModuleProbe, PassStats, param_grad_stats, param_grad_sums
@@ -50,8 +53,12 @@ class ReplayConfig:
         batch: batch file, batch log (.h5) or `module:function`; None with `data`.
         data: the run's training data (`--data`: an HF `save_to_disk` dir or
             `module:function`), from which the Trainer's batches are rebuilt.
+        collator: `module:obj`, the collator an HF Trainer run used (`--collator`); None:
+            the standard ones are tried (`choose_batches`).
         step: the step to replay when there is no *after*.
-        precision: 'auto' (what the run used), 'fp32', 'bf16' or 'fp16'.
+        precision: 'auto' (what the run used), 'fp32', 'bf16' or 'fp16' (autocast; fp16 with
+            the run's loss scale), or 'bf16-params' (bf16 weights on fp32 masters: FSDP2's
+            MixedPrecisionPolicy, Megatron --bf16, DeepSpeed bf16); see replay/precision.py.
         device: 'cpu' or 'cuda'.
         clip: gradient clipping norm; None = what the checkpoint or batch log states, else calibrated.
         loss: `module:function(logits, batch) -> per-token loss [B, T']`; None = causal LM CE.
@@ -69,6 +76,7 @@ class ReplayConfig:
     model: str | None = None
     batch: str | None = None
     data: str | None = None
+    collator: str | None = None
     step: int | None = None
     precision: str = "auto"
     device: str = "cpu"
@@ -100,6 +108,7 @@ class StepRecord:
     param_rms_t: dict[str, float] = field(default_factory=dict)
     param_spikes: dict[str, int] = field(default_factory=dict)
     logit_absmax: float = math.nan  # max |logit| of the step's batch
+    skipped_by: str = ""  # who skipped the update: "loss scaler", "optimizer rule" (SkipStepAdamW), "mitigation"
     log_z: float = math.nan  # mean logsumexp of the logits (softmax normaliser, nats)
     sample_tokens: tuple[int, ...] = ()  # target tokens of each row (weights of its mean loss)
 
@@ -159,29 +168,15 @@ class ReplayResult:
     logged: dict[int, dict[str, float]] = field(default_factory=dict)
     baseline: dict[int, dict[str, float]] = field(default_factory=dict)  # logged steps before the window
     check: LogCheck = field(default_factory=LogCheck)  # every replayed step against the run's log
+    plan: Any = None  # the settled Plan the replay ran (bisect continues from it)
     diagnosis: str = ""  # the likeliest reason the first checked step misses the log, where it does
 
 
-def _autocast(precision: str, device: str) -> contextlib.AbstractContextManager[Any]:
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
-    return torch.autocast(device_type=device, dtype=dtype)
 
 
 def _precision(cfg: ReplayConfig, ckpt: Checkpoint) -> tuple[str, str]:
-    if cfg.precision != "auto":
-        return cfg.precision, "--precision"
-    if ckpt.scalars.get("loss_scale") is not None:
-        return "fp16", "loss scaler state in the checkpoint"
-    tc = ckpt.scalars.get("train_config") or {}
-    for flag in ("bf16", "fp16"):  # HF TrainingArguments (autocast over fp32 weights)
-        if tc.get(flag) is True:
-            return flag, f"training_args.bin {flag}=True"
-    dtypes = {ckpt.meta(n).dtype for n in ckpt.names()}
-    if torch.bfloat16 in dtypes:
-        return "bf16", "bf16 weights in the checkpoint"
-    return "fp32", "fp32 weights, no loss scaler"
+    """The run's precision and its source (`precision.candidates` lists the alternatives)."""
+    return mp.resolve(cfg.precision, ckpt)
 
 
 def _model_source(spec: str | None, desc: str | None) -> str:
@@ -195,9 +190,9 @@ def _model_source(spec: str | None, desc: str | None) -> str:
 def _metrics_file(cfg: ReplayConfig) -> Path | None:
     if cfg.metrics is not None:
         return cfg.metrics
-    from ..logs import find_metrics
+    from ..logs import find_metrics, log_dirs
 
-    found = next((f for f in (find_metrics(d) for d in (cfg.before.parent, cfg.before.parent.parent)) if f is not None), None)
+    found = next((f for f in (find_metrics(d) for d in log_dirs(cfg.before)) if f is not None), None)
     if found is None and cfg.batch is not None:
         # A flight recorder's directory (or a black box inside one) keeps the run's log too.
         for d in (Path(cfg.batch), Path(cfg.batch).parent):
@@ -246,6 +241,8 @@ class Session:
         labels: LabelConvention,
         micro_batch_size: int | None = None,
         first: tuple[int, dict[str, torch.Tensor]] | None = None,
+        scale_plan: mp.ScalePlan | None = None,
+        skip_rule: skipstep.SkipRule | None = None,
     ) -> None:
         self.cfg = cfg
         self.ranks = distributed.current()
@@ -260,24 +257,27 @@ class Session:
         if cfg.checkpoint_activations:
             distributed.checkpoint_blocks(self.model)
         if self.ranks is not None:
-            distributed.shard_model(self.model, self.ranks)
+            distributed.shard_model(self.model, self.ranks, bf16_params=precision == "bf16-params")
             distributed.materialize(self.model, self.device)
         self.to_ckpt = load_weights(self.model, a, self.ranks)
         self.model.to(self.device).train()
         self.opt = build_optimizer(self.model, a, self.to_ckpt, self.ranks)
+        unpadded = padding_rows_trained(self.model, self.opt) if self.ranks is None else []
+        if unpadded:
+            self.model_source += f"; padding_idx of {', '.join(unpadded)}: the run trained the row config.json names (its exp_avg_sq is not 0 there)"
         self.precision = precision
         self.loss_fn = loss_fn
         self.labels = labels
         self.call = None
+        # bf16 parameters on fp32 masters in one process (FSDP2 casts them under torchrun).
+        self.bf16_params = mp.BF16Params([p for _, p in self.model.named_parameters() if p.requires_grad]) if precision == "bf16-params" and self.ranks is None else None
         if first is not None:  # the calling convention, from the window's first batch
             check_vocab(self.model, first[1], first[0])
             self.call = self._detect_call(first[1])
-        self.scaler = None
-        if precision == "fp16":
-            self.scaler = torch.amp.GradScaler(self.device.type)
-            state = a.scalars.get("scaler")
-            if isinstance(state, dict) and "scale" in state:
-                self.scaler.load_state_dict({k: v for k, v in state.items() if k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")})
+        self.skip_rule = skip_rule  # OLMo-core's SkipStepAdamW: the steps it skipped
+        # fp16: the run's loss scale (precision.LossScaler); without a plan, the
+        # checkpoint's scaler state or GradScaler's default start.
+        self.loss_scaler = mp.LossScaler(self.device, scale_plan or mp.scale_plan(a, None, [a.step or 0], {}, {})) if precision == "fp16" else None
         self.probe = ModuleProbe(self.model, self.device, self.ranks)
         self.probe.once = cfg.checkpoint_activations
         self.psg = PerSampleGrad(self.model)
@@ -294,13 +294,21 @@ class Session:
         if self.ranks is not None:
             batch = self.ranks.my_rows(batch)
         on = {k: v.to(self.device) for k, v in batch.items()}
-        with torch.no_grad(), _autocast(self.precision, self.device.type):
-            return detect_call(self.model, on, self.labels.shifted)
+        try:
+            with torch.no_grad(), self._compute(self.precision):
+                return detect_call(self.model, on, self.labels.shifted)
+        finally:
+            if self.bf16_params is not None:
+                self.bf16_params.restore()
+            if self.ranks is not None:
+                # A no-grad forward leaves FSDP2's root unsharded; under a bf16 policy the
+                # next backward then never hands the root's gradients to its fp32 shards.
+                distributed.reshard(self.model)
 
     def _forward(self, batch: dict[str, torch.Tensor], precision: str) -> torch.Tensor:
         """The logits of every position [B, T, V], the model called as its trainer calls it."""
         assert self.call is not None
-        with _autocast(precision, self.device.type):
+        with self._compute(precision):
             out = call_model(self.model, self.call, batch, self.labels.shifted)
         if isinstance(out, torch.Tensor):
             return out
@@ -344,6 +352,22 @@ class Session:
             self.logit_stats = torch.stack([absmax, lse.mean()]) if self.ranks is None else torch.stack([absmax, lse.sum(), lse.new_tensor(lse.numel())])
         return loss, per_sample
 
+    def _compute(self, precision: str) -> contextlib.AbstractContextManager[Any]:
+        """The forward's precision: autocast, or the weights cast to bf16 (bf16-params)."""
+        if precision == "bf16-params" and self.ranks is None:
+            if self.bf16_params is None:  # another precision tried on this session (`evaluate`)
+                self.bf16_params = mp.BF16Params([p for _, p in self.params])
+            return self.bf16_params.compute()
+        return mp.autocast(precision, self.device.type)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backward; with bf16 parameters, the fp32 masters back with fp32 gradients."""
+        try:
+            loss.backward()
+        finally:
+            if self.bf16_params is not None:
+                self.bf16_params.restore()
+
     def _normalise(self, tok: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
         """The step's loss as its trainer averaged it (`trainer_loss_norm`)."""
         kind = self.loss_norm.kind if self.loss_fn is None else "targets"
@@ -378,7 +402,7 @@ class Session:
         """Forward + backward with probes, no update (the fp32 reference pass)."""
         self.probe.reset()
         loss, _ = self._loss(batch, precision)
-        loss.backward()
+        self._backward(loss)
         stats = self.probe.collect()
         self.opt.zero_grad(set_to_none=True)
         return stats
@@ -390,7 +414,7 @@ class Session:
         try:
             self.opt.zero_grad(set_to_none=True)
             loss, _ = self._loss(batch, precision or self.precision)
-            loss.backward()
+            self._backward(loss)
             grads = [_local(p.grad) for _, p in self.params if p.grad is not None]
             if self.ranks is not None:  # the ranks' loss shares and squared norms, summed
                 sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
@@ -407,32 +431,42 @@ class Session:
     ) -> tuple[StepRecord, PassStats]:
         for g, lr in zip(self.opt.param_groups, lrs, strict=True):
             g["lr"] = lr
-        self.probe.reset()
-        self.psg.reset()
-        self.psg.enabled = True
-        self.opt.zero_grad(set_to_none=True)
-        loss, per_sample = self._loss(batch, self.precision)
-        scale = self.scaler.get_scale() if self.scaler is not None else None
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        self.psg.enabled = False
-        stats = self.probe.collect()
-        if self.scaler is not None:
-            self.scaler.unscale_(self.opt)
+        ls = self.loss_scaler
+        while True:  # once, unless the loss scale must move and the step be redone (fp16)
+            scale = ls.begin(step) if ls is not None else None
+            self.probe.reset()
+            self.psg.reset()
+            self.psg.enabled = True
+            self.opt.zero_grad(set_to_none=True)
+            loss, per_sample = self._loss(batch, self.precision)
+            self._backward(ls.scale(loss) if ls is not None else loss)
+            self.psg.enabled = False
+            stats = self.probe.collect()
+            verdict = ls.settle(step, ls.unscale(self.opt, [p for _, p in self.params])) if ls is not None else None
+            if verdict != "redo":
+                break
         with_grad = [(n, p) for n, p in self.params if p.grad is not None]
         if self.ranks is None:
             g = self._gradients(with_grad, clip, loss, per_sample)
         else:
             g = self._gradients_ranks(with_grad, clip, loss, per_sample, batch["input_ids"].shape[0])
+        skipped_by = ""
         if not update:
-            skipped = True  # the mitigation skips this step's update
-        elif self.scaler is not None:
-            before_scale = self.scaler.get_scale()
-            self.scaler.step(self.opt)
-            self.scaler.update()
-            skipped = self.scaler.get_scale() < before_scale
+            skipped, skipped_by = True, "mitigation"  # the mitigation skips this step's update
+            if ls is not None:
+                ls.hold()
+        elif ls is not None:
+            skipped = verdict == "skip"
+            skipped_by = "loss scaler" if skipped else ""
+            ls.finish(step, self.opt, skipped)
+        elif self.skip_rule is not None and self.skip_rule.decide(step, g.loss, g.total):
+            skipped, skipped_by = True, "optimizer rule"  # SkipStepAdamW: weights, moments and Adam's step stay as they were
         else:
             skipped = not math.isfinite(g.total)
+            held = skipstep.hold_step_counter(self.opt) if self.skip_rule is not None and not self.skip_rule.step_increments else None
             self.opt.step()
+            if held is not None:
+                skipstep.restore_step_counter(self.opt, held)
         rec = StepRecord(
             step=step,
             loss=g.loss,
@@ -449,6 +483,7 @@ class Session:
             param_spikes=g.spikes,
             logit_absmax=g.logit_absmax,
             log_z=g.log_z,
+            skipped_by=skipped_by,
             sample_tokens=g.sample_tokens,
         )
         return rec, stats
@@ -553,31 +588,40 @@ def _compare(session: Session, b: Checkpoint, lrs: dict[int, list[float]], only:
         if (only is not None and name not in only) or not b.has(name):
             continue
         if ranks is not None:
-            out.extend(_compare_shard(ranks, name, p, state.get(p, {}), session.opt.param_groups[group_of.get(id(p), 0)], b, lrs, group_of.get(id(p), 0)))
+            out.extend(_compare_shard(ranks, name, p, state.get(p, {}), session.opt.param_groups[group_of.get(id(p), 0)], b, lrs, group_of.get(id(p), 0), session.precision))
             continue
         gi = group_of.get(id(p), 0)
         g = session.opt.param_groups[gi]
         lr = max(v[gi] for v in lrs.values())
-        beta1, beta2 = g["betas"]
         st_p = state.get(p, {})
-        t_end = int(st_p["step"]) if "step" in st_p else k
-        c = adam_ratio_bound(beta1, beta2, max(1, t_end - k + 1), t_end)
         ref = b.tensor(name).to(torch.float32).view_as(p)
         mine = p.detach().cpu().to(torch.float32)
-        out.append(_weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, g["weight_decay"]))
+        # The seam to the optimizer's family: its own per-step bound (updates.replay_bound).
+        c, wd = replay_bound(g, st_p, k, lr, tuple(p.shape), float(mine.pow(2).mean().sqrt()))
+        out.append(_weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, wd, mp.reach(session.precision)))
         st = b.optim_state(name)
         if st_p and st:
-            for where in ("exp_avg", "exp_avg_sq"):
-                x, y = st_p[where].cpu(), st[where].float().view_as(p)
+            pairs = {where: (st_p[where].cpu().float(), st[where].float().view_as(st_p[where])) for where in _shared_state(st_p, st)}
+            v = pairs.get("exp_avg_sq")
+            for where, (x, y) in pairs.items():
                 # Relative rounding per step, floored at the tensor's own scale: elements
                 # whose true gradient is zero (a key bias, say) hold pure rounding noise.
-                scale = torch.maximum(x.abs(), y.abs())
-                out.append(_match(name, where, x, y, _moment_tol(scale, float(scale.max()), k), None))
+                scale = mp.moment_scale(session.precision, where, x, y, *v) if v is not None else torch.maximum(x.abs(), y.abs())
+                out.append(_match(name, where, x, y, _moment_tol(scale, float(scale.max()), k, mp.moment_rounding(session.precision)), None))
     return out if ranks is None else merge_matches(ranks, out)
 
 
+def _shared_state(mine: dict, after: dict) -> list[str]:
+    """The state tensors of a replayed parameter that *after* holds too, shape for shape
+    (Adam's moments, Adafactor's factored rows and columns, a momentum buffer)."""
+    return [
+        k for k, v in mine.items()
+        if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0 and isinstance(after.get(k), torch.Tensor) and after[k].numel() == v.numel()
+    ]  # fmt: skip
+
+
 def _compare_shard(
-    ranks: distributed.Ranks, name: str, p: Any, st_p: dict, g: dict, b: Checkpoint, lrs: dict[int, list[float]], gi: int
+    ranks: distributed.Ranks, name: str, p: Any, st_p: dict, g: dict, b: Checkpoint, lrs: dict[int, list[float]], gi: int, precision: str = "fp32"
 ) -> list[TensorMatch]:
     """`_compare` for one FSDP2-sharded parameter: this rank's rows of the replayed state
     against the same rows of *after* (only those read); the ranks' counts are merged by
@@ -595,7 +639,7 @@ def _compare_shard(
 
     mine = _local(p).detach().cpu().float()
     ref = after_rows(lambda lo, hi: b.rows(name, lo, hi), lambda: b.tensor(name))
-    out = [_weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, g["weight_decay"])]
+    out = [_weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, g["weight_decay"], mp.reach(precision))]
     st = b.optim_state(name)
     if st_p and st:
         pairs = {}
@@ -603,25 +647,28 @@ def _compare_shard(
             x = _local(st_p[where]).cpu().float()
             y = after_rows(lambda lo, hi, w=where: b.state_rows(name, w, lo, hi), lambda w=where: st[w])
             pairs[where] = (x, y, torch.maximum(x.abs(), y.abs()))
+        vx, vy, _ = pairs["exp_avg_sq"]
+        pairs = {w: (x, y, mp.moment_scale(precision, w, x, y, vx, vy)) for w, (x, y, _) in pairs.items()}
         tops = ranks.max(torch.stack([s.max() if s.numel() else s.new_zeros(()) for _, _, s in pairs.values()]))
         for (where, (x, y, scale)), top in zip(pairs.items(), tops.tolist(), strict=True):
-            out.append(_match(name, where, x, y, _moment_tol(scale, top, k), None))
+            out.append(_match(name, where, x, y, _moment_tol(scale, top, k, mp.moment_rounding(precision)), None))
         b.forget(name)
     return out
 
 
-def _weight_match(name: str, mine: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, klr: float, c: float, wd: float) -> TensorMatch:
+def _weight_match(name: str, mine: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, klr: float, c: float, wd: float, reach: float = 1.0) -> TensorMatch:
     """A replayed weight against *after*'s: within 1% of the window's Adam steps (k lr) plus
     rounding of the stored dtype; past the bound no Adam step reaches (`impossible`)."""
     ulp = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
     wscale = torch.maximum(mine.abs(), ref.abs())
-    return _match(name, "weight", mine, ref, 0.01 * klr + 4 * ulp * wscale, klr * (c + wd * wscale) * 1.001 + 2 * ulp * wscale)
+    return _match(name, "weight", mine, ref, 0.01 * klr + 4 * ulp * wscale, reach * klr * (c + wd * wscale) * 1.001 + 2 * ulp * wscale)
 
 
-def _moment_tol(scale: torch.Tensor, top: float, k: int) -> torch.Tensor:
-    """A moment's tolerance: relative rounding per step, floored at the whole tensor's
-    scale `top` (elements whose true gradient is zero hold pure rounding noise)."""
-    return 1e-3 * k * scale + 1e-4 * top + 1e-30
+def _moment_tol(scale: torch.Tensor, top: float, k: int, rel: float = 1e-3) -> torch.Tensor:
+    """A moment's tolerance: relative rounding `rel` per step (`precision.moment_rounding`),
+    floored at the whole tensor's scale `top` (elements whose true gradient is zero hold
+    pure rounding noise)."""
+    return rel * k * scale + 1e-4 * top + 1e-30
 
 
 def merge_matches(ranks: distributed.Ranks, local: list[TensorMatch]) -> list[TensorMatch]:
@@ -680,12 +727,15 @@ class Plan:
     model_source: str = ""
     loss_norm: LossNorm | None = None
     call: CallConvention | None = None
+    scale: mp.ScalePlan | None = None  # fp16: where the loss scale comes from
+    skip: skipstep.SkipRule | None = None  # an optimizer that skips steps (OLMo-core)
 
     def config(self, clip: float | None, clip_source: str) -> dict[str, dict[str, Any]]:
         """replay.config: every assumption with its source (the report states it: replay.config)."""
         cfg = self.cfg
         return {
             "precision": {"value": self.precision, "source": self.precision_source},
+            **({"loss_scale": self.scale.describe()} if self.scale is not None and self.precision == "fp16" else {}),
             "lr": {"value": {s: self.lrs[s] for s in self.steps}, "source": self.lr_source},
             "clip": {"value": clip, "source": clip_source},
             "loss": {
@@ -697,7 +747,11 @@ class Plan:
                 "value": self.call.describe if self.call else None,
                 "source": "the forward's signature and one forward of the first batch; checked on the first step against the log",
             },
-            "optimizer": {"value": "AdamW", "source": "checkpoint optimizer state"},
+            "optimizer": (
+                {"value": f"{self.skip.name}: AdamW whose update is skipped where the loss or grad norm exceeds the mean of the last {self.skip.interval} steps by {self.skip.sigma:g} std",
+                 "source": "OLMo-core config.json train_module.optim; the skipped steps from the run's log (optim/step skipped), else from that rule"}
+                if self.skip is not None else {"value": _optimizer_name(self.a), "source": "checkpoint optimizer state (its family's own class)"}
+            ),  # fmt: skip
             "model": {"value": self.model_source or cfg.model or "config.json", "source": _model_source(cfg.model, self.model_source)},
             "batches": {"value": self.batches.describe, "source": "--data, rebuilt; the first replayed step's loss and grad norm match the log" if self.batches.rebuilt else "--batch"},
             "metrics": {"value": str(self.metrics_file) if self.metrics_file else None, "source": "discovered" if self.metrics_file and cfg.metrics is None else "--metrics"},
@@ -714,10 +768,28 @@ class Plan:
         # Under torchrun each rank reads its own rows: a rank that cannot stops them all.
         first = (self.steps[0], self.batches.batch(self.steps[0]))
         sess = distributed.agree(
-            distributed.current(), lambda: Session(self.cfg, self.a, self.precision, self.loss_fn, self.labels, self.batches.micro_batch_size, first)
+            distributed.current(),
+            lambda: Session(
+                self.cfg, self.a, self.precision, self.loss_fn, self.labels, self.batches.micro_batch_size, first,
+                self.scale, self.skip.fresh() if self.skip is not None else None,
+            ),  # fmt: skip
         )
         self.model_source, self.loss_norm, self.call = sess.model_source, sess.loss_norm, sess.call
         return sess
+
+
+def _optimizer_name(a: Checkpoint) -> str:
+    """The rebuilt optimizer's classes, as `replay.config` states them."""
+    if a.optimizer is None:
+        return "none"
+    names = {"adam": "AdamW", "lion": "lion_pytorch.Lion", "muon": "torch.optim.Muon", "sgd": "torch.optim.SGD"}
+    out = []
+    for h in a.optimizer.groups:
+        impl = str(h.options.get("implementation", ""))
+        n = impl if h.family == "adafactor" else names.get(h.family, h.family)
+        if n not in out:
+            out.append(n)
+    return " + ".join(out)
 
 
 def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
@@ -740,8 +812,11 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
             steps = list(range(a.step + 1, b.step + 1))
         else:
             steps = [cfg.step if cfg.step is not None else a.step + 1]
-    batches = _batches(cfg, a)
-    window = [batches.batch(s) for s in steps]  # fail early on a missing step
+    candidates = _batches(cfg, a)
+    batches = candidates[0]
+    # Several candidates (the collators an HF run may have used): the window and its labels
+    # once one is chosen (`choose_batches`).
+    window = [batches.batch(s) for s in steps] if len(candidates) == 1 else []  # fail early on a missing step
     labels = settle_labels(window, batches.labels_shifted, cfg.labels, batches.describe)
     mfile = _metrics_file(cfg)
     logged = read_metrics(mfile) if mfile is not None else {}
@@ -763,37 +838,90 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
         clips = [(None, "calibrated against the log: none"), (1.0, "calibrated against the log: 1.0")]
     else:
         clips = [(None, "assumed: none (no after and no log to calibrate against)")]
-    return Plan(cfg, a, b, steps, batches, lrs, lsrc, clips, precision, psrc, loss_fn, logged, mfile, labels)
+    scale = mp.scale_plan(a, b, steps, batches.loss_scale, logged) if precision == "fp16" else None
+    skip = skipstep.skip_rule(a, logged, steps[0])
+    p = Plan(cfg, a, b, steps, batches, lrs, lsrc, clips, precision, psrc, loss_fn, logged, mfile, labels, scale=scale, skip=skip)
+    if len(candidates) > 1:
+        p.batches = choose_batches(p, candidates)
+    return p
 
 
-def _batches(cfg: ReplayConfig, a: Checkpoint) -> BatchSource:
-    """`--batch` as given, or the batches rebuilt from the run's data (`--data`)."""
+def choose_batches(p: Plan, candidates: list[BatchSource]) -> BatchSource:
+    """The first candidate (the rebuilt batches under each collator an HF run may have
+    used) whose first replayed step, evaluated from *before*, gives the loss and grad norm
+    the log recorded (`require_rebuilt_match`); its `describe` says so and what was passed
+    over. A candidate whose collator cannot collate the window's rows, or whose labels
+    follow no convention, is passed over too. Leaves `p.labels` measured on the chosen
+    candidate's window. None lands: one line, the figures of each."""
+    from .hfdata import require_rebuilt_match
+
+    step = p.steps[0]
+    logged = p.logged.get(step)
+    if not logged or "loss" not in logged:
+        raise ForensicsError(f"the rebuilt batches cannot be checked: the log has no loss for step {step} to tell the collators apart; pass --collator or --batch")
+    missed: list[str] = []
+    session: Session | None = None
+    try:
+        with torch.random.fork_rng(devices=[torch.device(p.cfg.device)] if p.cfg.device == "cuda" else []):
+            for c in candidates:
+                name = c.collator or c.describe
+                try:
+                    window = [c.batch(s) for s in p.steps]
+                    labels = settle_labels(window, c.labels_shifted, p.cfg.labels, c.describe)
+                except ForensicsError as e:  # BatchError names the collator, the step and its error
+                    missed.append(getattr(e, "brief", str(e)))
+                    continue
+                p.batches, p.labels = c, labels
+                if session is None:
+                    session = p.session()  # the model called as its trainer calls it, from this window
+                session.labels = labels
+                loss, grad = session.evaluate(window[0])
+                try:
+                    require_rebuilt_match(step, (loss, grad), logged, p.precision)
+                except ForensicsError:
+                    missed.append(f"{name}: loss {loss:.4g}" + (f", grad norm {grad:.4g}" if "grad_norm" in logged else ""))
+                    continue
+                passed = f"; passed over: {'; '.join(missed)}" if missed else ""
+                return dataclasses.replace(c, describe=f"{c.describe}: its step {step} lands on the log{passed}")
+    finally:
+        if session is not None:
+            session.close()
+    want = f"loss {logged['loss']:.4g}" + (f", grad norm {logged['grad_norm']:.4g}" if "grad_norm" in logged else "")
+    raise ForensicsError(
+        f"the data pipeline differs: no collator rebuilds step {step} as logged ({want}); pass --collator module:obj or --batch. "
+        f"Tried: {'; '.join(missed)}"
+    )
+
+
+def _batches(cfg: ReplayConfig, a: Checkpoint) -> list[BatchSource]:
+    """`--batch` as given, or the batches rebuilt from the run's data (`--data`): HF
+    Trainer runs give a candidate per collator (`choose_batches` keeps one)."""
     if cfg.batch is not None:
         src = open_batches(cfg.batch)
         if not src.ids_only:
-            return src
+            return [src]
         if cfg.data is None:
             raise ForensicsError(f"{cfg.batch}: the log keeps sample ids, not tokens: pass --data (the dataset they index) as well")
         from .batches import with_rows
         from .hfdata import _dataset
 
-        return with_rows(src, _dataset(cfg.data), f"--data {cfg.data}")
+        return [with_rows(src, _dataset(cfg.data), f"--data {cfg.data}")]
     if cfg.data is None:
         raise ForensicsError("pass --batch (the batches the run consumed) or --data (the run's training data: HF Trainer, Megatron and OLMo-core runs)")
     if a.format.startswith("megatron"):
         from .megatron_data import megatron_batches
 
-        return megatron_batches(cfg.data, a.config)
+        return [megatron_batches(cfg.data, a.config, a.path.parent)]
     from .olmo_data import is_olmo_checkpoint, olmo_batches
 
     if is_olmo_checkpoint(a.path):
-        return olmo_batches(cfg.data, a.path)
+        return [olmo_batches(cfg.data, a.path)]
     if a.format != "hf-trainer":
         raise ForensicsError(f"{a.path}: --data rebuilds HF Trainer runs' batches; this is a {a.format} checkpoint: pass --batch")
     from .hfdata import trainer_batches
 
     world = len(list(a.path.glob("rng_state_*.pth"))) or 1  # the Trainer saves one RNG state per process
-    return trainer_batches(cfg.data, a.scalars.get("training_args"), a.config, world)
+    return trainer_batches(cfg.data, a.scalars.get("training_args"), a.config, world, cfg.collator, a.path)
 
 
 def _check_rebuilt(p: Plan, result: ReplayResult) -> None:
@@ -819,7 +947,7 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
     """
     torch.manual_seed(0)
     p = plan(cfg, steps)
-    _settle_ratio_change(p, progress)
+    settle(p, progress)
     best: tuple[tuple[float, float], ReplayResult] | None = None
     todo = list(p.clips)
     tried: set[float | None] = set()
@@ -847,10 +975,57 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
             todo = [(c, f"{how}: {c:g}") for c in CLIP_CANDIDATES if c not in tried and c < top]
     assert best is not None
     result = best[1]
+    result.plan = p
     miss = result.check.first_miss
     if miss is not None and miss.step == result.check.first_checked:
         result.diagnosis = diagnose_miss(p, miss, result.check.loss_atol)
     return result
+
+
+def settle(p: Plan, progress: Callable[[str], None] | None = None) -> None:
+    """What the plan cannot read from the run's files, calibrated: a per-group LR change the
+    log does not show, the precision where the run states none (the first step against the
+    log), the fp16 loss scale where the run recorded none."""
+    _settle_ratio_change(p, progress)
+    settle_precision(p)
+    mp.settle_loss_scale(p, progress)
+
+
+def settle_precision(p: Plan) -> None:
+    """Where the run states no precision (fp32 weights: fp32, bf16 parameters on fp32 masters
+    and bf16 autocast all keep them), the candidate whose first replayed step lands on the
+    logged loss and grad norm (`precision.candidates`, likeliest first). Without a logged
+    first step the likeliest stands, said so."""
+    cands = [c for c in mp.candidates(p.a, p.cfg.precision) if c[0] != "fp16"]
+    if len(cands) < 2:
+        return
+    first = p.steps[0]
+    row = p.logged.get(first) or {}
+    if "loss" not in row:
+        p.precision_source += "; other precisions possible, the log cannot tell (no logged loss at the first step)"
+        return
+    others = []
+    if distributed.current() is not None:  # FSDP2 shards in one precision: only the plan's is tried here
+        others = [c for c, _ in cands if c != p.precision]
+        cands = [c for c in cands if c[0] == p.precision]
+    miss = StepCheck(step=first, logged_loss=row["loss"], logged_grad_norm=row.get("grad_norm"), loss_ok=False, grad_ok=False if "grad_norm" in row else None)
+    atol = log_rounding([r["loss"] for r in p.logged.values() if "loss" in r])
+    batch = p.batches.batch(first)
+    session = p.session()
+    tried = []
+    try:
+        for prec, why in cands:
+            got = session.evaluate(batch, prec)
+            tried.append(f"{prec} {got[0]:.5g}")
+            if _lands(got, miss, atol, prec):
+                p.precision = prec
+                p.precision_source = f"{why}; calibrated: its first step gives loss {got[0]:.6g}, the log {row['loss']:.6g} ({', '.join(tried)})"
+                return
+    finally:
+        session.close()
+    p.precision_source += f"; no candidate lands on the log's first step ({', '.join(tried)}; logged {row['loss']:.5g})"
+    if others:
+        p.precision_source += f"; {', '.join(others)} are tried in one process only (run without torchrun)"
 
 
 def settle_clip(p: Plan, progress: Callable[[str], None] | None = None, probe_steps: int = 4) -> tuple[float | None, str]:
@@ -924,7 +1099,7 @@ def diagnose_miss(p: Plan, miss: Any, atol: float = 0.0) -> str:
                     session.labels, session.loss_norm = labels, LossNorm(kind, kind)
 
                 variants.append((f"loss normalisation: {kind}", use_norm, session.precision))
-        for prec in ("fp32", "bf16", "fp16"):
+        for prec in ("fp32", "bf16-params", "bf16", "fp16"):
             if prec != session.precision:
 
                 def use_default() -> None:

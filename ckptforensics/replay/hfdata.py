@@ -8,8 +8,11 @@ transformers' own `Trainer` builds that dataloader here (its column removal, sam
 collator), so the order is the library's, not a copy of it; the sampler's indices are
 walked to step s without loading, collating or computing the batches before it.
 
-The rebuilt batches are checked before they are trusted (`engine.check_rebuilt`): the
-first replayed step's loss, from *before*, must match the logged loss of that step.
+The collator is the run's: `--collator`, else each standard one in turn (the run records
+none; the tokenizer the Trainer saved beside the checkpoint gives the pad id), and the
+replay keeps the first whose first step lands on the log (`engine.choose_batches`). The
+rebuilt batches are checked before they are trusted: the first replayed step's loss, from
+*before*, must match the logged loss of that step (`require_rebuilt_match`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import inspect
 import logging
 import tempfile
 import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +31,9 @@ import torch
 
 from ..errors import ForensicsError
 from .batches import BatchError, BatchSource
+from .paths import resolve_recorded
 
-__all__ = ["trainer_batches", "require_rebuilt_match", "REBUILT_LOSS_RTOL", "REBUILT_GRAD_RTOL"]
+__all__ = ["trainer_batches", "require_rebuilt_match", "REBUILT_LOSS_RTOL", "REBUILT_GRAD_RTOL", "STANDARD_COLLATORS", "Collator"]
 
 # The first replayed step's loss (and pre-clip grad norm, where logged) from a rebuilt
 # batch against the log. The same batch from the same weights lands within float noise
@@ -104,8 +111,115 @@ def _model_forward(config: dict[str, Any] | None) -> Any:
     return getattr(cls, "forward", None)
 
 
-def trainer_batches(data: str, record: dict[str, Any] | None, config: dict[str, Any] | None, world_size: int = 1) -> BatchSource:
-    """The batch of every optimizer step, as the run's Trainer drew it from `data`.
+# The collators of causal-LM Trainer runs, tried in this order when the run does not say
+# which it used (transformers 5.24's Trainer records none: training_args.bin is the
+# TrainingArguments, and `Trainer._save` writes the model, the processing_class and the args;
+# the collator is code). The last two need the run's tokenizer (its pad id and padding side),
+# which the Trainer does save beside each checkpoint when it had one (`processing_class`, or
+# the collator's own `tokenizer` when there was none).
+STANDARD_COLLATORS = ("default_data_collator", "DataCollatorForLanguageModeling(mlm=False)", "DataCollatorWithPadding")
+
+
+@dataclass(frozen=True, slots=True)
+class Collator:
+    """A collator candidate: what it is (for `replay.config`), the function, and a short
+    name (for one-line errors)."""
+
+    name: str
+    fn: Callable[[list[dict[str, Any]]], Any]
+    short: str = ""
+
+
+def _tokenizer(ckpt_dir: Path | None, record: dict[str, Any], data: str) -> tuple[Any, str]:
+    """The run's tokenizer and where it was found, else (None, why not).
+
+    The checkpoint dir first (the Trainer saves its processing_class in every
+    checkpoint-N), then the run's `output_dir` (where a script's `tokenizer.save_pretrained`
+    and the final `save_model` put it), a path recorded relative to the launch directory
+    (`paths.resolve_recorded`). Only a fast tokenizer's `tokenizer.json` is read (plain
+    JSON; no remote code, no pickles)."""
+    places: list[tuple[Path, str]] = []
+    if ckpt_dir is not None:
+        places.append((ckpt_dir, f"the tokenizer saved in {ckpt_dir.name}"))
+        out = record.get("output_dir")
+        data_path = Path(data) if Path(data).exists() else None
+        found = resolve_recorded(out if isinstance(out, str) else None, ckpt_dir.parent, data_path, holds=lambda p: (p / "tokenizer.json").is_file())
+        if found is not None and found.path.absolute() != ckpt_dir.absolute():
+            places.append((found.path, f"the tokenizer saved in the run's output_dir ({found.how})"))
+    for where, label in places:
+        if not (where / "tokenizer.json").is_file():
+            continue
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(where), local_files_only=True, trust_remote_code=False), label
+        except Exception as e:  # an unreadable tokenizer in untrusted input: the candidates that need it are skipped
+            log.warning("%s: the tokenizer does not load (%s: %s)", where, type(e).__name__, str(e).splitlines()[0][:160] if str(e) else "")
+    return None, "no tokenizer.json in the checkpoint (the Trainer saves its processing_class there) nor in the run's output_dir"
+
+
+def _standard(tok: Any, tok_src: str) -> list[Collator]:
+    """`STANDARD_COLLATORS` that can be built: those needing a tokenizer only with one."""
+    from transformers import (
+        DataCollatorForLanguageModeling,
+        DataCollatorWithPadding,
+        default_data_collator,
+    )
+
+    out = [Collator("default_data_collator", default_data_collator, "default_data_collator")]
+    if tok is None:
+        return out
+    pad = f"pad id {tok.pad_token_id}, {tok.padding_side} padding; {tok_src}"
+    out.append(Collator(f"DataCollatorForLanguageModeling(mlm=False; {pad})", DataCollatorForLanguageModeling(tok, mlm=False), "DataCollatorForLanguageModeling(mlm=False)"))
+    out.append(Collator(f"DataCollatorWithPadding({pad})", DataCollatorWithPadding(tok), "DataCollatorWithPadding"))
+    return out
+
+
+def _given(spec: str, tok: Any, tok_src: str) -> Collator:
+    """`--collator module:obj`: the collator the run passed to `Trainer(data_collator=...)`,
+    or a factory whose one required argument is `tokenizer` (or `processing_class`), called
+    with the run's tokenizer (`tok_src`: where it was found, or why there is none)."""
+    from .model import load_callable
+
+    obj = load_callable(spec, "--collator")
+    try:
+        required = [p.name for p in inspect.signature(obj).parameters.values() if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        required = []
+    if required not in (["tokenizer"], ["processing_class"]):
+        return Collator(f"{spec} (--collator)", obj, f"{spec} (--collator)")
+    if tok is None:
+        raise BatchError(f"--collator {spec} takes the run's tokenizer: {tok_src}")
+    try:
+        built = obj(tok)
+    except Exception as e:  # the user's factory failing on the run's tokenizer is bad input
+        raise BatchError(f"--collator {spec}: building it with {tok_src} failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+    return Collator(f"{spec}(tokenizer) (--collator; pad id {tok.pad_token_id}, {tok.padding_side} padding; {tok_src})", built, f"{spec}(tokenizer) (--collator)")
+
+
+class _Active:
+    """The data_collator the Trainer is built with: it calls whichever candidate is
+    collating, so one dataloader (one sampler walk) serves every candidate, each wrapped as
+    the Trainer wraps its collator (column removal for non-`datasets` data)."""
+
+    def __init__(self) -> None:
+        self.fn: Callable[[list[dict[str, Any]]], Any] | None = None
+
+    def __call__(self, features: list[dict[str, Any]]) -> Any:
+        assert self.fn is not None
+        return self.fn(features)
+
+
+def trainer_batches(
+    data: str,
+    record: dict[str, Any] | None,
+    config: dict[str, Any] | None,
+    world_size: int = 1,
+    collator: str | None = None,
+    ckpt_dir: Path | None = None,
+) -> list[BatchSource]:
+    """The batch of every optimizer step, as the run's Trainer drew it from `data`: one
+    candidate source per collator to try, in order (one when `collator` is given).
 
     Args:
         data: `--data` (a `save_to_disk` dir or `module:function`).
@@ -116,6 +230,13 @@ def trainer_batches(data: str, record: dict[str, Any] | None, config: dict[str, 
             several, accelerate hands process r the sampler's micro-batches r, r + W, ...
             (`BatchSamplerShard`); the step's global batch is every process's micro-batches,
             process 0's first (what a torchrun replay's rank blocks take back apart).
+        collator: `--collator module:obj`, the collator the run used; None: the standard
+            ones (`STANDARD_COLLATORS`), the first whose first step lands on the log kept
+            (`engine.choose_batches`).
+        ckpt_dir: the checkpoint dir, where the Trainer saved the run's tokenizer.
+
+    Each candidate's `get` raises `BatchError` when its collator cannot collate the rows
+    (rows of varying length under `default_data_collator`, say); its `describe` names it.
 
     Raises:
         BatchError: no training_args.bin, a multi-process run that normalised its loss
@@ -129,30 +250,40 @@ def trainer_batches(data: str, record: dict[str, Any] | None, config: dict[str, 
             "tokens, which a replay of the global batch does not reproduce; pass --batch"
         )
     try:
-        from transformers import Trainer, default_data_collator
+        from transformers import Trainer
     except ImportError:
         raise BatchError("--data needs transformers (pip install 'ckptforensics[hf]')") from None
     ds = _dataset(data)
     if not hasattr(ds, "__len__"):
         raise BatchError(f"--data {data}: an iterable dataset has no sampler to rebuild; pass --batch")
+    tok, tok_src = _tokenizer(ckpt_dir, record, data)
+    collators = [_given(collator, tok, tok_src)] if collator else _standard(tok, tok_src)
+    active = _Active()
     state = torch.random.get_rng_state()
     with tempfile.TemporaryDirectory() as tmp:
         try:
             args = _arguments(record, tmp)
-            trainer = Trainer(model=_Signature(_model_forward(config)), args=args, train_dataset=ds, data_collator=default_data_collator)
+            trainer = Trainer(model=_Signature(_model_forward(config)), args=args, train_dataset=ds, data_collator=active)
             loader = trainer.get_train_dataloader()
         except (TypeError, ValueError, KeyError) as e:
             raise BatchError(f"--data {data}: the Trainer cannot build the run's dataloader ({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
         finally:
             torch.random.set_rng_state(state)
     accum = int(record.get("gradient_accumulation_steps") or 1)
-    plan = _StepPlan(loader, accum, world_size)
+    plan = _StepPlan(loader, accum, world_size, active)
     procs = f", {world_size} processes" if world_size > 1 else ""
-    src = BatchSource(describe=f"{data} (rebuilt: the Trainer's sampler, seed {record.get('data_seed') or record.get('seed')}{procs})", get=plan.batch)
-    src.micro_batch_size = int(record.get("per_device_train_batch_size") or 8)
-    src.rebuilt = True
-    src.sample_ids = plan.ids
-    return src
+    seed = record.get("data_seed") or record.get("seed")
+    out = []
+    for c in collators:
+        src = BatchSource(describe=f"{data} (rebuilt: the Trainer's sampler, seed {seed}{procs}; collator {c.name})", get=partial(plan.batch, collator=c))
+        src.micro_batch_size = int(record.get("per_device_train_batch_size") or 8)
+        src.rebuilt = True
+        src.sample_ids = plan.ids
+        src.collator = c.short or c.name
+        out.append(src)
+    if not collator and tok is None:
+        out[0].describe += f" (the tokenizer-based collators were not tried: {tok_src})"
+    return out
 
 
 class _StepPlan:
@@ -162,8 +293,8 @@ class _StepPlan:
     micro-batches r, r + world, ... (accelerate's `BatchSamplerShard`) and an update is
     every process's `accum` micro-batches, process 0's first."""
 
-    def __init__(self, loader: Any, accum: int, world: int = 1) -> None:
-        self.loader, self.accum, self.world = loader, accum, world
+    def __init__(self, loader: Any, accum: int, world: int = 1, active: _Active | None = None) -> None:
+        self.loader, self.accum, self.world, self.active = loader, accum, world, active
         self.epochs: list[list[list[list[int]] | None]] = []  # epoch -> update -> micro-batch -> indices (None: not rebuilt)
         self.ids: dict[int, list[int]] = {}  # step -> dataset index of each row, as fetched
 
@@ -216,10 +347,21 @@ class _StepPlan:
             )
         return update
 
-    def batch(self, step: int) -> dict[str, torch.Tensor]:
+    def batch(self, step: int, collator: Collator) -> dict[str, torch.Tensor]:
         micro = self.indices(step)
         self.ids[step] = [i for idx in micro for i in idx]
-        parts = [self.loader.collate_fn([self.loader.dataset[i] for i in idx]) for idx in micro]
+        if self.active is not None:
+            self.active.fn = collator.fn
+        try:
+            parts = [self.loader.collate_fn([self.loader.dataset[i] for i in idx]) for idx in micro]
+        except Exception as e:  # the collator's failure on these rows (its own code): this candidate does not fit
+            msg = str(e).splitlines()[0][:160] if str(e) else ""
+            name = collator.short or collator.name
+            err = BatchError(f"collator {name} cannot collate the rows of step {step} ({type(e).__name__}: {msg})")
+            err.brief = f"{name} cannot collate ({type(e).__name__}: {msg[:80]})"  # type: ignore[attr-defined]  # for choose_batches' one line
+            raise err from None
+        if any(not isinstance(p, Mapping) or "input_ids" not in p for p in parts):
+            raise BatchError(f"collator {collator.short or collator.name} gives no input_ids for step {step}")
         keys = [k for k in ("input_ids", "attention_mask", "labels") if all(k in p for p in parts)]
         width = max(p["input_ids"].shape[1] for p in parts)
         fill = {"input_ids": 0, "attention_mask": 0, "labels": -100}

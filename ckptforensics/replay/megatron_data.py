@@ -18,6 +18,10 @@ Megatron's pretraining sampler hands out global samples in order: iteration `it`
 update that makes checkpoint `it + 1`) consumes samples `it x global_batch_size` to
 `(it + 1) x global_batch_size - 1`. Caches are read with `allow_pickle=False`: they are
 plain integer arrays, and an untrusted one that is not is refused.
+
+The run's args record `--data-path` and `--data-cache-path` as the launch script passed
+them, mostly relative to the launch directory: they are resolved against the run directory,
+its parents and `--data`'s parent (`paths.resolve_recorded`), and the one used is stated.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import numpy as np
 import torch
 
 from .batches import BatchError, BatchSource
+from .paths import resolve_recorded
 
 __all__ = ["IndexedTokens", "GPTSamples", "megatron_batches", "is_megatron_data"]
 
@@ -92,6 +97,7 @@ class GPTSamples:
     shuffle_index: np.ndarray
     sequence_length: int
     description: dict[str, Any]
+    cache_dir: Path | None = None  # where the index caches were read
 
     def __len__(self) -> int:
         return int(self.shuffle_index.shape[0])
@@ -129,46 +135,109 @@ def is_megatron_data(path: Path) -> bool:
     return path.is_dir() and bool(_find(path, "*.idx")) and bool(_find(path, "*-GPTDataset-train-sample_index.npy"))
 
 
-def open_samples(data: Path, seq_length: int | None = None, seed: int | None = None, cache: Path | None = None) -> GPTSamples:
-    """The GPTDataset of `data`: a directory holding one indexed dataset and its caches (in
-    it or one level down), or a dataset prefix with `cache` (the run's `--data-cache-path`).
-    Several caches are told apart by their description's sequence length and seed."""
-    if data.with_name(data.name + ".idx").is_file():
-        prefix, root = data, cache or data.parent
-    else:
-        idx = _find(data, "*.idx")
-        if len(idx) != 1:
-            raise BatchError(f"--data {data}: {len(idx)} indexed datasets (*.idx); pass the one the run trained on as a prefix")
-        prefix, root = idx[0].with_suffix(""), cache or data
-    caches = []
+def _caches(root: Path, seq_length: int | None, seed: int | None) -> list[tuple[Path, dict[str, Any]]]:
+    """GPTDataset train caches under `root` (or one level down) built for this sequence
+    length and seed (their description.txt)."""
+    out = []
     for desc in _find(root, "*-GPTDataset-train-description.txt"):
         try:
             d = json.loads(desc.read_text())
         except (OSError, ValueError):
             continue
         if (seq_length is None or d.get("sequence_length") == seq_length) and (seed is None or d.get("random_seed") == seed):
-            caches.append((desc, d))
+            out.append((desc, d))
+    return out
+
+
+def open_samples(
+    data: Path, seq_length: int | None = None, seed: int | None = None, cache: Path | None = None, prefix: Path | None = None
+) -> GPTSamples:
+    """The GPTDataset of `data`: a directory holding one indexed dataset and its caches (in
+    it or one level down), or a dataset prefix; `prefix` names the dataset when `data` is a
+    directory that does not say (the run's `--data-path`). The caches come from `cache`
+    (the run's `--data-cache-path`) when it holds them, else from beside the dataset.
+    Several caches are told apart by their description's sequence length and seed."""
+    if data.with_name(data.name + ".idx").is_file():
+        prefix, root = data, data.parent
+    elif prefix is None:
+        idx = _find(data, "*.idx")
+        if len(idx) != 1:
+            raise BatchError(f"--data {data}: {len(idx)} indexed datasets (*.idx); pass the one the run trained on as a prefix")
+        prefix, root = idx[0].with_suffix(""), data
+    else:
+        root = data if data.is_dir() and data in prefix.parents else prefix.parent
+    caches = _caches(cache, seq_length, seed) if cache is not None else []
+    caches = caches or _caches(root, seq_length, seed)
     if len(caches) != 1:
+        where = f"{cache} (the run's --data-cache-path) nor " if cache is not None else ""
         raise BatchError(
-            f"--data {data}: {len(caches)} GPTDataset train caches for sequence length {seq_length}, seed {seed} "
+            f"--data {data}: {len(caches)} GPTDataset train caches for sequence length {seq_length}, seed {seed} in {where}{root} "
             "(the run's *-GPTDataset-train-*_index.npy under its --data-cache-path); rebuilding them is megatron-core's job"
         )
     desc, d = caches[0]
     base = desc.name.removesuffix("description.txt")
     get = lambda affix: _load_index(desc.with_name(base + affix))  # noqa: E731
-    return GPTSamples(IndexedTokens.open(prefix), get("document_index.npy"), get("sample_index.npy"), get("shuffle_index.npy"), int(d["sequence_length"]), d)
+    samples = GPTSamples(IndexedTokens.open(prefix), get("document_index.npy"), get("sample_index.npy"), get("shuffle_index.npy"), int(d["sequence_length"]), d)
+    samples.cache_dir = desc.parent
+    return samples
 
 
-def megatron_batches(data: str, args: dict[str, Any] | None) -> BatchSource:
+def _recorded_prefix(args: dict[str, Any]) -> str | None:
+    """The one dataset prefix of the run's `--data-path` (weights dropped); None for a blend."""
+    raw = args.get("data_path")
+    items = raw.split() if isinstance(raw, str) else raw if isinstance(raw, (list, tuple)) else []
+    prefixes = [x for x in items if isinstance(x, str) and not _is_number(x)]
+    return prefixes[0] if len(prefixes) == 1 else None
+
+
+def _is_number(x: str) -> bool:
+    try:
+        float(x)
+    except ValueError:
+        return False
+    return True
+
+
+def _locate(data: Path, args: dict[str, Any], run_dir: Path | None, seq: int | None) -> tuple[Path | None, Path | None, list[str]]:
+    """(the dataset prefix when `--data` does not name one, the caches' dir, what was used):
+    the run's `--data-path` and `--data-cache-path`, resolved (`paths.resolve_recorded`)."""
+    said: list[str] = []
+    prefix = None
+    named = data.with_name(data.name + ".idx").is_file() or (data.is_dir() and len(_find(data, "*.idx")) == 1)
+    recorded = _recorded_prefix(args)
+    if not named and recorded is not None:
+        is_prefix = lambda p: p.with_name(p.name + ".idx").is_file()  # noqa: E731
+        under = [p.with_suffix("") for p in _find(data, Path(recorded).name + ".idx")] if data.is_dir() else []
+        if len(under) == 1:
+            prefix = under[0]
+            said.append(f"dataset {prefix} (the run's --data-path {recorded}, by name under --data)")
+        elif (found := resolve_recorded(recorded, run_dir or data, data, holds=is_prefix)) is not None:
+            prefix = found.path
+            said.append(f"dataset: --data-path {found.how}")
+    cache = None
+    has = lambda p: p.is_dir() and bool(_caches(p, seq, args.get("seed")))  # noqa: E731
+    found = resolve_recorded(args.get("data_cache_path") if isinstance(args.get("data_cache_path"), str) else None, run_dir or data, data, holds=has)
+    if found is not None:
+        cache = found.path
+        said.append(f"caches: --data-cache-path {found.how}")
+    return prefix, cache, said
+
+
+def megatron_batches(data: str, args: dict[str, Any] | None, run_dir: Path | None = None) -> BatchSource:
     """The global batch of every step from the run's data: step s is iteration s - 1,
-    samples (s - 1) x global_batch_size onwards; `labels` are next-token targets."""
+    samples (s - 1) x global_batch_size onwards; `labels` are next-token targets.
+    `run_dir`: the directory holding the run's checkpoints (`--save`), against which the
+    paths the run recorded relative to its launch directory are resolved."""
     if not args:
         raise BatchError("--data needs the run's Megatron args in the checkpoint (global batch size, sequence length, seed)")
     gbs, seq = args.get("global_batch_size"), args.get("seq_length")
     if not isinstance(gbs, int) or gbs < 1:
         raise BatchError("--data: the checkpoint's args give no global_batch_size")
-    cache = args.get("data_cache_path")
-    samples = open_samples(Path(data), seq if isinstance(seq, int) else None, args.get("seed"), Path(cache) if isinstance(cache, str) and Path(cache).is_dir() else None)
+    seq = seq if isinstance(seq, int) else None
+    prefix, cache, said = _locate(Path(data), args, run_dir, seq)
+    samples = open_samples(Path(data), seq, args.get("seed"), cache, prefix)
+    if cache is None or samples.cache_dir != cache:
+        said.append(f"caches: {samples.cache_dir} (beside the dataset)")
     n_steps = len(samples) // gbs
 
     def get(step: int) -> dict[str, torch.Tensor]:
@@ -177,7 +246,7 @@ def megatron_batches(data: str, args: dict[str, Any] | None) -> BatchSource:
 
     mbs = args.get("micro_batch_size")
     src = BatchSource(
-        describe=f"{data} (Megatron GPTDataset, {len(samples)} samples, global batch {gbs})", get=get, steps=list(range(1, n_steps + 1)),
+        describe=f"{data} (Megatron GPTDataset, {len(samples)} samples, global batch {gbs}; {'; '.join(said)})", get=get, steps=list(range(1, n_steps + 1)),
         labels_shifted=True, micro_batch_size=int(mbs) if isinstance(mbs, int) and mbs < gbs else None, rebuilt=True,
     )  # fmt: skip
     src.sample_ids = {s: list(range((s - 1) * gbs, s * gbs)) for s in src.steps or []}

@@ -13,6 +13,11 @@ numpy_dataset.py, data_loader.py), from what the checkpoint records (`config.jso
   order; optimizer step s is batch s - 1 counted over the epochs;
 - labels are the inputs shifted by one, the last position ignored (-100).
 
+`dataset.paths` are recorded as the launch script gave them, mostly relative to the launch
+directory: each is looked for under `--data` (as the directory they are relative to, or
+holding files of those names), else resolved against the run directory, its parents and
+`--data`'s parent (`paths.resolve_recorded`); where each was found is stated.
+
 Checked in the test against the batches OLMo-core's own Trainer fed its model.
 """
 
@@ -25,6 +30,7 @@ import numpy as np
 import torch
 
 from .batches import BatchError, BatchSource
+from .paths import resolve_recorded
 
 __all__ = ["olmo_batches", "is_olmo_checkpoint"]
 
@@ -66,11 +72,10 @@ def olmo_batches(data: str, ckpt_dir: Path) -> BatchSource:
     if dtype is None:
         raise BatchError(f"{ckpt_dir}: dataset dtype {ds.get('dtype')} is not a token dtype")
     root = Path(data)
-    arrays = []
+    arrays, said = [], []
     for p in ds.get("paths") or []:
-        f = root / p if (root / p).is_file() else root / Path(p).name
-        if not f.is_file():
-            raise BatchError(f"--data {data}: no token file {p} (the run's dataset.paths, relative to the directory it trained in)")
+        f, how = _token_file(str(p), root, ckpt_dir.parent)
+        said.append(how)
         arrays.append(np.memmap(f, dtype=dtype, mode="r"))
     if not arrays:
         raise BatchError(f"{ckpt_dir}: the run's dataset lists no token files")
@@ -97,5 +102,26 @@ def olmo_batches(data: str, ckpt_dir: Path) -> BatchSource:
         labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100, dtype=ids.dtype)], dim=1)
         return {"input_ids": ids, "labels": labels}
 
-    src = BatchSource(describe=f"{data} (OLMo-core NumpyFSLDataset, {n} instances, {ipb} a batch, seed {seed})", get=get, labels_shifted=True, rebuilt=True)
+    shown = "; ".join(said[:3]) + (f"; {len(said) - 3} more" if len(said) > 3 else "")
+    src = BatchSource(describe=f"{data} (OLMo-core NumpyFSLDataset, {n} instances, {ipb} a batch, seed {seed}; token files: {shown})", get=get, labels_shifted=True, rebuilt=True)
     return src
+
+
+def _token_file(recorded: str, root: Path, run_dir: Path) -> tuple[Path, str]:
+    """Where one of the run's `dataset.paths` is now, and how it was found: under `--data`
+    (`root`) first, the path the user gave; else as the run recorded it, relative to its
+    launch directory (`resolve_recorded`)."""
+    rel = Path(recorded)
+    if not rel.is_absolute():
+        for f, how in ((root / rel, f"{recorded} under --data"), (root / rel.name, f"{rel.name} in --data")):
+            if f.is_file():
+                return f, how
+    elif (root / rel.name).is_file():
+        return root / rel.name, f"{rel.name} in --data"
+    found = resolve_recorded(recorded, run_dir, root, holds=Path.is_file)
+    if found is None:
+        raise BatchError(
+            f"--data {root}: no token file {recorded} (the run's dataset.paths), neither under --data nor against the run directory "
+            f"{run_dir}, its parents or --data's parent"
+        )
+    return found.path, found.how

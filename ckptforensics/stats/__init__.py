@@ -18,6 +18,7 @@ from .trend import (
     CURVE_WINDOW,
     TrendBaseline,
     log_curve,
+    theil_sen,
     theil_sen_at,
     trend_z,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "trend_z",
     "TrendBaseline",
     "theil_sen_at",
+    "theil_sen",
     "LOSS_FOLLOW",
     "loss_follows",
     "family_z",

@@ -181,6 +181,17 @@ def scale_drops(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     return out
 
 
+def skipped_iterations(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
+    """A Megatron line counting skipped iterations: an overflow in the interval that line
+    closes (a seed, routine unless the loss follows). The line is where the log shows it; a
+    backoff read from the loss scale alone is dated at the line before the drop."""
+    return [
+        Onset(s, "loss_scale", r.get("loss_scale", math.nan), math.nan, math.inf, f"{r['skipped']:g} skipped iteration(s) in the interval ending at iteration {s} (Megatron's count: overflows)", "skipped-iterations")
+        for s, r in ev.rows.items()
+        if r.get("skipped", 0) > 0
+    ]
+
+
 def lr_jumps(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     """Any logged LR (the main one or a group's) rising faster than a linear warmup from
     zero can (2x the step ratio); one onset per step, naming the columns that jumped. Where
@@ -395,7 +406,7 @@ def _followed(onset: Onset, ev: LogEvidence, cfg: TriageConfig) -> bool:
     return loss_follows(ev.loss.z, i, cfg.z, cfg.follow, z_grad, benefit=not routine, routine=routine, z_level=level)
 
 
-SEED_DETECTORS: tuple[LogDetector, ...] = (grad_spikes, scale_drops)
+SEED_DETECTORS: tuple[LogDetector, ...] = (grad_spikes, scale_drops, skipped_iterations)
 ONSET_DETECTORS: tuple[LogDetector, ...] = (loss_spikes, lr_jumps, lr_restarts, gradient_returns, nan_iterations, short_history)
 # When two signals start on one step, the report names the most causal first.
 _SIGNAL_ORDER = ("lr", "lr_restart", "param_grad", "loss_scale", "grad_norm", "loss")
@@ -414,14 +425,15 @@ _SIGNAL_ORDER = ("lr", "lr_restart", "param_grad", "loss_scale", "grad_norm", "l
 # - it does not recur at a period of the log's own blips (stats.recurrence_period): a fixed
 #   data order blips at the same step of every epoch, however few epochs the log holds.
 # A poisoned batch in an averaged, quiet log is alone, and its gradient is large.
-RECOVER, TAIL_PEERS = 2, 2
+RECOVER, HOLD, TAIL_PEERS = 2, 3, 2
 
 
 def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dict[int, tuple[float, float]]:
     """step -> (robust z, log10 excess over the level before it) of every loss excursion
     (z > `floor`, default cfg.z; finite, under the 10x rule) that recovers: back under z/2
-    within RECOVER steps, and the next CURVE_SHORT steps' median under half its excess (a
-    spike that dips once and climbs back is the start of a held rise, not a blip;
+    within RECOVER steps, and the next RECOVER + HOLD steps' median under half its excess (a
+    spike that dips once and climbs back is the start of a held rise, not a blip; a longer
+    look would count a fault a few steps later against the blip before it;
     docs/signatures.md#log-blip)."""
     z, steps, vals, base = ev.loss.z, ev.loss.steps, ev.loss.values, ev.loss.level
     floor = cfg.z if floor is None else floor
@@ -438,7 +450,7 @@ def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dic
         lb = math.log10(base[i])
         excess = lv[i] - lb
         band = lb + max((cfg.z / 2) * excess / zi, usual)
-        after = lv[i + 1 : i + 1 + CURVE_SHORT]
+        after = lv[i + 1 : i + 1 + RECOVER + HOLD]
         if len(after) < RECOVER or not np.isfinite(after[:RECOVER]).all() or not (after[:RECOVER] <= band).any():
             continue
         if len(after) > RECOVER and not float(np.median(np.where(np.isfinite(after), after, np.inf))) < lb + excess / 2:
@@ -487,14 +499,36 @@ def _peers(tail: dict[int, tuple[float, float]], step: int, excess: float, zs: f
     return peers >= TAIL_PEERS + float(stats.poisson.isf(0.01, chance)), peers
 
 
+def _excursions(ev: LogEvidence, cfg: TriageConfig) -> tuple[set[int], list[int]]:
+    """(steps where the loss is out of line, steps judged) for the recurrence test: a loss at
+    z/2 or more on its trend (recovering or not: a hard batch met again during a fault still
+    stands above it), a non-finite loss, or an overflow (a Megatron line counting skipped
+    iterations, whose loss average leaves the overflowed iteration out: a hard batch under
+    fp16 overflows as often as it blips)."""
+    hard = {s for s, zz in zip(ev.loss.steps, ev.loss.z, strict=True) if not zz < cfg.z / 2}
+    over = {s for s, r in ev.rows.items() if r.get("skipped", 0) > 0}
+    logged = {s for s, zz in zip(ev.loss.steps, ev.loss.z, strict=True) if zz != 0} | over
+    return hard | over, sorted(logged)
+
+
 def _routine(o: Onset, tail: dict[int, tuple[float, float]], ev: LogEvidence, cfg: TriageConfig) -> str | None:
     """Why a loss or grad-norm onset of the trend rule is the log's routine (a message), or
     None when it stands. A blip that recovers: unconfirmed by the grad norm, within the log's
     tail, or recurring at the log's period; in the log's last CURVE_SHORT steps, where
     recovery cannot be seen yet, only peers two thirds its size excuse it."""
+    steps = ev.loss.steps
+    if o.signal == "loss_scale" and o.rule in ("loss-scale-backoff", "skipped-iterations"):
+        # An overflow counts where the loss spikes on that line or the next (`_followed`):
+        # where that spike is one of the log's routine blips, so is the overflow.
+        i = next((k for k, s in enumerate(steps) if s >= o.step), len(steps))
+        answer = next((k for k in range(i, min(i + 2, len(steps))) if ev.loss.z[k] > cfg.z), None)
+        if answer is None:
+            return None
+        k = answer
+        why = _routine(Onset(steps[k], "loss", ev.loss.values[k], float(ev.loss.level[k]), float(ev.loss.z[k]), "", "trend"), tail, ev, cfg)
+        return f"the loss answers at step {steps[k]} with a blip of its routine: {why}" if why else None
     if o.signal not in ("loss", "grad_norm") or o.rule != "trend":
         return None
-    steps = ev.loss.steps
     if o.step in tail:
         zs, es = tail[o.step]
         ok, why = _grad_confirms(o.step, ev, cfg) if o.signal == "loss" else (True, "")
@@ -503,9 +537,9 @@ def _routine(o: Onset, tail: dict[int, tuple[float, float]], ev: LogEvidence, cf
         enough, n = _peers(tail, o.step, es, zs, 0.5, ev, cfg)
         if enough:
             return f"the loss recovers within {RECOVER} steps, as {n} other blips of this log at least half its size do"
-        hard = {s for s in tail} | {s for s, v in zip(steps, ev.loss.values, strict=True) if not math.isfinite(v)}
+        hard, logged = _excursions(ev, cfg)
         spacing = int(np.median(np.diff(steps))) if len(steps) > 2 else 1
-        p = recurrence_period(o.step, hard, [s for s, zz in zip(steps, ev.loss.z, strict=True) if zz != 0], spacing)
+        p = recurrence_period(o.step, hard, logged, spacing)
         if p is not None:
             return f"the loss recovers within {RECOVER} steps, and blips every {p} steps of this log (a batch that comes back each epoch)"
         return None

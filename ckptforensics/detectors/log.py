@@ -27,6 +27,8 @@ from ..stats import (
     CURVE_SHORT,
     LOSS_FOLLOW,
     expected_exceedances,
+    family_alpha,
+    log_curve,
     loss_follows,
     recurrence_period,
     trend_z,
@@ -339,6 +341,60 @@ SHORT_MIN = 3
 SCALE_COLLAPSE = 0.25
 
 
+def _short_z(prev: list[float], v: float) -> tuple[float, float]:
+    """(robust z of log10(v) against the lines before it, their log10 median): the trend
+    rule's statistic on what history an excerpt has, its spread floored at the trend rule's
+    4.7% (stats.CURVE_FLOOR)."""
+    from scipy import stats
+
+    lp = np.log10(np.maximum(np.asarray(prev, dtype=np.float64), 1e-12))
+    med = float(np.median(lp))
+    scale = max(float(stats.median_abs_deviation(lp, scale="normal")), CURVE_FLOOR)
+    return ((math.log10(v) - med) / scale if v > 0 else -math.inf), med
+
+
+# An excerpt's loss and grad norm leaving their earlier lines together: each at z/2 (the half
+# z at which the trend rule lets the grad norm confirm a loss spike, `loss_spikes`, and the
+# loss answer a grad-norm one, `stats.loss_follows`), or the grad norm at z with the loss
+# past every earlier line; and the loss staying past every earlier line, at z/3 or more (the
+# held rule's 2 noise units, HELD_Z), on every line after it (issue 32: an onset is an
+# excursion the grad norm and the following steps confirm). A
+# single-rank or junk-row blip moves the loss, not the averaged gradient, and recovers on the
+# next line; a hard batch moves both and recovers. Two earlier lines at least: one line is no
+# spread.
+JOINT_MIN = 2
+
+
+def short_joint(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
+    """An excerpt's first lines where loss and grad norm leave the earlier lines together and
+    the loss stays up (docs/signatures.md#log-short)."""
+    if not ev.excerpt:
+        return []
+    steps = list(ev.rows)[: cfg.judge_after]
+    loss = [(s, ev.rows[s]["loss"]) for s in steps if "loss" in ev.rows[s] and math.isfinite(ev.rows[s]["loss"])]
+    grad = [(s, ev.rows[s]["grad_norm"]) for s in steps if "grad_norm" in ev.rows[s] and math.isfinite(ev.rows[s]["grad_norm"]) and ev.rows[s]["grad_norm"] > 0]
+    if not grad:
+        return []
+    out: list[Onset] = []
+    for k, (s, v) in enumerate(loss):
+        prev = [x for _, x in loss[:k]]
+        later = [x for _, x in loss[k + 1 :]]
+        if len(prev) < JOINT_MIN or not v > max(prev) or any(not (x > max(prev) and _short_z(prev, x)[0] >= HELD_Z * cfg.z) for x in later):
+            continue
+        zl, med = _short_z(prev, v)
+        # The grad norm of this line or the next (a Megatron line's grad norm is its
+        # interval's last iteration's, the loss the interval's mean).
+        gz = [(t, _short_z([x for u, x in grad if u < s], g)[0]) for t, g in grad if t >= s][:2]
+        gz = [(t, z) for t, z in gz if len([u for u, _ in grad if u < s]) >= JOINT_MIN]
+        top = max((z for _, z in gz), default=-math.inf)
+        if (zl >= cfg.z / 2 and top >= cfg.z / 2) or top >= cfg.z:
+            out.append(Onset(s, "loss", v, 10**med, zl,
+                             f"loss {v:.4g} at step {s} leaves the {len(prev)} lines before it (robust z {zl:.1f}) with the grad norm (robust z {top:.1f}), "
+                             f"and stays above them on the {len(later)} line(s) after", "short-joint"))  # fmt: skip
+            break
+    return out
+
+
 def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     """An excerpt's steps the trend cannot judge yet (its first `judge_after` lines), by the
     ratio rules above: the loss by any of them; the grad norm by Megatron's 10x and a loss
@@ -361,10 +417,7 @@ def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
         elif v - mean >= LIGHTNING_RTOL * mean:
             out.append(Onset(s, "loss", v, mean, math.inf, f"loss {v:.4g} at step {s} is >= 3x the mean of the {min(len(prev), LIGHTNING_WINDOW)} lines before it ({mean:.4g}; Lightning's SpikeDetection, rtol 2)", "lightning-rtol"))
         elif len(prev) >= SHORT_MIN:
-            lp = np.log10(np.maximum(prev, 1e-12))
-            med = float(np.median(lp))
-            scale = max(float(np.median(np.abs(lp - med))) * 1.4826, CURVE_FLOOR)
-            z = (math.log10(v) - med) / scale if v > 0 else -math.inf
+            z, med = _short_z(prev, v)
             if z > cfg.z:
                 out.append(Onset(s, "loss", v, 10**med, z, f"loss {v:.4g} at step {s} vs {10**med:.4g} over the {len(prev)} lines before it (robust z {z:.1f}, spread floored at 4.7%)", "short-z"))
     seen = {o.step for o in out}
@@ -407,7 +460,7 @@ def _followed(onset: Onset, ev: LogEvidence, cfg: TriageConfig) -> bool:
 
 
 SEED_DETECTORS: tuple[LogDetector, ...] = (grad_spikes, scale_drops, skipped_iterations)
-ONSET_DETECTORS: tuple[LogDetector, ...] = (loss_spikes, lr_jumps, lr_restarts, gradient_returns, nan_iterations, short_history)
+ONSET_DETECTORS: tuple[LogDetector, ...] = (loss_spikes, lr_jumps, lr_restarts, gradient_returns, nan_iterations, short_history, short_joint)
 # When two signals start on one step, the report names the most causal first.
 _SIGNAL_ORDER = ("lr", "lr_restart", "param_grad", "loss_scale", "grad_norm", "loss")
 
@@ -562,7 +615,7 @@ def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[On
     tail = blips(ev, cfg, cfg.z / 2)
     why = {id(o): _routine(o, tail, ev, cfg) for o in onsets}
     ignored += [Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, f"{o.message}; {why[id(o)]}", "tail") for o in onsets if why[id(o)]]
-    onsets = [o for o in onsets if not why[id(o)]] + held_rise(ev, cfg)
+    onsets = [o for o in onsets if not why[id(o)]] + held_rise(ev, cfg) + held_shift(ev, cfg)
     return sorted(onsets, key=lambda o: (o.step, _SIGNAL_ORDER.index(o.signal))), ignored
 
 
@@ -595,6 +648,70 @@ def held_rise(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
             return [Onset(steps[i], "loss", vals[i], float(base[i]), held,
                           f"loss {vals[i]:.4g} at step {steps[i]} starts {k} steps held above its level {base[i]:.4g} (6 of 8 at robust z {held:.1f} or more)", "held")]  # fmt: skip
     return []
+
+
+# A fault that lifts the loss by less than its noise a step, on a log whose noise is heavy
+# tailed, still moves where the loss is: the CURVE_SHORT steps from its onset sit above the
+# 2 x CURVE_SHORT before them. Mann-Whitney's rank test (scipy.stats.mannwhitneyu, exact)
+# reads ranks, not the spread a heavy tail widens, and a lone blip moves one rank of eight.
+# The grad norm, where the log has one, must rise with the loss: each at SHIFT_ALPHA (1%)
+# on its own, and both together (Fisher's combination, scipy.stats.combine_pvalues) at the
+# Sidak level for the windows tested (stats.family_alpha), as the loss alone must where no
+# grad norm was logged. A loss logged from one rank's micro-batch blips where the gradient,
+# averaged over all ranks, does not move; a fault moves both and stays.
+SHIFT_ALPHA = 0.01
+
+
+def _shift_p(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """One-sided Mann-Whitney p of the CURVE_SHORT values from each start against the
+    2 x CURVE_SHORT before it (a non-finite value ranks above every finite one)."""
+    from scipy import stats
+
+    k, h = CURVE_SHORT, 2 * CURVE_SHORT
+    x = np.nan_to_num(log_curve(values), posinf=1e300)
+    before = np.stack([x[i - h : i] for i in starts])
+    after = np.stack([x[i : i + k] for i in starts])
+    return np.asarray(stats.mannwhitneyu(after, before, alternative="greater", axis=1, method="exact").pvalue, dtype=np.float64)
+
+
+def held_shift(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
+    """The first step of CURVE_SHORT steps whose loss (and grad norm) sit above the steps
+    before them, by ranks: the change point the log's windows agree on best near the first
+    window that passes (docs/signatures.md#log-shift)."""
+    from scipy import stats
+
+    steps, k, h = ev.loss.steps, CURVE_SHORT, 2 * CURVE_SHORT
+    starts = np.arange(max(h, cfg.judge_after), len(steps) - k + 1)
+    if starts.size == 0:
+        return []
+    p_loss = _shift_p(np.asarray(ev.loss.values, dtype=np.float64), starts)
+    gsteps = ev.grad_norm.steps
+    level = family_alpha(int(starts.size), SHIFT_ALPHA)
+    if len(gsteps) >= h + k:
+        # The grad norm's own windows, from its first step at or after each loss window's.
+        gi = np.searchsorted(np.asarray(gsteps), np.asarray(steps)[starts])
+        ok = (gi >= h) & (gi <= len(gsteps) - k)
+        p_grad = np.ones(starts.size)
+        if ok.any():
+            p_grad[ok] = _shift_p(np.asarray(ev.grad_norm.values, dtype=np.float64), gi[ok])
+        p = np.array([stats.combine_pvalues([a, b], method="fisher").pvalue for a, b in zip(p_loss, p_grad, strict=True)])
+        passed = (p_loss < SHIFT_ALPHA) & (p_grad < SHIFT_ALPHA) & (p < level)
+        how = "and the grad norm with it"
+    else:
+        p_grad, p, passed = np.full(starts.size, math.nan), p_loss, p_loss < level
+        how = "(no grad norm logged)"
+    if not passed.any():
+        return []
+    first = int(np.argmax(passed))
+    near = np.arange(first, min(first + k, starts.size))
+    j = int(near[np.argmin(np.where(passed[near], p[near], np.inf))])
+    i = int(starts[j])
+    s, v = steps[i], ev.loss.values[i]
+    before = float(np.median(ev.loss.values[i - h : i]))
+    msg = (f"loss from step {s} ({v:.4g}) sits above the {h} steps before it (median {before:.4g}) for {k} steps, {how}: "
+           f"Mann-Whitney p {p_loss[j]:.1e} (loss), {p_grad[j]:.1e} (grad norm), together {p[j]:.1e} < {level:.1e} "
+           f"(1% over the {starts.size} windows tested, Sidak)")  # fmt: skip
+    return [Onset(s, "loss", v, before, math.inf, msg, "held-shift")]
 
 
 def log_noise(ev: LogEvidence, cfg: TriageConfig) -> dict[str, float | int | str]:

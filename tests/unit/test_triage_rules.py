@@ -92,6 +92,37 @@ def test_recurring_blips_are_the_logs_own_tail_and_a_held_rise_is_not(seed: int)
 def test_a_lone_blip_in_a_quiet_log_stays_an_onset() -> None:
     cfg = TriageConfig()
     rows = _noisy(0)
-    rows[250]["loss"] *= 2.0  # one poisoned batch: its own loss only, recovered the next step
+    rows[250]["loss"] *= 2.0  # one poisoned batch: its loss, recovered the next step ...
+    rows[250]["grad_norm"] *= 3.0  # ... and its gradient
     onsets, _ = log_onsets(log_evidence(rows, cfg), cfg)
     assert onsets and onsets[0].step == 250 and onsets[0].rule == "trend"
+
+
+def test_a_loss_blip_the_grad_norm_does_not_see_is_routine() -> None:
+    """Issue 32: a blip that recovers and that the grad norm does not confirm is a batch the
+    model found hard (a single rank's micro-batch, junk rows), not an onset; the reason says so."""
+    cfg = TriageConfig()
+    rows = _noisy(0)
+    rows[250]["loss"] *= 2.0
+    onsets, ignored = log_onsets(log_evidence(rows, cfg), cfg)
+    assert not onsets
+    assert any(o.step == 250 and o.rule == "tail" and "grad norm" in o.message for o in ignored)
+
+
+def test_a_held_shift_of_loss_and_grad_norm_under_heavy_tailed_noise() -> None:
+    """A fault that lifts the loss 30% and the grad norm 2x under Student-t (2 dof) noise of
+    15% a step: no single step stands out, the ranks of the 8 steps after do (Mann-Whitney)."""
+    rng = np.random.default_rng(3)
+    rows = {}
+    for s in range(1, 301):
+        up = s >= 200
+        rows[s] = {"loss": 2.5 * (1.3 if up else 1.0) * math.exp(0.06 * rng.standard_t(2)), "grad_norm": (2.0 if up else 1.0) * math.exp(0.1 * rng.normal())}
+    cfg = TriageConfig()
+    onsets, _ = log_onsets(log_evidence(rows, cfg), cfg)
+    assert onsets and 200 <= onsets[0].step <= 201 and onsets[0].rule in ("held-shift", "held", "trend"), [(o.step, o.rule) for o in onsets]
+    # The same loss without the grad norm moving (a single rank's noise): no onset.
+    for r in rows.values():
+        r["grad_norm"] = 1.0 * math.exp(0.1 * rng.normal())
+    for s in range(200, 301):
+        rows[s]["loss"] /= 1.3
+    assert not log_onsets(log_evidence(rows, cfg), cfg)[0]

@@ -29,8 +29,9 @@ def recurrence_period(
     min_period: int = RECUR_MIN_PERIOD,
 ) -> int | None:
     """The smallest period P (in steps) at which the excursion at `step` recurs: the log has
-    a blip (`blips`: steps of the log's other recovering excursions, non-finite values
-    included) at two or more of the steps `step` +- kP that it logged (`logged`, sorted), and
+    an excursion (`blips`: steps where the log's loss is out of line, non-finite or
+    overflowed lines included) at two or more of the steps `step` +- kP that it logged
+    (`logged`, sorted), and
     at no fewer than half of them. On a log that prints every `spacing` steps (Megatron's
     --log-interval), a step is matched by the line within `spacing` of it when P is not a
     multiple of the spacing. None when no period holds.

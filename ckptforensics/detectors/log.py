@@ -468,9 +468,10 @@ _SIGNAL_ORDER = ("lr", "lr_restart", "param_grad", "loss_scale", "grad_norm", "l
 # (those over z/2) are its tail. A blip is an onset only where all of these hold (issue 32: an
 # onset is an excursion that persists, or that the grad norm and the following steps confirm,
 # judged against the log's own tail):
-# - the grad norm confirms it (z/2 or more on its trend, on that step or the next): a loss
-#   blip the gradient does not see is a batch the model found hard, not a bad update; a log
-#   without a grad norm cannot confirm one;
+# - the grad norm confirms it (z/2 or more on its trend, on that step or the next), or the
+#   log has no other blip at least half its size (UNCONFIRMED_PEERS): a loss blip the
+#   gradient does not see, on a log that blips, is a batch the model found hard, not a bad
+#   update; a log without a grad norm cannot confirm one;
 # - the log has too few other blips reaching half its size: TAIL_PEERS, plus the count normal
 #   noise of the log's spread and length could give at that height (the Poisson 99% bound on
 #   stats.expected_exceedances: a 20,000-step quiet log has ~5 steps over z 3.5 by chance). A
@@ -479,6 +480,10 @@ _SIGNAL_ORDER = ("lr", "lr_restart", "param_grad", "loss_scale", "grad_norm", "l
 #   data order blips at the same step of every epoch, however few epochs the log holds.
 # A poisoned batch in an averaged, quiet log is alone, and its gradient is large.
 RECOVER, HOLD, TAIL_PEERS = 2, 3, 2
+# A blip the grad norm does not confirm is routine only on a log that blips so at all: one
+# other blip at least half its size (a quiet log's lone poisoned batch, whose junk rows move
+# the gradient less than z/2, stays an onset).
+UNCONFIRMED_PEERS = 1
 
 
 def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dict[int, tuple[float, float]]:
@@ -585,9 +590,9 @@ def _routine(o: Onset, tail: dict[int, tuple[float, float]], ev: LogEvidence, cf
     if o.step in tail:
         zs, es = tail[o.step]
         ok, why = _grad_confirms(o.step, ev, cfg) if o.signal == "loss" else (True, "")
-        if not ok:
-            return f"the loss recovers within {RECOVER} steps and {why}"
         enough, n = _peers(tail, o.step, es, zs, 0.5, ev, cfg)
+        if not ok and n >= UNCONFIRMED_PEERS:
+            return f"the loss recovers within {RECOVER} steps, {why}, and the log has {n} other blip(s) at least half its size"
         if enough:
             return f"the loss recovers within {RECOVER} steps, as {n} other blips of this log at least half its size do"
         hard, logged = _excursions(ev, cfg)

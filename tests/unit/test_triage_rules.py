@@ -99,13 +99,17 @@ def test_a_lone_blip_in_a_quiet_log_stays_an_onset() -> None:
 
 
 def test_a_loss_blip_the_grad_norm_does_not_see_is_routine() -> None:
-    """Issue 32: a blip that recovers and that the grad norm does not confirm is a batch the
-    model found hard (a single rank's micro-batch, junk rows), not an onset; the reason says so."""
+    """Issue 32: on a log that blips, a blip that recovers and that the grad norm does not
+    confirm is a batch the model found hard (a single rank's micro-batch, junk rows), not an
+    onset; the reason says so. Alone on a quiet log, it stays one."""
     cfg = TriageConfig()
     rows = _noisy(0)
     rows[250]["loss"] *= 2.0
+    onsets, _ = log_onsets(log_evidence(rows, cfg), cfg)
+    assert onsets and onsets[0].step == 250
+    rows[150]["loss"] *= 2.0
     onsets, ignored = log_onsets(log_evidence(rows, cfg), cfg)
-    assert not onsets
+    assert not onsets, [(o.step, o.rule) for o in onsets]
     assert any(o.step == 250 and o.rule == "tail" and "grad norm" in o.message for o in ignored)
 
 

@@ -62,7 +62,8 @@ def table(rows: list[dict[str, Any]], split: str) -> str:
     bad = [r for r in rows if r["incident"] != "none"]
     fa = sum(not r["ok"] for r in healthy)
     hit = sum(r["ok"] for r in bad)
-    head = (f"### triage on log-only draws, {split} split ({len(rows)} draws, `fixtures/log_draws.py`) — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs)\n\n"
+    seeds = f"seeds {rows[0]['seed']}-{rows[-1]['seed']}, " if rows else ""
+    head = (f"### triage on log-only draws, {split} split ({seeds}{len(rows)} draws, `fixtures/log_draws.py`) — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs)\n\n"
             f"false alarms on healthy: **{fa}/{len(healthy)}** · onsets found: **{hit}/{len(bad)}**"
             f" ({100 * hit / max(len(bad), 1):.0f}%)\n")  # fmt: skip
     lines = ["| seed | trap | incident (step) | log | onset | rule | noise (blips) | |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -96,7 +97,9 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from _results import record_section
 
-        record_section("log-draws-heldout", text)
+        # One section per held-out split (keyed by its first seed): a retired split's table stays.
+        seeds = SPLITS[args.split]
+        record_section("log-draws-heldout" if seeds[0] == 900 else f"log-draws-heldout-{seeds[0]}", text)
 
 
 if __name__ == "__main__":

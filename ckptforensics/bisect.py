@@ -15,7 +15,7 @@ from .detectors import Finding, first_steps_from_state, replay_findings, step_z
 from .errors import ForensicsError
 from .record.segments import pad_rows
 from .replay import ReplayConfig, replay
-from .replay.engine import ReplayResult
+from .replay.records import ReplayResult
 from .verdict import replay_fields
 
 __all__ = ["BisectResult", "bisect"]

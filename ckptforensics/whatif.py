@@ -14,8 +14,8 @@ import torch
 
 from .errors import ForensicsError, ReplayMismatch
 from .replay import ReplayConfig, plan
-from .replay.engine import diagnose_miss, settle, settle_clip
 from .replay.logcheck import LogCheck, check_against_log
+from .replay.settle import diagnose_miss, settle, settle_clip
 from .tensors import MAD_TO_SIGMA
 
 __all__ = ["Mitigation", "Outcome", "parse_mitigation", "whatif", "INVASIVENESS"]

@@ -198,14 +198,14 @@ def test_megatron_torch_dist_bit_flip_is_located_to_its_layer(tmp_path: Path) ->
     import io
     import shutil
 
-    from ckptforensics.formats.dcp import _Store, read_metadata
+    from ckptforensics.formats.dcp import DcpStore, read_metadata
     from ckptforensics.tensors import flip_bit
 
     run = tmp_path / "run"
     for it in ("iter_0000010", "iter_0000020"):
         shutil.copytree(MCORE / "plain" / it, run / it)
     dst = run / "iter_0000020"
-    store = _Store(dst, read_metadata(dst))
+    store = DcpStore(dst, read_metadata(dst))
     # one chunk per layer of the stacked [2, 128, 32] tensor: take layer 1's
     info = next(info for idx, info in store.by_fqn["decoder.layers.mlp.linear_fc1.weight"] if idx.offset[0] == 1)
     t = store._blob(info)

@@ -609,12 +609,12 @@ def test_megatron_distributed_optimizer_unflattens_to_the_plain_run() -> None:
     """The buckets' fp32 `param` slices are the model's weights bit for bit (the layout is
     right), and the moments equal the same run saved with the plain optimizer up to the
     grad-norm summation order (7.5e-9: megatron sums per-tensor norms in buffer order)."""
-    from ckptforensics.formats.dcp import _Store, read_metadata
+    from ckptforensics.formats.dcp import DcpStore, read_metadata
 
     d = MCORE / "distopt" / "iter_0000010"
     dist, plain = open_checkpoint(d), open_checkpoint(MCORE / "plain" / "iter_0000010")
     md = read_metadata(d)
-    flat = _Store(d, md).tensor(next(k for k in md.state_dict_metadata if k.endswith("bucket_idx_0.param")))
+    flat = DcpStore(d, md).tensor(next(k for k in md.state_dict_metadata if k.endswith("bucket_idx_0.param")))
     seen = 0
     for name in dist.names():
         st = dist.optimizer.state[name]
@@ -653,10 +653,11 @@ def test_hostile_megatron_files_are_refused(tmp_path: Path, where: str) -> None:
 def test_hf_precision_comes_from_training_args(zoo: dict[str, Path]) -> None:
     """A Trainer run with bf16=True keeps fp32 weights: the replay's precision is read from
     training_args.bin, not guessed from the weights."""
-    from ckptforensics.replay.engine import ReplayConfig, _precision
+    from ckptforensics.replay.records import ReplayConfig
+    from ckptforensics.replay.window import run_precision
 
     ck = open_checkpoint(zoo["hf-padded"] / "checkpoint-20")
     cfg = ReplayConfig(before=ck.path, batch="unused")
-    assert _precision(cfg, ck) == ("fp32", "fp32 weights, no loss scaler")
+    assert run_precision(cfg, ck) == ("fp32", "fp32 weights, no loss scaler")
     ck.scalars["train_config"]["bf16"] = True
-    assert _precision(cfg, ck) == ("bf16", "training_args.bin bf16=True")
+    assert run_precision(cfg, ck) == ("bf16", "training_args.bin bf16=True")

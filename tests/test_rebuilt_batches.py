@@ -235,7 +235,7 @@ def test_the_collator_given_is_the_only_one_tried(hf_lm_run: Path) -> None:
 
 
 def test_candidates_come_in_order_and_fail_as_batch_errors(hf_lm_run: Path, tmp_path: Path) -> None:
-    """The seam `engine.choose_batches` reads: one BatchSource per standard collator, in
+    """The seam `window.choose_batches` reads: one BatchSource per standard collator, in
     order; default_data_collator's fails on these rows with a BatchError (not a ValueError);
     the LM collator's labels are -100 exactly on the padding it added. A copy of the run whose
     checkpoints hold no tokenizer finds it in the run's output_dir, recorded relative to the

@@ -43,14 +43,14 @@ def run_audit(cfg: AuditConfig, *, command: str, progress: Callable[[str], None]
     from ..formats import open_checkpoint
     from ..report import build_report
     from ..verdict import decide_audit
-    from .evidence import _earlier
+    from .evidence import earlier_checkpoint
 
     with open_checkpoint(cfg.checkpoint) as a:
         ev = gather(cfg, a, progress)
         rows = run_checks(ev)
         findings = [_numbered(f, i) for i, f in enumerate(check_findings(rows), 1)]
         verdict = decide_audit(findings, rows, checkpoint=str(cfg.checkpoint))
-        earlier = _earlier(cfg, a, cfg.run_dir or cfg.checkpoint.parent) if ev.prev is not None else None
+        earlier = earlier_checkpoint(cfg, a, cfg.run_dir or cfg.checkpoint.parent) if ev.prev is not None else None
         arch = ev.arch.as_dict() if ev.arch is not None else {"norm_placement": None, "qk_norm": None, "note": ev.arch_note}
         section = {
             "checkpoint": str(cfg.checkpoint),

@@ -90,7 +90,7 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
         say("trace")
         arch, logits = trace_pass(model, batch, call)
         rms_t = _rms_t(model, a, to_ckpt, logits, batch, shifted, batch_source, notes)
-        prev_path = _earlier(cfg, a, run_dir)
+        prev_path = earlier_checkpoint(cfg, a, run_dir)
         if prev_path is not None:
             say("earlier checkpoint")
             prev, prev_step = _trace_other(cfg, prev_path, batch, call, notes)
@@ -432,7 +432,7 @@ def _optimizer(a: Checkpoint, names: dict[str, list[str]]) -> tuple[tuple[Tensor
 
 
 # ---------------------------------------------------------------- the earlier checkpoint
-def _earlier(cfg: AuditConfig, a: Checkpoint, run_dir: Path) -> Path | None:
+def earlier_checkpoint(cfg: AuditConfig, a: Checkpoint, run_dir: Path) -> Path | None:
     if cfg.compare is False:
         return None
     if isinstance(cfg.compare, Path):

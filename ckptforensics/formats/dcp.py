@@ -122,7 +122,7 @@ def _read_metadata(path: str, size: int, mtime_ns: int) -> Any:
     return md
 
 
-class _Store:
+class DcpStore:
     """Reads chunks and byte items of one DCP directory on demand."""
 
     def __init__(self, root: Path, md: Any) -> None:
@@ -222,7 +222,7 @@ def open_dcp(path: Path) -> Checkpoint:
     opt_store = None
     for root in roots:
         md = read_metadata(root)
-        store = _Store(root, md)
+        store = DcpStore(root, md)
         planner = md.planner_data if isinstance(getattr(md, "planner_data", None), dict) else {}
         for key, meta in md.state_dict_metadata.items():
             parts = planner.get(key) or _split(key)
@@ -377,7 +377,7 @@ class _Getter:
 
     __slots__ = ("store", "key")
 
-    def __init__(self, store: _Store, key: str) -> None:
+    def __init__(self, store: DcpStore, key: str) -> None:
         self.store, self.key = store, key
 
     def __call__(self) -> torch.Tensor:
@@ -387,11 +387,11 @@ class _Getter:
         return self.store.rows(self.key, start, stop)
 
 
-def getter(store: _Store, key: str) -> Callable[[], torch.Tensor]:
+def getter(store: DcpStore, key: str) -> Callable[[], torch.Tensor]:
     return _Getter(store, key)
 
 
-def _optimizer(store: _Store, state: dict[str, dict[str, Any]], groups: dict[Any, dict[str, str]]) -> OptimizerView:
+def _optimizer(store: DcpStore, state: dict[str, dict[str, Any]], groups: dict[Any, dict[str, str]]) -> OptimizerView:
     by_name = {fqn: LazyState(fields) for fqn, fields in state.items()}
     hypers, hyper_of = [], {}
     per_param = {k: v for k, v in groups.items() if isinstance(k, str)}

@@ -124,10 +124,10 @@ def open_megatron_dist(path: Path) -> Checkpoint:
     stores moments as flat per-bucket buffers; mapping them back needs Megatron's bucket
     layout, so it is refused with an error that says so rather than guessed.
     """
-    from .dcp import _Store, read_metadata
+    from .dcp import DcpStore, read_metadata
 
     md = read_metadata(path)
-    store = _Store(path, md)
+    store = DcpStore(path, md)
     ckpt = Checkpoint(path=path, format="megatron-dist")
     common = _common(path, store)
     layers = _stacked_layers(md, common)

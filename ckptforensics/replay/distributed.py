@@ -60,7 +60,7 @@ class Ranks:
         """This rank's contiguous block of the global batch's rows (rank 0's first, as the
         run's ranks consumed them)."""
         b = next(iter(batch.values())).shape[0]
-        lo, hi = _block(b, self.world, self.rank)
+        lo, hi = row_block(b, self.world, self.rank)
         return {k: v[lo:hi] for k, v in batch.items()}
 
     def describe(self) -> dict[str, Any]:
@@ -106,7 +106,7 @@ class Ranks:
         return out
 
 
-def _block(n: int, world: int, rank: int) -> tuple[int, int]:
+def row_block(n: int, world: int, rank: int) -> tuple[int, int]:
     """Contiguous, near-equal blocks: the first n % world ranks take one row more."""
     base, extra = divmod(n, world)
     lo = rank * base + min(rank, extra)

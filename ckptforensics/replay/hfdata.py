@@ -10,7 +10,7 @@ walked to step s without loading, collating or computing the batches before it.
 
 The collator is the run's: `--collator`, else each standard one in turn (the run records
 none; the tokenizer the Trainer saved beside the checkpoint gives the pad id), and the
-replay keeps the first whose first step lands on the log (`engine.choose_batches`). The
+replay keeps the first whose first step lands on the log (`window.choose_batches`). The
 rebuilt batches are checked before they are trusted: the first replayed step's loss, from
 *before*, must match the logged loss of that step (`require_rebuilt_match`).
 """
@@ -54,7 +54,7 @@ _DATA_FIELDS = (
 )  # fmt: skip
 
 
-def _dataset(spec: str) -> Any:
+def open_dataset(spec: str) -> Any:
     """`--data`: a `datasets` dataset saved with `save_to_disk` (a DatasetDict's `train`
     split), or `module:function()` returning the training dataset."""
     path = Path(spec)
@@ -232,7 +232,7 @@ def trainer_batches(
             process 0's first (what a torchrun replay's rank blocks take back apart).
         collator: `--collator module:obj`, the collator the run used; None: the standard
             ones (`STANDARD_COLLATORS`), the first whose first step lands on the log kept
-            (`engine.choose_batches`).
+            (`window.choose_batches`).
         ckpt_dir: the checkpoint dir, where the Trainer saved the run's tokenizer.
 
     Each candidate's `get` raises `BatchError` when its collator cannot collate the rows
@@ -253,7 +253,7 @@ def trainer_batches(
         from transformers import Trainer
     except ImportError:
         raise BatchError("--data needs transformers (pip install 'ckptforensics[hf]')") from None
-    ds = _dataset(data)
+    ds = open_dataset(data)
     if not hasattr(ds, "__len__"):
         raise BatchError(f"--data {data}: an iterable dataset has no sampler to rebuild; pass --batch")
     tok, tok_src = _tokenizer(ckpt_dir, record, data)

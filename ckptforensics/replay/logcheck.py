@@ -151,7 +151,7 @@ def check_against_log(
     micro_batch_size: int | None = None,
     clip: float | None = None,
 ) -> LogCheck:
-    """Compare each replayed step (`engine.StepRecord`) with the logged rows of the run
+    """Compare each replayed step (`records.StepRecord`) with the logged rows of the run
     (`logs.read_metrics`: step -> {"loss", "grad_norm", ...}, the whole log).
 
     A step is checked where the log has a value for it and the replay covers what that value

@@ -47,7 +47,7 @@ import torch
 from ..formats.base import Checkpoint
 
 if TYPE_CHECKING:
-    from .engine import Plan
+    from .window import Plan
 
 __all__ = [
     "PRECISIONS",
@@ -254,7 +254,7 @@ def fp32_micro_batches(ckpt: Checkpoint) -> int | None:
     return mbs if isinstance(mbs, int) and mbs > 0 else None
 
 
-# A replayed moment's rounding per step, relative (engine._compare; docs/signatures.md#replay-precision): fp32 compute and fp16
+# A replayed moment's rounding per step, relative (compare.compare_after; docs/signatures.md#replay-precision): fp32 compute and fp16
 # autocast (fp16 gradients round at 2^-11) sit under 1e-3; a bf16 gradient rounds at 2^-8
 # (bf16's unit roundoff, 8 significand bits), and a bf16 weight a last-bit different master
 # weight rounds to (a replay's sums in another order) moves every gradient it touches by as
@@ -269,7 +269,7 @@ def moment_rounding(precision: str) -> float:
 
 def reach(precision: str) -> float:
     """How many Adam bounds apart a replayed weight and *after*'s may be before no replay
-    of the window could explain it (engine._weight_match's `impossible`). One where the
+    of the window could explain it (compare.weight_match's `impossible`). One where the
     replay follows the run's arithmetic; two where the compute is bf16: an element whose
     true gradient is zero (an attention key's bias) moves on rounding noise alone, up to the
     bound each step, and the run's noise and the replay's can push it opposite ways."""
@@ -278,7 +278,7 @@ def reach(precision: str) -> float:
 
 def tolerance(precision: str) -> dict[str, str]:
     """The tolerance a replay in `precision` is held to against *after*, as the report states it
-    (engine._weight_match, engine._moment_tol)."""
+    (compare.weight_match, compare.moment_tol)."""
     first = "; the first moment's relative to the gradient's size (sqrt of the second)" if precision in ("bf16", "bf16-params") else ""
     return {
         "weights": f"1% of the window's Adam steps (k x lr) plus 4 ulp of after's dtype; impossible past {reach(precision):g} x the Adam bound",
@@ -604,7 +604,7 @@ def settle_loss_scale(p: Plan, progress: Callable[[str], None] | None = None) ->
 
 
 # A calibration trial lands when at most this share of elements misses *after* (a tenth of
-# the replay's reproducibility threshold, engine.MATCH_SHARE); MATCH_SHARE_CAL: the threshold.
+# the replay's reproducibility threshold, compare.MATCH_SHARE); MATCH_SHARE_CAL: the threshold.
 _LANDED = 0.001
 MATCH_SHARE_CAL = 0.01
 
@@ -612,7 +612,7 @@ MATCH_SHARE_CAL = 0.01
 def _trial(p: Plan, s0: float, placed: frozenset[int] | None, progress: Callable[[str], None] | None, what: str) -> tuple[float, int, float]:
     """Replay the window from loss scale `s0` (skips at `placed`, if given): (share of
     elements that miss *after*, steps skipped, the scale the first step ran at)."""
-    from .engine import _compare
+    from .compare import compare_after
 
     assert p.scale is not None and p.b is not None
     if progress is not None:
@@ -625,7 +625,7 @@ def _trial(p: Plan, s0: float, placed: frozenset[int] | None, progress: Callable
         assert session.loss_scaler is not None
         n_skipped = len(session.loss_scaler.skipped)
         first = session.loss_scaler.used.get(p.steps[0], s0)
-        matches = _compare(session, p.b, p.lrs)
+        matches = compare_after(session, p.b, p.lrs)
         return sum(m.mismatched for m in matches) / max(1, sum(m.numel for m in matches)), n_skipped, first
     finally:
         session.close()

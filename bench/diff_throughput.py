@@ -39,8 +39,10 @@ def llama_config(layers: int) -> dict:
     }
 
 
-def write_pair(root: Path, layers: int) -> tuple[Path, Path, int]:
-    """Two checkpoints 10 Adam steps apart; returns (a, b, largest tensor bytes)."""
+def write_pair(root: Path, layers: int, weights: str = "bf16") -> tuple[Path, Path, int]:
+    """Two checkpoints 10 Adam steps apart, weights stored in `weights` (bf16 or fp32);
+    returns (a, b, largest tensor bytes)."""
+    wdtype = {"bf16": "bfloat16", "fp32": "float32"}[weights]
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -71,7 +73,7 @@ def write_pair(root: Path, layers: int) -> tuple[Path, Path, int]:
                 m, v = state[n]
                 weights[n] = weights[n] - 10 * 3e-4 * torch.tanh(m / v.sqrt())
                 state[n] = (m * 0.9**10 + 1e-5, v * 0.95**10 + 1e-9)
-        save_file({n: weights[n].to(torch.bfloat16).contiguous() for n in order}, str(d / "model.safetensors"))
+        save_file({n: weights[n].to(getattr(torch, wdtype)).contiguous() for n in order}, str(d / "model.safetensors"))
         ids = {n: i for i, n in enumerate(order)}
         osd = {
             "state": {ids[n]: {"step": torch.tensor(float(step)), "exp_avg": state[n][0], "exp_avg_sq": state[n][1]} for n in order},

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned: 2.13.0 is the CPU build; an unpinned torch pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: venv demo test lint bench clean zoo zoo-heldout zoo-tuning fuzz log-draws-tuning log-draws-heldout
+.PHONY: venv demo demo-loop test test-unit lint bench clean zoo zoo-heldout zoo-tuning fuzz log-draws-tuning log-draws-heldout
 
 $(BIN)/.ready: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,15 @@ demo: venv
 	$(BIN)/ckptforensics replay --run-dir build/demo/poison_batch --before 30 --after 35 \
 		--model fixtures/tinygpt.py:factory --batch build/demo/poison_batch/batches.h5 --out build/demo/report
 	@echo "report: build/demo/report/report.md"
+
+# The on-call loop's second half on the demo incident: the resume plan, the resume as planned
+# (the zoo's own loop), and whether the resumed run recovered.
+demo-loop: demo
+	$(BIN)/ckptforensics plan --run-dir build/demo/poison_batch --before 30 --after 35 \
+		--model fixtures/tinygpt.py:factory --batch build/demo/poison_batch/batches.h5 --out build/demo/plan
+	$(BIN)/python fixtures/resume_runs.py --apply build/demo/plan --run build/demo/poison_batch --out build/demo/resumed
+	$(BIN)/ckptforensics recovery --run-dir build/demo/resumed --resumed-from 30 --plan build/demo/plan --out build/demo/recovery
+	@echo "plan: build/demo/plan/report.md; recovery: build/demo/recovery/report.md"
 
 zoo: venv
 	$(BIN)/python fixtures/zoo.py --out build/zoo
@@ -44,9 +53,14 @@ log-draws-heldout: venv
 	rm -rf build/log-draws/heldout
 	$(BIN)/python bench/log_draws.py --split heldout --build --record
 
+# Two workers (CI has two cores); a module's tests stay on one worker (tests/conftest.py).
 test: venv
 	$(BIN)/ruff check ckptforensics tests fixtures bench
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
+
+# The fast tier: no training, under a minute.
+test-unit: venv
+	$(BIN)/python -m pytest -q tests/unit
 
 # A longer fuzzing campaign than CI's seeded one.
 fuzz: venv

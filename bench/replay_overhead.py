@@ -2,7 +2,8 @@
 
 In one run, on the same model and batch (the project's GPT at a mid size, CPU):
   plain        forward + backward
-  probes       forward + backward with ckptforensics' ModuleProbe on every module
+  probes       forward + backward with ckptforensics' ModuleProbe on every module (with and
+               without its attention watch: every SDPA call's logit max and entropy)
   per-sample   forward + backward with probes and PerSampleGrad (Gram trick)
   HF debug     transformers' DebugUnderflowOverflow (when transformers is installed)
   anomaly      torch.autograd.detect_anomaly
@@ -60,6 +61,17 @@ def main() -> None:
         per_token_loss(model(ids), ids).mean().backward()
 
     plain = timed(step, args.reps)
+    # The module probes alone, then with the attention watch (every SDPA call's logit
+    # statistics recomputed on the device: the attention-logit-growth evidence).
+    bare = ModuleProbe(model, attention=False)
+
+    def bare_probed() -> None:
+        bare.reset()
+        step()
+        bare.collect()
+
+    without_attention = timed(bare_probed, args.reps)
+    bare.remove()
     probe = ModuleProbe(model)
 
     def probed() -> None:
@@ -94,7 +106,8 @@ def main() -> None:
     probe.remove()
     rows = [
         ("plain forward+backward", plain),
-        ("ckptforensics probes", with_probes),
+        ("ckptforensics probes, no attention watch", without_attention),
+        ("ckptforensics probes (with the attention watch)", with_probes),
         ("probes + per-sample gradient shares", with_samples),
         ("probes + shares + per-parameter RMS_t / SPAM", with_param_stats),
     ]
@@ -128,7 +141,8 @@ def main() -> None:
         "| --- | --- | --- |",
         *(f"| {name} | {t:.3f} | {t / plain:.2f}× |" for name, t in rows),
         "",
-        f"- probes: {with_probes / plain:.2f}× plain (target ≤ 1.3×) → {'met' if with_probes / plain <= 1.3 else 'NOT met'}",
+        f"- probes: {with_probes / plain:.2f}× plain (target ≤ 1.3×) → {'met' if with_probes / plain <= 1.3 else 'NOT met'}; "
+        f"the attention watch's share: {(with_probes - without_attention) / plain:.2f}× plain",
         f"- per-sample shares: {with_samples / with_probes:.2f}× the probed backward they ride on, {with_samples / plain:.2f}× plain (target ≤ 2×) → {'met' if with_samples / plain <= 2 else 'NOT met'}",
         f"- everything a replayed step measures: {with_param_stats / plain:.2f}× plain",
         "",

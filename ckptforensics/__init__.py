@@ -1,30 +1,57 @@
 """ckptforensics: post-mortem forensics for loss spikes in large-model pre-training.
 
-The library API is `ckptforensics.api` (the commands as functions, each returning a
-`Report`); it is loaded on first use, so that importing the package and
+The commands are functions of the package, each returning a `Report` (the report document,
+its findings, renderings); they load on first use, so that importing the package and
 `ckptforensics --help` stay fast:
 
-    from ckptforensics.api import diff, replay, bisect, whatif, triage
-    rep = diff(30, 40, run_dir="runs/x")
+    import ckptforensics as cf
+    rep = cf.replay("runs/x/step_30.pt", "runs/x/batches.h5", after="runs/x/step_40.pt")
+    rep.cause, rep.verdict["first_bad_step"]
     print(rep.to_markdown())
 
-The functions live in `api`, not at the package's top level, because `diff`, `replay`,
-`bisect`, `whatif` and `triage` are also the package's submodules: importing one would
-replace a top-level function of the same name.
-
-The training side is `ckptforensics.record` (`Recorder`: the flight recorder a loop
-attaches so that the next incident is replayable).
+`diff`, `replay`, `bisect`, `whatif`, `triage`, `plan`, `recovery` and `audit` are also the
+names of the package's submodules; the package keeps the command under each name (the
+submodule stays importable: `from ckptforensics.replay.engine import plan`). The training
+side is `Recorder` (the flight recorder a loop attaches so that the next incident is
+replayable).
 """
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
 
 __version__ = "0.1.0"
 
-_LAZY = {"api": None, "Report": "api", "open_checkpoint": "formats", "open_pair": "formats", "completeness": "formats", "record": None, "Recorder": "record"}
+COMMANDS = ("diff", "replay", "bisect", "whatif", "triage", "plan", "recovery", "audit")
+_LAZY = {
+    **dict.fromkeys(COMMANDS, "api"),
+    "api": None,
+    "Report": "api",
+    "resolve": "api",
+    "open_checkpoint": "formats",
+    "open_pair": "formats",
+    "completeness": "formats",
+    "record": None,
+    "Recorder": "record",
+}
 
 __all__ = ["__version__", *_LAZY]
+
+
+class _Package(types.ModuleType):
+    """The package module. Importing a submodule binds it on its package under its name;
+    for the command names that binding is skipped, so `cf.replay` stays the command
+    whatever has been imported (the submodule is in sys.modules, where imports find it)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in COMMANDS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

@@ -101,9 +101,23 @@ def replay_section(rep: Any, suspect: int | None) -> dict[str, Any]:
         }
         for s, p in rep.passes.items()
     }
+    # Per step, each attention layer's largest pre-softmax logit and its most collapsed head's
+    # entropy (the attention-logits probe), and the head's mean logit.
+    attention = {
+        str(s): {
+            "modules": list(p.attn_modules),
+            "max_logit": [float(x) for x in p.attn[..., 0].nan_to_num(float("-inf")).amax(1).tolist()],
+            "entropy": [float(x) for x in p.attn[..., 1].nan_to_num(float("inf")).amin(1).tolist()],
+            "head": p.head,
+            "logit_mean": p.logit_mean,
+        }
+        for s, p in rep.passes.items()
+        if p.attn is not None and p.attn_modules
+    }
     return {
         "config": rep.config,
         "precision": rep.precision,
+        "attention": attention,
         "check": rep.check.as_dict(),
         "steps": [asdict(r) for r in rep.records],
         "logged": {str(k): _core(v) for k, v in rep.logged.items()},
@@ -308,12 +322,14 @@ def _whatif(cfg: Any, n_steps: int, tries: list[str], skip_rows: dict[int, list[
 
     mitigations = [parse_mitigation(t) for t in tries]
     auto = skip_rows
+    auto_ids: dict[int, list[int]] = {}
     if any(k == "skip_samples" and v == "auto" for m in mitigations for k, v in m.knobs) and not auto:
         from .bisect import bisect
 
         first = _step_of(cfg.before) + 1
         res, _ = bisect(cfg, progress, steps=list(range(first, first + n_steps)))
         auto = {res.first_bad_step: res.rows} if res.rows else {}
+        auto_ids = {res.first_bad_step: res.sample_ids} if res.rows and res.sample_ids else {}
     outcomes, best, info = whatif(cfg, n_steps, mitigations, auto, progress)
     msg = (
         f"{best} keeps the run on track over {n_steps} steps (least invasive that does)"
@@ -322,7 +338,7 @@ def _whatif(cfg: Any, n_steps: int, tries: list[str], skip_rows: dict[int, list[
     )
     finding = Finding("F1", "whatif", best or "run", 1.0, "info", {"recommended": best, **info}, msg, "docs/signatures.md#what-if", ())
     verdict = decide_whatif(before=str(cfg.before), n_steps=n_steps, outcome=msg, recommended=best, baseline_on_track=bool(info["baseline_on_track"]))
-    section = {"outcomes": [asdict(o) for o in outcomes], "recommended": best, **info, "auto_rows": {str(k): v for k, v in (auto or {}).items()}}
+    section = {"outcomes": [asdict(o) for o in outcomes], "recommended": best, **info, "auto_rows": {str(k): v for k, v in (auto or {}).items()}, "auto_sample_ids": {str(k): v for k, v in auto_ids.items()}}
     with open_checkpoint(cfg.before) as a:
         doc = build_report(command=command, before=a, after=a, verdict=verdict, findings=[finding], sections={"whatif": section})
     return doc, [finding]

@@ -4,7 +4,7 @@ The CLI is these functions plus argument parsing and printing. Each returns a `R
 (the report document, its findings, and renderings); checkpoints it opens are closed
 before it returns.
 
-    import ckptforensics as cf
+    import ckptforensics as cf   # the commands are the package's functions too
     rep = cf.replay("runs/x/step_30.pt", "runs/x/batches.h5", after="runs/x/step_40.pt")
     rep.cause, rep.verdict["first_bad_step"]
     print(rep.to_markdown())
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Report", "diff", "replay", "bisect", "whatif", "triage", "resolve", "NotRankZero"]
+__all__ = ["Report", "diff", "replay", "bisect", "whatif", "plan", "plan_from", "recovery", "triage", "audit", "resolve", "NotRankZero"]
 
 Progress = Callable[[str], None]
 
@@ -78,6 +78,11 @@ class Report:
 
         extra = {"skip.json": to_json(self.extra["skip"])} if "skip" in self.extra else None
         return write_report(Path(out), self.doc, extra)
+
+    @property
+    def plan(self) -> dict[str, Any]:
+        """The resume plan (`plan` section; empty for a recovery report)."""
+        return dict(self.doc.get("plan") or {})
 
 
 def resolve(step_or_path: str | int | Path, run_dir: str | Path | None = None) -> Path:
@@ -224,6 +229,136 @@ def whatif(
     return Report(*_rank_zero(run_whatif(cfg, steps, list(tries), None, command=command, progress=progress), "whatif"))
 
 
+def plan(
+    before: str | int | Path,
+    after: str | int | Path,
+    batch: str | Path | None = None,
+    *,
+    data: str | Path | None = None,
+    collator: str | None = None,
+    run_dir: str | Path | None = None,
+    model: str | None = None,
+    precision: str = "auto",
+    device: str = "cpu",
+    clip: float | None = None,
+    loss: str | None = None,
+    metrics: str | Path | None = None,
+    checkpoint_activations: bool = False,
+    labels: str | None = None,
+    allow_mismatch: bool = False,
+    tries: Sequence[str] | None = None,
+    progress: Progress | None = None,
+    command: str = "ckptforensics.plan",
+) -> Report:
+    """The resume plan for the incident between `before` and `after`: the window is replayed
+    (the verdict), then the mitigations its cause calls for (`plan.mitigations`, or `tries`)
+    are replayed from the rollback checkpoint (the what-if), and the plan is written in the
+    trainer's own terms, each change marked verified by the what-if or not replayed. The
+    report holds the replay's verdict, the `whatif` section and the `plan` section; the skip
+    list, where there is one, is `report.extra["skip"]` (saved as skip.json)."""
+    from .errors import ForensicsError
+    from .formats import open_checkpoint
+    from .plan import mitigations, plan_section
+    from .shard import dist_world
+
+    if dist_world()[1] > 1:
+        raise ForensicsError(
+            "plan runs in one process (its what-if follows from the replay's verdict); under torchrun run `replay` and "
+            "`whatif`, then `ckptforensics plan incident/ whatif/`"
+        )
+    opts = dict(data=data, collator=collator, run_dir=run_dir, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
+                checkpoint_activations=checkpoint_activations, labels=labels, allow_mismatch=allow_mismatch, progress=progress)  # fmt: skip
+    rep = replay(before, batch, after=after, command=command, **opts)
+    p = rep.plan
+    tried = list(tries) if tries else mitigations(rep.doc, ((rep.doc.get("replay") or {}).get("config") or {}).get("clip", {}).get("value"))
+    doc, findings = rep.doc, list(rep.findings)
+    if p.get("status") == "ready" and tried:
+        r = p["rollback"]
+        n = int(rep.doc["incident"]["after"]["step"]) - int(r["step"])
+        wi = whatif(r["path"], batch, max(n, 1), tried, command=command, **opts)
+        from .detectors import Finding
+
+        f = wi.findings[0]
+        extra = Finding(f"F{len(findings) + 1}", *[getattr(f, k) for k in Finding.__slots__[1:]])  # type: ignore[attr-defined]
+        findings.append(extra)
+        doc = {**doc, "whatif": wi.doc["whatif"], "findings": [*doc["findings"], {**wi.doc["findings"][0], "id": extra.id}]}
+        with open_checkpoint(doc["incident"]["before"]["path"]) as ck:
+            doc["plan"] = _clean_doc(plan_section(doc, ck))
+    return Report(doc, findings, _skip_extra(doc))
+
+
+def _clean_doc(x: Any) -> Any:
+    from .report import clean
+
+    return clean(x)
+
+
+def _skip_extra(doc: dict[str, Any]) -> dict[str, Any]:
+    """skip.json for a plan that skips data: steps, sample ids and rows per step."""
+    sk = (doc.get("plan") or {}).get("skip")
+    return {"skip": {"steps": sk["steps"], "sample_ids": sk["sample_ids"], "rows": sk["rows"]}} if sk else {}
+
+
+def plan_from(reports: Sequence[str | Path]) -> Report:
+    """The resume plan from reports already written (a replay or bisect report, a what-if
+    report of the same incident: their `report.json`, `evidence.h5` or directories). The
+    *before* checkpoint they name must still be where they say: the run's own settings are
+    read from it."""
+    from .errors import ForensicsError
+    from .formats import open_checkpoint
+    from .plan import merge_reports, plan_section
+    from .report.evidence import load_report
+
+    docs = []
+    for r in reports:
+        p = Path(r)
+        docs.append(load_report(p / "report.json" if p.is_dir() else p))
+    if any(d.get("recovery") for d in docs):
+        raise ForensicsError("a recovery report has no incident to plan for: pass the replay, bisect or what-if report")
+    doc = merge_reports(docs)
+    before = Path(doc["incident"]["before"]["path"])
+    if not before.exists():
+        raise ForensicsError(f"{before}: the report's before checkpoint is not here; the plan reads the run's settings from it (run `ckptforensics plan --run-dir ...` where the run is)")
+    with open_checkpoint(before) as ck:
+        doc = {**doc, "plan": _clean_doc(plan_section(doc, ck))}
+    return Report(doc, list(doc.get("findings", [])), _skip_extra(doc))
+
+
+def recovery(
+    run_dir: str | Path,
+    resumed_from: int,
+    *,
+    metrics: str | Path | None = None,
+    plan: str | Path | dict[str, Any] | None = None,
+    flight: str | Path | None = None,
+    checkpoint: str | int | Path | None = None,
+    window: int | None = None,
+    command: str = "ckptforensics.recovery",
+) -> Report:
+    """Whether the run resumed at step `resumed_from` recovered: its log against the
+    pre-incident trajectory (`recovered` at step S, `recovering`, `not recovered`, `relapsed`
+    at step S) and the checks that the resume was the plan (`plan`: a plan report, its
+    directory, or its `plan` section), in the `recovery` section."""
+    from .recovery import recovery as _recovery
+    from .recovery import recovery_report
+    from .report.evidence import load_report
+    from .tensors import CURVE_SHORT
+
+    rd = Path(run_dir)
+    section, source = None, None
+    if isinstance(plan, dict):
+        section = plan.get("plan", plan)
+    elif plan is not None:
+        pp = Path(plan)
+        pp = pp / "report.json" if pp.is_dir() else pp
+        section, source = load_report(pp).get("plan") or {}, str(pp)
+    ck = resolve(checkpoint, rd) if checkpoint is not None else None
+    res = _recovery(rd, int(resumed_from), metrics=Path(metrics) if metrics else None, plan=section, plan_source=source,
+                    flight=Path(flight) if flight else None, checkpoint=ck, width=window or CURVE_SHORT)  # fmt: skip
+    doc, findings = recovery_report(res, command)
+    return Report(doc, findings)
+
+
 def _rank_zero(got: Any, what: str) -> Any:
     if got is None:
         raise NotRankZero(f"{what} under torchrun: rank 0 returns the report")
@@ -240,3 +375,42 @@ def triage(metrics: str | Path | None = None, run_dir: str | Path | None = None,
     rd = Path(run_dir) if run_dir is not None else None
     log = Path(metrics) if metrics is not None else discover_metrics(rd or Path("."))
     return _triage(log, rd, config, keys)
+
+
+def audit(
+    step: str | int | Path | None = None,
+    *,
+    run_dir: str | Path | None = None,
+    compare: str | int | Path | None = None,
+    model: str | None = None,
+    batch: str | Path | None = None,
+    metrics: str | Path | None = None,
+    device: str = "cpu",
+    progress: Progress | None = None,
+    command: str = "ckptforensics.audit",
+) -> Report:
+    """Audit a checkpoint (a step resolved in `run_dir`, a path, or None: the run's latest)
+    for known instability risks: `report.doc["architecture"]` (norm placement, QK-norm, ...)
+    and `report.doc["audit"]["rows"]` (each check's figure, threshold and source). `compare`:
+    an earlier checkpoint for the rows that compare two (default: the one before; "none": skip).
+
+        rep = cf.api.audit(run_dir="runs/x")
+        rep.doc["architecture"]["norm_placement"], [r["id"] for r in rep.doc["audit"]["rows"] if r["status"] == "risk"]
+    """
+    from .audit import AuditConfig, default_checkpoint, run_audit
+
+    rd = Path(run_dir) if run_dir is not None else Path(".")
+    path = resolve(step, rd) if step is not None else default_checkpoint(rd)
+    cmp: Path | bool | None = None
+    if compare is not None:
+        cmp = False if str(compare).lower() == "none" else resolve(compare, rd)
+    cfg = AuditConfig(
+        checkpoint=path,
+        compare=cmp,
+        run_dir=rd if run_dir is not None else path.parent,
+        model=model,
+        batch=str(batch) if batch is not None else None,
+        metrics=Path(metrics) if metrics is not None else None,
+        device=device,
+    )
+    return Report(*run_audit(cfg, command=command, progress=progress))

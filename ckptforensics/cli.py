@@ -565,6 +565,187 @@ def whatif_cmd(ctx: click.Context, before: str, n_steps: int, tries: tuple[str, 
     _finish(ctx, rep.doc, rep.findings, as_json, written, False, "warning")
 
 
+@cli.command("plan")
+@click.argument("reports", nargs=-1, type=click.Path(exists=True, path_type=Path))
+@click.option("--before", "before", default=None, help="Step or path of the healthy checkpoint (with --after: replay the window, then the mitigations).")
+@click.option("--after", "after", default=None, help="Step or path after the spike (the window's end).")
+@run_dir_option
+@_replay_options
+@click.option("--try", "tries", multiple=True, help="A mitigation to replay instead of those the cause calls for (as whatif --try); repeat.")
+@click.pass_context
+def plan_cmd(ctx: click.Context, reports: tuple[Path, ...], before: str | None, after: str | None, run_dir: Path, out: Path | None, as_json: bool, tries: tuple[str, ...], **opts: Any) -> None:
+    """The resume plan, in the trainer's own terms: roll back to, skip, change, resume.
+
+    Replays the window (the verdict: the cause and the first bad step), then replays from
+    the last complete checkpoint before the onset the mitigations the cause calls for (a
+    poisoned batch: skip its rows or its step; an LR jump: the LR before it; fp16 overflow:
+    bf16; ...), and writes the plan for the trainer that wrote the run: HF TrainingArguments
+    fields, Lightning Trainer arguments, Megatron-LM flags, OLMo-core and torchtitan config
+    keys, DeepSpeed ds_config keys, a plain loop's lines, each a diff of the run's own
+    settings where its checkpoint records them; the skip list in the trainer's format
+    (Megatron's --iterations-to-skip, HF dataset indices, skip.json otherwise). Each change
+    is marked verified by the what-if, with the replayed figures, or not replayed.
+
+    REPORTS: instead of --before/--after, reports already written for this incident (a
+    replay or bisect report, a what-if report; directories or report.json): the plan is
+    made from them without replaying anything.
+
+    \b
+    Example:
+      ckptforensics plan --run-dir runs/7b --before 41950 --after 42000 \\
+          --batch runs/7b/batches.h5 --model train.py:build_model --out plan/
+      ckptforensics plan --run-dir runs/hf --before 45 --after 50 --data data/train --json
+      ckptforensics plan incident/ whatif/ --out plan/
+    Then resume as it says, and once the run has trained a while:
+      ckptforensics recovery --run-dir runs/7b --resumed-from 41950 --plan plan/
+    """
+    from . import api
+    from .locate import resolve_checkpoint
+
+    given = [k for k in ("batch", "data", "collator", "model") if opts.get(k)]
+    if reports and (before or after or given or tries):
+        raise click.UsageError("pass reports already written, or --before/--after with the replay's options; not both")
+    if not reports and not (before and after):
+        raise click.UsageError("pass --before and --after (the incident's window), or the reports already written for it")
+    with _errors(ctx):
+        if reports:
+            with _output(out, []):
+                rep = api.plan_from(list(reports))
+                written = rep.save(out) if out else []
+        else:
+            pa, pb = resolve_checkpoint(str(before), run_dir), resolve_checkpoint(str(after), run_dir)
+            with _output(None if _not_rank_zero() else out, [pa, pb]):
+                with _progress(0, "plan", ctx.obj.quiet or _not_rank_zero()) as prog:
+                    try:
+                        rep = api.plan(pa, pb, opts.pop("batch"), tries=list(tries) or None, progress=prog, command=_command("plan"), **opts)
+                    except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
+                        return
+                written = rep.save(out) if out else []
+    if as_json:
+        from .report import to_json
+
+        click.echo(to_json(rep.doc), nl=False)
+        return
+    from .report.markdown import plan_lines
+
+    click.echo(rep.doc["verdict"]["summary"])
+    click.echo("")
+    for line in plan_lines(rep.plan, None if reports else str(run_dir)) or ["no plan"]:
+        click.echo(line)
+    for p in written:
+        click.echo(f"wrote {p}")
+
+
+@cli.command("recovery")
+@run_dir_option
+@click.option("--resumed-from", "resumed_from", type=click.IntRange(0), required=True, help="The step of the checkpoint the run resumed from.")
+@click.option("--plan", "plan_path", type=click.Path(exists=True, path_type=Path), default=None, help="The plan the resume followed (its report.json or directory): its LR, clip, precision and skip list are checked.")
+@click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log; discovered in --run-dir when absent (a restart's legs split where steps go back).")
+@click.option("--flight", type=click.Path(file_okay=False, path_type=Path), default=None, help="The resumed run's flight recorder (default RUN/flight): the sample ids it saw.")
+@click.option("--checkpoint", default=None, help="The first checkpoint the resumed run wrote (step or path); default: the first complete one after --resumed-from.")
+@click.option("--window", type=click.IntRange(2), default=8, show_default=True, help="Steps per window judged against the trajectory.")
+@click.option("--out", type=click.Path(path_type=Path), help="Write report.json, report.md, report.html (with the plot) and evidence.h5 here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
+@click.option("--strict", is_flag=True, help="Exit 1 unless recovered with every check that could be read passed.")
+@click.pass_context
+def recovery_cmd(
+    ctx: click.Context, run_dir: Path, resumed_from: int, plan_path: Path | None, metrics: Path | None, flight: Path | None, checkpoint: str | None,
+    window: int, out: Path | None, as_json: bool, strict: bool,
+) -> None:  # fmt: skip
+    """Did the resumed run recover? Its log against the pre-incident trajectory, and the plan.
+
+    Reads the run's log (a restart's legs: the steps before the resume, the incident leg's,
+    the resumed leg's), fits the pre-incident trajectory on the steps before the onset
+    (Theil-Sen on log loss against log step, as triage judges a curve against its trend),
+    and judges the resumed leg in windows: loss against the trajectory (ratio, z), grad
+    norm against its pre-incident level, new onsets (triage's detectors). The verdict:
+    recovered at step S, recovering (the gap closing), not recovered, or relapsed at step S.
+    Beside it, that the resume was the plan: the optimizer state came back (Adam's step
+    counter in the first checkpoint after the resume against the trainer's), the LR, clip,
+    precision and loss scale the new leg runs with, and the skipped samples not seen again.
+
+    \b
+    Example:
+      ckptforensics recovery --run-dir runs/7b --resumed-from 41950 --plan plan/ --out recovery/
+      ckptforensics recovery --run-dir runs/hf --resumed-from 45 --json | jq .recovery.status
+    """
+    from . import api
+
+    with _errors(ctx), _output(out, []):
+        rep = api.recovery(run_dir, resumed_from, metrics=metrics, plan=plan_path, flight=flight, checkpoint=checkpoint, window=window, command=_command("recovery"))
+        written = rep.save(out) if out else []
+    r = rep.doc["recovery"]
+    if as_json:
+        from .report import to_json
+
+        click.echo(to_json(rep.doc), nl=False)
+    else:
+        click.echo(rep.verdict["summary"])
+        for c in r["checks"]:
+            click.echo(f"  [{c['status']}] {c['name']}: {c['message']}")
+        for w in r["windows"]:
+            click.echo(
+                f"  steps {w['first']}-{w['last']}: loss {_fmt(w['ratio'])}x the trajectory (z {_fmt(w['z'])}), grad norm {_fmt(w['grad_ratio'])}x "
+                f"its level{', onset at ' + ', '.join(map(str, w['onsets'])) if w['onsets'] else ''}"
+            )
+        for p in written:
+            click.echo(f"wrote {p}")
+    if strict and (r["status"] != "recovered" or any(c["status"] == "failed" for c in r["checks"])):
+        ctx.exit(1)
+
+
+def _fmt(x: Any) -> str:
+    return "—" if x is None else f"{x:.3g}"
+
+
+@cli.command("audit")
+@click.argument("step", required=False)
+@run_dir_option
+@click.option("--compare", default=None, help="An earlier step or path for the rows that compare two checkpoints [default: the checkpoint before STEP; 'none': skip them].")
+@click.option("--model", "model", default=None, help="module:factory, path/file.py:factory, or an HF config dir (default: what the run recorded).")
+@click.option("--batch", "batch", default=None, help="Batch log or batch file to probe with (default: batches.h5 or a flight recorder beside the checkpoints; else random token ids).")
+@click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log (JSONL/CSV/...); discovered when absent.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), help="Write report.json, report.md, report.html and evidence.h5 here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
+@click.option("--strict", is_flag=True, help="Exit 1 when a risk at or above --fail-on exists (a CI gate).")
+@click.option("--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True)
+@click.pass_context
+def audit_cmd(
+    ctx: click.Context, step: str | None, run_dir: Path, compare: str | None, out: Path | None, as_json: bool, strict: bool, fail_on: str, **opts: Any
+) -> None:
+    """Audit a run for known instability risks before the next spike.
+
+    From the checkpoint, the configuration and log the run recorded, and one probed
+    forward pass on a batch of the run: the architecture (norm placement and QK-norm read
+    from the module graph, z-loss or soft-capping, tied embeddings, embedding scale),
+    numerics (fp16 without a loss scaler, bf16 without fp32 master weights, loss-scale
+    backoffs), the optimizer (eps-dominated moments, beta2, weight decay on norms and
+    embeddings, clipping, warm-up), headroom now (attention and output logits, activation
+    growth since the previous checkpoint) and observability. Each row: the figure
+    measured, the level it is judged against and its source; risks first, by severity.
+
+    STEP is a step (resolved in --run-dir) or a path; default: the latest checkpoint.
+
+    \b
+    Example:
+      ckptforensics audit --run-dir runs/7b 41950
+      ckptforensics audit --run-dir runs/7b --json | jq .architecture.norm_placement
+      ckptforensics audit --run-dir runs/7b --strict --fail-on critical   # CI gate
+    """
+    from . import api
+
+    with _errors(ctx):
+        from .audit import default_checkpoint
+
+        path = api.resolve(step, run_dir) if step is not None else default_checkpoint(run_dir)
+        with _output(out, [path]):
+            with _progress(0, "audit", ctx.obj.quiet) as prog:
+                rep = api.audit(path, run_dir=run_dir, compare=compare, progress=prog, command=_command("audit"), **opts)
+            written = rep.save(out) if out else []
+    _finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on)
+
+
 @cli.command("triage")
 @click.option(
     "--metrics",
@@ -648,6 +829,9 @@ def triage_cmd(
             f"log noise: {n['kind']} (loss moves {n['loss_noise_pct_per_step']}% a step; {n['steps_over_z']} steps over z where normal noise "
             f"gives {n['expected_over_z_if_normal']:.2g}; {n['recovering_blips']} blips that recover){cols}"
         )
+    if res.resumed is not None:
+        click.echo(f"rolled back already: the latest leg resumed at step {res.resumed['from']}; the onsets below read it (a later leg wins)")
+        click.echo(f"  did it recover? ckptforensics recovery --run-dir {run_dir} --resumed-from {res.resumed['from']}")
     if res.first_bad_step is None:
         click.echo("no spike onset found")
         for w in written:

@@ -42,6 +42,9 @@ class TriageResult:
     commands: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # incomplete checkpoints passed over, and what they lack
     timeline: dict[str, list[float]] = field(default_factory=dict)  # step, loss, grad_norm, checkpoints
+    # A run already rolled back (a later leg of its log starts at or before an earlier leg's
+    # last step): {"from": the step it resumed at, "legs": [...]}; the log read is the latest leg's.
+    resumed: dict[str, Any] | None = None
 
 
 def triage(metrics: Path | str, run_dir: Path | None, cfg: TriageConfig | None = None, keys: dict[str, str] | None = None) -> TriageResult:
@@ -82,7 +85,18 @@ def triage(metrics: Path | str, run_dir: Path | None, cfg: TriageConfig | None =
             res.after_step, res.after = after[0], str(after[1])
     if res.rollback_step is not None and run_dir is not None and res.rollback is not None:
         res.commands = _commands(run_dir, Path(res.rollback), res.rollback_step, res.after_step)
+    res.resumed = _resumed(res.legs)
+    if res.resumed is not None:
+        where = run_dir if run_dir is not None else Path(res.files[0]).parent
+        res.commands.append(f"ckptforensics recovery --run-dir {where} --resumed-from {res.resumed['from']} --out recovery/")
     return res
+
+
+def _resumed(legs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A run already rolled back: a leg of its log whose steps a later leg logged again (the
+    logs package's `superseded`); it resumed at the step before that later leg's first."""
+    back = [b["first"] - 1 for a, b in zip(legs, legs[1:], strict=False) if a["superseded"] and b["first"] <= a["last"]]
+    return {"from": back[-1], "legs": legs} if back else None
 
 
 def _commands(run_dir: Path, rollback: Path, before: int, after_step: int | None) -> list[str]:
@@ -97,6 +111,7 @@ def _commands(run_dir: Path, rollback: Path, before: int, after_step: int | None
         f"ckptforensics diff --run-dir {run_dir} --before {before}{after} --out incident/",
         f"ckptforensics replay --run-dir {run_dir} --before {before}{after}{source}{model} --out incident/",
         f"ckptforensics bisect --run-dir {run_dir} --before {before}{after}{source}{model} --out incident/",
+        f"ckptforensics plan --run-dir {run_dir} --before {before}{after}{source}{model} --out plan/",
     ]
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from .detectors import Finding, module_of
 
-__all__ = ["replay_fields", "Verdict", "decide", "reattribute", "CAUSES", "RESUME_CAUSES"]
+__all__ = ["replay_fields", "Verdict", "decide", "decide_audit", "reattribute", "CAUSES", "RESUME_CAUSES"]
 
 CAUSES = (
     "gradient_explosion",
@@ -21,6 +21,7 @@ CAUSES = (
     "loss_scale_collapse",
     "poison_batch",
     "adam_instability",
+    "attention_logit_growth",
     "output_logit_divergence",
     "silent_corruption",
     # A resume that restored the weights but not the rest of the training state.
@@ -58,6 +59,14 @@ _ACTIONS = {
         "Resume from {rollback} with a larger Adam epsilon or lower beta2 for the affected layers (Molybog 2304.09871).",
     ],
     "poison_batch": ["Skip the culprit batch from {rollback} (`ckptforensics bisect` finds the rows)."],
+    "attention_logit_growth": [
+        "Resume from {rollback} with QK-norm (LayerNorm on each head's queries and keys, Dehghani et al. 2023) or "
+        "attention-logit soft-capping (Gemma 2: 50 tanh(x/50)) in {layer}, or a lower LR; `ckptforensics audit` checks the fix.",
+    ],
+    "output_logit_divergence": [
+        "Resume from {rollback} with z-loss (1e-4 log^2 Z, PaLM) or final-logit soft-capping (Gemma 2: 30 tanh(x/30)) on "
+        "{layer}, or weight decay on the head; `ckptforensics audit` checks log Z.",
+    ],
     "optimizer_state_lost": [
         "Resume from {rollback} with its optimizer state loaded, the trainer's own way: HF Trainer "
         "`trainer.train(resume_from_checkpoint=...)`; Lightning `trainer.fit(model, ckpt_path=...)`; DeepSpeed "
@@ -83,6 +92,9 @@ _ACTIONS = {
         "skips the consumed batches unless `ignore_data_skip`): the run is re-reading samples it has already seen.",
     ],
 }
+
+# Causes whose finding names the layer to fix: it leads the verdict's module fields.
+_LAYER_CAUSES = {"attention_logit_growth": "attention_logit_growth", "output_logit_divergence": "output_logit_drift"}
 
 
 @dataclass(slots=True)
@@ -208,6 +220,12 @@ def replay_fields(findings: Sequence[Finding], state_steps: Sequence[int] = ()) 
     for kind, value in _REPRODUCED.items():
         if by[kind]:
             out["reproducible"] = value
+    agreed = [f for f in by["replay_log_agreement"] if f.metrics.get("status") == "matched"]
+    if by["replay_config_mismatch"] and agreed and onset and agreed[0].metrics.get("first_checked") is not None and agreed[0].metrics["first_checked"] <= min(onset):
+        # The replay's tensors deviate from *after* (its configuration: e.g. one process for
+        # the run's ranks under bf16), but it reproduced the run's own log step by step from
+        # before the onset on, the spike included: the failure reproduces.
+        out["reproducible"] = True
     for f in by["replay_spike_not_reproduced"]:
         # The replay matched the log up to this step and misses its spike: the spike is not
         # reproduced, whatever the tensors after it say, and it is where the run went bad.
@@ -306,7 +324,13 @@ def decide(
             )
         )
         return v
-    v.recommended_actions = [a.format(rollback=rollback or "an earlier checkpoint", after=after) for a in _ACTIONS.get(top, [])]
+    layer_finding = next((f for f in findings if top in _LAYER_CAUSES and f.kind == _LAYER_CAUSES[top] and top in f.supports), None)
+    if layer_finding is not None:
+        # The layer whose logits grew is the one to fix; modules the replay saw move after it are its effect.
+        v.first_anomalous_module = layer_finding.subject
+        v.exploding_layers = list(dict.fromkeys([layer_finding.subject, *v.exploding_layers]))[:10]
+    layer = layer_finding.subject if layer_finding is not None else "the affected layers"
+    v.recommended_actions = [a.format(rollback=rollback or "an earlier checkpoint", after=after, layer=layer) for a in _ACTIONS.get(top, [])]
     lr_groups = [f for f in findings if f.kind in ("lr_above_schedule", "lr_jump") and top in f.supports]
     if lr_groups and top != "lr_too_high":
         members = list(dict.fromkeys(m for f in lr_groups for m in f.metrics.get("modules", [])))
@@ -364,3 +388,31 @@ def decide_whatif(*, before: str, n_steps: int, outcome: str, recommended: str |
     v.recommended_actions = [f"Resume from {before} with {recommended}."] if recommended else []
     return v
 
+
+
+def decide_audit(findings: Sequence[Finding], rows: Sequence[Any], *, checkpoint: str) -> Verdict:
+    """The verdict of an `audit`: it diagnoses no incident; its causes are the failure modes
+    the run is exposed to, ranked by its risks as a diagnosis ranks evidence (info-level
+    risks weigh nothing: "none" when only they remain), and its actions are the risks'
+    fixes, most severe first."""
+    causes = rank_causes(findings)
+    risks = [r for r in rows if r.status == "risk"]
+    order = {"critical": 0, "warning": 1, "info": 2}
+    risks.sort(key=lambda r: order[r.severity])
+    counts = {s: sum(1 for r in risks if r.severity == s) for s in order}
+    unknown = sum(1 for r in rows if r.status == "unknown")
+    head = f"Audit of {checkpoint}: " + (
+        ", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" risk{'s' if len(risks) != 1 else ''} in {len(rows)} checks"
+        if risks
+        else f"no risk in {len(rows)} checks"
+    ) + (f" ({unknown} not checkable from what the run recorded)." if unknown else ".")
+    parts = [head]
+    if risks and risks[0].severity != "info":
+        parts.append(risks[0].message[0].upper() + risks[0].message[1:] + ".")
+    if causes[0]["cause"] != "none":
+        parts.append("Exposed to: " + ", ".join(c["cause"] for c in causes[:3]) + ".")
+    v = Verdict(summary=" ".join(parts), causes=causes, rollback_checkpoint=None)
+    v.recommended_actions = list(dict.fromkeys(f"{r.id.replace('_', ' ')}: {r.fix}" for r in risks if r.fix))
+    subjects = [r.subject for r in risks if r.severity != "info" and r.subject != "run"]
+    v.exploding_layers = list(dict.fromkeys(subjects))[:10]
+    return v

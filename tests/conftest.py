@@ -17,7 +17,59 @@ sys.path.insert(0, str(ROOT))
 
 from fixtures.zoo import build  # noqa: E402
 
-__all__ = ["ROOT", "SUBSET", "build", "draw_args", "free_port", "torchrun"]
+__all__ = ["ROOT", "SUBSET", "build", "draw_args", "free_port", "torchrun", "validate_reports"]
+
+
+# `make test` runs the suite on two workers (pytest-xdist): each module's tests run on one
+# worker, so a module's fixtures are built once; the modules sharing an expensive session
+# fixture (the drawn runs, the DeepSpeed runs) run on one worker together.
+_SHARED = {"test_draws": "draws", "test_distributed_replay": "draws", "test_deepspeed": "deepspeed", "test_crash_corpus": "deepspeed"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scope scheduling with a module (or a `_SHARED` group of modules) as the scope
+    (its `xdist_group` marks no longer reach the scheduler under pytest 9)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return _SHARED.get(Path(module).stem, module)
+
+    return ByModule(config, log)
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _reports_validate(request: pytest.FixtureRequest) -> Any:
+    """Every report.json a test writes under its tmp_path validates against the shipped JSON
+    Schema (checked as the test ends, whatever order tests run in)."""
+    where = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if where is not None:
+        validate_reports(where)
+
+
+def validate_reports(root: Path) -> int:
+    """Validate every report.json under `root`; returns how many."""
+    import jsonschema
+
+    from ckptforensics.report import schema
+
+    docs = sorted(root.rglob("report.json"))
+    if docs:
+        validator = jsonschema.Draft202012Validator(schema())
+        for d in docs:
+            errors = sorted(validator.iter_errors(json.loads(d.read_text())), key=str)
+            assert not errors, f"{d}: {errors[0].message}"
+    return len(docs)
 
 
 @pytest.fixture(scope="session")
@@ -98,6 +150,7 @@ def draw_report(tmp_path_factory: pytest.TempPathFactory) -> Any:
             out = root / str(len(done))
             r = CliRunner().invoke(cli, ["-q", *draw_args(run, command, batch), "--out", str(out)], catch_exceptions=False)
             assert r.exit_code == 0, r.output
+            assert validate_reports(out) == 1
             done[key] = out
         return json.loads((done[key] / "report.json").read_text())
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_the_documented_notebook_session_runs_and_finds_the_poisoned_rows(zoo: dict[str, Path], tmp_path: Path, capsys: object) -> None:
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "api.md").read_text(), re.S)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     code = "\n".join(blocks).replace('run = "build/zoo/poison_batch"', f"run = {str(zoo['poison_batch'])!r}")
     truth = json.loads((zoo["poison_batch"] / "truth.json").read_text())
     ns: dict[str, object] = {}
@@ -32,6 +32,8 @@ def test_the_documented_notebook_session_runs_and_finds_the_poisoned_rows(zoo: d
     assert (tmp_path / "incident" / "skip.json").is_file()
     assert ns["again"].doc == b.doc and ns["again"].extra == b.extra  # type: ignore[attr-defined]
     assert "poison_batch" in r.to_markdown()  # type: ignore[attr-defined]
+    arch = ns["a"].doc["architecture"]  # type: ignore[attr-defined]
+    assert arch["norm_placement"] == "pre" and arch["qk_norm"] is False  # the project's GPT
 
 
 def test_the_readme_python_section_runs_as_written(zoo: dict[str, Path], tmp_path: Path) -> None:

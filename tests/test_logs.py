@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -22,15 +24,29 @@ from ckptforensics.logs import (
     read_metrics,
 )
 from ckptforensics.triage import triage
+from tests.conftest import ROOT
 
 FORMATS = ("jsonl", "megatron", "tensorboard", "megatron-tb", "lightning", "lightning-tb", "wandb", "mlflow")
 
 
+def _built(call: str, out: Path) -> Any:
+    """`fixtures.log_formats.<call>(out)` in a fresh interpreter: W&B, MLflow and the HF
+    Trainer's reporters leave process-wide state behind (environment variables, MLflow's
+    tracking URI) that the tests after these in the same process must not inherit."""
+    code = (
+        "import json, sys; from pathlib import Path; "
+        f"sys.path.insert(0, {str(ROOT)!r}); from fixtures.log_formats import {call}; "
+        f"r = {call}(Path(sys.argv[1])); print(json.dumps({{k: str(v) for k, v in r.items()}} if isinstance(r, dict) else str(r)))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {k: Path(v) for k, v in got.items()} if isinstance(got, dict) else Path(got)
+
+
 @pytest.fixture(scope="session")
 def formats(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from fixtures.log_formats import build
-
-    return build(tmp_path_factory.mktemp("log-formats"))
+    return _built("build", tmp_path_factory.mktemp("log-formats"))
 
 
 def _truth(formats: dict[str, Path]) -> dict:
@@ -156,9 +172,7 @@ def test_hf_trainers_three_reporters_log_its_steps(tmp_path: Path) -> None:
     """transformers' Trainer with report_to tensorboard, wandb and mlflow: each callback's
     log read back gives the Trainer's own trainer_state.json, step for step (W&B's `_step`
     counts log calls from 0; the Trainer's `train/global_step` is the step)."""
-    from fixtures.log_formats import hf_trainer_reporters
-
-    run = hf_trainer_reporters(tmp_path / "hf")
+    run = _built("hf_trainer_reporters", tmp_path / "hf")
     state = read_metrics(next(run.glob("checkpoint-*/trainer_state.json")))
     for where in (run / "runs", run / "wandb" / "latest-run", run / "mlruns"):
         if where.name == "mlruns":

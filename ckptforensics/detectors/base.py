@@ -61,6 +61,15 @@ class Thresholds:
         confined_tensors: corruption touches at most this many tensors ...
         confined_share: ... and at most this share (or 8 elements) of each.
         headroom_warn: max|x| within this factor of the dtype's max.
+        logit_max: the head's normaliser |log Z| past which its logits count as drifted:
+            Gemma 2 soft-caps final logits at 30 (Gemma Team 2024, arXiv 2408.00118, sec. 2),
+            and PaLM's z-loss holds log Z at 0 (Chowdhery et al. 2022, sec. 5).
+        attn_logit: a pre-softmax attention logit past which attention saturates: Gemma 2
+            soft-caps attention logits at 50 (arXiv 2408.00118, sec. 2); ViT-22B's divergence
+            came with logits far past it (Dehghani et al. 2023, arXiv 2302.05442, sec. 2).
+        attn_growth: a layer's attention logits grew (its max over the steps up to the bad
+            step against its own value on the window's first step) by this factor, or its
+            most collapsed head's entropy fell by it (Zhai et al. 2023's entropy collapse).
         rho_share: share of sign-like updates (|m|/sqrt(v) > 0.9) (Molybog 2304.09871).
         routine_backoffs: loss-scale halvings between two checkpoints that dynamic loss
             scaling makes in normal operation (one per growth_interval; a window of a few
@@ -74,6 +83,8 @@ class Thresholds:
     update_ratio: float = 0.1
     lr_over_base: float = 1.5
     logit_max: float = 30.0
+    attn_logit: float = 50.0
+    attn_growth: float = 1.5
     lr_growth_margin: float = LR_GROWTH_MARGIN
     confined_tensors: int = 4
     confined_share: float = 1e-5

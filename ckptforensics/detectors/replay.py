@@ -4,6 +4,7 @@ that leaves its range first, overflow, the rows that carry the spike, reproducti
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..diff import tensor_role
+from ..stats import MAD_TO_SIGMA, theil_sen
 from ..tensors import (
     CURVE_FLOOR,
     CURVE_MIN_HISTORY,
@@ -218,28 +220,125 @@ def first_steps_from_state(dfind: list[Finding], rep: Any) -> list[int]:
     return out
 
 
-def _logits(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
-    """Output logits past the soft-cap level and growing across the window (log Z drift)."""
-    recs = [r for r in ev.rep.records if math.isfinite(r.logit_absmax)]
-    if len(recs) < 2:
+def _output_logits(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
+    """The head's logits drifting away from the log-probabilities: |log Z| (the softmax
+    normaliser, mean over the batch's tokens) past `logit_max` across the window and moving
+    further from 0, its Theil-Sen slope over the window's steps > `z` standard errors
+    (the residuals' robust spread / (std(steps) sqrt(n))). A z-loss run holds log Z near 0
+    (PaLM), a healthy run without one sits where it sits: only the drift is this cause."""
+    rep = ev.rep
+    recs = [r for r in rep.records if math.isfinite(r.log_z)]
+    if len(recs) < 5:
         return []
-    first, peak = recs[0], max(recs, key=lambda r: r.logit_absmax)
-    if peak.logit_absmax > th.logit_max and peak.logit_absmax > 2 * first.logit_absmax:
-        return [
-            Finding(
-                "",
-                "output_logit_growth",
-                f"step {peak.step}",
-                cap(peak.logit_absmax / th.logit_max),
-                "warning",
-                {"max_abs_logit": peak.logit_absmax, "first_max_abs_logit": first.logit_absmax, "log_z": peak.log_z, "first_log_z": first.log_z, "limit": th.logit_max},
-                f"max |logit| grows from {first.logit_absmax:.3g} to {peak.logit_absmax:.3g} by step {peak.step} "
-                f"(log Z {first.log_z:.3g} -> {peak.log_z:.3g}); past {th.logit_max:g} softmax saturates",
-                "docs/signatures.md#output-logits (PaLM z-loss; Gemma 2 soft-cap)",
-                ("output_logit_divergence",),
-            )
-        ]
-    return []
+    steps = np.array([r.step for r in recs], dtype=np.float64)
+    lz = np.abs(np.array([r.log_z for r in recs]))
+    level = float(np.median(lz))
+    slope, intercept = theil_sen(steps, lz)
+    resid = lz - (intercept + slope * steps)
+    noise = max(float(np.median(np.abs(resid - np.median(resid)))) * MAD_TO_SIGMA, 1e-3 * level, 1e-6)
+    z = slope * float(np.std(steps)) * math.sqrt(len(recs)) / noise
+    if level <= th.logit_max or z <= th.z:
+        return []
+    first, last = recs[0], recs[-1]
+    p0 = rep.passes.get(first.step)
+    head = (p0.head if p0 is not None else None) or "the output logits"
+    means = [rep.passes[r.step].logit_mean for r in recs if r.step in rep.passes]
+    drift = slope * float(steps[-1] - steps[0])
+    return [
+        Finding(
+            "",
+            "output_logit_drift",
+            head,
+            cap(z / th.z),
+            "warning",
+            {
+                "log_z": [r.log_z for r in recs],
+                "steps": [r.step for r in recs],
+                "level": level,
+                "drift": drift,
+                "slope_z": z,
+                "max_abs_logit": max(r.logit_absmax for r in recs),
+                "mean_logit": [float(m) for m in means],
+                "limit": th.logit_max,
+            },
+            f"{head}'s log Z drifts from {first.log_z:.3g} to {last.log_z:.3g} over steps {first.step}-{last.step} "
+            f"({drift:+.3g} nats on its trend, {z:.1f} standard errors), past the {th.logit_max:g} at which Gemma 2 caps "
+            f"its logits; max |logit| {max(r.logit_absmax for r in recs):.3g}: nothing holds the head's logits to the log-probabilities",
+            "docs/signatures.md#output-logits (PaLM z-loss; Gemma 2 soft-cap; Wortsman 2309.14322)",
+            ("output_logit_divergence",),
+            primary=True,
+        )
+    ]
+
+
+def _attention(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
+    """The first attention layer whose largest pre-softmax logit passes `attn_logit` by the
+    examined step (earliest step, then forward order), with its growth over the window and
+    its heads' entropy. Evidence of this cause where the window went bad and that layer's
+    logits grew into the bad step, or its most collapsed head's entropy fell (Dehghani et
+    al. 2023; Zhai et al. 2023); a warning without a spike where both happen inside the
+    window; context (info) otherwise."""
+    rep = ev.rep
+    steps = [s for s in sorted(rep.passes) if rep.passes[s].attn is not None and rep.passes[s].attn_modules]
+    if not steps:
+        return []
+    end = ev.step if ev.step is not None and ev.bad else steps[-1]
+    upto = [s for s in steps if s <= end] or steps[:1]
+    mods = rep.passes[upto[0]].attn_modules
+    if any(len(rep.passes[s].attn_modules) != len(mods) for s in upto):
+        return []
+    # [steps, layers]: the layer's largest logit over its heads, its most collapsed head's
+    # entropy. Non-finite logits (an overflow upstream fed the attention NaN or inf) are the
+    # overflow detector's, never a logit that grew: they count as absent here.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a layer whose heads are all NaN
+        logit = np.stack([np.nanmax(np.where(np.isfinite(a := rep.passes[s].attn[..., 0].numpy()), a, np.nan), axis=1) for s in upto])
+        ent = np.stack([np.nanmin(rep.passes[s].attn[..., 1].numpy(), axis=1) for s in upto])
+    over = np.isfinite(logit) & (logit > th.attn_logit)
+    crossed = [(int(np.argmax(over[:, j])), j) for j in range(logit.shape[1]) if over[:, j].any()]
+    if not crossed:
+        return []
+    k, j = min(crossed)
+    name = mods[j]
+    first_logit = logit[0, j] if np.isfinite(logit[0, j]) else logit[k, j]
+    growth = float(np.nanmax(logit[:, j]) / max(first_logit, 1e-12))
+    fell = float(ent[0, j] / max(ent[-1, j], 1e-12)) if np.isfinite(ent[0, j]) and np.isfinite(ent[-1, j]) else 1.0
+    grew = growth >= th.attn_growth or fell >= th.attn_growth
+    evidence = ev.bad and grew
+    # Without a spike the mechanism can still be under way: the layer's logits, already past
+    # the cap, grow by the factor and its heads' entropy falls by it inside the window (the
+    # slow divergence small models show, Wortsman et al. 2023, sec. 3.1.1): a warning that
+    # names the cause, never the onset.
+    developing = not ev.bad and growth >= th.attn_growth and fell >= th.attn_growth
+    heads = rep.passes[end if end in rep.passes else upto[-1]].attn[j].numpy()
+    collapsed = [int(h) for h in np.nonzero(heads[:, 1] < ent[0, j] / th.attn_growth)[0]]
+    return [
+        Finding(
+            "",
+            "attention_logit_growth",
+            name,
+            cap(float(np.nanmax(logit[:, j])) / th.attn_logit),
+            "warning" if evidence or developing else "info",
+            {
+                "step": upto[k],
+                "examined_step": end,
+                "max_logit": [float(x) for x in logit[:, j]],
+                "entropy": [float(x) for x in ent[:, j]],
+                "steps": upto,
+                "growth": growth,
+                "entropy_fall": fell,
+                "collapsed_heads": collapsed,
+                "limit": th.attn_logit,
+                "layers_past": [mods[i] for _, i in sorted(crossed)],
+            },
+            f"attention layer {name}: its largest pre-softmax logit is {logit[k, j]:.3g} at step {upto[k]}, past the {th.attn_logit:g} at which "
+            f"Gemma 2 caps attention logits; it reaches {float(np.nanmax(logit[:, j])):.3g} by step {end} (x{growth:.2g} the window's "
+            f"first step) and its most collapsed head's entropy goes {ent[0, j]:.2f} -> {ent[-1, j]:.2f} of uniform",
+            "docs/signatures.md#attention-logits (Dehghani 2302.05442; Wortsman 2309.14322; Zhai 2303.06296)",
+            ("attention_logit_growth",) if evidence or developing else (),
+            primary=evidence,
+        )
+    ]
 
 
 def _lr_steps(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
@@ -706,5 +805,5 @@ def _figures(miss: Any) -> str:
 # The onset detectors' findings whose step is the first bad step.
 ONSET_KINDS = ("lr_step_jump", "replay_spike")
 ONSET_DETECTORS: tuple[ReplayDetector, ...] = (_lr_steps, _spike)
-EXAMINE_DETECTORS: tuple[ReplayDetector, ...] = (_localise, _overflow, _samples)
-STATE_DETECTORS: tuple[ReplayDetector, ...] = (_logits, _rms_t, _reproduction, _log_agreement)
+EXAMINE_DETECTORS: tuple[ReplayDetector, ...] = (_localise, _overflow, _samples, _attention)
+STATE_DETECTORS: tuple[ReplayDetector, ...] = (_output_logits, _rms_t, _reproduction, _log_agreement)

@@ -80,6 +80,7 @@ def open_deepspeed(path: Path) -> Checkpoint:
     cfg = ms.get("ds_config")
     if isinstance(cfg, dict):
         plain = to_plain(cfg)
+        ckpt.scalars["ds_config"] = plain  # the whole config: a resume plan edits its keys
         ckpt.scalars["train_config"] = {
             "grad_clip": cfg.get("gradient_clipping"),
             **{k: v for k, v in plain.items() if not isinstance(v, dict)},

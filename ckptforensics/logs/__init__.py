@@ -8,7 +8,7 @@ W&B offline runs (`.wandb`, the wandb extra); MLflow's local stores (`mlruns/`; 
 MLflow 3's default). Shared
 by `triage` and the replay (which takes each step's LR and the history before its window
 from here): `read_metrics(path) -> {step: {"loss", "grad_norm", "lr", per-group LRs,
-"loss_scale", ...}}`, steps as the trainer counts optimizer steps (docs: README, "Training logs").
+"loss_scale", ...}}`, steps as the trainer counts optimizer steps (docs/internals.md, the triage section: training logs).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import ForensicsError
 from .columns import ALIASES, canonical, group_lrs, lr_columns, param_grad_columns
-from .discover import find_logs
+from .discover import find_logs, log_dirs
 from .readers import Leg, MissingExtra, megatron_line, read_file
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "read_log",
     "read_metrics",
     "find_logs",
+    "log_dirs",
     "find_metrics",
     "discover_metrics",
     "group_lrs",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -10,11 +11,31 @@ from pathlib import Path
 from ..locate import list_checkpoints
 from .readers import is_megatron_text, mlflow_run_name
 
-__all__ = ["find_logs"]
+__all__ = ["find_logs", "log_dirs"]
+
+log = logging.getLogger(__name__)
 
 # Folders a walk does not enter: checkpoints are large and hold no logs of their own that
 # the searches below want (trainer_state.json is looked up through list_checkpoints).
 _SKIP = re.compile(r"^(?:iter_\d+|global_step\d+|checkpoint-\d+|step[-_]?\d+|\..*|__pycache__|wandb|mlruns)$")
+
+
+# A checkpoint's own folder inside its run: HF's checkpoint-N, Megatron's iter_N, DeepSpeed's
+# global_stepN, DCP's and LitGPT's step-N, OLMo-core's stepN, Lightning's checkpoints/ (in
+# version_N/), a plain ckpts/.
+_CKPT_DIR = re.compile(r"^(?:iter_\d+|global_step\d+|checkpoint-\d+|step[-_]?\d+|checkpoints?|ckpts?|version_\d+)$")
+
+
+def log_dirs(checkpoint: Path) -> list[Path]:
+    """The folders the log of the run that wrote `checkpoint` can be in: the folder it sits
+    in, and the folders above only while it sits in a checkpoint folder of its run's. The
+    folder above a run holds other runs: a log found walking it is another run's (a
+    `runs/a/ckpt_5.pt` with no log of its own read `runs/b`'s TensorBoard events)."""
+    out, d = [checkpoint.parent], checkpoint.parent
+    while _CKPT_DIR.match(d.name) and len(out) < 3:
+        d = d.parent
+        out.append(d)
+    return out
 
 
 def _walk(root: Path, depth: int = 3) -> Iterator[Path]:
@@ -79,9 +100,16 @@ def find_logs(run_dir: Path) -> list[Path]:
         found = sorted(run_dir.glob(pattern), key=lambda p: int(p.parent.name.split("_")[-1]))
         if found:
             return found
-    ckpts = list_checkpoints(run_dir)
-    if ckpts and (Path(ckpts[-1][1]) / "trainer_state.json").is_file():
-        return [Path(ckpts[-1][1]) / "trainer_state.json"]
+    ckpts = [(s, Path(p)) for s, p in list_checkpoints(run_dir) if (Path(p) / "trainer_state.json").is_file()]
+    if ckpts:
+        # The newest complete checkpoint's: a save that died half-way may hold a torn one.
+        from ..locate import first_complete
+
+        found, skipped = first_complete(list(reversed(ckpts)))
+        for note in skipped:
+            log.info("training log: %s", note)
+        if found is not None:
+            return [found[1] / "trainer_state.json"]
     olmo = sorted(run_dir.glob("metrics_step*.json"))
     if olmo:
         return [olmo[0]]

@@ -190,9 +190,9 @@ def _model_source(spec: str | None, desc: str | None) -> str:
 def _metrics_file(cfg: ReplayConfig) -> Path | None:
     if cfg.metrics is not None:
         return cfg.metrics
-    from ..logs import find_metrics
+    from ..logs import find_metrics, log_dirs
 
-    found = next((f for f in (find_metrics(d) for d in (cfg.before.parent, cfg.before.parent.parent)) if f is not None), None)
+    found = next((f for f in (find_metrics(d) for d in log_dirs(cfg.before)) if f is not None), None)
     if found is None and cfg.batch is not None:
         # A flight recorder's directory (or a black box inside one) keeps the run's log too.
         for d in (Path(cfg.batch), Path(cfg.batch).parent):
@@ -1001,9 +1001,13 @@ def settle_precision(p: Plan) -> None:
         return
     first = p.steps[0]
     row = p.logged.get(first) or {}
-    if "loss" not in row or distributed.current() is not None:
-        p.precision_source += "; other precisions possible, the log cannot tell (no logged loss at the first step)" if "loss" not in row else ""
+    if "loss" not in row:
+        p.precision_source += "; other precisions possible, the log cannot tell (no logged loss at the first step)"
         return
+    others = []
+    if distributed.current() is not None:  # FSDP2 shards in one precision: only the plan's is tried here
+        others = [c for c, _ in cands if c != p.precision]
+        cands = [c for c in cands if c[0] == p.precision]
     miss = StepCheck(step=first, logged_loss=row["loss"], logged_grad_norm=row.get("grad_norm"), loss_ok=False, grad_ok=False if "grad_norm" in row else None)
     atol = log_rounding([r["loss"] for r in p.logged.values() if "loss" in r])
     batch = p.batches.batch(first)
@@ -1020,6 +1024,8 @@ def settle_precision(p: Plan) -> None:
     finally:
         session.close()
     p.precision_source += f"; no candidate lands on the log's first step ({', '.join(tried)}; logged {row['loss']:.5g})"
+    if others:
+        p.precision_source += f"; {', '.join(others)} are tried in one process only (run without torchrun)"
 
 
 def settle_clip(p: Plan, progress: Callable[[str], None] | None = None, probe_steps: int = 4) -> tuple[float | None, str]:

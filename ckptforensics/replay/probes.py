@@ -1,7 +1,10 @@
 """Probes on every module: activation and gradient statistics kept on the device.
 
 Each hook writes one row of a preallocated statistics tensor with tensor ops only; the
-host reads the whole table once per pass (`collect`), never once per module.
+host reads the whole table once per pass (`collect`), never once per module. Attention is
+watched where it is computed: every `scaled_dot_product_attention` call, and every softmax
+over the last dim of a [B, H, T, S] tensor (eager attention), gives its heads' largest
+pre-softmax logit and their attention entropy (`AttentionWatch`), also on the device.
 """
 
 from __future__ import annotations
@@ -11,16 +14,38 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["FWD_STATS", "BWD_STATS", "PassStats", "ModuleProbe", "param_grad_stats", "param_grad_sums"]
+__all__ = [
+    "FWD_STATS",
+    "BWD_STATS",
+    "ATTN_STATS",
+    "PassStats",
+    "ModuleProbe",
+    "AttentionWatch",
+    "attention_logit_stats",
+    "softmax_logit_stats",
+    "logits_of",
+    "param_grad_stats",
+    "param_grad_sums",
+]
 
 FWD_STATS = ("absmax", "rms", "nonfinite", "over_fp16", "over_bf16", "subnormal_share")
 # nonfinite / over_* are 0/1 flags (any element), derived from the extrema.
 BWD_STATS = ("grad_norm", "grad_absmax", "grad_nonfinite")
 
+# Per head of one attention call: its largest pre-softmax logit, and its attention entropy
+# over each query row divided by log(keys the row may attend to), averaged over the rows
+# with more than one key (1 = uniform, 0 = one-hot: Zhai et al. 2023's entropy collapse).
+ATTN_STATS = ("max_logit", "entropy")
+
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+# Elements of logits one chunk of the attention statistics materialises (fp32: 16 MiB): the
+# score matrix is recomputed piecewise, never held whole for a long sequence.
+_ATTN_CHUNK = 1 << 22
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +57,13 @@ class PassStats:
         fwd: [M, len(FWD_STATS)] output statistics; NaN for modules that did not run.
         bwd: [M, len(BWD_STATS)] output-gradient statistics; NaN where none flowed.
         fwd_order, bwd_order: row indices in the order the hooks fired.
+        attn_modules: the module that ran each attention call, in forward order (one per
+            layer; the innermost module running when the call was made).
+        attn: [L, Hmax, len(ATTN_STATS)] per attention call and head; NaN past a call's heads.
+        head: the module whose output is the model's logits (the last module in forward
+            order whose output has the logits' shape); None when a bare function computes them.
+        logit_mean: mean output logit of the pass (nats; its drift with log Z is the
+            output-logit divergence of Wortsman et al. 2023).
     """
 
     modules: tuple[str, ...]
@@ -39,6 +71,16 @@ class PassStats:
     bwd: torch.Tensor
     fwd_order: tuple[int, ...]
     bwd_order: tuple[int, ...]
+    attn_modules: tuple[str, ...] = ()
+    attn: torch.Tensor | None = None
+    head: str | None = None
+    logit_mean: float = math.nan
+
+
+def logits_of(out: object) -> torch.Tensor | None:
+    """The logits in a model's output: the tensor itself, `.logits` (transformers), the first
+    tensor of a tuple (nanoGPT's `(logits, loss)`); None when there is none."""
+    return _first_tensor(out)
 
 
 def _first_tensor(out: object) -> torch.Tensor | None:
@@ -77,13 +119,151 @@ def _stats(x: torch.Tensor, with_subnormal: bool) -> torch.Tensor:
     return torch.stack([absmax, rms, nonfinite, (absmax > _FP16_MAX).float(), (absmax > _BF16_MAX).float(), sub])
 
 
-class ModuleProbe:
-    """Forward hooks on every named module, and a gradient hook on each output."""
+def _as4(t: torch.Tensor) -> torch.Tensor:
+    """[..., T, D] -> [B, H, T, D] (SDPA takes any leading dims; heads are dim -3)."""
+    if t.dim() == 4:
+        return t
+    if t.dim() < 4:
+        return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+    return t.reshape(-1, *t.shape[-3:])
 
-    def __init__(self, model: nn.Module, device: torch.device | str = "cpu", ranks: Any = None) -> None:
+
+def _chunks(b: int, h: int, t: int, s: int) -> list[tuple[int, int, int, int]]:
+    """(b0, b1, t0, t1) blocks of at most `_ATTN_CHUNK` logits, whole rows first."""
+    per_row = max(h * t * s, 1)
+    if per_row <= _ATTN_CHUNK:
+        step = max(1, _ATTN_CHUNK // per_row)
+        return [(b0, min(b, b0 + step), 0, t) for b0 in range(0, b, step)]
+    tq = max(1, _ATTN_CHUNK // max(h * s, 1))
+    return [(b0, b0 + 1, t0, min(t, t0 + tq)) for b0 in range(b) for t0 in range(0, t, tq)]
+
+
+def _accumulate(acc: torch.Tensor, s: torch.Tensor, valid: torch.Tensor) -> None:
+    """Fold one block of logits s [b, H, t, S] (valid: where a query may attend) into the
+    per-head running table acc [H, 3] = [max logit, sum of row entropy / log(keys), rows]."""
+    s = s.masked_fill(~valid, float("-inf"))
+    acc[:, 0] = torch.maximum(acc[:, 0], s.amax(dim=(0, 2, 3)))
+    logp = torch.log_softmax(s, -1)
+    ent = -(logp.exp() * logp).nan_to_num(0.0, 0.0, 0.0).sum(-1)  # [b, H, t] nats; exp(-inf) * -inf -> 0
+    n = valid.sum(-1).expand_as(ent)
+    use = n > 1
+    acc[:, 1] += torch.where(use, ent / n.clamp_min(2).float().log(), 0.0).sum((0, 2))
+    acc[:, 2] += use.sum((0, 2)).float()
+
+
+def attention_logit_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """[H, 3] per query head of one `scaled_dot_product_attention` call: [max pre-softmax
+    logit, summed normalised entropy, rows summed], on q's device, no host sync.
+
+    The logits q k^T * scale (+ the mask) are recomputed in fp32, in blocks of at most
+    `_ATTN_CHUNK` elements; keys shared by a group of query heads (GQA) are repeated as SDPA's
+    `enable_gqa` does. `is_causal` is SDPA's top-left causal mask; a boolean mask marks where
+    a query may attend, a float one is added (entries at the dtype's lowest count as masked).
+    """
+    q4, k4 = _as4(q.detach()), _as4(k.detach())
+    b, h, t, d = q4.shape
+    hk, sk = k4.shape[1], k4.shape[2]
+    if hk != h:
+        k4 = k4.repeat_interleave(h // hk, dim=1)
+    sc = scale if scale is not None else 1.0 / math.sqrt(d)
+    m4 = _as4(attn_mask.detach()) if attn_mask is not None else None
+    acc = torch.zeros(h, 3, device=q.device)
+    acc[:, 0] = float("-inf")
+    causal = torch.ones(t, sk, dtype=torch.bool, device=q.device).tril() if is_causal else None
+    for b0, b1, t0, t1 in _chunks(b, h, t, sk):
+        s = torch.matmul(q4[b0:b1, :, t0:t1].float(), k4[b0:b1].float().transpose(-1, -2)) * sc
+        valid = torch.ones((1, 1, t1 - t0, sk), dtype=torch.bool, device=q.device)
+        if causal is not None:
+            valid = valid & causal[t0:t1]
+        if m4 is not None:
+            m = m4[b0:b1] if m4.shape[0] == b else m4
+            m = m[..., t0:t1, :] if m.shape[-2] == t else m
+            if m.dtype == torch.bool:
+                valid = valid & m
+            else:
+                s = s + m.float()
+                valid = valid & (m > torch.finfo(m.dtype).min / 2)
+        _accumulate(acc, s, valid)
+    return acc
+
+
+def softmax_logit_stats(x: torch.Tensor) -> torch.Tensor:
+    """`attention_logit_stats` for eager attention: x [B, H, T, S] are the logits a softmax
+    over the last dim receives, the mask already added (masked entries at the dtype's lowest
+    value or -inf)."""
+    x4 = _as4(x.detach())
+    b, h, t, sk = x4.shape
+    acc = torch.zeros(h, 3, device=x.device)
+    acc[:, 0] = float("-inf")
+    low = torch.finfo(x.dtype).min / 2
+    for b0, b1, t0, t1 in _chunks(b, h, t, sk):
+        blk = x4[b0:b1, :, t0:t1].float()
+        _accumulate(acc, blk, blk > low)
+    return acc
+
+
+_SOFTMAX = (torch.softmax, F.softmax, torch.Tensor.softmax, torch._C._nn.softmax if hasattr(torch._C._nn, "softmax") else torch.softmax)
+
+
+def _softmax_input(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The logits of a softmax over the last dim of a 4-D tensor (eager attention), else None."""
+    if func not in _SOFTMAX or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    x = args[0]
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    return x if x.dim() == 4 and dim in (-1, 3) and x.is_floating_point() else None
+
+
+class AttentionWatch(TorchFunctionMode):
+    """While active, each attention call's per-head statistics (`ATTN_STATS`) land in
+    `rows` (one [H, 3] device tensor per call, in call order); `sites` holds what `on_call`
+    returned for each. Nothing leaves the device; the caller reads `rows` once per pass.
+
+    Entered around a forward pass only (a checkpointed block's recomputation in the backward
+    pass is not watched: same values). Other torch functions pass straight through.
+    """
+
+    def __init__(self, on_call: Any = None) -> None:
+        super().__init__()
+        self.rows: list[torch.Tensor] = []
+        self.on_call = on_call
+        self.sites: list[Any] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            q, k = args[0], args[1] if len(args) > 1 else kwargs["key"]
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
+            scale = kwargs.get("scale", args[6] if len(args) > 6 else None)
+            self.rows.append(attention_logit_stats(q, k, mask, causal, scale))
+            if self.on_call is not None:
+                self.sites.append(self.on_call("sdpa", args, kwargs, out))
+        elif (x := _softmax_input(func, args, kwargs)) is not None:
+            self.rows.append(softmax_logit_stats(x))
+            if self.on_call is not None:
+                self.sites.append(self.on_call("softmax", args, kwargs, out))
+        return out
+
+
+class ModuleProbe:
+    """Forward hooks on every named module, a gradient hook on each output, and an
+    `AttentionWatch` around the model's forward pass (its attention calls' logit statistics,
+    attributed to the module that ran them on the first pass)."""
+
+    def __init__(self, model: nn.Module, device: torch.device | str = "cpu", ranks: Any = None, attention: bool = True) -> None:
+        self.model = model
         self.names = tuple(n for n, _ in model.named_modules() if n)
         self.index = {n: i for i, n in enumerate(self.names)}
         m = len(self.names)
+        self.device = device
         self.fwd = torch.full((m, len(FWD_STATS)), float("nan"), device=device)
         self.bwd = torch.full((m, len(BWD_STATS)), float("nan"), device=device)
         # Under torchrun (`replay.distributed`): elements each rank's statistics cover, to
@@ -103,14 +283,73 @@ class ModuleProbe:
         self._ran: set[int] = set()
         self.enabled = True
         self._handles = [mod.register_forward_hook(self._forward(self.index[n])) for n, mod in model.named_modules() if n]
+        # Attention and output logits: the watch is entered by the model's own forward
+        # pre-hook and left by its forward hook (also when the forward raises).
+        self.watch = AttentionWatch(self._site) if attention else None
+        self.attn_modules: tuple[str, ...] | None = None  # settled on the first watched pass
+        self.head: str | None = None
+        self._mapping = False  # the first pass: record output shapes and the running module
+        self._shapes: dict[int, tuple[int, ...]] = {}
+        self._stack: list[str] = []
+        self._stack_handles: list[Any] = []
+        self._watching = False
+        self._logits = torch.full((2,), float("nan"), device=device)  # [sum of logits, count]
+        if self.watch is not None:
+            self._handles.append(model.register_forward_pre_hook(self._enter))
+            self._handles.append(model.register_forward_hook(self._leave, always_call=True))
+
+    def _site(self, kind: str, args: tuple, kwargs: dict, out: Any) -> str:
+        """The module running an attention call (on the mapping pass; else unused)."""
+        return self._stack[-1] if self._stack else ""
+
+    def _enter(self, module: nn.Module, args: object) -> None:
+        if not self.enabled or self.watch is None or self._watching:
+            return
+        self._mapping = self.attn_modules is None
+        if self._mapping:
+            # Which module runs each attention call: a stack of running modules, kept only
+            # on this first pass (its pre-hooks cost a call per module).
+            for n, mod in self.model.named_modules():
+                if n:
+                    self._stack_handles.append(mod.register_forward_pre_hook(lambda _m, _a, n=n: self._stack.append(n)))
+        self.watch.rows.clear()
+        self.watch.sites.clear()
+        self._watching = True
+        self.watch.__enter__()
+
+    def _leave(self, module: nn.Module, args: object, out: object) -> None:
+        if not self._watching or self.watch is None:
+            return
+        self.watch.__exit__(None, None, None)
+        self._watching = False
+        logits = logits_of(out)
+        if logits is not None and logits.is_floating_point():
+            lg = logits.detach()
+            self._logits = torch.stack([lg.float().sum(), lg.new_tensor(float(lg.numel()), dtype=torch.float32)])
+        if self._mapping:
+            for h in self._stack_handles:
+                h.remove()
+            self._stack_handles.clear()
+            self._stack.clear()
+            self.attn_modules = tuple(self.watch.sites)
+            if logits is not None:
+                shape = tuple(logits.shape)
+                self.head = next((self.names[i] for i in reversed(self.fwd_order) if self._shapes.get(i) == shape), None)
+            self._mapping = False
+        elif self.attn_modules is not None and len(self.watch.rows) != len(self.attn_modules):
+            self.attn_modules = None  # a different call pattern: map again on the next pass
 
     def _forward(self, i: int):  # noqa: ANN202 - hook factory
         def hook(module: nn.Module, args: object, out: object) -> None:
+            if self._stack and self._mapping:
+                self._stack.pop()
             if not self.enabled:
                 return
             t = _first_tensor(out)
             if t is None or not t.is_floating_point():
                 return
+            if self._mapping:
+                self._shapes[i] = tuple(t.shape)
             self.fwd[i] = _stats(t.detach(), with_subnormal=t.dtype in (torch.float16, torch.bfloat16))
             if self.count is not None:
                 self.count[i] = t.numel()
@@ -145,23 +384,62 @@ class ModuleProbe:
         self._ran.clear()
         self.fwd_order.clear()
         self.bwd_order.clear()
+        if self.watch is not None:
+            self.watch.rows.clear()
+        self._logits = torch.full((2,), float("nan"), device=self.device)
+
+    def _attn_table(self) -> torch.Tensor:
+        """[L, Hmax, 3] of the pass's attention calls (NaN past a call's heads)."""
+        rows = self.watch.rows if self.watch is not None else []
+        if not rows:
+            return torch.zeros(0, 0, 3, device=self.device)
+        hmax = max(r.shape[0] for r in rows)
+        table = torch.full((len(rows), hmax, 3), float("nan"), device=rows[0].device)
+        for i, r in enumerate(rows):
+            table[i, : r.shape[0]] = r
+        return table
 
     def collect(self) -> PassStats:
-        """The pass's tables, read to the host in one transfer each (under torchrun, every
-        rank's tables merged after one collective)."""
-        fwd, bwd = (self.fwd, self.bwd) if self.ranks is None else self._merged()
-        return PassStats(self.names, fwd.cpu().clone(), bwd.cpu().clone(), tuple(self.fwd_order), tuple(self.bwd_order))
+        """The pass's tables, read to the host in one transfer (under torchrun, every rank's
+        tables merged after one collective)."""
+        attn = self._attn_table()
+        fwd, bwd, attn, logits = (self.fwd, self.bwd, attn, self._logits) if self.ranks is None else self._merged(attn)
+        flat = torch.cat([fwd.reshape(-1).float(), bwd.reshape(-1).float(), attn.reshape(-1).float().to(fwd.device), logits.float().to(fwd.device)]).cpu()
+        nf, nb, na = fwd.numel(), bwd.numel(), attn.numel()
+        a = flat[nf + nb : nf + nb + na].reshape(attn.shape)
+        # per head: max logit, mean normalised entropy over the rows counted
+        heads = torch.stack([a[..., 0], a[..., 1] / a[..., 2].clamp_min(1).where(a[..., 2] > 0, torch.tensor(math.nan))], -1) if na else None
+        s, n = flat[-2:].tolist()
+        mods = self.attn_modules if self.attn_modules is not None and heads is not None and len(self.attn_modules) == heads.shape[0] else ()
+        return PassStats(
+            self.names,
+            flat[:nf].reshape(fwd.shape).clone(),
+            flat[nf : nf + nb].reshape(bwd.shape).clone(),
+            tuple(self.fwd_order),
+            tuple(self.bwd_order),
+            attn_modules=tuple(mods),
+            attn=heads,
+            head=self.head,
+            logit_mean=s / n if n > 0 else math.nan,
+        )
 
-    def _merged(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _merged(self, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The whole batch's statistics from every rank's share of its rows: one gather of
-        [fwd | bwd | count] per pass. Extremes and flags take the maximum, RMS and the
-        subnormal share the element-weighted mean, gradient norms the root sum of squares."""
+        [fwd | bwd | count | shared flag] per module, the attention table and the logit sums.
+        Extremes and flags take the maximum, RMS and the subnormal share the element-weighted
+        mean, gradient norms the root sum of squares, attention entropy and logit sums add."""
         assert self.count is not None
         nf, nb = len(FWD_STATS), len(BWD_STATS)
         flags = torch.zeros_like(self.count)
         flags[list(self.shared)] = 1.0
         table = torch.cat([self.fwd, self.bwd, self.count, flags], 1).double()
-        every = self.ranks.gather(table.reshape(-1)).reshape(-1, *table.shape)  # [W, M, nf + nb + 2]
+        m = table.numel()
+        flat = torch.cat([table.reshape(-1), attn.reshape(-1).double().to(table.device), self._logits.double().to(table.device)])
+        gathered = self.ranks.gather(flat).reshape(-1, flat.numel())  # [W, m + attn + 2]
+        w = gathered.shape[0]
+        every = gathered[:, :m].reshape(w, *table.shape)  # [W, M, nf + nb + 2]
+        att_r = gathered[:, m : m + attn.numel()].reshape(w, *attn.shape)
+        logit_r = gathered[:, m + attn.numel() :]
         fwd_r, bwd_r, nfw = every[..., :nf], every[..., nf : nf + nb], every[..., nf + nb]
         fwd = fwd_r.amax(0)
         tot = nfw.sum(0)
@@ -179,12 +457,21 @@ class ModuleProbe:
             for i, g in zip(shared, total.split([g.numel() for g in grads]), strict=True):
                 st = _stats(g, with_subnormal=False).double()
                 bwd[i] = torch.stack([st[1] * math.sqrt(max(g.numel(), 1)), st[0], st[2]])
-        return fwd.float(), bwd.float()
+        att = att_r[0].clone() if att_r.shape[0] else attn.double()
+        if att.numel():
+            att[..., 0] = att_r[..., 0].amax(0)
+            att[..., 1:] = att_r[..., 1:].nansum(0)
+        logits = logit_r.nansum(0)
+        return fwd.float(), bwd.float(), att.float(), logits.float()
 
     def remove(self) -> None:
-        for h in self._handles:
+        if self._watching and self.watch is not None:
+            self.watch.__exit__(None, None, None)
+            self._watching = False
+        for h in self._handles + self._stack_handles:
             h.remove()
         self._handles.clear()
+        self._stack_handles.clear()
 
 
 def param_grad_stats(grad: torch.Tensor, state: dict, group: dict) -> torch.Tensor:

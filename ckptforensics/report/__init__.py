@@ -19,7 +19,7 @@ from ..formats.base import Checkpoint
 from ..verdict import Verdict
 from .markdown import render_markdown
 
-__all__ = ["SCHEMA", "build_report", "write_report", "write_files", "atomic_write", "prepare_out", "remove_made", "to_json", "render_markdown", "schema"]
+__all__ = ["SCHEMA", "build_report", "clean", "write_report", "write_files", "atomic_write", "prepare_out", "remove_made", "to_json", "render_markdown", "schema"]
 
 SCHEMA = "ckptforensics.report/1"
 
@@ -41,6 +41,9 @@ def _clean(x: Any) -> Any:
     return x
 
 
+clean = _clean  # public: a section built outside `build_report` (api.plan's) is made JSON-safe the same way
+
+
 def diff_section(diff: DiffResult) -> dict[str, Any]:
     """The report's `diff` block: pair info and the per-tensor table."""
     rows = []
@@ -60,8 +63,10 @@ def build_report(
     findings: Sequence[Finding],
     diff: DiffResult | None = None,
     sections: dict[str, Any] | None = None,
+    plan: bool = True,
 ) -> dict[str, Any]:
-    """Assemble the report document with its stable keys (schema: report/schema.json)."""
+    """Assemble the report document with its stable keys (schema: report/schema.json); with
+    `plan`, the resume plan its verdict calls for (`plan.plan_section`)."""
     doc: dict[str, Any] = {
         "schema": SCHEMA,
         "incident": {
@@ -79,7 +84,21 @@ def build_report(
     }
     for k, v in (sections or {}).items():
         doc[k] = _clean(v)
+    if plan:
+        doc["plan"] = _clean(_plan(doc, before))
     return doc
+
+
+def _plan(doc: dict[str, Any], before: Checkpoint) -> dict[str, Any]:
+    """The resume plan every report carries (`plan.plan_section`). A checkpoint whose files
+    the planner cannot read leaves the diagnosis whole: the plan says why it is missing."""
+    from ..errors import ForensicsError
+    from ..plan import plan_section
+
+    try:
+        return plan_section(doc, before)
+    except ForensicsError as e:
+        return {"status": "unavailable", "notes": [str(e)]}
 
 
 def to_json(doc: dict[str, Any]) -> str:

@@ -8,7 +8,7 @@ import io
 import math
 from typing import Any
 
-from .markdown import fmt, reproduces
+from .markdown import fmt, plan_lines, recovery_lines, reproduces
 
 __all__ = ["render_html"]
 
@@ -193,7 +193,97 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+def _md_block(lines: list[str]) -> str:
+    """Markdown lines (the plan, the recovery tables) in the page: tables as tables, code
+    blocks as <pre>, the rest as paragraphs (no markdown library needed)."""
+    out: list[str] = []
+    code: list[str] | None = None
+    rows: list[list[str]] = []
+
+    def flush_rows() -> None:
+        if rows:
+            out.append(table(rows[0], rows[2:]) if len(rows) > 2 else "")
+            rows.clear()
+
+    for line in lines:
+        if line.startswith("```"):
+            if code is None:
+                flush_rows()
+                code = []
+            else:
+                out.append("<pre>" + _e("\n".join(code)) + "</pre>")
+                code = None
+            continue
+        if code is not None:
+            code.append(line)
+        elif line.startswith("| "):
+            rows.append([c.strip().replace("\\|", "|") for c in line.strip("|").split(" | ")])
+        else:
+            flush_rows()
+            if line.strip():
+                out.append(f"<p>{_e(line.replace('**', '').replace('`', ''))}</p>")
+    flush_rows()
+    return "".join(out)
+
+
+def _recovery_plot(r: dict[str, Any]) -> str:
+    """Loss and grad norm: the pre-incident steps, the incident leg, the resumed leg, the
+    trajectory with its band, the resume and the verdict's step marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ""
+    se = r["series"]
+    fig, ax = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
+    for a, key in ((ax[0], "loss"), (ax[1], "grad_norm")):
+        for leg, style, label in (("pre", dict(color="0.5", lw=1), "before the resume"), ("incident", dict(color="r", lw=1, ls="--"), "incident leg"), ("resumed", dict(color="C0", lw=1.3), "resumed leg")):
+            s = se.get(leg) or {}
+            if s.get("step"):
+                a.plot(s["step"], [num(x) for x in s[key]], label=label, **style)
+        exp = se.get("expected_loss" if key == "loss" else "expected_grad_norm") or []
+        steps = (se.get("resumed") or {}).get("step") or []
+        if exp and len(exp) == len(steps):
+            a.plot(steps, exp, color="k", ls=":", lw=1, label="pre-incident trajectory")
+            if key == "loss" and len(se.get("loss_band_upper") or []) == len(steps):
+                a.fill_between(steps, exp, se["loss_band_upper"], color="g", alpha=0.12, label="band")
+        a.axvline(r["resumed_from"], color="g", lw=1, label="resumed from")
+        if r.get("step") is not None:
+            a.axvline(r["step"], color="r" if r["status"] == "relapsed" else "C2", ls="--", lw=1, label=r["status"])
+        a.set_ylabel(key.replace("_", " "))
+    ax[1].set_yscale("log")
+    ax[1].set_xlabel("step")
+    ax[0].legend(fontsize=7)
+    return png(fig)
+
+
+def _render_recovery(doc: dict[str, Any]) -> str:
+    r, v, inc = doc["recovery"], doc["verdict"], doc["incident"]
+    head = r["status"] + (f" at step {r['step']}" if r["step"] is not None and r["status"] != "recovering" else "")
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>ckptforensics recovery</title>",
+        f"<style>{CSS}</style></head><body><h1>ckptforensics: recovery — {_e(head)}</h1>",
+        f"<p class='summary'>{_e(v['summary'])}</p>",
+        table(["", ""], [["resumed from", f"{inc['before']['path']} (step {fmt(r['resumed_from'])})"], ["checkpoint after the resume", r.get("checkpoint_after") or "—"], ["incident onset", fmt(r.get("onset"))]]),
+    ]
+    if v["recommended_actions"]:
+        parts.append("<h2>Next</h2><ol>" + "".join(f"<li>{_e(a)}</li>" for a in v["recommended_actions"]) + "</ol>")
+    plot = _recovery_plot(r)
+    parts.append(f"<h2>Loss and grad norm</h2><div class='plots'>{plot}</div>" if plot else "<p><em>Plots need the plots extra (matplotlib); tables follow.</em></p>")
+    parts.append("<h2>Details</h2>" + _md_block(recovery_lines(r)))
+    parts.append(f"<p><small>{_e(inc['command'])} · ckptforensics {_e(inc['tool_version'])} · {_e(doc['schema'])}</small></p></body></html>")
+    return "\n".join(parts)
+
+
 def render_html(doc: dict[str, Any]) -> str:
+    if doc.get("recovery"):
+        return _render_recovery(doc)
+    if doc.get("audit"):
+        from .audit import render_audit_html
+
+        return render_audit_html(doc)
     v, inc = doc["verdict"], doc["incident"]
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>ckptforensics report</title>",
@@ -217,6 +307,9 @@ def render_html(doc: dict[str, Any]) -> str:
     ]
     if v["recommended_actions"]:
         parts.append("<h2>Recommended actions</h2><ol>" + "".join(f"<li>{_e(a)}</li>" for a in v["recommended_actions"]) + "</ol>")
+    p = doc.get("plan") or {}
+    if p.get("status") == "ready":
+        parts.append("<h2>Resume plan</h2>" + _md_block(plan_lines(p)))
     if v["anomalous_samples"]:
         parts.append("<h2>Anomalous samples</h2>" + table(["row", "sample id", "why"], [[s["index"], fmt(s["sample_id"]), s["why"]] for s in v["anomalous_samples"]]))
     if v["corrupted_elements"]:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
-__all__ = ["render_markdown", "fmt", "reproduces"]
+__all__ = ["render_markdown", "fmt", "md_table", "reproduces", "plan_lines", "recovery_lines"]
 
 
 def fmt(x: Any) -> str:
@@ -57,8 +58,12 @@ def _row(cells: list[Any]) -> str:
     return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
-def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
+def md_table(head: list[str], rows: list[list[Any]]) -> list[str]:
+    """A markdown table's lines (cells escaped)."""
     return [_row(head), _row(["---"] * len(head)), *(_row(r) for r in rows)]
+
+
+_table = md_table
 
 
 def _config_lines(config: dict[str, Any]) -> list[str]:
@@ -78,13 +83,119 @@ def _check_table(check: dict[str, Any]) -> list[str]:
     return _table(["step", "replayed loss", "logged loss", "match", "replayed grad norm", "logged grad norm", "match"], rows)
 
 
+_STATUS_WORDS = {"verified": "verified by what-if", "not_replayed": "not replayed", "refuted": "refuted by what-if"}
+
+
+def _evidence_text(c: dict[str, Any]) -> str:
+    ev = c.get("evidence")
+    if not ev:
+        return _STATUS_WORDS[c["status"]]
+    if ev["source"] == "bisect":
+        return f"verified by bisect (step {ev.get('step')}: the spike goes with rows {ev.get('rows')})"
+    steps = ev.get("steps") or []
+    span = f" over steps {steps[0]}-{steps[-1]}" if steps else ""
+    return (
+        f"{_STATUS_WORDS[c['status']]} ({ev['mitigation']}{span}: max loss {_finite(ev.get('max_loss'))} vs {_finite(ev.get('baseline_max_loss'))} "
+        f"without it, max grad norm {_finite(ev.get('max_grad_norm'))} vs {_finite(ev.get('baseline_max_grad_norm'))})"
+    )
+
+
+def plan_lines(p: dict[str, Any], run_dir: str | None = None) -> list[str]:
+    """The resume plan as a ticket reads it: rollback, skip, changes with their evidence, the
+    diff of the run's own settings, the resume keys and the recovery command."""
+    if not p:
+        return []
+    if p["status"] != "ready":
+        return [f"No resume plan ({p['status'].replace('_', ' ')}): " + "; ".join(p.get("notes") or []) + "."]
+    r = p["rollback"]
+    lines = [f"Trainer: {p['trainer_title']}" + (f" (settings read from `{p['settings']}`)" if p.get("settings") else " (its settings are not in the checkpoint)"), ""]
+    lines.append(f"1. **Roll back to** `{r['path']}` (step {r['step']}): {r['why']}.")
+    for note in r.get("skipped") or []:
+        lines.append(f"   - passed over: {note}")
+    k = 2
+    sk = p.get("skip")
+    if sk:
+        what = f"samples {sorted(sk['sample_ids'])}" if sk["sample_ids"] else f"the batch of step{'s' if len(sk['steps']) > 1 else ''} {', '.join(map(str, sk['steps']))}"
+        lines += [f"{k}. **Skip** {what} ({sk['format']}):", "", "```", sk["text"], "```"]
+        k += 1
+    for c in p["changes"]:
+        if c["knob"] in ("skip_samples", "skip_step"):
+            lines.append(f"   - {c['knob']}: {_evidence_text(c)}")
+            continue
+        keys = ", ".join(f"`{e['key']}` {fmt(e['before'])} → {fmt(e['after'])}" for e in c["edits"]) or f"{c['knob']}={c['value']}"
+        lines.append(f"{k}. **Change** {keys}: {c['why']}; {_evidence_text(c)}.")
+        for e in c["edits"]:
+            if e["note"]:
+                lines.append(f"   - {e['note']}")
+        k += 1
+    if p.get("config_diff"):
+        lines += ["", "```diff", p["config_diff"], "```"]
+    if p.get("resume"):
+        lines += ["", f"{k}. **Resume**: " + "; ".join(f"`{e['key']}` = `{e['after']}`" + (f" ({e['note']})" if e["note"] else "") for e in p["resume"]) + "."]
+    rd = run_dir or str(Path(r["path"]).parent)
+    lines += ["", f"Then, once the resumed run has trained a while: `ckptforensics recovery --run-dir {rd} --resumed-from {r['step']} --plan PLAN_DIR` (this report's directory)"]
+    for alt in p.get("alternatives") or []:
+        lines.append(f"- also replayed: {alt['mitigation']} ({'on track' if alt['on_track'] else 'leaves the track'}, max loss {_finite(alt.get('max_loss'))})")
+    lines += [f"- {n}" for n in p.get("notes") or []]
+    return lines
+
+
+def recovery_lines(r: dict[str, Any]) -> list[str]:
+    """The recovery section: the checks, the windows against the trajectory, the legs read."""
+    lines = ["**Checks that the resume was the plan**", ""]
+    lines += _table(["check", "status", "expected", "observed", "what it says"], [[c["name"], c["status"], fmt(c["expected"]) if not isinstance(c["expected"], list) else c["expected"], fmt(c["observed"]) if not isinstance(c["observed"], list) else c["observed"], c["message"]] for c in r["checks"]])
+    t = r["trajectory"]["loss"]
+    lines += [
+        "",
+        f"**Against the pre-incident trajectory** (fitted on steps {t['fitted_on'][0]}-{t['fitted_on'][1]}: loss ∝ step^{t['slope']:.3g}, noise {t['sigma']:.3g} log10; "
+        f"a window is on it within {r['trajectory']['band_z']:g} standard errors)",
+        "",
+    ]
+    lines += _table(
+        ["steps", "loss", "trajectory", "ratio", "z", "grad norm", "its level", "ratio", "z", "onsets", "on trajectory"],
+        [[f"{w['first']}-{w['last']}", _finite(w["loss"]), fmt(w["expected_loss"]), _finite(w["ratio"]), _finite(w["z"]), _finite(w["grad_norm"]), fmt(w["grad_level"]),
+          _finite(w["grad_ratio"]), _finite(w["grad_z"]), ", ".join(map(str, w["onsets"])) or "—", fmt(w["in_band"])] for w in r["windows"]],
+    )  # fmt: skip
+    if r.get("gap_trend") and "slope_per_100_steps" in r["gap_trend"]:
+        g = r["gap_trend"]
+        lines += ["", f"Gap to the trajectory: {g['slope_per_100_steps']:+.3g} log10 per 100 steps, now {g['gap_now']:.3g}x" + (f", back around step {g['projected_step']}" if g.get("projected_step") else "") + "."]
+    lines += ["", "Legs read: " + "; ".join(f"`{leg['source']}` steps {leg['first']}-{leg['last']}" for leg in r["legs"]) + f" (resumed leg: `{r['log']}`)."]
+    if r.get("plan"):
+        lines.append(f"Plan: `{r['plan']}`.")
+    return lines
+
+
+def _render_recovery(doc: dict[str, Any]) -> str:
+    r, v, inc = doc["recovery"], doc["verdict"], doc["incident"]
+    head = r["status"] + (f" at step {r['step']}" if r["step"] is not None and r["status"] != "recovering" else "")
+    lines = [f"# ckptforensics: recovery — {head}", "", f"**{v['summary']}**", ""]
+    lines.append(f"- **Resumed from**: `{inc['before']['path']}` (step {fmt(r['resumed_from'])})")
+    if r.get("checkpoint_after"):
+        lines.append(f"- **First checkpoint after the resume**: `{r['checkpoint_after']}`")
+    if r.get("onset") is not None:
+        lines.append(f"- **Incident onset**: step {r['onset']}")
+    if v["recommended_actions"]:
+        lines += ["", "**Next**", ""] + [f"{i}. {a}" for i, a in enumerate(v["recommended_actions"], 1)]
+    lines += ["", *recovery_lines(r)]
+    lines += ["", f"<sub>{inc['command']} · ckptforensics {inc['tool_version']} · schema {doc['schema']}</sub>", ""]
+    return "\n".join(lines)
+
+
 def render_markdown(doc: dict[str, Any]) -> str:
+    if doc.get("recovery"):
+        return _render_recovery(doc)
+    if doc.get("audit"):
+        from .audit import render_audit_markdown
+
+        return render_audit_markdown(doc)
     v = doc["verdict"]
     inc = doc["incident"]
     b, a = inc["before"], inc["after"]
     top = v["causes"][0]
+    planned = bool(doc.get("whatif") and doc.get("replay"))  # the `plan` command's report
+    title = f"plan — {top['cause'].replace('_', ' ')}" if planned else ("what-if" if doc.get("whatif") else top["cause"].replace("_", " "))
     lines = [
-        f"# ckptforensics: {'what-if' if doc.get('whatif') else top['cause'].replace('_', ' ')}",
+        f"# ckptforensics: {title}",
         "",
         f"**{v['summary']}**",
         "",
@@ -130,6 +241,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if v["recommended_actions"]:
         lines += ["", "**Recommended actions**", ""]
         lines += [f"{i}. {act}" for i, act in enumerate(v["recommended_actions"], 1)]
+    p = doc.get("plan") or {}
+    if p.get("status") == "ready":
+        lines += ["", "**Resume plan**", "", *plan_lines(p)]
     findings = doc.get("findings", [])
     lines += ["", f"<details><summary>Findings ({len(findings)})</summary>", ""]
     if findings:
@@ -199,6 +313,20 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 for r in rep["steps"]
             ],
         )
+        att = rep.get("attention") or {}
+        if att:
+            steps = sorted(att, key=int)
+            mods = att[steps[0]]["modules"]
+            def peak(i: int) -> float:  # JSON null: a non-finite logit (an overflow upstream)
+                return max((v for s in steps if i < len(att[s]["max_logit"]) and (v := att[s]["max_logit"][i]) is not None), default=0.0)
+
+            top = sorted(range(len(mods)), key=lambda i: -peak(i))[:6]
+            top.sort()
+            lines += ["", "Largest pre-softmax attention logit per layer (entropy of its most collapsed head, of uniform):", ""]
+            lines += _table(
+                ["step", *[f"`{mods[i]}`" for i in top]],
+                [[s, *[f"{fmt(att[s]['max_logit'][i])} ({fmt(att[s]['entropy'][i])})" for i in top]] for s in steps],
+            )
         lines += _config_lines(rep["config"])
         check = rep.get("check") or {}
         if check.get("checked_steps"):

@@ -32,6 +32,7 @@ def _head(t: dict[str, Any]) -> list[tuple[str, str]]:
         ("rollback checkpoint", t["rollback"] or "none before the onset"),
         ("checkpoint after the onset", t["after"] or "—"),
         *[("passed over", note) for note in t.get("skipped") or []],
+        *([("rolled back", f"{len(t['resumed']['legs'])} legs in the log; the latest resumed at step {t['resumed']['from']} (`ckptforensics recovery` judges it)")] if t.get("resumed") else []),
     ]
 
 

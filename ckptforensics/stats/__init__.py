@@ -17,6 +17,7 @@ from .trend import (
     CURVE_WINDOW,
     TrendBaseline,
     log_curve,
+    theil_sen,
     theil_sen_at,
     trend_z,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "trend_z",
     "TrendBaseline",
     "theil_sen_at",
+    "theil_sen",
     "LOSS_FOLLOW",
     "loss_follows",
     "family_z",

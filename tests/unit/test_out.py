@@ -107,7 +107,7 @@ def test_a_full_disk_mid_report_leaves_the_previous_report_as_it_was(run: Path, 
 
 
 def test_an_interrupted_write_leaves_every_previous_file(tmp_path: Path) -> None:
-    # (not named report.json: tests/test_zz_schema.py validates every report.json the suite leaves)
+    # (not named report.json: every report.json a test leaves is validated as it ends, tests/conftest.py)
     a, b, c = tmp_path / "triage.md", tmp_path / "report.md", tmp_path / "evidence.h5"
     write_files({a: "old json", b: "old md", c: "old h5"})
 

@@ -1,0 +1,127 @@
+"""Lightning: `Trainer(gradient_clip_val=, precision=)`, `configure_optimizers`, `fit(ckpt_path=)`.
+
+A Lightning checkpoint holds the module's `hyper_parameters`, not the Trainer's arguments;
+LightningCLI saves those in `config.yaml` in the logger's version folder, which is read when
+it is there (its `trainer.*` keys). `trainer.fit(model, ckpt_path=...)` restores the optimizer
+(param groups with their LR) and the LR schedulers' state, so an LR changed in
+`configure_optimizers` does not reach a resumed run: the plan scales it in `on_train_start`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..formats.base import Checkpoint
+from . import LR_FIX_PREFIX, Edit, Settings, Skip, key_diff, lr_fix_edit, skip_json, value_text
+
+NAME = "lightning"
+TITLE = "Lightning"
+
+_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
+_LR_KEYS = ("lr", "learning_rate")
+
+
+def owns(ck: Checkpoint) -> bool:
+    return ck.format == "lightning"
+
+
+def _cli_config(path: Path) -> Path | None:
+    """LightningCLI's `config.yaml` (SaveConfigCallback) in the version folder above the checkpoint."""
+    for d in (path.parent, path.parent.parent):
+        f = d / "config.yaml"
+        if f.is_file():
+            return f
+    return None
+
+
+def settings(ck: Checkpoint) -> Settings:
+    path = Path(ck.path)
+    values: dict[str, Any] = {f"model.{k}": v for k, v in (ck.config or {}).items() if isinstance(v, (int, float, str, bool))}
+    src = None
+    cfg = _cli_config(path)
+    if cfg is not None:
+        try:
+            import yaml  # PyYAML comes with Lightning
+        except ImportError:
+            cfg = None
+    if cfg is not None:
+        try:
+            doc = yaml.safe_load(cfg.read_text()) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            doc = {}
+        for section in ("trainer", "model"):
+            for k, v in (doc.get(section) or {}).items() if isinstance(doc.get(section), dict) else ():
+                if isinstance(v, (int, float, str, bool)) or v is None:
+                    values[f"{section}.{k}"] = v
+        src = str(cfg)
+    save = path.parent
+    return Settings(src, values, str(save), {"cli": cfg is not None, "hparams": sorted(ck.config or {})})
+
+
+def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
+    v = s.values
+    if knob == "clip":
+        return [Edit("trainer.gradient_clip_val", v.get("trainer.gradient_clip_val"), float(value))]
+    if knob == "precision":
+        return [Edit("trainer.precision", v.get("trainer.precision"), _PRECISION[str(value)])]
+    if knob == "eps":
+        return [Edit("configure_optimizers: eps", None, float(value), "the optimizer is built in configure_optimizers: pass eps there")]
+    if knob == "lr_scale":
+        key = next((f"model.{k}" for k in _LR_KEYS if f"model.{k}" in v), "configure_optimizers: lr")
+        lr = v.get(key)
+        return [
+            Edit(
+                key,
+                lr,
+                lr * float(value) if isinstance(lr, (int, float)) else f"x{float(value):g}",
+                f"ckpt_path restores the optimizer's param groups and the LR schedulers: scale them in on_train_start (x{float(value):g})",
+            )
+        ]
+    if knob == "lr_fix":
+        return [
+            lr_fix_edit(
+                value,
+                f"configure_optimizers (or its scheduler) gives these groups x{1 / value['scale']:.3g} from step {value['from_step']}: fix that factor",
+            )
+        ]
+    return []
+
+
+def render(edits: Sequence[Edit], s: Settings) -> str:
+    keys = [e for e in edits if "." in e.key and ":" not in e.key and not e.key.startswith(LR_FIX_PREFIX)]
+    out: list[str] = []
+    if s.extra.get("cli"):
+        out.append(key_diff(s.source, keys, lambda k, val: f"{k}: {value_text(val)}"))
+    else:
+        kw = ", ".join(f"{e.key.split('.', 1)[1]}={e.after!r}" for e in keys if e.key.startswith("trainer."))
+        if kw:
+            out.append(f"trainer = L.Trainer(..., {kw})  # the run's Trainer arguments are not in its checkpoint")
+        out += [f"# {e.key}: {value_text(e.before)} -> {value_text(e.after)}" for e in keys if e.key.startswith("model.")]
+    scale = next((e for e in edits if "lr" in e.key and isinstance(e.after, (int, float)) and isinstance(e.before, (int, float)) and e.before), None)
+    factor = scale.after / scale.before if scale is not None else next((float(str(e.after)[1:]) for e in edits if isinstance(e.after, str) and e.after.startswith("x")), None)
+    if factor is not None:
+        out += [
+            "",
+            "def on_train_start(self):  # in the LightningModule: ckpt_path restored the old LR",
+            "    for opt in self.trainer.optimizers:",
+            "        for g in opt.param_groups:",
+            f"            g['lr'] *= {factor:g}",
+            "    for cfg in self.trainer.lr_scheduler_configs:",
+            f"        cfg.scheduler.base_lrs = [lr * {factor:g} for lr in cfg.scheduler.base_lrs]",
+        ]
+    return "\n".join(out)
+
+
+def skip(steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings) -> Skip:
+    doc = skip_json(steps, sample_ids, rows)
+    text = (
+        "skip = json.load(open('skip.json'))['sample_ids']  # filter them in your Dataset / DataModule "
+        "(Lightning has no skip list of its own)"
+    )
+    return Skip("skip.json", doc, text)
+
+
+def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:
+    return [Edit("ckpt_path", None, str(rollback), "trainer.fit(model, datamodule, ckpt_path=...)")]

@@ -36,6 +36,7 @@ __all__ = [
     "prefetch",
     "scalar",
     "adam_step",
+    "load_kernels",
 ]
 
 
@@ -246,7 +247,9 @@ def _f32(x: float) -> float:
         return float(np.float32(x))
 
 
-def _kernels(cfg: DiffConfig) -> fused.Kernels | None:
+def load_kernels(cfg: DiffConfig) -> fused.Kernels | None:
+    """The fused kernels a diff under `cfg` uses (None: torch ops). Called once before
+    worker processes fork, they inherit the loaded library rather than each build it."""
     return fused.load() if cfg.fused and torch.device(cfg.device).type == "cpu" else None
 
 
@@ -356,39 +359,50 @@ def _weight_stats(w: _Pair, kern: fused.Kernels | None, acc: _Acc) -> float | No
         acc.max(dmax=vals[2], bmax=vals[3])
         return vals[2]
     fin_a, fin_b = torch.isfinite(fa), torch.isfinite(fb)
-    acc.add(
-        wa2=torch.where(fin_a, fa * fa, 0).sum(),
-        d2=torch.where(torch.isfinite(d), d * d, 0).sum(),
-        nfa=(~fin_a).sum(),
-        nfb=(~fin_b).sum(),
-    )
-    acc.max(dmax=_finite_absmax(d), bmax=_finite_absmax(fb))
-    return None
+    acc.add(wa2=_finite_sq_sum(fa), d2=_finite_sq_sum(d), nfa=(~fin_a).sum(), nfb=(~fin_b).sum())
+    dmax = float(_finite_absmax(d))
+    acc.max(dmax=dmax, bmax=_finite_absmax(fb))
+    # Finite data whose squares overflowed fp32 (a flipped exponent bit) still has a max.
+    return dmax if bool(torch.isfinite(d).all()) else None
 
 
 def _moment_stats_torch(mo: _Moments, acc: _Acc, st: int, thr: float, eps: float) -> None:
     """Sums, maxima and share counts of one chunk of Adam's moments, in torch ops."""
     ma, mb, va, vb = mo.ma, mo.mb, mo.va, mo.vb
-    sq_b = vb.sqrt()
     amb = mb.abs()
     mom = torch.stack([va.sum(), vb.sum(), amb.max(), vb.max()])
     if not bool(torch.isfinite(mom).all()):
         acc.add(nfm=(~torch.isfinite(mb)).sum(), nfv=(~torch.isfinite(vb)).sum())
         mom = torch.stack([_finite_sum(va), _finite_sum(vb), _finite_absmax(mb), _finite_absmax(vb)])
-    ma_s, va_s, vb_s, amb_s, sqb_s = (x[::st] for x in (ma, va, vb, amb, sq_b))
+    ma_s, va_s, vb_s, amb_s = (x[::st] for x in (ma, va, vb, amb))
     acc.add(
         sum_va=mom[0],
         sum_vb=mom[1],
         sampled=float(ma_s.numel()),
         # |m| > thr (sqrt(v) + eps)  <=>  |m| - thr sqrt(v) > thr eps
-        rho_a=torch.count_nonzero(torch.sub(ma_s.abs(), va_s.sqrt(), alpha=thr) > thr * eps),
-        rho_b=torch.count_nonzero(torch.sub(amb_s, sqb_s, alpha=thr) > thr * eps),
+        rho_a=_rho_count(ma_s.abs(), va_s, thr, eps),
+        rho_b=_rho_count(amb_s, vb_s, thr, eps),
         # sqrt(v) < 10 eps  <=>  v < 100 eps^2
         van_a=torch.count_nonzero(va_s < 100 * eps * eps),
         van_b=torch.count_nonzero(vb_s < 100 * eps * eps),
         v_n=torch.count_nonzero(va > 0),
     )
     acc.max(mmax=mom[2], vmax=mom[3])
+
+
+def _sqrt32(v: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded fp32 square root (the fused kernel's, IEEE's): torch's fp32
+    sqrt on the CPU is off by one ulp on about a fifth of the elements (measured, torch
+    2.13 AVX-512), which moves elements across a bound; through fp64 it rounds once."""
+    return v.double().sqrt().float() if v.dtype == torch.float32 else v.sqrt()
+
+
+def _rho_count(am: torch.Tensor, v: torch.Tensor, thr: float, eps: float) -> torch.Tensor:
+    """Elements with |m| - thr sqrt(v) > thr eps, as the fused kernel counts them: in
+    fp64, where thr sqrt(v) of fp32 values is exact, so a fused multiply-add and a
+    multiply then subtract round alike (in fp32 they differ on ties, and which one torch
+    runs depends on its build and the strides)."""
+    return torch.count_nonzero(am.double() - _f32(thr) * _sqrt32(v).double() > _f32(thr * eps))
 
 
 def _moment_stats_fused(ms: fused.MomentStats, mo: _Moments, acc: _Acc) -> None:
@@ -407,7 +421,16 @@ def _moment_stats_fused(ms: fused.MomentStats, mo: _Moments, acc: _Acc) -> None:
 
 
 def _finite_sum(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(x), x, 0).sum()
+    """Sum of the finite elements, in fp64: finite fp32 values can sum past fp32's range
+    (a second moment near its dtype's max), and the fused kernel sums in fp64 too."""
+    return torch.where(torch.isfinite(x), x, 0).sum(dtype=torch.float64)
+
+
+def _finite_sq_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of the finite elements, in fp64: a finite fp32 value past 1.8e19
+    (one exponent bit flipped) squares past fp32's range; the fused kernel's is fp64 too."""
+    x64 = torch.where(torch.isfinite(x), x, 0).double()
+    return torch.dot(x64, x64)
 
 
 def _finite_absmax(x: torch.Tensor) -> torch.Tensor:
@@ -546,7 +569,7 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
                     f"{name}: optimizer moment of shape {list(t.shape)} for a parameter of shape {list(meta.shape)}"
                 )
     is_float = lim is not None
-    kern = _kernels(cfg)
+    kern = load_kernels(cfg)
     stage = _Staging(cfg.device)
     moment_streams = [t.reshape(-1) for t in streams] if moments or restart else []
     for lo, wa in _chunks(wa_full, cfg.chunk_elems):
@@ -600,7 +623,7 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
                     _collect(cands, counts, "vfloor", "exp_avg_sq", idx, va, vb, "at_least", va[idx] * floor_k, lo, meta.shape, sb["exp_avg_sq"].dtype, cfg)
             # |m_B| <= C_raw sqrt(v_B): the raw EMAs obey Cauchy-Schwarz at every step.
             if ms is None or ms.big:
-                ma, mb, sq_b = mo.ma, mo.mb, mo.vb.sqrt()
+                ma, mb, sq_b = mo.ma, mo.mb, _sqrt32(mo.vb)
                 big = mb.abs() > sq_b * c_mb
                 if bool(big.any()):
                     idx = torch.nonzero(big).flatten()

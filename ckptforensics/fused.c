@@ -29,6 +29,9 @@ static inline float bf16_to_f32(uint16_t h) {
 
 #define LOAD_F32(p, i) (((const float *)(p))[i])
 #define LOAD_BF16(p, i) bf16_to_f32(((const uint16_t *)(p))[i])
+#ifdef __FLT16_MAX__ /* _Float16: GCC 12+ and clang on x86-64 and aarch64 */
+#define LOAD_F16(p, i) ((float)((const _Float16 *)(p))[i])
+#endif
 
 /* ---------------------------------------------------------------- weights
  * dsum: [sum a^2, sum d^2, sum |d|, sum |a|]   (d = b - a in fp32, as torch computes it)
@@ -59,6 +62,9 @@ static inline float bf16_to_f32(uint16_t h) {
 
 WEIGHTS(cf_weights_f32, LOAD_F32)
 WEIGHTS(cf_weights_bf16, LOAD_BF16)
+#ifdef LOAD_F16
+WEIGHTS(cf_weights_f16, LOAD_F16)
+#endif
 
 /* ---------------------------------------------------------------- Adam moments
  * Inputs: m_A, m_B, v_A, v_B of one chunk (n < 2^31: the counts are int32 lanes, which
@@ -70,11 +76,14 @@ WEIGHTS(cf_weights_bf16, LOAD_BF16)
  * fmax: [max |m_B|, max v_B]
  * cnt:  [non-finite m_B, v_A, v_B, rho_A, rho_B, vanished_A, vanished_B, sampled,
  *        v_A > 0, v_B < fl(v_A floor_k), |m_B| > fl(fl(sqrt v_B) c)]
- * Every count is torch's own predicate, rounding for rounding: rho is
- * |m| - thr sqrt(v) > thr eps as torch.sub(|m|, sqrt(v), alpha=thr) computes it on a
- * vector unit (one fused multiply-add: ATen's ufunc::add -> vec::fmadd); the v floor and
+ * Every count is a predicate that rounds the same on any ALU, so the torch fallback
+ * (diffstats) counts the same elements: rho is |m| - thr sqrt(v) > thr eps in fp64, where
+ * thr sqrt(v) (two fp32 values) is exact and only the difference rounds, once, fused or
+ * not (in fp32, a fused multiply-add and a multiply then add round differently, and
+ * which one torch runs depends on its build and the tensor's strides); the v floor and
  * the m bound are one IEEE multiply each (and a correctly rounded square root).
  */
+#define RHO(am, sq) ((double)(am) - (double)thr * (double)(sq))
 #define MOMENTS(NAME, LOAD)                                                                 \
     void NAME(const void *restrict ma, const void *restrict mb, const void *restrict va,    \
               const void *restrict vb, int64_t n, int64_t smask, const float *par,          \
@@ -96,8 +105,8 @@ WEIGHTS(cf_weights_bf16, LOAD_BF16)
             nf_m += !(amb <= FLT_MAX);                                                      \
             nf_va += !(fabsf(ya) <= FLT_MAX);                                               \
             nf_vb += !(fabsf(yb) <= FLT_MAX);                                               \
-            r_a += s & (fmaf(-thr, sqrtf(ya), fabsf(xa)) > rho_t);                          \
-            r_b += s & (fmaf(-thr, sqb, amb) > rho_t);                                      \
+            r_a += s & (RHO(fabsf(xa), sqrtf(ya)) > (double)rho_t);                        \
+            r_b += s & (RHO(amb, sqb) > (double)rho_t);                                     \
             z_a += s & (ya < van_t);                                                        \
             z_b += s & (yb < van_t);                                                        \
             smp += s;                                                                       \
@@ -113,3 +122,6 @@ WEIGHTS(cf_weights_bf16, LOAD_BF16)
 
 MOMENTS(cf_moments_f32, LOAD_F32)
 MOMENTS(cf_moments_bf16, LOAD_BF16)
+#ifdef LOAD_F16
+MOMENTS(cf_moments_f16, LOAD_F16)
+#endif

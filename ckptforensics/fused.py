@@ -26,6 +26,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ _NATIVE = ["-march=native"]
 SAMPLE_STRIDES = (1, 2, 4, 8, 16, 32, 64)
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
-_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +101,11 @@ class Kernels:
     """The loaded C kernels (ctypes; each call releases the GIL)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._w = {}
-        self._m = {}
-        for k in ("f32", "bf16"):
+        self._w: dict[str, Any] = {}
+        self._m: dict[str, Any] = {}
+        for k in _DTYPES.values():
+            if not hasattr(lib, f"cf_weights_{k}"):
+                continue  # fp16 where the compiler has no _Float16: torch ops take those
             w = getattr(lib, f"cf_weights_{k}")
             w.argtypes = [_P, _P, _I64, _P, _P]
             w.restype = None
@@ -115,7 +118,7 @@ class Kernels:
         """Statistics of a chunk pair (flat, contiguous, CPU, fp32 or bf16, same dtype);
         None where the kernel does not take these tensors (the caller uses torch)."""
         k = _kind(a, b)
-        if k is None:
+        if k is None or k not in self._w:
             return None
         d = np.empty(4, np.float64)
         f = np.empty(2, np.float32)
@@ -134,7 +137,7 @@ class Kernels:
         scalar it compares or multiplies an fp32 tensor with.
         """
         k = _kind(ma, mb, va, vb)
-        if k is None or stride not in SAMPLE_STRIDES or ma.numel() >= 1 << 31:
+        if k is None or k not in self._m or stride not in SAMPLE_STRIDES or ma.numel() >= 1 << 31:
             return None
         with np.errstate(over="ignore"):
             par = np.array([thr, thr * eps, 100 * eps * eps, floor_k, c_mb], dtype=np.float32)

@@ -370,7 +370,9 @@ def _moment_stats_torch(mo: _Moments, acc: _Acc, st: int, thr: float, eps: float
     """Sums, maxima and share counts of one chunk of Adam's moments, in torch ops."""
     ma, mb, va, vb = mo.ma, mo.mb, mo.va, mo.vb
     amb = mb.abs()
-    mom = torch.stack([va.sum(), vb.sum(), amb.max(), vb.max()])
+    # fp64 sums, as the kernel's: r_v subtracts beta2^k sum v_A from sum v_B, nearly equal
+    # when gradients are small, and fp32 chunk sums left it off by up to 6e-4 (zoo lr_jump).
+    mom = torch.stack([va.sum(dtype=torch.float64), vb.sum(dtype=torch.float64), amb.max().double(), vb.max().double()])
     if not bool(torch.isfinite(mom).all()):
         acc.add(nfm=(~torch.isfinite(mb)).sum(), nfv=(~torch.isfinite(vb)).sum())
         mom = torch.stack([_finite_sum(va), _finite_sum(vb), _finite_absmax(mb), _finite_absmax(vb)])

@@ -181,3 +181,14 @@ def test_a_diff_is_the_same_with_and_without_the_kernel(tmp_path: Path, dtype: t
     assert [(c.index, c.bit_field) for c in flips] == [((0, 17), "exponent")]
     assert sum(t.nonfinite_b for t in fused_r.tensors) == 1
     assert sum(t.nonfinite_v_b for t in fused_r.tensors) == 1
+
+
+def test_staging_hands_out_copies_that_survive_the_next_chunk() -> None:
+    """The device path's staging (`--device cuda` reads each chunk on the host into one
+    buffer per stream; no GPU here, so its CPU form): a chunk handed out stays intact
+    when the buffer is refilled with the next one."""
+    stage = _Staging("cpu", always=True)
+    first = stage(torch.arange(8.0), 0)
+    second = stage(torch.arange(8.0, 12.0), 0)
+    assert first.tolist() == list(range(8)) and second.tolist() == [8.0, 9.0, 10.0, 11.0]
+    assert stage(torch.ones(3, dtype=torch.bfloat16), 0).dtype == torch.bfloat16

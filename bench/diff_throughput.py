@@ -329,12 +329,31 @@ def render(args: argparse.Namespace, a: Path, b: Path, largest: int, figures: di
         "",
         f"- peak RSS of the CLI: {rss / MiB:.0f} MiB (target ≤ 256 MiB + 3 × largest = {limit / MiB:.0f} MiB) → {'met' if rss <= limit else 'NOT met'}",
         "- target: diff ≥ 0.8× the raw read, cold and warm (the whole CLI adds `import torch` and the open)",
+        *scaling(figures, gib),
     ]
     if prof:
         total = sum(s for _, s in prof)
         lines += ["", "Per stage, one warm pass over every tensor pair (chunks of 2^19 elements, one thread):", "", "| stage | s | GiB/s of the pair | share |", "| --- | --- | --- | --- |"]
         lines += [f"| {k} | {s:.3f} | {gib / s:.1f} | {s / total:.0%} |" for k, s in prof]
     return "\n".join(lines + [""])
+
+
+def scaling(figures: dict, gib: float) -> list[str]:
+    """On paper, from the measured per-core rate: where the CPUs stop being the limit."""
+    one = figures.get("warm", {}).get("diff --workers 1")
+    cold = figures.get("cold", {}).get("diff --workers 1")
+    if not one or not cold:
+        return []
+    per_core = gib / statistics.median(c for _, _, c, _ in one)
+    disk = gib / statistics.median(r for r, _, _, _ in cold)
+    rows = ", ".join(f"{n} cores {n * per_core:.0f} GiB/s" for n in (8, 16, 32, 64))
+    return [
+        f"- per-core ceiling (warm, --workers 1, CPU seconds of the diff and its helper thread): {per_core:.2f} GiB/s; "
+        f"this disk reads {disk:.2f} GiB/s cold (`cat`), so here the disk is the limit from one core on",
+        f"- on paper (tensors shared by size, one process a core, no shared state): {rows} of CPU-bound rate, "
+        "until the page cache or the drives give out: one NVMe drive (3-7 GiB/s) is the limit from 1-2 cores, "
+        "a node's memory bandwidth (~100-200 GiB/s; each byte written once by the drive, read once by the kernel) from about 16-32",
+    ]
 
 
 if __name__ == "__main__":

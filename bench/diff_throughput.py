@@ -34,6 +34,7 @@ from pathlib import Path
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
+CODE = [ROOT]  # the checkout whose ckptforensics the children run (--code)
 
 
 def llama_config(layers: int) -> dict:
@@ -133,7 +134,7 @@ def raw_read(paths: list[Path]) -> float:
 def child(cmd: list[str]) -> tuple[float, float, int, str]:
     """Run `cmd`: (wall s, CPU s of it and its children, peak RSS bytes, stdout), from wait4."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(CODE[0])})
     out = proc.stdout.read() if proc.stdout else ""
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -227,6 +228,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workers", default="1,2", help="worker counts to time, comma-separated")
     ap.add_argument("--reuse", action="store_true", help="keep a pair already written under --dir")
+    ap.add_argument("--code", type=Path, default=ROOT, help="time the ckptforensics of another checkout (its root), e.g. before a change")
     ap.add_argument("--profile", action="store_true", help="add the per-stage cost of one warm pass")
     ap.add_argument("--record", action="store_true", help="Append the figures to bench/RESULTS.md.")
     ap.add_argument("--write-only", action="store_true", help=argparse.SUPPRESS)
@@ -243,6 +245,7 @@ def main() -> None:
         a, b, largest = write_pair(args.dir, int(args.layers), args.weights)
         print(json.dumps([str(a), str(b), largest]))
         return
+    CODE[0] = args.code.resolve()
     a, b, largest = pair_paths(args)
     figures, how = time_passes(a, b, [int(w) for w in args.workers.split(",")], args.rounds)
     prof = json.loads(child([sys.executable, __file__, "--profile-only", str(a), str(b)])[3]) if args.profile else None
@@ -308,6 +311,7 @@ def render(args: argparse.Namespace, a: Path, b: Path, largest: int, figures: di
     lines = [
         f"### diff_throughput — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs, {platform.machine()}, torch {torch_v})",
         "",
+        f"- code: {'this checkout' if CODE[0] == ROOT else 'another checkout (--code)'}; {'fused kernel' if CODE[0] == ROOT and os.environ.get('CKPTFORENSICS_FUSED', '1') != '0' else 'torch ops'}",
         f"- pair: {gib:.2f} GiB in {len(files)} files ({args.layers} Llama layers at hidden 1024, vocab 32000; {args.weights} weights, fp32 AdamW moments); largest tensor {largest / MiB:.0f} MiB",
         f"- {args.rounds} rounds, interleaved (raw read, contender, raw read, contender, ...); each ratio is the median over rounds of raw / contender in the same round; cold: {how} before every pass; load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}",
         "",

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import stat
 import subprocess
@@ -178,7 +179,7 @@ def _build() -> Kernels | None:
         log.info("fused diff kernels disabled (CKPTFORENSICS_FUSED=0): statistics in torch ops")
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
+    if not cc:
         log.info("no C compiler found: the diff computes its statistics with torch ops (slower)")
         return None
     try:
@@ -187,7 +188,10 @@ def _build() -> Kernels | None:
         so = cache / f"fused-{key}.so" if cache is not None else None
         if so is None or not so.exists():
             so = _compile(cc, key, cache)
-        return Kernels(ctypes.CDLL(str(so)))
+        kernels = Kernels(ctypes.CDLL(str(so)))
+        if cache is None:  # a private temporary build: the loaded library outlives its file
+            shutil.rmtree(so.parent, ignore_errors=True)
+        return kernels
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         log.info("fused diff kernels unavailable (%s): the diff computes its statistics with torch ops", str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
@@ -195,7 +199,7 @@ def _build() -> Kernels | None:
 
 def _key(cc: str) -> str:
     """What the library depends on: its source, the compiler, the flags and the CPU."""
-    version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
+    version = subprocess.run([*shlex.split(cc), "--version"], capture_output=True, timeout=30).stdout
     parts = (_SOURCE.read_bytes(), version, _cpu_id().encode(), " ".join(_FLAGS).encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
@@ -208,7 +212,7 @@ def _compile(cc: str, key: str, cache: Path | None) -> Path:
     os.close(fd)
     err = b""
     for extra in (_NATIVE, []):  # -march=native where the compiler knows it
-        r = subprocess.run([cc, *_FLAGS, *extra, "-o", tmp, str(_SOURCE)], capture_output=True, timeout=120)
+        r = subprocess.run([*shlex.split(cc), *_FLAGS, *extra, "-o", tmp, str(_SOURCE)], capture_output=True, timeout=120)
         if r.returncode == 0:
             dest = where / f"fused-{key}.so"
             os.replace(tmp, dest)

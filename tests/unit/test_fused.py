@@ -192,3 +192,27 @@ def test_staging_hands_out_copies_that_survive_the_next_chunk() -> None:
     second = stage(torch.arange(8.0, 12.0), 0)
     assert first.tolist() == list(range(8)) and second.tolist() == [8.0, 9.0, 10.0, 11.0]
     assert stage(torch.ones(3, dtype=torch.bfloat16), 0).dtype == torch.bfloat16
+
+
+def test_without_a_usable_compiler_the_diff_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CKPTFORENSICS_FUSED", "0")
+    assert fused._build() is None
+    monkeypatch.delenv("CKPTFORENSICS_FUSED")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert fused._build() is None
+
+
+def test_a_shared_cache_is_not_used(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A cache directory others can write to is refused (a library loaded from it would
+    run their code): the kernels are built per process, and the build is removed."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    monkeypatch.setenv("CKPTFORENSICS_CACHE", str(shared))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    assert fused._build() is not None
+    assert list(shared.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["shared"]

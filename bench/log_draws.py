@@ -2,11 +2,14 @@
 
     python bench/log_draws.py --split tuning [--record]
 
-An incident's onset is right when it falls between the first step no logged line vouches
-for (a Megatron line logs its interval's loss and the next step's LR) and the line where the
-log first shows the fault by a plain rule (the loss over
-1.3x its last 8 steps' median or the grad norm over 3x: `fixtures.draws.log_onset`); on a
-log of every step that is [fault, plain rule's step]. A healthy log must give no onset.
+An incident's onset is right when it falls between the last good logged line and the first
+bad one: from the first step no logged line vouches for (a Megatron line logs its interval's
+loss and the next step's LR) to the line where the log first shows the fault
+(`fixtures.log_draws.shows`: the loss over 1.3x its last 8 steps' median or the grad norm
+over 3x, `fixtures.draws.log_onset`; for a slow rise, the loss at 1.3x its level before the
+fault), plus one step for that line's LR. An excerpt, or a log printed every k iterations,
+can place an onset only to within its logging interval, so any step of that span is right;
+on a log of every step it is [fault, the step that shows it]. A healthy log must give no onset.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 def score(run: Path) -> dict[str, Any]:
     from ckptforensics.triage import triage
-    from fixtures.draws import log_onset
+    from fixtures.log_draws import shows
 
     t = json.loads((run / "truth.json").read_text())
     d = t["draw"]
@@ -38,7 +41,7 @@ def score(run: Path) -> dict[str, Any]:
         ok = res.first_bad_step is None
         lo = hi = None
     else:
-        plain = log_onset({int(k): v for k, v in t["losses"].items()}, {int(k): v for k, v in t["grad_norms"].items()}, at)
+        plain = shows({int(k): v for k, v in t["losses"].items()}, {int(k): v for k, v in t["grad_norms"].items()}, at)
         # A log that skips steps (Megatron's --log-interval) places the fault only between two
         # lines: from the first step no line vouches for (a line logs its own loss and the next
         # step's LR), up to the line that first shows it by the plain rule, plus one for that
@@ -59,7 +62,8 @@ def table(rows: list[dict[str, Any]], split: str) -> str:
     bad = [r for r in rows if r["incident"] != "none"]
     fa = sum(not r["ok"] for r in healthy)
     hit = sum(r["ok"] for r in bad)
-    head = (f"### triage on log-only draws, {split} split ({len(rows)} draws, `fixtures/log_draws.py`) — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs)\n\n"
+    seeds = f"seeds {rows[0]['seed']}-{rows[-1]['seed']}, " if rows else ""
+    head = (f"### triage on log-only draws, {split} split ({seeds}{len(rows)} draws, `fixtures/log_draws.py`) — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs)\n\n"
             f"false alarms on healthy: **{fa}/{len(healthy)}** · onsets found: **{hit}/{len(bad)}**"
             f" ({100 * hit / max(len(bad), 1):.0f}%)\n")  # fmt: skip
     lines = ["| seed | trap | incident (step) | log | onset | rule | noise (blips) | |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -93,7 +97,9 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from _results import record_section
 
-        record_section("log-draws-heldout", text)
+        # One section per held-out split (keyed by its first seed): a retired split's table stays.
+        seeds = SPLITS[args.split]
+        record_section("log-draws-heldout" if seeds[0] == 900 else f"log-draws-heldout-{seeds[0]}", text)
 
 
 if __name__ == "__main__":

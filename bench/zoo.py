@@ -308,7 +308,9 @@ def score_draw(seed: int, root: Path) -> dict[str, Any]:
     return {
         "seed": seed, "cause": truth["cause"], "got": r.cause, "cause_ok": r.cause_ok, "layer_ok": r.layer_ok,
         "samples": r.samples, "samples_ok": r.samples_ok, "fbs": r.first_bad_step, "fbs_ok": r.first_bad_step_ok,
-        "onset": tri.first_bad_step, "onset_ok": onset_ok,
+        "onset": tri.first_bad_step, "onset_ok": onset_ok, "rep": r.reproducible,
+        # A verdict that leaves reproducibility open (nothing replayed) misses a truth that has one.
+        "rep_ok": r.reproducible_ok if r.reproducible_ok is not None else (False if truth.get("reproducible") is not None else None),
         "false_alarm": (bool(r.false_alarm) or tri.first_bad_step is not None) if truth["cause"] == "none" else None,
         "shape": _shape(d), "trap": d["trap"], "at": truth["first_bad_step"], "seconds": r.seconds,
     }  # fmt: skip
@@ -339,6 +341,7 @@ def score_draws(split: str, root: Path, seeds: list[int] | None = None, jobs: in
         "culprit layer": rate("layer_ok"),
         "culprit rows P,R >= 0.9": rate("samples_ok"),
         "first bad step exact": rate("fbs_ok"),
+        "reproducible (the verdict's flag vs the truth's)": rate("rep_ok"),
         "triage onset (exact; module-LR faults a log shows only through group 0: within its first sign)": rate("onset_ok"),
         "false alarms on healthy": f"{sum(bool(x['false_alarm']) for x in healthy)}/{len(healthy)}",
     }
@@ -361,11 +364,15 @@ def _shape(d: dict[str, Any]) -> str:
 def draws_table(split: str, rows: list[dict[str, Any]], agg: dict[str, str]) -> str:
     head = f"### Drawn incidents, {split} split ({len(rows)} draws, `fixtures/draws.py`)\n\n"
     summary = " · ".join(f"{k}: **{v}**" for k, v in agg.items())
-    lines = ["| seed | truth (step) | verdict | rows | first bad step | triage onset | shape | trap |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| seed | truth (step) | verdict | rows | first bad step | reproducible | triage onset | shape | trap |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for x in rows:
         lines.append(
             f"| {x['seed']} | {x['cause']} ({x['at'] if x['at'] is not None else '—'}) | {_mark(x['cause_ok'], x['got'])} | {x['samples'] or '—'} "
-            f"| {_mark(x['fbs_ok'], str(x['fbs']))} | {_mark(x['onset_ok'], str(x['onset']))} | {x['shape']} | {x['trap']} |"
+            f"| {_mark(x['fbs_ok'], str(x['fbs']))} | {_mark(x.get('rep_ok'), str(x.get('rep')))} | {_mark(x['onset_ok'], str(x['onset']))} "
+            f"| {x['shape']} | {x['trap']} |"
         )
     return head + summary + "\n\n" + "\n".join(lines)
 

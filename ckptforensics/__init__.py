@@ -5,13 +5,19 @@ its findings, renderings); they load on first use, so that importing the package
 `ckptforensics --help` stay fast:
 
     import ckptforensics as cf
-    rep = cf.replay("runs/x/step_30.pt", "runs/x/batches.h5", after="runs/x/step_40.pt")
-    rep.cause, rep.verdict["first_bad_step"]
+    rep = cf.replay("runs/x/step_30.pt", "runs/x/step_40.pt", batch="runs/x/batches.h5")
+    rep.cause, rep.first_bad_step
     print(rep.to_markdown())
+
+Every command takes its window first, `(before, after)`, then keywords; the replay's options
+are the fields of `ReplayOptions`, by name or as one record (`options=`). `inspect` and
+`triage` return a `Report` too (its `kind` says which document it holds).
 
 `diff`, `replay`, `bisect`, `whatif`, `triage`, `plan`, `recovery` and `audit` are also the
 names of the package's submodules; the package keeps the command under each name (the
-submodule stays importable: `from ckptforensics.replay.engine import plan`). The training
+submodule stays importable: `from ckptforensics.replay.engine import plan`, or
+`from ckptforensics.replay import engine`; `import ckptforensics.replay.engine as engine`
+reads the name `replay` off the package and finds the command, so it fails). The training
 side is `Recorder` (the flight recorder a loop attaches so that the next incident is
 replayable).
 """
@@ -24,11 +30,12 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-COMMANDS = ("diff", "replay", "bisect", "whatif", "triage", "plan", "recovery", "audit")
+COMMANDS = ("inspect", "diff", "replay", "bisect", "whatif", "triage", "plan", "recovery", "audit")
 _LAZY = {
     **dict.fromkeys(COMMANDS, "api"),
     "api": None,
     "Report": "api",
+    "ReplayOptions": "options",
     "resolve": "api",
     "open_checkpoint": "formats",
     "open_pair": "formats",

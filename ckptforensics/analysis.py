@@ -81,6 +81,7 @@ def _core(row: dict[str, float]) -> dict[str, float]:
 def replay_section(rep: Any, suspect: int | None) -> dict[str, Any]:
     """The report's `replay` block: configuration with sources, per-step records, evidence
     (the per-module table of the first bad step `suspect`)."""
+    from .replay import precision as mp
     from .replay.probes import BWD_STATS, FWD_STATS
 
     per_module = []
@@ -135,8 +136,16 @@ def replay_section(rep: Any, suspect: int | None) -> dict[str, Any]:
             "mismatched": sum(m.mismatched for m in rep.matches),
             "impossible": sum(m.impossible for m in rep.matches),
             "mismatching_tensors": mism[:50],
+            "tolerance": mp.tolerance(rep.precision),
+            "worst": _worst(rep.matches),
         },
     }
+
+
+def _worst(matches: list[Any]) -> dict[str, Any] | None:
+    """The element furthest from *after* relative to its tolerance (< 1: all within)."""
+    m = max(matches, key=lambda m: m.worst, default=None)
+    return None if m is None else {"tensor": m.name, "where": m.where, "deviation_over_tolerance": m.worst}
 
 
 def _window(what: str, cfg: Any) -> str:

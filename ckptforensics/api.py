@@ -5,7 +5,7 @@ The CLI is these functions plus argument parsing and printing. Each returns a `R
 before it returns.
 
     import ckptforensics as cf   # the commands are the package's functions too
-    rep = cf.replay("runs/x/step_30.pt", "runs/x/batches.h5", after="runs/x/step_40.pt")
+    rep = cf.replay("runs/x/step_30.pt", "runs/x/step_40.pt", batch="runs/x/batches.h5")
     rep.cause, rep.verdict["first_bad_step"]
     print(rep.to_markdown())
 """
@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Report", "diff", "replay", "bisect", "whatif", "plan", "plan_from", "recovery", "triage", "audit", "resolve", "NotRankZero"]
+from .options import ReplayOptions, replay_options
+
+__all__ = ["ReplayOptions", "Report", "inspect", "diff", "replay", "bisect", "whatif", "plan", "plan_from", "recovery", "triage", "audit", "resolve", "NotRankZero"]
 
 Progress = Callable[[str], None]
 
@@ -27,18 +29,36 @@ class NotRankZero(Exception):
     whatif leaves no report (rank 0 returns it)."""
 
 
+TRIAGE_SCHEMA = "ckptforensics.triage/1"
+
+
 @dataclass
 class Report:
-    """One command's result: the report document (schema `ckptforensics.report/1`) and the
-    findings behind it. `extra` holds what a command adds beside the report (bisect's
-    skip list)."""
+    """One command's result: its document and the findings behind it.
+
+    Three kinds of document, told apart by `doc["schema"]`: an incident report
+    (`ckptforensics.report/1`: diff, replay, bisect, whatif, plan, recovery, audit), a
+    triage of a training log (`ckptforensics.triage/1`) and one checkpoint's summary
+    (`ckptforensics.inspect/1`). Each renders to Markdown, HTML and JSON and saves the same
+    way. `extra` holds what a command adds beside the document (bisect's skip list);
+    `result` the command's own record where it has one (triage's `TriageResult`, inspect's
+    `CheckpointSummary`)."""
 
     doc: dict[str, Any]
-    findings: list[Any]
+    findings: list[Any] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    result: Any = None
+
+    @property
+    def kind(self) -> str:
+        """'incident', 'triage' or 'inspect'."""
+        schema = str(self.doc.get("schema", ""))
+        return {TRIAGE_SCHEMA: "triage", "ckptforensics.inspect/1": "inspect"}.get(schema, "incident")
 
     @property
     def verdict(self) -> dict[str, Any]:
+        if self.kind != "incident":
+            raise AttributeError(f"a {self.kind} report has no verdict (its document is {self.doc.get('schema')})")
         return self.doc["verdict"]
 
     @property
@@ -46,17 +66,47 @@ class Report:
         """The verdict's first cause ('none' for a healthy pair)."""
         return str(self.verdict["causes"][0]["cause"])
 
+    @property
+    def first_bad_step(self) -> int | None:
+        """The first bad step: the verdict's, or the log's onset for a triage."""
+        if self.kind == "triage":
+            return self.doc.get("first_bad_step")
+        return self.verdict.get("first_bad_step")
+
+    @property
+    def rollback(self) -> str | None:
+        """The checkpoint to roll back to: the verdict's last safe one, or triage's."""
+        if self.kind == "triage":
+            return self.doc.get("rollback")
+        return self.verdict.get("rollback_checkpoint")
+
     def to_json(self) -> str:
         from .report import to_json
 
         return to_json(self.doc)
 
     def to_markdown(self) -> str:
+        if self.kind == "triage":
+            from .report.timeline import render_triage_markdown
+
+            return render_triage_markdown(self.doc)
+        if self.kind == "inspect":
+            from .report.inspect import render_inspect_text
+
+            return render_inspect_text(self.doc, show_all=True)
         from .report.markdown import render_markdown
 
         return render_markdown(self.doc)
 
     def to_html(self) -> str:
+        if self.kind == "triage":
+            from .report.timeline import render_triage_html
+
+            return render_triage_html(self.doc)
+        if self.kind == "inspect":
+            import html
+
+            return f"<!doctype html><meta charset=utf-8><pre>{html.escape(self.to_markdown())}</pre>\n"
         from .report.html import render_html
 
         return render_html(self.doc)
@@ -71,13 +121,20 @@ class Report:
         return cls(doc, list(doc.get("findings", [])), {"skip": doc["bisect"]["skip"]} if (doc.get("bisect") or {}).get("skip") else {})
 
     def save(self, out: str | Path) -> list[Path]:
-        """report.json, report.md, report.html and evidence.h5 under `out` (plus skip.json
-        for a bisect), written together: a failure leaves the previous report as it was.
-        Returns the paths written."""
-        from .report import to_json, write_report
+        """The report's files under `out`, written together (a failure leaves the previous
+        report as it was), never inside a checkpoint the report read: report.json, .md,
+        .html and evidence.h5 (plus skip.json for a bisect); triage.json, .md, .html for a
+        triage; inspect.json and .md for an inspect. Returns the paths written."""
+        from .report import check_outside, report_inputs, to_json, write_files, write_report
 
+        o = Path(out)
+        check_outside(o, report_inputs(self.doc))
+        if self.kind == "triage":
+            return write_files({o / "triage.json": to_json(self.doc), o / "triage.md": self.to_markdown(), o / "triage.html": self.to_html()})
+        if self.kind == "inspect":
+            return write_files({o / "inspect.json": to_json(self.doc), o / "inspect.md": self.to_markdown()})
         extra = {"skip.json": to_json(self.extra["skip"])} if "skip" in self.extra else None
-        return write_report(Path(out), self.doc, extra)
+        return write_report(o, self.doc, extra)
 
     @property
     def plan(self) -> dict[str, Any]:
@@ -99,163 +156,120 @@ def diff(
     run_dir: str | Path | None = None,
     format: str | None = None,
     chunk: int = 1 << 19,
-    workers: int = 1,
+    workers: int | None = None,
     progress: Progress | None = None,
     command: str = "ckptforensics.diff",
 ) -> Report:
-    """Diff weights and Adam moments of two checkpoints and score every tensor."""
+    """Diff weights and Adam moments of two checkpoints and score every tensor (`workers`
+    processes; None: one per core, at most 8, for pairs of 512 MiB and more, else one: the
+    report does not depend on it)."""
     from .analysis import run_diff
+    from .shard import checkpoint_bytes, default_workers
 
-    got = run_diff(resolve(before, run_dir), resolve(after, run_dir), command=command, fmt=format, chunk=chunk, progress=progress, workers=workers)
+    pa, pb = resolve(before, run_dir), resolve(after, run_dir)
+    n = workers or default_workers(checkpoint_bytes(pa) + checkpoint_bytes(pb))
+    got = run_diff(pa, pb, command=command, fmt=format, chunk=chunk, progress=progress, workers=n)
     if got is None:
         raise NotRankZero("diff under torchrun: rank 0 returns the report")
     return Report(*got)
 
 
-def _config(before: Any, after: Any, batch: str | Path | None, run_dir: Any, **opts: Any) -> Any:
+def _config(before: Any, after: Any, batch: str | Path | None, run_dir: Any, options: ReplayOptions, step: int | None = None) -> Any:
     from .replay import ReplayConfig
 
-    metrics = opts.pop("metrics", None)
-    data = opts.pop("data", None)
     return ReplayConfig(
         before=resolve(before, run_dir),
         after=resolve(after, run_dir) if after is not None else None,
         batch=str(batch) if batch is not None else None,
-        data=str(data) if data is not None else None,
-        metrics=Path(metrics) if metrics is not None else None,
-        **opts,
+        step=step,
+        **options.as_kwargs(),
     )
 
 
 def replay(
     before: str | int | Path,
-    batch: str | Path | None = None,
-    *,
-    data: str | Path | None = None,
-    collator: str | None = None,
     after: str | int | Path | None = None,
-    run_dir: str | Path | None = None,
-    model: str | None = None,
+    *,
+    batch: str | Path | None = None,
     step: int | None = None,
-    precision: str = "auto",
-    device: str = "cpu",
-    clip: float | None = None,
-    loss: str | None = None,
-    metrics: str | Path | None = None,
-    checkpoint_activations: bool = False,
-    labels: str | None = None,
-    allow_mismatch: bool = False,
+    run_dir: str | Path | None = None,
+    options: ReplayOptions | None = None,
     progress: Progress | None = None,
     command: str = "ckptforensics.replay",
+    **option: Any,
 ) -> Report:
     """Replay the window (before, after] from *before* with probes on every module, merged
-    with the pair's diff into one verdict. `batch`: a batch log (.h5), batch file or
-    `module:function`, or None with `data` (an HF Trainer run's training data: the batches
-    are rebuilt with the Trainer's sampler and `collator`, `module:obj`, or the standard
-    collator whose first step lands on the log); `model`: `module:factory` or None (built
-    from what the run recorded)."""
+    with the pair's diff into one verdict (`after` None: the one step `step`, default
+    before + 1). `batch`: a batch log (.h5), batch file or `module:function`, or None with
+    the option `data` (the run's training data, its batches rebuilt). The options are an
+    `options.ReplayOptions` or its fields by name (`model=`, `precision=`, `clip=`, ...)."""
     from .analysis import run_replay
 
-    cfg = _config(
-        before, after, batch, run_dir, data=data, collator=collator, model=model, step=step, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
-        checkpoint_activations=checkpoint_activations, labels=labels, allow_mismatch=allow_mismatch,
-    )  # fmt: skip
+    cfg = _config(before, after, batch, run_dir, replay_options(options, **option), step)
     return Report(*_rank_zero(run_replay(cfg, command=command, progress=progress), "replay"))
 
 
 def bisect(
     before: str | int | Path,
     after: str | int | Path,
-    batch: str | Path | None = None,
     *,
-    data: str | Path | None = None,
-    collator: str | None = None,
-    run_dir: str | Path | None = None,
-    model: str | None = None,
-    precision: str = "auto",
-    device: str = "cpu",
-    clip: float | None = None,
-    loss: str | None = None,
-    metrics: str | Path | None = None,
-    checkpoint_activations: bool = False,
-    labels: str | None = None,
-    allow_mismatch: bool = False,
+    batch: str | Path | None = None,
     tokenizer: str | Path | None = None,
+    run_dir: str | Path | None = None,
+    options: ReplayOptions | None = None,
     progress: Progress | None = None,
     command: str = "ckptforensics.bisect",
+    **option: Any,
 ) -> Report:
     """The first bad step of the window and the rows of its batch that cause it; the
-    skip list for the trainer is `report.extra["skip"]`."""
+    skip list for the trainer is `report.extra["skip"]`. Options as for `replay`."""
     from .analysis import run_bisect
 
-    cfg = _config(
-        before, after, batch, run_dir, data=data, collator=collator, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
-        checkpoint_activations=checkpoint_activations, labels=labels, allow_mismatch=allow_mismatch,
-    )  # fmt: skip
+    cfg = _config(before, after, batch, run_dir, replay_options(options, **option))
     doc, findings, skip = _rank_zero(run_bisect(cfg, command=command, progress=progress, tokenizer=Path(tokenizer) if tokenizer else None), "bisect")
     return Report(doc, findings, {"skip": skip})
 
 
 def whatif(
     before: str | int | Path,
-    batch: str | Path | None,
+    *,
     steps: int,
     tries: Sequence[str],
-    *,
-    data: str | Path | None = None,
-    collator: str | None = None,
+    batch: str | Path | None = None,
     run_dir: str | Path | None = None,
-    model: str | None = None,
-    precision: str = "auto",
-    device: str = "cpu",
-    clip: float | None = None,
-    loss: str | None = None,
-    metrics: str | Path | None = None,
-    checkpoint_activations: bool = False,
-    labels: str | None = None,
-    allow_mismatch: bool = False,
+    options: ReplayOptions | None = None,
     progress: Progress | None = None,
     command: str = "ckptforensics.whatif",
+    **option: Any,
 ) -> Report:
     """Replay `steps` steps from *before* under each mitigation (`clip=1.0`,
     `precision=bf16`, `lr_scale=0.5`, `skip_samples=auto`, ...) and recommend the least
-    invasive one that keeps the run on track."""
+    invasive one that keeps the run on track. Options as for `replay`."""
     from .analysis import run_whatif
 
-    cfg = _config(
-        before, None, batch, run_dir, data=data, collator=collator, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
-        checkpoint_activations=checkpoint_activations, labels=labels, allow_mismatch=allow_mismatch,
-    )  # fmt: skip
+    cfg = _config(before, None, batch, run_dir, replay_options(options, **option))
     return Report(*_rank_zero(run_whatif(cfg, steps, list(tries), None, command=command, progress=progress), "whatif"))
 
 
 def plan(
     before: str | int | Path,
     after: str | int | Path,
-    batch: str | Path | None = None,
     *,
-    data: str | Path | None = None,
-    collator: str | None = None,
-    run_dir: str | Path | None = None,
-    model: str | None = None,
-    precision: str = "auto",
-    device: str = "cpu",
-    clip: float | None = None,
-    loss: str | None = None,
-    metrics: str | Path | None = None,
-    checkpoint_activations: bool = False,
-    labels: str | None = None,
-    allow_mismatch: bool = False,
+    batch: str | Path | None = None,
     tries: Sequence[str] | None = None,
+    run_dir: str | Path | None = None,
+    options: ReplayOptions | None = None,
     progress: Progress | None = None,
     command: str = "ckptforensics.plan",
+    **option: Any,
 ) -> Report:
     """The resume plan for the incident between `before` and `after`: the window is replayed
     (the verdict), then the mitigations its cause calls for (`plan.mitigations`, or `tries`)
     are replayed from the rollback checkpoint (the what-if), and the plan is written in the
     trainer's own terms, each change marked verified by the what-if or not replayed. The
     report holds the replay's verdict, the `whatif` section and the `plan` section; the skip
-    list, where there is one, is `report.extra["skip"]` (saved as skip.json)."""
+    list, where there is one, is `report.extra["skip"]` (saved as skip.json). Options as
+    for `replay`."""
     from .errors import ForensicsError
     from .formats import open_checkpoint
     from .plan import mitigations, plan_section
@@ -266,16 +280,15 @@ def plan(
             "plan runs in one process (its what-if follows from the replay's verdict); under torchrun run `replay` and "
             "`whatif`, then `ckptforensics plan incident/ whatif/`"
         )
-    opts = dict(data=data, collator=collator, run_dir=run_dir, model=model, precision=precision, device=device, clip=clip, loss=loss, metrics=metrics,
-                checkpoint_activations=checkpoint_activations, labels=labels, allow_mismatch=allow_mismatch, progress=progress)  # fmt: skip
-    rep = replay(before, batch, after=after, command=command, **opts)
+    opts = replay_options(options, **option)
+    rep = replay(before, after, batch=batch, run_dir=run_dir, options=opts, progress=progress, command=command)
     p = rep.plan
     tried = list(tries) if tries else mitigations(rep.doc, ((rep.doc.get("replay") or {}).get("config") or {}).get("clip", {}).get("value"))
     doc, findings = rep.doc, list(rep.findings)
     if p.get("status") == "ready" and tried:
         r = p["rollback"]
         n = int(rep.doc["incident"]["after"]["step"]) - int(r["step"])
-        wi = whatif(r["path"], batch, max(n, 1), tried, command=command, **opts)
+        wi = whatif(r["path"], steps=max(n, 1), tries=tried, batch=batch, run_dir=run_dir, options=opts, progress=progress, command=command)
         from .detectors import Finding
 
         f = wi.findings[0]
@@ -365,16 +378,42 @@ def _rank_zero(got: Any, what: str) -> Any:
     return got
 
 
-def triage(metrics: str | Path | None = None, run_dir: str | Path | None = None, config: Any = None, keys: dict[str, str] | None = None) -> Any:
-    """The first bad step in a training log and the checkpoint to roll back to
-    (`triage.TriageResult`); the log is discovered in `run_dir` when not given. `config`:
-    a `triage.TriageConfig`; `keys`: the log's column names for loss / grad_norm / lr."""
+def triage(
+    metrics: str | Path | None = None,
+    *,
+    run_dir: str | Path | None = None,
+    config: Any = None,
+    keys: dict[str, str] | None = None,
+) -> Report:
+    """The first bad step in a training log and the checkpoint to roll back to; the log is
+    discovered in `run_dir` when not given. `config`: a `triage.TriageConfig`; `keys`: the
+    log's column names for loss / grad_norm / lr. The report's `result` is the
+    `triage.TriageResult`; `first_bad_step` and `rollback` read it."""
     from .logs import discover_metrics
+    from .report import clean
+    from .triage import as_dict
     from .triage import triage as _triage
 
     rd = Path(run_dir) if run_dir is not None else None
     log = Path(metrics) if metrics is not None else discover_metrics(rd or Path("."))
-    return _triage(log, rd, config, keys)
+    res = _triage(log, rd, config, keys)
+    return Report({"schema": TRIAGE_SCHEMA, **clean(as_dict(res))}, result=res)
+
+
+def inspect(checkpoint: str | int | Path, *, run_dir: str | Path | None = None, format: str | None = None, progress: Progress | None = None) -> Report:
+    """One checkpoint summarised: complete or not (its format's rule for a whole save;
+    an incomplete one raises, naming what is missing), format, step, sizes, optimizer,
+    loss scale, and each tensor's non-finite count and dtype headroom. The report's
+    `result` is the `summary.CheckpointSummary`."""
+    from .formats import open_checkpoint, require_complete
+    from .report.inspect import inspect_doc
+    from .summary import summarize
+
+    path = resolve(checkpoint, run_dir)
+    whole = require_complete(path, format)
+    with open_checkpoint(path, format, check=False) as ck:
+        s = summarize(ck, progress=progress)
+    return Report(inspect_doc(s, whole), result=s)
 
 
 def audit(

@@ -12,7 +12,6 @@ import errno
 import json
 import logging
 import math
-import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout
@@ -22,7 +21,8 @@ from typing import Any
 import click
 
 from . import __version__
-from .errors import ForensicsError, one_line
+from .errors import one_line
+from .options import ReplayOptions
 
 log = logging.getLogger("ckptforensics")
 
@@ -267,50 +267,20 @@ def inspect(ctx: click.Context, checkpoint: str, run_dir: Path, fmt: str | None,
       ckptforensics inspect --run-dir runs/7b 41950
       ckptforensics inspect runs/7b/checkpoint-41950 --json
     """
-    from .formats import open_checkpoint, require_complete
+    from . import api
+    from .formats import require_complete
     from .locate import resolve_checkpoint
-    from .summary import summarize
+    from .report.inspect import render_inspect_text
 
     with _errors(ctx):
         path = resolve_checkpoint(checkpoint, run_dir)
-        whole = require_complete(path, fmt)  # an incomplete one: exit 2, naming what is missing
-        with open_checkpoint(path, fmt, check=False) as ck, _progress(len(ck.names()), "inspect", ctx.obj.quiet) as prog:
-            s = summarize(ck, progress=prog)
+        require_complete(path, fmt)  # an incomplete one: exit 2, naming what is missing, before any reading
+        with _progress(_count(path, fmt), "inspect", ctx.obj.quiet) as prog:
+            rep = api.inspect(path, format=fmt, progress=prog)
     if as_json:
-        click.echo(json.dumps({**_jsonable(s), "completeness": {"complete": whole.complete, "checked": whole.checked, "rule": whole.rule, "problems": list(whole.problems)}}, indent=2))
+        click.echo(json.dumps(rep.doc, indent=2))
         return
-    click.echo(f"{s.path}: {s.format}, step {s.step if s.step is not None else '?'}")
-    click.echo(f"  files: {whole.summary()}")
-    click.echo(f"  {s.parameters:,} parameters in {s.tensors} tensors ({', '.join(f'{k}: {v}' for k, v in s.dtypes.items())})")
-    if s.optimizer:
-        o = s.optimizer
-        click.echo(f"  optimizer: {o['kind']}, step {o['step']}, {o['params_with_state']} params with state (ids mapped by {o['mapping']})")
-        for i, g in enumerate(o["groups"]):
-            click.echo(
-                f"    group {i}: {g['params']} params, lr {g['lr']:.4g}, betas {g['betas']}, eps {g['eps']:g}, weight_decay {g['weight_decay']:g}"
-                + (f", initial_lr {g['initial_lr']:.4g}" if g["initial_lr"] else "")
-            )
-    else:
-        click.echo("  optimizer: none (weights only)")
-    if "loss_scale" in s.scalars:
-        click.echo(f"  loss scale: {s.scalars['loss_scale']}")
-    if "scheduler" in s.scalars:
-        click.echo(f"  scheduler: {s.scalars['scheduler']}")
-    for n in s.notes:
-        click.echo(f"  note: {n}")
-    notable = [t for t in s.per_tensor if show_all or t.nonfinite or t.headroom < 2]
-    bad = sum(1 for t in s.per_tensor if t.nonfinite)
-    click.echo(f"  non-finite: {bad} tensors; least headroom: " + _least_headroom(s.per_tensor))
-    for t in notable:
-        click.echo(f"    {t.name} {list(t.shape)} {t.dtype}: max|x| {t.max_abs:.4g}, headroom {t.headroom:.3g}x, non-finite {t.nonfinite}")
-
-
-def _least_headroom(per: list[Any]) -> str:
-    fin = [t for t in per if math.isfinite(t.headroom)]
-    if not fin:
-        return "—"
-    t = min(fin, key=lambda t: t.headroom)
-    return f"{t.name} ({t.dtype}, max|x| {t.max_abs:.3g}, {t.headroom:.3g}x)"
+    click.echo(render_inspect_text(rep.doc, show_all), nl=False)
 
 
 @contextmanager
@@ -322,12 +292,9 @@ def _output(out: Path | None, inputs: list[Path], *, file: bool = False) -> Iter
     if out is None:
         yield
         return
-    o = Path(os.path.realpath(out))  # realpath: a symlink loop is bad input, said by the reader
-    for p in inputs:
-        d = Path(os.path.realpath(p))
-        if p.is_dir() and (o == d or d in o.parents):
-            raise ForensicsError(f"--out {out} is inside the input checkpoint {p}; choose a directory outside it")
-    from .report import prepare_out, remove_made
+    from .report import check_outside, prepare_out, remove_made
+
+    check_outside(out, inputs)
 
     made = prepare_out(out, file=file)
     try:
@@ -385,16 +352,15 @@ def diff(
     """
     from . import api
     from .locate import resolve_checkpoint
-    from .shard import default_workers, dist_world
+    from .shard import dist_world
 
     rank, _ = dist_world()
     with _errors(ctx):
         pa, pb = resolve_checkpoint(before, run_dir), resolve_checkpoint(after, run_dir)
         with _output(out if rank == 0 else None, [pa, pb]):
             with _progress(_count(pa, fmt), "diff", ctx.obj.quiet or rank != 0) as prog:
-                nworkers = workers or default_workers(_bytes(pa) + _bytes(pb))
                 try:
-                    rep = api.diff(pa, pb, format=fmt, chunk=chunk_elems, progress=prog, workers=nworkers, command=_command("diff"))
+                    rep = api.diff(pa, pb, format=fmt, chunk=chunk_elems, progress=prog, workers=workers, command=_command("diff"))
                 except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                     return
             written = rep.save(out) if out else []
@@ -409,13 +375,6 @@ def _not_rank_zero() -> bool:
 
 def _command(name: str) -> str:
     return "ckptforensics " + " ".join(sys.argv[1:]) if sys.argv[1:] else f"ckptforensics {name}"
-
-
-def _bytes(path: Path) -> int:
-    """Size on disk of a checkpoint file or directory."""
-    if path.is_file():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def _count(path: Path, fmt: str | None) -> int:
@@ -485,7 +444,8 @@ def replay(ctx: click.Context, before: str, after: str | None, run_dir: Path, ou
         with _output(None if _not_rank_zero() else out, [p for p in (pa, pb) if p is not None]):
             with _progress(0, "replay", ctx.obj.quiet or _not_rank_zero()) as prog:
                 try:
-                    rep = api.replay(pa, opts.pop("batch"), after=pb, progress=prog, command=_command("replay"), **opts)
+                    batch = opts.pop("batch")
+                    rep = api.replay(pa, pb, batch=batch, step=opts.pop("step"), options=ReplayOptions(**opts), progress=prog, command=_command("replay"))
                 except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                     return
             written = rep.save(out) if out else []
@@ -521,7 +481,8 @@ def bisect_cmd(ctx: click.Context, before: str, after: str, run_dir: Path, out: 
         with _output(None if _not_rank_zero() else out, [pa, pb]):
             with _progress(0, "bisect", ctx.obj.quiet or _not_rank_zero()) as prog:
                 try:
-                    rep = api.bisect(pa, pb, opts.pop("batch"), tokenizer=tokenizer, progress=prog, command=_command("bisect"), **opts)
+                    batch = opts.pop("batch")
+                    rep = api.bisect(pa, pb, batch=batch, tokenizer=tokenizer, options=ReplayOptions(**opts), progress=prog, command=_command("bisect"))
                 except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                     return
             written = rep.save(out) if out else []
@@ -558,7 +519,8 @@ def whatif_cmd(ctx: click.Context, before: str, n_steps: int, tries: tuple[str, 
         with _output(None if _not_rank_zero() else out, [pa]):
             with _progress(0, "whatif", ctx.obj.quiet or _not_rank_zero()) as prog:
                 try:
-                    rep = api.whatif(pa, opts.pop("batch"), n_steps, list(tries), progress=prog, command=_command("whatif"), **opts)
+                    batch = opts.pop("batch")
+                    rep = api.whatif(pa, steps=n_steps, tries=list(tries), batch=batch, options=ReplayOptions(**opts), progress=prog, command=_command("whatif"))
                 except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                     return
             written = rep.save(out) if out else []
@@ -617,7 +579,10 @@ def plan_cmd(ctx: click.Context, reports: tuple[Path, ...], before: str | None, 
             with _output(None if _not_rank_zero() else out, [pa, pb]):
                 with _progress(0, "plan", ctx.obj.quiet or _not_rank_zero()) as prog:
                     try:
-                        rep = api.plan(pa, pb, opts.pop("batch"), tries=list(tries) or None, progress=prog, command=_command("plan"), **opts)
+                        batch = opts.pop("batch")
+                        rep = api.plan(
+                            pa, pb, batch=batch, tries=list(tries) or None, options=ReplayOptions(**opts), progress=prog, command=_command("plan")
+                        )
                     except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                         return
                 written = rep.save(out) if out else []
@@ -803,19 +768,14 @@ def triage_cmd(
       ckptforensics triage --metrics pasted.txt        # a few Megatron iteration lines
     """
     from . import api
-    from .triage import TriageConfig, as_dict
+    from .triage import TriageConfig
 
     with _errors(ctx), _output(out, [run_dir] if run_dir is not None else []):
-        res = api.triage(metrics, run_dir, TriageConfig(window=window, z=z, margin=margin), {"loss": loss_key, "grad_norm": grad_key, "lr": lr_key})
-        written: list[Path] = []
-        if out is not None:
-            from .report import write_files
-            from .report.timeline import render_triage_html, render_triage_markdown
-
-            doc = _jsonable(as_dict(res))
-            written = write_files({out / "triage.json": json.dumps(doc, indent=2) + "\n", out / "triage.md": render_triage_markdown(doc), out / "triage.html": render_triage_html(doc)})
+        rep = api.triage(metrics, run_dir=run_dir, config=TriageConfig(window=window, z=z, margin=margin), keys={"loss": loss_key, "grad_norm": grad_key, "lr": lr_key})
+        res = rep.result
+        written = rep.save(out) if out is not None else []
     if as_json:
-        click.echo(json.dumps(_jsonable(as_dict(res)), indent=2))
+        click.echo(json.dumps(rep.doc, indent=2))
         return
     click.echo(f"read {res.metrics_file} ({res.steps} steps, {res.log_format})")
     if len(res.files) > 1 or len(res.legs) > 1:

@@ -63,7 +63,7 @@ def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
         return max(vals) if vals else None
 
     if not weights_only and ob is not None and any(g.family == "adam8bit" for g in ob.groups):
-        notes.append("bitsandbytes 8-bit optimizer state (quantised state1/state2): moments not dequantised; update bounds not checked")
+        notes.append(_quantised_note(ob))
 
     betas = ob.groups[0].betas if ob and ob.groups else None
     base = tuple(
@@ -93,6 +93,24 @@ def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
         scheduler_b=_dict(b.scalars.get("scheduler")),
         scaler_a=_dict(a.scalars.get("scaler")),
         scaler_b=_dict(b.scalars.get("scaler")),
+    )
+
+
+def _quantised_note(o: Any) -> str:
+    """What the diff does with bitsandbytes' 8-bit state (formats.bnb)."""
+    from .formats import bnb
+
+    quant = [n for n, st in o.state.items() if bnb.is_quantised(st)]
+    lost = [n for n in quant if "exp_avg_sq" not in o.state[n]]
+    if lost:
+        return (
+            f"bitsandbytes 8-bit optimizer state: {len(lost)} of {len(quant)} quantised tensors could not be dequantised "
+            f"(first: {lost[0]}; no qmap, or absmax that fits no block size): those are compared weights-only"
+        )
+    return (
+        f"bitsandbytes 8-bit optimizer state: {len(quant)} quantised tensors' moments dequantised (qmap[code] x blockwise absmax); "
+        "their second-moment floor allows k code gaps of the block's absmax, their weights have no per-element bound "
+        "(located among the tensor's own changes); tensors under min_8bit_size keep Adam's bounds"
     )
 
 

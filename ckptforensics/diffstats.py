@@ -20,9 +20,17 @@ import torch
 
 from . import fused
 from .errors import IncompatibleCheckpoints
+from .formats import bnb
 from .formats.base import Checkpoint
 from .tensors import dtype_limits, dtype_name, flip_bit
-from .updates import MOMENT_FAMILIES, SECOND_MOMENTS, second_moment_floor, step_bound
+from .updates import (
+    MOMENT_FAMILIES,
+    SECOND_MOMENTS,
+    quantised_floor_allowance,
+    raw_ratio_bound,
+    second_moment_floor,
+    step_bound,
+)
 
 __all__ = [
     "DiffConfig",
@@ -548,17 +556,35 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
     counts = {"bound": 0, "vfloor": 0, "mbound": 0, "outlier": 0, "norm": 0}
     lr = math.nan
     restart_floor = None
+    restart_allow: torch.Tensor | None = None
     if restart:
         assert hb is not None and hb.betas is not None and g_steps is not None
         restart_floor = hb.betas[1] ** g_steps
+        q = bnb.quant_parts(sb, 2) if family == "adam8bit" else None
+        if q is not None:
+            restart_allow = bnb.per_element(q[2], meta.numel) * quantised_floor_allowance(g_steps, bnb.code_gap(q[1]))
     if moments:
         assert hb is not None and hb.betas is not None
         beta1, beta2 = hb.betas
         lr = _window_lr(ha, hb, pair, step_a, step_b)
         eps, wd = hb.eps, hb.weight_decay
-        sb_ = step_bound(family, lr=1.0, weight_decay=wd, betas=hb.betas, options=hb.options, t_first=step_a + 1, t_last=step_b, shape=meta.shape)
-        c_step, wd_step = sb_.per_step, sb_.decay  # per unit LR
-        c_raw_b = _raw_ratio_bound(beta1, beta2, step_b)
+        # 8-bit state (bitsandbytes): the moments are the dequantised codes (`formats.bnb`).
+        quant = bnb.quant_parts(sb, 2) if family == "adam8bit" else None
+        rms_w = max(_rms(wa_full), _rms(wb_full)) if family == "lamb" else 0.0
+        mbound_ = step_bound(
+            family, lr=lr, weight_decay=wd, betas=hb.betas, options={**hb.options, "quantised": quant is not None},
+            t_first=step_a + 1, t_last=step_b, shape=meta.shape, rms_w=rms_w,
+        ) if math.isfinite(lr) else None  # fmt: skip
+        if mbound_ is not None and mbound_.rms is not None:
+            obound, o_k = mbound_, k  # the tensor's norm bound (LAMB's trust ratio), checked below
+        c_raw_b = raw_ratio_bound(beta1, beta2, step_b)
+        # |m| <= C_raw sqrt(v) needs both EMAs of one history: not through 8-bit rounding,
+        # nor for an EMA without its (1 - b1) (apex LAMB's grad_averaging=False).
+        check_m = quant is None and hb.options.get("grad_averaging") is not False
+        v_allow: torch.Tensor | None = None
+        if quant is not None:
+            codes, qmap, scale = quant
+            v_allow = bnb.per_element(scale, meta.numel) * quantised_floor_allowance(k, bnb.code_gap(qmap))
         decay_k = beta2**k
         # Moments stored in a narrow dtype (torchtitan's bf16 optimizer states, Megatron's
         # --exp-avg-dtype) are rounded once per save: their bounds widen by that rounding.
@@ -586,17 +612,18 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
         if restart:
             assert restart_floor is not None
             va, vb = (stage(t[lo:hi], 4 + i).float() for i, t in enumerate(moment_streams[2:]))
-            acc.add(restart_low=torch.count_nonzero((vb < va * restart_floor) & (va > 0)), restart_n=torch.count_nonzero(va > 0))
+            allow = restart_allow[lo:hi] if restart_allow is not None else 0.0
+            acc.add(restart_low=torch.count_nonzero((vb < va * restart_floor - allow) & (va > 0)), restart_n=torch.count_nonzero(va > 0))
             _release_all(a, b, *(t[lo:hi] for t in moment_streams))
         if moments:
             raw = [t[lo:hi] for t in moment_streams]
             st = cfg.share_stride if wa.numel() >= 1 << 16 else 1
             thr = cfg.rho_threshold
-            klr = k * lr
             slack = 1 + cfg.bound_slack + 2 * store_eps
             # v floor: v_B >= beta2^k v_A; fp32 rounding allows a few ulps per step, a
             # narrow storage dtype its rounding at every step (Megatron's precision-aware
-            # optimizer and pure-bf16 AdamW store the moment in bf16 after each update).
+            # optimizer and pure-bf16 AdamW store the moment in bf16 after each update),
+            # 8-bit codes k code gaps of the block's absmax (`quantised_floor_allowance`).
             floor_k = decay_k * (1 - 1e-6 * (k + 4)) * (1 - (k + 1) * store_eps)
             c_mb = c_raw_b * slack
             ms = kern.moments(*raw, stride=st, thr=thr, eps=eps, floor_k=floor_k, c_mb=c_mb) if kern is not None else None
@@ -605,26 +632,28 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
                 _moment_stats_torch(mo, acc, st, thr, eps)
             else:
                 _moment_stats_fused(ms, mo, acc)
-            # Update bound: |dw| <= k lr (C + wd |w|), plus one storage ulp each side. Only
-            # elements past the weight-free part k lr C need the full bound.
-            coarse_at = klr * slack * c_step
-            if dmax is None or dmax > _f32(coarse_at):
-                ad, fa, fb = w.ad, w.fa, w.fb
-                coarse = ad > coarse_at
-                if bool(coarse.any()):
-                    idx = torch.nonzero(coarse).flatten()
-                    wmax = torch.maximum(fa[idx].abs(), fb[idx].abs())
-                    bound = wmax * (klr * slack * wd_step + 2 * lim.eps) + klr * slack * c_step
-                    over = ad[idx] > bound
-                    _collect(cands, counts, "bound", "weight", idx[over], fa, fb, "near", bound[over], lo, meta.shape, wb.dtype, cfg)
-            if ms is None or ms.low:  # the kernel counts exactly; torch keeps the evidence
+            if mbound_ is not None and mbound_.sharp:
+                # Update bound: |dw| <= k (per_step + decay |w|), plus one storage ulp each
+                # side. Only elements past the weight-free part need the full bound.
+                _bound_check(w, dmax, k * mbound_.per_step * slack, k * mbound_.decay * slack, lim.eps, lo, meta.shape, cands, counts, cfg)
+            elif mbound_ is not None:
+                _isolated_chunk(w, dmax, lim.eps, None, 0.0, lo, meta.shape, cands, counts, cfg)
+            # The kernel's count of v_B < floor_k v_A is a superset of the elements under
+            # the floor less the 8-bit allowance: torch reruns the exact test, and keeps
+            # the evidence, only on a chunk where it is not 0.
+            if ms is None or ms.low:
                 va, vb = mo.va, mo.vb
-                low = vb < va * floor_k
+                allow = v_allow[lo:hi] if v_allow is not None else 0.0
+                low = vb < va * floor_k - allow
                 if bool(low.any()):
                     idx = torch.nonzero(low).flatten()
-                    _collect(cands, counts, "vfloor", "exp_avg_sq", idx, va, vb, "at_least", va[idx] * floor_k, lo, meta.shape, sb["exp_avg_sq"].dtype, cfg)
+                    limits = va[idx] * floor_k - (allow[idx] if isinstance(allow, torch.Tensor) else 0.0)
+                    _collect(
+                        cands, counts, "vfloor", "exp_avg_sq", idx, va, vb, "at_least", limits, lo, meta.shape, sb["exp_avg_sq"].dtype, cfg,
+                        explain=_code_flips(quant, lo) if quant is not None else None,
+                    )  # fmt: skip
             # |m_B| <= C_raw sqrt(v_B): the raw EMAs obey Cauchy-Schwarz at every step.
-            if ms is None or ms.big:
+            if check_m and (ms is None or ms.big):
                 ma, mb, sq_b = mo.ma, mo.mb, _sqrt32(mo.vb)
                 big = mb.abs() > sq_b * c_mb
                 if bool(big.any()):
@@ -634,36 +663,10 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
         elif obound is not None and math.isfinite(obound.per_step) and obound.sharp:
             # The family's own per-element bound (Lion's exact lr, Muon's spectral norm).
             slack = 1 + cfg.bound_slack
-            coarse_at = o_k * obound.per_step * slack
-            if dmax is None or dmax > _f32(coarse_at):
-                ad, fa, fb = w.ad, w.fa, w.fb
-                coarse = ad > coarse_at
-                if bool(coarse.any()):
-                    idx = torch.nonzero(coarse).flatten()
-                    wmax = torch.maximum(fa[idx].abs(), fb[idx].abs())
-                    bound = wmax * (o_k * obound.decay * slack + 2 * lim.eps) + o_k * obound.per_step * slack
-                    over = ad[idx] > bound
-                    _collect(cands, counts, "bound", "weight", idx[over], fa, fb, "near", bound[over], lo, meta.shape, wb.dtype, cfg)
-        elif wa.numel() >= 64 and (dmax is None or w.maybe_outliers(dmax, lim.eps)):
-            # No sharp bound to test against (weights only, Adafactor, SGD): an element
-            # counts when its change dwarfs the tensor's typical change *and* one stored
-            # bit flipped back brings it within the typical change (a weight merely
-            # shrinking to ~0 cannot be told from a legitimate update).
-            ad, fa, fb = w.ad, w.fa, w.fb
-            fin = torch.isfinite(ad)
-            scale = torch.where(fin, ad, 0).mean() + lim.eps * torch.where(torch.isfinite(fa), fa.abs(), 0).mean()
-            flagged = ad > 16 * scale
-            if sgd_bufs is not None:
-                # SGD moves an element by lr times its momentum buffer each step: a large
-                # move its buffers at both ends account for is training (tuning run
-                # sgd-healthy: a weight tripled by a buffer of its size), not a flip.
-                ba, bb = (stage(x.reshape(-1)[lo:hi], 2 + i).float().abs() for i, x in enumerate(sgd_bufs))
-                flagged &= ad > 16 * o_k * o_lr * torch.maximum(ba, bb)
-            n_flag = int(flagged.sum())
-            if 0 < n_flag <= 256:
-                idx = torch.nonzero(flagged).flatten()
-                limits = (4 * scale).expand(n_flag)
-                _collect(cands, counts, "outlier", "weight", idx, fa, fb, "near", limits, lo, meta.shape, wb.dtype, cfg, only_flips=True)
+            _bound_check(w, dmax, o_k * obound.per_step * slack, o_k * obound.decay * slack, lim.eps, lo, meta.shape, cands, counts, cfg)
+        else:
+            bufs = tuple(stage(x.reshape(-1)[lo:hi], 2 + i).float().abs() for i, x in enumerate(sgd_bufs)) if sgd_bufs is not None else None
+            _isolated_chunk(w, dmax, lim.eps, bufs, o_k * o_lr, lo, meta.shape, cands, counts, cfg)  # type: ignore[arg-type]
         _release_all(a, b, wa, wb)
 
     if other and (o_floor is not None or o_restart_floor is not None):
@@ -772,17 +775,77 @@ def _factored_floor(
             _collect(cands, counts, "vfloor", key, idx, va, vb, "at_least", va[idx] * f, 0, tuple(xb.shape), xb.dtype, cfg)
 
 
+def _bound_check(
+    w: _Pair, dmax: float | None, per_step: float, decay: float, ulp: float, lo: int, shape: tuple[int, ...],
+    cands: list[Candidate], counts: dict[str, int], cfg: DiffConfig,
+) -> None:
+    """|dw| <= per_step + decay |w| (both over the window, slack included), plus one storage
+    ulp each side; only elements past the weight-free part need the full bound, and a chunk
+    whose max |dw| is under it (the fused kernel's, or torch's) is done without a pass."""
+    if dmax is not None and dmax <= _f32(per_step):
+        return
+    ad, fa, fb = w.ad, w.fa, w.fb
+    coarse = ad > per_step
+    if bool(coarse.any()):
+        idx = torch.nonzero(coarse).flatten()
+        wmax = torch.maximum(fa[idx].abs(), fb[idx].abs())
+        bound = wmax * (decay + 2 * ulp) + per_step
+        over = ad[idx] > bound
+        _collect(cands, counts, "bound", "weight", idx[over], fa, fb, "near", bound[over], lo, shape, w.wb.dtype, cfg)
+
+
+def _isolated_chunk(
+    w: _Pair, dmax: float | None, ulp: float, bufs: tuple[torch.Tensor, torch.Tensor] | None, klr: float,
+    lo: int, shape: tuple[int, ...], cands: list[Candidate], counts: dict[str, int], cfg: DiffConfig,
+) -> None:
+    """`_isolated` on a chunk that can hold such an element (decided from the fused
+    kernel's sums where it ran: most chunks need no torch pass)."""
+    if w.wa.numel() >= 64 and (dmax is None or w.maybe_outliers(dmax, ulp)):
+        _isolated(w.fa, w.fb, w.ad, ulp, bufs, klr, lo, shape, w.wb.dtype, cands, counts, cfg)
+
+
+def _isolated(
+    fa: torch.Tensor, fb: torch.Tensor, ad: torch.Tensor, ulp: float, bufs: tuple[torch.Tensor, torch.Tensor] | None, klr: float,
+    lo: int, shape: tuple[int, ...], dtype: torch.dtype, cands: list[Candidate], counts: dict[str, int], cfg: DiffConfig,
+) -> None:
+    """No sharp bound to test against (weights only, Adafactor, SGD, LAMB's norm-wide bound,
+    8-bit Adam's quantised state): an element counts when its change dwarfs the tensor's
+    typical change *and* one stored bit flipped back brings it within the typical change
+    (a weight merely shrinking to ~0 cannot be told from a legitimate update)."""
+    if fa.numel() < 64:
+        return
+    fin = torch.isfinite(ad)
+    scale = torch.where(fin, ad, 0).mean() + ulp * torch.where(torch.isfinite(fa), fa.abs(), 0).mean()
+    flagged = ad > 16 * scale
+    if bufs is not None:
+        # SGD moves an element by lr times its momentum buffer each step: a large move its
+        # buffers at both ends account for is training (tuning run sgd-healthy: a weight
+        # tripled by a buffer of its size), not a flip.
+        flagged &= ad > 16 * klr * torch.maximum(*bufs)
+    n_flag = int(flagged.sum())
+    if 0 < n_flag <= 256:
+        idx = torch.nonzero(flagged).flatten()
+        limits = (4 * scale).expand(n_flag)
+        _collect(cands, counts, "outlier", "weight", idx, fa, fb, "near", limits, lo, shape, dtype, cfg, only_flips=True)
+
+
+def _code_flips(quant: tuple[torch.Tensor, torch.Tensor, torch.Tensor], lo: int) -> Callable[[int, float, Callable[[float], bool]], tuple[str, int | None, str | None]]:
+    """The flip test of an 8-bit second moment's element: its stored code's bits."""
+    codes, qmap, scale = quant
+    flat = codes.reshape(-1)
+    bs = bnb.blocksize(flat.numel(), scale.numel())
+
+    def explain(i: int, before: float, ok: Callable[[float], bool]) -> tuple[str, int | None, str | None]:
+        j = lo + i
+        return bnb.explain_code_flip(int(flat[j]), qmap, float(scale[j // bs]), before, ok)
+
+    return explain
+
+
 def _release_all(a: Checkpoint, b: Checkpoint, *ts: torch.Tensor) -> None:
     for t in ts:
         a.release(t)
         b.release(t)
-
-
-def _raw_ratio_bound(beta1: float, beta2: float, t: int) -> float:
-    """sup |m_t| / sqrt(v_t) for the raw (uncorrected) Adam EMAs after t steps."""
-    r = beta1 * beta1 / beta2
-    geo = t if abs(1 - r) < 1e-12 else (1 - r**t) / (1 - r)
-    return (1 - beta1) / math.sqrt(1 - beta2) * math.sqrt(max(geo, 0.0))
 
 
 def _acceptable(mode: str, value: float, before: float, limit: float) -> bool:
@@ -810,12 +873,14 @@ def _collect(
     stored: torch.dtype,
     cfg: DiffConfig,
     only_flips: bool = False,
+    explain: Callable[[int, float, Callable[[float], bool]], tuple[str, int | None, str | None]] | None = None,
 ) -> None:
     """Count the elements at chunk positions `idx` and keep the first few as evidence.
 
     Each kept element is tested for a single stored-bit flip whose result Adam could
     have produced (`mode`, `limits` aligned with `idx`). With `only_flips`, an element
-    counts only when such a flip explains it.
+    counts only when such a flip explains it. `explain` (chunk position, before, ok) tests
+    a stored form other than the value's own bits (an 8-bit code).
     """
     n = idx.numel()
     if n == 0:
@@ -825,7 +890,8 @@ def _collect(
     take = n if only_flips else max(cfg.max_candidates - len(cands), 0)
     for i, lim in zip(idx[:take].tolist(), limits[:take].tolist(), strict=True):
         bv, av = float(before[i]), float(after[i])
-        kind, bit, fld = _explain_flip(av, bv, lambda v, bv=bv, lim=lim: _acceptable(mode, v, bv, lim), stored)
+        ok = lambda v, bv=bv, lim=lim: _acceptable(mode, v, bv, lim)  # noqa: E731
+        kind, bit, fld = explain(i, bv, ok) if explain is not None else _explain_flip(av, bv, ok, stored)
         if only_flips:
             if kind != "bit_flip":
                 continue

@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from .errors import Failed, ForensicsError, doing, one_line
 
-__all__ = ["balanced", "dist_world", "default_workers", "single_threaded", "diff_in_workers", "gather_to_rank0"]
+__all__ = ["balanced", "dist_world", "default_workers", "checkpoint_bytes", "single_threaded", "diff_in_workers", "gather_to_rank0"]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,13 @@ def default_workers(total_bytes: int) -> int:
     """Worker processes when --workers is not given: one per core (at most 8) for pairs
     of 512 MiB and more; below that, starting processes costs more than it saves."""
     return max(1, min(8, os.cpu_count() or 1)) if total_bytes >= 512 << 20 else 1
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """Size on disk of a checkpoint file or directory (what `default_workers` weighs)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 @contextmanager

@@ -27,10 +27,13 @@ __all__ = [
     "MOMENT_FAMILIES",
     "SECOND_MOMENTS",
     "replay_bound",
+    "raw_ratio_bound",
+    "quantised_floor_allowance",
 ]
 
-# Families whose per-element bound is tight enough to locate a flipped element on its own
-# (Adam 1.16 lr; Lion lr exactly; LAMB within its trust-ratio clamp; Muon the spectral norm).
+# Families whose per-element bound can be tight enough to locate a flipped element on its own
+# (Adam 1.16 lr; Lion lr exactly; LAMB within DeepSpeed's trust-ratio clamp; Muon the spectral
+# norm; 8-bit Adam where its state is fp32). `StepBound.sharp` says so per tensor.
 SHARP_FAMILIES = ("adam", "lamb", "lion", "muon", "adam8bit")
 # Families with Adam's two full-shaped moments (exp_avg, exp_avg_sq).
 MOMENT_FAMILIES = ("adam", "lamb", "adam8bit")
@@ -89,21 +92,20 @@ def step_bound(
     wd = weight_decay or 0.0
     t_first = max(1, int(t_first))
     t_last = max(t_first, int(t_last))
+    if family == "adam8bit" and options.get("quantised"):
+        # bitsandbytes updates from its dequantised state (`optimizer_update_8bit_blockwise`):
+        # m = b1 deq(m) + (1 - b1) g, v = b2 deq(v) + (1 - b2) g^2, then re-quantises. The
+        # two EMAs no longer share one history, so Cauchy-Schwarz does not bound m / sqrt(v):
+        # a second moment rounded to code 0 under a first moment that is not moves an
+        # element by up to lr |m| / eps. No per-element bound: located among its own changes.
+        return StepBound(family, math.inf, lr * wd, None, False, "8-bit Adam: no per-element bound through the quantised state (bitsandbytes `optimizer_update_8bit_blockwise`)")
     if family in ("adam", "adam8bit"):
+        # (8-bit Adam's tensors under min_8bit_size keep fp32 state and Adam's update exactly.)
         b1, b2 = betas or (0.9, 0.999)
         c = adam_ratio_bound(b1, b2, t_first, t_last)
         return StepBound(family, lr * c, lr * wd, None, True, "Adam: |m_hat|/sqrt(v_hat) <= C (Kingma & Ba 2015; Cauchy-Schwarz on the EMAs)")
     if family == "lamb":
-        b1, b2 = betas or (0.9, 0.999)
-        c = adam_ratio_bound(b1, b2, t_first, t_last)
-        # DeepSpeed's FusedLamb clamps the trust ratio ||w|| / ||u|| to [min_coeff, max_coeff]
-        # (deepspeed/ops/lamb/fused_lamb.py, default 10): the Adam direction, weight decay
-        # included, times at most max_coeff. apex's FusedLAMB does not clamp: then the
-        # update's norm is lr ||w||, bounded per element by that (You et al. 2020, Alg. 2).
-        top = options.get("max_coeff")
-        if isinstance(top, (int, float)) and top > 0:
-            return StepBound(family, lr * c * top, lr * wd * top, None, True, "LAMB: trust ratio <= max_coeff times Adam's bound (DeepSpeed FusedLamb)")
-        return StepBound(family, math.inf, 0.0, lr, False, "LAMB: ||dw|| = lr ||w|| per step (You et al. 2020, unclamped trust ratio)")
+        return _lamb_bound(lr, wd, betas, options, t_first, t_last, shape, rms_w)
     if family == "lion":
         # update = sign(...): |Δw_i| = lr exactly, plus the decoupled decay lr wd |w_i|
         # (Chen et al. 2023, arXiv 2302.06675, Alg. 2; lion-pytorch `update_fn`).
@@ -115,6 +117,71 @@ def step_bound(
         return _adafactor_bound(lr, wd, options, t_first, shape, rms_w)
     # SGD with momentum and unknown optimizers: a gradient is unbounded, so is the step.
     return StepBound(family, math.inf, 0.0, None, False, "no bound: the step scales with the gradient")
+
+
+def raw_ratio_bound(beta1: float, beta2: float, t: int) -> float:
+    """sup |m_t| / sqrt(v_t) for the raw (uncorrected) Adam EMAs after t steps (Cauchy-Schwarz:
+    (1 - b1) / sqrt(1 - b2) sqrt(sum_{j<t} (b1^2 / b2)^j)), increasing in t."""
+    r = beta1 * beta1 / beta2
+    geo = t if abs(1 - r) < 1e-12 else (1 - r**t) / (1 - r)
+    return (1 - beta1) / math.sqrt(1 - beta2) * math.sqrt(max(geo, 0.0))
+
+
+def _lamb_bound(
+    lr: float, wd: float, betas: tuple[float, float] | None, options: dict[str, Any], t_first: int, t_last: int, shape: tuple[int, ...], rms_w: float,
+) -> StepBound:
+    """LAMB: w <- w - s * phi * u, u Adam's direction (weight decay inside it, or decoupled),
+    phi the trust ratio ||w|| / ||u|| per tensor. Per implementation:
+
+    - DeepSpeed FusedLamb (`max_coeff`; csrc/lamb/fused_lamb_cuda_kernel.cu): phi clamped to
+      [min_coeff, max_coeff], s = lr sqrt(1 - b2^t) / (1 - b1^t) with bias_correction else
+      lr, u = m / (sqrt(v) + eps) + wd w: |dw_i| <= lr max_coeff (C + wd |w_i|), C Adam's
+      ratio bound (or the raw EMAs' without bias correction). Sharp.
+    - pytorch_optimizer's Lamb (`pytorch_optimizer/optimizer/lamb.py`): phi = min(||w||, 10) /
+      (||u|| + eps), s = lr / (1 - b1^t), decay decoupled (w (1 - lr wd)): phi |u_i| <= phi ||u||
+      <= min(||w||, 10), so |dw_i| <= s min(||w||, 10) + lr wd |w_i| (phi = 1 where a norm is 0,
+      `adam=True`: s C_raw).
+    - apex FusedLAMB (`multi_tensor_lamb.cu`): phi = ||w|| / ||u|| unclamped (where decay or
+      use_nvlamb), u with the decay inside: |dw_i| <= lr max(||w||, C).
+
+    ||w|| within the window is at most an end's / (1 - s)^k (each step moves the tensor by at
+    most s ||w||, forward or back; no bound where s >= 1). The per-element part is sqrt(n) times the typical step
+    except DeepSpeed's: located among the tensor's own changes, the tensor held to its
+    norm bound (RMS(dw) <= per-element bound / sqrt(n)).
+    """
+    b1, b2 = betas or (0.9, 0.999)
+    k = t_last - t_first + 1
+    impl = str(options.get("implementation", ""))
+    top = options.get("max_coeff")
+    bias = options.get("bias_correction", True)
+    c = adam_ratio_bound(b1, b2, t_first, t_last) if bias not in (False, 0) else raw_ratio_bound(b1, b2, t_last)
+    if options.get("grad_averaging") is False:
+        c /= 1 - b1  # m = b1 m + g: the EMA without its (1 - b1)
+    if isinstance(top, (int, float)) and not isinstance(top, bool) and top > 0:
+        return StepBound("lamb", lr * c * top, lr * wd * top, None, True, "LAMB: trust ratio <= max_coeff times Adam's bound (DeepSpeed FusedLamb)")
+    n = max(1, math.prod(shape))
+    pyopt = impl.startswith("pytorch_optimizer")
+    s = lr / (1 - b1**t_first) if pyopt else lr
+    norm = math.sqrt(n) * rms_w / (1 - s) ** k if s < 1 else math.inf
+    if pyopt:
+        c_raw = raw_ratio_bound(b1, b2, t_last) / (1 if options.get("grad_averaging", True) else 1 - b1)
+        reach = max(min(norm, 10.0), c_raw) if not options.get("adam") else c_raw
+        per = s * reach
+        decay = lr * wd if options.get("weight_decouple", True) else 0.0
+        return StepBound("lamb", per, decay, per / math.sqrt(n), False, "LAMB: |dw| <= lr/(1-b1^t) min(||w||, 10) per step (pytorch_optimizer Lamb, You et al. 2020 Alg. 2)")
+    per = lr * max(norm, c)
+    return StepBound("lamb", per, 0.0, per / math.sqrt(n), False, "LAMB: ||dw|| <= lr ||w|| per step (apex FusedLAMB, unclamped trust ratio; You et al. 2020 Alg. 2)")
+
+
+def quantised_floor_allowance(k: int, gap: float) -> float:
+    """How far below b2^k v_A an 8-bit second moment may sit after k steps, in units of the
+    block's absmax at the window's end.
+
+    Each step computes V_t = b2 D_{t-1} + (1 - b2) g^2 >= b2 D_{t-1} in fp32 and stores
+    D_t >= V_t - gap A_t (A_t the block's absmax, a code `gap` wide at most). The block's
+    largest element is stored exactly (code 1.0), so A_{t+1} >= b2 A_t and A_t <= A_k b2^-(k-t).
+    Unrolled: D_k >= b2^k D_0 - sum_t b2^(k-t) gap A_t >= b2^k D_0 - k gap A_k."""
+    return max(0, int(k)) * gap
 
 
 def _muon_bound(lr: float, wd: float, options: dict[str, Any], shape: tuple[int, ...]) -> StepBound:
@@ -214,7 +281,7 @@ def replay_bound(group: dict[str, Any], state: dict[str, Any], k: int, lr: float
     most k lr (c + wd |w|): the bound `replay` holds its replayed weights to (the group's
     `family`, set by `replay.model.build_optimizer`; Adam where it is absent)."""
     family = str(group.get("family", "adam"))
-    end = state.get("step")
+    end = group.get("step", state.get("step"))  # pytorch_optimizer counts in the group
     t_end = int(float(end)) if end is not None else k
     options = {kk: v for kk, v in group.items() if kk not in ("params", "lr", "betas", "weight_decay", "eps")}
     eps = group.get("eps")

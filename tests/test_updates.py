@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ckptforensics.formats.optim import group_hyper, optimizer_family
-from ckptforensics.updates import ns_sup, second_moment_floor, step_bound
+from ckptforensics.updates import ns_sup, quantised_floor_allowance, second_moment_floor, step_bound
 
 
 def _grads(shape: tuple[int, ...], steps: int, seed: int) -> list[torch.Tensor]:
@@ -31,11 +31,14 @@ def _make(name: str, p: torch.nn.Parameter) -> torch.optim.Optimizer:
         return torch.optim.Muon([p], lr=1e-2, weight_decay=0.1)
     if name == "adafactor":
         return torch.optim.Adafactor([p], lr=1e-2, weight_decay=0.1)
+    if name == "lamb":
+        pyopt = pytest.importorskip("pytorch_optimizer", reason="LAMB's bound needs pytorch_optimizer")
+        return pyopt.Lamb([p], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     transformers = pytest.importorskip("transformers")
     return transformers.optimization.Adafactor([p], lr=1e-2, scale_parameter=False, relative_step=False, weight_decay=0.1)
 
 
-@pytest.mark.parametrize("name", ["adamw", "lion", "muon", "adafactor", "adafactor_hf"])
+@pytest.mark.parametrize("name", ["adamw", "lion", "muon", "adafactor", "adafactor_hf", "lamb"])
 @pytest.mark.parametrize("shape", [(24, 40), (64, 8)])
 def test_no_step_passes_its_family_bound(name: str, shape: tuple[int, int]) -> None:
     torch.manual_seed(0)
@@ -85,3 +88,55 @@ def test_adafactor_floor_is_the_product() -> None:
     assert second_moment_floor("adafactor", None, {"beta2_decay": c}, 11, 20) == pytest.approx(want)
     assert second_moment_floor("adam", (0.9, 0.95), {}, 11, 20) == pytest.approx(0.95**10)
     assert second_moment_floor("lion", (0.9, 0.99), {}, 11, 20) is None
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (8, 100)])
+def test_8bit_floor_holds_through_quantisation(shape: tuple[int, int]) -> None:
+    """bitsandbytes' 8-bit Adam on CPU, gradients 1e-6..1e6: over every window t0 -> t1 the
+    dequantised second moment keeps b2^k v_t0 minus k code gaps of its block's absmax at t1
+    (`quantised_floor_allowance`), and the floor without that allowance is broken (the
+    rounding is real, so the allowance is needed)."""
+    bnb_ = pytest.importorskip("bitsandbytes", reason="8-bit Adam's floor needs bitsandbytes")
+    from ckptforensics.formats import bnb
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(shape) * 0.05)
+    opt = bnb_.optim.AdamW8bit([p], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, min_8bit_size=16)
+    vs, scales = [], []
+    for g in _grads(shape, 14, seed=shape[0]):
+        p.grad = g
+        opt.step()
+        st = bnb.unwrap(opt.state_dict()["state"][0])
+        assert bnb.is_quantised(st)
+        vs.append(bnb.with_moments(st)["exp_avg_sq"].reshape(-1).double())
+        scales.append(bnb.per_element(st["absmax2"], p.numel()).double())
+    gap = bnb.code_gap(st["qmap2"])
+    plain_broken = False
+    for t0 in range(len(vs)):
+        for t1 in range(t0 + 1, len(vs)):
+            k = t1 - t0
+            floor = vs[t0] * 0.95**k * (1 - 1e-6 * (k + 4))
+            assert bool((vs[t1] >= floor - quantised_floor_allowance(k, gap) * scales[t1]).all()), (t0, t1)
+            plain_broken |= bool((vs[t1] < floor).any())
+    assert plain_broken
+
+
+def test_8bit_steps_can_pass_adams_bound() -> None:
+    """Why 8-bit Adam's quantised tensors get no per-element bound: its EMAs are updated from
+    rounded state, so m / sqrt(v) escapes Cauchy-Schwarz, and a real bitsandbytes step under
+    gradient bursts moves an element past lr C by more than the diff's slack (1.3% here)."""
+    bnb_ = pytest.importorskip("bitsandbytes", reason="needs bitsandbytes")
+    from ckptforensics.tensors import adam_ratio_bound
+
+    torch.manual_seed(5)
+    p = torch.nn.Parameter(torch.randn(24, 40) * 0.05)
+    opt = bnb_.optim.AdamW8bit([p], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0, min_8bit_size=16)
+    worst = 0.0
+    for t, g in enumerate(_grads((24, 40), 14, seed=5), 1):
+        before = p.detach().clone()
+        p.grad = g
+        opt.step()
+        worst = max(worst, float(((p.detach() - before).abs() / (1e-2 * adam_ratio_bound(0.9, 0.95, t, t))).max()))
+    assert worst > 1 + 1e-3
+    b = step_bound("adam8bit", lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95), options={"quantised": True}, t_first=1, t_last=14, shape=(24, 40))
+    assert not b.sharp and math.isinf(b.per_step)

@@ -320,11 +320,11 @@ def fp16_loss_scaler(ev: AuditEvidence) -> Check:
 def master_weights(ev: AuditEvidence) -> Check:
     """bf16 weights updated in bf16 lose every update below half their spacing."""
     src = "docs/signatures.md#audit-master-weights (Kalamkar et al. 2019, arXiv 1905.12322; Zamirai et al. 2020, arXiv 2010.06192)"
+    if ev.fp32_masters:  # read as the weights where the checkpoint keeps them (Megatron, DeepSpeed): fp32 here
+        return _row("master_weights", "numerics", "ok", "fp32 masters", None, f"bf16 weights over fp32 master weights ({ev.precision_source})", src)
     if ev.weight_dtype != "bfloat16":
         return _row("master_weights", "numerics", "ok", ev.weight_dtype, None, f"weights stored in {ev.weight_dtype}", src)
     lost = ev.bf16_lost
-    if ev.fp32_masters:
-        return _row("master_weights", "numerics", "ok", "fp32 masters", None, f"bf16 weights over fp32 master weights ({ev.precision_source})", src)
     if ev.moment_dtype == "float32":
         return _row(
             "master_weights", "numerics", "unknown", ev.moment_dtype, None,

@@ -27,7 +27,10 @@ from ..stats import (
     CURVE_SHORT,
     LOSS_FOLLOW,
     expected_exceedances,
+    family_alpha,
+    log_curve,
     loss_follows,
+    recurrence_period,
     trend_z,
 )
 from ..tensors import lr_growth_limit
@@ -180,6 +183,17 @@ def scale_drops(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     return out
 
 
+def skipped_iterations(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
+    """A Megatron line counting skipped iterations: an overflow in the interval that line
+    closes (a seed, routine unless the loss follows). The line is where the log shows it; a
+    backoff read from the loss scale alone is dated at the line before the drop."""
+    return [
+        Onset(s, "loss_scale", r.get("loss_scale", math.nan), math.nan, math.inf, f"{r['skipped']:g} skipped iteration(s) in the interval ending at iteration {s} (Megatron's count: overflows)", "skipped-iterations")
+        for s, r in ev.rows.items()
+        if r.get("skipped", 0) > 0
+    ]
+
+
 def lr_jumps(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     """Any logged LR (the main one or a group's) rising faster than a linear warmup from
     zero can (2x the step ratio); one onset per step, naming the columns that jumped. Where
@@ -327,6 +341,60 @@ SHORT_MIN = 3
 SCALE_COLLAPSE = 0.25
 
 
+def _short_z(prev: list[float], v: float) -> tuple[float, float]:
+    """(robust z of log10(v) against the lines before it, their log10 median): the trend
+    rule's statistic on what history an excerpt has, its spread floored at the trend rule's
+    4.7% (stats.CURVE_FLOOR)."""
+    from scipy import stats
+
+    lp = np.log10(np.maximum(np.asarray(prev, dtype=np.float64), 1e-12))
+    med = float(np.median(lp))
+    scale = max(float(stats.median_abs_deviation(lp, scale="normal")), CURVE_FLOOR)
+    return ((math.log10(v) - med) / scale if v > 0 else -math.inf), med
+
+
+# An excerpt's loss and grad norm leaving their earlier lines together: each at z/2 (the half
+# z at which the trend rule lets the grad norm confirm a loss spike, `loss_spikes`, and the
+# loss answer a grad-norm one, `stats.loss_follows`), or the grad norm at z with the loss
+# past every earlier line; and the loss staying past every earlier line, at z/3 or more (the
+# held rule's 2 noise units, HELD_Z), on every line after it (issue 32: an onset is an
+# excursion the grad norm and the following steps confirm). A
+# single-rank or junk-row blip moves the loss, not the averaged gradient, and recovers on the
+# next line; a hard batch moves both and recovers. Two earlier lines at least: one line is no
+# spread.
+JOINT_MIN = 2
+
+
+def short_joint(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
+    """An excerpt's first lines where loss and grad norm leave the earlier lines together and
+    the loss stays up (docs/signatures.md#log-short)."""
+    if not ev.excerpt:
+        return []
+    steps = list(ev.rows)[: cfg.judge_after]
+    loss = [(s, ev.rows[s]["loss"]) for s in steps if "loss" in ev.rows[s] and math.isfinite(ev.rows[s]["loss"])]
+    grad = [(s, ev.rows[s]["grad_norm"]) for s in steps if "grad_norm" in ev.rows[s] and math.isfinite(ev.rows[s]["grad_norm"]) and ev.rows[s]["grad_norm"] > 0]
+    if not grad:
+        return []
+    out: list[Onset] = []
+    for k, (s, v) in enumerate(loss):
+        prev = [x for _, x in loss[:k]]
+        later = [x for _, x in loss[k + 1 :]]
+        if len(prev) < JOINT_MIN or not v > max(prev) or any(not (x > max(prev) and _short_z(prev, x)[0] >= HELD_Z * cfg.z) for x in later):
+            continue
+        zl, med = _short_z(prev, v)
+        # The grad norm of this line or the next (a Megatron line's grad norm is its
+        # interval's last iteration's, the loss the interval's mean).
+        gz = [(t, _short_z([x for u, x in grad if u < s], g)[0]) for t, g in grad if t >= s][:2]
+        gz = [(t, z) for t, z in gz if len([u for u, _ in grad if u < s]) >= JOINT_MIN]
+        top = max((z for _, z in gz), default=-math.inf)
+        if (zl >= cfg.z / 2 and top >= cfg.z / 2) or top >= cfg.z:
+            out.append(Onset(s, "loss", v, 10**med, zl,
+                             f"loss {v:.4g} at step {s} leaves the {len(prev)} lines before it (robust z {zl:.1f}) with the grad norm (robust z {top:.1f}), "
+                             f"and stays above them on the {len(later)} line(s) after", "short-joint"))  # fmt: skip
+            break
+    return out
+
+
 def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     """An excerpt's steps the trend cannot judge yet (its first `judge_after` lines), by the
     ratio rules above: the loss by any of them; the grad norm by Megatron's 10x and a loss
@@ -349,10 +417,7 @@ def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
         elif v - mean >= LIGHTNING_RTOL * mean:
             out.append(Onset(s, "loss", v, mean, math.inf, f"loss {v:.4g} at step {s} is >= 3x the mean of the {min(len(prev), LIGHTNING_WINDOW)} lines before it ({mean:.4g}; Lightning's SpikeDetection, rtol 2)", "lightning-rtol"))
         elif len(prev) >= SHORT_MIN:
-            lp = np.log10(np.maximum(prev, 1e-12))
-            med = float(np.median(lp))
-            scale = max(float(np.median(np.abs(lp - med))) * 1.4826, CURVE_FLOOR)
-            z = (math.log10(v) - med) / scale if v > 0 else -math.inf
+            z, med = _short_z(prev, v)
             if z > cfg.z:
                 out.append(Onset(s, "loss", v, 10**med, z, f"loss {v:.4g} at step {s} vs {10**med:.4g} over the {len(prev)} lines before it (robust z {z:.1f}, spread floored at 4.7%)", "short-z"))
     seen = {o.step for o in out}
@@ -394,116 +459,264 @@ def _followed(onset: Onset, ev: LogEvidence, cfg: TriageConfig) -> bool:
     return loss_follows(ev.loss.z, i, cfg.z, cfg.follow, z_grad, benefit=not routine, routine=routine, z_level=level)
 
 
-SEED_DETECTORS: tuple[LogDetector, ...] = (grad_spikes, scale_drops)
-ONSET_DETECTORS: tuple[LogDetector, ...] = (loss_spikes, lr_jumps, lr_restarts, gradient_returns, nan_iterations, short_history)
+SEED_DETECTORS: tuple[LogDetector, ...] = (grad_spikes, scale_drops, skipped_iterations)
+ONSET_DETECTORS: tuple[LogDetector, ...] = (loss_spikes, lr_jumps, lr_restarts, gradient_returns, nan_iterations, short_history, short_joint)
 # When two signals start on one step, the report names the most causal first.
 _SIGNAL_ORDER = ("lr", "lr_restart", "param_grad", "loss_scale", "grad_norm", "loss")
 
-# A loss excursion that is back under z/2 within RECOVER steps (the median of the next
-# RECOVER + HOLD steps there too) is a blip; the log's own blips are its tail. A blip is an
-# onset only where the log has too few other blips reaching half its z: TAIL_PEERS, plus the
-# count normal noise of the log's spread and length could give at that height (the Poisson
-# 99% bound on stats.expected_exceedances: a 20,000-step quiet log has ~5 steps over z 3.5
-# by chance). A run whose logged loss is one micro-batch of one rank has hundreds of them, a
-# data order with a hard batch at fixed steps blips there every time; a poisoned batch in an
-# averaged, quiet log is alone.
+# A loss excursion that is back under z/2 within RECOVER steps is a blip; the log's own blips
+# (those over z/2) are its tail. A blip is an onset only where all of these hold (issue 32: an
+# onset is an excursion that persists, or that the grad norm and the following steps confirm,
+# judged against the log's own tail):
+# - the grad norm confirms it (z/2 or more on its trend, on that step or the next), or the
+#   log has no other blip at least half its size (UNCONFIRMED_PEERS): a loss blip the
+#   gradient does not see, on a log that blips, is a batch the model found hard, not a bad
+#   update; a log without a grad norm cannot confirm one;
+# - the log has too few other blips reaching half its size: TAIL_PEERS, plus the count normal
+#   noise of the log's spread and length could give at that height (the Poisson 99% bound on
+#   stats.expected_exceedances: a 20,000-step quiet log has ~5 steps over z 3.5 by chance). A
+#   run whose logged loss is one micro-batch of one rank has hundreds of them;
+# - it does not recur at a period of the log's own blips (stats.recurrence_period): a fixed
+#   data order blips at the same step of every epoch, however few epochs the log holds.
+# A poisoned batch in an averaged, quiet log is alone, and its gradient is large.
 RECOVER, HOLD, TAIL_PEERS = 2, 3, 2
+# A blip the grad norm does not confirm is routine only on a log that blips so at all: one
+# other blip at least half its size (a quiet log's lone poisoned batch, whose junk rows move
+# the gradient less than z/2, stays an onset).
+UNCONFIRMED_PEERS = 1
 
 
 def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dict[int, tuple[float, float]]:
     """step -> (robust z, log10 excess over the level before it) of every loss excursion
-    (z > `floor`, default cfg.z; finite, under the 10x rule) that recovers: back under z/2 within RECOVER steps, the next RECOVER + HOLD
-    steps' median there too (docs/signatures.md#log-blip)."""
+    (z > `floor`, default cfg.z; finite, under the 10x rule) that recovers: back under z/2
+    within RECOVER steps, and the next RECOVER + HOLD steps' median under half its excess (a
+    spike that dips once and climbs back is the start of a held rise, not a blip; a longer
+    look would count a fault a few steps later against the blip before it;
+    docs/signatures.md#log-blip)."""
     z, steps, vals, base = ev.loss.z, ev.loss.steps, ev.loss.values, ev.loss.level
     floor = cfg.z if floor is None else floor
     lv = np.log10(np.maximum(np.asarray(vals, dtype=np.float64), 1e-30))
+    usual = _usual_excess(ev)
     out = {}
     for i, zi in enumerate(z):
         if not (zi > floor and math.isfinite(vals[i]) and math.isfinite(base[i])) or vals[i] >= cfg.loss_factor * base[i]:
             continue
-        # Recovery is judged against the level before the excursion, in the noise units the
-        # excursion was measured in: the trend itself moves up under a rise it accepts (steps
-        # under z 6 enter it), so the next steps' own z would call a held rise recovered.
-        scale = (lv[i] - math.log10(base[i])) / zi
-        band = math.log10(base[i]) + (cfg.z / 2) * scale
+        # Recovery is judged against the level before the excursion, in the noise units it
+        # was measured in (the trend itself moves up under a rise it accepts: steps under z 6
+        # enter it, so the next steps' own z would call a held rise recovered), or within
+        # where this log's steps usually are, if that is wider (a heavy tail's MAD is narrow).
+        lb = math.log10(base[i])
+        excess = lv[i] - lb
+        band = lb + max((cfg.z / 2) * excess / zi, usual)
         after = lv[i + 1 : i + 1 + RECOVER + HOLD]
-        if len(after) == RECOVER + HOLD and np.isfinite(after).all() and (after[:RECOVER] <= band).any() and float(np.median(after)) <= band:
-            out[steps[i]] = (float(zi), float(lv[i] - math.log10(base[i])))
+        if len(after) < RECOVER or not np.isfinite(after[:RECOVER]).all() or not (after[:RECOVER] <= band).any():
+            continue
+        if len(after) > RECOVER and not float(np.median(np.where(np.isfinite(after), after, np.inf))) < lb + excess / 2:
+            continue
+        out[steps[i]] = (float(zi), float(excess))
     return out
 
 
-def _within_tail(o: Onset, tail: dict[int, tuple[float, float]], ev: LogEvidence, cfg: TriageConfig) -> bool:
-    """A loss or grad-norm onset whose loss blip recovers, with enough other blips of the log
-    at least half its size (its log10 excess over the level before it: the noise, and so a
-    blip's z, shrinks as training goes on while a hard batch stays as hard); in the log's last
-    RECOVER + HOLD steps, where recovery cannot be seen yet, two thirds of its size."""
-    if o.signal not in ("loss", "grad_norm") or o.rule != "trend":
-        return False
-    if o.step in tail:
-        zs, es = tail[o.step]
-        share = 0.5
-    else:
-        steps = ev.loss.steps
-        i = next((k for k, s in enumerate(steps) if s >= o.step), len(steps))
-        base = ev.loss.level[i] if i < len(steps) else math.nan
-        if i >= len(steps) or len(steps) - 1 - i >= RECOVER + HOLD or not (math.isfinite(ev.loss.values[i]) and math.isfinite(base)):
-            return False
-        zs = float(ev.loss.z[i])
-        if not zs > cfg.z:  # a grad-norm seed the loss followed at half z: judged by the loss's own size
-            return False
-        es, share = math.log10(ev.loss.values[i] / base), 2 / 3
+# "Where the log's steps usually are": the 90th percentile of their log10 excess over the
+# level before them. On a normal noise that is 1.3 noise units (inside the z/2 band); on a
+# loss logged from one rank's micro-batch, whose MAD is narrow and whose tail is wide, it is
+# the step-to-step range the log lives in.
+USUAL_Q = 90
+
+
+def _usual_excess(ev: LogEvidence) -> float:
+    lv = np.log10(np.maximum(np.asarray(ev.loss.values, dtype=np.float64), 1e-30))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        e = lv - np.log10(np.asarray(ev.loss.level, dtype=np.float64))
+    e = e[np.isfinite(e) & (ev.loss.z != 0)]
+    return float(np.percentile(e, USUAL_Q)) if e.size >= CURVE_SHORT else 0.0
+
+
+def _grad_confirms(step: int, ev: LogEvidence, cfg: TriageConfig) -> tuple[bool, str]:
+    """Whether the grad norm confirms a loss excursion at `step`: z/2 or more on its trend on
+    that step or the next (a Megatron line's grad norm is its interval's last iteration's)."""
+    if not ev.grad_norm.steps:
+        return False, "the log has no grad norm to confirm it"
+    g = dict(zip(ev.grad_norm.steps, ev.grad_norm.z, strict=True))
+    nxt = [s for s in ev.grad_norm.steps if s > step][:1]
+    zs = [float(g[s]) for s in [step, *nxt] if s in g]
+    if not zs:
+        return False, "no grad norm was logged there"
+    top = max(zs)
+    return (top >= cfg.z / 2 or not math.isfinite(top)), f"the grad norm stays at robust z {top:.1f} (under {cfg.z / 2:g})"
+
+
+def _peers(tail: dict[int, tuple[float, float]], step: int, excess: float, zs: float, share: float, ev: LogEvidence, cfg: TriageConfig) -> tuple[bool, int]:
+    """Whether the log has enough other blips at least `share` of this one's size (its log10
+    excess over the level before it: the noise, and so a blip's z, shrinks as training goes on
+    while a hard batch stays as hard)."""
     from scipy import stats
 
     chance = expected_exceedances(int(np.count_nonzero(ev.loss.z)), max(share * zs, cfg.z / 2))
-    peers = sum(1 for s, (_, eb) in tail.items() if s != o.step and eb >= share * es)
-    return peers >= TAIL_PEERS + float(stats.poisson.isf(0.01, chance))
+    peers = sum(1 for s, (_, eb) in tail.items() if s != step and eb >= share * excess)
+    return peers >= TAIL_PEERS + float(stats.poisson.isf(0.01, chance)), peers
+
+
+def _excursions(ev: LogEvidence, cfg: TriageConfig) -> tuple[set[int], list[int]]:
+    """(steps where the loss is out of line, steps judged) for the recurrence test: a loss at
+    z/2 or more on its trend (recovering or not: a hard batch met again during a fault still
+    stands above it), a non-finite loss, or an overflow (a Megatron line counting skipped
+    iterations, whose loss average leaves the overflowed iteration out: a hard batch under
+    fp16 overflows as often as it blips)."""
+    hard = {s for s, zz in zip(ev.loss.steps, ev.loss.z, strict=True) if not zz < cfg.z / 2}
+    over = {s for s, r in ev.rows.items() if r.get("skipped", 0) > 0}
+    logged = {s for s, zz in zip(ev.loss.steps, ev.loss.z, strict=True) if zz != 0} | over
+    return hard | over, sorted(logged)
+
+
+def _routine(o: Onset, tail: dict[int, tuple[float, float]], ev: LogEvidence, cfg: TriageConfig) -> str | None:
+    """Why a loss or grad-norm onset of the trend rule is the log's routine (a message), or
+    None when it stands. A blip that recovers: unconfirmed by the grad norm, within the log's
+    tail, or recurring at the log's period; in the log's last CURVE_SHORT steps, where
+    recovery cannot be seen yet, only peers two thirds its size excuse it."""
+    steps = ev.loss.steps
+    if o.signal == "loss_scale" and o.rule in ("loss-scale-backoff", "skipped-iterations"):
+        # An overflow counts where the loss spikes on that line or the next (`_followed`):
+        # where that spike is one of the log's routine blips, so is the overflow.
+        i = next((k for k, s in enumerate(steps) if s >= o.step), len(steps))
+        answer = next((k for k in range(i, min(i + 2, len(steps))) if ev.loss.z[k] > cfg.z), None)
+        if answer is None:
+            return None
+        k = answer
+        why = _routine(Onset(steps[k], "loss", ev.loss.values[k], float(ev.loss.level[k]), float(ev.loss.z[k]), "", "trend"), tail, ev, cfg)
+        return f"the loss answers at step {steps[k]} with a blip of its routine: {why}" if why else None
+    if o.signal not in ("loss", "grad_norm") or o.rule != "trend":
+        return None
+    if o.step in tail:
+        zs, es = tail[o.step]
+        ok, why = _grad_confirms(o.step, ev, cfg) if o.signal == "loss" else (True, "")
+        enough, n = _peers(tail, o.step, es, zs, 0.5, ev, cfg)
+        if not ok and n >= UNCONFIRMED_PEERS:
+            return f"the loss recovers within {RECOVER} steps, {why}, and the log has {n} other blip(s) at least half its size"
+        if enough:
+            return f"the loss recovers within {RECOVER} steps, as {n} other blips of this log at least half its size do"
+        hard, logged = _excursions(ev, cfg)
+        spacing = int(np.median(np.diff(steps))) if len(steps) > 2 else 1
+        p = recurrence_period(o.step, hard, logged, spacing)
+        if p is not None:
+            return f"the loss recovers within {RECOVER} steps, and blips every {p} steps of this log (a batch that comes back each epoch)"
+        return None
+    i = next((k for k, s in enumerate(steps) if s >= o.step), len(steps))
+    if i >= len(steps) or len(steps) - 1 - i >= RECOVER:
+        return None
+    base = ev.loss.level[i]
+    if not (math.isfinite(ev.loss.values[i]) and math.isfinite(base)) or not float(ev.loss.z[i]) > cfg.z:
+        return None  # a grad-norm seed the loss followed at half z: judged by the loss's own size
+    enough, n = _peers(tail, o.step, math.log10(ev.loss.values[i] / base), float(ev.loss.z[i]), 2 / 3, ev, cfg)
+    return f"in the log's last steps, where recovery cannot be seen yet, {n} other blips of this log reach two thirds its size" if enough else None
 
 
 def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[Onset]]:
-    """(onsets by step, seeds the loss did not follow and blips within the log's tail: ignored)."""
+    """(onsets by step, seeds the loss did not follow and the log's routine blips: ignored)."""
     seeds = [o for d in SEED_DETECTORS for o in d(ev, cfg)]
     kept = [o for o in seeds if _followed(o, ev, cfg)]
     ignored = [o for o in seeds if o not in kept]
     onsets = kept + [o for d in ONSET_DETECTORS for o in d(ev, cfg)]
     tail = blips(ev, cfg, cfg.z / 2)
-    blipped = [o for o in onsets if _within_tail(o, tail, ev, cfg)]
-    onsets = [o for o in onsets if o not in blipped] + held_rise(ev, cfg, tail)
-    ignored += [
-        Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, o.message + f"; the loss recovers within {RECOVER} steps, as {sum(1 for s, (zb, _) in tail.items() if s != o.step and zb > cfg.z)} other blips over z {cfg.z:g} of this log do", "tail")
-        for o in blipped
-    ]
+    why = {id(o): _routine(o, tail, ev, cfg) for o in onsets}
+    ignored += [Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, f"{o.message}; {why[id(o)]}", "tail") for o in onsets if why[id(o)]]
+    onsets = [o for o in onsets if not why[id(o)]] + held_rise(ev, cfg) + held_shift(ev, cfg)
     return sorted(onsets, key=lambda o: (o.step, _SIGNAL_ORDER.index(o.signal))), ignored
 
 
-# On a noisy log (one whose loss has blips of its own) a fault that lifts the loss by less
-# than z noise-widths a step shows as a held excursion: the median z of CURVE_SHORT steps in
-# a row at z/3 or more (a median of 8 normal values has a spread of 0.44: z/3 = 2 is 4.5 of
-# its own sigmas), which the trend, reading each step alone, absorbs.
+# A fault that lifts the loss by less than z noise-widths a step shows as a held excursion:
+# CURVE_SHORT steps in a row with their lower quartile (6 of 8) at z/3 or more above the level
+# before the first (6 of 8 normal values >= 2 sigma has probability 4e-9, binomial), which the
+# trend, reading each step alone, absorbs. Its first step is the first of two in a row at z/3:
+# a blip just before the fault, followed by a step back at the level, is not its start.
 HELD_Z = 1 / 3
 
 
-def held_rise(ev: LogEvidence, cfg: TriageConfig, tail: dict[int, tuple[float, float]]) -> list[Onset]:
-    """The first step of a held rise of the loss on a log with more than TAIL_PEERS blips
-    (elsewhere the trend's own per-step rule stands alone; docs/signatures.md#log-held)."""
-    if sum(1 for zb, _ in tail.values() if zb > cfg.z) <= TAIL_PEERS:
-        return []
+def held_rise(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
+    """The first step of a held rise of the loss (docs/signatures.md#log-held)."""
     # Judged above the level the loss has just been at too (`above_level`): in a descent a
     # pause runs above the trend line, not above where the curve is. The window is measured
     # against the level before its first step, in that step's noise units: the trend accepts
     # steps under z 6 and would follow the rise it is asked about.
     z, steps, vals, base = ev.loss_level.z, ev.loss_level.steps, ev.loss_level.values, ev.loss_level.level
     lv = np.log10(np.maximum(np.asarray(vals, dtype=np.float64), 1e-30))
+    lv = np.where(np.isfinite(lv), lv, np.inf)  # a NaN loss is held above any level
     k = CURVE_SHORT
     for i in range(len(z) - k + 1):
         if not (z[i] >= HELD_Z * cfg.z and math.isfinite(z[i]) and math.isfinite(base[i]) and math.isfinite(lv[i])):
             continue
-        scale = (lv[i] - math.log10(base[i])) / z[i]
-        # Most of the window held (its lower quartile: 6 of 8 steps), not a cluster of blips.
-        held = float(np.percentile(lv[i : i + k] - math.log10(base[i]), 25)) / scale
-        if held >= HELD_Z * cfg.z:
+        lb = math.log10(base[i])
+        scale = (lv[i] - lb) / z[i]
+        units = (lv[i : i + k] - lb) / scale
+        held = float(np.percentile(units, 25))
+        if held >= HELD_Z * cfg.z and units[1] >= HELD_Z * cfg.z:
             return [Onset(steps[i], "loss", vals[i], float(base[i]), held,
-                          f"loss {vals[i]:.4g} at step {steps[i]} starts {k} steps held above its level {base[i]:.4g} (6 of 8 at robust z {held:.1f} or more, on a log whose blips recover)", "held")]  # fmt: skip
+                          f"loss {vals[i]:.4g} at step {steps[i]} starts {k} steps held above its level {base[i]:.4g} (6 of 8 at robust z {held:.1f} or more)", "held")]  # fmt: skip
     return []
+
+
+# A fault that lifts the loss by less than its noise a step, on a log whose noise is heavy
+# tailed, still moves where the loss is: the CURVE_SHORT steps from its onset sit above the
+# 2 x CURVE_SHORT before them. Mann-Whitney's rank test (scipy.stats.mannwhitneyu, exact)
+# reads ranks, not the spread a heavy tail widens, and a lone blip moves one rank of eight.
+# The grad norm, where the log has one, must rise with the loss: each at SHIFT_ALPHA (1%)
+# on its own, and both together (Fisher's combination, scipy.stats.combine_pvalues) at the
+# Sidak level for the windows tested (stats.family_alpha), as the loss alone must where no
+# grad norm was logged. A loss logged from one rank's micro-batch blips where the gradient,
+# averaged over all ranks, does not move; a fault moves both and stays.
+SHIFT_ALPHA = 0.01
+
+
+def _shift_p(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """One-sided Mann-Whitney p of the CURVE_SHORT values from each start against the
+    2 x CURVE_SHORT before it (a non-finite value ranks above every finite one)."""
+    from scipy import stats
+
+    k, h = CURVE_SHORT, 2 * CURVE_SHORT
+    x = np.nan_to_num(log_curve(values), posinf=1e300)
+    before = np.stack([x[i - h : i] for i in starts])
+    after = np.stack([x[i : i + k] for i in starts])
+    return np.asarray(stats.mannwhitneyu(after, before, alternative="greater", axis=1, method="exact").pvalue, dtype=np.float64)
+
+
+def held_shift(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
+    """The first step of CURVE_SHORT steps whose loss (and grad norm) sit above the steps
+    before them, by ranks: the change point the log's windows agree on best near the first
+    window that passes (docs/signatures.md#log-shift)."""
+    from scipy import stats
+
+    steps, k, h = ev.loss.steps, CURVE_SHORT, 2 * CURVE_SHORT
+    starts = np.arange(max(h, cfg.judge_after), len(steps) - k + 1)
+    if starts.size == 0:
+        return []
+    p_loss = _shift_p(np.asarray(ev.loss.values, dtype=np.float64), starts)
+    gsteps = ev.grad_norm.steps
+    level = family_alpha(int(starts.size), SHIFT_ALPHA)
+    if len(gsteps) >= h + k:
+        # The grad norm's own windows, from its first step at or after each loss window's.
+        gi = np.searchsorted(np.asarray(gsteps), np.asarray(steps)[starts])
+        ok = (gi >= h) & (gi <= len(gsteps) - k)
+        p_grad = np.ones(starts.size)
+        if ok.any():
+            p_grad[ok] = _shift_p(np.asarray(ev.grad_norm.values, dtype=np.float64), gi[ok])
+        p = np.array([stats.combine_pvalues([a, b], method="fisher").pvalue for a, b in zip(p_loss, p_grad, strict=True)])
+        passed = (p_loss < SHIFT_ALPHA) & (p_grad < SHIFT_ALPHA) & (p < level)
+        how = "and the grad norm with it"
+    else:
+        p_grad, p, passed = np.full(starts.size, math.nan), p_loss, p_loss < level
+        how = "(no grad norm logged)"
+    if not passed.any():
+        return []
+    first = int(np.argmax(passed))
+    near = np.arange(first, min(first + k, starts.size))
+    j = int(near[np.argmin(np.where(passed[near], p[near], np.inf))])
+    i = int(starts[j])
+    s, v = steps[i], ev.loss.values[i]
+    before = float(np.median(ev.loss.values[i - h : i]))
+    msg = (f"loss from step {s} ({v:.4g}) sits above the {h} steps before it (median {before:.4g}) for {k} steps, {how}: "
+           f"Mann-Whitney p {p_loss[j]:.1e} (loss), {p_grad[j]:.1e} (grad norm), together {p[j]:.1e} < {level:.1e} "
+           f"(1% over the {starts.size} windows tested, Sidak)")  # fmt: skip
+    return [Onset(s, "loss", v, before, math.inf, msg, "held-shift")]
 
 
 def log_noise(ev: LogEvidence, cfg: TriageConfig) -> dict[str, float | int | str]:

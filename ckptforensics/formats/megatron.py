@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ..errors import CorruptCheckpoint, ForensicsError, OptimizerMappingError
 from .base import Checkpoint, Completeness, LazyState, OptimizerView, TensorMeta, json_problem
@@ -60,11 +63,7 @@ def open_megatron(path: Path) -> Checkpoint:
     add_state_dict(ckpt, model)
     if "iteration" in obj:
         ckpt.scalars["global_step"] = int(obj["iteration"])
-    args = obj.get("args")
-    if args is not None and hasattr(args, "__dict__"):
-        a = {k: v for k, v in vars(args).items() if _plain(v)}
-        ckpt.config = a
-        ckpt.scalars["train_config"] = {"grad_clip": a.get("clip_grad"), "learning_rate": a.get("lr"), "warmup_iters": a.get("lr_warmup_iters"), "megatron": True, "bf16": a.get("bf16"), "fp16": a.get("fp16")}
+    _read_args(ckpt, obj.get("args"))
     if len(files) > 1:
         ckpt.notes.append(f"{len(files)} model-parallel ranks: only {files[0].parent.name} is read (a shard of each split tensor)")
     opt = obj.get("optimizer")
@@ -77,6 +76,8 @@ def open_megatron(path: Path) -> Checkpoint:
         ckpt.notes.append("distributed optimizer (distrib_optim.pt): moments are flat buckets and are not mapped to parameters")
     elif isinstance(inner, dict) and inner.get("state"):
         attach_optimizer(ckpt, inner, f"{files[0]}:optimizer")
+        if isinstance(opt, dict) and opt.get("fp32_from_fp16_params"):
+            _main_params_as_weights(ckpt, _legacy_main_params(ckpt, inner, opt["fp32_from_fp16_params"], files[0]), "fp32_from_fp16_params")
     else:
         ckpt.notes.append("no optimizer state: weights only")
     sched = obj.get("opt_param_scheduler")
@@ -155,11 +156,11 @@ def open_megatron_dist(path: Path) -> Checkpoint:
     step = int(it) if isinstance(it, (int, float)) else _iter_of(path)
     if step is not None:
         ckpt.scalars["global_step"] = step
-    args = common.get("args")
-    if args is not None and hasattr(args, "__dict__"):
-        a = {k: v for k, v in vars(args).items() if _plain(v)}
-        ckpt.config = a
-        ckpt.scalars["train_config"] = {"grad_clip": a.get("clip_grad"), "learning_rate": a.get("lr"), "warmup_iters": a.get("lr_warmup_iters"), "megatron": True, "bf16": a.get("bf16"), "fp16": a.get("fp16")}
+    _read_args(ckpt, common.get("args"))
+    # bf16/fp16: the fp32 main params (`optimizer.state.fp32_param.*`; the distributed
+    # optimizer's bucket `param`) are what the optimizer steps.
+    masters = {n: st.pop(_MAIN) for n, st in state.items() if _MAIN in st}
+    _main_params_as_weights(ckpt, masters, "optimizer.state.fp32_param" if not buckets else "the distributed optimizer's bucket param")
     opt = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
     ckpt.scalars.update(scaler_scalars(opt.get("grad_scaler")))
     inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else opt
@@ -175,6 +176,70 @@ def open_megatron_dist(path: Path) -> Checkpoint:
     else:
         ckpt.notes.append("no optimizer state: weights only")
     return ckpt
+
+
+_MAIN = "fp32_param"  # megatron-core's prefix for the main params: optimizer.state.fp32_param.<key>
+
+# The args that say how a Megatron run computes, accumulates and steps (megatron/training/
+# arguments.py; validate_args fills the dtypes): kept as plain values in train_config.
+_PRECISION_ARGS = (
+    "bf16", "fp16", "fp8", "params_dtype", "main_params_dtype", "main_grads_dtype",
+    "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16", "use_distributed_optimizer",
+    "use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype", "loss_scale",
+    "attention_softmax_in_fp32", "fp16_lm_cross_entropy",
+)
+
+
+def _read_args(ckpt: Checkpoint, args: Any) -> None:
+    """`args` (an argparse.Namespace): plain values into `config`; what the replay and the
+    planners read into `train_config`, with the precision policy the run trained in."""
+    if args is None or not hasattr(args, "__dict__"):
+        return
+    a = {k: v for k, v in vars(args).items() if _plain(v)}
+    ckpt.config = a
+    raw = vars(args)
+    policy = {k: (str(raw[k]) if isinstance(raw[k], torch.dtype) else raw[k]) for k in _PRECISION_ARGS if k in raw and (_plain(raw[k]) or isinstance(raw[k], torch.dtype))}
+    ckpt.scalars["train_config"] = {
+        "grad_clip": a.get("clip_grad"), "learning_rate": a.get("lr"), "warmup_iters": a.get("lr_warmup_iters"),
+        "megatron": True, "bf16": a.get("bf16"), "fp16": a.get("fp16"), "megatron_precision": policy,
+        "micro_batch_size": a.get("micro_batch_size"),
+    }
+
+
+def _main_params_as_weights(ckpt: Checkpoint, masters: dict[str, Callable[[], Any]], where: str) -> None:
+    """bf16/fp16 runs (Float16OptimizerWithFloat16Params, DistributedOptimizer): the
+    optimizer steps fp32 main params and copies them into the model's bf16/fp16 weights, so
+    the model's weights are the main params' rounding and the main params are what the run
+    continued from. They are read as the weights (a replay steps them as the run did)."""
+    low = [n for n in masters if ckpt.has(n) and ckpt.meta(n).dtype in (torch.bfloat16, torch.float16)]
+    if not low:
+        return
+    dtype = ckpt.meta(low[0]).dtype
+    for n in low:
+        ckpt.add_tensor(n, TensorMeta(ckpt.meta(n).shape, torch.float32), masters[n])
+    ckpt.scalars["fp32_masters"] = True
+    ckpt.notes.append(f"weights are the optimizer's fp32 main params ({where}); the model holds their {str(dtype).removeprefix('torch.')} rounding")
+
+
+def _legacy_main_params(ckpt: Checkpoint, osd: dict[str, Any], groups: list[Any], source: Path) -> dict[str, Callable[[], Any]]:
+    """`fp32_from_fp16_params[g][i]` is the main param of `param_groups[g]["params"][i]`;
+    the ids are named by the optimizer mapping (whose per-name state is the saved id's
+    state), and each main param's shape is checked against its name's."""
+    view = ckpt.optimizer
+    if view is None:
+        ckpt.notes.append("fp32 main params not read: the optimizer ids are not mapped to names")
+        return {}
+    name_of_state = {id(st): n for n, st in view.state.items()}
+    out: dict[str, Callable[[], Any]] = {}
+    for g, mains in zip(osd.get("param_groups") or [], groups, strict=False):
+        for pid, t in zip(g.get("params") or [], mains or [], strict=False):
+            name = name_of_state.get(id((osd.get("state") or {}).get(pid)))
+            if name is None or not isinstance(t, torch.Tensor):
+                continue
+            if tuple(t.shape) != tuple(ckpt.meta(name).shape):
+                raise OptimizerMappingError(f"{source}: fp32 main param of {name} has shape {tuple(t.shape)}, the weight {tuple(ckpt.meta(name).shape)}")
+            out[name] = lambda t=t: t
+    return out
 
 
 def _stacked_layers(md: Any, common: dict[str, Any]) -> int:
@@ -287,6 +352,8 @@ def _unflatten_buckets(path: Path, md: Any, ckpt: Checkpoint, buckets: dict, sta
         for name, o, n in placed:
             shape = ckpt.meta(name).shape
             out[name] = {f: (lambda k=fields[f], o=o, n=n, shape=shape: stacked.whole(k)[o : o + n].view(shape)) for f in ("exp_avg", "exp_avg_sq")}
+            if "param" in fields:  # the main param the optimizer steps (fp32 also under --bf16)
+                out[name][_MAIN] = lambda k=fields["param"], o=o, n=n, shape=shape: stacked.whole(k)[o : o + n].view(shape)
     if todo:
         raise OptimizerMappingError(f"{path}: {len(todo)} parameters (first {todo[0]}) are in no distributed-optimizer bucket")
     return out

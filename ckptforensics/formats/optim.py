@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpoint, OptimizerMappingError
+from . import bnb
 from .base import GroupHyper, OptimizerView
 
 __all__ = [
@@ -55,6 +56,7 @@ _GROUP_MARKS: tuple[tuple[str, frozenset[str], str], ...] = (
     ("adafactor", frozenset({"beta2_decay", "d"}), "torch.optim.Adafactor"),
     ("adafactor", frozenset({"clip_threshold", "decay_rate"}), "transformers.optimization.Adafactor"),
     ("lamb", frozenset({"max_coeff", "min_coeff"}), "deepspeed.ops.lamb.FusedLamb"),
+    ("lamb", frozenset({"weight_decouple", "rectify", "adam", "max_grad_norm"}), "pytorch_optimizer.Lamb"),
     ("lamb", frozenset({"grad_averaging", "max_grad_norm"}), "apex.optimizers.FusedLAMB"),
     ("sgd", frozenset({"dampening"}), "torch.optim.SGD"),
 )
@@ -68,13 +70,18 @@ def optimizer_family(keys: set[str], group: dict[str, Any] | None = None) -> tup
     quantised `state1`/`state2`, Adam's `exp_avg` + `exp_avg_sq`, Lion's lone `exp_avg`
     (lion-pytorch), Adafactor's factored rows/columns, a momentum buffer (SGD).
     'none' for a group without state or options that say; 'unknown:<keys>' otherwise.
+    bitsandbytes' 2-state optimizers save `alpha` / `t_alpha` / `t_beta3` in every group
+    (`Optimizer2State`): Adam(W)8bit with alpha 0, AdEMAMix with its mixing alpha; a
+    `unorm_vec` is its LAMB8bit / LARS8bit (update-norm clipping), not Adam's rule.
     """
     g = set(group or ())
     for fam, marks, impl in _GROUP_MARKS:
         if marks <= g:
             return fam, impl
-    if {"state1", "qmap1"} <= keys or {"state1", "absmax1"} <= keys:
-        return ("adam8bit", "bitsandbytes") if "state2" in keys else (f"unknown:{','.join(sorted(keys))}", "bitsandbytes")
+    bnb_group = {"t_alpha", "t_beta3"} <= g
+    if {"state1", "qmap1"} <= keys or {"state1", "absmax1"} <= keys or ({"state1", "state2"} <= keys and bnb_group):
+        adam_rule = "state2" in keys and "unorm_vec" not in keys and not (group or {}).get("alpha")
+        return ("adam8bit", "bitsandbytes") if adam_rule else (f"unknown:bitsandbytes {','.join(sorted(keys))}", "bitsandbytes")
     if {"exp_avg", "exp_avg_sq"} <= keys:
         # torch's Adam and AdamW save `amsgrad` in every group; apex's FusedAdam and
         # DeepSpeed's (CPU)Adam save `bias_correction` instead, with the same moments.
@@ -122,6 +129,7 @@ _OPTIONS = (
     "momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn", "dampening",
     "max_coeff", "min_coeff", "bias_correction", "max_grad_norm", "grad_averaging", "amsgrad", "maximize",
     "decoupled_weight_decay", "foreach", "optim_bits", "percentile_clipping", "block_wise",
+    "weight_decouple", "fixed_decay", "rectify", "adam", "adam_w_mode", "use_nvlamb", "step",
 )
 
 
@@ -275,6 +283,7 @@ def map_optimizer(
     """
     if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
         raise CorruptCheckpoint(f"{source}: not a torch optimizer state_dict (no 'state'/'param_groups')")
+    osd = {**osd, "state": {pid: bnb.unwrap(st) for pid, st in osd["state"].items()}}
     state: dict[Any, dict[str, Any]] = osd["state"]
     groups: list[dict[str, Any]] = osd["param_groups"]
     hypers = [group_hyper(g, i, _group_family(g, state)) for i, g in enumerate(groups)]
@@ -592,8 +601,19 @@ def _view(
             name = id_to_name[pid]
             hyper[name] = hypers[gi]
             if pid in state and state[pid]:
-                by_name[name] = state[pid]
+                by_name[name] = _readable(state[pid], g, hypers[gi].family)
     return OptimizerView(kind=kind, state=by_name, hyper=hyper, groups=hypers, mapping=label)
+
+
+def _readable(st: dict[str, Any], group: dict[str, Any], family: str) -> dict[str, Any]:
+    """One parameter's state as the checks read it: bitsandbytes' 8-bit codes with Adam's
+    moments dequantised beside them (`bnb.with_moments`); the step counter of optimizers
+    that keep it in the param group (pytorch_optimizer's and apex's LAMB) copied in."""
+    if family == "adam8bit":
+        st = bnb.with_moments(st)
+    if "step" not in st and _is_number(group.get("step")):
+        st = {**st, "step": group["step"]}
+    return st
 
 
 def trainable_order(

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from ..errors import ForensicsError, doing
-from ..formats import open_checkpoint, open_pair
+from ..formats import bnb, open_checkpoint, open_pair
 from ..formats.base import Checkpoint
 from ..logs import group_lrs, read_metrics
+from ..options import ReplayOptions
 from ..tensors import LR_GROWTH_MARGIN, adam_ratio_bound
 from ..updates import replay_bound
 from . import distributed, skipstep
@@ -44,48 +45,20 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
-class ReplayConfig:
-    """What to replay and how.
+class ReplayConfig(ReplayOptions):
+    """What to replay (the window) and how (`options.ReplayOptions`, every field of which
+    is a keyword here too).
 
     Attributes:
         before, after: checkpoint paths (after optional: then one step is replayed).
-        model: `module:factory`, `path/file.py:factory`, an HF config dir, or None (config.json).
         batch: batch file, batch log (.h5) or `module:function`; None with `data`.
-        data: the run's training data (`--data`: an HF `save_to_disk` dir or
-            `module:function`), from which the Trainer's batches are rebuilt.
-        collator: `module:obj`, the collator an HF Trainer run used (`--collator`); None:
-            the standard ones are tried (`choose_batches`).
         step: the step to replay when there is no *after*.
-        precision: 'auto' (what the run used), 'fp32', 'bf16' or 'fp16' (autocast; fp16 with
-            the run's loss scale), or 'bf16-params' (bf16 weights on fp32 masters: FSDP2's
-            MixedPrecisionPolicy, Megatron --bf16, DeepSpeed bf16); see replay/precision.py.
-        device: 'cpu' or 'cuda'.
-        clip: gradient clipping norm; None = what the checkpoint or batch log states, else calibrated.
-        loss: `module:function(logits, batch) -> per-token loss [B, T']`; None = causal LM CE.
-        metrics: training log for per-step LR (JSONL/CSV); None = discovered beside the checkpoints.
-        checkpoint_activations: recompute each block's activations in the backward pass
-            (non-reentrant activation checkpointing per block; same numbers, less memory).
-        labels: 'shifted' or 'unshifted' where the batches' labels do not decide their
-            convention themselves (`conventions.settle_labels`); None: measured.
-        allow_mismatch: write the report even when the replay misses the run's own log on
-            its first checked step (every replay-derived verdict field withheld).
     """
 
     before: Path
     after: Path | None = None
-    model: str | None = None
     batch: str | None = None
-    data: str | None = None
-    collator: str | None = None
     step: int | None = None
-    precision: str = "auto"
-    device: str = "cpu"
-    clip: float | None = None
-    loss: str | None = None
-    metrics: Path | None = None
-    checkpoint_activations: bool = False
-    labels: str | None = None
-    allow_mismatch: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +125,7 @@ class TensorMatch:
     numel: int
     tolerance: float
     impossible: int = 0  # elements further from *after* than any Adam step allows
+    worst: float = 0.0  # the largest |difference| / tolerance of an element (< 1: every element within)
 
 
 @dataclass(slots=True)
@@ -271,6 +245,8 @@ class Session:
         self.call = None
         # bf16 parameters on fp32 masters in one process (FSDP2 casts them under torchrun).
         self.bf16_params = mp.BF16Params([p for _, p in self.model.named_parameters() if p.requires_grad]) if precision == "bf16-params" and self.ranks is None else None
+        # Megatron --bf16: each micro-batch's bf16 gradient summed in fp32 (`_regrad_micro`).
+        self.micro_fp32 = mp.fp32_micro_batches(a) if self.bf16_params is not None else None
         if first is not None:  # the calling convention, from the window's first batch
             check_vocab(self.model, first[1], first[0])
             self.call = self._detect_call(first[1])
@@ -368,6 +344,37 @@ class Session:
             if self.bf16_params is not None:
                 self.bf16_params.restore()
 
+    def _regrad_micro(self, batch: dict[str, torch.Tensor]) -> None:
+        """The step's gradient again, one micro-batch at a time, each micro-batch's bf16
+        gradient cast to fp32 and summed (`precision.fp32_micro_batches`: Megatron's fp32
+        main_grad buffer). One backward over the whole batch rounds the sum to bf16 once
+        instead: a different gradient by bf16's rounding. The whole-batch pass before this
+        one gives the loss, the probes and the per-sample figures; its gradient is replaced."""
+        mbs, bp = self.micro_fp32, self.bf16_params
+        rows = batch["input_ids"].shape[0]
+        kind = self.loss_norm.kind if self.loss_fn is None else "targets"
+        if mbs is None or bp is None or mbs >= rows or kind not in ("targets", "micro"):
+            return
+        keep, probing = (self.row_tokens, self.logit_stats), self.probe.enabled
+        total = self.row_tokens.sum().clamp_min(1)
+        n = -(-rows // mbs)
+        acc: list[torch.Tensor | None] = [None] * len(bp.params)
+        self.opt.zero_grad(set_to_none=True)
+        self.probe.enabled = False
+        try:
+            for i in range(0, rows, mbs):
+                part = {k: v[i : i + mbs] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == rows else v for k, v in batch.items()}
+                loss, _ = self._loss(part, "bf16-params")
+                share = 1.0 / n if kind == "micro" else self.row_tokens.sum() / total  # its part of the step's loss
+                (loss * share).backward()
+                acc = bp.accumulate(acc)
+        finally:
+            bp.restore()
+            self.probe.enabled = probing
+            self.row_tokens, self.logit_stats = keep
+        for p, g in zip(bp.params, acc, strict=True):
+            p.grad = g
+
     def _normalise(self, tok: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
         """The step's loss as its trainer averaged it (`trainer_loss_norm`)."""
         kind = self.loss_norm.kind if self.loss_fn is None else "targets"
@@ -415,6 +422,8 @@ class Session:
             self.opt.zero_grad(set_to_none=True)
             loss, _ = self._loss(batch, precision or self.precision)
             self._backward(loss)
+            if (precision or self.precision) == "bf16-params":
+                self._regrad_micro(batch)
             grads = [_local(p.grad) for _, p in self.params if p.grad is not None]
             if self.ranks is not None:  # the ranks' loss shares and squared norms, summed
                 sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
@@ -445,6 +454,7 @@ class Session:
             verdict = ls.settle(step, ls.unscale(self.opt, [p for _, p in self.params])) if ls is not None else None
             if verdict != "redo":
                 break
+        self._regrad_micro(batch)
         with_grad = [(n, p) for n, p in self.params if p.grad is not None]
         if self.ranks is None:
             g = self._gradients(with_grad, clip, loss, per_sample)
@@ -596,10 +606,13 @@ def _compare(session: Session, b: Checkpoint, lrs: dict[int, list[float]], only:
         st_p = state.get(p, {})
         ref = b.tensor(name).to(torch.float32).view_as(p)
         mine = p.detach().cpu().to(torch.float32)
+        quant = g.get("family") == "adam8bit" and bnb.is_quantised(st_p)
         # The seam to the optimizer's family: its own per-step bound (updates.replay_bound).
-        c, wd = replay_bound(g, st_p, k, lr, tuple(p.shape), float(mine.pow(2).mean().sqrt()))
+        c, wd = replay_bound({**g, "quantised": quant}, st_p, k, lr, tuple(p.shape), float(mine.pow(2).mean().sqrt()))
         out.append(_weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, wd, mp.reach(session.precision)))
         st = b.optim_state(name)
+        if st_p and g.get("family") == "adam8bit":
+            st_p = {kk: v for kk, v in bnb.with_moments(st_p).items() if kk in ("step", *bnb.DERIVED)}
         if st_p and st:
             pairs = {where: (st_p[where].cpu().float(), st[where].float().view_as(st_p[where])) for where in _shared_state(st_p, st)}
             v = pairs.get("exp_avg_sq")
@@ -607,8 +620,21 @@ def _compare(session: Session, b: Checkpoint, lrs: dict[int, list[float]], only:
                 # Relative rounding per step, floored at the tensor's own scale: elements
                 # whose true gradient is zero (a key bias, say) hold pure rounding noise.
                 scale = mp.moment_scale(session.precision, where, x, y, *v) if v is not None else torch.maximum(x.abs(), y.abs())
-                out.append(_match(name, where, x, y, _moment_tol(scale, float(scale.max()), k, mp.moment_rounding(session.precision)), None))
+                tol = _moment_tol(scale, float(scale.max()), k, mp.moment_rounding(session.precision))
+                if quant:
+                    tol = tol + _code_tol(state.get(p, {}), where, x)
+                out.append(_match(name, where, x, y, tol, None))
     return out if ranks is None else merge_matches(ranks, out)
+
+
+def _code_tol(raw: dict[str, Any], where: str, like: torch.Tensor) -> torch.Tensor:
+    """An 8-bit moment's extra tolerance: a gradient that differs in its last bits can round
+    the replayed value to the neighbouring code, one code gap of its block's absmax away."""
+    parts = bnb.quant_parts(raw, 1 if where == "exp_avg" else 2)
+    if parts is None:
+        return torch.zeros_like(like)
+    _, qmap, scale = parts
+    return (bnb.per_element(scale.cpu(), like.numel()) * bnb.code_gap(qmap)).view_as(like)
 
 
 def _shared_state(mine: dict, after: dict) -> list[str]:
@@ -686,6 +712,7 @@ def merge_matches(ranks: distributed.Ranks, local: list[TensorMatch]) -> list[Te
                 numel=o.numel + m.numel,
                 tolerance=max(o.tolerance, m.tolerance),
                 impossible=o.impossible + m.impossible,
+                worst=max(o.worst, m.worst),
             )
     return [merged[(m.name, m.where)] for m in local]
 
@@ -694,6 +721,7 @@ def _match(name: str, where: str, x: torch.Tensor, y: torch.Tensor, tol: torch.T
     diff = (x - y).abs()
     bad = ~(diff <= tol)
     impossible = int((~(diff <= bound)).sum()) if bound is not None else 0
+    ratio = torch.where(diff == 0, 0.0, torch.nan_to_num(diff / torch.as_tensor(tol, dtype=diff.dtype), nan=float("inf")))
     return TensorMatch(
         name=name,
         where=where,
@@ -702,6 +730,7 @@ def _match(name: str, where: str, x: torch.Tensor, y: torch.Tensor, tol: torch.T
         numel=x.numel(),
         tolerance=float(torch.as_tensor(tol).max()),
         impossible=impossible,
+        worst=float(ratio.max()) if ratio.numel() else 0.0,
     )
 
 
@@ -782,11 +811,11 @@ def _optimizer_name(a: Checkpoint) -> str:
     """The rebuilt optimizer's classes, as `replay.config` states them."""
     if a.optimizer is None:
         return "none"
-    names = {"adam": "AdamW", "lion": "lion_pytorch.Lion", "muon": "torch.optim.Muon", "sgd": "torch.optim.SGD"}
+    names = {"adam": "AdamW", "lion": "lion_pytorch.Lion", "muon": "torch.optim.Muon", "sgd": "torch.optim.SGD", "adam8bit": "bitsandbytes.optim.AdamW8bit"}
     out = []
     for h in a.optimizer.groups:
         impl = str(h.options.get("implementation", ""))
-        n = impl if h.family == "adafactor" else names.get(h.family, h.family)
+        n = impl if h.family in ("adafactor", "lamb") else names.get(h.family, h.family)
         if n not in out:
             out.append(n)
     return " + ".join(out)

@@ -503,6 +503,32 @@ def _family_class(family: str, impl: str) -> Any:
         return torch.optim.Muon
     if family == "sgd":
         return torch.optim.SGD
+    if family == "adam8bit":
+        try:
+            # Its import warns about an optional 4-bit GEMM kernel on CPUs with AVX512-BF16
+            # (nothing the 8-bit optimizer uses): kept out of the user's terminal.
+            quiet = logging.getLogger("bitsandbytes")
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)
+            try:
+                import bitsandbytes as bnb
+            finally:
+                quiet.setLevel(level)
+        except ImportError:
+            raise ForensicsError("replaying 8-bit Adam needs its package: pip install bitsandbytes") from None
+        # Adam8bit and AdamW8bit are one Optimizer2State("adam"): decay applied as w (1 - lr wd).
+        return bnb.optim.AdamW8bit
+    if family == "lamb" and impl.startswith("pytorch_optimizer"):
+        try:
+            from pytorch_optimizer import Lamb
+        except ImportError:
+            raise ForensicsError("replaying pytorch_optimizer's Lamb needs its package: pip install pytorch_optimizer") from None
+        return Lamb
+    if family == "lamb" and impl:
+        raise ForensicsError(
+            f"replaying {impl} needs its CUDA op (a fused kernel; no CPU build): the replay rebuilds pytorch_optimizer's Lamb "
+            "only; `ckptforensics diff` still checks its LAMB bounds"
+        )
     return None
 
 
@@ -514,6 +540,9 @@ _CLASS_KEYS = {
     "lion": ("lr", "betas", "weight_decay"),
     "muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn"),
     "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
+    "adam8bit": ("lr", "betas", "eps", "weight_decay"),
+    # pytorch_optimizer's Lamb; `pre_norm` is an attribute, not saved: its default (False).
+    "lamb": ("lr", "betas", "eps", "weight_decay", "weight_decouple", "fixed_decay", "rectify", "grad_averaging", "max_grad_norm", "adam"),
 }
 
 
@@ -555,12 +584,13 @@ def build_optimizer(model: nn.Module, ckpt: Checkpoint, to_ckpt: Callable[[str],
     if opt is None:
         raise ForensicsError(f"{ckpt.path}: no optimizer state; replay needs the moments to reproduce the update")
     fams = {h.family for h in opt.groups}
-    unknown = sorted(f for f in fams if _family_class(f, "") is None and f != "none")
+    unknown = sorted({h.family for h in opt.groups if h.family != "none" and _family_class(h.family, str(h.options.get("implementation", ""))) is None})
     if unknown:
         what = unknown[0].removeprefix("unknown:")
         raise ForensicsError(
             f"{ckpt.path}: optimizer {what!r} cannot be rebuilt for a replay (replay rebuilds Adam/AdamW, Adafactor, Lion, "
-            "Muon and SGD with their own classes); `ckptforensics diff` still compares the weights"
+            "Muon, SGD, bitsandbytes' 8-bit Adam and pytorch_optimizer's LAMB with their own classes); "
+            "`ckptforensics diff` still compares the weights"
         )
     if ranks is not None and fams - {"adam", "none"}:
         raise ForensicsError(f"{ckpt.path}: a torchrun replay rebuilds Adam(W) only; run this {'+'.join(sorted(fams))} replay in one process")
@@ -584,7 +614,9 @@ def build_optimizer(model: nn.Module, ckpt: Checkpoint, to_ckpt: Callable[[str],
         impl = str(h0.options.get("implementation", ""))
         key = "adafactor-transformers" if fam == "adafactor" and impl.startswith("transformers") else "adafactor-torch" if fam == "adafactor" else fam
         cls = _family_class(fam, impl)
-        param_groups = [{"params": [p for _, p in groups[gi]], **_group_args(opt.groups[gi], key), "family": fam} for gi in mine]
+        param_groups = [
+            {"params": [p for _, p in groups[gi]], **_group_args(opt.groups[gi], key), "family": fam, "implementation": impl} for gi in mine
+        ]
         if fam == "adam":
             # The saved implementation: HF Trainer's default is fused AdamW, whose rounding differs.
             fused = all(opt.groups[gi].fused for gi in mine)
@@ -594,6 +626,10 @@ def build_optimizer(model: nn.Module, ckpt: Checkpoint, to_ckpt: Callable[[str],
                 o = cls(param_groups)
             except (TypeError, ValueError) as e:
                 raise ForensicsError(f"{ckpt.path}: cannot rebuild {cls.__name__} from the saved param groups ({e})") from None
+            for g, gi in zip(o.param_groups, mine, strict=True):
+                step = opt.groups[gi].options.get("step")
+                if fam == "lamb" and isinstance(step, (int, float)):
+                    g["step"] = int(step)  # pytorch_optimizer counts steps in the group (its bias correction)
         for gi in mine:
             for name, p in groups[gi]:
                 st = opt.state.get(name)
@@ -613,6 +649,11 @@ def _state_for(fam: str, key: str, st: dict[str, Any], p: nn.Parameter) -> dict[
     device (moments saved in bf16 widened), Adam's and torch Adafactor's `step` a float
     tensor, transformers' Adafactor's `step` a Python int."""
     out: dict[str, Any] = {}
+    if fam == "adam8bit":
+        # bitsandbytes' own layout: uint8 codes, maps and scales as saved, an int step.
+        from ..formats import bnb
+
+        return {k: int(float(v)) if k == "step" else v.to(p.device).clone() if isinstance(v, torch.Tensor) else v for k, v in bnb.raw_state(st).items()}
     for k, v in st.items():
         if k == "step":
             out[k] = int(float(v)) if key == "adafactor-transformers" else torch.tensor(float(v))

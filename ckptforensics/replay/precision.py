@@ -9,7 +9,8 @@ Modes (`Session.precision`):
   `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`, torchtitan's default;
   Megatron `--bf16`; DeepSpeed `bf16`): forward and backward see each weight rounded to bf16,
   its gradient is produced in bf16 and reduced / accumulated in fp32, and the optimizer
-  steps the fp32 weights.
+  steps the fp32 weights. Megatron `--bf16` backpropagates each micro-batch on its own and
+  sums their bf16 gradients in fp32 (`fp32_micro_batches`); so does its replay.
 
 The loss scale (fp16). A GradScaler's state changes every step (halved on an overflow, the
 step skipped; doubled after `growth_interval` clean steps), and a replay that starts from
@@ -54,6 +55,7 @@ __all__ = [
     "LossScaler",
     "autocast",
     "candidates",
+    "fp32_micro_batches",
     "resolve",
     "scale_plan",
     "settle_loss_scale",
@@ -145,7 +147,7 @@ def _stated(ckpt: Checkpoint) -> tuple[str, str] | None:
             return "fp16", "ds_config fp16.enabled"
     if tc.get("megatron"):
         if tc.get("bf16") is True:
-            return "bf16-params", "Megatron args bf16 (bf16 params, fp32 main params in the optimizer)"
+            return "bf16-params", _megatron_bf16(tc, bool(ckpt.scalars.get("fp32_masters")))
         if tc.get("fp16") is True:
             return "fp16", "Megatron args fp16"
     for flag in ("bf16", "fp16"):  # HF TrainingArguments (autocast over fp32 weights)
@@ -156,6 +158,32 @@ def _stated(ckpt: Checkpoint) -> tuple[str, str] | None:
         name = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dtype]
         return name, f"checkpoint config dtype={dtype!r}"
     return None
+
+
+def _megatron_bf16(tc: dict[str, Any], masters: bool) -> str:
+    """The source of a Megatron `--bf16` run's precision: the args that set its policy, and
+    any part of it the replay does not follow (it follows bf16 weights computed on, each
+    micro-batch's gradient summed in fp32, an fp32 optimizer stepping fp32 main params)."""
+    policy = tc.get("megatron_precision") or {}
+    said = ["bf16=True (bf16 params, the fp32 main params' rounding after each step)"]
+    said += [f"{k}={policy[k]}" for k in ("main_params_dtype", "main_grads_dtype") if k in policy]
+    if policy.get("accumulate_allreduce_grads_in_fp32") is True:
+        mbs = tc.get("micro_batch_size")
+        per = f"each micro-batch of micro_batch_size={mbs} rows" if isinstance(mbs, int) else "each micro-batch"
+        said.append(f"accumulate_allreduce_grads_in_fp32=True ({per} backpropagated in bf16, its gradient summed in fp32)")
+    if "use_distributed_optimizer" in policy:
+        said.append(f"use_distributed_optimizer={policy['use_distributed_optimizer']}")
+    off = []
+    if policy.get("accumulate_allreduce_grads_in_fp32") is False or policy.get("grad_reduce_in_bf16"):
+        off.append("gradients accumulated in bf16 (the replay takes one bf16 gradient of the whole batch, in fp32)")
+    if policy.get("main_params_dtype") not in (None, "torch.float32"):
+        off.append(f"main params in {policy['main_params_dtype']}")
+    off += [f"{k}={policy[k]}" for k in ("exp_avg_dtype", "exp_avg_sq_dtype") if policy.get(k) not in (None, "torch.float32")]
+    if policy.get("fp8"):
+        off.append(f"fp8={policy['fp8']}")
+    text = "Megatron args " + ", ".join(said)
+    text += "; the weights read (and replayed from) are the optimizer's fp32 main params" if masters else "; the checkpoint's fp32 main params were not read: the weights are its bf16 ones"
+    return text + (f"; not modelled: {', '.join(off)}" if off else "")
 
 
 def autocast(precision: str, device: str) -> contextlib.AbstractContextManager[Any]:
@@ -201,6 +229,30 @@ class BF16Params:
                 p.grad = g.float()
         self.masters = None
 
+    def accumulate(self, into: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """`restore`, then this pass's fp32-cast gradients added to `into` (Megatron's main_grad
+        buffer: each micro-batch's bf16 gradient summed in fp32); the params keep no grad."""
+        self.restore()
+        out = []
+        for p, acc in zip(self.params, into, strict=True):
+            g, p.grad = p.grad, None
+            out.append(g if acc is None else (acc if g is None else acc.add_(g)))
+        return out
+
+
+def fp32_micro_batches(ckpt: Checkpoint) -> int | None:
+    """Rows per micro-batch whose bf16 gradients the run summed in fp32: Megatron `--bf16`
+    with `accumulate_allreduce_grads_in_fp32` (validate_args' default for bf16) backpropagates
+    each micro-batch of `micro_batch_size` rows on its own and adds its bf16 gradient into the
+    fp32 `main_grad` buffer (DDP's backward hook), so the step's gradient is a sum of
+    roundings, not the rounding of one backward over the global batch."""
+    tc = ckpt.scalars.get("train_config") or {}
+    policy = tc.get("megatron_precision") or {}
+    mbs = tc.get("micro_batch_size")
+    if not tc.get("megatron") or policy.get("bf16") is not True or policy.get("accumulate_allreduce_grads_in_fp32") is not True:
+        return None
+    return mbs if isinstance(mbs, int) and mbs > 0 else None
+
 
 # A replayed moment's rounding per step, relative (engine._compare; docs/signatures.md#replay-precision): fp32 compute and fp16
 # autocast (fp16 gradients round at 2^-11) sit under 1e-3; a bf16 gradient rounds at 2^-8
@@ -222,6 +274,17 @@ def reach(precision: str) -> float:
     true gradient is zero (an attention key's bias) moves on rounding noise alone, up to the
     bound each step, and the run's noise and the replay's can push it opposite ways."""
     return 2.0 if precision in ("bf16", "bf16-params") else 1.0
+
+
+def tolerance(precision: str) -> dict[str, str]:
+    """The tolerance a replay in `precision` is held to against *after*, as the report states it
+    (engine._weight_match, engine._moment_tol)."""
+    first = "; the first moment's relative to the gradient's size (sqrt of the second)" if precision in ("bf16", "bf16-params") else ""
+    return {
+        "weights": f"1% of the window's Adam steps (k x lr) plus 4 ulp of after's dtype; impossible past {reach(precision):g} x the Adam bound",
+        "moments": f"{moment_rounding(precision):.3g} relative per replayed step ({precision}){first}",
+        "source": "docs/signatures.md#replay-precision",
+    }
 
 
 def moment_scale(precision: str, where: str, x: torch.Tensor, y: torch.Tensor, vx: torch.Tensor, vy: torch.Tensor) -> torch.Tensor:

@@ -45,9 +45,11 @@ class Attn:
     rope_interleaved: bool
 
 
-def _rotary(x: torch.Tensor, a: Attn) -> torch.Tensor:
-    """RoPE on [B, T, H, D] in fp32 (both frameworks compute the angles in fp32):
-    halves rotated (GPT-NeoX / `_rotate_half`) or adjacent pairs (interleaved)."""
+def _rotary(x: torch.Tensor, a: Attn, in_dtype: bool = False) -> torch.Tensor:
+    """RoPE on [B, T, H, D], the angles in fp32 (both frameworks): halves rotated (GPT-NeoX /
+    `_rotate_half`) or adjacent pairs (interleaved). Applied in fp32, or with `in_dtype` in
+    x's dtype with cos and sin rounded to it (megatron-core's `_apply_rotary_pos_emb_bshd`:
+    `cos.to(t.dtype)`; the same numbers in fp32)."""
     if a.rope_theta is None:
         return x
     t = x.shape[1]
@@ -58,7 +60,9 @@ def _rotary(x: torch.Tensor, a: Attn) -> torch.Tensor:
     ang = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), inv)
     ang = ang.repeat_interleave(2, dim=-1) if a.rope_interleaved else torch.cat((ang, ang), dim=-1)
     cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
-    rot, rest = x[..., : a.rope_dim].float(), x[..., a.rope_dim :]
+    if in_dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    rot, rest = (x[..., : a.rope_dim] if in_dtype else x[..., : a.rope_dim].float()), x[..., a.rope_dim :]
     if a.rope_interleaved:
         pairs = rot.unflatten(-1, (-1, 2))
         turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
@@ -79,6 +83,26 @@ def _attend(
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
     )
+    return out.transpose(1, 2).flatten(2)
+
+
+def _attend_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: Attn, scale: float, softmax_fp32: bool) -> torch.Tensor:
+    """megatron-core's local `DotProductAttention` in bf16/fp16, as it rounds: scores
+    `baddbmm(q, k^T, alpha=scale)` in the input dtype, the causal mask filled with -10000,
+    softmax in that dtype (fp32 with `attention_softmax_in_fp32`), `bmm` with v. In fp32 the
+    fused `scaled_dot_product_attention` gives megatron-core's numbers already (`_attend`)."""
+    rep = a.n_heads // a.n_kv
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    b, t, h, d = q.shape
+    qh, kh, vh = (x.transpose(1, 2).reshape(b * h, t, d) for x in (q, k, v))
+    scores = torch.baddbmm(torch.empty(b * h, t, t, dtype=q.dtype, device=q.device), qh, kh.transpose(1, 2), beta=0.0, alpha=scale)
+    scores = scores.view(b, h, t, t)
+    if softmax_fp32:
+        scores = scores.float()
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill(mask, -10000.0), dim=-1).to(q.dtype)
+    out = torch.bmm(probs.view(b * h, t, t), vh).view(b, h, t, d)
     return out.transpose(1, 2).flatten(2)
 
 
@@ -150,6 +174,9 @@ class _MegatronAttention(nn.Module):
             self.k_layernorm = _megatron_norm(args, a.head_dim)
         scale = args.get("softmax_scale")
         self.scale = float(scale) if scale else 1.0 / math.sqrt(a.head_dim)
+        # validate_args turns it on with apply_query_key_layer_scaling (whose rescaling of
+        # the scores cancels out in fp32)
+        self.softmax_fp32 = bool(args.get("attention_softmax_in_fp32") or args.get("apply_query_key_layer_scaling"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.a
@@ -160,7 +187,10 @@ class _MegatronAttention(nn.Module):
         q = q.reshape(b, t, a.n_heads, a.head_dim)
         if hasattr(self, "q_layernorm"):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        q, k = _rotary(q, a), _rotary(k, a)
+        low = q.dtype in (torch.bfloat16, torch.float16)  # Megatron --bf16/--fp16 weights
+        q, k = _rotary(q, a, in_dtype=low), _rotary(k, a, in_dtype=low)
+        if low:
+            return self.linear_proj(_attend_megatron(q, k, v, a, self.scale, self.softmax_fp32))
         return self.linear_proj(_attend(q, k, v, a, self.scale))
 
 

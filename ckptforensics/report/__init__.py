@@ -19,7 +19,7 @@ from ..formats.base import Checkpoint
 from ..verdict import Verdict
 from .markdown import render_markdown
 
-__all__ = ["SCHEMA", "build_report", "clean", "write_report", "write_files", "atomic_write", "prepare_out", "remove_made", "to_json", "render_markdown", "schema"]
+__all__ = ["SCHEMA", "build_report", "clean", "write_report", "write_files", "atomic_write", "check_outside", "report_inputs", "prepare_out", "remove_made", "to_json", "render_markdown", "schema"]
 
 SCHEMA = "ckptforensics.report/1"
 
@@ -160,6 +160,23 @@ def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def check_outside(out: Path, inputs: Sequence[Path]) -> None:
+    """Refuse an output path inside an input checkpoint directory (a report never writes
+    into what it reads: a checkpoint directory may be a trainer's live output, or
+    read-only evidence). Checked by the CLI before any work and by `Report.save`."""
+    o = Path(os.path.realpath(out))  # realpath: a symlink loop is bad input, said by the reader
+    for p in inputs:
+        d = Path(os.path.realpath(p))
+        if Path(p).is_dir() and (o == d or d in o.parents):
+            raise OutputNotWritable(f"--out {out} is inside the input checkpoint {p}; choose a directory outside it")
+
+
+def report_inputs(doc: dict[str, Any]) -> list[Path]:
+    """The checkpoints a report read (its incident's before and after)."""
+    inc = doc.get("incident") or {}
+    return [Path(str(inc[k]["path"])) for k in ("before", "after") if isinstance(inc.get(k), dict) and inc[k].get("path")]
 
 
 def prepare_out(out: Path, *, file: bool = False) -> list[Path]:

@@ -8,8 +8,9 @@ recorder's monitor all judge a step by these (docs/signatures.md#log-onset).
 from __future__ import annotations
 
 from .follow import LOSS_FOLLOW, loss_follows
+from .recur import RECUR_MIN_PERIOD, recurrence_period
 from .robust import MAD_TO_SIGMA, robust_sigma, robust_z
-from .thresholds import expected_exceedances, family_z, t_robust_z, tail_df
+from .thresholds import expected_exceedances, family_alpha, family_z, t_robust_z, tail_df
 from .trend import (
     CURVE_FLOOR,
     CURVE_MIN_HISTORY,
@@ -39,6 +40,9 @@ __all__ = [
     "loss_follows",
     "family_z",
     "expected_exceedances",
+    "family_alpha",
     "t_robust_z",
     "tail_df",
+    "RECUR_MIN_PERIOD",
+    "recurrence_period",
 ]

@@ -15,7 +15,7 @@ import numpy as np
 
 from .robust import MAD_TO_SIGMA
 
-__all__ = ["family_z", "expected_exceedances", "t_robust_z", "tail_df"]
+__all__ = ["family_alpha", "family_z", "expected_exceedances", "t_robust_z", "tail_df"]
 
 
 def family_z(n_tests: int, alpha: float = 0.01) -> float:
@@ -31,6 +31,17 @@ def family_z(n_tests: int, alpha: float = 0.01) -> float:
     n = max(int(n_tests), 1)
     per_test = -math.expm1(math.log1p(-alpha) / n)  # 1 - (1 - alpha)^(1/n), without cancellation
     return float(stats.norm.isf(per_test))
+
+
+def family_alpha(n_tests: int, alpha: float = 0.01) -> float:
+    """The per-test level at which n independent tests of null values all pass with
+    probability 1 - alpha (Sidak's correction; `family_z` is its normal quantile).
+
+    >>> round(family_alpha(300), 7)
+    3.35e-05
+    """
+    n = max(int(n_tests), 1)
+    return -math.expm1(math.log1p(-alpha) / n)
 
 
 def expected_exceedances(n_tests: int, z: float) -> float:

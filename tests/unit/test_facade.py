@@ -10,8 +10,8 @@ import ckptforensics as cf
 
 def test_the_package_surface_is_pinned() -> None:
     assert cf.__all__ == [
-        "__version__", "diff", "replay", "bisect", "whatif", "triage", "plan", "recovery", "audit",
-        "api", "Report", "resolve", "open_checkpoint", "open_pair", "completeness", "record", "Recorder",
+        "__version__", "inspect", "diff", "replay", "bisect", "whatif", "triage", "plan", "recovery", "audit",
+        "api", "Report", "ReplayOptions", "resolve", "open_checkpoint", "open_pair", "completeness", "record", "Recorder",
     ]  # fmt: skip
     for name in cf.__all__:
         assert getattr(cf, name) is not None, name

@@ -92,6 +92,87 @@ def test_recurring_blips_are_the_logs_own_tail_and_a_held_rise_is_not(seed: int)
 def test_a_lone_blip_in_a_quiet_log_stays_an_onset() -> None:
     cfg = TriageConfig()
     rows = _noisy(0)
-    rows[250]["loss"] *= 2.0  # one poisoned batch: its own loss only, recovered the next step
+    rows[250]["loss"] *= 2.0  # one poisoned batch: its loss, recovered the next step ...
+    rows[250]["grad_norm"] *= 3.0  # ... and its gradient
     onsets, _ = log_onsets(log_evidence(rows, cfg), cfg)
     assert onsets and onsets[0].step == 250 and onsets[0].rule == "trend"
+
+
+def test_a_loss_blip_the_grad_norm_does_not_see_is_routine() -> None:
+    """Issue 32: on a log that blips, a blip that recovers and that the grad norm does not
+    confirm is a batch the model found hard (a single rank's micro-batch, junk rows), not an
+    onset; the reason says so. Alone on a quiet log, it stays one."""
+    cfg = TriageConfig()
+    rows = _noisy(0)
+    rows[250]["loss"] *= 2.0
+    onsets, _ = log_onsets(log_evidence(rows, cfg), cfg)
+    assert onsets and onsets[0].step == 250
+    rows[150]["loss"] *= 2.0
+    onsets, ignored = log_onsets(log_evidence(rows, cfg), cfg)
+    assert not onsets, [(o.step, o.rule) for o in onsets]
+    assert any(o.step == 250 and o.rule == "tail" and "grad norm" in o.message for o in ignored)
+
+
+def test_a_held_shift_of_loss_and_grad_norm_under_heavy_tailed_noise() -> None:
+    """A fault that lifts the loss 30% and the grad norm 2x under Student-t (2 dof) noise of
+    15% a step: no single step stands out, the ranks of the 8 steps after do (Mann-Whitney)."""
+    rng = np.random.default_rng(3)
+    rows = {}
+    for s in range(1, 301):
+        up = s >= 200
+        rows[s] = {"loss": 2.5 * (1.3 if up else 1.0) * math.exp(0.06 * rng.standard_t(2)), "grad_norm": (2.0 if up else 1.0) * math.exp(0.1 * rng.normal())}
+    cfg = TriageConfig()
+    onsets, _ = log_onsets(log_evidence(rows, cfg), cfg)
+    assert onsets and 200 <= onsets[0].step <= 201 and onsets[0].rule in ("held-shift", "held", "trend"), [(o.step, o.rule) for o in onsets]
+    # The same loss without the grad norm moving (a single rank's noise): no onset.
+    for r in rows.values():
+        r["grad_norm"] = 1.0 * math.exp(0.1 * rng.normal())
+    for s in range(200, 301):
+        rows[s]["loss"] /= 1.3
+    assert not log_onsets(log_evidence(rows, cfg), cfg)[0]
+
+
+def _lm_line(it: int, loss: float, grad: float, scale: float = 65536.0, skipped: int = 0) -> str:
+    """Megatron-LM's training_log line (megatron/training/training.py), as printed."""
+    return (f" [2026-12-01 10:00:00] iteration {it:8d}/  500000 | consumed samples: {it * 256:12d} | elapsed time per iteration (ms): 812.4 |"
+            f" learning rate: 3.000000E-04 | global batch size:   256 | lm loss: {loss:.6E} | loss scale: {scale:.1f} | grad norm: {grad:.3f} |"
+            f" number of skipped iterations: {skipped:3d} | number of nan iterations:   0 |")  # fmt: skip
+
+
+def _pasted(tmp_path: Path, vals: list[tuple[float, float]]) -> Path:
+    log = tmp_path / "pasted.txt"
+    log.write_text("\n".join(_lm_line(3000 + 10 * k, loss, grad) for k, (loss, grad) in enumerate(vals)) + "\n")
+    return log
+
+
+def test_a_pasted_megatron_lm_excerpt_names_its_onset_and_rule(tmp_path: Path) -> None:
+    """Six lines of Megatron-LM's own print format, logged every 10 iterations: the loss 23%
+    up with the grad norm 2.5x on the fifth, still up on the sixth. Too small for the ratio
+    rules and for 6 sigma against four lines; loss and grad norm leaving the earlier lines
+    together, the loss staying up, decide (the onset lies between iterations 3030 and 3040: the
+    line of 3040 is the first to show it)."""
+    log = _pasted(tmp_path, [(6.43, 1.21), (6.38, 1.25), (6.45, 1.19), (6.40, 1.23), (7.90, 3.10), (8.40, 2.60)])
+    res = triage(log, None)
+    assert res.first_bad_step == 3040 and res.rule == "short-joint"
+    assert "grad norm" in res.onsets[0].message and "stays above" in res.onsets[0].message
+    from click.testing import CliRunner
+
+    from ckptforensics.cli import cli
+
+    out = CliRunner().invoke(cli, ["triage", "--metrics", str(log)])
+    assert "first bad step: 3040 (rule: short-joint)" in out.output, out.output
+    assert "log noise:" in out.output
+
+
+@pytest.mark.parametrize(
+    "vals",
+    [
+        # a single rank's blip: the loss alone, back on the next line
+        [(6.43, 1.21), (6.38, 1.25), (6.45, 1.19), (7.90, 1.22), (6.41, 1.20), (6.37, 1.24)],
+        # a hard batch: loss and grad norm, both back on the next line
+        [(6.43, 1.21), (6.38, 1.25), (6.45, 1.19), (7.90, 3.10), (6.41, 1.20), (6.37, 1.24)],
+    ],
+    ids=["single-rank-blip", "hard-batch"],
+)
+def test_a_pasted_excerpts_blip_that_recovers_is_no_onset(tmp_path: Path, vals: list[tuple[float, float]]) -> None:
+    assert triage(_pasted(tmp_path, vals), None).first_bad_step is None

@@ -42,15 +42,21 @@ def steps_of(run: Path) -> list[str]:
     return [str(s) for s in sorted(found)]
 
 
-def report(run: Path, a: str, b: str, env: dict[str, str]) -> dict:
-    """report.json of `diff --before a --after b` in a child process under `env`."""
+def reports(run: Path, pairs: list[tuple[str, str]], env: dict[str, str]) -> list[dict] | str:
+    """report.json of `diff --before a --after b` for each pair, in one child process under
+    `env` (torch imported once); the child's error text where it failed."""
     code = (
         "import json, sys; import ckptforensics; from ckptforensics import api; "
-        "assert ckptforensics.__file__.startswith(sys.argv[4]), ckptforensics.__file__; "
-        "r = api.diff(sys.argv[2], sys.argv[3], run_dir=sys.argv[1], workers=1); print(json.dumps(r.doc))"
+        "assert ckptforensics.__file__.startswith(sys.argv[2]), ckptforensics.__file__; "
+        "pairs = json.loads(sys.argv[3]); "
+        "print(json.dumps([api.diff(a, b, run_dir=sys.argv[1], workers=1).doc for a, b in pairs]))"
     )
     # cwd: not a checkout (`python -c` puts the working directory first on sys.path).
-    out = subprocess.run([sys.executable, "-c", code, str(run), a, b, env["PYTHONPATH"]], env=env, capture_output=True, text=True, check=True, cwd=run)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(run), env["PYTHONPATH"], json.dumps(pairs)], env=env, capture_output=True, text=True, cwd=run,
+    )  # fmt: skip
+    if out.returncode != 0:
+        return out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -131,12 +137,19 @@ def main() -> None:
     pairs = 0
     for run in args.runs:
         steps = steps_of(run)
-        for a, b in zip(steps, steps[1:], strict=False):
-            docs = {k: report(run, a, b, env) for k, env in envs.items()}
-            pairs += 1
-            for other in (k for k in docs if k != "fused"):
+        run_pairs = list(zip(steps, steps[1:], strict=False))
+        docs = {k: reports(run, run_pairs, env) for k, env in envs.items()}
+        pairs += len(run_pairs)
+        for other in (k for k in docs if k != "fused"):
+            for k in ("fused", other):
+                if isinstance(docs[k], str):
+                    failed += 1
+                    print(f"{run.name}: {k} failed: {docs[k]}")
+            if isinstance(docs["fused"], str) or isinstance(docs[other], str):
+                continue
+            for (a, b), x, y in zip(run_pairs, docs[other], docs["fused"], strict=True):
                 d = Delta()
-                compare(docs[other], docs["fused"], "", args.rel, d)
+                compare(x, y, "", args.rel, d)
                 if other == "reference":
                     d.hard = [h for h in d.hard if not _within(h, loose, d)]
                 for k, v in d.worst.items():

@@ -20,6 +20,7 @@ from .diffstats import (
     TensorDiff,
     adam_step,
     diff_tensor,
+    load_kernels,
     prefetch,
     scalar,
     tensor_role,
@@ -187,6 +188,7 @@ def diff_checkpoints(
         import torch.distributed as dist
 
         mine = shard.balanced(names, [a.meta(n).numel for n in names], dist.get_world_size())[dist.get_rank()]
+    load_kernels(cfg)  # compiled (or loaded from the cache) once, before workers fork
     error: Exception | None = None
     local: list[TensorDiff] = []
     try:

@@ -12,10 +12,13 @@ import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
+import numpy as np
 import torch
 
+from . import fused
 from .errors import IncompatibleCheckpoints
 from .formats import bnb
 from .formats.base import Checkpoint
@@ -41,6 +44,7 @@ __all__ = [
     "prefetch",
     "scalar",
     "adam_step",
+    "load_kernels",
 ]
 
 
@@ -58,6 +62,10 @@ class DiffConfig:
             of chunks of 64K elements and more are estimated on every share_stride-th
             element (a sample of 16K+ per chunk: standard error < 0.4 points); the
             bounds that locate single elements always see every element.
+        device: where the statistics are computed ('cpu', 'cuda', 'cuda:1'): the
+            tensors are read on the host and each chunk is copied to the device.
+        fused: on the CPU, compute each chunk's statistics in one fused pass (`fused`);
+            torch ops where the kernel is unavailable, and on other devices.
     """
 
     chunk_elems: int = 1 << 19
@@ -65,6 +73,8 @@ class DiffConfig:
     rho_threshold: float = 0.9
     bound_slack: float = 1e-3
     share_stride: int = 4
+    device: str = "cpu"
+    fused: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,25 +223,224 @@ def _chunks(t: torch.Tensor, size: int) -> Iterator[tuple[int, torch.Tensor]]:
 
 
 class _Acc:
-    """Running sums/maxima of one tensor, combined across chunks."""
+    """Running sums/maxima of one tensor, combined across chunks in fp64 on the host.
+
+    Values are tensors (read back together: one host sync per call) or numbers."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
         self.maxes: dict[str, float] = {}
 
-    def add(self, **kv: torch.Tensor) -> None:
-        vals = torch.stack([v.to(torch.float64) for v in kv.values()]).tolist()
-        for k, v in zip(kv, vals, strict=True):
+    def add(self, **kv: torch.Tensor | float) -> None:
+        for k, v in _host(kv).items():
             self.sums[k] = self.sums.get(k, 0.0) + v
 
-    def max(self, **kv: torch.Tensor) -> None:
-        vals = torch.stack([v.to(torch.float64) for v in kv.values()]).tolist()
-        for k, v in zip(kv, vals, strict=True):
+    def max(self, **kv: torch.Tensor | float) -> None:
+        for k, v in _host(kv).items():
             self.maxes[k] = max(self.maxes.get(k, -math.inf), v)
 
 
+def _host(kv: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    keys = [k for k, v in kv.items() if isinstance(v, torch.Tensor)]
+    out = {k: float(v) for k, v in kv.items() if not isinstance(v, torch.Tensor)}
+    if keys:
+        vals = torch.stack([kv[k].to(torch.float64) for k in keys]).tolist()  # type: ignore[union-attr]
+        out.update(zip(keys, vals, strict=True))
+    return out
+
+
+def _f32(x: float) -> float:
+    """A Python scalar as torch rounds it to compare it with an fp32 tensor."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
+
+
+def load_kernels(cfg: DiffConfig) -> fused.Kernels | None:
+    """The fused kernels a diff under `cfg` uses (None: torch ops). Called once before
+    worker processes fork, they inherit the loaded library rather than each build it."""
+    return fused.load() if cfg.fused and torch.device(cfg.device).type == "cpu" else None
+
+
+class _Staging:
+    """Chunks on their way to the statistics' device: read on the host into a pinned
+    buffer (one per stream), copied to the device without blocking the host; a buffer
+    is refilled only once the device has its previous contents. On the CPU, the chunk."""
+
+    def __init__(self, device: str | torch.device, *, always: bool = False) -> None:
+        self.device = torch.device(device)
+        self.active = always or self.device.type != "cpu"
+        self._pin = self.device.type == "cuda"
+        self._bufs: dict[int, torch.Tensor] = {}
+        self._done: dict[int, Any] = {}
+
+    def __call__(self, t: torch.Tensor, slot: int) -> torch.Tensor:
+        if not self.active:
+            return t
+        n = t.numel()
+        buf = self._bufs.get(slot)
+        if buf is None or buf.dtype != t.dtype or buf.numel() < n:
+            buf = torch.empty(max(n, 1), dtype=t.dtype, pin_memory=self._pin)
+            self._bufs[slot] = buf
+        elif slot in self._done:
+            self._done.pop(slot).synchronize()
+        host = buf[:n]
+        host.copy_(t.reshape(-1))  # the read: file pages (or page cache) -> staging buffer
+        out = host.to(self.device, non_blocking=self._pin)
+        if self._pin:
+            ev = torch.cuda.Event()
+            ev.record()
+            self._done[slot] = ev
+        elif out.data_ptr() == host.data_ptr():
+            out = out.clone()  # the buffer is refilled with the next chunk
+        return out
+
+
+class _Pair:
+    """One chunk of a weight pair; its fp32 views on the statistics' device, made when
+    first asked for (the fused kernel reads the stored values directly)."""
+
+    def __init__(self, wa: torch.Tensor, wb: torch.Tensor, stage: _Staging) -> None:
+        self.wa, self.wb, self._stage = wa, wb, stage
+        self.sums: tuple[float, float] | None = None  # fp64 sum |dw|, sum |w_A| (fused kernel)
+
+    @cached_property
+    def fa(self) -> torch.Tensor:
+        return self._stage(self.wa, 0).float()
+
+    @cached_property
+    def fb(self) -> torch.Tensor:
+        return self._stage(self.wb, 1).float()
+
+    @cached_property
+    def d(self) -> torch.Tensor:
+        return self.fb - self.fa
+
+    @cached_property
+    def ad(self) -> torch.Tensor:
+        return self.d.abs()
+
+    def maybe_outliers(self, dmax: float, eps: float) -> bool:
+        """Could an element pass the outlier test |dw| > 16 (mean |dw| + eps mean |w_A|)?
+        Decided from the fused sums with a margin (1e-4) far above the fp32 rounding of
+        the torch means the test itself uses; False only when no element can."""
+        if self.sums is None:
+            return True
+        n = self.wa.numel()
+        scale = self.sums[0] / n + eps * self.sums[1] / n
+        return dmax > 16 * scale * (1 - 1e-4)
+
+
+class _Moments:
+    """One chunk of Adam's moments (m_A, m_B, v_A, v_B) as stored; their fp32 views on the
+    statistics' device when first asked for."""
+
+    def __init__(self, raw: list[torch.Tensor], stage: _Staging) -> None:
+        self.raw, self._stage = raw, stage
+
+    def _get(self, i: int) -> torch.Tensor:
+        return self._stage(self.raw[i], 2 + i).float()
+
+    ma = cached_property(lambda self: self._get(0))
+    mb = cached_property(lambda self: self._get(1))
+    va = cached_property(lambda self: self._get(2))
+    vb = cached_property(lambda self: self._get(3))
+
+
+def _weight_stats(w: _Pair, kern: fused.Kernels | None, acc: _Acc) -> float | None:
+    """||w_A||^2, ||dw||^2, max |dw|, max |w_B| and the non-finite counts of one chunk;
+    returns max |dw| when every dw is finite (the bound checks start from it)."""
+    ws = kern.weights(w.wa, w.wb) if kern is not None else None
+    if ws is not None and math.isfinite(ws.sum_a2) and math.isfinite(ws.sum_d2):
+        # fp64 sums of squares of fp32 values cannot overflow: finite sums mean finite data.
+        acc.add(wa2=ws.sum_a2, d2=ws.sum_d2)
+        acc.max(dmax=ws.max_abs_d, bmax=ws.max_abs_b)
+        w.sums = (ws.sum_abs_d, ws.sum_abs_a)
+        return ws.max_abs_d
+    fa, fb, d, ad = w.fa, w.fb, w.d, w.ad
+    # Fast path: plain sums and extrema; any NaN/inf shows in them, and only then is
+    # the chunk recomputed with masks (non-finite values are rare, and data).
+    bmin, bmax = torch.aminmax(fb)
+    fast = torch.stack([torch.dot(fa, fa), torch.dot(d, d), ad.max(), torch.maximum(-bmin, bmax)])
+    vals = fast.tolist()
+    if all(math.isfinite(v) for v in vals):
+        acc.add(wa2=vals[0], d2=vals[1])
+        acc.max(dmax=vals[2], bmax=vals[3])
+        return vals[2]
+    fin_a, fin_b = torch.isfinite(fa), torch.isfinite(fb)
+    acc.add(wa2=_finite_sq_sum(fa), d2=_finite_sq_sum(d), nfa=(~fin_a).sum(), nfb=(~fin_b).sum())
+    dmax = float(_finite_absmax(d))
+    acc.max(dmax=dmax, bmax=_finite_absmax(fb))
+    # Finite data whose squares overflowed fp32 (a flipped exponent bit) still has a max.
+    return dmax if bool(torch.isfinite(d).all()) else None
+
+
+def _moment_stats_torch(mo: _Moments, acc: _Acc, st: int, thr: float, eps: float) -> None:
+    """Sums, maxima and share counts of one chunk of Adam's moments, in torch ops."""
+    ma, mb, va, vb = mo.ma, mo.mb, mo.va, mo.vb
+    amb = mb.abs()
+    # fp64 sums, as the kernel's: r_v subtracts beta2^k sum v_A from sum v_B, nearly equal
+    # when gradients are small, and fp32 chunk sums left it off by up to 6e-4 (zoo lr_jump).
+    mom = torch.stack([va.sum(dtype=torch.float64), vb.sum(dtype=torch.float64), amb.max().double(), vb.max().double()])
+    if not bool(torch.isfinite(mom).all()):
+        acc.add(nfm=(~torch.isfinite(mb)).sum(), nfv=(~torch.isfinite(vb)).sum())
+        mom = torch.stack([_finite_sum(va), _finite_sum(vb), _finite_absmax(mb), _finite_absmax(vb)])
+    ma_s, va_s, vb_s, amb_s = (x[::st] for x in (ma, va, vb, amb))
+    acc.add(
+        sum_va=mom[0],
+        sum_vb=mom[1],
+        sampled=float(ma_s.numel()),
+        # |m| > thr (sqrt(v) + eps)  <=>  |m| - thr sqrt(v) > thr eps
+        rho_a=_rho_count(ma_s.abs(), va_s, thr, eps),
+        rho_b=_rho_count(amb_s, vb_s, thr, eps),
+        # sqrt(v) < 10 eps  <=>  v < 100 eps^2
+        van_a=torch.count_nonzero(va_s < 100 * eps * eps),
+        van_b=torch.count_nonzero(vb_s < 100 * eps * eps),
+        v_n=torch.count_nonzero(va > 0),
+    )
+    acc.max(mmax=mom[2], vmax=mom[3])
+
+
+def _sqrt32(v: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded fp32 square root (the fused kernel's, IEEE's): torch's fp32
+    sqrt on the CPU is off by one ulp on about a fifth of the elements (measured, torch
+    2.13 AVX-512), which moves elements across a bound; through fp64 it rounds once."""
+    return v.double().sqrt().float() if v.dtype == torch.float32 else v.sqrt()
+
+
+def _rho_count(am: torch.Tensor, v: torch.Tensor, thr: float, eps: float) -> torch.Tensor:
+    """Elements with |m| - thr sqrt(v) > thr eps, as the fused kernel counts them: in
+    fp64, where thr sqrt(v) of fp32 values is exact, so a fused multiply-add and a
+    multiply then subtract round alike (in fp32 they differ on ties, and which one torch
+    runs depends on its build and the strides)."""
+    return torch.count_nonzero(am.double() - _f32(thr) * _sqrt32(v).double() > _f32(thr * eps))
+
+
+def _moment_stats_fused(ms: fused.MomentStats, mo: _Moments, acc: _Acc) -> None:
+    """The same from the fused kernel's pass; only a chunk holding a non-finite moment
+    has its sums and maxima recomputed with masks in torch ops."""
+    if ms.nonfinite_mb == ms.nonfinite_va == ms.nonfinite_vb == 0:
+        acc.add(sum_va=ms.sum_va, sum_vb=ms.sum_vb)
+        acc.max(mmax=ms.max_abs_mb, vmax=ms.max_vb)
+    else:
+        mb, va, vb = mo.mb, mo.va, mo.vb
+        acc.add(nfm=(~torch.isfinite(mb)).sum(), nfv=(~torch.isfinite(vb)).sum())
+        mom = torch.stack([_finite_sum(va), _finite_sum(vb), _finite_absmax(mb), _finite_absmax(vb)])
+        acc.add(sum_va=mom[0], sum_vb=mom[1])
+        acc.max(mmax=mom[2], vmax=mom[3])
+    acc.add(sampled=ms.sampled, rho_a=ms.rho_a, rho_b=ms.rho_b, van_a=ms.van_a, van_b=ms.van_b, v_n=ms.v_pos)
+
+
 def _finite_sum(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(x), x, 0).sum()
+    """Sum of the finite elements, in fp64: finite fp32 values can sum past fp32's range
+    (a second moment near its dtype's max), and the fused kernel sums in fp64 too."""
+    return torch.where(torch.isfinite(x), x, 0).sum(dtype=torch.float64)
+
+
+def _finite_sq_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of the finite elements, in fp64: a finite fp32 value past 1.8e19
+    (one exponent bit flipped) squares past fp32's range; the fused kernel's is fp64 too."""
+    x64 = torch.where(torch.isfinite(x), x, 0).double()
+    return torch.dot(x64, x64)
 
 
 def _finite_absmax(x: torch.Tensor) -> torch.Tensor:
@@ -388,108 +597,76 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
                     f"{name}: optimizer moment of shape {list(t.shape)} for a parameter of shape {list(meta.shape)}"
                 )
     is_float = lim is not None
+    kern = load_kernels(cfg)
+    stage = _Staging(cfg.device)
+    moment_streams = [t.reshape(-1) for t in streams] if moments or restart else []
     for lo, wa in _chunks(wa_full, cfg.chunk_elems):
         hi = lo + wa.numel()
         wb = wb_full.reshape(-1)[lo:hi]
         if not is_float:
-            acc.add(changed=(wa != wb).sum())
+            acc.add(changed=(stage(wa, 0) != stage(wb, 1)).sum())
             _release_all(a, b, wa, wb)
             continue
-        fa, fb = wa.float(), wb.float()
-        d = fb - fa
-        ad = d.abs()
-        # Fast path: plain sums and extrema; any NaN/inf shows in them, and only then is
-        # the chunk recomputed with masks (non-finite values are rare, and data).
-        bmin, bmax = torch.aminmax(fb)
-        fast = torch.stack([torch.dot(fa, fa), torch.dot(d, d), ad.max(), torch.maximum(-bmin, bmax)])
-        if bool(torch.isfinite(fast).all()):
-            acc.add(wa2=fast[0], d2=fast[1])
-            acc.max(dmax=fast[2], bmax=fast[3])
-        else:
-            fin_a, fin_b = torch.isfinite(fa), torch.isfinite(fb)
-            acc.add(
-                wa2=torch.where(fin_a, fa * fa, 0).sum(),
-                d2=torch.where(torch.isfinite(d), d * d, 0).sum(),
-                nfa=(~fin_a).sum(),
-                nfb=(~fin_b).sum(),
-            )
-            acc.max(dmax=_finite_absmax(d), bmax=_finite_absmax(fb))
+        w = _Pair(wa, wb, stage)
+        dmax = _weight_stats(w, kern, acc)  # max |dw| of the chunk where every dw is finite
         if restart:
             assert restart_floor is not None
-            va, vb = (t.reshape(-1)[lo:hi].float() for t in streams[2:])
+            va, vb = (stage(t[lo:hi], 4 + i).float() for i, t in enumerate(moment_streams[2:]))
             allow = restart_allow[lo:hi] if restart_allow is not None else 0.0
             acc.add(restart_low=torch.count_nonzero((vb < va * restart_floor - allow) & (va > 0)), restart_n=torch.count_nonzero(va > 0))
-            _release_all(a, b, *(t.reshape(-1)[lo:hi] for t in streams))
+            _release_all(a, b, *(t[lo:hi] for t in moment_streams))
         if moments:
-            ma, mb, va, vb = (t.reshape(-1)[lo:hi].float() for t in streams)
-            sq_b = vb.sqrt()
-            amb = mb.abs()
+            raw = [t[lo:hi] for t in moment_streams]
+            st = cfg.share_stride if wa.numel() >= 1 << 16 else 1
             thr = cfg.rho_threshold
-            mom = torch.stack([va.sum(), vb.sum(), amb.max(), vb.max()])
-            if not bool(torch.isfinite(mom).all()):
-                acc.add(nfm=(~torch.isfinite(mb)).sum(), nfv=(~torch.isfinite(vb)).sum())
-                mom = torch.stack([_finite_sum(va), _finite_sum(vb), _finite_absmax(mb), _finite_absmax(vb)])
-            st = cfg.share_stride if ma.numel() >= 1 << 16 else 1
-            ma_s, va_s, vb_s, amb_s, sqb_s = (x[::st] for x in (ma, va, vb, amb, sq_b))
-            acc.add(
-                sum_va=mom[0],
-                sum_vb=mom[1],
-                sampled=torch.tensor(float(ma_s.numel())),
-                # |m| > thr (sqrt(v) + eps)  <=>  |m| - thr sqrt(v) > thr eps
-                rho_a=torch.count_nonzero(torch.sub(ma_s.abs(), va_s.sqrt(), alpha=thr) > thr * eps),
-                rho_b=torch.count_nonzero(torch.sub(amb_s, sqb_s, alpha=thr) > thr * eps),
-                # sqrt(v) < 10 eps  <=>  v < 100 eps^2
-                van_a=torch.count_nonzero(va_s < 100 * eps * eps),
-                van_b=torch.count_nonzero(vb_s < 100 * eps * eps),
-                v_n=torch.count_nonzero(va > 0),
-            )
-            acc.max(mmax=mom[2], vmax=mom[3])
             slack = 1 + cfg.bound_slack + 2 * store_eps
-            if mbound_ is not None and mbound_.sharp:
-                # Update bound: |dw| <= k (per_step + decay |w|), plus one storage ulp each
-                # side. Only elements past the weight-free part need the full bound.
-                coarse = ad > k * mbound_.per_step * slack
-                if bool(coarse.any()):
-                    idx = torch.nonzero(coarse).flatten()
-                    wmax = torch.maximum(fa[idx].abs(), fb[idx].abs())
-                    bound = wmax * (k * mbound_.decay * slack + 2 * lim.eps) + k * mbound_.per_step * slack
-                    over = ad[idx] > bound
-                    _collect(cands, counts, "bound", "weight", idx[over], fa, fb, "near", bound[over], lo, meta.shape, wb.dtype, cfg)
-            elif mbound_ is not None:
-                _isolated(fa, fb, ad, lim.eps, None, 0.0, lo, meta.shape, wb.dtype, cands, counts, cfg)
             # v floor: v_B >= beta2^k v_A; fp32 rounding allows a few ulps per step, a
             # narrow storage dtype its rounding at every step (Megatron's precision-aware
             # optimizer and pure-bf16 AdamW store the moment in bf16 after each update),
             # 8-bit codes k code gaps of the block's absmax (`quantised_floor_allowance`).
             floor_k = decay_k * (1 - 1e-6 * (k + 4)) * (1 - (k + 1) * store_eps)
-            allow = v_allow[lo:hi] if v_allow is not None else 0.0
-            low = vb < va * floor_k - allow
-            if bool(low.any()):
-                idx = torch.nonzero(low).flatten()
-                limits = va[idx] * floor_k - (allow[idx] if isinstance(allow, torch.Tensor) else 0.0)
-                _collect(
-                    cands, counts, "vfloor", "exp_avg_sq", idx, va, vb, "at_least", limits, lo, meta.shape, sb["exp_avg_sq"].dtype, cfg,
-                    explain=_code_flips(quant, lo) if quant is not None else None,
-                )  # fmt: skip
+            c_mb = c_raw_b * slack
+            ms = kern.moments(*raw, stride=st, thr=thr, eps=eps, floor_k=floor_k, c_mb=c_mb) if kern is not None else None
+            mo = _Moments(raw, stage)
+            if ms is None:
+                _moment_stats_torch(mo, acc, st, thr, eps)
+            else:
+                _moment_stats_fused(ms, mo, acc)
+            if mbound_ is not None and mbound_.sharp:
+                # Update bound: |dw| <= k (per_step + decay |w|), plus one storage ulp each
+                # side. Only elements past the weight-free part need the full bound.
+                _bound_check(w, dmax, k * mbound_.per_step * slack, k * mbound_.decay * slack, lim.eps, lo, meta.shape, cands, counts, cfg)
+            elif mbound_ is not None:
+                _isolated_chunk(w, dmax, lim.eps, None, 0.0, lo, meta.shape, cands, counts, cfg)
+            # The kernel's count of v_B < floor_k v_A is a superset of the elements under
+            # the floor less the 8-bit allowance: torch reruns the exact test, and keeps
+            # the evidence, only on a chunk where it is not 0.
+            if ms is None or ms.low:
+                va, vb = mo.va, mo.vb
+                allow = v_allow[lo:hi] if v_allow is not None else 0.0
+                low = vb < va * floor_k - allow
+                if bool(low.any()):
+                    idx = torch.nonzero(low).flatten()
+                    limits = va[idx] * floor_k - (allow[idx] if isinstance(allow, torch.Tensor) else 0.0)
+                    _collect(
+                        cands, counts, "vfloor", "exp_avg_sq", idx, va, vb, "at_least", limits, lo, meta.shape, sb["exp_avg_sq"].dtype, cfg,
+                        explain=_code_flips(quant, lo) if quant is not None else None,
+                    )  # fmt: skip
             # |m_B| <= C_raw sqrt(v_B): the raw EMAs obey Cauchy-Schwarz at every step.
-            big = amb > sq_b * (c_raw_b * slack) if check_m else amb < 0
-            if bool(big.any()):
-                idx = torch.nonzero(big).flatten()
-                _collect(cands, counts, "mbound", "exp_avg", idx, ma, mb, "abs_within", sq_b[idx] * (c_raw_b * slack), lo, meta.shape, sb["exp_avg"].dtype, cfg)
-            _release_all(a, b, *(t.reshape(-1)[lo:hi] for t in streams))
+            if check_m and (ms is None or ms.big):
+                ma, mb, sq_b = mo.ma, mo.mb, _sqrt32(mo.vb)
+                big = mb.abs() > sq_b * c_mb
+                if bool(big.any()):
+                    idx = torch.nonzero(big).flatten()
+                    _collect(cands, counts, "mbound", "exp_avg", idx, ma, mb, "abs_within", sq_b[idx] * c_mb, lo, meta.shape, sb["exp_avg"].dtype, cfg)
+            _release_all(a, b, *raw)
         elif obound is not None and math.isfinite(obound.per_step) and obound.sharp:
             # The family's own per-element bound (Lion's exact lr, Muon's spectral norm).
             slack = 1 + cfg.bound_slack
-            coarse = ad > o_k * obound.per_step * slack
-            if bool(coarse.any()):
-                idx = torch.nonzero(coarse).flatten()
-                wmax = torch.maximum(fa[idx].abs(), fb[idx].abs())
-                bound = wmax * (o_k * obound.decay * slack + 2 * lim.eps) + o_k * obound.per_step * slack
-                over = ad[idx] > bound
-                _collect(cands, counts, "bound", "weight", idx[over], fa, fb, "near", bound[over], lo, meta.shape, wb.dtype, cfg)
+            _bound_check(w, dmax, o_k * obound.per_step * slack, o_k * obound.decay * slack, lim.eps, lo, meta.shape, cands, counts, cfg)
         else:
-            bufs = tuple(x.reshape(-1)[lo:hi].float().abs() for x in sgd_bufs) if sgd_bufs is not None else None
-            _isolated(fa, fb, ad, lim.eps, bufs, o_k * o_lr, lo, meta.shape, wb.dtype, cands, counts, cfg)  # type: ignore[arg-type]
+            bufs = tuple(stage(x.reshape(-1)[lo:hi], 2 + i).float().abs() for i, x in enumerate(sgd_bufs)) if sgd_bufs is not None else None
+            _isolated_chunk(w, dmax, lim.eps, bufs, o_k * o_lr, lo, meta.shape, cands, counts, cfg)  # type: ignore[arg-type]
         _release_all(a, b, wa, wb)
 
     if other and (o_floor is not None or o_restart_floor is not None):
@@ -596,6 +773,35 @@ def _factored_floor(
         if bool(low.any()):
             idx = torch.nonzero(low).flatten()
             _collect(cands, counts, "vfloor", key, idx, va, vb, "at_least", va[idx] * f, 0, tuple(xb.shape), xb.dtype, cfg)
+
+
+def _bound_check(
+    w: _Pair, dmax: float | None, per_step: float, decay: float, ulp: float, lo: int, shape: tuple[int, ...],
+    cands: list[Candidate], counts: dict[str, int], cfg: DiffConfig,
+) -> None:
+    """|dw| <= per_step + decay |w| (both over the window, slack included), plus one storage
+    ulp each side; only elements past the weight-free part need the full bound, and a chunk
+    whose max |dw| is under it (the fused kernel's, or torch's) is done without a pass."""
+    if dmax is not None and dmax <= _f32(per_step):
+        return
+    ad, fa, fb = w.ad, w.fa, w.fb
+    coarse = ad > per_step
+    if bool(coarse.any()):
+        idx = torch.nonzero(coarse).flatten()
+        wmax = torch.maximum(fa[idx].abs(), fb[idx].abs())
+        bound = wmax * (decay + 2 * ulp) + per_step
+        over = ad[idx] > bound
+        _collect(cands, counts, "bound", "weight", idx[over], fa, fb, "near", bound[over], lo, shape, w.wb.dtype, cfg)
+
+
+def _isolated_chunk(
+    w: _Pair, dmax: float | None, ulp: float, bufs: tuple[torch.Tensor, torch.Tensor] | None, klr: float,
+    lo: int, shape: tuple[int, ...], cands: list[Candidate], counts: dict[str, int], cfg: DiffConfig,
+) -> None:
+    """`_isolated` on a chunk that can hold such an element (decided from the fused
+    kernel's sums where it ran: most chunks need no torch pass)."""
+    if w.wa.numel() >= 64 and (dmax is None or w.maybe_outliers(dmax, ulp)):
+        _isolated(w.fa, w.fb, w.ad, ulp, bufs, klr, lo, shape, w.wb.dtype, cands, counts, cfg)
 
 
 def _isolated(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -116,6 +117,7 @@ def lr_growth_limit(step_a: int, step_b: int, margin: float = LR_GROWTH_MARGIN) 
     return margin * max(1.0, step_b / max(step_a, 1))
 
 
+@lru_cache(maxsize=1024)  # the same (betas, window) for every tensor of a group
 def adam_ratio_bound(beta1: float, beta2: float, t_first: int, t_last: int) -> float:
     """Largest |m_hat| / sqrt(v_hat) any Adam step t in [t_first, t_last] can produce.
 

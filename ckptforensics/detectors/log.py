@@ -413,6 +413,7 @@ def short_joint(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
 # stands in for the spread: every later line at z/3 floor units (the held rule's margin,
 # HELD_Z: 9.6%) or more above the first, at least ONE_REF_HELD of them, and one at z (OLMo-core's
 # 6 sigma: 32%). The onset is the second line, the first of the run that persists to the end.
+# Two reference lines (still under short-z's SHORT_MIN) are judged so too, above the larger.
 ONE_REF_HELD = 2
 
 
@@ -422,16 +423,19 @@ def one_reference_line(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     if not ev.excerpt or len(_lines(ev)) >= cfg.judge_after:
         return []
     loss = [(s, r["loss"]) for s, r in ev.rows.items() if "loss" in r and r["loss"] > 0]
-    if len(loss) < 1 + ONE_REF_HELD or not math.isfinite(loss[0][1]):
-        return []
-    ref = loss[0][1]
-    units = [(math.log10(v) - math.log10(ref)) / CURVE_FLOOR if math.isfinite(v) else math.inf for _, v in loss[1:]]
-    if min(units) < HELD_Z * cfg.z or max(units) < cfg.z:
-        return []
-    s, v = loss[1]
-    msg = (f"loss {v:.4g} at step {s} leaves the excerpt's one earlier line ({ref:.4g}) and stays above it on the {len(units) - 1} line(s) after "
-           f"(all >= {HELD_Z * cfg.z:g} and up to {max(units):.1f} noise units of the trend rule's 4.7% floor; no spread of its own to judge by)")  # fmt: skip
-    return [Onset(s, "loss", v, ref, units[0], msg, "one-reference-line")]
+    for k in range(1, SHORT_MIN):
+        if len(loss) < k + ONE_REF_HELD or not all(math.isfinite(v) for _, v in loss[:k]):
+            break
+        ref = max(v for _, v in loss[:k])
+        units = [(math.log10(v) - math.log10(ref)) / CURVE_FLOOR if math.isfinite(v) else math.inf for _, v in loss[k:]]
+        if min(units) < HELD_Z * cfg.z or max(units) < cfg.z:
+            continue
+        s, v = loss[k]
+        what = "the excerpt's one earlier line" if k == 1 else f"the excerpt's {k} earlier lines (their largest"
+        msg = (f"loss {v:.4g} at step {s} leaves {what} ({ref:.4g}{')' if k > 1 else ''}) and stays above it on the {len(units) - 1} line(s) after "
+               f"(all >= {HELD_Z * cfg.z:g} and up to {max(units):.1f} noise units of the trend rule's 4.7% floor; too few lines for a spread of their own)")  # fmt: skip
+        return [Onset(s, "loss", v, ref, units[0], msg, "one-reference-line")]
+    return []
 
 
 def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
@@ -457,7 +461,10 @@ def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
             out.append(Onset(s, "loss", v, mean, math.inf, f"loss {v:.4g} at step {s} is >= 3x the mean of the {min(len(prev), LIGHTNING_WINDOW)} lines before it ({mean:.4g}; Lightning's SpikeDetection, rtol 2)", "lightning-rtol"))
         elif len(prev) >= SHORT_MIN:
             z, med = _short_z(prev, v)
-            if z > cfg.z:
+            nxt = loss[k + 1][1] if k + 1 < len(loss) else None
+            # Back under z/2 on the next line: a blip the excerpt sees recover (a hard batch, a
+            # junk row), not an onset (issue 32: an onset persists or is confirmed).
+            if z > cfg.z and not (nxt is not None and math.isfinite(nxt) and _short_z(prev, nxt)[0] < cfg.z / 2):
                 out.append(Onset(s, "loss", v, 10**med, z, f"loss {v:.4g} at step {s} vs {10**med:.4g} over the {len(prev)} lines before it (robust z {z:.1f}, spread floored at 4.7%)", "short-z"))
     seen = {o.step for o in out}
     losses = dict(loss)

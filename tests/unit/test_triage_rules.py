@@ -285,3 +285,16 @@ def test_an_excerpt_ending_on_its_first_rising_line_is_undecided(tmp_path: Path)
     # One line more, still up: an onset.
     res = triage(_pasted(tmp_path, [*vals, (4.80, 2.5)]), None)
     assert res.first_bad_step == 3090, (res.first_bad_step, res.rule)
+
+
+def test_an_excerpts_large_blip_that_recovers_on_the_next_line_is_no_onset(tmp_path: Path) -> None:
+    """A junk batch doubling the loss on one line of a pasted excerpt, back on the next: far
+    past 6 sigma of the lines before it, but seen to recover (short-z needs it to persist)."""
+    vals = [1.62, 2.02, 1.58, 1.59, 3.15, 1.65, 1.72, 2.23, 2.73, 1.56, 1.65]
+    assert triage(_nogn_lines(tmp_path, vals, every=1), None).first_bad_step is None
+
+
+def test_an_excerpt_with_two_reference_lines(tmp_path: Path) -> None:
+    """Two lines before the fault, too few for short-z: judged above the larger of them."""
+    res = triage(_nogn_lines(tmp_path, [1.84, 1.80, 2.10, 2.60, 2.90]), None)
+    assert res.first_bad_step == 170 and res.rule == "one-reference-line", (res.first_bad_step, res.rule)

@@ -529,10 +529,11 @@ RECOVER, HOLD, TAIL_PEERS = 2, 3, 2
 # How long this log's blips last: its excursions over z/2 shorter than CURVE_SHORT (a longer one
 # is a held excursion, not a blip) fitted by a geometric distribution of durations (each step
 # of an excursion continues it with one probability: the maximum-likelihood fit is 1/mean);
-# a blip recovers within the fit's 99% quantile (scipy.stats.geom.ppf), at least RECOVER and
-# at most half CURVE_SHORT. Fewer than BLIP_FIT excursions fit nothing: RECOVER. A log whose
+# a blip recovers within the longest of the log's n excursions the fit allows at 1% for all n
+# together (scipy.stats.geom.isf at stats.family_alpha(n, 1%), Sidak), at least RECOVER and at
+# most half CURVE_SHORT. Fewer than BLIP_FIT excursions fit nothing: RECOVER. A log whose
 # blips last one step keeps 2; one rank's micro-batch, or junk batches in a row, last 2-3.
-BLIP_Q, BLIP_FIT = 0.99, 3
+BLIP_ALPHA, BLIP_FIT = 0.01, 3
 
 
 def recovery_horizon(ev: LogEvidence, cfg: TriageConfig) -> int:
@@ -550,7 +551,7 @@ def recovery_horizon(ev: LogEvidence, cfg: TriageConfig) -> int:
     runs = [r for r in runs if r < CURVE_SHORT]
     if len(runs) < BLIP_FIT or max(runs) == 1:
         return RECOVER  # too few to fit, or every blip lasts one step
-    q = int(stats.geom.ppf(BLIP_Q, 1.0 / float(np.mean(runs))))
+    q = int(stats.geom.isf(family_alpha(len(runs), BLIP_ALPHA), 1.0 / float(np.mean(runs))))
     return min(max(RECOVER, q), CURVE_SHORT // 2)
 # A blip the grad norm does not confirm is routine only on a log that blips so at all: one
 # other blip at least half its size (a quiet log's lone poisoned batch, whose junk rows move

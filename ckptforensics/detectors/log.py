@@ -723,12 +723,36 @@ def _persisting_start(o: Onset, ev: LogEvidence, cfg: TriageConfig) -> Onset:
     return o
 
 
+SHORT_RULES = ("short-z", "short-joint", "one-reference-line", "lightning-rtol", "megatron-10x", "nonfinite", "loss-scale-collapse")
+
+
+def _short_followed(seed: Onset, found: list[Onset], ev: LogEvidence) -> bool:
+    """An excerpt's overflow (a backoff, skipped iterations) that the loss follows: an onset of
+    the short rules on the line that logged it or the next (as `_followed` asks of the trend's
+    loss on a full log)."""
+    if seed.signal != "loss_scale" or not ev.excerpt:
+        return False
+    lines = _lines(ev)
+    at = next((k for k, s in enumerate(lines) if s >= seed.step), None)
+    if at is None:
+        return False
+    near = set(lines[at : at + 2])
+    return any(o.step in near and o.rule in SHORT_RULES for o in found)
+
+
 def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[Onset]]:
     """(onsets by step, seeds the loss did not follow and the log's routine blips: ignored)."""
     seeds = [o for d in SEED_DETECTORS for o in d(ev, cfg)]
-    kept = [o for o in seeds if _followed(o, ev, cfg)]
+    found = [o for d in ONSET_DETECTORS for o in d(ev, cfg)]
+    # The excerpt's short rules measure what spread its lines have: one reference line decides
+    # only where they find nothing but a last line rising (`undecidable_last_line`).
+    lines = _lines(ev)
+    measured = [o for o in found if o.rule != "one-reference-line" and not (lines and o.step == lines[-1] and o.rule in NOISE_RULES)]
+    if measured:
+        found = [o for o in found if o.rule != "one-reference-line"]
+    kept = [o for o in seeds if _followed(o, ev, cfg) or _short_followed(o, found, ev)]
     ignored = [o for o in seeds if o not in kept]
-    onsets = kept + [o for d in ONSET_DETECTORS for o in d(ev, cfg)]
+    onsets = kept + found
     tail = blips(ev, cfg, cfg.z / 2)
     why = {id(o): _routine(o, tail, ev, cfg) for o in onsets}
     ignored += [Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, f"{o.message}; {why[id(o)]}", "tail") for o in onsets if why[id(o)]]

@@ -31,7 +31,10 @@ def test_a_pasted_megatron_deepspeed_excerpt_names_its_onset_and_rule(tmp_path: 
     log = tmp_path / "pasted.txt"
     log.write_text("\n".join(lines) + "\n")
     res = triage(log, None)
-    assert res.first_bad_step == 3040 and res.rule in ("short-z", "loss-scale-collapse")
+    # The overflow of the line of 3030 (an iteration of 3021-3030), which the next line's loss
+    # follows, as a full log's backoff counts where the loss spikes on that line or the next.
+    assert res.first_bad_step == 3021 and res.rule == "loss-scale-backoff", (res.first_bad_step, res.rule)
+    assert any(o.step == 3040 and o.rule in ("short-z", "loss-scale-collapse") for o in res.onsets)
     assert res.noise["ignored_columns"] == "grad_norm"  # 0.000 on every line: never computed
     assert "grad_norm" not in {o.signal for o in res.onsets}
 
@@ -295,6 +298,30 @@ def test_an_excerpts_large_blip_that_recovers_on_the_next_line_is_no_onset(tmp_p
 
 
 def test_an_excerpt_with_two_reference_lines(tmp_path: Path) -> None:
-    """Two lines before the fault, too few for short-z: judged above the larger of them."""
-    res = triage(_nogn_lines(tmp_path, [1.84, 1.80, 2.10, 2.60, 2.90]), None)
+    """Two lines before the fault, too few for short-z: judged above the larger of them (short-z
+    sees only the last line rise)."""
+    res = triage(_nogn_lines(tmp_path, [1.84, 1.80, 2.10, 2.60]), None)
     assert res.first_bad_step == 170 and res.rule == "one-reference-line", (res.first_bad_step, res.rule)
+
+
+def test_one_reference_line_decides_only_where_the_measured_rules_find_nothing(tmp_path: Path) -> None:
+    """A low first line makes every later line look risen against it alone; with three lines
+    before the jump, short-z (a spread of the excerpt's own) names the jump instead."""
+    log = tmp_path / "pasted.txt"
+    vals = [(1.482, 1.298), (1.721, 1.328), (1.818, 1.274), (2.960, 3.552), (2.818, 2.369)]
+    log.write_text("\n".join(_lm_line(148 + k, loss, grad) for k, (loss, grad) in enumerate(vals)) + "\n")
+    res = triage(log, None)
+    assert res.first_bad_step in (150, 151) and res.rule != "one-reference-line", (res.first_bad_step, res.rule)
+
+
+def test_an_excerpts_overflow_the_next_line_confirms_is_the_onset(tmp_path: Path) -> None:
+    """An overflow (the scale halves, one skipped iteration) and, on the next and last line, the
+    loss and grad norm up: the overflow is dated where the scaler logged it, confirmed by the
+    line after it, not an undecided last line."""
+    log = tmp_path / "pasted.txt"
+    rows = [(224, 1.841, 1.161, 131072.0, 0), (226, 2.074, 1.201, 131072.0, 0), (228, 1.587, 1.242, 131072.0, 0), (230, 1.499, None, 65536.0, 1), (232, 2.555, 2.407, 65536.0, 0)]
+    text = [_lm_line(it, loss, grad or 0.0, scale, skip) for it, loss, grad, scale, skip in rows]
+    text[3] = text[3].replace(" grad norm: 0.000 |", "")  # an overflowed iteration prints no grad norm
+    log.write_text("\n".join(text) + "\n")
+    res = triage(log, None)
+    assert res.first_bad_step == 229 and res.rule == "loss-scale-backoff", (res.first_bad_step, res.rule, res.undecided)

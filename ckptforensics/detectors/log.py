@@ -411,9 +411,11 @@ def short_joint(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
 # its own. The ratio rules (Megatron's 10x, Lightning's rtol 2) decide where they can; else the
 # trend rule's own noise floor (stats.CURVE_FLOOR, 4.7% a step: the least noise it assumes)
 # stands in for the spread: every later line at z/3 floor units (the held rule's margin,
-# HELD_Z: 9.6%) or more above the first, at least ONE_REF_HELD of them, and one at z (OLMo-core's
-# 6 sigma: 32%). The onset is the second line, the first of the run that persists to the end.
-# Two reference lines (still under short-z's SHORT_MIN) are judged so too, above the larger.
+# HELD_Z: 9.6%) or more above the first, at least ONE_REF_HELD of them, and the last at z
+# (OLMo-core's 6 sigma: 32%): the excursion still there where the excerpt ends, not falling back
+# as a single rank's blip of two lines does. The onset is the second line, the first of the run
+# that persists to the end. Two reference lines (under short-z's SHORT_MIN) are judged so too,
+# against their median.
 ONE_REF_HELD = 2
 
 
@@ -426,14 +428,14 @@ def one_reference_line(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     for k in range(1, SHORT_MIN):
         if len(loss) < k + ONE_REF_HELD or not all(math.isfinite(v) for _, v in loss[:k]):
             break
-        ref = max(v for _, v in loss[:k])
+        ref = float(np.median([v for _, v in loss[:k]]))
         units = [(math.log10(v) - math.log10(ref)) / CURVE_FLOOR if math.isfinite(v) else math.inf for _, v in loss[k:]]
-        if min(units) < HELD_Z * cfg.z or max(units) < cfg.z:
+        if min(units) < HELD_Z * cfg.z or units[-1] < cfg.z:
             continue
         s, v = loss[k]
-        what = "the excerpt's one earlier line" if k == 1 else f"the excerpt's {k} earlier lines (their largest"
+        what = "the excerpt's one earlier line" if k == 1 else f"the excerpt's {k} earlier lines (their median"
         msg = (f"loss {v:.4g} at step {s} leaves {what} ({ref:.4g}{')' if k > 1 else ''}) and stays above it on the {len(units) - 1} line(s) after "
-               f"(all >= {HELD_Z * cfg.z:g} and up to {max(units):.1f} noise units of the trend rule's 4.7% floor; too few lines for a spread of their own)")  # fmt: skip
+               f"(all >= {HELD_Z * cfg.z:g}, the last {units[-1]:.1f} noise units of the trend rule's 4.7% floor; too few lines for a spread of their own)")  # fmt: skip
         return [Onset(s, "loss", v, ref, units[0], msg, "one-reference-line")]
     return []
 

@@ -270,6 +270,8 @@ def test_an_excerpt_with_one_reference_line(tmp_path: Path) -> None:
     assert res.first_bad_step == 165 and res.rule == "one-reference-line", (res.first_bad_step, res.rule)
     assert triage(_nogn_lines(tmp_path, [1.838, 1.95, 1.90]), None).first_bad_step is None
     assert triage(_nogn_lines(tmp_path, [1.838, 2.6, 1.85]), None).first_bad_step is None  # back on the last line
+    # A single rank's blip over two lines, falling back on the last (still 27% up): not held at z.
+    assert triage(_nogn_lines(tmp_path, [2.48, 3.51, 3.16]), None).first_bad_step is None
 
 
 def test_an_excerpt_ending_on_its_first_rising_line_is_undecided(tmp_path: Path) -> None:

@@ -793,7 +793,7 @@ def triage_cmd(
         click.echo(f"rolled back already: the latest leg resumed at step {res.resumed['from']}; the onsets below read it (a later leg wins)")
         click.echo(f"  did it recover? ckptforensics recovery --run-dir {run_dir} --resumed-from {res.resumed['from']}")
     if res.first_bad_step is None:
-        click.echo("no spike onset found")
+        click.echo(f"no spike onset called: {res.undecided}" if res.undecided else "no spike onset found")
         for w in written:
             click.echo(f"wrote {w}")
         return

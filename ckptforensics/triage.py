@@ -9,7 +9,15 @@ from typing import Any
 
 import numpy as np
 
-from .detectors.log import Onset, TriageConfig, log_evidence, log_noise, log_onsets
+from .detectors.log import (
+    UNDECIDABLE,
+    Onset,
+    TriageConfig,
+    log_evidence,
+    log_noise,
+    log_onsets,
+    undecidable_last_line,
+)
 from .errors import ForensicsError
 from .locate import first_complete, list_checkpoints
 from .logs import find_metrics, group_lrs, lr_columns, param_grad_columns, read_log, read_metrics
@@ -34,6 +42,8 @@ class TriageResult:
     first_bad_step: int | None = None
     rule: str | None = None  # the rule that decided the first onset (docs/signatures.md#log-onset)
     noise: dict[str, Any] = field(default_factory=dict)  # how noisy the log is (detectors.log.log_noise)
+    # Why no onset is called where the log cannot say (an excerpt ending on its first rising line).
+    undecided: str | None = None
     rollback: str | None = None
     rollback_step: int | None = None
     after: str | None = None
@@ -60,6 +70,10 @@ def triage(metrics: Path | str, run_dir: Path | None, cfg: TriageConfig | None =
     ev = log_evidence(rows, cfg)
     res.onsets, res.ignored = log_onsets(ev, cfg)
     res.noise = log_noise(ev, cfg)
+    if undecidable_last_line(res.onsets, ev, cfg):
+        res.undecided = f"{UNDECIDABLE} (step {res.onsets[0].step}, {res.onsets[0].rule})"
+        res.ignored += res.onsets
+        res.onsets = []
     if res.onsets:
         res.first_bad_step = res.onsets[0].step
         res.rule = res.onsets[0].rule

@@ -35,7 +35,7 @@ from ..stats import (
 )
 from ..tensors import lr_growth_limit
 
-__all__ = ["TriageConfig", "Onset", "Curve", "LogEvidence", "LogDetector", "SEED_DETECTORS", "ONSET_DETECTORS", "log_evidence", "log_onsets"]
+__all__ = ["undecidable_last_line", "TriageConfig", "Onset", "Curve", "LogEvidence", "LogDetector", "SEED_DETECTORS", "ONSET_DETECTORS", "log_evidence", "log_onsets"]
 
 Rows = dict[int, dict[str, float]]
 
@@ -173,20 +173,26 @@ def grad_spikes(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
 
 
 def scale_drops(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
-    """A loss-scale backoff: that step overflowed (a seed: routine unless the loss follows)."""
+    """A loss-scale backoff (a seed: routine unless the loss follows), dated at the first step
+    the lower scale's row covers: a trainer logs the scale after its step's scaler update
+    (Megatron-LM's train loop reads optimizer.get_loss_scale() after train_step, whose
+    optimizer step backs the scale off on an overflow; torch's GradScaler.update() likewise
+    runs before a step is logged), so the row that first shows the drop is the overflowed
+    step's, or, on a log printed every k steps, closes the interval holding it."""
     out = []
     steps = [s for s in ev.rows if "loss_scale" in ev.rows[s]]
     for a, b in zip(steps, steps[1:], strict=False):
         sa, sb = ev.rows[a]["loss_scale"], ev.rows[b]["loss_scale"]
         if sb < sa:
-            out.append(Onset(a, "loss_scale", sb, sa, math.inf, f"loss scale backs off after step {a} ({sa:g} -> {sb:g}): that step overflowed", "loss-scale-backoff"))
+            when = f"at step {b}" if b == a + 1 else f"between steps {a + 1} and {b}"
+            out.append(Onset(a + 1, "loss_scale", sb, sa, math.inf, f"loss scale backs off ({sa:g} -> {sb:g}): a step overflowed {when}", "loss-scale-backoff"))
     return out
 
 
 def skipped_iterations(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     """A Megatron line counting skipped iterations: an overflow in the interval that line
     closes (a seed, routine unless the loss follows). The line is where the log shows it; a
-    backoff read from the loss scale alone is dated at the line before the drop."""
+    backoff read from the loss scale alone is dated at the first step of that interval."""
     return [
         Onset(s, "loss_scale", r.get("loss_scale", math.nan), math.nan, math.inf, f"{r['skipped']:g} skipped iteration(s) in the interval ending at iteration {s} (Megatron's count: overflows)", "skipped-iterations")
         for s, r in ev.rows.items()
@@ -365,12 +371,18 @@ def _short_z(prev: list[float], v: float) -> tuple[float, float]:
 JOINT_MIN = 2
 
 
+def _lines(ev: LogEvidence) -> list[int]:
+    """The steps of the log's printed lines: rows with a loss (a Megatron line's next-step LR
+    makes a row of its own)."""
+    return [s for s, r in ev.rows.items() if "loss" in r]
+
+
 def short_joint(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     """An excerpt's first lines where loss and grad norm leave the earlier lines together and
     the loss stays up (docs/signatures.md#log-short)."""
     if not ev.excerpt:
         return []
-    steps = list(ev.rows)[: cfg.judge_after]
+    steps = _lines(ev)[: cfg.judge_after]
     loss = [(s, ev.rows[s]["loss"]) for s in steps if "loss" in ev.rows[s] and math.isfinite(ev.rows[s]["loss"])]
     grad = [(s, ev.rows[s]["grad_norm"]) for s in steps if "grad_norm" in ev.rows[s] and math.isfinite(ev.rows[s]["grad_norm"]) and ev.rows[s]["grad_norm"] > 0]
     if not grad:
@@ -395,6 +407,39 @@ def short_joint(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     return out
 
 
+# An excerpt whose fault begins at its second line has one reference line and no spread of
+# its own. The ratio rules (Megatron's 10x, Lightning's rtol 2) decide where they can; else the
+# trend rule's own noise floor (stats.CURVE_FLOOR, 4.7% a step: the least noise it assumes)
+# stands in for the spread: every later line at z/3 floor units (the held rule's margin,
+# HELD_Z: 9.6%) or more above the first, at least ONE_REF_HELD of them, and the last at z
+# (OLMo-core's 6 sigma: 32%): the excursion still there where the excerpt ends, not falling back
+# as a single rank's blip of two lines does. The onset is the second line, the first of the run
+# that persists to the end. Two reference lines (under short-z's SHORT_MIN) are judged so too,
+# against their median.
+ONE_REF_HELD = 2
+
+
+def one_reference_line(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
+    """An excerpt's loss leaving its one reference line (its first) and staying above it on
+    every line after (docs/signatures.md#log-short)."""
+    if not ev.excerpt or len(_lines(ev)) >= cfg.judge_after:
+        return []
+    loss = [(s, r["loss"]) for s, r in ev.rows.items() if "loss" in r and r["loss"] > 0]
+    for k in range(1, SHORT_MIN):
+        if len(loss) < k + ONE_REF_HELD or not all(math.isfinite(v) for _, v in loss[:k]):
+            break
+        ref = float(np.median([v for _, v in loss[:k]]))
+        units = [(math.log10(v) - math.log10(ref)) / CURVE_FLOOR if math.isfinite(v) else math.inf for _, v in loss[k:]]
+        if min(units) < HELD_Z * cfg.z or units[-1] < cfg.z:
+            continue
+        s, v = loss[k]
+        what = "the excerpt's one earlier line" if k == 1 else f"the excerpt's {k} earlier lines (their median"
+        msg = (f"loss {v:.4g} at step {s} leaves {what} ({ref:.4g}{')' if k > 1 else ''}) and stays above it on the {len(units) - 1} line(s) after "
+               f"(all >= {HELD_Z * cfg.z:g}, the last {units[-1]:.1f} noise units of the trend rule's 4.7% floor; too few lines for a spread of their own)")  # fmt: skip
+        return [Onset(s, "loss", v, ref, units[0], msg, "one-reference-line")]
+    return []
+
+
 def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     """An excerpt's steps the trend cannot judge yet (its first `judge_after` lines), by the
     ratio rules above: the loss by any of them; the grad norm by Megatron's 10x and a loss
@@ -402,7 +447,7 @@ def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     (docs/signatures.md#log-short)."""
     if not ev.excerpt:
         return []
-    steps = list(ev.rows)[: cfg.judge_after]
+    steps = _lines(ev)[: cfg.judge_after]
     loss = [(s, ev.rows[s]["loss"]) for s in steps if "loss" in ev.rows[s]]
     out: list[Onset] = []
     for k, (s, v) in enumerate(loss):
@@ -418,7 +463,10 @@ def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
             out.append(Onset(s, "loss", v, mean, math.inf, f"loss {v:.4g} at step {s} is >= 3x the mean of the {min(len(prev), LIGHTNING_WINDOW)} lines before it ({mean:.4g}; Lightning's SpikeDetection, rtol 2)", "lightning-rtol"))
         elif len(prev) >= SHORT_MIN:
             z, med = _short_z(prev, v)
-            if z > cfg.z:
+            nxt = loss[k + 1][1] if k + 1 < len(loss) else None
+            # Back under z/2 on the next line: a blip the excerpt sees recover (a hard batch, a
+            # junk row), not an onset (issue 32: an onset persists or is confirmed).
+            if z > cfg.z and not (nxt is not None and math.isfinite(nxt) and _short_z(prev, nxt)[0] < cfg.z / 2):
                 out.append(Onset(s, "loss", v, 10**med, z, f"loss {v:.4g} at step {s} vs {10**med:.4g} over the {len(prev)} lines before it (robust z {z:.1f}, spread floored at 4.7%)", "short-z"))
     seen = {o.step for o in out}
     losses = dict(loss)
@@ -460,7 +508,7 @@ def _followed(onset: Onset, ev: LogEvidence, cfg: TriageConfig) -> bool:
 
 
 SEED_DETECTORS: tuple[LogDetector, ...] = (grad_spikes, scale_drops, skipped_iterations)
-ONSET_DETECTORS: tuple[LogDetector, ...] = (loss_spikes, lr_jumps, lr_restarts, gradient_returns, nan_iterations, short_history, short_joint)
+ONSET_DETECTORS: tuple[LogDetector, ...] = (loss_spikes, lr_jumps, lr_restarts, gradient_returns, nan_iterations, short_history, short_joint, one_reference_line)
 # When two signals start on one step, the report names the most causal first.
 _SIGNAL_ORDER = ("lr", "lr_restart", "param_grad", "loss_scale", "grad_norm", "loss")
 
@@ -480,6 +528,33 @@ _SIGNAL_ORDER = ("lr", "lr_restart", "param_grad", "loss_scale", "grad_norm", "l
 #   data order blips at the same step of every epoch, however few epochs the log holds.
 # A poisoned batch in an averaged, quiet log is alone, and its gradient is large.
 RECOVER, HOLD, TAIL_PEERS = 2, 3, 2
+# How long this log's blips last: its excursions over z/2 shorter than CURVE_SHORT (a longer one
+# is a held excursion, not a blip) fitted by a geometric distribution of durations (each step
+# of an excursion continues it with one probability: the maximum-likelihood fit is 1/mean);
+# a blip recovers within the longest of the log's n excursions the fit allows at 1% for all n
+# together (scipy.stats.geom.isf at stats.family_alpha(n, 1%), Sidak), at least RECOVER and at
+# most half CURVE_SHORT. Fewer than BLIP_FIT excursions fit nothing: RECOVER. A log whose
+# blips last one step keeps 2; one rank's micro-batch, or junk batches in a row, last 2-3.
+BLIP_ALPHA, BLIP_FIT = 0.01, 3
+
+
+def recovery_horizon(ev: LogEvidence, cfg: TriageConfig) -> int:
+    """Steps within which a blip of this log comes back under z/2 (docs/signatures.md#log-blip)."""
+    from scipy import stats
+
+    over = np.isfinite(ev.loss.z) & (ev.loss.z > cfg.z / 2)
+    runs, n = [], 0
+    for o in [*over.tolist(), False]:
+        if o:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    runs = [r for r in runs if r < CURVE_SHORT]
+    if len(runs) < BLIP_FIT or max(runs) == 1:
+        return RECOVER  # too few to fit, or every blip lasts one step
+    q = int(stats.geom.isf(family_alpha(len(runs), BLIP_ALPHA), 1.0 / float(np.mean(runs))))
+    return min(max(RECOVER, q), CURVE_SHORT // 2)
 # A blip the grad norm does not confirm is routine only on a log that blips so at all: one
 # other blip at least half its size (a quiet log's lone poisoned batch, whose junk rows move
 # the gradient less than z/2, stays an onset).
@@ -489,14 +564,16 @@ UNCONFIRMED_PEERS = 1
 def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dict[int, tuple[float, float]]:
     """step -> (robust z, log10 excess over the level before it) of every loss excursion
     (z > `floor`, default cfg.z; finite, under the 10x rule) that recovers: back under z/2
-    within RECOVER steps, and the next RECOVER + HOLD steps' median under half its excess (a
-    spike that dips once and climbs back is the start of a held rise, not a blip; a longer
-    look would count a fault a few steps later against the blip before it;
-    docs/signatures.md#log-blip)."""
+    within the log's own blip duration (`recovery_horizon`), and either under half its excess
+    there too (the excursion has ended: a rise after that is another excursion, which the
+    blip's level does not continue into) or held down the HOLD steps after its return (their
+    median under half its excess: a spike that dips to the band once and climbs back is the
+    start of a held rise, not a blip; docs/signatures.md#log-blip)."""
     z, steps, vals, base = ev.loss.z, ev.loss.steps, ev.loss.values, ev.loss.level
     floor = cfg.z if floor is None else floor
     lv = np.log10(np.maximum(np.asarray(vals, dtype=np.float64), 1e-30))
     usual = _usual_excess(ev)
+    horizon = recovery_horizon(ev, cfg)
     out = {}
     for i, zi in enumerate(z):
         if not (zi > floor and math.isfinite(vals[i]) and math.isfinite(base[i])) or vals[i] >= cfg.loss_factor * base[i]:
@@ -508,10 +585,18 @@ def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dic
         lb = math.log10(base[i])
         excess = lv[i] - lb
         band = lb + max((cfg.z / 2) * excess / zi, usual)
-        after = lv[i + 1 : i + 1 + RECOVER + HOLD]
-        if len(after) < RECOVER or not np.isfinite(after[:RECOVER]).all() or not (after[:RECOVER] <= band).any():
+        after = lv[i + 1 : i + 1 + horizon + HOLD]
+        first = after[:horizon]
+        if len(first) < min(horizon, RECOVER) or not np.isfinite(first).all() or not (first <= band).any():
             continue
-        if len(after) > RECOVER and not float(np.median(np.where(np.isfinite(after), after, np.inf))) < lb + excess / 2:
+        # Back under the band and under half its excess within the horizon: the excursion has
+        # ended (contiguity: a rise after it is another excursion, which does not continue from
+        # this level). Back under the band only: the HOLD steps after the return stay down
+        # (their median under half its excess).
+        back = int(np.argmax(first <= band))
+        hold = after[back + 1 : back + 1 + HOLD]
+        ended = bool((first <= min(band, lb + excess / 2)).any())
+        if not ended and hold.size and not float(np.median(np.where(np.isfinite(hold), hold, np.inf))) < lb + excess / 2:
             continue
         out[steps[i]] = (float(zi), float(excess))
     return out
@@ -587,22 +672,23 @@ def _routine(o: Onset, tail: dict[int, tuple[float, float]], ev: LogEvidence, cf
         return f"the loss answers at step {steps[k]} with a blip of its routine: {why}" if why else None
     if o.signal not in ("loss", "grad_norm") or o.rule != "trend":
         return None
+    horizon = recovery_horizon(ev, cfg)
     if o.step in tail:
         zs, es = tail[o.step]
         ok, why = _grad_confirms(o.step, ev, cfg) if o.signal == "loss" else (True, "")
         enough, n = _peers(tail, o.step, es, zs, 0.5, ev, cfg)
         if not ok and n >= UNCONFIRMED_PEERS:
-            return f"the loss recovers within {RECOVER} steps, {why}, and the log has {n} other blip(s) at least half its size"
+            return f"the loss recovers within {horizon} steps (this log's blips), {why}, and the log has {n} other blip(s) at least half its size"
         if enough:
-            return f"the loss recovers within {RECOVER} steps, as {n} other blips of this log at least half its size do"
+            return f"the loss recovers within {horizon} steps (this log's blips), as {n} other blips of this log at least half its size do"
         hard, logged = _excursions(ev, cfg)
         spacing = int(np.median(np.diff(steps))) if len(steps) > 2 else 1
         p = recurrence_period(o.step, hard, logged, spacing)
         if p is not None:
-            return f"the loss recovers within {RECOVER} steps, and blips every {p} steps of this log (a batch that comes back each epoch)"
+            return f"the loss recovers within {horizon} steps (this log's blips), and blips every {p} steps of this log (a batch that comes back each epoch)"
         return None
     i = next((k for k, s in enumerate(steps) if s >= o.step), len(steps))
-    if i >= len(steps) or len(steps) - 1 - i >= RECOVER:
+    if i >= len(steps) or len(steps) - 1 - i >= horizon:
         return None
     base = ev.loss.level[i]
     if not (math.isfinite(ev.loss.values[i]) and math.isfinite(base)) or not float(ev.loss.z[i]) > cfg.z:
@@ -611,24 +697,77 @@ def _routine(o: Onset, tail: dict[int, tuple[float, float]], ev: LogEvidence, cf
     return f"in the log's last steps, where recovery cannot be seen yet, {n} other blips of this log reach two thirds its size" if enough else None
 
 
+def _persisting_start(o: Onset, ev: LogEvidence, cfg: TriageConfig) -> Onset:
+    """The first step of the excursion that persists, for a loss spike of the trend rule: where
+    the next step falls back under half the spike's excess (over the level before it) and,
+    within the log's blip duration, a run starts that stays at half its excess or more for
+    HOLD steps, the onset is that run's first step; the spike before it is a blip the
+    excursion's level does not continue from (issue 32). Else the spike stands."""
+    steps = ev.loss.steps
+    if o.signal != "loss" or o.rule != "trend" or o.step not in steps:
+        return o
+    i = steps.index(o.step)
+    base = float(ev.loss.level[i])
+    lv = np.log10(np.maximum(np.asarray(ev.loss.values, dtype=np.float64), 1e-30))
+    lv = np.where(np.isfinite(lv), lv, np.inf)
+    if not (math.isfinite(base) and base > 0) or i + 1 >= len(steps):
+        return o
+    half = math.log10(base) + (lv[i] - math.log10(base)) / 2
+    if not lv[i + 1] < half:
+        return o
+    for j in range(i + 2, min(len(steps), i + 2 + recovery_horizon(ev, cfg))):
+        run = lv[j : j + HOLD]
+        if run.size == HOLD and (run >= half).all():
+            v = ev.loss.values[j]
+            msg = (f"loss {v:.4g} at step {steps[j]} starts the excursion that persists ({HOLD} steps at half the excess or more of the spike at step "
+                   f"{o.step}, {ev.loss.values[i]:.4g}, which fell back under it at step {steps[i + 1]}: a blip the excursion does not continue from)")  # fmt: skip
+            return Onset(steps[j], "loss", v, base, float(ev.loss.z[j]), msg, "persisting-run")
+    return o
+
+
+SHORT_RULES = ("short-z", "short-joint", "one-reference-line", "lightning-rtol", "megatron-10x", "nonfinite", "loss-scale-collapse")
+
+
+def _short_followed(seed: Onset, found: list[Onset], ev: LogEvidence) -> bool:
+    """An excerpt's overflow (a backoff, skipped iterations) that the loss follows: an onset of
+    the short rules on the line that logged it or the next (as `_followed` asks of the trend's
+    loss on a full log)."""
+    if seed.signal != "loss_scale" or not ev.excerpt:
+        return False
+    lines = _lines(ev)
+    at = next((k for k, s in enumerate(lines) if s >= seed.step), None)
+    if at is None:
+        return False
+    near = set(lines[at : at + 2])
+    return any(o.step in near and o.rule in SHORT_RULES for o in found)
+
+
 def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[Onset]]:
     """(onsets by step, seeds the loss did not follow and the log's routine blips: ignored)."""
     seeds = [o for d in SEED_DETECTORS for o in d(ev, cfg)]
-    kept = [o for o in seeds if _followed(o, ev, cfg)]
+    found = [o for d in ONSET_DETECTORS for o in d(ev, cfg)]
+    # The excerpt's short rules measure what spread its lines have: one reference line decides
+    # only where they find nothing but a last line rising (`undecidable_last_line`).
+    lines = _lines(ev)
+    measured = [o for o in found if o.rule != "one-reference-line" and not (lines and o.step == lines[-1] and o.rule in NOISE_RULES)]
+    if measured:
+        found = [o for o in found if o.rule != "one-reference-line"]
+    kept = [o for o in seeds if _followed(o, ev, cfg) or _short_followed(o, found, ev)]
     ignored = [o for o in seeds if o not in kept]
-    onsets = kept + [o for d in ONSET_DETECTORS for o in d(ev, cfg)]
+    onsets = kept + found
     tail = blips(ev, cfg, cfg.z / 2)
     why = {id(o): _routine(o, tail, ev, cfg) for o in onsets}
     ignored += [Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, f"{o.message}; {why[id(o)]}", "tail") for o in onsets if why[id(o)]]
-    onsets = [o for o in onsets if not why[id(o)]] + held_rise(ev, cfg) + held_shift(ev, cfg)
+    onsets = [_persisting_start(o, ev, cfg) for o in onsets if not why[id(o)]] + held_rise(ev, cfg) + held_shift(ev, cfg)
     return sorted(onsets, key=lambda o: (o.step, _SIGNAL_ORDER.index(o.signal))), ignored
 
 
 # A fault that lifts the loss by less than z noise-widths a step shows as a held excursion:
 # CURVE_SHORT steps in a row with their lower quartile (6 of 8) at z/3 or more above the level
 # before the first (6 of 8 normal values >= 2 sigma has probability 4e-9, binomial), which the
-# trend, reading each step alone, absorbs. Its first step is the first of two in a row at z/3:
-# a blip just before the fault, followed by a step back at the level, is not its start.
+# trend, reading each step alone, absorbs. Its first step is the first of three in a row at z/3,
+# the second keeping half the first's excess: a blip just before the fault, followed by a step
+# back at (or halfway to) the level, is not its start.
 HELD_Z = 1 / 3
 
 
@@ -649,7 +788,9 @@ def held_rise(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
         scale = (lv[i] - lb) / z[i]
         units = (lv[i : i + k] - lb) / scale
         held = float(np.percentile(units, 25))
-        if held >= HELD_Z * cfg.z and units[1] >= HELD_Z * cfg.z:
+        # Contiguity: the next step keeps at least half this one's excess, and the one after
+        # stays at z/3 (a blip that falls back before the rise is not where it continues from).
+        if held >= HELD_Z * cfg.z and units[1] >= max(HELD_Z * cfg.z, units[0] / 2) and units[2] >= HELD_Z * cfg.z:
             return [Onset(steps[i], "loss", vals[i], float(base[i]), held,
                           f"loss {vals[i]:.4g} at step {steps[i]} starts {k} steps held above its level {base[i]:.4g} (6 of 8 at robust z {held:.1f} or more)", "held")]  # fmt: skip
     return []
@@ -745,3 +886,20 @@ def log_noise(ev: LogEvidence, cfg: TriageConfig) -> dict[str, float | int | str
         "kind": kind,
         "ignored_columns": ", ".join(ev.ignored_columns),
     }
+
+
+# Rules that read the noise (a z against a spread, measured or floored); on an excerpt's last
+# line alone they cannot tell a hard batch from an onset. The ratio rules, a non-finite loss,
+# an LR jump, a NaN count and a collapsing loss scale need no line after.
+NOISE_RULES = ("trend", "persisting-run", "short-z", "short-joint", "held", "held-shift", "one-reference-line", "tail")
+UNDECIDABLE = "the last line rises; one line cannot tell a hard batch from an onset"
+
+
+def undecidable_last_line(onsets: list[Onset], ev: LogEvidence, cfg: TriageConfig) -> bool:
+    """Whether an excerpt's only evidence is its last line rising by a noise rule: nothing
+    after it is logged, so it may be a hard batch as well as an onset (said, not called)."""
+    lines = _lines(ev)
+    if not onsets or not ev.excerpt or not lines or len(lines) >= cfg.judge_after:
+        return False
+    last = lines[-1]
+    return all(o.step == last and o.rule in NOISE_RULES for o in onsets)

@@ -371,10 +371,16 @@ def _short_z(prev: list[float], v: float) -> tuple[float, float]:
 JOINT_MIN = 2
 
 
+# What a printed iteration line carries, one of them at least: a line whose every iteration
+# was skipped prints no loss but its loss scale and skip counts (held-out log draw 9876: the
+# loss-scale collapse on such lines was never read once lines were counted by their loss).
+_LINE_KEYS = ("loss", "loss_scale", "skipped", "nan_iterations")
+
+
 def _lines(ev: LogEvidence) -> list[int]:
-    """The steps of the log's printed lines: rows with a loss (a Megatron line's next-step LR
-    makes a row of its own)."""
-    return [s for s, r in ev.rows.items() if "loss" in r]
+    """The steps of the log's printed lines: rows with a loss, a loss scale or skip counts (a
+    Megatron line's next-step LR makes a row of its own, and is not a line)."""
+    return [s for s, r in ev.rows.items() if any(k in r for k in _LINE_KEYS)]
 
 
 def short_joint(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:

@@ -56,6 +56,7 @@ log-draws-heldout: venv
 # Two workers (CI has two cores); a module's tests stay on one worker (tests/conftest.py).
 test: venv
 	$(BIN)/ruff check ckptforensics tests fixtures bench
+	$(BIN)/ruff format --check -q ckptforensics tests fixtures bench
 	$(BIN)/python -m pytest -q -n 2
 
 # The fast tier: no training, under a minute.
@@ -68,6 +69,7 @@ fuzz: venv
 
 lint: venv
 	$(BIN)/ruff check ckptforensics tests fixtures bench
+	$(BIN)/ruff format --check ckptforensics tests fixtures bench
 
 bench: venv
 	$(BIN)/python bench/diff_throughput.py

@@ -25,7 +25,18 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # Fields that name where or when a report was made, not what it found.
-VOLATILE = {"command", "created", "generated_at", "tool_version", "version", "path", "paths", "wall_s", "elapsed_s", "host"}
+VOLATILE = {
+    "command",
+    "created",
+    "generated_at",
+    "tool_version",
+    "version",
+    "path",
+    "paths",
+    "wall_s",
+    "elapsed_s",
+    "host",
+}
 
 
 @dataclass
@@ -33,12 +44,18 @@ class Delta:
     """Differences between two report documents."""
 
     hard: list[str] = field(default_factory=list)  # past tolerance, or not a float
-    worst: dict[str, float] = field(default_factory=dict)  # field -> largest relative float difference
+    worst: dict[str, float] = field(
+        default_factory=dict
+    )  # field -> largest relative float difference
 
 
 def steps_of(run: Path) -> list[str]:
     """The checkpoint steps of a run directory (step_N.pt, checkpoint-N, epoch=..-step=N.ckpt, ...), sorted."""
-    found = {int(m.group(1)) for p in run.iterdir() if (m := re.search(r"(?:step[_=-]?|checkpoint-|global_step)(\d+)", p.name))}
+    found = {
+        int(m.group(1))
+        for p in run.iterdir()
+        if (m := re.search(r"(?:step[_=-]?|checkpoint-|global_step)(\d+)", p.name))
+    }
     return [str(s) for s in sorted(found)]
 
 
@@ -56,7 +73,9 @@ def reports(run: Path, pairs: list[tuple[str, str]], env: dict[str, str]) -> lis
         [sys.executable, "-c", code, str(run), env["PYTHONPATH"], json.dumps(pairs)], env=env, capture_output=True, text=True, cwd=run,
     )  # fmt: skip
     if out.returncode != 0:
-        return out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
+        return (
+            out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
+        )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -85,7 +104,11 @@ def compare(x: object, y: object, where: str, rel: float, d: Delta) -> None:
     elif isinstance(x, str) and isinstance(y, str) and x != y:
         # Messages quote figures: equal once their numbers agree to --rel.
         nx, ny = _numbers(x), _numbers(y)
-        if _words(x) != _words(y) or len(nx) != len(ny) or any(_far(u, v, rel) for u, v in zip(nx, ny, strict=True)):
+        if (
+            _words(x) != _words(y)
+            or len(nx) != len(ny)
+            or any(_far(u, v, rel) for u, v in zip(nx, ny, strict=True))
+        ):
             d.hard.append(f"{where}: {x!r} against {y!r}")
     elif not isinstance(x, float | str | dict | list) and x != y:
         d.hard.append(f"{where}: {x!r} against {y!r}")
@@ -122,15 +145,32 @@ def _far(u: float, v: float, rel: float) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path)
-    ap.add_argument("--reference", type=Path, help="a checkout of the code to compare with (its repository root)")
+    ap.add_argument(
+        "--reference",
+        type=Path,
+        help="a checkout of the code to compare with (its repository root)",
+    )
     ap.add_argument("--rel", type=float, default=1e-5)
-    ap.add_argument("--field-rel", action="append", default=[], metavar="FIELD=REL", help="a looser tolerance for one field against --reference (e.g. r_v=1e-3)")
+    ap.add_argument(
+        "--field-rel",
+        action="append",
+        default=[],
+        metavar="FIELD=REL",
+        help="a looser tolerance for one field against --reference (e.g. r_v=1e-3)",
+    )
     args = ap.parse_args()
     here = str(HERE.parent)
     base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    envs = {"fused": {**base, "PYTHONPATH": here}, "torch": {**base, "PYTHONPATH": here, "CKPTFORENSICS_FUSED": "0"}}
+    envs = {
+        "fused": {**base, "PYTHONPATH": here},
+        "torch": {**base, "PYTHONPATH": here, "CKPTFORENSICS_FUSED": "0"},
+    }
     if args.reference:
-        envs["reference"] = {**base, "PYTHONPATH": str(args.reference.resolve()), "CKPTFORENSICS_FUSED": "0"}
+        envs["reference"] = {
+            **base,
+            "PYTHONPATH": str(args.reference.resolve()),
+            "CKPTFORENSICS_FUSED": "0",
+        }
     loose = {k: float(v) for k, v in (f.split("=", 1) for f in args.field_rel)}
     worst: dict[str, dict[str, float]] = {}
     failed = 0
@@ -158,10 +198,15 @@ def main() -> None:
                 for line in d.hard:
                     failed += 1
                     print(f"{run.name} {a}->{b} fused vs {other}: {line}")
-    print(f"{pairs} pairs of {len(args.runs)} runs compared; {failed} differences past rel {args.rel:g}")
+    print(
+        f"{pairs} pairs of {len(args.runs)} runs compared; {failed} differences past rel {args.rel:g}"
+    )
     for other, w in worst.items():
         top = sorted(w.items(), key=lambda kv: -kv[1])[:8]
-        print(f"largest relative float differences, fused vs {other}: " + ", ".join(f"{k} {v:.1e}" for k, v in top))
+        print(
+            f"largest relative float differences, fused vs {other}: "
+            + ", ".join(f"{k} {v:.1e}" for k, v in top)
+        )
     sys.exit(1 if failed else 0)
 
 

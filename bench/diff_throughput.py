@@ -87,13 +87,37 @@ def write_pair(root: Path, layers: int, weights: str = "bf16") -> tuple[Path, Pa
                 m, v = state[n]
                 weights[n] = weights[n] - 10 * 3e-4 * torch.tanh(m / v.sqrt())
                 state[n] = (m * 0.9**10 + 1e-5, v * 0.95**10 + 1e-9)
-        save_file({n: weights[n].to(getattr(torch, wdtype)).contiguous() for n in order}, str(d / "model.safetensors"))
+        save_file(
+            {n: weights[n].to(getattr(torch, wdtype)).contiguous() for n in order},
+            str(d / "model.safetensors"),
+        )
         ids = {n: i for i, n in enumerate(order)}
         osd = {
-            "state": {ids[n]: {"step": torch.tensor(float(step)), "exp_avg": state[n][0], "exp_avg_sq": state[n][1]} for n in order},
+            "state": {
+                ids[n]: {
+                    "step": torch.tensor(float(step)),
+                    "exp_avg": state[n][0],
+                    "exp_avg_sq": state[n][1],
+                }
+                for n in order
+            },
             "param_groups": [
-                {"params": [ids[n] for n in decay], "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "initial_lr": 3e-4},
-                {"params": [ids[n] for n in no_decay], "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0, "initial_lr": 3e-4},
+                {
+                    "params": [ids[n] for n in decay],
+                    "lr": 3e-4,
+                    "betas": (0.9, 0.95),
+                    "eps": 1e-8,
+                    "weight_decay": 0.1,
+                    "initial_lr": 3e-4,
+                },
+                {
+                    "params": [ids[n] for n in no_decay],
+                    "lr": 3e-4,
+                    "betas": (0.9, 0.95),
+                    "eps": 1e-8,
+                    "weight_decay": 0.0,
+                    "initial_lr": 3e-4,
+                },
             ],
         }
         torch.save(osd, d / "optimizer.pt")
@@ -134,7 +158,9 @@ def raw_read(paths: list[Path]) -> float:
 def child(cmd: list[str]) -> tuple[float, float, int, str]:
     """Run `cmd`: (wall s, CPU s of it and its children, peak RSS bytes, stdout), from wait4."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(CODE[0])})
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(CODE[0])}
+    )
     out = proc.stdout.read() if proc.stdout else ""
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -156,7 +182,9 @@ def stream_only(a: Path, b: Path, workers: int) -> None:
     diff_checkpoints(ca, cb, workers=workers)
     wall = time.perf_counter() - t0
     r1 = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    cpu = sum(y.ru_utime + y.ru_stime - x.ru_utime - x.ru_stime for x, y in zip(r0, r1, strict=True))
+    cpu = sum(
+        y.ru_utime + y.ru_stime - x.ru_utime - x.ru_stime for x, y in zip(r0, r1, strict=True)
+    )
     print(json.dumps({"wall": wall, "cpu": cpu}))
 
 
@@ -183,7 +211,14 @@ def profile(a: Path, b: Path, chunk: int = 1 << 19) -> list[tuple[str, float]]:
     buf = torch.empty(chunk * 4, dtype=torch.uint8)
     for name in ca.names():
         sa, sb = ca.optim_state(name), cb.optim_state(name)
-        streams = [ca.tensor(name), cb.tensor(name), sa["exp_avg"], sb["exp_avg"], sa["exp_avg_sq"], sb["exp_avg_sq"]]
+        streams = [
+            ca.tensor(name),
+            cb.tensor(name),
+            sa["exp_avg"],
+            sb["exp_avg"],
+            sa["exp_avg_sq"],
+            sb["exp_avg_sq"],
+        ]
         flat = [t.reshape(-1) for t in streams]
         for lo in range(0, flat[0].numel(), chunk):
             _profile_chunk([t[lo : lo + chunk] for t in flat], buf, kern, timed)
@@ -196,7 +231,10 @@ def _profile_chunk(raw: list, buf: object, kern: object, timed: Callable) -> Non
 
     for t in raw:  # first touch of the mapped file pages: the read
         nbytes = t.numel() * t.element_size()
-        timed("read (page cache -> memory, page faults)", lambda t=t, n=nbytes: buf[:n].copy_(t.view(torch.uint8)))
+        timed(
+            "read (page cache -> memory, page faults)",
+            lambda t=t, n=nbytes: buf[:n].copy_(t.view(torch.uint8)),
+        )
     fa, fb, ma, mb, va, vb = (timed("dtype conversion (.float())", t.float) for t in raw)
     d = timed("torch: d = b - a", lambda: fb - fa)
     timed("torch: ||w_A||^2 (dot)", lambda: torch.dot(fa, fa))
@@ -210,14 +248,26 @@ def _profile_chunk(raw: list, buf: object, kern: object, timed: Callable) -> Non
     timed("torch: max |m_B|, max v_B", lambda: (amb.max(), vb.max()))
     sq = timed("torch: sqrt(v_B)", vb.sqrt)
     rho = [(ma, va), (mb, vb)]
-    timed("torch: rho shares (sample of 1/4)", lambda: [torch.count_nonzero(torch.sub(m[::4].abs(), v[::4].sqrt(), alpha=0.9) > 9e-9) for m, v in rho])
-    timed("torch: vanished shares (sample of 1/4)", lambda: [torch.count_nonzero(v[::4] < 1e-14) for v in (va, vb)])
+    timed(
+        "torch: rho shares (sample of 1/4)",
+        lambda: [
+            torch.count_nonzero(torch.sub(m[::4].abs(), v[::4].sqrt(), alpha=0.9) > 9e-9)
+            for m, v in rho
+        ],
+    )
+    timed(
+        "torch: vanished shares (sample of 1/4)",
+        lambda: [torch.count_nonzero(v[::4] < 1e-14) for v in (va, vb)],
+    )
     timed("torch: v_A > 0 count", lambda: torch.count_nonzero(va > 0))
     timed("torch: v floor (v_B < f v_A)", lambda: bool((vb < va * 0.6).any()))
     timed("torch: m bound (|m_B| > c sqrt v_B)", lambda: bool((amb > sq * 1e3).any()))
     if kern is not None:
         timed("fused kernel: weights", lambda: kern.weights(raw[0], raw[1]))
-        timed("fused kernel: moments", lambda: kern.moments(*raw[2:], stride=4, thr=0.9, eps=1e-8, floor_k=0.6, c_mb=1e3))
+        timed(
+            "fused kernel: moments",
+            lambda: kern.moments(*raw[2:], stride=4, thr=0.9, eps=1e-8, floor_k=0.6, c_mb=1e3),
+        )
 
 
 def main() -> None:
@@ -228,8 +278,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workers", default="1,2", help="worker counts to time, comma-separated")
     ap.add_argument("--reuse", action="store_true", help="keep a pair already written under --dir")
-    ap.add_argument("--code", type=Path, default=ROOT, help="time the ckptforensics of another checkout (its root), e.g. before a change")
-    ap.add_argument("--profile", action="store_true", help="add the per-stage cost of one warm pass")
+    ap.add_argument(
+        "--code",
+        type=Path,
+        default=ROOT,
+        help="time the ckptforensics of another checkout (its root), e.g. before a change",
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="add the per-stage cost of one warm pass"
+    )
     ap.add_argument("--record", action="store_true", help="Append the figures to bench/RESULTS.md.")
     ap.add_argument("--write-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--stream-only", nargs=3, metavar=("A", "B", "WORKERS"), help=argparse.SUPPRESS)
@@ -248,7 +305,11 @@ def main() -> None:
     CODE[0] = args.code.resolve()
     a, b, largest = pair_paths(args)
     figures, how = time_passes(a, b, [int(w) for w in args.workers.split(",")], args.rounds)
-    prof = json.loads(child([sys.executable, __file__, "--profile-only", str(a), str(b)])[3]) if args.profile else None
+    prof = (
+        json.loads(child([sys.executable, __file__, "--profile-only", str(a), str(b)])[3])
+        if args.profile
+        else None
+    )
     from _results import publish
 
     publish("diff", render(args, a, b, largest, figures, how, prof), args.record)
@@ -259,7 +320,19 @@ def pair_paths(args: argparse.Namespace) -> tuple[Path, Path, int]:
     RSS wait4 reports for the CLI's child is the diff's own), or reused with --reuse."""
     a, b = args.dir / "checkpoint-100", args.dir / "checkpoint-110"
     if not (args.reuse and a.exists() and b.exists()):
-        made = child([sys.executable, __file__, "--write-only", "--dir", str(args.dir), "--layers", str(args.layers), "--weights", args.weights])
+        made = child(
+            [
+                sys.executable,
+                __file__,
+                "--write-only",
+                "--dir",
+                str(args.dir),
+                "--layers",
+                str(args.layers),
+                "--weights",
+                args.weights,
+            ]
+        )
         pa, pb, _ = json.loads(made[3].strip().splitlines()[-1])
         a, b = Path(pa), Path(pb)
     from safetensors import safe_open
@@ -271,15 +344,32 @@ def pair_paths(args: argparse.Namespace) -> tuple[Path, Path, int]:
 
 def time_passes(a: Path, b: Path, workers: list[int], rounds: int) -> tuple[dict, str]:
     """Per page-cache mode and contender: the per-round (raw s, contender wall s, CPU s, RSS)."""
-    cli = [sys.executable, "-m", "ckptforensics.cli", "-q", "diff", "--before", str(a), "--after", str(b), "--json"]
-    contenders: dict[str, list[str]] = {f"diff --workers {w}": [sys.executable, __file__, "--stream-only", str(a), str(b), str(w)] for w in workers}
+    cli = [
+        sys.executable,
+        "-m",
+        "ckptforensics.cli",
+        "-q",
+        "diff",
+        "--before",
+        str(a),
+        "--after",
+        str(b),
+        "--json",
+    ]
+    contenders: dict[str, list[str]] = {
+        f"diff --workers {w}": [sys.executable, __file__, "--stream-only", str(a), str(b), str(w)]
+        for w in workers
+    }
     contenders["whole CLI"] = cli
     figures: dict[str, dict[str, list[tuple[float, float, float, int]]]] = {}
     how = ""
     for mode in ("cold", "warm"):
         per: dict[str, list[tuple[float, float, float, int]]] = {k: [] for k in contenders}
         for _ in range(rounds):
-            for name, cmd in contenders.items():  # A B A B ...: each contender paired with its own raw pass
+            for (
+                name,
+                cmd,
+            ) in contenders.items():  # A B A B ...: each contender paired with its own raw pass
                 how = prepare(mode, [a, b]) or how
                 raw_s = raw_read([a, b])
                 prepare(mode, [a, b])
@@ -302,11 +392,23 @@ def prepare(mode: str, paths: list[Path]) -> str:
     return ""
 
 
-def render(args: argparse.Namespace, a: Path, b: Path, largest: int, figures: dict, how: str, prof: list | None) -> str:
+def render(
+    args: argparse.Namespace,
+    a: Path,
+    b: Path,
+    largest: int,
+    figures: dict,
+    how: str,
+    prof: list | None,
+) -> str:
     files = files_of([a, b])
     size = sum(f.stat().st_size for f in files)
     gib = size / 2**30
-    torch_v = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True).stdout.strip()
+    torch_v = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.__version__)"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     load = os.getloadavg()
     lines = [
         f"### diff_throughput — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs, {platform.machine()}, torch {torch_v})",
@@ -337,7 +439,13 @@ def render(args: argparse.Namespace, a: Path, b: Path, largest: int, figures: di
     ]
     if prof:
         total = sum(s for _, s in prof)
-        lines += ["", "Per stage, one warm pass over every tensor pair (chunks of 2^19 elements, one thread):", "", "| stage | s | GiB/s of the pair | share |", "| --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "Per stage, one warm pass over every tensor pair (chunks of 2^19 elements, one thread):",
+            "",
+            "| stage | s | GiB/s of the pair | share |",
+            "| --- | --- | --- | --- |",
+        ]
         lines += [f"| {k} | {s:.3f} | {gib / s:.1f} | {s / total:.0%} |" for k, s in prof]
     return "\n".join(lines + [""])
 

@@ -41,7 +41,11 @@ def score(run: Path) -> dict[str, Any]:
         ok = res.first_bad_step is None
         lo = hi = None
     else:
-        plain = shows({int(k): v for k, v in t["losses"].items()}, {int(k): v for k, v in t["grad_norms"].items()}, at)
+        plain = shows(
+            {int(k): v for k, v in t["losses"].items()},
+            {int(k): v for k, v in t["grad_norms"].items()},
+            at,
+        )
         # A log that skips steps (Megatron's --log-interval) places the fault only between two
         # lines: from the first step no line vouches for (a line logs its own loss and the next
         # step's LR), up to the line that first shows it by the plain rule, plus one for that
@@ -66,10 +70,23 @@ def table(rows: list[dict[str, Any]], split: str) -> str:
     head = (f"### triage on log-only draws, {split} split ({seeds}{len(rows)} draws, `fixtures/log_draws.py`) — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs)\n\n"
             f"false alarms on healthy: **{fa}/{len(healthy)}** · onsets found: **{hit}/{len(bad)}**"
             f" ({100 * hit / max(len(bad), 1):.0f}%)\n")  # fmt: skip
-    lines = ["| seed | trap | incident (step) | log | onset | rule | noise (blips) | |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| seed | trap | incident (step) | log | onset | rule | noise (blips) | |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
-        log = r["fmt"] + ("" if r["fmt"] == "jsonl" else f" {r['flavour']} /{r['interval']} ({r['lines']} lines)") + (" no grad norm" if r["ignored_columns"] else "")
-        lines.append(f"| {r['seed']} | {r['trap']} | {r['incident']} ({r['at'] if r['at'] is not None else '—'}) | {log} | {r['onset'] if r['onset'] is not None else 'none'} | {r['rule'] or '—'} | {r['noise']} ({r['blips']}) | {'✓' if r['ok'] else '✗'} |")
+        log = (
+            r["fmt"]
+            + (
+                ""
+                if r["fmt"] == "jsonl"
+                else f" {r['flavour']} /{r['interval']} ({r['lines']} lines)"
+            )
+            + (" no grad norm" if r["ignored_columns"] else "")
+        )
+        lines.append(
+            f"| {r['seed']} | {r['trap']} | {r['incident']} ({r['at'] if r['at'] is not None else '—'}) | {log} | {r['onset'] if r['onset'] is not None else 'none'} | {r['rule'] or '—'} | {r['noise']} ({r['blips']}) | {'✓' if r['ok'] else '✗'} |"
+        )
     return head + "\n" + "\n".join(lines)
 
 
@@ -78,7 +95,9 @@ def main() -> None:
     ap.add_argument("--split", choices=("tuning", "heldout"), default="tuning")
     ap.add_argument("--dir", type=Path, default=ROOT / "build" / "log-draws")
     ap.add_argument("--build", action="store_true", help="Train the draws that are missing first.")
-    ap.add_argument("--record", action="store_true", help="Write the held-out table into bench/RESULTS.md.")
+    ap.add_argument(
+        "--record", action="store_true", help="Write the held-out table into bench/RESULTS.md."
+    )
     args = ap.parse_args()
     from fixtures.log_draws import SPLITS, build
 
@@ -99,7 +118,9 @@ def main() -> None:
 
         # One section per held-out split (keyed by its first seed): a retired split's table stays.
         seeds = SPLITS[args.split]
-        record_section("log-draws-heldout" if seeds[0] == 900 else f"log-draws-heldout-{seeds[0]}", text)
+        record_section(
+            "log-draws-heldout" if seeds[0] == 900 else f"log-draws-heldout-{seeds[0]}", text
+        )
 
 
 if __name__ == "__main__":

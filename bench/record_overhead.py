@@ -40,7 +40,13 @@ def main() -> None:
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.width // 64, n_embd=args.width)
+    cfg = GPTConfig(
+        vocab_size=args.vocab,
+        block_size=args.seq,
+        n_layer=args.layers,
+        n_head=args.width // 64,
+        n_embd=args.width,
+    )
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(0)

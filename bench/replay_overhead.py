@@ -32,7 +32,9 @@ from ckptforensics.replay.samples import PerSampleGrad, per_token_loss  # noqa: 
 from fixtures.tinygpt import GPT, GPTConfig  # noqa: E402
 
 
-def interleaved(variants: list[tuple[str, Callable[[], None]]], rounds: int) -> dict[str, tuple[float, float]]:
+def interleaved(
+    variants: list[tuple[str, Callable[[], None]]], rounds: int
+) -> dict[str, tuple[float, float]]:
     """name -> (median seconds, median of per-round ratios to the first variant): every
     round runs each variant once (A B C ... A B C ...), so a busy neighbour on a shared
     machine slows a round's passes together instead of one variant's best-of."""
@@ -46,7 +48,10 @@ def interleaved(variants: list[tuple[str, Callable[[], None]]], rounds: int) -> 
             times[name].append(time.perf_counter() - t0)
     base = times[variants[0][0]]
     return {
-        name: (statistics.median(ts), statistics.median(t / b for t, b in zip(ts, base, strict=True)))
+        name: (
+            statistics.median(ts),
+            statistics.median(t / b for t, b in zip(ts, base, strict=True)),
+        )
         for name, ts in times.items()
     }
 
@@ -62,7 +67,13 @@ def main() -> None:
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.width // 64, n_embd=args.width)
+    cfg = GPTConfig(
+        vocab_size=args.vocab,
+        block_size=args.seq,
+        n_layer=args.layers,
+        n_head=args.width // 64,
+        n_embd=args.width,
+    )
     base = GPT(cfg)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))
 
@@ -81,11 +92,16 @@ def main() -> None:
     variants: list[tuple[str, Callable[[], None]]] = [("plain forward+backward", stepper(copy()))]
     # The module probes alone, then with the attention watch (every SDPA call's logit
     # statistics recomputed on the device: the attention-logit-growth evidence).
-    for label, attention in (("ckptforensics probes, no attention watch", False), ("ckptforensics probes (with the attention watch)", True)):
+    for label, attention in (
+        ("ckptforensics probes, no attention watch", False),
+        ("ckptforensics probes (with the attention watch)", True),
+    ):
         variants.append((label, probed(copy(), stepper, attention)))
     m_samples = copy()
     variants.append(("probes + per-sample gradient shares", with_samples(m_samples, stepper)))
-    variants.append(("probes + shares + per-parameter RMS_t / SPAM", with_param_stats(copy(), stepper)))
+    variants.append(
+        ("probes + shares + per-parameter RMS_t / SPAM", with_param_stats(copy(), stepper))
+    )
     try:
         from transformers.debug_utils import DebugUnderflowOverflow
 
@@ -142,7 +158,9 @@ def copy_module(model: GPT) -> GPT:
     return copy.deepcopy(model)
 
 
-def probed(model: GPT, stepper: Callable[[GPT], Callable[[], None]], attention: bool) -> Callable[[], None]:
+def probed(
+    model: GPT, stepper: Callable[[GPT], Callable[[], None]], attention: bool
+) -> Callable[[], None]:
     probe = ModuleProbe(model, attention=attention)
     step = stepper(model)
 
@@ -167,7 +185,9 @@ def with_samples(model: GPT, stepper: Callable[[GPT], Callable[[], None]]) -> Ca
     return run
 
 
-def with_param_stats(model: GPT, stepper: Callable[[GPT], Callable[[], None]]) -> Callable[[], None]:
+def with_param_stats(
+    model: GPT, stepper: Callable[[GPT], Callable[[], None]]
+) -> Callable[[], None]:
     """What a replayed step adds after backward: RMS, RMS_t and SPAM counts of every
     parameter against a real AdamW state, read to the host in one transfer."""
     run_samples = with_samples(model, stepper)

@@ -54,7 +54,9 @@ class Cap:
                 (p / knob).write_text(str(limit))
                 if not v2 and (p / "memory.memsw.limit_in_bytes").exists():
                     with contextlib.suppress(OSError):
-                        (p / "memory.memsw.limit_in_bytes").write_text(str(limit))  # no escape into swap
+                        (p / "memory.memsw.limit_in_bytes").write_text(
+                            str(limit)
+                        )  # no escape into swap
                 self.path, self.v2 = p, v2
                 break
             except OSError:
@@ -85,7 +87,9 @@ class Cap:
 def run(cmd: list[str], cap: Cap) -> tuple[float, int, int, str]:
     """(wall s, exit code, largest RSS of any process in the tree, stderr tail)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cap.wrap(cmd), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cap.wrap(cmd), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     err = proc.stderr.read() if proc.stderr else ""
@@ -100,9 +104,13 @@ def main() -> None:
     ap.add_argument("--cap-gib", type=float, default=2.0)
     ap.add_argument("--record", action="store_true", help="Write the table into bench/RESULTS.md.")
     ap.add_argument("--keep", action="store_true", help="Keep the pair on disk afterwards.")
-    ap.add_argument("--only", choices=("diff", "replay"), default=None, help="Run one of the two benchmarks.")
+    ap.add_argument(
+        "--only", choices=("diff", "replay"), default=None, help="Run one of the two benchmarks."
+    )
     ap.add_argument("--replay-layers", type=int, default=10, help="Blocks of the replayed GPT.")
-    ap.add_argument("--replay-width", type=int, default=1024, help="Hidden size of the replayed GPT.")
+    ap.add_argument(
+        "--replay-width", type=int, default=1024, help="Hidden size of the replayed GPT."
+    )
     args = ap.parse_args()
     failed = False
     if args.only in (None, "diff"):
@@ -116,7 +124,15 @@ def main() -> None:
 def bench_diff(args: argparse.Namespace) -> bool:
     """The diff modes under one cap; True when a mode failed or the reports differ."""
     made = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "diff_throughput.py"), "--write-only", "--dir", str(args.dir), "--layers", str(args.layers)],
+        [
+            sys.executable,
+            str(ROOT / "bench" / "diff_throughput.py"),
+            "--write-only",
+            "--dir",
+            str(args.dir),
+            "--layers",
+            str(args.layers),
+        ],
         check=True,
         capture_output=True,
         text=True,
@@ -125,17 +141,47 @@ def bench_diff(args: argparse.Namespace) -> bool:
     a, b = Path(pa), Path(pb)
     size = sum(f.stat().st_size for d in (a, b) for f in d.iterdir())
     cap = Cap(int(args.cap_gib * GiB))
-    base = [sys.executable, "-m", "ckptforensics.cli", "-q", "diff", "--before", str(a), "--after", str(b)]
+    base = [
+        sys.executable,
+        "-m",
+        "ckptforensics.cli",
+        "-q",
+        "diff",
+        "--before",
+        str(a),
+        "--after",
+        str(b),
+    ]
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     ncpu = os.cpu_count() or 1
     modes = {
         "one process (--workers 1)": [*base, "--workers", "1"],
         f"--workers {min(ncpu, 8)} (the default at this size)": list(base),
-        "torchrun, 2 ranks x --workers 1": [torchrun, "--nproc_per_node", "2", "--master_port", "29611", "-m", "ckptforensics.cli", "-q", "diff", "--before", str(a), "--after", str(b), "--workers", "1"],
+        "torchrun, 2 ranks x --workers 1": [
+            torchrun,
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "29611",
+            "-m",
+            "ckptforensics.cli",
+            "-q",
+            "diff",
+            "--before",
+            str(a),
+            "--after",
+            str(b),
+            "--workers",
+            "1",
+        ],
     }
     rows, reports = [], {}
     # The cap is real: a process that allocates half a GiB more than it is killed.
-    hog = [sys.executable, "-c", f"b = bytearray({int(args.cap_gib * GiB) + GiB // 2}); print(len(b))"]
+    hog = [
+        sys.executable,
+        "-c",
+        f"b = bytearray({int(args.cap_gib * GiB) + GiB // 2}); print(len(b))",
+    ]
     canary = run(hog, cap)[1] if cap.path else None
     try:
         for mode, cmd in modes.items():
@@ -155,22 +201,33 @@ def bench_diff(args: argparse.Namespace) -> bool:
         cap.close()
         if not args.keep:
             shutil.rmtree(args.dir, ignore_errors=True)
-    same = len(reports) == len(modes) and all(r == next(iter(reports.values())) for r in reports.values())
+    same = len(reports) == len(modes) and all(
+        r == next(iter(reports.values())) for r in reports.values()
+    )
     causes = {r["verdict"]["causes"][0]["cause"] for r in reports.values()}
-    capped = f"a cgroup capped at {args.cap_gib:g} GiB (page cache included)" if cap.path else "NO cgroup available: uncapped"
+    capped = (
+        f"a cgroup capped at {args.cap_gib:g} GiB (page cache included)"
+        if cap.path
+        else "NO cgroup available: uncapped"
+    )
     lines = [
         f"### scale — {dt.date.today()} — {platform.node()} ({ncpu} CPUs, {platform.machine()}, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB RAM)",
         "",
         f"- pair: {size / GiB:.2f} GiB ({args.layers} Llama layers at hidden 1024, vocab 32000; bf16 weights, fp32 moments); largest tensor {largest / MiB:.0f} MiB",
         f"- every run in {capped}, page cache dropped before each"
-        + (f"; a process allocating {args.cap_gib + 0.5:g} GiB in it exits {canary} ({'killed: the cap holds' if canary not in (0, None) else 'NOT killed: the cap does not hold'})" if cap.path else ""),
+        + (
+            f"; a process allocating {args.cap_gib + 0.5:g} GiB in it exits {canary} ({'killed: the cap holds' if canary not in (0, None) else 'NOT killed: the cap does not hold'})"
+            if cap.path
+            else ""
+        ),
         "",
         "| mode | exit | wall | throughput | cgroup peak (page cache incl.) | largest process RSS |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for mode, wall, rc, rss, st, err in rows:
         lines.append(
-            f"| {mode} | {rc} | {wall:.1f} s | {size / wall / GiB:.2f} GiB/s | {'—' if st is None else f'{st / MiB:.0f} MiB'} | {rss / MiB:.0f} MiB |" + (f" {err}" if err else "")
+            f"| {mode} | {rc} | {wall:.1f} s | {size / wall / GiB:.2f} GiB/s | {'—' if st is None else f'{st / MiB:.0f} MiB'} | {rss / MiB:.0f} MiB |"
+            + (f" {err}" if err else "")
         )
     lines += [
         "",
@@ -213,20 +270,40 @@ def bench_replay(args: argparse.Namespace) -> bool:
     and on two torchrun ranks, each in a cgroup of its own with the same cap. True on failure."""
     run_dir = args.dir / "replay-run"
     shutil.rmtree(run_dir, ignore_errors=True)
-    made = subprocess.run([sys.executable, "-c", _TRAIN, str(ROOT), str(run_dir), str(args.replay_layers), str(args.replay_width)], check=True, capture_output=True, text=True)
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _TRAIN,
+            str(ROOT),
+            str(run_dir),
+            str(args.replay_layers),
+            str(args.replay_width),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     n = int(made.stdout.strip().splitlines()[-1])
     state = 16 * n  # fp32 weights, gradients, exp_avg, exp_avg_sq
     replay = ["-m", "ckptforensics.cli", "-q", "replay", "--run-dir", str(run_dir), "--before", "1", "--after", "2",
               "--model", "fixtures/tinygpt.py:factory", "--batch", str(run_dir / "batches.h5")]  # fmt: skip
-    caps = [Cap(int(args.cap_gib * GiB), f"ckptforensics-bench-{os.getpid()}-rank{i}") for i in range(2)]
+    caps = [
+        Cap(int(args.cap_gib * GiB), f"ckptforensics-bench-{os.getpid()}-rank{i}") for i in range(2)
+    ]
     rows, reports = [], {}
     try:
-        for mode, world in (("one process", 1), ("2 ranks (FSDP2, torchrun's environment), a cap each", 2)):
+        for mode, world in (
+            ("one process", 1),
+            ("2 ranks (FSDP2, torchrun's environment), a cap each", 2),
+        ):
             out = args.dir / "replay-reports" / str(len(rows))
             shutil.rmtree(out, ignore_errors=True)
             for c in caps:
                 c.reset()
-            wall, rc, rss, err = run_ranks([sys.executable, *replay, "--out", str(out)], caps[:world])
+            wall, rc, rss, err = run_ranks(
+                [sys.executable, *replay, "--out", str(out)], caps[:world]
+            )
             peaks = [c.peak() for c in caps[:world]]
             ok = rc == 0 and (out / "report.json").is_file()
             if ok:
@@ -240,7 +317,11 @@ def bench_replay(args: argparse.Namespace) -> bool:
             shutil.rmtree(run_dir, ignore_errors=True)
     two = reports.get("2 ranks (FSDP2, torchrun's environment), a cap each")
     repro = two is not None and two["verdict"]["reproducible"] is True
-    capped = f"a cgroup of {args.cap_gib:g} GiB (page cache included)" if caps[0].path else "NO cgroup available: uncapped"
+    capped = (
+        f"a cgroup of {args.cap_gib:g} GiB (page cache included)"
+        if caps[0].path
+        else "NO cgroup available: uncapped"
+    )
     lines = [
         f"### scale: replay — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs, torch {_torch_version()})",
         "",
@@ -253,7 +334,10 @@ def bench_replay(args: argparse.Namespace) -> bool:
     ]
     for mode, wall, rc, rss, peaks, err in rows:
         pk = ", ".join("—" if p is None else f"{p / MiB:.0f} MiB" for p in peaks)
-        lines.append(f"| {mode} | {rc} | {wall:.1f} s | {pk} | {rss / MiB:.0f} MiB |" + (f" {err[-120:]}" if err else ""))
+        lines.append(
+            f"| {mode} | {rc} | {wall:.1f} s | {pk} | {rss / MiB:.0f} MiB |"
+            + (f" {err[-120:]}" if err else "")
+        )
     lines += [
         "",
         f"- the 2-rank replay reproduces *after*: {'yes' if repro else 'NO'}; per rank the state is 16 B x {n / 1e6:.0f} M / 2 = {state / 2 / GiB:.2f} GiB",
@@ -272,12 +356,25 @@ def run_ranks(cmd: list[str], caps: list[Cap]) -> tuple[float, int, int, str]:
     children cannot move themselves into a cgroup. (wall s, first non-zero exit, largest
     RSS, stderr tail of the failing rank)."""
     world = len(caps)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29612", WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29612",
+        WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
     if world == 1:
         env.pop("WORLD_SIZE")
     t0 = time.perf_counter()
     procs = [
-        subprocess.Popen(c.wrap(cmd), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+        subprocess.Popen(
+            c.wrap(cmd),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
         for r, c in enumerate(caps)
     ]
     anon, results = 0, {}
@@ -287,7 +384,11 @@ def run_ranks(cmd: list[str], caps: list[Cap]) -> tuple[float, int, int, str]:
             if p.pid not in results:
                 pid, status, usage = os.wait4(p.pid, os.WNOHANG)
                 if pid:
-                    results[p.pid] = (os.waitstatus_to_exitcode(status), usage.ru_maxrss * 1024, p.stderr.read() if p.stderr else "")
+                    results[p.pid] = (
+                        os.waitstatus_to_exitcode(status),
+                        usage.ru_maxrss * 1024,
+                        p.stderr.read() if p.stderr else "",
+                    )
         time.sleep(0.1)
     results = [results[p.pid] for p in procs]
     wall = time.perf_counter() - t0

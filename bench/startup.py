@@ -33,7 +33,12 @@ def best(cmd: list[str], n: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, default=ROOT / "build" / "bench-startup")
-    ap.add_argument("--layers", type=int, default=8, help="Llama layers of the pair (8: 3.2 GiB with optimizer state).")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=8,
+        help="Llama layers of the pair (8: 3.2 GiB with optimizer state).",
+    )
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     from diff_throughput import write_pair
@@ -53,8 +58,16 @@ def main() -> None:
         ("python -c pass", best([py, "-c", "pass"], 5), None),
         ("python -c 'import torch'", best([py, "-c", "import torch"], 3), None),
         ("ckptforensics --help", best([*cli, "--help"], 5), 0.5),
-        ("ckptforensics inspect (tiny HF Trainer dir)", best([*cli, "inspect", str(hf_dir)], 3), 3.0),
-        (f"ckptforensics diff --json (HF pair, {nbytes / 2**30:.1f} GiB, warm cache)", best([*cli, "diff", "--before", str(a), "--after", str(b), "--json"], 3), 5.0),
+        (
+            "ckptforensics inspect (tiny HF Trainer dir)",
+            best([*cli, "inspect", str(hf_dir)], 3),
+            3.0,
+        ),
+        (
+            f"ckptforensics diff --json (HF pair, {nbytes / 2**30:.1f} GiB, warm cache)",
+            best([*cli, "diff", "--before", str(a), "--after", str(b), "--json"], 3),
+            5.0,
+        ),
     ]
     lines = [
         f"### startup — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs)",
@@ -65,7 +78,9 @@ def main() -> None:
         "| --- | --- | --- |",
     ]
     for name, sec, target in rows:
-        lines.append(f"| {name} | {sec:.2f} | {'—' if target is None else ('✓' if sec <= target else '✗') + f' <= {target:g}'} |")
+        lines.append(
+            f"| {name} | {sec:.2f} | {'—' if target is None else ('✓' if sec <= target else '✗') + f' <= {target:g}'} |"
+        )
     text = "\n".join(lines)
     print(text)
     if args.record:

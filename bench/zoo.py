@@ -74,10 +74,18 @@ def score_report(name: str, truth: dict[str, Any], doc: dict[str, Any], seconds:
     layer_ok = None
     # The culprit the report names first: the replay's first anomalous module, else the
     # top exploding layer.
-    layer = (v.get("first_anomalous_module") or (v["exploding_layers"] or [None])[0]) if truth.get("layers") else None
+    layer = (
+        (v.get("first_anomalous_module") or (v["exploding_layers"] or [None])[0])
+        if truth.get("layers")
+        else None
+    )
     blind = DIFF_BLIND.get(truth["cause"], {}) if doc.get("replay") in (None, {}) else {}
     if truth.get("layers"):
-        layer_ok = None if layer is None and "layer" in blind else layer is not None and any(_related(layer, t) for t in truth["layers"])
+        layer_ok = (
+            None
+            if layer is None and "layer" in blind
+            else layer is not None and any(_related(layer, t) for t in truth["layers"])
+        )
     samples = samples_ok = None
     if truth.get("samples") is not None:
         got = {s["index"] for s in v.get("anomalous_samples") or []}
@@ -91,11 +99,17 @@ def score_report(name: str, truth: dict[str, Any], doc: dict[str, Any], seconds:
     if truth.get("corrupted"):
         c = truth["corrupted"]
         got_e = v["corrupted_elements"][:1]
-        element_ok = bool(got_e) and got_e[0]["tensor"] == c["tensor"] and got_e[0]["index"] == c["index"]
+        element_ok = (
+            bool(got_e) and got_e[0]["tensor"] == c["tensor"] and got_e[0]["index"] == c["index"]
+        )
     rep = v.get("reproducible")
     rep_ok = None if rep is None else rep == truth.get("reproducible")
     fbs = v.get("first_bad_step")
-    fbs_ok = None if truth.get("first_bad_step") is None or (fbs is None and doc.get("replay") in (None, {})) else fbs == truth["first_bad_step"]
+    fbs_ok = (
+        None
+        if truth.get("first_bad_step") is None or (fbs is None and doc.get("replay") in (None, {}))
+        else fbs == truth["first_bad_step"]
+    )
     return Row(
         incident=name,
         truth_cause=truth["cause"],
@@ -126,7 +140,12 @@ def run_incident(run: Path, reports: Path) -> Row:
     hint = truth.get("replay")
     if hint:
         # replay runs the diff too and merges both into one verdict.
-        cmd += ["replay", *(["--model", model_spec(run, hint["model"])] if hint.get("model") else []), "--batch", str(run / hint["batch"])]
+        cmd += [
+            "replay",
+            *(["--model", model_spec(run, hint["model"])] if hint.get("model") else []),
+            "--batch",
+            str(run / hint["batch"]),
+        ]
         cmd += ["--precision", hint["precision"]] if hint.get("precision") else []
     else:
         cmd += ["diff"]
@@ -145,7 +164,15 @@ def score(zoo: Path, reports: Path) -> list[Row]:
     return [run_incident(d, reports) for d in sorted(zoo.iterdir()) if (d / "truth.json").is_file()]
 
 
-MENU = ("clip=1.0", "clip=0.5", "lr_scale=0.1", "lr_scale=0.01", "precision=bf16", "precision=fp32", "skip_samples=auto")
+MENU = (
+    "clip=1.0",
+    "clip=0.5",
+    "lr_scale=0.1",
+    "lr_scale=0.01",
+    "precision=bf16",
+    "precision=fp32",
+    "skip_samples=auto",
+)
 
 
 def model_spec(run: Path, spec: str) -> str:
@@ -154,10 +181,18 @@ def model_spec(run: Path, spec: str) -> str:
     return str(run / spec) if (run / file).is_file() else spec
 
 
-def _cli(command: str, run: Path, hint: dict[str, str], out: Path, args: list[str]) -> tuple[dict[str, Any] | None, str]:
+def _cli(
+    command: str, run: Path, hint: dict[str, str], out: Path, args: list[str]
+) -> tuple[dict[str, Any] | None, str]:
     """Run a replay-based command on an incident as a user would: (report, "") or (None, error)."""
     cmd = [sys.executable, "-m", "ckptforensics.cli", "-q", command, "--run-dir", str(run), *args]
-    cmd += [*(["--model", model_spec(run, hint["model"])] if hint.get("model") else []), "--batch", str(run / hint["batch"]), "--out", str(out)]
+    cmd += [
+        *(["--model", model_spec(run, hint["model"])] if hint.get("model") else []),
+        "--batch",
+        str(run / hint["batch"]),
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         return None, (proc.stderr.strip().splitlines() or ["failed"])[-1]
@@ -173,7 +208,13 @@ def run_whatif(run: Path, reports: Path) -> dict[str, Any] | None:
     before, after = int(truth.get("before", 30)), int(truth.get("after", 40))
     t0 = time.perf_counter()
     tries = [x for m in MENU for x in ("--try", m)]
-    doc, err = _cli("whatif", run, hint, reports / f"{run.name}-whatif", ["--before", str(before), "--steps", str(max(after - before, 5)), *tries])
+    doc, err = _cli(
+        "whatif",
+        run,
+        hint,
+        reports / f"{run.name}-whatif",
+        ["--before", str(before), "--steps", str(max(after - before, 5)), *tries],
+    )
     if doc is None:
         return {"incident": run.name, "error": err}
     w = doc["whatif"]
@@ -193,18 +234,40 @@ def run_bisect(run: Path, reports: Path) -> dict[str, Any] | None:
     hint = truth.get("replay")
     if not hint or truth.get("first_bad_step") is None and truth["cause"] != "none":
         return None
-    doc, err = _cli("bisect", run, hint, reports / f"{run.name}-bisect", ["--before", str(truth.get("before", 30)), "--after", str(truth.get("after", 40))])
+    doc, err = _cli(
+        "bisect",
+        run,
+        hint,
+        reports / f"{run.name}-bisect",
+        ["--before", str(truth.get("before", 30)), "--after", str(truth.get("after", 40))],
+    )
     if doc is None:
         return {"incident": run.name, "error": err}
     b = doc["bisect"]
     want = set(truth.get("samples") or [])
     got = set(b["rows"])
-    pr = f"P {len(got & want) / len(got):.2f} R {len(got & want) / len(want):.2f}" if want and got else ("none planted" if not want else "n/p")
-    return {"incident": run.name, "truth_step": truth.get("first_bad_step"), "step": b["first_bad_step"], "rows": b["rows"], "pr": pr, "replays": b["replays"], "budget": b["budget"], "note": b.get("note", "")}
+    pr = (
+        f"P {len(got & want) / len(got):.2f} R {len(got & want) / len(want):.2f}"
+        if want and got
+        else ("none planted" if not want else "n/p")
+    )
+    return {
+        "incident": run.name,
+        "truth_step": truth.get("first_bad_step"),
+        "step": b["first_bad_step"],
+        "rows": b["rows"],
+        "pr": pr,
+        "replays": b["replays"],
+        "budget": b["budget"],
+        "note": b.get("note", ""),
+    }
 
 
 def bisect_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| incident | first bad step (truth) | culprit rows | vs planted rows | evaluations / budget | note |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| incident | first bad step (truth) | culprit rows | vs planted rows | evaluations / budget | note |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['incident']} | error: {r['error']} | | | | |")
@@ -234,16 +297,26 @@ def run_triage(run: Path) -> dict[str, Any] | None:
 
 
 def triage_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| incident | onset (truth) | | rollback checkpoint | first signal |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| incident | onset (truth) | | rollback checkpoint | first signal |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
-        ok = r["step"] == r["truth_step"] and (r["step"] is None or (r["rollback"] is not None and r["rollback"] < r["step"]))
+        ok = r["step"] == r["truth_step"] and (
+            r["step"] is None or (r["rollback"] is not None and r["rollback"] < r["step"])
+        )
         step = lambda x: "none" if x is None else str(x)  # noqa: E731
-        lines.append(f"| {r['incident']} | {step(r['step'])} ({step(r['truth_step'])}) | {'✓' if ok else '✗'} | {step(r['rollback'])} | {r['signal'][:110]} |")
+        lines.append(
+            f"| {r['incident']} | {step(r['step'])} ({step(r['truth_step'])}) | {'✓' if ok else '✗'} | {step(r['rollback'])} | {r['signal'][:110]} |"
+        )
     return "\n".join(lines)
 
 
 def whatif_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| incident | baseline on track | mitigations on track | recommended | time |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| incident | baseline on track | mitigations on track | recommended | time |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['incident']} | error: {r['error']} | | | |")
@@ -267,7 +340,11 @@ def table(rows: list[Row]) -> str:
     ]
     for r in rows:
         cause = _mark(r.cause_ok, r.cause)
-        layer = _mark(r.layer_ok, r.layer or "none") if r.layer_ok is not None or r.layer else ("n/p" if "layer" in r.blind else "—")
+        layer = (
+            _mark(r.layer_ok, r.layer or "none")
+            if r.layer_ok is not None or r.layer
+            else ("n/p" if "layer" in r.blind else "—")
+        )
         lines.append(
             f"| {r.incident} | {r.command} | {r.truth_cause} | {cause} | {layer} | {r.samples if r.samples_ok is None and r.samples else _mark(r.samples_ok, r.samples)} "
             f"| {_mark(r.first_bad_step_ok, str(r.first_bad_step))} | {_mark(r.element_ok)} | {r.reproducible if r.reproducible_ok is None else _mark(r.reproducible_ok, r.reproducible)} "
@@ -283,8 +360,16 @@ def score_draw(seed: int, root: Path) -> dict[str, Any]:
     from fixtures.draws import GROUP0_LR_ONLY, build_draw, draw
 
     run = root / f"draw-{seed}"
-    built = json.loads((run / "truth.json").read_text())["draw"] if (run / "truth.json").is_file() else None
-    if built is None or built.get("trainer", "own") != draw(seed).trainer or built.get("optimizer", "adamw") != draw(seed).optimizer:
+    built = (
+        json.loads((run / "truth.json").read_text())["draw"]
+        if (run / "truth.json").is_file()
+        else None
+    )
+    if (
+        built is None
+        or built.get("trainer", "own") != draw(seed).trainer
+        or built.get("optimizer", "adamw") != draw(seed).optimizer
+    ):
         shutil.rmtree(run, ignore_errors=True)
         build_draw(seed, root)
     truth = json.loads((run / "truth.json").read_text())
@@ -301,7 +386,11 @@ def score_draw(seed: int, root: Path) -> dict[str, Any]:
         from fixtures.draws import log_onset
 
         rows_ = read_metrics(log)
-        last = log_onset({s: r["loss"] for s, r in rows_.items() if "loss" in r}, {s: r["grad_norm"] for s, r in rows_.items() if "grad_norm" in r}, at)
+        last = log_onset(
+            {s: r["loss"] for s, r in rows_.items() if "loss" in r},
+            {s: r["grad_norm"] for s, r in rows_.items() if "grad_norm" in r},
+            at,
+        )
         onset_ok = tri.first_bad_step is not None and at <= tri.first_bad_step <= (last or at)
     else:
         onset_ok = tri.first_bad_step == at
@@ -316,7 +405,9 @@ def score_draw(seed: int, root: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def score_draws(split: str, root: Path, seeds: list[int] | None = None, jobs: int = 1) -> tuple[list[dict[str, Any]], dict[str, str]]:
+def score_draws(
+    split: str, root: Path, seeds: list[int] | None = None, jobs: int = 1
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """Build (if absent) and score the draws of one split: replay as a user would, triage
     on the run's log, `jobs` draws at a time. Returns (per-draw rows, aggregate figures)."""
     sys.path.insert(0, str(ROOT))
@@ -342,7 +433,9 @@ def score_draws(split: str, root: Path, seeds: list[int] | None = None, jobs: in
         "culprit rows P,R >= 0.9": rate("samples_ok"),
         "first bad step exact": rate("fbs_ok"),
         "reproducible (the verdict's flag vs the truth's)": rate("rep_ok"),
-        "triage onset (exact; module-LR faults a log shows only through group 0: within its first sign)": rate("onset_ok"),
+        "triage onset (exact; module-LR faults a log shows only through group 0: within its first sign)": rate(
+            "onset_ok"
+        ),
         "false alarms on healthy": f"{sum(bool(x['false_alarm']) for x in healthy)}/{len(healthy)}",
     }
     return rows, agg
@@ -355,7 +448,11 @@ def _shape(d: dict[str, Any]) -> str:
     if d.get("trainer") == "deepspeed":
         hf = f" zero{d.get('zero_stage')}"
     if d.get("trainer") == "hf":
-        hf = f" {d['family']}" + (" padded" if d.get("padded") else "") + (f" ga{d['accum']}" if d.get("accum", 1) > 1 else "")
+        hf = (
+            f" {d['family']}"
+            + (" padded" if d.get("padded") else "")
+            + (f" ga{d['accum']}" if d.get("accum", 1) > 1 else "")
+        )
         hf += " lm-collator" if d.get("collator") == "lm" else ""
     opt = f" {d['optimizer']}" if d.get("optimizer", "adamw") != "adamw" else ""
     return f"{d['position']} {d['schedule']} L{d['n_layer']} d{d['n_embd']} T{d['seq']} {d['precision']} {d['fmt']}{hf}{opt}"
@@ -382,10 +479,16 @@ def main() -> None:
     ap.add_argument("--zoo", type=Path, default=ROOT / "build" / "zoo")
     ap.add_argument("--rebuild", action="store_true", help="Build the zoo first even if present.")
     ap.add_argument("--record", action="store_true", help="Write the table into bench/RESULTS.md.")
-    ap.add_argument("--draws", choices=("tuning", "heldout"), help="Score the drawn incidents of this split instead of the zoo.")
+    ap.add_argument(
+        "--draws",
+        choices=("tuning", "heldout"),
+        help="Score the drawn incidents of this split instead of the zoo.",
+    )
     ap.add_argument("--draws-dir", type=Path, default=ROOT / "build" / "draws")
     ap.add_argument("--seeds", type=int, nargs="*", help="Only these draws.")
-    ap.add_argument("--jobs", type=int, default=1, help="Draws scored at a time (each replay is one process).")
+    ap.add_argument(
+        "--jobs", type=int, default=1, help="Draws scored at a time (each replay is one process)."
+    )
     args = ap.parse_args()
     if args.draws:
         rows, agg = score_draws(args.draws, args.draws_dir / args.draws, args.seeds, args.jobs)
@@ -401,16 +504,32 @@ def main() -> None:
         if args.zoo.is_dir():
             shutil.rmtree(args.zoo)  # a rebuilt zoo keeps no run an older build left
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, str(ROOT / "fixtures" / "zoo.py"), "--out", str(args.zoo)], check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, str(ROOT / "fixtures" / "zoo.py"), "--out", str(args.zoo)],
+            check=True,
+            capture_output=True,
+        )
         print(f"built the zoo in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     rows = score(args.zoo, args.zoo.parent / "zoo-reports")
     head = f"## Zoo scoreboard — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs); `replay` (which merges `diff`) where the run logged its batches, else `diff`"
     legend = "✓ matches the truth, ✗ does not, — the truth has no such field, n/p the tool does not produce it yet."
     notes = "\n".join(f"- {r.incident}: {r.note}" for r in rows if r.note)
     reports = args.zoo.parent / "zoo-reports"
-    wrows = [w for d in sorted(args.zoo.iterdir()) if (d / "truth.json").is_file() and (w := run_whatif(d, reports))]
-    brows = [b for d in sorted(args.zoo.iterdir()) if (d / "truth.json").is_file() and (b := run_bisect(d, reports))]
-    trows = [t for d in sorted(args.zoo.iterdir()) if (d / "truth.json").is_file() and (t := run_triage(d))]
+    wrows = [
+        w
+        for d in sorted(args.zoo.iterdir())
+        if (d / "truth.json").is_file() and (w := run_whatif(d, reports))
+    ]
+    brows = [
+        b
+        for d in sorted(args.zoo.iterdir())
+        if (d / "truth.json").is_file() and (b := run_bisect(d, reports))
+    ]
+    trows = [
+        t
+        for d in sorted(args.zoo.iterdir())
+        if (d / "truth.json").is_file() and (t := run_triage(d))
+    ]
     menu = ", ".join(f"`{m}`" for m in MENU)
     text = (
         f"{head}\n\n{table(rows)}\n\n{legend}\n\n{notes}\n\n### bisect (budget 2·k·⌈log2 B⌉ + 4)\n\n{bisect_table(brows)}"

@@ -14,24 +14,52 @@ from .formats import open_checkpoint, open_pair
 from .report import build_report
 from .verdict import decide, decide_whatif, reattribute
 
-__all__ = ["run_diff", "run_replay", "run_bisect", "run_whatif", "replay_section", "withheld_section", "trusted", "ReplayMismatch"]
+__all__ = [
+    "run_diff",
+    "run_replay",
+    "run_bisect",
+    "run_whatif",
+    "replay_section",
+    "withheld_section",
+    "trusted",
+    "ReplayMismatch",
+]
 
 Progress = Callable[[str], None]
 
 
 def _number(findings: list[Finding]) -> list[Finding]:
-    return [Finding(f"F{i}", *[getattr(f, k) for k in Finding.__slots__[1:]]) for i, f in enumerate(findings, 1)]  # type: ignore[attr-defined]
+    return [
+        Finding(f"F{i}", *[getattr(f, k) for k in Finding.__slots__[1:]])
+        for i, f in enumerate(findings, 1)
+    ]  # type: ignore[attr-defined]
 
 
-def _diff(a_path: Path, b_path: Path, fmt: str | None, chunk: int, progress: Progress | None, workers: int = 1) -> tuple[Any, Any, DiffResult, list[Finding]]:
+def _diff(
+    a_path: Path,
+    b_path: Path,
+    fmt: str | None,
+    chunk: int,
+    progress: Progress | None,
+    workers: int = 1,
+) -> tuple[Any, Any, DiffResult, list[Finding]]:
     a, b = open_pair(a_path, b_path, fmt)
-    result = diff_checkpoints(a, b, DiffConfig(chunk_elems=chunk), progress=progress, workers=workers)
+    result = diff_checkpoints(
+        a, b, DiffConfig(chunk_elems=chunk), progress=progress, workers=workers
+    )
     assert result is not None
     return a, b, result, diff_findings(result)
 
 
 def run_diff(
-    a_path: Path, b_path: Path, *, command: str, fmt: str | None = None, chunk: int = 1 << 19, progress: Progress | None = None, workers: int = 1
+    a_path: Path,
+    b_path: Path,
+    *,
+    command: str,
+    fmt: str | None = None,
+    chunk: int = 1 << 19,
+    progress: Progress | None = None,
+    workers: int = 1,
 ) -> tuple[dict[str, Any], list[Finding]] | None:
     """`ckptforensics diff`: the report document and its findings.
 
@@ -51,7 +79,14 @@ def run_diff(
             dist.init_process_group("gloo")
         try:
             a, b = open_pair(a_path, b_path, fmt)
-            got = diff_checkpoints(a, b, DiffConfig(chunk_elems=chunk), progress=progress, workers=workers, distributed=True)
+            got = diff_checkpoints(
+                a,
+                b,
+                DiffConfig(chunk_elems=chunk),
+                progress=progress,
+                workers=workers,
+                distributed=True,
+            )
         finally:
             if own:
                 dist.destroy_process_group()
@@ -62,8 +97,16 @@ def run_diff(
         result, findings = got, diff_findings(got)
     try:
         before_ok = not any(t.nonfinite_a for t in result.tensors)
-        verdict = decide(findings, before=str(a_path), after=str(b_path), before_healthy=before_ok, weights_only=result.pair.weights_only)
-        doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, diff=result)
+        verdict = decide(
+            findings,
+            before=str(a_path),
+            after=str(b_path),
+            before_healthy=before_ok,
+            weights_only=result.pair.weights_only,
+        )
+        doc = build_report(
+            command=command, before=a, after=b, verdict=verdict, findings=findings, diff=result
+        )
     finally:
         a.close()
         b.close()
@@ -107,7 +150,9 @@ def replay_section(rep: Any, suspect: int | None) -> dict[str, Any]:
     attention = {
         str(s): {
             "modules": list(p.attn_modules),
-            "max_logit": [float(x) for x in p.attn[..., 0].nan_to_num(float("-inf")).amax(1).tolist()],
+            "max_logit": [
+                float(x) for x in p.attn[..., 0].nan_to_num(float("-inf")).amax(1).tolist()
+            ],
             "entropy": [float(x) for x in p.attn[..., 1].nan_to_num(float("inf")).amin(1).tolist()],
             "head": p.head,
             "logit_mean": p.logit_mean,
@@ -145,7 +190,11 @@ def replay_section(rep: Any, suspect: int | None) -> dict[str, Any]:
 def _worst(matches: list[Any]) -> dict[str, Any] | None:
     """The element furthest from *after* relative to its tolerance (< 1: all within)."""
     m = max(matches, key=lambda m: m.worst, default=None)
-    return None if m is None else {"tensor": m.name, "where": m.where, "deviation_over_tolerance": m.worst}
+    return (
+        None
+        if m is None
+        else {"tensor": m.name, "where": m.where, "deviation_over_tolerance": m.worst}
+    )
 
 
 def _window(what: str, cfg: Any) -> str:
@@ -153,7 +202,9 @@ def _window(what: str, cfg: Any) -> str:
     return f"{what} {cfg.before}" + (f" to {cfg.after}" if cfg.after is not None else "")
 
 
-def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> tuple[dict[str, Any], list[Finding]] | None:
+def run_replay(
+    cfg: Any, *, command: str, progress: Progress | None = None
+) -> tuple[dict[str, Any], list[Finding]] | None:
     """`ckptforensics replay`: replay (and diff, when *after* is given), merged into one verdict.
 
     Under torchrun (WORLD_SIZE > 1) the ranks replay the FSDP2-sharded model together
@@ -167,7 +218,11 @@ def run_replay(cfg: Any, *, command: str, progress: Progress | None = None) -> t
         rfind = replay_findings(rep) + _data_restart(cfg, rep)
         a, b, diff, dfind = _pair_diff(cfg)
         try:
-            return None if diff is _NOT_RANK_ZERO else _replay_report(cfg, rep, rfind, a, b, diff, dfind, command)
+            return (
+                None
+                if diff is _NOT_RANK_ZERO
+                else _replay_report(cfg, rep, rfind, a, b, diff, dfind, command)
+            )
         finally:
             _close(a, b)
 
@@ -189,7 +244,9 @@ def _data_restart(cfg: Any, rep: Any) -> list[Finding]:
             return []
         steps, ids = np.asarray(h["step"]), np.asarray(h["sample_id"])
     window = [r.step for r in rep.records]
-    return detect_data_restart({int(s): row.tolist() for s, row in zip(steps, ids, strict=False)}, window)
+    return detect_data_restart(
+        {int(s): row.tolist() for s, row in zip(steps, ids, strict=False)}, window
+    )
 
 
 # The pair's diff under torchrun on ranks other than 0, which gather nothing.
@@ -229,38 +286,83 @@ def trusted(cfg: Any, rfind: list[Finding]) -> Finding | None:
     if bad is None:
         return None
     if bad.metrics["status"] == "missed_first" and not cfg.allow_mismatch:
-        raise ReplayMismatch(f"{bad.message}; pass --allow-mismatch to write the report from the checkpoint diff alone")
+        raise ReplayMismatch(
+            f"{bad.message}; pass --allow-mismatch to write the report from the checkpoint diff alone"
+        )
     return bad
 
 
 def withheld_section(rep: Any, why: Finding) -> dict[str, Any]:
     """The `replay` block of a replay that is not evidence: its configuration and its check
     against the log, nothing it measured."""
-    return {"config": rep.config, "precision": rep.precision, "check": rep.check.as_dict(), "withheld": why.message}
+    return {
+        "config": rep.config,
+        "precision": rep.precision,
+        "check": rep.check.as_dict(),
+        "withheld": why.message,
+    }
 
 
 def _replay_report(
-    cfg: Any, rep: Any, rfind: list[Finding], a: Any, b: Any, diff: DiffResult | None, dfind: list[Finding], command: str, more: dict[str, Any] | None = None
+    cfg: Any,
+    rep: Any,
+    rfind: list[Finding],
+    a: Any,
+    b: Any,
+    diff: DiffResult | None,
+    dfind: list[Finding],
+    command: str,
+    more: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[Finding]]:
     before_ok = diff is None or not any(t.nonfinite_a for t in diff.tensors)
-    after_label = str(cfg.after) if cfg.after is not None else f"the replay of step {rep.records[0].step}"
+    after_label = (
+        str(cfg.after) if cfg.after is not None else f"the replay of step {rep.records[0].step}"
+    )
     why = trusted(cfg, rfind)
     if why is not None:
         findings = _number([*dfind, why])
-        verdict = decide(findings, before=str(cfg.before), after=after_label, before_healthy=before_ok, replayed=False, extra={"replay_check": {"status": why.metrics["status"], "reason": why.message}})
-        doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, diff=diff, sections={"replay": withheld_section(rep, why), **(more or {})})
+        verdict = decide(
+            findings,
+            before=str(cfg.before),
+            after=after_label,
+            before_healthy=before_ok,
+            replayed=False,
+            extra={"replay_check": {"status": why.metrics["status"], "reason": why.message}},
+        )
+        doc = build_report(
+            command=command,
+            before=a,
+            after=b,
+            verdict=verdict,
+            findings=findings,
+            diff=diff,
+            sections={"replay": withheld_section(rep, why), **(more or {})},
+        )
         return doc, findings
     findings = _number(reattribute(dfind + rfind))
     verdict = decide(
-        findings, before=str(cfg.before), after=after_label, before_healthy=before_ok, replayed=True, state_steps=first_steps_from_state(dfind, rep)
+        findings,
+        before=str(cfg.before),
+        after=after_label,
+        before_healthy=before_ok,
+        replayed=True,
+        state_steps=first_steps_from_state(dfind, rep),
     )
     doc = build_report(
-        command=command, before=a, after=b, verdict=verdict, findings=findings, diff=diff, sections={"replay": replay_section(rep, verdict.first_bad_step)}
+        command=command,
+        before=a,
+        after=b,
+        verdict=verdict,
+        findings=findings,
+        diff=diff,
+        sections={"replay": replay_section(rep, verdict.first_bad_step)},
     )
     return doc, findings
 
 
-def run_bisect(cfg: Any, *, command: str, progress: Progress | None = None, tokenizer: Path | None = None) -> tuple[dict[str, Any], list[Finding], dict[str, Any]] | None:
+def run_bisect(
+    cfg: Any, *, command: str, progress: Progress | None = None, tokenizer: Path | None = None
+) -> tuple[dict[str, Any], list[Finding], dict[str, Any]] | None:
     """`ckptforensics bisect`: replay + step and sample bisection; returns (doc, findings,
     skip list); under torchrun, on ranks other than 0, None (see `run_replay`)."""
     from .replay import distributed
@@ -281,7 +383,14 @@ def run_bisect(cfg: Any, *, command: str, progress: Progress | None = None, toke
 
 
 def _bisect_report(
-    cfg: Any, a: Any, b: Any, diff: DiffResult | None, dfind: list[Finding], command: str, progress: Progress | None, tokenizer: Path | None
+    cfg: Any,
+    a: Any,
+    b: Any,
+    diff: DiffResult | None,
+    dfind: list[Finding],
+    command: str,
+    progress: Progress | None,
+    tokenizer: Path | None,
 ) -> tuple[dict[str, Any], list[Finding], dict[str, Any]]:
     from .bisect import bisect
 
@@ -289,7 +398,9 @@ def _bisect_report(
     rfind = replay_findings(rep)
     why = trusted(cfg, rfind)
     if why is not None:  # withheld (allowed): the diff's verdict, the bisection's note
-        doc, findings = _replay_report(cfg, rep, rfind, a, b, diff, dfind, command, {"bisect": asdict(res)})
+        doc, findings = _replay_report(
+            cfg, rep, rfind, a, b, diff, dfind, command, {"bisect": asdict(res)}
+        )
         return doc, findings, {"steps": [], "sample_ids": [], "rows": {}}
     findings = _number(reattribute(dfind + rfind))
     # The bisection's step and rows are what it proved by replaying; they override the
@@ -299,40 +410,81 @@ def _bisect_report(
         extra["first_bad_step"] = res.first_bad_step
     if res.rows:
         extra["anomalous_samples"] = [
-            {"index": i, "sample_id": (res.sample_ids[k] if res.sample_ids else None), "score": 1.0, "why": res.evidence.get(i, "needed to reproduce the spike")}
+            {
+                "index": i,
+                "sample_id": (res.sample_ids[k] if res.sample_ids else None),
+                "score": 1.0,
+                "why": res.evidence.get(i, "needed to reproduce the spike"),
+            }
             for k, i in enumerate(res.rows)
         ]
     before_ok = diff is None or not any(t.nonfinite_a for t in diff.tensors)
     verdict = decide(
-        findings, before=str(cfg.before), after=str(cfg.after or cfg.before), before_healthy=before_ok, extra=extra, replayed=True,
+        findings,
+        before=str(cfg.before),
+        after=str(cfg.after or cfg.before),
+        before_healthy=before_ok,
+        extra=extra,
+        replayed=True,
         state_steps=first_steps_from_state(dfind, rep),
     )
-    skip = {"steps": [res.first_bad_step] if res.first_bad_step is not None and res.rows else [], "sample_ids": res.sample_ids, "rows": {str(res.first_bad_step): res.rows} if res.rows else {}}
+    skip = {
+        "steps": [res.first_bad_step] if res.first_bad_step is not None and res.rows else [],
+        "sample_ids": res.sample_ids,
+        "rows": {str(res.first_bad_step): res.rows} if res.rows else {},
+    }
     section = asdict(res)
     section["skip"] = skip
-    doc = build_report(command=command, before=a, after=b, verdict=verdict, findings=findings, diff=diff, sections={"replay": replay_section(rep, verdict.first_bad_step), "bisect": section})
+    doc = build_report(
+        command=command,
+        before=a,
+        after=b,
+        verdict=verdict,
+        findings=findings,
+        diff=diff,
+        sections={"replay": replay_section(rep, verdict.first_bad_step), "bisect": section},
+    )
     return doc, findings, skip
 
 
 def run_whatif(
-    cfg: Any, n_steps: int, tries: list[str], skip_rows: dict[int, list[int]] | None, *, command: str, progress: Progress | None = None
+    cfg: Any,
+    n_steps: int,
+    tries: list[str],
+    skip_rows: dict[int, list[int]] | None,
+    *,
+    command: str,
+    progress: Progress | None = None,
 ) -> tuple[dict[str, Any], list[Finding]] | None:
     """`ckptforensics whatif`: the baseline and each mitigation replayed from *before*
     (under torchrun: by every rank together; ranks other than 0 return None)."""
     from .replay import distributed
 
-    with distributed.joined(cfg.device) as ranks, doing(f"replaying {n_steps} steps from {cfg.before} under each mitigation"):
+    with (
+        distributed.joined(cfg.device) as ranks,
+        doing(f"replaying {n_steps} steps from {cfg.before} under each mitigation"),
+    ):
         got = _whatif(cfg, n_steps, tries, skip_rows, command, progress)
         return got if ranks is None or ranks.rank == 0 else None
 
 
-def _whatif(cfg: Any, n_steps: int, tries: list[str], skip_rows: dict[int, list[int]] | None, command: str, progress: Progress | None) -> tuple[dict[str, Any], list[Finding]]:
+def _whatif(
+    cfg: Any,
+    n_steps: int,
+    tries: list[str],
+    skip_rows: dict[int, list[int]] | None,
+    command: str,
+    progress: Progress | None,
+) -> tuple[dict[str, Any], list[Finding]]:
     from .whatif import parse_mitigation, whatif
 
     mitigations = [parse_mitigation(t) for t in tries]
     auto = skip_rows
     auto_ids: dict[int, list[int]] = {}
-    if any(k == "skip_samples" and v == "auto" for m in mitigations for k, v in m.knobs) and not auto:
+    if (
+        any(k == "skip_samples" and v == "auto" for m in mitigations for k, v in m.knobs)
+        and not auto
+    ):
         from .bisect import bisect
 
         first = _step_of(cfg.before) + 1
@@ -343,13 +495,46 @@ def _whatif(cfg: Any, n_steps: int, tries: list[str], skip_rows: dict[int, list[
     msg = (
         f"{best} keeps the run on track over {n_steps} steps (least invasive that does)"
         if best
-        else ("the baseline stays on track: no mitigation needed" if info["baseline_on_track"] else "no mitigation tried keeps the run on track")
+        else (
+            "the baseline stays on track: no mitigation needed"
+            if info["baseline_on_track"]
+            else "no mitigation tried keeps the run on track"
+        )
     )
-    finding = Finding("F1", "whatif", best or "run", 1.0, "info", {"recommended": best, **info}, msg, "docs/signatures.md#what-if", ())
-    verdict = decide_whatif(before=str(cfg.before), n_steps=n_steps, outcome=msg, recommended=best, baseline_on_track=bool(info["baseline_on_track"]))
-    section = {"outcomes": [asdict(o) for o in outcomes], "recommended": best, **info, "auto_rows": {str(k): v for k, v in (auto or {}).items()}, "auto_sample_ids": {str(k): v for k, v in auto_ids.items()}}
+    finding = Finding(
+        "F1",
+        "whatif",
+        best or "run",
+        1.0,
+        "info",
+        {"recommended": best, **info},
+        msg,
+        "docs/signatures.md#what-if",
+        (),
+    )
+    verdict = decide_whatif(
+        before=str(cfg.before),
+        n_steps=n_steps,
+        outcome=msg,
+        recommended=best,
+        baseline_on_track=bool(info["baseline_on_track"]),
+    )
+    section = {
+        "outcomes": [asdict(o) for o in outcomes],
+        "recommended": best,
+        **info,
+        "auto_rows": {str(k): v for k, v in (auto or {}).items()},
+        "auto_sample_ids": {str(k): v for k, v in auto_ids.items()},
+    }
     with open_checkpoint(cfg.before) as a:
-        doc = build_report(command=command, before=a, after=a, verdict=verdict, findings=[finding], sections={"whatif": section})
+        doc = build_report(
+            command=command,
+            before=a,
+            after=a,
+            verdict=verdict,
+            findings=[finding],
+            sections={"whatif": section},
+        )
     return doc, [finding]
 
 

@@ -19,7 +19,22 @@ from typing import Any
 
 from .options import ReplayOptions, replay_options
 
-__all__ = ["ReplayOptions", "Report", "inspect", "diff", "replay", "bisect", "whatif", "plan", "plan_from", "recovery", "triage", "audit", "resolve", "NotRankZero"]
+__all__ = [
+    "ReplayOptions",
+    "Report",
+    "inspect",
+    "diff",
+    "replay",
+    "bisect",
+    "whatif",
+    "plan",
+    "plan_from",
+    "recovery",
+    "triage",
+    "audit",
+    "resolve",
+    "NotRankZero",
+]
 
 Progress = Callable[[str], None]
 
@@ -53,12 +68,16 @@ class Report:
     def kind(self) -> str:
         """'incident', 'triage' or 'inspect'."""
         schema = str(self.doc.get("schema", ""))
-        return {TRIAGE_SCHEMA: "triage", "ckptforensics.inspect/1": "inspect"}.get(schema, "incident")
+        return {TRIAGE_SCHEMA: "triage", "ckptforensics.inspect/1": "inspect"}.get(
+            schema, "incident"
+        )
 
     @property
     def verdict(self) -> dict[str, Any]:
         if self.kind != "incident":
-            raise AttributeError(f"a {self.kind} report has no verdict (its document is {self.doc.get('schema')})")
+            raise AttributeError(
+                f"a {self.kind} report has no verdict (its document is {self.doc.get('schema')})"
+            )
         return self.doc["verdict"]
 
     @property
@@ -106,7 +125,9 @@ class Report:
         if self.kind == "inspect":
             import html
 
-            return f"<!doctype html><meta charset=utf-8><pre>{html.escape(self.to_markdown())}</pre>\n"
+            return (
+                f"<!doctype html><meta charset=utf-8><pre>{html.escape(self.to_markdown())}</pre>\n"
+            )
         from .report.html import render_html
 
         return render_html(self.doc)
@@ -118,7 +139,11 @@ class Report:
         from .report.evidence import load_report
 
         doc = load_report(Path(path))
-        return cls(doc, list(doc.get("findings", [])), {"skip": doc["bisect"]["skip"]} if (doc.get("bisect") or {}).get("skip") else {})
+        return cls(
+            doc,
+            list(doc.get("findings", [])),
+            {"skip": doc["bisect"]["skip"]} if (doc.get("bisect") or {}).get("skip") else {},
+        )
 
     def save(self, out: str | Path) -> list[Path]:
         """The report's files under `out`, written together (a failure leaves the previous
@@ -130,9 +155,17 @@ class Report:
         o = Path(out)
         check_outside(o, report_inputs(self.doc))
         if self.kind == "triage":
-            return write_files({o / "triage.json": to_json(self.doc), o / "triage.md": self.to_markdown(), o / "triage.html": self.to_html()})
+            return write_files(
+                {
+                    o / "triage.json": to_json(self.doc),
+                    o / "triage.md": self.to_markdown(),
+                    o / "triage.html": self.to_html(),
+                }
+            )
         if self.kind == "inspect":
-            return write_files({o / "inspect.json": to_json(self.doc), o / "inspect.md": self.to_markdown()})
+            return write_files(
+                {o / "inspect.json": to_json(self.doc), o / "inspect.md": self.to_markdown()}
+            )
         extra = {"skip.json": to_json(self.extra["skip"])} if "skip" in self.extra else None
         return write_report(o, self.doc, extra)
 
@@ -146,7 +179,9 @@ def resolve(step_or_path: str | int | Path, run_dir: str | Path | None = None) -
     """A checkpoint path from a step number (resolved in `run_dir`) or a path."""
     from .locate import resolve_checkpoint
 
-    return resolve_checkpoint(str(step_or_path), Path(run_dir) if run_dir is not None else Path("."))
+    return resolve_checkpoint(
+        str(step_or_path), Path(run_dir) if run_dir is not None else Path(".")
+    )
 
 
 def diff(
@@ -174,7 +209,14 @@ def diff(
     return Report(*got)
 
 
-def _config(before: Any, after: Any, batch: str | Path | None, run_dir: Any, options: ReplayOptions, step: int | None = None) -> Any:
+def _config(
+    before: Any,
+    after: Any,
+    batch: str | Path | None,
+    run_dir: Any,
+    options: ReplayOptions,
+    step: int | None = None,
+) -> Any:
     from .replay import ReplayConfig
 
     return ReplayConfig(
@@ -226,7 +268,15 @@ def bisect(
     from .analysis import run_bisect
 
     cfg = _config(before, after, batch, run_dir, replay_options(options, **option))
-    doc, findings, skip = _rank_zero(run_bisect(cfg, command=command, progress=progress, tokenizer=Path(tokenizer) if tokenizer else None), "bisect")
+    doc, findings, skip = _rank_zero(
+        run_bisect(
+            cfg,
+            command=command,
+            progress=progress,
+            tokenizer=Path(tokenizer) if tokenizer else None,
+        ),
+        "bisect",
+    )
     return Report(doc, findings, {"skip": skip})
 
 
@@ -248,7 +298,11 @@ def whatif(
     from .analysis import run_whatif
 
     cfg = _config(before, None, batch, run_dir, replay_options(options, **option))
-    return Report(*_rank_zero(run_whatif(cfg, steps, list(tries), None, command=command, progress=progress), "whatif"))
+    return Report(
+        *_rank_zero(
+            run_whatif(cfg, steps, list(tries), None, command=command, progress=progress), "whatif"
+        )
+    )
 
 
 def plan(
@@ -281,20 +335,48 @@ def plan(
             "`whatif`, then `ckptforensics plan incident/ whatif/`"
         )
     opts = replay_options(options, **option)
-    rep = replay(before, after, batch=batch, run_dir=run_dir, options=opts, progress=progress, command=command)
+    rep = replay(
+        before,
+        after,
+        batch=batch,
+        run_dir=run_dir,
+        options=opts,
+        progress=progress,
+        command=command,
+    )
     p = rep.plan
-    tried = list(tries) if tries else mitigations(rep.doc, ((rep.doc.get("replay") or {}).get("config") or {}).get("clip", {}).get("value"))
+    tried = (
+        list(tries)
+        if tries
+        else mitigations(
+            rep.doc,
+            ((rep.doc.get("replay") or {}).get("config") or {}).get("clip", {}).get("value"),
+        )
+    )
     doc, findings = rep.doc, list(rep.findings)
     if p.get("status") == "ready" and tried:
         r = p["rollback"]
         n = int(rep.doc["incident"]["after"]["step"]) - int(r["step"])
-        wi = whatif(r["path"], steps=max(n, 1), tries=tried, batch=batch, run_dir=run_dir, options=opts, progress=progress, command=command)
+        wi = whatif(
+            r["path"],
+            steps=max(n, 1),
+            tries=tried,
+            batch=batch,
+            run_dir=run_dir,
+            options=opts,
+            progress=progress,
+            command=command,
+        )
         from .detectors import Finding
 
         f = wi.findings[0]
         extra = Finding(f"F{len(findings) + 1}", *[getattr(f, k) for k in Finding.__slots__[1:]])  # type: ignore[attr-defined]
         findings.append(extra)
-        doc = {**doc, "whatif": wi.doc["whatif"], "findings": [*doc["findings"], {**wi.doc["findings"][0], "id": extra.id}]}
+        doc = {
+            **doc,
+            "whatif": wi.doc["whatif"],
+            "findings": [*doc["findings"], {**wi.doc["findings"][0], "id": extra.id}],
+        }
         with open_checkpoint(doc["incident"]["before"]["path"]) as ck:
             doc["plan"] = _clean_doc(plan_section(doc, ck))
     return Report(doc, findings, _skip_extra(doc))
@@ -309,7 +391,11 @@ def _clean_doc(x: Any) -> Any:
 def _skip_extra(doc: dict[str, Any]) -> dict[str, Any]:
     """skip.json for a plan that skips data: steps, sample ids and rows per step."""
     sk = (doc.get("plan") or {}).get("skip")
-    return {"skip": {"steps": sk["steps"], "sample_ids": sk["sample_ids"], "rows": sk["rows"]}} if sk else {}
+    return (
+        {"skip": {"steps": sk["steps"], "sample_ids": sk["sample_ids"], "rows": sk["rows"]}}
+        if sk
+        else {}
+    )
 
 
 def plan_from(reports: Sequence[str | Path]) -> Report:
@@ -327,11 +413,15 @@ def plan_from(reports: Sequence[str | Path]) -> Report:
         p = Path(r)
         docs.append(load_report(p / "report.json" if p.is_dir() else p))
     if any(d.get("recovery") for d in docs):
-        raise ForensicsError("a recovery report has no incident to plan for: pass the replay, bisect or what-if report")
+        raise ForensicsError(
+            "a recovery report has no incident to plan for: pass the replay, bisect or what-if report"
+        )
     doc = merge_reports(docs)
     before = Path(doc["incident"]["before"]["path"])
     if not before.exists():
-        raise ForensicsError(f"{before}: the report's before checkpoint is not here; the plan reads the run's settings from it (run `ckptforensics plan --run-dir ...` where the run is)")
+        raise ForensicsError(
+            f"{before}: the report's before checkpoint is not here; the plan reads the run's settings from it (run `ckptforensics plan --run-dir ...` where the run is)"
+        )
     with open_checkpoint(before) as ck:
         doc = {**doc, "plan": _clean_doc(plan_section(doc, ck))}
     return Report(doc, list(doc.get("findings", [])), _skip_extra(doc))
@@ -400,7 +490,13 @@ def triage(
     return Report({"schema": TRIAGE_SCHEMA, **clean(as_dict(res))}, result=res)
 
 
-def inspect(checkpoint: str | int | Path, *, run_dir: str | Path | None = None, format: str | None = None, progress: Progress | None = None) -> Report:
+def inspect(
+    checkpoint: str | int | Path,
+    *,
+    run_dir: str | Path | None = None,
+    format: str | None = None,
+    progress: Progress | None = None,
+) -> Report:
     """One checkpoint summarised: complete or not (its format's rule for a whole save;
     an incomplete one raises, naming what is missing), format, step, sizes, optimizer,
     loss scale, and each tensor's non-finite count and dtype headroom. The report's

@@ -57,7 +57,11 @@ def _disagreements(rep: ReplayResult) -> list[dict[str, float]]:
     out = []
     for r in rep.records:
         logged = rep.logged.get(r.step, {}).get("loss")
-        if logged is not None and math.isfinite(r.loss) and abs(r.loss - logged) > 1e-3 * max(1.0, abs(logged)):
+        if (
+            logged is not None
+            and math.isfinite(r.loss)
+            and abs(r.loss - logged) > 1e-3 * max(1.0, abs(logged))
+        ):
             out.append({"step": r.step, "replayed_loss": r.loss, "logged_loss": logged})
     return out
 
@@ -82,9 +86,15 @@ def bisect(
     rfind = replay_findings(rep)
     why = trusted(cfg, rfind)  # a replay that is not the run bisects nothing
     if why is not None:
-        return BisectResult(first_bad_step=None, disagreements=_disagreements(rep), note=f"not bisected: {why.message}"), rep
+        return BisectResult(
+            first_bad_step=None,
+            disagreements=_disagreements(rep),
+            note=f"not bisected: {why.message}",
+        ), rep
     fields = replay_fields(rfind, first_steps_from_state(state_findings or [], rep))
-    res = BisectResult(first_bad_step=fields.get("first_bad_step"), disagreements=_disagreements(rep))
+    res = BisectResult(
+        first_bad_step=fields.get("first_bad_step"), disagreements=_disagreements(rep)
+    )
     s = res.first_bad_step
     if s is None or s == rep.records[0].step and len(rep.records) == 1 and not rep.baseline:
         return res, rep
@@ -101,7 +111,9 @@ def bisect(
         if filler_step is None:
             filler_step = next((t for t in (p.batches.steps or []) if t < s), None)
         if filler_step is None:
-            res.note = f"no healthy batch before step {s} to fill rows with; sample bisection skipped"
+            res.note = (
+                f"no healthy batch before step {s} to fill rows with; sample bisection skipped"
+            )
             return res, rep
         filler = p.batches.batch(filler_step)
         if batch["input_ids"].shape[1] != filler["input_ids"].shape[1]:
@@ -111,9 +123,15 @@ def bisect(
             # Dynamic padding (a collator pads each batch to its longest row): the narrower
             # one is padded out (mask 0, label -100), which no loss or attention reads.
             width = max(batch["input_ids"].shape[1], filler["input_ids"].shape[1])
-            batch, filler = ({k: pad_rows(v, width, k) for k, v in b.items()} for b in (batch, filler))
-        base_loss = [v["loss"] for v in rep.baseline.values() if "loss" in v] or [r.loss for r in rep.records if r.step < s]
-        base_grad = [v["grad_norm"] for v in rep.baseline.values() if "grad_norm" in v] or [r.grad_norm for r in rep.records if r.step < s]
+            batch, filler = (
+                {k: pad_rows(v, width, k) for k, v in b.items()} for b in (batch, filler)
+            )
+        base_loss = [v["loss"] for v in rep.baseline.values() if "loss" in v] or [
+            r.loss for r in rep.records if r.step < s
+        ]
+        base_grad = [v["grad_norm"] for v in rep.baseline.values() if "grad_norm" in v] or [
+            r.grad_norm for r in rep.records if r.step < s
+        ]
         n = batch["input_ids"].shape[0]
         res.budget = int(2 * math.ceil(math.log2(max(n, 2))) + 4)  # k = 1 until culprits are known
 
@@ -123,12 +141,25 @@ def bisect(
             it stands at half that, the level at which the onset rule counts the loss's
             answer to a grad spike (`tensors.loss_follows`): a part of the spike is still
             the spike, and at 6 a row whose share is a third of it reads as innocent."""
-            mixed = {k: torch.where(_rows_mask(n, keep, v), v, filler[k][:n]) for k, v in batch.items() if k in filler}
+            mixed = {
+                k: torch.where(_rows_mask(n, keep, v), v, filler[k][:n])
+                for k, v in batch.items()
+                if k in filler
+            }
             loss, grad = sess.evaluate(mixed)
             res.replays += 1
             z = max(float(step_z([loss], base_loss)[0]), float(step_z([grad], base_grad)[0]))
             hit = not math.isfinite(z) or z > need
-            res.trials.append({"rows": sorted(keep), "label": label, "loss": loss, "grad_norm": grad, "robust_z": z, "spiked": hit})
+            res.trials.append(
+                {
+                    "rows": sorted(keep),
+                    "label": label,
+                    "loss": loss,
+                    "grad_norm": grad,
+                    "robust_z": z,
+                    "spiked": hit,
+                }
+            )
             return hit
 
         everything = set(range(n))
@@ -189,10 +220,15 @@ def _by_share(rec: Any) -> list[int]:
     """Rows by their share of the gradient norm^2 (then loss), largest first."""
     n = len(rec.sample_loss)
     sq = rec.sample_grad_sq if rec.sample_grad_sq is not None else [0.0] * n
-    return sorted(range(n), key=lambda i: (-(sq[i] if math.isfinite(sq[i]) else math.inf), -rec.sample_loss[i]))
+    return sorted(
+        range(n),
+        key=lambda i: (-(sq[i] if math.isfinite(sq[i]) else math.inf), -rec.sample_loss[i]),
+    )
 
 
-def decode_rows(tokenizer: Path, input_ids: torch.Tensor, rows: list[int], max_tokens: int = 256) -> dict[int, str]:
+def decode_rows(
+    tokenizer: Path, input_ids: torch.Tensor, rows: list[int], max_tokens: int = 256
+) -> dict[int, str]:
     """The culprit rows as text, with an HF tokenizer directory (the `hf` extra).
 
     Loaded with `local_files_only` and without remote code: a tokenizer directory is
@@ -203,7 +239,11 @@ def decode_rows(tokenizer: Path, input_ids: torch.Tensor, rows: list[int], max_t
     except ImportError:
         raise ForensicsError("--tokenizer needs the hf extra (transformers)") from None
     try:
-        tok = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True, trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(
+            str(tokenizer), local_files_only=True, trust_remote_code=False
+        )
     except Exception as e:  # noqa: BLE001 - any failure to load is bad input, said in one line
-        raise ForensicsError(f"{tokenizer}: not a loadable tokenizer directory ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+        raise ForensicsError(
+            f"{tokenizer}: not a loadable tokenizer directory ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        ) from None
     return {r: tok.decode(input_ids[r][:max_tokens].tolist()) for r in rows}

@@ -45,7 +45,11 @@ class Ctx:
 
 def _setup_logging(verbose: int, quiet: bool) -> None:
     level = logging.WARNING - 10 * verbose if not quiet else logging.ERROR
-    logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=max(level, logging.DEBUG),
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
 
 
 @contextmanager
@@ -110,7 +114,9 @@ def _progress(total: int, label: str, quiet: bool) -> Iterator[Callable[[str], N
 @click.version_option(__version__, prog_name="ckptforensics")
 @click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars or warnings.")
-@click.option("--debug", is_flag=True, help="Show the traceback of a failure instead of its one line.")
+@click.option(
+    "--debug", is_flag=True, help="Show the traceback of a failure instead of its one line."
+)
 @click.pass_context
 def cli(ctx: click.Context, verbose: int, quiet: bool, debug: bool) -> None:
     """Post-mortem forensics for loss spikes in large-model pre-training.
@@ -149,6 +155,8 @@ run_dir_option = click.option(
     show_default=True,
     help="Where the trainer wrote its checkpoints; steps are resolved here.",
 )
+
+
 class _FormatName(click.ParamType):
     """A registered reader's name, checked against the registry only when given (the
     registry imports torch; `--help` must not)."""
@@ -160,7 +168,9 @@ class _FormatName(click.ParamType):
 
         names = format_names()
         if value not in names:
-            self.fail(f"{value!r} is not a registered format; choose from {', '.join(names)}", param, ctx)
+            self.fail(
+                f"{value!r} is not a registered format; choose from {', '.join(names)}", param, ctx
+            )
         return str(value)
 
 
@@ -177,8 +187,18 @@ def _replay_options(f: Any) -> Any:
     """Options every replay-based command shares."""
     for opt in reversed(
         [
-            click.option("--model", "model", default=None, help="module:factory, path/file.py:factory, or an HF config dir (default: the checkpoint's config.json)."),
-            click.option("--batch", "batch", default=None, help="Batch log (.h5, one batch per step), a batch file or module:function."),
+            click.option(
+                "--model",
+                "model",
+                default=None,
+                help="module:factory, path/file.py:factory, or an HF config dir (default: the checkpoint's config.json).",
+            ),
+            click.option(
+                "--batch",
+                "batch",
+                default=None,
+                help="Batch log (.h5, one batch per step), a batch file or module:function.",
+            ),
             click.option(
                 "--data",
                 "data",
@@ -198,15 +218,36 @@ def _replay_options(f: Any) -> Any:
                 "DataCollatorForLanguageModeling(mlm=False) and DataCollatorWithPadding (with the tokenizer saved in the "
                 "checkpoint) are tried, and the first whose first step lands on the log is kept.",
             ),
-            click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16", "bf16-params"]), default="auto", show_default=True),
-            click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True, help="cuda: under torchrun, one GPU a rank (NCCL)."),
+            click.option(
+                "--precision",
+                type=click.Choice(["auto", "fp32", "bf16", "fp16", "bf16-params"]),
+                default="auto",
+                show_default=True,
+            ),
+            click.option(
+                "--device",
+                type=click.Choice(["cpu", "cuda"]),
+                default="cpu",
+                show_default=True,
+                help="cuda: under torchrun, one GPU a rank (NCCL).",
+            ),
             click.option(
                 "--checkpoint-activations",
                 is_flag=True,
                 help="Recompute each block's activations in the backward pass (activation checkpointing per block): long sequences in less memory, the same figures.",
             ),
-            click.option("--clip", type=float, default=None, help="Gradient clipping norm (0 = none); default: from the checkpoint, else calibrated."),
-            click.option("--loss", "loss", default=None, help="module:function(logits, batch) -> per-token loss; default causal-LM cross-entropy."),
+            click.option(
+                "--clip",
+                type=float,
+                default=None,
+                help="Gradient clipping norm (0 = none); default: from the checkpoint, else calibrated.",
+            ),
+            click.option(
+                "--loss",
+                "loss",
+                default=None,
+                help="module:function(logits, batch) -> per-token loss; default causal-LM cross-entropy.",
+            ),
             click.option(
                 "--labels",
                 type=click.Choice(["shifted", "unshifted"]),
@@ -220,9 +261,20 @@ def _replay_options(f: Any) -> Any:
                 help="Write the report even when the replay does not reproduce the run's own log on its first checked step: "
                 "everything the replay measured is withheld and the verdict comes from the checkpoint diff alone.",
             ),
-            click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log (JSONL/CSV); discovered when absent."),
-            click.option("--out", type=click.Path(path_type=Path), help="Write the report (and skip.json for bisect) here."),
-            click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout."),
+            click.option(
+                "--metrics",
+                type=click.Path(dir_okay=False, path_type=Path),
+                default=None,
+                help="Training log (JSONL/CSV); discovered when absent.",
+            ),
+            click.option(
+                "--out",
+                type=click.Path(path_type=Path),
+                help="Write the report (and skip.json for bisect) here.",
+            ),
+            click.option(
+                "--json", "as_json", is_flag=True, help="Print the report JSON on stdout."
+            ),
         ]
     ):
         f = opt(f)
@@ -252,9 +304,18 @@ def formats_cmd() -> None:
 @run_dir_option
 @format_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-@click.option("--all", "show_all", is_flag=True, help="List every tensor, not only the notable ones.")
+@click.option(
+    "--all", "show_all", is_flag=True, help="List every tensor, not only the notable ones."
+)
 @click.pass_context
-def inspect(ctx: click.Context, checkpoint: str, run_dir: Path, fmt: str | None, as_json: bool, show_all: bool) -> None:
+def inspect(
+    ctx: click.Context,
+    checkpoint: str,
+    run_dir: Path,
+    fmt: str | None,
+    as_json: bool,
+    show_all: bool,
+) -> None:
     """Summarise one checkpoint: complete or not, format, step, sizes, optimizer, scaler, headroom.
 
     CHECKPOINT is a step number (resolved in --run-dir) or a path. First its files are
@@ -274,7 +335,9 @@ def inspect(ctx: click.Context, checkpoint: str, run_dir: Path, fmt: str | None,
 
     with _errors(ctx):
         path = resolve_checkpoint(checkpoint, run_dir)
-        require_complete(path, fmt)  # an incomplete one: exit 2, naming what is missing, before any reading
+        require_complete(
+            path, fmt
+        )  # an incomplete one: exit 2, naming what is missing, before any reading
         with _progress(_count(path, fmt), "inspect", ctx.obj.quiet) as prog:
             rep = api.inspect(path, format=fmt, progress=prog)
     if as_json:
@@ -305,15 +368,32 @@ def _output(out: Path | None, inputs: list[Path], *, file: bool = False) -> Iter
 
 
 @cli.command()
-@click.option("--before", "before", required=True, help="Step (resolved in --run-dir) or path of the healthy checkpoint.")
-@click.option("--after", "after", required=True, help="Step or path of the checkpoint after the spike.")
+@click.option(
+    "--before",
+    "before",
+    required=True,
+    help="Step (resolved in --run-dir) or path of the healthy checkpoint.",
+)
+@click.option(
+    "--after", "after", required=True, help="Step or path of the checkpoint after the spike."
+)
 @run_dir_option
 @format_option
-@click.option("--out", type=click.Path(path_type=Path), help="Write report.json and report.md here.")
+@click.option(
+    "--out", type=click.Path(path_type=Path), help="Write report.json and report.md here."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
 @click.option("--strict", is_flag=True, help="Exit 1 when a finding at or above --fail-on exists.")
-@click.option("--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True)
-@click.option("--chunk-elems", type=click.IntRange(1 << 10), default=1 << 19, show_default=True, help="Elements per streamed chunk.")
+@click.option(
+    "--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True
+)
+@click.option(
+    "--chunk-elems",
+    type=click.IntRange(1 << 10),
+    default=1 << 19,
+    show_default=True,
+    help="Elements per streamed chunk.",
+)
 @click.option(
     "--workers",
     type=click.IntRange(1),
@@ -360,7 +440,15 @@ def diff(
         with _output(out if rank == 0 else None, [pa, pb]):
             with _progress(_count(pa, fmt), "diff", ctx.obj.quiet or rank != 0) as prog:
                 try:
-                    rep = api.diff(pa, pb, format=fmt, chunk=chunk_elems, progress=prog, workers=workers, command=_command("diff"))
+                    rep = api.diff(
+                        pa,
+                        pb,
+                        format=fmt,
+                        chunk=chunk_elems,
+                        progress=prog,
+                        workers=workers,
+                        command=_command("diff"),
+                    )
                 except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                     return
             written = rep.save(out) if out else []
@@ -387,7 +475,15 @@ def _count(path: Path, fmt: str | None) -> int:
         return len(ck.names())
 
 
-def _finish(ctx: click.Context, doc: dict[str, Any], findings: list[Any], as_json: bool, written: list[Path], strict: bool, fail_on: str) -> None:
+def _finish(
+    ctx: click.Context,
+    doc: dict[str, Any],
+    findings: list[Any],
+    as_json: bool,
+    written: list[Path],
+    strict: bool,
+    fail_on: str,
+) -> None:
     from .detectors import SEVERITIES
     from .report import to_json
 
@@ -404,15 +500,42 @@ def _finish(ctx: click.Context, doc: dict[str, Any], findings: list[Any], as_jso
 
 
 @cli.command()
-@click.option("--before", "before", required=True, help="Step (resolved in --run-dir) or path of the healthy checkpoint.")
-@click.option("--after", "after", default=None, help="Step or path after the spike: replay the whole window and compare.")
+@click.option(
+    "--before",
+    "before",
+    required=True,
+    help="Step (resolved in --run-dir) or path of the healthy checkpoint.",
+)
+@click.option(
+    "--after",
+    "after",
+    default=None,
+    help="Step or path after the spike: replay the whole window and compare.",
+)
 @run_dir_option
-@click.option("--step", type=int, default=None, help="The step to replay when there is no --after (default: before + 1).")
+@click.option(
+    "--step",
+    type=int,
+    default=None,
+    help="The step to replay when there is no --after (default: before + 1).",
+)
 @_replay_options
 @click.option("--strict", is_flag=True, help="Exit 1 when a finding at or above --fail-on exists.")
-@click.option("--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True)
+@click.option(
+    "--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True
+)
 @click.pass_context
-def replay(ctx: click.Context, before: str, after: str | None, run_dir: Path, out: Path | None, as_json: bool, strict: bool, fail_on: str, **opts: Any) -> None:
+def replay(
+    ctx: click.Context,
+    before: str,
+    after: str | None,
+    run_dir: Path,
+    out: Path | None,
+    as_json: bool,
+    strict: bool,
+    fail_on: str,
+    **opts: Any,
+) -> None:
     """Replay the suspect step(s) from the before state with probes on every module.
 
     Rebuilds model and optimizer from BEFORE, replays each step of the window in the
@@ -445,7 +568,15 @@ def replay(ctx: click.Context, before: str, after: str | None, run_dir: Path, ou
             with _progress(0, "replay", ctx.obj.quiet or _not_rank_zero()) as prog:
                 try:
                     batch = opts.pop("batch")
-                    rep = api.replay(pa, pb, batch=batch, step=opts.pop("step"), options=ReplayOptions(**opts), progress=prog, command=_command("replay"))
+                    rep = api.replay(
+                        pa,
+                        pb,
+                        batch=batch,
+                        step=opts.pop("step"),
+                        options=ReplayOptions(**opts),
+                        progress=prog,
+                        command=_command("replay"),
+                    )
                 except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                     return
             written = rep.save(out) if out else []
@@ -454,12 +585,28 @@ def replay(ctx: click.Context, before: str, after: str | None, run_dir: Path, ou
 
 @cli.command("bisect")
 @click.option("--before", "before", required=True, help="Step or path of the healthy checkpoint.")
-@click.option("--after", "after", required=True, help="Step or path after the spike (the window's end).")
+@click.option(
+    "--after", "after", required=True, help="Step or path after the spike (the window's end)."
+)
 @run_dir_option
 @_replay_options
-@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="HF tokenizer directory: the culprit rows are decoded into the report.")
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="HF tokenizer directory: the culprit rows are decoded into the report.",
+)
 @click.pass_context
-def bisect_cmd(ctx: click.Context, before: str, after: str, run_dir: Path, out: Path | None, as_json: bool, tokenizer: Path | None, **opts: Any) -> None:
+def bisect_cmd(
+    ctx: click.Context,
+    before: str,
+    after: str,
+    run_dir: Path,
+    out: Path | None,
+    as_json: bool,
+    tokenizer: Path | None,
+    **opts: Any,
+) -> None:
     """Find the first bad step of the window and the rows of its batch that cause it.
 
     Replays the window, takes the first robust outlier against the run's own history
@@ -482,7 +629,15 @@ def bisect_cmd(ctx: click.Context, before: str, after: str, run_dir: Path, out: 
             with _progress(0, "bisect", ctx.obj.quiet or _not_rank_zero()) as prog:
                 try:
                     batch = opts.pop("batch")
-                    rep = api.bisect(pa, pb, batch=batch, tokenizer=tokenizer, options=ReplayOptions(**opts), progress=prog, command=_command("bisect"))
+                    rep = api.bisect(
+                        pa,
+                        pb,
+                        batch=batch,
+                        tokenizer=tokenizer,
+                        options=ReplayOptions(**opts),
+                        progress=prog,
+                        command=_command("bisect"),
+                    )
                 except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                     return
             written = rep.save(out) if out else []
@@ -490,13 +645,35 @@ def bisect_cmd(ctx: click.Context, before: str, after: str, run_dir: Path, out: 
 
 
 @cli.command("whatif")
-@click.option("--before", "before", required=True, help="Step or path to replay from (the rollback checkpoint).")
-@click.option("--steps", "n_steps", type=click.IntRange(1), required=True, help="How many steps to replay.")
-@click.option("--try", "tries", multiple=True, required=True, help="A mitigation: clip=1.0, precision=bf16|fp32, lr_scale=0.5, skip_samples=auto|ID+ID, skip_step=S, eps=1e-6, reset_moments=GLOB; combine with commas. Repeat --try.")
+@click.option(
+    "--before",
+    "before",
+    required=True,
+    help="Step or path to replay from (the rollback checkpoint).",
+)
+@click.option(
+    "--steps", "n_steps", type=click.IntRange(1), required=True, help="How many steps to replay."
+)
+@click.option(
+    "--try",
+    "tries",
+    multiple=True,
+    required=True,
+    help="A mitigation: clip=1.0, precision=bf16|fp32, lr_scale=0.5, skip_samples=auto|ID+ID, skip_step=S, eps=1e-6, reset_moments=GLOB; combine with commas. Repeat --try.",
+)
 @run_dir_option
 @_replay_options
 @click.pass_context
-def whatif_cmd(ctx: click.Context, before: str, n_steps: int, tries: tuple[str, ...], run_dir: Path, out: Path | None, as_json: bool, **opts: Any) -> None:
+def whatif_cmd(
+    ctx: click.Context,
+    before: str,
+    n_steps: int,
+    tries: tuple[str, ...],
+    run_dir: Path,
+    out: Path | None,
+    as_json: bool,
+    **opts: Any,
+) -> None:
     """Replay from BEFORE under each mitigation and say which keeps the run on track.
 
     The baseline (no mitigation) is replayed first. A run is on track when every step
@@ -520,7 +697,15 @@ def whatif_cmd(ctx: click.Context, before: str, n_steps: int, tries: tuple[str, 
             with _progress(0, "whatif", ctx.obj.quiet or _not_rank_zero()) as prog:
                 try:
                     batch = opts.pop("batch")
-                    rep = api.whatif(pa, steps=n_steps, tries=list(tries), batch=batch, options=ReplayOptions(**opts), progress=prog, command=_command("whatif"))
+                    rep = api.whatif(
+                        pa,
+                        steps=n_steps,
+                        tries=list(tries),
+                        batch=batch,
+                        options=ReplayOptions(**opts),
+                        progress=prog,
+                        command=_command("whatif"),
+                    )
                 except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                     return
             written = rep.save(out) if out else []
@@ -529,13 +714,35 @@ def whatif_cmd(ctx: click.Context, before: str, n_steps: int, tries: tuple[str, 
 
 @cli.command("plan")
 @click.argument("reports", nargs=-1, type=click.Path(exists=True, path_type=Path))
-@click.option("--before", "before", default=None, help="Step or path of the healthy checkpoint (with --after: replay the window, then the mitigations).")
-@click.option("--after", "after", default=None, help="Step or path after the spike (the window's end).")
+@click.option(
+    "--before",
+    "before",
+    default=None,
+    help="Step or path of the healthy checkpoint (with --after: replay the window, then the mitigations).",
+)
+@click.option(
+    "--after", "after", default=None, help="Step or path after the spike (the window's end)."
+)
 @run_dir_option
 @_replay_options
-@click.option("--try", "tries", multiple=True, help="A mitigation to replay instead of those the cause calls for (as whatif --try); repeat.")
+@click.option(
+    "--try",
+    "tries",
+    multiple=True,
+    help="A mitigation to replay instead of those the cause calls for (as whatif --try); repeat.",
+)
 @click.pass_context
-def plan_cmd(ctx: click.Context, reports: tuple[Path, ...], before: str | None, after: str | None, run_dir: Path, out: Path | None, as_json: bool, tries: tuple[str, ...], **opts: Any) -> None:
+def plan_cmd(
+    ctx: click.Context,
+    reports: tuple[Path, ...],
+    before: str | None,
+    after: str | None,
+    run_dir: Path,
+    out: Path | None,
+    as_json: bool,
+    tries: tuple[str, ...],
+    **opts: Any,
+) -> None:
     """The resume plan, in the trainer's own terms: roll back to, skip, change, resume.
 
     Replays the window (the verdict: the cause and the first bad step), then replays from
@@ -566,22 +773,35 @@ def plan_cmd(ctx: click.Context, reports: tuple[Path, ...], before: str | None, 
 
     given = [k for k in ("batch", "data", "collator", "model") if opts.get(k)]
     if reports and (before or after or given or tries):
-        raise click.UsageError("pass reports already written, or --before/--after with the replay's options; not both")
+        raise click.UsageError(
+            "pass reports already written, or --before/--after with the replay's options; not both"
+        )
     if not reports and not (before and after):
-        raise click.UsageError("pass --before and --after (the incident's window), or the reports already written for it")
+        raise click.UsageError(
+            "pass --before and --after (the incident's window), or the reports already written for it"
+        )
     with _errors(ctx):
         if reports:
             with _output(out, []):
                 rep = api.plan_from(list(reports))
                 written = rep.save(out) if out else []
         else:
-            pa, pb = resolve_checkpoint(str(before), run_dir), resolve_checkpoint(str(after), run_dir)
+            pa, pb = (
+                resolve_checkpoint(str(before), run_dir),
+                resolve_checkpoint(str(after), run_dir),
+            )
             with _output(None if _not_rank_zero() else out, [pa, pb]):
                 with _progress(0, "plan", ctx.obj.quiet or _not_rank_zero()) as prog:
                     try:
                         batch = opts.pop("batch")
                         rep = api.plan(
-                            pa, pb, batch=batch, tries=list(tries) or None, options=ReplayOptions(**opts), progress=prog, command=_command("plan")
+                            pa,
+                            pb,
+                            batch=batch,
+                            tries=list(tries) or None,
+                            options=ReplayOptions(**opts),
+                            progress=prog,
+                            command=_command("plan"),
                         )
                     except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                         return
@@ -603,15 +823,55 @@ def plan_cmd(ctx: click.Context, reports: tuple[Path, ...], before: str | None, 
 
 @cli.command("recovery")
 @run_dir_option
-@click.option("--resumed-from", "resumed_from", type=click.IntRange(0), required=True, help="The step of the checkpoint the run resumed from.")
-@click.option("--plan", "plan_path", type=click.Path(exists=True, path_type=Path), default=None, help="The plan the resume followed (its report.json or directory): its LR, clip, precision and skip list are checked.")
-@click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log; discovered in --run-dir when absent (a restart's legs split where steps go back).")
-@click.option("--flight", type=click.Path(file_okay=False, path_type=Path), default=None, help="The resumed run's flight recorder (default RUN/flight): the sample ids it saw.")
-@click.option("--checkpoint", default=None, help="The first checkpoint the resumed run wrote (step or path); default: the first complete one after --resumed-from.")
-@click.option("--window", type=click.IntRange(2), default=8, show_default=True, help="Steps per window judged against the trajectory.")
-@click.option("--out", type=click.Path(path_type=Path), help="Write report.json, report.md, report.html (with the plot) and evidence.h5 here.")
+@click.option(
+    "--resumed-from",
+    "resumed_from",
+    type=click.IntRange(0),
+    required=True,
+    help="The step of the checkpoint the run resumed from.",
+)
+@click.option(
+    "--plan",
+    "plan_path",
+    type=click.Path(exists=True, path_type=Path),
+    default=None,
+    help="The plan the resume followed (its report.json or directory): its LR, clip, precision and skip list are checked.",
+)
+@click.option(
+    "--metrics",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Training log; discovered in --run-dir when absent (a restart's legs split where steps go back).",
+)
+@click.option(
+    "--flight",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The resumed run's flight recorder (default RUN/flight): the sample ids it saw.",
+)
+@click.option(
+    "--checkpoint",
+    default=None,
+    help="The first checkpoint the resumed run wrote (step or path); default: the first complete one after --resumed-from.",
+)
+@click.option(
+    "--window",
+    type=click.IntRange(2),
+    default=8,
+    show_default=True,
+    help="Steps per window judged against the trajectory.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    help="Write report.json, report.md, report.html (with the plot) and evidence.h5 here.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
-@click.option("--strict", is_flag=True, help="Exit 1 unless recovered with every check that could be read passed.")
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="Exit 1 unless recovered with every check that could be read passed.",
+)
 @click.pass_context
 def recovery_cmd(
     ctx: click.Context, run_dir: Path, resumed_from: int, plan_path: Path | None, metrics: Path | None, flight: Path | None, checkpoint: str | None,
@@ -637,7 +897,16 @@ def recovery_cmd(
     from . import api
 
     with _errors(ctx), _output(out, []):
-        rep = api.recovery(run_dir, resumed_from, metrics=metrics, plan=plan_path, flight=flight, checkpoint=checkpoint, window=window, command=_command("recovery"))
+        rep = api.recovery(
+            run_dir,
+            resumed_from,
+            metrics=metrics,
+            plan=plan_path,
+            flight=flight,
+            checkpoint=checkpoint,
+            window=window,
+            command=_command("recovery"),
+        )
         written = rep.save(out) if out else []
     r = rep.doc["recovery"]
     if as_json:
@@ -666,18 +935,53 @@ def _fmt(x: Any) -> str:
 @cli.command("audit")
 @click.argument("step", required=False)
 @run_dir_option
-@click.option("--compare", default=None, help="An earlier step or path for the rows that compare two checkpoints [default: the checkpoint before STEP; 'none': skip them].")
-@click.option("--model", "model", default=None, help="module:factory, path/file.py:factory, or an HF config dir (default: what the run recorded).")
-@click.option("--batch", "batch", default=None, help="Batch log or batch file to probe with (default: batches.h5 or a flight recorder beside the checkpoints; else random token ids).")
-@click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Training log (JSONL/CSV/...); discovered when absent.")
+@click.option(
+    "--compare",
+    default=None,
+    help="An earlier step or path for the rows that compare two checkpoints [default: the checkpoint before STEP; 'none': skip them].",
+)
+@click.option(
+    "--model",
+    "model",
+    default=None,
+    help="module:factory, path/file.py:factory, or an HF config dir (default: what the run recorded).",
+)
+@click.option(
+    "--batch",
+    "batch",
+    default=None,
+    help="Batch log or batch file to probe with (default: batches.h5 or a flight recorder beside the checkpoints; else random token ids).",
+)
+@click.option(
+    "--metrics",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Training log (JSONL/CSV/...); discovered when absent.",
+)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--out", type=click.Path(path_type=Path), help="Write report.json, report.md, report.html and evidence.h5 here.")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    help="Write report.json, report.md, report.html and evidence.h5 here.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
-@click.option("--strict", is_flag=True, help="Exit 1 when a risk at or above --fail-on exists (a CI gate).")
-@click.option("--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True)
+@click.option(
+    "--strict", is_flag=True, help="Exit 1 when a risk at or above --fail-on exists (a CI gate)."
+)
+@click.option(
+    "--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True
+)
 @click.pass_context
 def audit_cmd(
-    ctx: click.Context, step: str | None, run_dir: Path, compare: str | None, out: Path | None, as_json: bool, strict: bool, fail_on: str, **opts: Any
+    ctx: click.Context,
+    step: str | None,
+    run_dir: Path,
+    compare: str | None,
+    out: Path | None,
+    as_json: bool,
+    strict: bool,
+    fail_on: str,
+    **opts: Any,
 ) -> None:
     """Audit a run for known instability risks before the next spike.
 
@@ -706,7 +1010,14 @@ def audit_cmd(
         path = api.resolve(step, run_dir) if step is not None else default_checkpoint(run_dir)
         with _output(out, [path]):
             with _progress(0, "audit", ctx.obj.quiet) as prog:
-                rep = api.audit(path, run_dir=run_dir, compare=compare, progress=prog, command=_command("audit"), **opts)
+                rep = api.audit(
+                    path,
+                    run_dir=run_dir,
+                    compare=compare,
+                    progress=prog,
+                    command=_command("audit"),
+                    **opts,
+                )
             written = rep.save(out) if out else []
     _finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on)
 
@@ -722,13 +1033,36 @@ def audit_cmd(
 )
 @run_dir_option
 @click.option("--loss-key", default="loss", show_default=True, help="Column holding the loss.")
-@click.option("--grad-key", default="grad_norm", show_default=True, help="Column holding the (pre-clip) grad norm.")
+@click.option(
+    "--grad-key",
+    default="grad_norm",
+    show_default=True,
+    help="Column holding the (pre-clip) grad norm.",
+)
 @click.option("--lr-key", default="lr", show_default=True, help="Column holding the learning rate.")
-@click.option("--window", type=click.IntRange(4), default=128, show_default=True, help="Steps of history each step is judged against.")
-@click.option("--z", "z", type=float, default=6.0, show_default=True, help="Robust z that marks a spike.")
-@click.option("--margin", type=click.IntRange(0), default=0, show_default=True, help="Steps the rollback checkpoint must precede the onset by.")
+@click.option(
+    "--window",
+    type=click.IntRange(4),
+    default=128,
+    show_default=True,
+    help="Steps of history each step is judged against.",
+)
+@click.option(
+    "--z", "z", type=float, default=6.0, show_default=True, help="Robust z that marks a spike."
+)
+@click.option(
+    "--margin",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="Steps the rollback checkpoint must precede the onset by.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@click.option("--out", type=click.Path(path_type=Path), help="Write triage.json, triage.md and triage.html (with a timeline) here.")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    help="Write triage.json, triage.md and triage.html (with a timeline) here.",
+)
 @click.pass_context
 def triage_cmd(
     ctx: click.Context,
@@ -771,7 +1105,12 @@ def triage_cmd(
     from .triage import TriageConfig
 
     with _errors(ctx), _output(out, [run_dir] if run_dir is not None else []):
-        rep = api.triage(metrics, run_dir=run_dir, config=TriageConfig(window=window, z=z, margin=margin), keys={"loss": loss_key, "grad_norm": grad_key, "lr": lr_key})
+        rep = api.triage(
+            metrics,
+            run_dir=run_dir,
+            config=TriageConfig(window=window, z=z, margin=margin),
+            keys={"loss": loss_key, "grad_norm": grad_key, "lr": lr_key},
+        )
         res = rep.result
         written = rep.save(out) if out is not None else []
     if as_json:
@@ -780,20 +1119,34 @@ def triage_cmd(
     click.echo(f"read {res.metrics_file} ({res.steps} steps, {res.log_format})")
     if len(res.files) > 1 or len(res.legs) > 1:
         for leg in res.legs:
-            redone = f"; {leg['superseded']} of them logged again by a later leg" if leg["superseded"] else ""
+            redone = (
+                f"; {leg['superseded']} of them logged again by a later leg"
+                if leg["superseded"]
+                else ""
+            )
             click.echo(f"  leg {leg['source']}: steps {leg['first']}-{leg['last']}{redone}")
     n = res.noise
     if n:
-        cols = f"; ignored columns: {n['ignored_columns']} (0 on every row: never computed)" if n.get("ignored_columns") else ""
+        cols = (
+            f"; ignored columns: {n['ignored_columns']} (0 on every row: never computed)"
+            if n.get("ignored_columns")
+            else ""
+        )
         click.echo(
             f"log noise: {n['kind']} (loss moves {n['loss_noise_pct_per_step']}% a step; {n['steps_over_z']} steps over z where normal noise "
             f"gives {n['expected_over_z_if_normal']:.2g}; {n['recovering_blips']} blips that recover){cols}"
         )
     if res.resumed is not None:
-        click.echo(f"rolled back already: the latest leg resumed at step {res.resumed['from']}; the onsets below read it (a later leg wins)")
-        click.echo(f"  did it recover? ckptforensics recovery --run-dir {run_dir} --resumed-from {res.resumed['from']}")
+        click.echo(
+            f"rolled back already: the latest leg resumed at step {res.resumed['from']}; the onsets below read it (a later leg wins)"
+        )
+        click.echo(
+            f"  did it recover? ckptforensics recovery --run-dir {run_dir} --resumed-from {res.resumed['from']}"
+        )
     if res.first_bad_step is None:
-        click.echo(f"no spike onset called: {res.undecided}" if res.undecided else "no spike onset found")
+        click.echo(
+            f"no spike onset called: {res.undecided}" if res.undecided else "no spike onset found"
+        )
         for w in written:
             click.echo(f"wrote {w}")
         return
@@ -813,8 +1166,16 @@ def triage_cmd(
 
 @cli.command("report")
 @click.argument("source", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--format", "out_format", type=click.Choice(["md", "html", "json"]), default="md", show_default=True)
-@click.option("--out", type=click.Path(path_type=Path), default=None, help="Write here instead of stdout.")
+@click.option(
+    "--format",
+    "out_format",
+    type=click.Choice(["md", "html", "json"]),
+    default="md",
+    show_default=True,
+)
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=None, help="Write here instead of stdout."
+)
 @click.pass_context
 def report_cmd(ctx: click.Context, source: Path, out_format: str, out: Path | None) -> None:
     """Re-render a report from evidence.h5 or report.json, without re-running anything.

@@ -29,9 +29,18 @@ from .errors import IncompatibleCheckpoints, doing
 from .formats.base import Checkpoint
 from .formats.optim import FAMILIES
 
-__all__ = ["DiffConfig", "Candidate", "TensorDiff", "PairInfo", "DiffResult", "diff_checkpoints", "tensor_role"]
+__all__ = [
+    "DiffConfig",
+    "Candidate",
+    "TensorDiff",
+    "PairInfo",
+    "DiffResult",
+    "diff_checkpoints",
+    "tensor_role",
+]
 
 log = logging.getLogger(__name__)
+
 
 def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
     oa, ob = a.optimizer, b.optimizer
@@ -66,9 +75,7 @@ def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
         notes.append(_quantised_note(ob))
 
     betas = ob.groups[0].betas if ob and ob.groups else None
-    base = tuple(
-        g.max_lr or g.initial_lr for g in (ob.groups if ob else [])
-    )
+    base = tuple(g.max_lr or g.initial_lr for g in (ob.groups if ob else []))
     if ob and all(x is None for x in base):
         peak = (b.scalars.get("train_config") or {}).get("learning_rate")
         if isinstance(peak, (int, float)):
@@ -147,7 +154,9 @@ def _check_compatible(a: Checkpoint, b: Checkpoint) -> list[str]:
     for n in a.names():
         ma, mb = a.meta(n), b.meta(n)
         if ma.shape != mb.shape:
-            raise IncompatibleCheckpoints(f"{n}: shape {list(ma.shape)} in {a.path} but {list(mb.shape)} in {b.path}")
+            raise IncompatibleCheckpoints(
+                f"{n}: shape {list(ma.shape)} in {a.path} but {list(mb.shape)} in {b.path}"
+            )
     return a.names()
 
 
@@ -187,7 +196,9 @@ def diff_checkpoints(
     if distributed:
         import torch.distributed as dist
 
-        mine = shard.balanced(names, [a.meta(n).numel for n in names], dist.get_world_size())[dist.get_rank()]
+        mine = shard.balanced(names, [a.meta(n).numel for n in names], dist.get_world_size())[
+            dist.get_rank()
+        ]
     load_kernels(cfg)  # compiled (or loaded from the cache) once, before workers fork
     error: Exception | None = None
     local: list[TensorDiff] = []
@@ -209,7 +220,14 @@ def diff_checkpoints(
     return DiffResult(pair=pair, tensors=local)
 
 
-def _diff_serial(a: Checkpoint, b: Checkpoint, names: list[str], pair: PairInfo, cfg: DiffConfig, progress: Callable[[str], None] | None) -> list[TensorDiff]:
+def _diff_serial(
+    a: Checkpoint,
+    b: Checkpoint,
+    names: list[str],
+    pair: PairInfo,
+    cfg: DiffConfig,
+    progress: Callable[[str], None] | None,
+) -> list[TensorDiff]:
     out = []
     # A helper thread asks the OS to read the next tensors while this one is computed
     # on; the main thread never waits for it (a page not yet read simply faults in).
@@ -232,4 +250,3 @@ def _warmup(ck: Checkpoint) -> int | None:
     readers normalise theirs to it)."""
     w = (ck.scalars.get("train_config") or {}).get("warmup_iters")
     return int(w) if isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 else None
-

@@ -141,7 +141,9 @@ class TensorDiff:
     vfloor_violations: int = 0
     mbound_violations: int = 0
     outlier_changes: int = 0  # weights-only: isolated changes far above the tensor's own
-    norm_violations: int = 0  # the tensor's update RMS past its family's bound (Adafactor's clipping)
+    norm_violations: int = (
+        0  # the tensor's update RMS past its family's bound (Adafactor's clipping)
+    )
     family: str = ""  # the optimizer family that updated it ('adam', 'lion', 'adafactor', ...)
     # Share of second-moment elements under the floor the trainer's step delta allows
     # (v_B < beta2^g v_A, g trainer steps): ~0 in any healthy run, most elements when the
@@ -168,10 +170,14 @@ class PairInfo:
     betas: tuple[float, float] | None
     weights_only: bool
     notes: tuple[str, ...] = ()
-    skip_optimizer: str | None = None  # an optimizer that skips outlier steps itself (OLMo-core's SkipStep*)
+    skip_optimizer: str | None = (
+        None  # an optimizer that skips outlier steps itself (OLMo-core's SkipStep*)
+    )
     scheduler_a: dict[str, Any] | None = None  # the LR scheduler's state (last_epoch, _step_count)
     scheduler_b: dict[str, Any] | None = None
-    scaler_a: dict[str, Any] | None = None  # the loss scaler's state (scale, _growth_tracker, growth_interval)
+    scaler_a: dict[str, Any] | None = (
+        None  # the loss scaler's state (scale, _growth_tracker, growth_interval)
+    )
     scaler_b: dict[str, Any] | None = None
 
 
@@ -380,10 +386,19 @@ def _moment_stats_torch(mo: _Moments, acc: _Acc, st: int, thr: float, eps: float
     amb = mb.abs()
     # fp64 sums, as the kernel's: r_v subtracts beta2^k sum v_A from sum v_B, nearly equal
     # when gradients are small, and fp32 chunk sums left it off by up to 6e-4 (zoo lr_jump).
-    mom = torch.stack([va.sum(dtype=torch.float64), vb.sum(dtype=torch.float64), amb.max().double(), vb.max().double()])
+    mom = torch.stack(
+        [
+            va.sum(dtype=torch.float64),
+            vb.sum(dtype=torch.float64),
+            amb.max().double(),
+            vb.max().double(),
+        ]
+    )
     if not bool(torch.isfinite(mom).all()):
         acc.add(nfm=(~torch.isfinite(mb)).sum(), nfv=(~torch.isfinite(vb)).sum())
-        mom = torch.stack([_finite_sum(va), _finite_sum(vb), _finite_absmax(mb), _finite_absmax(vb)])
+        mom = torch.stack(
+            [_finite_sum(va), _finite_sum(vb), _finite_absmax(mb), _finite_absmax(vb)]
+        )
     ma_s, va_s, vb_s, amb_s = (x[::st] for x in (ma, va, vb, amb))
     acc.add(
         sum_va=mom[0],
@@ -424,10 +439,19 @@ def _moment_stats_fused(ms: fused.MomentStats, mo: _Moments, acc: _Acc) -> None:
     else:
         mb, va, vb = mo.mb, mo.va, mo.vb
         acc.add(nfm=(~torch.isfinite(mb)).sum(), nfv=(~torch.isfinite(vb)).sum())
-        mom = torch.stack([_finite_sum(va), _finite_sum(vb), _finite_absmax(mb), _finite_absmax(vb)])
+        mom = torch.stack(
+            [_finite_sum(va), _finite_sum(vb), _finite_absmax(mb), _finite_absmax(vb)]
+        )
         acc.add(sum_va=mom[0], sum_vb=mom[1])
         acc.max(mmax=mom[2], vmax=mom[3])
-    acc.add(sampled=ms.sampled, rho_a=ms.rho_a, rho_b=ms.rho_b, van_a=ms.van_a, van_b=ms.van_b, v_n=ms.v_pos)
+    acc.add(
+        sampled=ms.sampled,
+        rho_a=ms.rho_a,
+        rho_b=ms.rho_b,
+        van_a=ms.van_a,
+        van_b=ms.van_b,
+        v_n=ms.v_pos,
+    )
 
 
 def _finite_sum(x: torch.Tensor) -> torch.Tensor:
@@ -445,7 +469,11 @@ def _finite_sq_sum(x: torch.Tensor) -> torch.Tensor:
 
 def _finite_absmax(x: torch.Tensor) -> torch.Tensor:
     a = x.abs()
-    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).max() if a.numel() else torch.zeros(())
+    return (
+        torch.where(torch.isfinite(a), a, torch.zeros_like(a)).max()
+        if a.numel()
+        else torch.zeros(())
+    )
 
 
 def prefetch(a: Checkpoint, b: Checkpoint, name: str) -> None:
@@ -457,7 +485,11 @@ def tensor_family(hyper: Any, state: dict[str, Any]) -> str:
     """The family of the optimizer that updated a tensor: its group's, or Adam's where a
     reader that maps state itself (DCP, DeepSpeed, Megatron) saw Adam's two moments."""
     fam = getattr(hyper, "family", "") or ""
-    if fam in ("", "none") and isinstance(state.get("exp_avg"), torch.Tensor) and isinstance(state.get("exp_avg_sq"), torch.Tensor):
+    if (
+        fam in ("", "none")
+        and isinstance(state.get("exp_avg"), torch.Tensor)
+        and isinstance(state.get("exp_avg_sq"), torch.Tensor)
+    ):
         return "adam"
     return fam
 
@@ -468,7 +500,9 @@ def _window_lr(ha: Any, hb: Any, pair: PairInfo, step_a: int, step_b: int) -> fl
     lr = max(hb.lr, ha.lr if ha else 0.0) if math.isfinite(hb.lr) else math.nan
     base = pair.base_lr[hb.index] if hb.index < len(pair.base_lr) else None
     w = pair.warmup_iters
-    over_peak = (w is not None and step_a < w <= step_b) or (w is None and ha is not None and ha.lr < hb.lr)
+    over_peak = (w is not None and step_a < w <= step_b) or (
+        w is None and ha is not None and ha.lr < hb.lr
+    )
     if over_peak and base is not None and base > lr:
         lr = base
     return lr
@@ -480,7 +514,9 @@ def _trainer_steps(pair: PairInfo) -> int | None:
     return pair.step_b - pair.step_a
 
 
-def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: DiffConfig) -> TensorDiff:
+def diff_tensor(
+    a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: DiffConfig
+) -> TensorDiff:
     meta = a.meta(name)
     wa_full, wb_full = a.tensor(name), b.tensor(name)
     role = tensor_role(name, meta.shape)
@@ -541,15 +577,24 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
                 family, lr=o_lr if math.isfinite(o_lr) else 1.0, weight_decay=hb.weight_decay, betas=hb.betas, options=hb.options,
                 t_first=step_a + 1, t_last=step_b, shape=meta.shape, rms_w=rms_w,
             )  # fmt: skip
-            if not math.isfinite(o_lr) and not (family == "adafactor" and hb.options.get("relative_step")):
+            if not math.isfinite(o_lr) and not (
+                family == "adafactor" and hb.options.get("relative_step")
+            ):
                 obound = None  # no LR recorded: nothing to bound against
             o_floor = second_moment_floor(family, hb.betas, hb.options, step_a + 1, step_b)
         elif ca is not None and cb is not None and cb <= ca and g_steps is not None:
-            o_restart_floor = second_moment_floor(family, hb.betas, hb.options, ca + 1, ca + g_steps)
+            o_restart_floor = second_moment_floor(
+                family, hb.betas, hb.options, ca + 1, ca + g_steps
+            )
     sgd_bufs = None
     if other and family == "sgd" and o_k > 0 and math.isfinite(o_lr):
         ba_, bb_ = sa.get("momentum_buffer"), sb.get("momentum_buffer")
-        if isinstance(ba_, torch.Tensor) and isinstance(bb_, torch.Tensor) and ba_.shape == bb_.shape and ba_.numel() == meta.numel:
+        if (
+            isinstance(ba_, torch.Tensor)
+            and isinstance(bb_, torch.Tensor)
+            and ba_.shape == bb_.shape
+            and ba_.numel() == meta.numel
+        ):
             sgd_bufs = (ba_, bb_)
     acc = _Acc()
     cands: list[Candidate] = []
@@ -562,7 +607,9 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
         restart_floor = hb.betas[1] ** g_steps
         q = bnb.quant_parts(sb, 2) if family == "adam8bit" else None
         if q is not None:
-            restart_allow = bnb.per_element(q[2], meta.numel) * quantised_floor_allowance(g_steps, bnb.code_gap(q[1]))
+            restart_allow = bnb.per_element(q[2], meta.numel) * quantised_floor_allowance(
+                g_steps, bnb.code_gap(q[1])
+            )
     if moments:
         assert hb is not None and hb.betas is not None
         beta1, beta2 = hb.betas
@@ -584,11 +631,17 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
         v_allow: torch.Tensor | None = None
         if quant is not None:
             codes, qmap, scale = quant
-            v_allow = bnb.per_element(scale, meta.numel) * quantised_floor_allowance(k, bnb.code_gap(qmap))
+            v_allow = bnb.per_element(scale, meta.numel) * quantised_floor_allowance(
+                k, bnb.code_gap(qmap)
+            )
         decay_k = beta2**k
         # Moments stored in a narrow dtype (torchtitan's bf16 optimizer states, Megatron's
         # --exp-avg-dtype) are rounded once per save: their bounds widen by that rounding.
-        store_eps = max(_storage_eps(sa["exp_avg_sq"]), _storage_eps(sb["exp_avg_sq"]), _storage_eps(sb["exp_avg"]))
+        store_eps = max(
+            _storage_eps(sa["exp_avg_sq"]),
+            _storage_eps(sb["exp_avg_sq"]),
+            _storage_eps(sb["exp_avg"]),
+        )
     if moments or restart:
         streams = [sa["exp_avg"], sb["exp_avg"], sa["exp_avg_sq"], sb["exp_avg_sq"]]
         for t in streams:
@@ -613,7 +666,10 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
             assert restart_floor is not None
             va, vb = (stage(t[lo:hi], 4 + i).float() for i, t in enumerate(moment_streams[2:]))
             allow = restart_allow[lo:hi] if restart_allow is not None else 0.0
-            acc.add(restart_low=torch.count_nonzero((vb < va * restart_floor - allow) & (va > 0)), restart_n=torch.count_nonzero(va > 0))
+            acc.add(
+                restart_low=torch.count_nonzero((vb < va * restart_floor - allow) & (va > 0)),
+                restart_n=torch.count_nonzero(va > 0),
+            )
             _release_all(a, b, *(t[lo:hi] for t in moment_streams))
         if moments:
             raw = [t[lo:hi] for t in moment_streams]
@@ -626,7 +682,11 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
             # 8-bit codes k code gaps of the block's absmax (`quantised_floor_allowance`).
             floor_k = decay_k * (1 - 1e-6 * (k + 4)) * (1 - (k + 1) * store_eps)
             c_mb = c_raw_b * slack
-            ms = kern.moments(*raw, stride=st, thr=thr, eps=eps, floor_k=floor_k, c_mb=c_mb) if kern is not None else None
+            ms = (
+                kern.moments(*raw, stride=st, thr=thr, eps=eps, floor_k=floor_k, c_mb=c_mb)
+                if kern is not None
+                else None
+            )
             mo = _Moments(raw, stage)
             if ms is None:
                 _moment_stats_torch(mo, acc, st, thr, eps)
@@ -635,7 +695,18 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
             if mbound_ is not None and mbound_.sharp:
                 # Update bound: |dw| <= k (per_step + decay |w|), plus one storage ulp each
                 # side. Only elements past the weight-free part need the full bound.
-                _bound_check(w, dmax, k * mbound_.per_step * slack, k * mbound_.decay * slack, lim.eps, lo, meta.shape, cands, counts, cfg)
+                _bound_check(
+                    w,
+                    dmax,
+                    k * mbound_.per_step * slack,
+                    k * mbound_.decay * slack,
+                    lim.eps,
+                    lo,
+                    meta.shape,
+                    cands,
+                    counts,
+                    cfg,
+                )
             elif mbound_ is not None:
                 _isolated_chunk(w, dmax, lim.eps, None, 0.0, lo, meta.shape, cands, counts, cfg)
             # The kernel's count of v_B < floor_k v_A is a superset of the elements under
@@ -647,7 +718,9 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
                 low = vb < va * floor_k - allow
                 if bool(low.any()):
                     idx = torch.nonzero(low).flatten()
-                    limits = va[idx] * floor_k - (allow[idx] if isinstance(allow, torch.Tensor) else 0.0)
+                    limits = va[idx] * floor_k - (
+                        allow[idx] if isinstance(allow, torch.Tensor) else 0.0
+                    )
                     _collect(
                         cands, counts, "vfloor", "exp_avg_sq", idx, va, vb, "at_least", limits, lo, meta.shape, sb["exp_avg_sq"].dtype, cfg,
                         explain=_code_flips(quant, lo) if quant is not None else None,
@@ -658,14 +731,45 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
                 big = mb.abs() > sq_b * c_mb
                 if bool(big.any()):
                     idx = torch.nonzero(big).flatten()
-                    _collect(cands, counts, "mbound", "exp_avg", idx, ma, mb, "abs_within", sq_b[idx] * c_mb, lo, meta.shape, sb["exp_avg"].dtype, cfg)
+                    _collect(
+                        cands,
+                        counts,
+                        "mbound",
+                        "exp_avg",
+                        idx,
+                        ma,
+                        mb,
+                        "abs_within",
+                        sq_b[idx] * c_mb,
+                        lo,
+                        meta.shape,
+                        sb["exp_avg"].dtype,
+                        cfg,
+                    )
             _release_all(a, b, *raw)
         elif obound is not None and math.isfinite(obound.per_step) and obound.sharp:
             # The family's own per-element bound (Lion's exact lr, Muon's spectral norm).
             slack = 1 + cfg.bound_slack
-            _bound_check(w, dmax, o_k * obound.per_step * slack, o_k * obound.decay * slack, lim.eps, lo, meta.shape, cands, counts, cfg)
+            _bound_check(
+                w,
+                dmax,
+                o_k * obound.per_step * slack,
+                o_k * obound.decay * slack,
+                lim.eps,
+                lo,
+                meta.shape,
+                cands,
+                counts,
+                cfg,
+            )
         else:
-            bufs = tuple(stage(x.reshape(-1)[lo:hi], 2 + i).float().abs() for i, x in enumerate(sgd_bufs)) if sgd_bufs is not None else None
+            bufs = (
+                tuple(
+                    stage(x.reshape(-1)[lo:hi], 2 + i).float().abs() for i, x in enumerate(sgd_bufs)
+                )
+                if sgd_bufs is not None
+                else None
+            )
             _isolated_chunk(w, dmax, lim.eps, bufs, o_k * o_lr, lo, meta.shape, cands, counts, cfg)  # type: ignore[arg-type]
         _release_all(a, b, wa, wb)
 
@@ -675,14 +779,24 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
     b.forget(name)
     s, m = acc.sums, acc.maxes
     kk = k if k > 0 else o_k
-    steps = kk if kk > 0 else max(1, (pair.step_b or 1) - (pair.step_a or 0)) if pair.step_a is not None else 1
+    steps = (
+        kk
+        if kk > 0
+        else max(1, (pair.step_b or 1) - (pair.step_a or 0))
+        if pair.step_a is not None
+        else 1
+    )
     w_norm = math.sqrt(s.get("wa2", 0.0))
     dw_norm = math.sqrt(s.get("d2", 0.0))
     bmax = m.get("bmax", 0.0)
     if obound is not None and obound.rms is not None and meta.numel > 0:
         # The tensor as a whole: RMS(dw) <= k (rms + decay RMS(w)) (Adafactor's update clipping).
         rms_w = max(w_norm / math.sqrt(meta.numel), _rms(wb_full))
-        allowed = o_k * (obound.rms + obound.decay * rms_w) * (1 + cfg.bound_slack) + 2 * lim.eps * rms_w if lim else math.inf
+        allowed = (
+            o_k * (obound.rms + obound.decay * rms_w) * (1 + cfg.bound_slack) + 2 * lim.eps * rms_w
+            if lim
+            else math.inf
+        )
         if dw_norm / math.sqrt(meta.numel) > allowed:
             counts["norm"] += 1
     out: dict[str, Any] = dict(
@@ -733,7 +847,9 @@ def diff_tensor(a: Checkpoint, b: Checkpoint, name: str, pair: PairInfo, cfg: Di
             nonfinite_v_b=int(s.get("nfv", 0)),
             max_abs_m_b=m["mmax"],
             max_v_b=m["vmax"],
-            moment_headroom_b=torch.finfo(torch.float32).max / m["vmax"] if m["vmax"] > 0 else math.inf,
+            moment_headroom_b=torch.finfo(torch.float32).max / m["vmax"]
+            if m["vmax"] > 0
+            else math.inf,
         )
         if g_steps is not None and g_steps == k and s.get("v_n", 0) > 0:
             out["restart_share"] = counts["vfloor"] / s["v_n"]
@@ -753,31 +869,69 @@ def _storage_eps(t: torch.Tensor) -> float:
 
 
 def _factored_floor(
-    sa: dict[str, Any], sb: dict[str, Any], family: str, floor: float | None, restart_floor: float | None, acc: _Acc,
-    cands: list[Candidate], counts: dict[str, int], cfg: DiffConfig,
+    sa: dict[str, Any],
+    sb: dict[str, Any],
+    family: str,
+    floor: float | None,
+    restart_floor: float | None,
+    acc: _Acc,
+    cands: list[Candidate],
+    counts: dict[str, int],
+    cfg: DiffConfig,
 ) -> None:
     """Adafactor's second moments (rows, columns, vector variances) against their decay
     floor; with the counter reset, the share under the trainer's step delta's floor."""
     for key in SECOND_MOMENTS.get(family, ()):
         xa, xb = sa.get(key), sb.get(key)
-        if not isinstance(xa, torch.Tensor) or not isinstance(xb, torch.Tensor) or xa.shape != xb.shape:
+        if (
+            not isinstance(xa, torch.Tensor)
+            or not isinstance(xb, torch.Tensor)
+            or xa.shape != xb.shape
+        ):
             continue
         va, vb = xa.reshape(-1).float(), xb.reshape(-1).float()
         if restart_floor is not None:
-            acc.add(restart_low=torch.count_nonzero((vb < va * restart_floor) & (va > 0)), restart_n=torch.count_nonzero(va > 0))
+            acc.add(
+                restart_low=torch.count_nonzero((vb < va * restart_floor) & (va > 0)),
+                restart_n=torch.count_nonzero(va > 0),
+            )
             continue
         assert floor is not None
         f = floor * (1 - 1e-6 * 8) * (1 - 2 * _storage_eps(xb))
         low = vb < va * f
-        acc.add(restart_low=torch.count_nonzero(low & (va > 0)), restart_n=torch.count_nonzero(va > 0))
+        acc.add(
+            restart_low=torch.count_nonzero(low & (va > 0)), restart_n=torch.count_nonzero(va > 0)
+        )
         if bool(low.any()):
             idx = torch.nonzero(low).flatten()
-            _collect(cands, counts, "vfloor", key, idx, va, vb, "at_least", va[idx] * f, 0, tuple(xb.shape), xb.dtype, cfg)
+            _collect(
+                cands,
+                counts,
+                "vfloor",
+                key,
+                idx,
+                va,
+                vb,
+                "at_least",
+                va[idx] * f,
+                0,
+                tuple(xb.shape),
+                xb.dtype,
+                cfg,
+            )
 
 
 def _bound_check(
-    w: _Pair, dmax: float | None, per_step: float, decay: float, ulp: float, lo: int, shape: tuple[int, ...],
-    cands: list[Candidate], counts: dict[str, int], cfg: DiffConfig,
+    w: _Pair,
+    dmax: float | None,
+    per_step: float,
+    decay: float,
+    ulp: float,
+    lo: int,
+    shape: tuple[int, ...],
+    cands: list[Candidate],
+    counts: dict[str, int],
+    cfg: DiffConfig,
 ) -> None:
     """|dw| <= per_step + decay |w| (both over the window, slack included), plus one storage
     ulp each side; only elements past the weight-free part need the full bound, and a chunk
@@ -791,12 +945,34 @@ def _bound_check(
         wmax = torch.maximum(fa[idx].abs(), fb[idx].abs())
         bound = wmax * (decay + 2 * ulp) + per_step
         over = ad[idx] > bound
-        _collect(cands, counts, "bound", "weight", idx[over], fa, fb, "near", bound[over], lo, shape, w.wb.dtype, cfg)
+        _collect(
+            cands,
+            counts,
+            "bound",
+            "weight",
+            idx[over],
+            fa,
+            fb,
+            "near",
+            bound[over],
+            lo,
+            shape,
+            w.wb.dtype,
+            cfg,
+        )
 
 
 def _isolated_chunk(
-    w: _Pair, dmax: float | None, ulp: float, bufs: tuple[torch.Tensor, torch.Tensor] | None, klr: float,
-    lo: int, shape: tuple[int, ...], cands: list[Candidate], counts: dict[str, int], cfg: DiffConfig,
+    w: _Pair,
+    dmax: float | None,
+    ulp: float,
+    bufs: tuple[torch.Tensor, torch.Tensor] | None,
+    klr: float,
+    lo: int,
+    shape: tuple[int, ...],
+    cands: list[Candidate],
+    counts: dict[str, int],
+    cfg: DiffConfig,
 ) -> None:
     """`_isolated` on a chunk that can hold such an element (decided from the fused
     kernel's sums where it ran: most chunks need no torch pass)."""
@@ -805,8 +981,18 @@ def _isolated_chunk(
 
 
 def _isolated(
-    fa: torch.Tensor, fb: torch.Tensor, ad: torch.Tensor, ulp: float, bufs: tuple[torch.Tensor, torch.Tensor] | None, klr: float,
-    lo: int, shape: tuple[int, ...], dtype: torch.dtype, cands: list[Candidate], counts: dict[str, int], cfg: DiffConfig,
+    fa: torch.Tensor,
+    fb: torch.Tensor,
+    ad: torch.Tensor,
+    ulp: float,
+    bufs: tuple[torch.Tensor, torch.Tensor] | None,
+    klr: float,
+    lo: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    cands: list[Candidate],
+    counts: dict[str, int],
+    cfg: DiffConfig,
 ) -> None:
     """No sharp bound to test against (weights only, Adafactor, SGD, LAMB's norm-wide bound,
     8-bit Adam's quantised state): an element counts when its change dwarfs the tensor's
@@ -815,7 +1001,9 @@ def _isolated(
     if fa.numel() < 64:
         return
     fin = torch.isfinite(ad)
-    scale = torch.where(fin, ad, 0).mean() + ulp * torch.where(torch.isfinite(fa), fa.abs(), 0).mean()
+    scale = (
+        torch.where(fin, ad, 0).mean() + ulp * torch.where(torch.isfinite(fa), fa.abs(), 0).mean()
+    )
     flagged = ad > 16 * scale
     if bufs is not None:
         # SGD moves an element by lr times its momentum buffer each step: a large move its
@@ -826,16 +1014,35 @@ def _isolated(
     if 0 < n_flag <= 256:
         idx = torch.nonzero(flagged).flatten()
         limits = (4 * scale).expand(n_flag)
-        _collect(cands, counts, "outlier", "weight", idx, fa, fb, "near", limits, lo, shape, dtype, cfg, only_flips=True)
+        _collect(
+            cands,
+            counts,
+            "outlier",
+            "weight",
+            idx,
+            fa,
+            fb,
+            "near",
+            limits,
+            lo,
+            shape,
+            dtype,
+            cfg,
+            only_flips=True,
+        )
 
 
-def _code_flips(quant: tuple[torch.Tensor, torch.Tensor, torch.Tensor], lo: int) -> Callable[[int, float, Callable[[float], bool]], tuple[str, int | None, str | None]]:
+def _code_flips(
+    quant: tuple[torch.Tensor, torch.Tensor, torch.Tensor], lo: int
+) -> Callable[[int, float, Callable[[float], bool]], tuple[str, int | None, str | None]]:
     """The flip test of an 8-bit second moment's element: its stored code's bits."""
     codes, qmap, scale = quant
     flat = codes.reshape(-1)
     bs = bnb.blocksize(flat.numel(), scale.numel())
 
-    def explain(i: int, before: float, ok: Callable[[float], bool]) -> tuple[str, int | None, str | None]:
+    def explain(
+        i: int, before: float, ok: Callable[[float], bool]
+    ) -> tuple[str, int | None, str | None]:
         j = lo + i
         return bnb.explain_code_flip(int(flat[j]), qmap, float(scale[j // bs]), before, ok)
 
@@ -873,7 +1080,8 @@ def _collect(
     stored: torch.dtype,
     cfg: DiffConfig,
     only_flips: bool = False,
-    explain: Callable[[int, float, Callable[[float], bool]], tuple[str, int | None, str | None]] | None = None,
+    explain: Callable[[int, float, Callable[[float], bool]], tuple[str, int | None, str | None]]
+    | None = None,
 ) -> None:
     """Count the elements at chunk positions `idx` and keep the first few as evidence.
 
@@ -891,7 +1099,9 @@ def _collect(
     for i, lim in zip(idx[:take].tolist(), limits[:take].tolist(), strict=True):
         bv, av = float(before[i]), float(after[i])
         ok = lambda v, bv=bv, lim=lim: _acceptable(mode, v, bv, lim)  # noqa: E731
-        kind, bit, fld = explain(i, bv, ok) if explain is not None else _explain_flip(av, bv, ok, stored)
+        kind, bit, fld = (
+            explain(i, bv, ok) if explain is not None else _explain_flip(av, bv, ok, stored)
+        )
         if only_flips:
             if kind != "bit_flip":
                 continue
@@ -912,7 +1122,9 @@ def _collect(
         )
 
 
-def _explain_flip(after: float, before: float, ok: Callable[[float], bool], dtype: torch.dtype) -> tuple[str, int | None, str | None]:
+def _explain_flip(
+    after: float, before: float, ok: Callable[[float], bool], dtype: torch.dtype
+) -> tuple[str, int | None, str | None]:
     """Is `after` one stored bit away from a value Adam could have produced?
 
     Among the bits whose flip yields an acceptable value, prefer the one that
@@ -942,4 +1154,3 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
         out.append(flat % s if s else 0)
         flat = flat // s if s else 0
     return tuple(reversed(out))
-

@@ -103,7 +103,10 @@ def doing(what: str) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        if not isinstance(e, (ForensicsError, Failed)) and getattr(e, "ckptforensics_doing", None) is None:
+        if (
+            not isinstance(e, (ForensicsError, Failed))
+            and getattr(e, "ckptforensics_doing", None) is None
+        ):
             try:
                 e.ckptforensics_doing = what  # type: ignore[attr-defined]
                 e.add_note(f"(ckptforensics was {what})")

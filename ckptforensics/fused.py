@@ -156,7 +156,8 @@ def _kind(*ts: torch.Tensor) -> str | None:
     k = _DTYPES.get(ts[0].dtype)
     n = ts[0].numel()
     ok = k is not None and all(
-        t.dtype == ts[0].dtype and t.device.type == "cpu" and t.is_contiguous() and t.numel() == n for t in ts
+        t.dtype == ts[0].dtype and t.device.type == "cpu" and t.is_contiguous() and t.numel() == n
+        for t in ts
     )
     return k if ok and n > 0 else None
 
@@ -193,13 +194,18 @@ def _build() -> Kernels | None:
             shutil.rmtree(so.parent, ignore_errors=True)
         return kernels
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        log.info("fused diff kernels unavailable (%s): the diff computes its statistics with torch ops", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        log.info(
+            "fused diff kernels unavailable (%s): the diff computes its statistics with torch ops",
+            str(e).splitlines()[0] if str(e) else type(e).__name__,
+        )
         return None
 
 
 def _key(cc: str) -> str:
     """What the library depends on: its source, the compiler, the flags and the CPU."""
-    version = subprocess.run([*shlex.split(cc), "--version"], capture_output=True, timeout=30).stdout
+    version = subprocess.run(
+        [*shlex.split(cc), "--version"], capture_output=True, timeout=30
+    ).stdout
     parts = (_SOURCE.read_bytes(), version, _cpu_id().encode(), " ".join(_FLAGS).encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
@@ -212,7 +218,11 @@ def _compile(cc: str, key: str, cache: Path | None) -> Path:
     os.close(fd)
     err = b""
     for extra in (_NATIVE, []):  # -march=native where the compiler knows it
-        r = subprocess.run([*shlex.split(cc), *_FLAGS, *extra, "-o", tmp, str(_SOURCE)], capture_output=True, timeout=120)
+        r = subprocess.run(
+            [*shlex.split(cc), *_FLAGS, *extra, "-o", tmp, str(_SOURCE)],
+            capture_output=True,
+            timeout=120,
+        )
         if r.returncode == 0:
             dest = where / f"fused-{key}.so"
             os.replace(tmp, dest)
@@ -227,14 +237,20 @@ def _cache_dir() -> Path | None:
     """A directory only this user can write ($CKPTFORENSICS_CACHE, else the XDG cache):
     a library loaded from a directory others can write to would run their code."""
     base = os.environ.get("CKPTFORENSICS_CACHE")
-    root = Path(base) if base else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ckptforensics"
+    root = (
+        Path(base)
+        if base
+        else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ckptforensics"
+    )
     try:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         st = root.stat()
     except OSError:
         return None
     if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        log.info("cache %s is not private to this user: the fused kernels are compiled per process", root)
+        log.info(
+            "cache %s is not private to this user: the fused kernels are compiled per process", root
+        )
         return None
     return root
 

@@ -9,7 +9,13 @@ from pathlib import Path
 
 from .errors import CheckpointNotFound
 
-__all__ = ["resolve_checkpoint", "list_checkpoints", "first_complete", "must_exist", "STEP_PATTERNS"]
+__all__ = [
+    "resolve_checkpoint",
+    "list_checkpoints",
+    "first_complete",
+    "must_exist",
+    "STEP_PATTERNS",
+]
 
 # The names trainers write, with the step as the one group. Order is documentation only:
 # a step that matches several entries is an error, never a silent pick.
@@ -17,7 +23,10 @@ STEP_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("HF Trainer", re.compile(r"^checkpoint-(\d+)$")),
     ("DeepSpeed", re.compile(r"^global_step(\d+)$")),
     ("Megatron", re.compile(r"^iter_(\d+)$")),
-    ("torchtitan / OLMo-core / step_N", re.compile(r"^step[-_]?(\d+)(?:\.(?:pt|pth|bin|safetensors|ckpt))?$")),
+    (
+        "torchtitan / OLMo-core / step_N",
+        re.compile(r"^step[-_]?(\d+)(?:\.(?:pt|pth|bin|safetensors|ckpt))?$"),
+    ),
     ("Lightning", re.compile(r"^.*step=(\d+).*\.ckpt$")),
 )
 
@@ -30,7 +39,10 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
         return found
     # Lightning's default layout keeps them in the logger's version folder:
     # `lightning_logs/version_N/checkpoints/` (or `checkpoints/` of the folder given).
-    nested = [run_dir / "checkpoints", *sorted(run_dir.glob("lightning_logs/version_*/checkpoints"))]
+    nested = [
+        run_dir / "checkpoints",
+        *sorted(run_dir.glob("lightning_logs/version_*/checkpoints")),
+    ]
     children = [c for d in [run_dir, *nested] if d.is_dir() for c in d.iterdir()]
     for child in children:
         for _, pattern in STEP_PATTERNS:
@@ -94,16 +106,22 @@ def must_exist(path: Path) -> None:
         path.stat()
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise CheckpointNotFound(f"{path}: a symlink loop ({e.strerror}); pass the checkpoint itself") from None
+            raise CheckpointNotFound(
+                f"{path}: a symlink loop ({e.strerror}); pass the checkpoint itself"
+            ) from None
         if path.is_symlink():
-            raise CheckpointNotFound(f"{path}: a symlink to nothing ({os.readlink(path)}); pass the checkpoint itself") from None
+            raise CheckpointNotFound(
+                f"{path}: a symlink to nothing ({os.readlink(path)}); pass the checkpoint itself"
+            ) from None
         if isinstance(e, FileNotFoundError):
             raise CheckpointNotFound(f"{path}: no such file or directory") from None
         raise CheckpointNotFound(f"{path}: {e.strerror or e}") from None
     need = os.R_OK | (os.X_OK if path.is_dir() else 0)
     if not os.access(path, need, effective_ids=os.access in os.supports_effective_ids):
         what = "a directory" if path.is_dir() else "a file"
-        raise CheckpointNotFound(f"{path}: {what} this user may not read (permission denied); fix its permissions or run as its owner")
+        raise CheckpointNotFound(
+            f"{path}: {what} this user may not read (permission denied); fix its permissions or run as its owner"
+        )
 
 
 def _refuse_loop(path: Path) -> None:

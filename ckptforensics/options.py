@@ -68,5 +68,7 @@ def replay_options(options: ReplayOptions | None = None, **overrides: Any) -> Re
     known = {f.name for f in fields(ReplayOptions)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise TypeError(f"unknown replay option(s) {', '.join(unknown)}; ReplayOptions has {', '.join(sorted(known))}")
+        raise TypeError(
+            f"unknown replay option(s) {', '.join(unknown)}; ReplayOptions has {', '.join(sorted(known))}"
+        )
     return replace(options or ReplayOptions(), **overrides)

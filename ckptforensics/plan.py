@@ -25,7 +25,16 @@ PLAN_STATUSES = ("ready", "no_incident", "no_rollback")
 
 # Knobs in the order a plan applies them (whatif.INVASIVENESS, plus the per-group LR fix a
 # replay's LR finding names, which no what-if knob replays).
-_ORDER = ("lr_fix", "clip", "eps", "lr_scale", "precision", "skip_samples", "skip_step", "reset_moments")
+_ORDER = (
+    "lr_fix",
+    "clip",
+    "eps",
+    "lr_scale",
+    "precision",
+    "skip_samples",
+    "skip_step",
+    "reset_moments",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +67,10 @@ class Change:
             "status": self.status,
             "why": self.why,
             "evidence": self.evidence,
-            "edits": [{"key": e.key, "before": e.before, "after": e.after, "note": e.note} for e in self.edits],
+            "edits": [
+                {"key": e.key, "before": e.before, "after": e.after, "note": e.note}
+                for e in self.edits
+            ],
         }
 
 
@@ -71,7 +83,13 @@ def _lr_jump(findings: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     if not (m.get("lr_before") and m.get("lr")):
         return None
     jump = float(m["lr"]) / float(m["lr_before"])
-    return {"from_step": int(m["step"]), "groups": [int(g) for g in m.get("groups") or [m.get("group", 0)]], "lr": float(m["lr"]), "lr_before": float(m["lr_before"]), "scale": 1.0 / jump}
+    return {
+        "from_step": int(m["step"]),
+        "groups": [int(g) for g in m.get("groups") or [m.get("group", 0)]],
+        "lr": float(m["lr"]),
+        "lr_before": float(m["lr_before"]),
+        "scale": 1.0 / jump,
+    }
 
 
 def _half(x: Any) -> float:
@@ -152,11 +170,16 @@ def _evidence(o: dict[str, Any], w: dict[str, Any], base: dict[str, Any] | None)
         "final_loss": o.get("final_loss"),
         "baseline_max_loss": (base or {}).get("max_loss"),
         "baseline_max_grad_norm": (base or {}).get("max_grad_norm"),
-        "band": {"loss": [w.get("level"), w.get("band")], "grad_norm": [w.get("grad_norm_level"), w.get("grad_norm_band")]},
+        "band": {
+            "loss": [w.get("level"), w.get("band")],
+            "grad_norm": [w.get("grad_norm_level"), w.get("grad_norm_band")],
+        },
     }
 
 
-def _whatif_changes(w: dict[str, Any]) -> tuple[list[tuple[str, Any, str, dict[str, Any]]], list[tuple[str, dict[str, Any]]]]:
+def _whatif_changes(
+    w: dict[str, Any],
+) -> tuple[list[tuple[str, Any, str, dict[str, Any]]], list[tuple[str, dict[str, Any]]]]:
     """(knob, value, status, evidence) of the recommended mitigation's knobs; and every other
     mitigation the what-if replayed, with its outcome (for the notes)."""
     outcomes = w.get("outcomes") or []
@@ -174,16 +197,26 @@ def _whatif_changes(w: dict[str, Any]) -> tuple[list[tuple[str, Any, str, dict[s
     return chosen, others
 
 
-def _cause_changes(doc: dict[str, Any], clip: Any) -> list[tuple[str, Any, str, dict[str, Any] | None]]:
+def _cause_changes(
+    doc: dict[str, Any], clip: Any
+) -> list[tuple[str, Any, str, dict[str, Any] | None]]:
     """What the cause calls for where no what-if replayed a mitigation on track."""
     v = doc["verdict"]
     cause = v["causes"][0]["cause"] if v["causes"] else "none"
     jump = _lr_jump(doc.get("findings") or [])
-    if cause == "poison_batch" and (v.get("anomalous_samples") or (doc.get("bisect") or {}).get("rows")):
+    if cause == "poison_batch" and (
+        v.get("anomalous_samples") or (doc.get("bisect") or {}).get("rows")
+    ):
         bis = doc.get("bisect") or {}
         ev = None
         if bis.get("rows"):
-            ev = {"source": "bisect", "step": bis.get("first_bad_step"), "rows": bis["rows"], "presence_spikes": bis.get("presence_spikes"), "evaluations": bis.get("replays")}
+            ev = {
+                "source": "bisect",
+                "step": bis.get("first_bad_step"),
+                "rows": bis["rows"],
+                "presence_spikes": bis.get("presence_spikes"),
+                "evaluations": bis.get("replays"),
+            }
         return [("skip_samples", "culprits", "verified" if ev else "not_replayed", ev)]
     if cause == "poison_batch" and v.get("first_bad_step") is not None:
         return [("skip_step", int(v["first_bad_step"]), "not_replayed", None)]
@@ -205,27 +238,48 @@ def _culprits(doc: dict[str, Any]) -> tuple[list[int], list[int], dict[int, list
     """(steps, sample ids, step -> rows) to skip: the what-if's skipped rows, else the
     bisection's, else the verdict's anomalous samples at its first bad step."""
     w = doc.get("whatif") or {}
-    rec = next((o for o in w.get("outcomes") or [] if o["mitigation"] == w.get("recommended") and o.get("skipped_rows")), None)
+    rec = next(
+        (
+            o
+            for o in w.get("outcomes") or []
+            if o["mitigation"] == w.get("recommended") and o.get("skipped_rows")
+        ),
+        None,
+    )
     if rec is not None:
         rows = {int(k): list(v) for k, v in rec["skipped_rows"].items()}
-        ids = [int(x) for v in (w.get("auto_sample_ids") or {}).values() for x in v if x is not None]
+        ids = [
+            int(x) for v in (w.get("auto_sample_ids") or {}).values() for x in v if x is not None
+        ]
         return sorted(rows), ids, rows
     bis = (doc.get("bisect") or {}).get("skip") or {}
     if bis.get("steps"):
-        return list(bis["steps"]), list(bis.get("sample_ids") or []), {int(k): list(v) for k, v in (bis.get("rows") or {}).items()}
+        return (
+            list(bis["steps"]),
+            list(bis.get("sample_ids") or []),
+            {int(k): list(v) for k, v in (bis.get("rows") or {}).items()},
+        )
     v = doc["verdict"]
     s = v.get("first_bad_step")
     samples = v.get("anomalous_samples") or []
     if s is None or not samples:
         return [], [], {}
-    return [int(s)], [int(x["sample_id"]) for x in samples if x.get("sample_id") is not None], {int(s): [int(x["index"]) for x in samples]}
+    return (
+        [int(s)],
+        [int(x["sample_id"]) for x in samples if x.get("sample_id") is not None],
+        {int(s): [int(x["index"]) for x in samples]},
+    )
 
 
 def _rollback(ck: Checkpoint, onset: int | None) -> tuple[tuple[int, Path] | None, list[str], Path]:
     """The last complete checkpoint before the onset in the run dir of `ck` (the checkpoint of
     step c holds the state after c's update: safe when c < onset); `ck` itself without an onset."""
     path = Path(ck.path)
-    run_dir = path.parent.parent if path.parent.name == "checkpoints" and path.suffix == ".ckpt" else path.parent
+    run_dir = (
+        path.parent.parent
+        if path.parent.name == "checkpoints" and path.suffix == ".ckpt"
+        else path.parent
+    )
     cands = list_checkpoints(run_dir)
     if not any(p == path or p.resolve() == path.resolve() for _, p in cands):
         cands = [(ck.step, path)] if ck.step is not None else []
@@ -282,37 +336,82 @@ def plan_section(doc: dict[str, Any], ck: Checkpoint) -> dict[str, Any]:
     out["notes"] += skipped
     if back is None:
         out["status"] = "no_rollback"
-        out["notes"].append(f"no complete checkpoint before step {onset} in {run_dir}: nothing safe to resume from")
+        out["notes"].append(
+            f"no complete checkpoint before step {onset} in {run_dir}: nothing safe to resume from"
+        )
         return out
     r_step, r_path = back
-    out["rollback"] = {"path": str(r_path), "step": r_step, "skipped": skipped, "why": f"the last complete checkpoint before the onset (step {onset})" if onset is not None else "the what-if's starting checkpoint"}
-    clip = (doc.get("replay") or {}).get("config", {}).get("clip", {}).get("value") if doc.get("replay") else (w.get("clip") or {}).get("value")
+    out["rollback"] = {
+        "path": str(r_path),
+        "step": r_step,
+        "skipped": skipped,
+        "why": f"the last complete checkpoint before the onset (step {onset})"
+        if onset is not None
+        else "the what-if's starting checkpoint",
+    }
+    clip = (
+        (doc.get("replay") or {}).get("config", {}).get("clip", {}).get("value")
+        if doc.get("replay")
+        else (w.get("clip") or {}).get("value")
+    )
     chosen: list[tuple[str, Any, str, dict[str, Any] | None]]
     others: list[tuple[str, dict[str, Any]]] = []
     if w.get("outcomes"):
         picked, others = _whatif_changes(w)
         chosen = list(picked)
         if not chosen:
-            out["notes"].append("no mitigation the what-if tried kept the run on track: the changes below are what the cause calls for, not replayed")
+            out["notes"].append(
+                "no mitigation the what-if tried kept the run on track: the changes below are what the cause calls for, not replayed"
+            )
             chosen = _cause_changes(doc, clip)
     else:
         chosen = _cause_changes(doc, clip)
     # The per-group LR a replay names is the fault itself: fix it whatever else helps.
     jump = _lr_jump(doc.get("findings") or [])
-    if jump is not None and cause in ("lr_too_high", "gradient_explosion") and not any(k == "lr_fix" for k, *_ in chosen):
+    if (
+        jump is not None
+        and cause in ("lr_too_high", "gradient_explosion")
+        and not any(k == "lr_fix" for k, *_ in chosen)
+    ):
         chosen.insert(0, ("lr_fix", jump, "not_replayed", None))
     steps, ids, rows = _culprits(doc)
     changes: list[Change] = []
-    for knob, value, status, ev in sorted(chosen, key=lambda c: _ORDER.index(c[0]) if c[0] in _ORDER else len(_ORDER)):
+    for knob, value, status, ev in sorted(
+        chosen, key=lambda c: _ORDER.index(c[0]) if c[0] in _ORDER else len(_ORDER)
+    ):
         if knob in ("skip_samples", "skip_step"):
             if knob == "skip_step":
                 steps, ids, rows = [int(value)], [], {}
             why = f"the batch of step {steps[0]} drives the spike" if steps else "the culprit rows"
-            changes.append(Change(knob, {"steps": steps, "sample_ids": ids, "rows": {str(k): x for k, x in rows.items()}}, (), status, why, ev))
+            changes.append(
+                Change(
+                    knob,
+                    {
+                        "steps": steps,
+                        "sample_ids": ids,
+                        "rows": {str(k): x for k, x in rows.items()},
+                    },
+                    (),
+                    status,
+                    why,
+                    ev,
+                )
+            )
             continue
         if knob == "lr_fix":
             why = f"the logged LR of groups {value['groups']} jumps {1 / value['scale']:.3g}x at step {value['from_step']} ({value['lr_before']:.3g} -> {value['lr']:.3g})"
-            changes.append(Change(knob, value["scale"], _knob_edits(planner, knob, value, s), status, why, ev, value["from_step"], tuple(value["groups"])))
+            changes.append(
+                Change(
+                    knob,
+                    value["scale"],
+                    _knob_edits(planner, knob, value, s),
+                    status,
+                    why,
+                    ev,
+                    value["from_step"],
+                    tuple(value["groups"]),
+                )
+            )
             continue
         if knob == "reset_moments":
             changes.append(Change(knob, value, (), status, "the what-if zeroed these moments", ev))
@@ -323,11 +422,24 @@ def plan_section(doc: dict[str, Any], ck: Checkpoint) -> dict[str, Any]:
     out["changes"] = [c.as_dict() for c in changes]
     skip_change = next((c for c in changes if c.knob in ("skip_samples", "skip_step")), None)
     if skip_change is not None:
-        sk = planner.skip(steps, ids, rows, s) if skip_change.knob == "skip_samples" else planner.skip(steps, [], {}, s)
-        out["skip"] = {"steps": steps, "sample_ids": ids, "rows": {str(k): x for k, x in rows.items()}, "format": sk.format, "value": sk.value, "text": sk.text}
+        sk = (
+            planner.skip(steps, ids, rows, s)
+            if skip_change.knob == "skip_samples"
+            else planner.skip(steps, [], {}, s)
+        )
+        out["skip"] = {
+            "steps": steps,
+            "sample_ids": ids,
+            "rows": {str(k): x for k, x in rows.items()},
+            "format": sk.format,
+            "value": sk.value,
+            "text": sk.text,
+        }
     edits = [e for c in changes for e in c.edits]
     resume = planner.resume(r_path, r_step, s)
-    out["resume"] = [{"key": e.key, "before": e.before, "after": e.after, "note": e.note} for e in resume]
+    out["resume"] = [
+        {"key": e.key, "before": e.before, "after": e.after, "note": e.note} for e in resume
+    ]
     out["config_diff"] = planner.render([*edits, *resume], s)
     out["alternatives"] = [{"mitigation": m, **ev} for m, ev in others]
     out["expect"] = _expect(doc, changes, r_step, steps, ids, onset, clip)
@@ -335,28 +447,54 @@ def plan_section(doc: dict[str, Any], ck: Checkpoint) -> dict[str, Any]:
     return out
 
 
-def _expect(doc: dict[str, Any], changes: Sequence[Change], resumed_from: int, steps: list[int], ids: list[int], onset: int | None, clip: Any) -> dict[str, Any]:
+def _expect(
+    doc: dict[str, Any],
+    changes: Sequence[Change],
+    resumed_from: int,
+    steps: list[int],
+    ids: list[int],
+    onset: int | None,
+    clip: Any,
+) -> dict[str, Any]:
     """What a resumed run that applied the plan logs: the LR per step (the run's logged LR
     times the plan's scale), the clip, the precision, the skipped samples."""
     by = {c.knob: c for c in changes}
-    logged = {**((doc.get("replay") or {}).get("history") or {}), **((doc.get("replay") or {}).get("logged") or {})}
+    logged = {
+        **((doc.get("replay") or {}).get("history") or {}),
+        **((doc.get("replay") or {}).get("logged") or {}),
+    }
     scale = float(by["lr_scale"].value) if "lr_scale" in by else 1.0
     fix = by.get("lr_fix")
     lr: dict[str, float] = {}
     for k, row in logged.items():
-        if int(k) > resumed_from and isinstance(row.get("lr"), (int, float)) and math.isfinite(row["lr"]):
-            f = scale * (float(fix.value) if fix is not None and fix.from_step is not None and int(k) >= fix.from_step and 0 in fix.groups else 1.0)
+        if (
+            int(k) > resumed_from
+            and isinstance(row.get("lr"), (int, float))
+            and math.isfinite(row["lr"])
+        ):
+            f = scale * (
+                float(fix.value)
+                if fix is not None
+                and fix.from_step is not None
+                and int(k) >= fix.from_step
+                and 0 in fix.groups
+                else 1.0
+            )
             lr[k] = float(row["lr"]) * f
     return {
         "resumed_from": resumed_from,
         "onset": onset,
-        "clip": float(by["clip"].value) if "clip" in by else (float(clip) if isinstance(clip, (int, float)) else None),
+        "clip": float(by["clip"].value)
+        if "clip" in by
+        else (float(clip) if isinstance(clip, (int, float)) else None),
         "precision": by["precision"].value if "precision" in by else None,
         "lr_scale": scale if "lr_scale" in by else None,
         "lr": lr,
         "skip_steps": steps if "skip_step" in by else [],
         "skip_sample_ids": ids if "skip_samples" in by else [],
-        "skip_sample_steps": steps if "skip_samples" in by else [],  # where the skipped samples came
+        "skip_sample_steps": steps
+        if "skip_samples" in by
+        else [],  # where the skipped samples came
     }
 
 
@@ -365,10 +503,18 @@ def _notes(changes: Sequence[Change], cause: str) -> list[str]:
     from .verdict import RESUME_CAUSES
 
     if cause in RESUME_CAUSES:
-        out.append(f"the resume itself lost state ({cause.replace('_', ' ')}): resume again from the rollback checkpoint the trainer's own way (the resume keys below), nothing else to change")
+        out.append(
+            f"the resume itself lost state ({cause.replace('_', ' ')}): resume again from the rollback checkpoint the trainer's own way (the resume keys below), nothing else to change"
+        )
     if cause == "silent_corruption":
-        out.append("a hardware fault: resume from the rollback checkpoint on other hardware and quarantine the node that wrote the bad state")
+        out.append(
+            "a hardware fault: resume from the rollback checkpoint on other hardware and quarantine the node that wrote the bad state"
+        )
     if not changes and cause != "silent_corruption" and cause not in RESUME_CAUSES:
-        out.append(f"no change is known to help with {cause.replace('_', ' ')}: resume from the rollback checkpoint and watch it with `ckptforensics recovery`")
-    out.append("resume with the optimizer state (Adam's moments and step counter): a fresh optimizer restarts bias correction and moves every weight by ~lr at once")
+        out.append(
+            f"no change is known to help with {cause.replace('_', ' ')}: resume from the rollback checkpoint and watch it with `ckptforensics recovery`"
+        )
+    out.append(
+        "resume with the optimizer state (Adam's moments and step counter): a fresh optimizer restarts bias correction and moves every weight by ~lr at once"
+    )
     return out

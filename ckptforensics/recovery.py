@@ -130,7 +130,9 @@ def split_legs(legs: Sequence[Leg], resumed_from: int) -> Split:
     """
     after = [leg for leg in legs if leg.last > resumed_from]
     if not after:
-        raise ForensicsError(f"no step after {resumed_from} in the log ({', '.join(sorted({leg.source for leg in legs}))}): has the resumed run logged yet?")
+        raise ForensicsError(
+            f"no step after {resumed_from} in the log ({', '.join(sorted({leg.source for leg in legs}))}): has the resumed run logged yet?"
+        )
     resumed = after[-1]
     pre: Rows = {}
     for leg in legs:
@@ -185,7 +187,9 @@ def fit_trajectory(steps: Sequence[int], values: Sequence[float]) -> Trajectory 
 
     The fit takes the last half of the history, at least `CURVE_MIN_HISTORY` and at most
     `CURVE_WINDOW` steps (triage's history bounds): the recent regime, not warmup's descent."""
-    pts = [(s, v) for s, v in zip(steps, values, strict=True) if s > 0 and math.isfinite(v) and v > 0]
+    pts = [
+        (s, v) for s, v in zip(steps, values, strict=True) if s > 0 and math.isfinite(v) and v > 0
+    ]
     if len(pts) < CURVE_SHORT:
         return None
     n = min(len(pts), max(CURVE_MIN_HISTORY, min(CURVE_WINDOW, len(pts) // 2)))
@@ -197,7 +201,15 @@ def fit_trajectory(steps: Sequence[int], values: Sequence[float]) -> Trajectory 
     res = np.asarray(y) - (icpt + slope * np.asarray(x))
     sigma = max(MAD_TO_SIGMA * float(np.median(np.abs(res - np.median(res)))), CURVE_FLOOR)
     xa = np.asarray(x)
-    return Trajectory(slope, icpt, sigma, (pts[0][0], pts[-1][0]), n, float(xa.mean()), float(((xa - xa.mean()) ** 2).sum()))
+    return Trajectory(
+        slope,
+        icpt,
+        sigma,
+        (pts[0][0], pts[-1][0]),
+        n,
+        float(xa.mean()),
+        float(((xa - xa.mean()) ** 2).sum()),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +238,9 @@ class Window:
     in_band: bool
 
 
-def _window(steps: list[int], vals: list[float], t: Trajectory) -> tuple[float, float, float, float]:
+def _window(
+    steps: list[int], vals: list[float], t: Trajectory
+) -> tuple[float, float, float, float]:
     """(median value, median expected, ratio, z) of one window."""
     fin = [(s, v) for s, v in zip(steps, vals, strict=True) if v > 0]
     if len(fin) < len(vals):  # a non-finite or non-positive step: off the trajectory outright
@@ -238,7 +252,13 @@ def _window(steps: list[int], vals: list[float], t: Trajectory) -> tuple[float, 
     return float(np.median(vals)), float(np.median([t.at(s) for s in steps])), float(10**r), r / se
 
 
-def judge(resumed: Rows, loss_t: Trajectory, grad_t: Trajectory | None, onsets: Sequence[int], width: int = CURVE_SHORT) -> list[Window]:
+def judge(
+    resumed: Rows,
+    loss_t: Trajectory,
+    grad_t: Trajectory | None,
+    onsets: Sequence[int],
+    width: int = CURVE_SHORT,
+) -> list[Window]:
     """The resumed leg in windows of `width` steps (a last window under half a width joins
     the one before), each against the trajectories."""
     steps = [s for s in resumed if "loss" in resumed[s]]
@@ -254,7 +274,10 @@ def judge(resumed: Rows, loss_t: Trajectory, grad_t: Trajectory | None, onsets: 
         g = gl = gr = gz = None
         gsteps = [s for s in ch if "grad_norm" in resumed[s]]
         if grad_t is not None and gsteps:
-            gv = [resumed[s]["grad_norm"] if math.isfinite(resumed[s]["grad_norm"]) else -1.0 for s in gsteps]
+            gv = [
+                resumed[s]["grad_norm"] if math.isfinite(resumed[s]["grad_norm"]) else -1.0
+                for s in gsteps
+            ]
             g, gl, gr, gz = _window(gsteps, gv, grad_t)
         hits = [s for s in onsets if ch[0] <= s <= ch[-1]]
         ok = z <= Z_BAND and (gz is None or gz <= Z_BAND) and not hits
@@ -263,7 +286,13 @@ def judge(resumed: Rows, loss_t: Trajectory, grad_t: Trajectory | None, onsets: 
 
 
 # ---------------------------------------------------------------- the verdict
-def verdict_of(windows: Sequence[Window], onsets: Sequence[int], resumed: Rows, loss_t: Trajectory, width: int = CURVE_SHORT) -> tuple[str, int | None, dict[str, Any] | None]:
+def verdict_of(
+    windows: Sequence[Window],
+    onsets: Sequence[int],
+    resumed: Rows,
+    loss_t: Trajectory,
+    width: int = CURVE_SHORT,
+) -> tuple[str, int | None, dict[str, Any] | None]:
     """(status, step, gap trend) from the windows and the new onsets.
 
     relapsed at S: an onset after the resume (S its step). recovered at S: every window from
@@ -284,7 +313,16 @@ def verdict_of(windows: Sequence[Window], onsets: Sequence[int], resumed: Rows, 
         if held >= 2 * width:
             return "recovered", windows[k].first, None
         # On the trajectory, but for fewer steps than an onset needs to be judged: not yet.
-        return "recovering", windows[k].first, {"on_trajectory_since": windows[k].first, "held": held, "needed": 2 * width, "closing": True}
+        return (
+            "recovering",
+            windows[k].first,
+            {
+                "on_trajectory_since": windows[k].first,
+                "held": held,
+                "needed": 2 * width,
+                "closing": True,
+            },
+        )
     trend = _gap_trend(resumed, loss_t, width)
     if trend is not None and trend["closing"]:
         return "recovering", None, trend
@@ -294,7 +332,11 @@ def verdict_of(windows: Sequence[Window], onsets: Sequence[int], resumed: Rows, 
 def _gap_trend(resumed: Rows, t: Trajectory, width: int) -> dict[str, Any] | None:
     """The gap's Theil-Sen slope over the last two windows (log10 per step), whether it
     closes by more than its noise across them, and the step where it would reach the band."""
-    pts = [(s, r["loss"]) for s, r in resumed.items() if "loss" in r and math.isfinite(r["loss"]) and r["loss"] > 0][-2 * width :]
+    pts = [
+        (s, r["loss"])
+        for s, r in resumed.items()
+        if "loss" in r and math.isfinite(r["loss"]) and r["loss"] > 0
+    ][-2 * width :]
     if len(pts) < width:
         return None
     xs = [float(s) for s, _ in pts]
@@ -307,7 +349,12 @@ def _gap_trend(resumed: Rows, t: Trajectory, width: int) -> dict[str, Any] | Non
     at = None
     if closing and b > band:
         at = int(round(xs[-1] + (b - band) / -slope))
-    return {"slope_per_100_steps": slope * 100, "gap_now": float(10**b), "closing": bool(closing), "projected_step": at}
+    return {
+        "slope_per_100_steps": slope * 100,
+        "gap_now": float(10**b),
+        "closing": bool(closing),
+        "projected_step": at,
+    }
 
 
 # ---------------------------------------------------------------- the checks
@@ -323,7 +370,13 @@ class Check:
     step: int | None = None
 
 
-def optimizer_resumed(adam_steps: Sequence[float], trainer_step: int, resumed_from: int, offset: float = 0.0, skipped: int = 0) -> Check:
+def optimizer_resumed(
+    adam_steps: Sequence[float],
+    trainer_step: int,
+    resumed_from: int,
+    offset: float = 0.0,
+    skipped: int = 0,
+) -> Check:
     """Whether the optimizer state came back with the weights: Adam's step counter of a
     checkpoint the resumed leg wrote against the trainer's step.
 
@@ -342,7 +395,13 @@ def optimizer_resumed(adam_steps: Sequence[float], trainer_step: int, resumed_fr
         skipped: overflow-skipped updates in the resumed leg (loss-scale backoffs).
     """
     if not adam_steps:
-        return Check("optimizer_state", "unknown", None, None, "the checkpoint after the resume holds no optimizer state (weights only)")
+        return Check(
+            "optimizer_state",
+            "unknown",
+            None,
+            None,
+            "the checkpoint after the resume holds no optimizer state (weights only)",
+        )
     expect = trainer_step + offset
     fresh = trainer_step - resumed_from
     vals = np.asarray(adam_steps, dtype=np.float64)
@@ -350,7 +409,14 @@ def optimizer_resumed(adam_steps: Sequence[float], trainer_step: int, resumed_fr
     lost = np.abs(vals - fresh) <= max(skipped, 0) + 0.5
     med = float(np.median(vals))
     if whole.all():
-        return Check("optimizer_state", "ok", expect, med, f"Adam's step counter is {med:g} at trainer step {trainer_step}: the optimizer state was resumed", trainer_step)
+        return Check(
+            "optimizer_state",
+            "ok",
+            expect,
+            med,
+            f"Adam's step counter is {med:g} at trainer step {trainer_step}: the optimizer state was resumed",
+            trainer_step,
+        )
     if lost.all():
         return Check(
             "optimizer_state",
@@ -362,8 +428,22 @@ def optimizer_resumed(adam_steps: Sequence[float], trainer_step: int, resumed_fr
             resumed_from,
         )
     if (whole | lost).all():
-        return Check("optimizer_state", "failed", expect, med, f"{int(lost.sum())} of {vals.size} parameters' Adam state restarted at step {resumed_from}, the rest resumed: the state was partly restored", resumed_from)
-    return Check("optimizer_state", "failed", expect, med, f"Adam's step counter ({med:g}) is neither the trainer's ({expect:g}) nor a restart's ({fresh}): the optimizer state is not this run's", trainer_step)
+        return Check(
+            "optimizer_state",
+            "failed",
+            expect,
+            med,
+            f"{int(lost.sum())} of {vals.size} parameters' Adam state restarted at step {resumed_from}, the rest resumed: the state was partly restored",
+            resumed_from,
+        )
+    return Check(
+        "optimizer_state",
+        "failed",
+        expect,
+        med,
+        f"Adam's step counter ({med:g}) is neither the trainer's ({expect:g}) nor a restart's ({fresh}): the optimizer state is not this run's",
+        trainer_step,
+    )
 
 
 def _lr_check(expect: dict[str, Any], resumed: Rows, jumps: Sequence[Any] = ()) -> Check:
@@ -376,15 +456,34 @@ def _lr_check(expect: dict[str, Any], resumed: Rows, jumps: Sequence[Any] = ()) 
     both = sorted(set(want) & set(have))
     if not both and jumps:
         j = jumps[0]
-        return Check("lr", "failed", j.baseline, j.value, f"in the resumed leg, {j.message}", j.step)
+        return Check(
+            "lr", "failed", j.baseline, j.value, f"in the resumed leg, {j.message}", j.step
+        )
     if not both:
-        why = "no step where the plan and the resumed log both state the LR" if expect else "no plan given (--plan), and no LR jump in the resumed leg"
+        why = (
+            "no step where the plan and the resumed log both state the LR"
+            if expect
+            else "no plan given (--plan), and no LR jump in the resumed leg"
+        )
         return Check("lr", "unknown", None, None, why)
     bad = [s for s in both if abs(have[s] - want[s]) > 0.01 * abs(want[s])]
     if not bad:
-        return Check("lr", "ok", want[both[0]], have[both[0]], f"the LR matches the plan on {len(both)} steps ({both[0]}-{both[-1]})")
+        return Check(
+            "lr",
+            "ok",
+            want[both[0]],
+            have[both[0]],
+            f"the LR matches the plan on {len(both)} steps ({both[0]}-{both[-1]})",
+        )
     s = bad[0]
-    return Check("lr", "failed", want[s], have[s], f"the LR at step {s} is {have[s]:.4g}, the plan's is {want[s]:.4g} ({have[s] / want[s]:.3g}x)", s)
+    return Check(
+        "lr",
+        "failed",
+        want[s],
+        have[s],
+        f"the LR at step {s} is {have[s]:.4g}, the plan's is {want[s]:.4g} ({have[s] / want[s]:.3g}x)",
+        s,
+    )
 
 
 def _train_config(ck: Any) -> dict[str, Any]:
@@ -396,28 +495,70 @@ def _train_config(ck: Any) -> dict[str, Any]:
     return tc
 
 
-def _clip_check(expect: dict[str, Any], after_cfg: dict[str, Any] | None, recorded: float | None) -> Check:
+def _clip_check(
+    expect: dict[str, Any], after_cfg: dict[str, Any] | None, recorded: float | None
+) -> Check:
     want = expect.get("clip")
     have = (after_cfg or {}).get("grad_clip", recorded)
     if want is None:
         return Check("clip", "unknown", None, have, "the plan sets no clip")
     if have is None:
-        return Check("clip", "unknown", want, None, "neither the checkpoint after the resume nor the flight recorder states the clip")
+        return Check(
+            "clip",
+            "unknown",
+            want,
+            None,
+            "neither the checkpoint after the resume nor the flight recorder states the clip",
+        )
     ok = math.isclose(float(have), float(want), rel_tol=1e-6)
-    return Check("clip", "ok" if ok else "failed", want, have, f"the resumed run clips at {have:g}" + ("" if ok else f", the plan at {want:g}"))
+    return Check(
+        "clip",
+        "ok" if ok else "failed",
+        want,
+        have,
+        f"the resumed run clips at {have:g}" + ("" if ok else f", the plan at {want:g}"),
+    )
 
 
-def _precision_check(expect: dict[str, Any], after_cfg: dict[str, Any] | None, resumed: Rows) -> Check:
+def _precision_check(
+    expect: dict[str, Any], after_cfg: dict[str, Any] | None, resumed: Rows
+) -> Check:
     want = expect.get("precision")
     scaled = any("loss_scale" in r for r in resumed.values())
     if want is None:
-        return Check("precision", "unknown", None, "fp16 (a loss scale is logged)" if scaled else None, "the plan changes no precision")
+        return Check(
+            "precision",
+            "unknown",
+            None,
+            "fp16 (a loss scale is logged)" if scaled else None,
+            "the plan changes no precision",
+        )
     cfg = after_cfg or {}
-    have = "bf16" if cfg.get("bf16") else "fp16" if cfg.get("fp16") or scaled else ("fp32" if cfg else None)
+    have = (
+        "bf16"
+        if cfg.get("bf16")
+        else "fp16"
+        if cfg.get("fp16") or scaled
+        else ("fp32" if cfg else None)
+    )
     if have is None:
-        return Check("precision", "unknown", want, None, "the checkpoint after the resume does not state its precision")
-    ok = have == want or (want == "bf16" and have != "fp16" and not scaled and cfg.get("bf16") is None)
-    return Check("precision", "ok" if ok else "failed", want, have, f"the resumed run trains in {have}" + ("" if ok else f", the plan in {want}"))
+        return Check(
+            "precision",
+            "unknown",
+            want,
+            None,
+            "the checkpoint after the resume does not state its precision",
+        )
+    ok = have == want or (
+        want == "bf16" and have != "fp16" and not scaled and cfg.get("bf16") is None
+    )
+    return Check(
+        "precision",
+        "ok" if ok else "failed",
+        want,
+        have,
+        f"the resumed run trains in {have}" + ("" if ok else f", the plan in {want}"),
+    )
 
 
 def _scale_check(rollback_scale: float | None, resumed: Rows, expect: dict[str, Any]) -> Check:
@@ -426,31 +567,82 @@ def _scale_check(rollback_scale: float | None, resumed: Rows, expect: dict[str, 
     first = next((r["loss_scale"] for r in resumed.values() if "loss_scale" in r), None)
     if expect.get("precision") in ("bf16", "fp32"):
         if first is None:
-            return Check("loss_scale", "ok", None, None, "no loss scale logged: the scaler is off, as the plan's precision needs")
-        return Check("loss_scale", "failed", None, first, f"the resumed leg logs a loss scale ({first:g}): it still trains in fp16 under a scaler")
+            return Check(
+                "loss_scale",
+                "ok",
+                None,
+                None,
+                "no loss scale logged: the scaler is off, as the plan's precision needs",
+            )
+        return Check(
+            "loss_scale",
+            "failed",
+            None,
+            first,
+            f"the resumed leg logs a loss scale ({first:g}): it still trains in fp16 under a scaler",
+        )
     if first is None or rollback_scale is None:
-        return Check("loss_scale", "unknown", rollback_scale, first, "no loss scale to compare (logged and in the rollback checkpoint)")
+        return Check(
+            "loss_scale",
+            "unknown",
+            rollback_scale,
+            first,
+            "no loss scale to compare (logged and in the rollback checkpoint)",
+        )
     ok = rollback_scale / 2 <= first <= rollback_scale * 2
     msg = f"the loss scale resumed at {first:g} (the rollback checkpoint's scaler: {rollback_scale:g})"
-    return Check("loss_scale", "ok" if ok else "failed", rollback_scale, first, msg + ("" if ok else ": the scaler state was not restored"))
+    return Check(
+        "loss_scale",
+        "ok" if ok else "failed",
+        rollback_scale,
+        first,
+        msg + ("" if ok else ": the scaler state was not restored"),
+    )
 
 
-def _skip_check(expect: dict[str, Any], seen: dict[int, list[int]] | None, source: str | None) -> Check:
+def _skip_check(
+    expect: dict[str, Any], seen: dict[int, list[int]] | None, source: str | None
+) -> Check:
     ids = set(int(x) for x in expect.get("skip_sample_ids") or [])
     if not ids:
         return Check("skipped_samples", "unknown", None, None, "the plan skips no sample ids")
     if seen is None:
-        return Check("skipped_samples", "unknown", sorted(ids), None, "no sample ids recorded after the resume (the flight recorder keeps them)")
+        return Check(
+            "skipped_samples",
+            "unknown",
+            sorted(ids),
+            None,
+            "no sample ids recorded after the resume (the flight recorder keeps them)",
+        )
     hits = {s: sorted(ids & set(v)) for s, v in seen.items() if ids & set(v)}
     if not hits:
         steps = sorted(seen)
         missing = [int(s) for s in expect.get("skip_sample_steps") or [] if int(s) not in seen]
         if missing:
             # The recorder's ring no longer holds the steps where they came: nothing is known.
-            return Check("skipped_samples", "unknown", sorted(ids), None, f"the recorder kept steps {steps[0]}-{steps[-1]} after the resume, not step {missing[0]} where the skipped samples came ({source})")
-        return Check("skipped_samples", "ok", sorted(ids), [], f"none of the {len(ids)} skipped samples in {len(steps)} recorded steps after the resume ({source})")
+            return Check(
+                "skipped_samples",
+                "unknown",
+                sorted(ids),
+                None,
+                f"the recorder kept steps {steps[0]}-{steps[-1]} after the resume, not step {missing[0]} where the skipped samples came ({source})",
+            )
+        return Check(
+            "skipped_samples",
+            "ok",
+            sorted(ids),
+            [],
+            f"none of the {len(ids)} skipped samples in {len(steps)} recorded steps after the resume ({source})",
+        )
     s = min(hits)
-    return Check("skipped_samples", "failed", sorted(ids), hits[s], f"skipped samples {hits[s]} seen again at step {s} ({source})", s)
+    return Check(
+        "skipped_samples",
+        "failed",
+        sorted(ids),
+        hits[s],
+        f"skipped samples {hits[s]} seen again at step {s} ({source})",
+        s,
+    )
 
 
 # ---------------------------------------------------------------- the whole
@@ -496,7 +688,9 @@ def _onsets(pre: Rows, resumed: Rows, resumed_from: int) -> list[Any]:
 _LR_SIGNALS = ("lr", "lr_restart")
 
 
-def relapse_steps(onsets: Sequence[Any], pre: Rows | None = None, resumed: Rows | None = None) -> list[int]:
+def relapse_steps(
+    onsets: Sequence[Any], pre: Rows | None = None, resumed: Rows | None = None
+) -> list[int]:
     """The steps where the incident comes back: each loss or grad-norm onset (triage's, so a
     grad-norm one the loss followed), dated to an LR jump at most `LOSS_FOLLOW` steps before it
     where there is one (the jump is the cause; the loss answers a step later); and an LR jump
@@ -511,7 +705,9 @@ def relapse_steps(onsets: Sequence[Any], pre: Rows | None = None, resumed: Rows 
     lr = sorted(o.step for o in onsets if o.signal == "lr")
     out = set()
     for o in onsets:
-        if o.signal in _LR_SIGNALS:  # an LR restart (triage's `lr_restart`) is the resume's fault, not the incident's
+        if (
+            o.signal in _LR_SIGNALS
+        ):  # an LR restart (triage's `lr_restart`) is the resume's fault, not the incident's
             continue
         cause = [s for s in lr if o.step - LOSS_FOLLOW <= s <= o.step]
         out.add(cause[0] if cause else o.step)
@@ -536,16 +732,34 @@ def _incident_onset(pre: Rows, incident: Rows, resumed_from: int) -> int | None:
     return next((o.step for o in found if o.step > resumed_from), None)
 
 
-def summarize(status: str, step: int | None, resumed_from: int, windows: Sequence[Window], trend: dict[str, Any] | None, checks: Sequence[Check], onsets: Sequence[Any]) -> str:
+def summarize(
+    status: str,
+    step: int | None,
+    resumed_from: int,
+    windows: Sequence[Window],
+    trend: dict[str, Any] | None,
+    checks: Sequence[Check],
+    onsets: Sequence[Any],
+) -> str:
     """The one paragraph a ticket starts with: the verdict, then the failed checks."""
     last = windows[-1] if windows else None
     if status == "relapsed":
         o = next((x for x in onsets if x.step == step), None)
-        head = f"Relapsed at step {step}, {step - resumed_from} steps after the resume from step {resumed_from}" + (f": {o.message}" if o else "") + "."
+        head = (
+            f"Relapsed at step {step}, {step - resumed_from} steps after the resume from step {resumed_from}"
+            + (f": {o.message}" if o else "")
+            + "."
+        )
     elif status == "recovered":
         head = (
             f"Recovered at step {step}: from there to step {last.last if last else step} the loss stays on the pre-incident trajectory "
-            f"(last window {last.ratio:.3g}x of it)" + (f" and the grad norm at {last.grad_ratio:.3g}x its pre-incident level" if last and last.grad_ratio is not None else "") + "."
+            f"(last window {last.ratio:.3g}x of it)"
+            + (
+                f" and the grad norm at {last.grad_ratio:.3g}x its pre-incident level"
+                if last and last.grad_ratio is not None
+                else ""
+            )
+            + "."
         )
     elif status == "recovering" and trend and "held" in trend:
         head = (
@@ -554,12 +768,24 @@ def summarize(status: str, step: int | None, resumed_from: int, windows: Sequenc
         )
     elif status == "recovering":
         t = trend or {}
-        head = f"Recovering: the loss is {last.ratio:.3g}x the pre-incident trajectory at step {last.last}" if last else "Recovering"
+        head = (
+            f"Recovering: the loss is {last.ratio:.3g}x the pre-incident trajectory at step {last.last}"
+            if last
+            else "Recovering"
+        )
         if t.get("closing"):
-            head += f", the gap closing ({t['slope_per_100_steps']:+.3g} log10 per 100 steps" + (f", back around step {t['projected_step']}" if t.get("projected_step") else "") + ")"
+            head += (
+                f", the gap closing ({t['slope_per_100_steps']:+.3g} log10 per 100 steps"
+                + (f", back around step {t['projected_step']}" if t.get("projected_step") else "")
+                + ")"
+            )
         head += "."
     else:
-        head = f"Not recovered: the loss is {last.ratio:.3g}x the pre-incident trajectory at step {last.last} and the gap is not closing." if last else "Not recovered: no step logged after the resume."
+        head = (
+            f"Not recovered: the loss is {last.ratio:.3g}x the pre-incident trajectory at step {last.last} and the gap is not closing."
+            if last
+            else "Not recovered: no step logged after the resume."
+        )
     failed = [c for c in checks if c.status == "failed"]
     if failed:
         head += " The resume went wrong: " + "; ".join(c.message for c in failed) + "."
@@ -600,7 +826,9 @@ def recovery(
     pre_steps = [s for s in sp.pre if s <= fit_until and "loss" in sp.pre[s]]
     loss_t = fit_trajectory(pre_steps, [sp.pre[s]["loss"] for s in pre_steps])
     if loss_t is None:
-        raise ForensicsError(f"{legs[0].source}: {len(pre_steps)} logged losses before step {fit_until + 1}; the pre-incident trajectory needs {CURVE_SHORT}")
+        raise ForensicsError(
+            f"{legs[0].source}: {len(pre_steps)} logged losses before step {fit_until + 1}; the pre-incident trajectory needs {CURVE_SHORT}"
+        )
     gsteps = [s for s in sp.pre if s <= fit_until and "grad_norm" in sp.pre[s]]
     grad_t = fit_trajectory(gsteps, [sp.pre[s]["grad_norm"] for s in gsteps])
     found = _onsets(sp.pre, sp.resumed, resumed_from)
@@ -608,30 +836,71 @@ def recovery(
     windows = judge(sp.resumed, loss_t, grad_t, relapses, width)
     status, step, trend = verdict_of(windows, relapses, sp.resumed, loss_t, width)
     # The LR check reads triage's LR onsets: a scheduler restarted at the resume first.
-    lr_onsets = sorted((o for o in found if o.signal in _LR_SIGNALS), key=lambda o: (o.signal != "lr_restart", o.step))
+    lr_onsets = sorted(
+        (o for o in found if o.signal in _LR_SIGNALS),
+        key=lambda o: (o.signal != "lr_restart", o.step),
+    )
     checks, after = _checks(run_dir, resumed_from, sp, expect, flight, checkpoint, lr_onsets)
-    res = RecoveryResult(status, step, resumed_from, onset, "", windows, [{"step": o.step, "signal": o.signal, "message": o.message} for o in found], checks)
+    res = RecoveryResult(
+        status,
+        step,
+        resumed_from,
+        onset,
+        "",
+        windows,
+        [{"step": o.step, "signal": o.signal, "message": o.message} for o in found],
+        checks,
+    )
     res.summary = summarize(status, step, resumed_from, windows, trend, checks, found)
     res.gap_trend = trend
     res.trajectory = {
         "model": "log10 value = a + b log10 step, Theil-Sen (docs/signatures.md#recovery)",
-        "loss": {"slope": loss_t.slope, "intercept": loss_t.intercept, "sigma": loss_t.sigma, "fitted_on": list(loss_t.fitted_on), "n": loss_t.n},
-        "grad_norm": None if grad_t is None else {"slope": grad_t.slope, "intercept": grad_t.intercept, "sigma": grad_t.sigma, "fitted_on": list(grad_t.fitted_on), "n": grad_t.n},
+        "loss": {
+            "slope": loss_t.slope,
+            "intercept": loss_t.intercept,
+            "sigma": loss_t.sigma,
+            "fitted_on": list(loss_t.fitted_on),
+            "n": loss_t.n,
+        },
+        "grad_norm": None
+        if grad_t is None
+        else {
+            "slope": grad_t.slope,
+            "intercept": grad_t.intercept,
+            "sigma": grad_t.sigma,
+            "fitted_on": list(grad_t.fitted_on),
+            "n": grad_t.n,
+        },
         "band_z": Z_BAND,
         "window": width,
     }
-    res.legs = [{"source": leg.source, "first": leg.first, "last": leg.last, "steps": len(leg.rows)} for leg in legs]
+    res.legs = [
+        {"source": leg.source, "first": leg.first, "last": leg.last, "steps": len(leg.rows)}
+        for leg in legs
+    ]
     res.series = _series(sp, loss_t, grad_t)
-    res.plan, res.log, res.checkpoint_after, res.run_dir = plan_source, sp.resumed_source, after, str(run_dir)
+    res.plan, res.log, res.checkpoint_after, res.run_dir = (
+        plan_source,
+        sp.resumed_source,
+        after,
+        str(run_dir),
+    )
     return res
 
 
 def _series(sp: Split, loss_t: Trajectory, grad_t: Trajectory | None) -> dict[str, Any]:
     def cols(rows: Rows) -> dict[str, list[float]]:
-        return {"step": list(rows), "loss": [r.get("loss", math.nan) for r in rows.values()], "grad_norm": [r.get("grad_norm", math.nan) for r in rows.values()]}
+        return {
+            "step": list(rows),
+            "loss": [r.get("loss", math.nan) for r in rows.values()],
+            "grad_norm": [r.get("grad_norm", math.nan) for r in rows.values()],
+        }
 
     steps = list(sp.resumed)
-    band = [Z_BAND * math.sqrt((MEDIAN_SE * loss_t.sigma) ** 2 / CURVE_SHORT + loss_t.pred_se(s) ** 2) for s in steps]
+    band = [
+        Z_BAND * math.sqrt((MEDIAN_SE * loss_t.sigma) ** 2 / CURVE_SHORT + loss_t.pred_se(s) ** 2)
+        for s in steps
+    ]
     return {
         "pre": cols(sp.pre),
         "incident": cols(sp.incident),
@@ -643,7 +912,13 @@ def _series(sp: Split, loss_t: Trajectory, grad_t: Trajectory | None) -> dict[st
 
 
 def _checks(
-    run_dir: Path, resumed_from: int, sp: Split, expect: dict[str, Any], flight: Path | None, checkpoint: Path | None, lr_jumps: Sequence[Any] = ()
+    run_dir: Path,
+    resumed_from: int,
+    sp: Split,
+    expect: dict[str, Any],
+    flight: Path | None,
+    checkpoint: Path | None,
+    lr_jumps: Sequence[Any] = (),
 ) -> tuple[list[Check], str | None]:
     """The plan's checks, and the checkpoint after the resume they read."""
     from .formats import open_checkpoint
@@ -655,7 +930,10 @@ def _checks(
     if after_path is None:
         # Two checkpoints of one step (Lightning's `-v1` beside the incident leg's): the newer
         # is the resumed leg's.
-        later = sorted(((s, p) for s, p in ckpts if s > resumed_from), key=lambda sp_: (sp_[0], -sp_[1].stat().st_mtime))
+        later = sorted(
+            ((s, p) for s, p in ckpts if s > resumed_from),
+            key=lambda sp_: (sp_[0], -sp_[1].stat().st_mtime),
+        )
         got, _ = first_complete(later)
         after_path = got[1] if got else None
     r_scale = offset = None
@@ -675,13 +953,39 @@ def _checks(
     if after_path is not None:
         with open_checkpoint(after_path) as ck:
             after_cfg = _train_config(ck)
-            skipped = sum(1 for a, b in zip(list(sp.resumed.values()), list(sp.resumed.values())[1:], strict=False) if "loss_scale" in a and "loss_scale" in b and b["loss_scale"] < a["loss_scale"])
+            skipped = sum(
+                1
+                for a, b in zip(
+                    list(sp.resumed.values()), list(sp.resumed.values())[1:], strict=False
+                )
+                if "loss_scale" in a and "loss_scale" in b and b["loss_scale"] < a["loss_scale"]
+            )
             if ck.step is None:
-                checks.append(Check("optimizer_state", "unknown", None, None, f"{after_path} does not record its step"))
+                checks.append(
+                    Check(
+                        "optimizer_state",
+                        "unknown",
+                        None,
+                        None,
+                        f"{after_path} does not record its step",
+                    )
+                )
             else:
-                checks.append(optimizer_resumed(_adam_steps(ck), ck.step, resumed_from, offset or 0.0, skipped))
+                checks.append(
+                    optimizer_resumed(
+                        _adam_steps(ck), ck.step, resumed_from, offset or 0.0, skipped
+                    )
+                )
     else:
-        checks.append(Check("optimizer_state", "unknown", None, None, f"no checkpoint after step {resumed_from} yet: the optimizer state is checked on the first one the resumed run writes"))
+        checks.append(
+            Check(
+                "optimizer_state",
+                "unknown",
+                None,
+                None,
+                f"no checkpoint after step {resumed_from} yet: the optimizer state is checked on the first one the resumed run writes",
+            )
+        )
     seen, src, recorded_clip = _recorded(run_dir, flight, resumed_from)
     checks += [
         _lr_check(expect, sp.resumed, lr_jumps),
@@ -709,10 +1013,16 @@ def _adam_steps(ck: Any) -> list[float]:
     return out
 
 
-def _recorded(run_dir: Path, flight: Path | None, resumed_from: int) -> tuple[dict[int, list[int]] | None, str | None, float | None]:
+def _recorded(
+    run_dir: Path, flight: Path | None, resumed_from: int
+) -> tuple[dict[int, list[int]] | None, str | None, float | None]:
     """The sample ids the flight recorder kept for each step after the resume, its source,
     and the clip it recorded (None where no recorder ran, or it kept no sample ids)."""
-    root = flight if flight is not None else (run_dir / "flight" if (run_dir / "flight").is_dir() else None)
+    root = (
+        flight
+        if flight is not None
+        else (run_dir / "flight" if (run_dir / "flight").is_dir() else None)
+    )
     if root is None:
         return None, None, None
     from .replay.batches import BatchError, open_batches
@@ -721,7 +1031,11 @@ def _recorded(run_dir: Path, flight: Path | None, resumed_from: int) -> tuple[di
         src = open_batches(str(root))
     except (BatchError, ForensicsError, OSError):
         return None, None, None
-    seen = {int(s): [int(x) for x in ids] for s, ids in (src.sample_ids or {}).items() if int(s) > resumed_from}
+    seen = {
+        int(s): [int(x) for x in ids]
+        for s, ids in (src.sample_ids or {}).items()
+        if int(s) > resumed_from
+    }
     return (seen or None), str(root), src.grad_clip
 
 
@@ -736,7 +1050,12 @@ def recovery_findings(res: RecoveryResult) -> list[Any]:
     resumed run does not run with)."""
     from .detectors import Finding
 
-    sev = {"recovered": "info", "recovering": "warning", "not recovered": "critical", "relapsed": "critical"}[res.status]
+    sev = {
+        "recovered": "info",
+        "recovering": "warning",
+        "not recovered": "critical",
+        "relapsed": "critical",
+    }[res.status]
     out = [
         Finding(
             "F1", "recovery", "run", 1.0, sev,
@@ -764,17 +1083,40 @@ def recovery_report(res: RecoveryResult, command: str) -> tuple[dict[str, Any], 
     from .verdict import Verdict
 
     findings = recovery_findings(res)
-    causes = [{"cause": "none", "confidence": 1.0, "evidence": []}] if res.status == "recovered" else [{"cause": "undiagnosed", "confidence": 0.0, "evidence": [f.id for f in findings]}]
-    v = Verdict(summary=res.summary, causes=causes, first_bad_step=res.step if res.status == "relapsed" else None)
+    causes = (
+        [{"cause": "none", "confidence": 1.0, "evidence": []}]
+        if res.status == "recovered"
+        else [{"cause": "undiagnosed", "confidence": 0.0, "evidence": [f.id for f in findings]}]
+    )
+    v = Verdict(
+        summary=res.summary,
+        causes=causes,
+        first_bad_step=res.step if res.status == "relapsed" else None,
+    )
     v.recommended_actions = _actions(res)
     run = Path(res.run_dir or ".")
-    back = next((p for s, p in (list_checkpoints(run) if run.is_dir() else []) if s == res.resumed_from), None)
-    paths = [p for p in (back, Path(res.checkpoint_after) if res.checkpoint_after else None) if p is not None]
+    back = next(
+        (p for s, p in (list_checkpoints(run) if run.is_dir() else []) if s == res.resumed_from),
+        None,
+    )
+    paths = [
+        p
+        for p in (back, Path(res.checkpoint_after) if res.checkpoint_after else None)
+        if p is not None
+    ]
     opened = [open_checkpoint(p, check=False) for p in paths]
     try:
         a = opened[0] if opened else _Nowhere(res.resumed_from)
         b = opened[-1] if opened else a
-        doc = build_report(command=command, before=a, after=b, verdict=v, findings=findings, sections={"recovery": res.as_dict()}, plan=False)
+        doc = build_report(
+            command=command,
+            before=a,
+            after=b,
+            verdict=v,
+            findings=findings,
+            sections={"recovery": res.as_dict()},
+            plan=False,
+        )
     finally:
         for c in opened:
             c.close()
@@ -794,14 +1136,20 @@ def _actions(res: RecoveryResult) -> list[str]:
     out = []
     failed = {c.name: c for c in res.checks if c.status == "failed"}
     if "optimizer_state" in failed:
-        out.append(f"Resume again from step {res.resumed_from} with the optimizer state loaded (see the plan's resume keys).")
+        out.append(
+            f"Resume again from step {res.resumed_from} with the optimizer state loaded (see the plan's resume keys)."
+        )
     if "skipped_samples" in failed:
-        out.append("The skip list did not reach the data loader: apply it as the plan's skip section says, then resume again.")
+        out.append(
+            "The skip list did not reach the data loader: apply it as the plan's skip section says, then resume again."
+        )
     for name in ("lr", "clip", "precision", "loss_scale"):
         if name in failed:
             out.append(f"Set {name.replace('_', ' ')} as the plan says: {failed[name].message}.")
     if res.status == "relapsed":
-        out.append(f"The mitigation did not hold: run `ckptforensics replay` on the window around step {res.step} of the resumed leg.")
+        out.append(
+            f"The mitigation did not hold: run `ckptforensics replay` on the window around step {res.step} of the resumed leg."
+        )
     elif res.status == "not recovered":
         out.append("Roll back further, or try a stronger mitigation (`ckptforensics whatif`).")
     elif res.status == "recovering":

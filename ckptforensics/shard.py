@@ -22,7 +22,15 @@ from typing import Any
 
 from .errors import Failed, ForensicsError, doing, one_line
 
-__all__ = ["balanced", "dist_world", "default_workers", "checkpoint_bytes", "single_threaded", "diff_in_workers", "gather_to_rank0"]
+__all__ = [
+    "balanced",
+    "dist_world",
+    "default_workers",
+    "checkpoint_bytes",
+    "single_threaded",
+    "diff_in_workers",
+    "gather_to_rank0",
+]
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +111,23 @@ def _one(name: str) -> tuple[str, Any, str | None]:
 
     try:
         with doing(f"diffing tensor {name}"):
-            return name, diff_tensor(_STATE["a"], _STATE["b"], name, _STATE["pair"], _STATE["cfg"]), None
+            return (
+                name,
+                diff_tensor(_STATE["a"], _STATE["b"], name, _STATE["pair"], _STATE["cfg"]),
+                None,
+            )
     except ForensicsError as e:  # errors cross the process boundary as text
         return name, None, str(e)
 
 
 def diff_in_workers(
-    a: Any, b: Any, names: Sequence[str], pair: Any, cfg: Any, workers: int, progress: Callable[[str], None] | None = None
+    a: Any,
+    b: Any,
+    names: Sequence[str],
+    pair: Any,
+    cfg: Any,
+    workers: int,
+    progress: Callable[[str], None] | None = None,
 ) -> list[Any]:
     """TensorDiffs for `names` (in that order), computed by `workers` processes."""
     sizes = {n: a.meta(n).numel for n in names}
@@ -120,16 +138,30 @@ def diff_in_workers(
         _STATE.update(a=a, b=b, pair=pair, cfg=cfg)
         ctx, init, initargs = mp.get_context("fork"), _init_forked, ()
     else:
-        ctx, init, initargs = mp.get_context("spawn"), _init, ((str(a.path), a.format), (str(b.path), b.format), pair, cfg)
+        ctx, init, initargs = (
+            mp.get_context("spawn"),
+            _init,
+            ((str(a.path), a.format), (str(b.path), b.format), pair, cfg),
+        )
     try:
         return _run_pool(ctx, init, initargs, names, sizes, workers, progress)
     except BrokenProcessPool:
-        raise ForensicsError(f"a diff worker process died (killed by a signal, or out of memory) diffing {a.path} and {b.path}; rerun with --workers 1") from None
+        raise ForensicsError(
+            f"a diff worker process died (killed by a signal, or out of memory) diffing {a.path} and {b.path}; rerun with --workers 1"
+        ) from None
     finally:
         _STATE.clear()
 
 
-def _run_pool(ctx: Any, init: Any, initargs: tuple, names: Sequence[str], sizes: dict[str, int], workers: int, progress: Callable[[str], None] | None) -> list[Any]:
+def _run_pool(
+    ctx: Any,
+    init: Any,
+    initargs: tuple,
+    names: Sequence[str],
+    sizes: dict[str, int],
+    workers: int,
+    progress: Callable[[str], None] | None,
+) -> list[Any]:
     out: dict[str, Any] = {}
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=init, initargs=initargs) as pool:
         # Largest first, so no worker is left with a big tensor at the end.
@@ -150,7 +182,9 @@ def _run_pool(ctx: Any, init: Any, initargs: tuple, names: Sequence[str], sizes:
 
 
 # ------------------------------------------------------------------ torchrun ranks
-def gather_to_rank0(local: list[Any], error: BaseException | None, names: Sequence[str]) -> list[Any] | None:
+def gather_to_rank0(
+    local: list[Any], error: BaseException | None, names: Sequence[str]
+) -> list[Any] | None:
     """Rank 0: every rank's TensorDiffs in checkpoint order; other ranks: None.
 
     A rank that failed (bad input or a fault) sends its one line (`errors.one_line`)

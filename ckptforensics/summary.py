@@ -59,7 +59,9 @@ def _scan(ckpt: Checkpoint, name: str, chunk: int) -> TensorSummary:
     return TensorSummary(name, meta.shape, dtype_name(meta.dtype), nonfinite, mx, head)
 
 
-def summarize(ckpt: Checkpoint, chunk: int = 1 << 22, progress: Callable[[str], None] | None = None) -> CheckpointSummary:
+def summarize(
+    ckpt: Checkpoint, chunk: int = 1 << 22, progress: Callable[[str], None] | None = None
+) -> CheckpointSummary:
     """Read every tensor once (streamed) and summarise the checkpoint."""
     names = ckpt.names()
     per = []
@@ -70,7 +72,11 @@ def summarize(ckpt: Checkpoint, chunk: int = 1 << 22, progress: Callable[[str], 
     opt = None
     if ckpt.optimizer is not None:
         o = ckpt.optimizer
-        steps = [float(s["step"]) for s in o.state.values() if isinstance(s.get("step"), (torch.Tensor, int, float))]
+        steps = [
+            float(s["step"])
+            for s in o.state.values()
+            if isinstance(s.get("step"), (torch.Tensor, int, float))
+        ]
         opt = {
             "kind": o.kind,
             "mapping": o.mapping,

@@ -64,8 +64,12 @@ def dtype_limits(dtype: torch.dtype) -> DtypeLimits | None:
     if not dtype.is_floating_point:
         return None
     fi = torch.finfo(dtype)
-    mant = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23, torch.float64: 52}.get(dtype, 0)
-    return DtypeLimits(max=float(fi.max), tiny=float(fi.tiny), eps=float(fi.eps), bits=fi.bits, mantissa_bits=mant)
+    mant = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23, torch.float64: 52}.get(
+        dtype, 0
+    )
+    return DtypeLimits(
+        max=float(fi.max), tiny=float(fi.tiny), eps=float(fi.eps), bits=fi.bits, mantissa_bits=mant
+    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -78,7 +82,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     }.get(dtype, str(dtype).replace("torch.", ""))
 
 
-_INT_OF = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+_INT_OF = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
 
 
 def float_bits(x: torch.Tensor) -> torch.Tensor:
@@ -138,5 +147,7 @@ def adam_ratio_bound(beta1: float, beta2: float, t_first: int, t_last: int) -> f
     else:
         geo = (1 - np.power(r, ts.astype(np.float64))) / (1 - r)
     raw = (1 - beta1) / math.sqrt(1 - beta2) * np.sqrt(np.maximum(geo, 0.0))
-    corr = np.sqrt(1 - np.power(beta2, ts.astype(np.float64))) / (1 - np.power(beta1, ts.astype(np.float64)))
+    corr = np.sqrt(1 - np.power(beta2, ts.astype(np.float64))) / (
+        1 - np.power(beta1, ts.astype(np.float64))
+    )
     return float(np.max(raw * corr))

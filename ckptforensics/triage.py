@@ -22,7 +22,18 @@ from .errors import ForensicsError
 from .locate import first_complete, list_checkpoints
 from .logs import find_metrics, group_lrs, lr_columns, param_grad_columns, read_log, read_metrics
 
-__all__ = ["TriageConfig", "Onset", "TriageResult", "read_metrics", "find_metrics", "triage", "lr_columns", "group_lrs", "param_grad_columns"]
+__all__ = [
+    "TriageConfig",
+    "Onset",
+    "TriageResult",
+    "read_metrics",
+    "find_metrics",
+    "triage",
+    "lr_columns",
+    "group_lrs",
+    "param_grad_columns",
+]
+
 
 @dataclass(slots=True)
 class TriageResult:
@@ -38,10 +49,14 @@ class TriageResult:
     log_format: str = ""
     legs: list[dict[str, Any]] = field(default_factory=list)
     onsets: list[Onset] = field(default_factory=list)
-    ignored: list[Onset] = field(default_factory=list)  # grad-norm blips / backoffs the loss did not follow
+    ignored: list[Onset] = field(
+        default_factory=list
+    )  # grad-norm blips / backoffs the loss did not follow
     first_bad_step: int | None = None
     rule: str | None = None  # the rule that decided the first onset (docs/signatures.md#log-onset)
-    noise: dict[str, Any] = field(default_factory=dict)  # how noisy the log is (detectors.log.log_noise)
+    noise: dict[str, Any] = field(
+        default_factory=dict
+    )  # how noisy the log is (detectors.log.log_noise)
     # Why no onset is called where the log cannot say (an excerpt ending on its first rising line).
     undecided: str | None = None
     rollback: str | None = None
@@ -50,14 +65,23 @@ class TriageResult:
     after_step: int | None = None
     drift: str | None = None
     commands: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)  # incomplete checkpoints passed over, and what they lack
-    timeline: dict[str, list[float]] = field(default_factory=dict)  # step, loss, grad_norm, checkpoints
+    skipped: list[str] = field(
+        default_factory=list
+    )  # incomplete checkpoints passed over, and what they lack
+    timeline: dict[str, list[float]] = field(
+        default_factory=dict
+    )  # step, loss, grad_norm, checkpoints
     # A run already rolled back (a later leg of its log starts at or before an earlier leg's
     # last step): {"from": the step it resumed at, "legs": [...]}; the log read is the latest leg's.
     resumed: dict[str, Any] | None = None
 
 
-def triage(metrics: Path | str, run_dir: Path | None, cfg: TriageConfig | None = None, keys: dict[str, str] | None = None) -> TriageResult:
+def triage(
+    metrics: Path | str,
+    run_dir: Path | None,
+    cfg: TriageConfig | None = None,
+    keys: dict[str, str] | None = None,
+) -> TriageResult:
     """Find the first bad step in a training log and the checkpoint to roll back to.
 
     `metrics`: a log file, a folder of its files (a restarted run's legs), or a glob."""
@@ -66,7 +90,13 @@ def triage(metrics: Path | str, run_dir: Path | None, cfg: TriageConfig | None =
     rows = log.rows
     if not rows:
         raise ForensicsError(f"{metrics}: no rows with a step")
-    res = TriageResult(metrics_file=str(metrics), steps=len(rows), files=log.files, log_format=log.kind, legs=[asdict(leg) for leg in log.legs])
+    res = TriageResult(
+        metrics_file=str(metrics),
+        steps=len(rows),
+        files=log.files,
+        log_format=log.kind,
+        legs=[asdict(leg) for leg in log.legs],
+    )
     ev = log_evidence(rows, cfg)
     res.onsets, res.ignored = log_onsets(ev, cfg)
     res.noise = log_noise(ev, cfg)
@@ -102,14 +132,20 @@ def triage(metrics: Path | str, run_dir: Path | None, cfg: TriageConfig | None =
     res.resumed = _resumed(res.legs)
     if res.resumed is not None:
         where = run_dir if run_dir is not None else Path(res.files[0]).parent
-        res.commands.append(f"ckptforensics recovery --run-dir {where} --resumed-from {res.resumed['from']} --out recovery/")
+        res.commands.append(
+            f"ckptforensics recovery --run-dir {where} --resumed-from {res.resumed['from']} --out recovery/"
+        )
     return res
 
 
 def _resumed(legs: list[dict[str, Any]]) -> dict[str, Any] | None:
     """A run already rolled back: a leg of its log whose steps a later leg logged again (the
     logs package's `superseded`); it resumed at the step before that later leg's first."""
-    back = [b["first"] - 1 for a, b in zip(legs, legs[1:], strict=False) if a["superseded"] and b["first"] <= a["last"]]
+    back = [
+        b["first"] - 1
+        for a, b in zip(legs, legs[1:], strict=False)
+        if a["superseded"] and b["first"] <= a["last"]
+    ]
     return {"from": back[-1], "legs": legs} if back else None
 
 
@@ -119,7 +155,15 @@ def _commands(run_dir: Path, rollback: Path, before: int, after_step: int | None
     after = f" --after {after_step}" if after_step is not None else ""
     hf = (rollback / "config.json").is_file()
     batch = run_dir / "batches.h5"
-    source = f" --batch {batch}" if batch.is_file() else (" --data TRAIN_DATA" if hf and (rollback / "training_args.bin").is_file() else " --batch BATCH_LOG")
+    source = (
+        f" --batch {batch}"
+        if batch.is_file()
+        else (
+            " --data TRAIN_DATA"
+            if hf and (rollback / "training_args.bin").is_file()
+            else " --batch BATCH_LOG"
+        )
+    )
     model = "" if hf else " --model MODEL"
     return [
         f"ckptforensics diff --run-dir {run_dir} --before {before}{after} --out incident/",
@@ -131,7 +175,11 @@ def _commands(run_dir: Path, rollback: Path, before: int, after_step: int | None
 
 def _drift(rows: dict[int, dict[str, float]], onset: int, cfg: TriageConfig) -> str | None:
     """Slow grad-norm growth before the onset: the last quarter window's median vs the window's."""
-    g = [rows[s]["grad_norm"] for s in rows if s < onset and "grad_norm" in rows[s] and math.isfinite(rows[s]["grad_norm"])][-cfg.window :]
+    g = [
+        rows[s]["grad_norm"]
+        for s in rows
+        if s < onset and "grad_norm" in rows[s] and math.isfinite(rows[s]["grad_norm"])
+    ][-cfg.window :]
     if len(g) < 2 * cfg.min_history:
         return None
     recent, older = float(np.median(g[-max(len(g) // 4, cfg.min_history) :])), float(np.median(g))

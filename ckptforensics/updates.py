@@ -98,25 +98,52 @@ def step_bound(
         # two EMAs no longer share one history, so Cauchy-Schwarz does not bound m / sqrt(v):
         # a second moment rounded to code 0 under a first moment that is not moves an
         # element by up to lr |m| / eps. No per-element bound: located among its own changes.
-        return StepBound(family, math.inf, lr * wd, None, False, "8-bit Adam: no per-element bound through the quantised state (bitsandbytes `optimizer_update_8bit_blockwise`)")
+        return StepBound(
+            family,
+            math.inf,
+            lr * wd,
+            None,
+            False,
+            "8-bit Adam: no per-element bound through the quantised state (bitsandbytes `optimizer_update_8bit_blockwise`)",
+        )
     if family in ("adam", "adam8bit"):
         # (8-bit Adam's tensors under min_8bit_size keep fp32 state and Adam's update exactly.)
         b1, b2 = betas or (0.9, 0.999)
         c = adam_ratio_bound(b1, b2, t_first, t_last)
-        return StepBound(family, lr * c, lr * wd, None, True, "Adam: |m_hat|/sqrt(v_hat) <= C (Kingma & Ba 2015; Cauchy-Schwarz on the EMAs)")
+        return StepBound(
+            family,
+            lr * c,
+            lr * wd,
+            None,
+            True,
+            "Adam: |m_hat|/sqrt(v_hat) <= C (Kingma & Ba 2015; Cauchy-Schwarz on the EMAs)",
+        )
     if family == "lamb":
         return _lamb_bound(lr, wd, betas, options, t_first, t_last, shape, rms_w)
     if family == "lion":
         # update = sign(...): |Δw_i| = lr exactly, plus the decoupled decay lr wd |w_i|
         # (Chen et al. 2023, arXiv 2302.06675, Alg. 2; lion-pytorch `update_fn`).
-        wd_eff = wd / options["init_lr"] if options.get("decoupled_weight_decay") and options.get("init_lr") else wd
-        return StepBound(family, lr, lr * wd_eff, lr, True, "Lion: sign update, |dw| = lr (1 + wd |w|) (Chen et al. 2023)")
+        wd_eff = (
+            wd / options["init_lr"]
+            if options.get("decoupled_weight_decay") and options.get("init_lr")
+            else wd
+        )
+        return StepBound(
+            family,
+            lr,
+            lr * wd_eff,
+            lr,
+            True,
+            "Lion: sign update, |dw| = lr (1 + wd |w|) (Chen et al. 2023)",
+        )
     if family == "muon":
         return _muon_bound(lr, wd, options, shape)
     if family == "adafactor":
         return _adafactor_bound(lr, wd, options, t_first, shape, rms_w)
     # SGD with momentum and unknown optimizers: a gradient is unbounded, so is the step.
-    return StepBound(family, math.inf, 0.0, None, False, "no bound: the step scales with the gradient")
+    return StepBound(
+        family, math.inf, 0.0, None, False, "no bound: the step scales with the gradient"
+    )
 
 
 def raw_ratio_bound(beta1: float, beta2: float, t: int) -> float:
@@ -128,7 +155,14 @@ def raw_ratio_bound(beta1: float, beta2: float, t: int) -> float:
 
 
 def _lamb_bound(
-    lr: float, wd: float, betas: tuple[float, float] | None, options: dict[str, Any], t_first: int, t_last: int, shape: tuple[int, ...], rms_w: float,
+    lr: float,
+    wd: float,
+    betas: tuple[float, float] | None,
+    options: dict[str, Any],
+    t_first: int,
+    t_last: int,
+    shape: tuple[int, ...],
+    rms_w: float,
 ) -> StepBound:
     """LAMB: w <- w - s * phi * u, u Adam's direction (weight decay inside it, or decoupled),
     phi the trust ratio ||w|| / ||u|| per tensor. Per implementation:
@@ -154,23 +188,50 @@ def _lamb_bound(
     impl = str(options.get("implementation", ""))
     top = options.get("max_coeff")
     bias = options.get("bias_correction", True)
-    c = adam_ratio_bound(b1, b2, t_first, t_last) if bias not in (False, 0) else raw_ratio_bound(b1, b2, t_last)
+    c = (
+        adam_ratio_bound(b1, b2, t_first, t_last)
+        if bias not in (False, 0)
+        else raw_ratio_bound(b1, b2, t_last)
+    )
     if options.get("grad_averaging") is False:
         c /= 1 - b1  # m = b1 m + g: the EMA without its (1 - b1)
     if isinstance(top, (int, float)) and not isinstance(top, bool) and top > 0:
-        return StepBound("lamb", lr * c * top, lr * wd * top, None, True, "LAMB: trust ratio <= max_coeff times Adam's bound (DeepSpeed FusedLamb)")
+        return StepBound(
+            "lamb",
+            lr * c * top,
+            lr * wd * top,
+            None,
+            True,
+            "LAMB: trust ratio <= max_coeff times Adam's bound (DeepSpeed FusedLamb)",
+        )
     n = max(1, math.prod(shape))
     pyopt = impl.startswith("pytorch_optimizer")
     s = lr / (1 - b1**t_first) if pyopt else lr
     norm = math.sqrt(n) * rms_w / (1 - s) ** k if s < 1 else math.inf
     if pyopt:
-        c_raw = raw_ratio_bound(b1, b2, t_last) / (1 if options.get("grad_averaging", True) else 1 - b1)
+        c_raw = raw_ratio_bound(b1, b2, t_last) / (
+            1 if options.get("grad_averaging", True) else 1 - b1
+        )
         reach = max(min(norm, 10.0), c_raw) if not options.get("adam") else c_raw
         per = s * reach
         decay = lr * wd if options.get("weight_decouple", True) else 0.0
-        return StepBound("lamb", per, decay, per / math.sqrt(n), False, "LAMB: |dw| <= lr/(1-b1^t) min(||w||, 10) per step (pytorch_optimizer Lamb, You et al. 2020 Alg. 2)")
+        return StepBound(
+            "lamb",
+            per,
+            decay,
+            per / math.sqrt(n),
+            False,
+            "LAMB: |dw| <= lr/(1-b1^t) min(||w||, 10) per step (pytorch_optimizer Lamb, You et al. 2020 Alg. 2)",
+        )
     per = lr * max(norm, c)
-    return StepBound("lamb", per, 0.0, per / math.sqrt(n), False, "LAMB: ||dw|| <= lr ||w|| per step (apex FusedLAMB, unclamped trust ratio; You et al. 2020 Alg. 2)")
+    return StepBound(
+        "lamb",
+        per,
+        0.0,
+        per / math.sqrt(n),
+        False,
+        "LAMB: ||dw|| <= lr ||w|| per step (apex FusedLAMB, unclamped trust ratio; You et al. 2020 Alg. 2)",
+    )
 
 
 def quantised_floor_allowance(k: int, gap: float) -> float:
@@ -197,7 +258,14 @@ def _muon_bound(lr: float, wd: float, options: dict[str, Any], shape: tuple[int,
     fn = options.get("adjust_lr_fn")
     # torch/optim/_muon.py `_adjust_lr`: 'original' sqrt(max(1, A/B)); 'match_rms_adamw' 0.2 sqrt(max(A, B)).
     adj = 0.2 * math.sqrt(max(a, b)) if fn == "match_rms_adamw" else math.sqrt(max(1.0, a / b))
-    return StepBound("muon", lr * adj * sigma, lr * wd, lr * adj * sigma, True, "Muon: |O_ij| <= ||O||_2 <= sup of the Newton-Schulz polynomial (torch.optim.Muon)")
+    return StepBound(
+        "muon",
+        lr * adj * sigma,
+        lr * wd,
+        lr * adj * sigma,
+        True,
+        "Muon: |O_ij| <= ||O||_2 <= sup of the Newton-Schulz polynomial (torch.optim.Muon)",
+    )
 
 
 @lru_cache(maxsize=8)
@@ -229,22 +297,44 @@ def adafactor_step_size(options: dict[str, Any], lr: float, t: int, rms_w: float
     return rel * scale
 
 
-def _adafactor_bound(lr: float, wd: float, options: dict[str, Any], t_first: int, shape: tuple[int, ...], rms_w: float) -> StepBound:
+def _adafactor_bound(
+    lr: float,
+    wd: float,
+    options: dict[str, Any],
+    t_first: int,
+    shape: tuple[int, ...],
+    rms_w: float,
+) -> StepBound:
     """Adafactor clips its update to RMS <= d (torch) / clip_threshold (transformers) before the
     step size (Shazeer & Stern 2018, §6 update clipping); a first moment (transformers'
     beta1) averages clipped updates, so its RMS stays under the same bound. Per element
     |x_i| <= sqrt(n) RMS(x): loose, so a corrupted element is located among the tensor's own
     changes, and the tensor as a whole is held to the RMS bound."""
-    alpha = adafactor_step_size(options, lr, t_first, rms_w)  # decreasing in t: the first step's is the largest
+    alpha = adafactor_step_size(
+        options, lr, t_first, rms_w
+    )  # decreasing in t: the first step's is the largest
     d = float(options.get("d") or options.get("clip_threshold") or 1.0)
     n = max(1, math.prod(shape))
     torch_rule = "beta2_decay" in options or "d" in options
     # torch decays by lr wd (the group's lr); transformers by wd times its step size.
     decay = (lr if torch_rule else alpha) * wd
-    return StepBound("adafactor", alpha * d * math.sqrt(n), decay, alpha * d, False, "Adafactor: update clipping, RMS(u) <= d (Shazeer & Stern 2018)")
+    return StepBound(
+        "adafactor",
+        alpha * d * math.sqrt(n),
+        decay,
+        alpha * d,
+        False,
+        "Adafactor: update clipping, RMS(u) <= d (Shazeer & Stern 2018)",
+    )
 
 
-def second_moment_floor(family: str, betas: tuple[float, float] | None, options: dict[str, Any], t_first: int, t_last: int) -> float | None:
+def second_moment_floor(
+    family: str,
+    betas: tuple[float, float] | None,
+    options: dict[str, Any],
+    t_first: int,
+    t_last: int,
+) -> float | None:
     """The least factor a second moment can keep over optimizer steps t_first..t_last.
 
     Adam / LAMB: v_B >= beta2^k v_A (each step adds (1 - beta2) g^2 >= 0). Adafactor: each
@@ -272,18 +362,36 @@ SECOND_MOMENTS = {
     "adam": ("exp_avg_sq",),
     "lamb": ("exp_avg_sq",),
     "adam8bit": ("exp_avg_sq",),
-    "adafactor": ("row_var", "col_var", "variance", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq"),
+    "adafactor": (
+        "row_var",
+        "col_var",
+        "variance",
+        "exp_avg_sq_row",
+        "exp_avg_sq_col",
+        "exp_avg_sq",
+    ),
 }
 
 
-def replay_bound(group: dict[str, Any], state: dict[str, Any], k: int, lr: float, shape: tuple[int, ...], rms_w: float = 0.0) -> tuple[float, float]:
+def replay_bound(
+    group: dict[str, Any],
+    state: dict[str, Any],
+    k: int,
+    lr: float,
+    shape: tuple[int, ...],
+    rms_w: float = 0.0,
+) -> tuple[float, float]:
     """(c, wd) of a rebuilt optimizer's param group such that k steps move an element by at
     most k lr (c + wd |w|): the bound `replay` holds its replayed weights to (the group's
     `family`, set by `replay.model.build_optimizer`; Adam where it is absent)."""
     family = str(group.get("family", "adam"))
     end = group.get("step", state.get("step"))  # pytorch_optimizer counts in the group
     t_end = int(float(end)) if end is not None else k
-    options = {kk: v for kk, v in group.items() if kk not in ("params", "lr", "betas", "weight_decay", "eps")}
+    options = {
+        kk: v
+        for kk, v in group.items()
+        if kk not in ("params", "lr", "betas", "weight_decay", "eps")
+    }
     eps = group.get("eps")
     if isinstance(eps, (tuple, list)):
         options["eps2"] = eps[1]

@@ -11,7 +11,16 @@ from typing import Any
 
 from .detectors import Finding, module_of
 
-__all__ = ["replay_fields", "Verdict", "decide", "decide_audit", "reattribute", "quiet_replay", "CAUSES", "RESUME_CAUSES"]
+__all__ = [
+    "replay_fields",
+    "Verdict",
+    "decide",
+    "decide_audit",
+    "reattribute",
+    "quiet_replay",
+    "CAUSES",
+    "RESUME_CAUSES",
+]
 
 CAUSES = (
     "gradient_explosion",
@@ -34,7 +43,12 @@ CAUSES = (
 )
 
 # Causes of a resume that lost state: their finding's `resume_step` sets the first bad step.
-RESUME_CAUSES = ("optimizer_state_lost", "lr_scheduler_restarted", "loss_scaler_reset", "data_loader_restarted")
+RESUME_CAUSES = (
+    "optimizer_state_lost",
+    "lr_scheduler_restarted",
+    "loss_scaler_reset",
+    "data_loader_restarted",
+)
 
 _SEVERITY_WEIGHT = {"info": 0.0, "warning": 1.0, "critical": 3.0}
 
@@ -53,12 +67,18 @@ _ACTIONS = {
     "fp16_overflow": [
         "Resume from {rollback} in bf16, or lower the initial loss scale; find the overflowing module with `ckptforensics replay`.",
     ],
-    "bf16_overflow": ["Resume from {rollback}; add QK-norm / z-loss or clip activations of the overflowing module."],
-    "loss_scale_collapse": ["Resume from {rollback} in bf16; the fp16 loss scale collapsed under repeated overflows."],
+    "bf16_overflow": [
+        "Resume from {rollback}; add QK-norm / z-loss or clip activations of the overflowing module."
+    ],
+    "loss_scale_collapse": [
+        "Resume from {rollback} in bf16; the fp16 loss scale collapsed under repeated overflows."
+    ],
     "adam_instability": [
         "Resume from {rollback} with a larger Adam epsilon or lower beta2 for the affected layers (Molybog 2304.09871).",
     ],
-    "poison_batch": ["Skip the culprit batch from {rollback} (`ckptforensics bisect` finds the rows)."],
+    "poison_batch": [
+        "Skip the culprit batch from {rollback} (`ckptforensics bisect` finds the rows)."
+    ],
     "attention_logit_growth": [
         "Resume from {rollback} with QK-norm (LayerNorm on each head's queries and keys, Dehghani et al. 2023) or "
         "attention-logit soft-capping (Gemma 2: 50 tanh(x/50)) in {layer}, or a lower LR; `ckptforensics audit` checks the fix.",
@@ -94,7 +114,10 @@ _ACTIONS = {
 }
 
 # Causes whose finding names the layer to fix: it leads the verdict's module fields.
-_LAYER_CAUSES = {"attention_logit_growth": "attention_logit_growth", "output_logit_divergence": "output_logit_drift"}
+_LAYER_CAUSES = {
+    "attention_logit_growth": "attention_logit_growth",
+    "output_logit_divergence": "output_logit_drift",
+}
 
 
 @dataclass(slots=True)
@@ -156,7 +179,10 @@ def rank_causes(findings: Sequence[Finding]) -> list[dict[str, Any]]:
     score = {c: total[c] + primary[c] for c in total}
     order = sorted(score, key=lambda c: (score[c], primary[c]), reverse=True)
     norm = sum(score.values())
-    return [{"cause": c, "confidence": round(score[c] / norm, 3), "evidence": evidence[c]} for c in order]
+    return [
+        {"cause": c, "confidence": round(score[c] / norm, 3), "evidence": evidence[c]}
+        for c in order
+    ]
 
 
 # The replay's findings that say the window went bad; its other findings are bookkeeping
@@ -189,7 +215,11 @@ def quiet_replay(findings: Sequence[Finding]) -> bool:
     while attention in its block reorganised, the loss and grad norm flat; robust z among
     ten norm tensors cannot tell that from an explosion, the replayed steps can)."""
     kinds = {f.kind for f in findings}
-    matched = [f for f in findings if f.kind == "replay_log_agreement" and f.metrics.get("status") == "matched"]
+    matched = [
+        f
+        for f in findings
+        if f.kind == "replay_log_agreement" and f.metrics.get("status") == "matched"
+    ]
     alarms = [f for f in findings if f.kind in _REPLAY_ALARMS and f.severity != "info"]
     return "replay_reproduces" in kinds and bool(matched) and not alarms
 
@@ -230,10 +260,19 @@ def reattribute(findings: Sequence[Finding]) -> list[Finding]:
 
 
 # The findings of a resume that lost state (detectors.diff), each carrying its `resume_step`.
-_RESUME_KINDS = ("optimizer_state_lost", "lr_scheduler_restarted", "loss_scaler_reset", "data_loader_restarted")
+_RESUME_KINDS = (
+    "optimizer_state_lost",
+    "lr_scheduler_restarted",
+    "loss_scaler_reset",
+    "data_loader_restarted",
+)
 
 # How a replay's reproduction finding settles `reproducible`.
-_REPRODUCED = {"replay_reproduces": True, "replay_mismatch_confined": False, "replay_config_mismatch": None}
+_REPRODUCED = {
+    "replay_reproduces": True,
+    "replay_mismatch_confined": False,
+    "replay_config_mismatch": None,
+}
 
 
 def replay_fields(findings: Sequence[Finding], state_steps: Sequence[int] = ()) -> dict[str, Any]:
@@ -251,10 +290,18 @@ def replay_fields(findings: Sequence[Finding], state_steps: Sequence[int] = ()) 
     out: dict[str, Any] = {}
     rms = [f for f in by["rms_t"] if f.primary]
     onset = [f.metrics["step"] for k in ("lr_step_jump", "replay_spike") for f in by[k]]
-    steps = (onset or [f.metrics["step"] for f in by["replay_overflow"][:1]]) + [f.metrics["step"] for f in rms] + list(state_steps)
+    steps = (
+        (onset or [f.metrics["step"] for f in by["replay_overflow"][:1]])
+        + [f.metrics["step"] for f in rms]
+        + list(state_steps)
+    )
     if steps:
         out["first_bad_step"] = min(steps)
-    first = [f.subject for f in by["first_forward_anomaly"]] + [f.subject for f in by["replay_overflow"]] + [module_of(f.subject) for f in rms]
+    first = (
+        [f.subject for f in by["first_forward_anomaly"]]
+        + [f.subject for f in by["replay_overflow"]]
+        + [module_of(f.subject) for f in rms]
+    )
     if first:
         out["first_anomalous_module"] = first[0]
     if by["replay_overflow"]:
@@ -267,7 +314,13 @@ def replay_fields(findings: Sequence[Finding], state_steps: Sequence[int] = ()) 
         if by[kind]:
             out["reproducible"] = value
     agreed = [f for f in by["replay_log_agreement"] if f.metrics.get("status") == "matched"]
-    if by["replay_config_mismatch"] and agreed and onset and agreed[0].metrics.get("first_checked") is not None and agreed[0].metrics["first_checked"] <= min(onset):
+    if (
+        by["replay_config_mismatch"]
+        and agreed
+        and onset
+        and agreed[0].metrics.get("first_checked") is not None
+        and agreed[0].metrics["first_checked"] <= min(onset)
+    ):
         # The replay's tensors deviate from *after* (its configuration: e.g. one process for
         # the run's ranks under bf16), but it reproduced the run's own log step by step from
         # before the onset on, the spike included: the failure reproduces.
@@ -326,59 +379,115 @@ def decide(
         if f.kind in ("dtype_overflow", "dtype_headroom"):
             m = f.metrics
             v.overflowing_tensors.append(
-                {"name": f.subject, "dtype": m["dtype"], "max_abs": m["max_abs"], "limit": m["max_abs"] * m["headroom"], "where": m["where"]}
+                {
+                    "name": f.subject,
+                    "dtype": m["dtype"],
+                    "max_abs": m["max_abs"],
+                    "limit": m["max_abs"] * m["headroom"],
+                    "where": m["where"],
+                }
             )
         if f.kind in ("adam_bound_violation", "isolated_change"):
             for e in f.metrics["elements"]:
-                kind = f"bit_flip({e['bit_field']} bit {e['bit']})" if e["kind"] == "bit_flip" else e["kind"]
+                kind = (
+                    f"bit_flip({e['bit_field']} bit {e['bit']})"
+                    if e["kind"] == "bit_flip"
+                    else e["kind"]
+                )
                 v.corrupted_elements.append(
-                    {"tensor": f.subject, "where": e["where"], "index": e["index"], "before": e["before"], "after": e["after"], "kind": kind}
+                    {
+                        "tensor": f.subject,
+                        "where": e["where"],
+                        "index": e["index"],
+                        "before": e["before"],
+                        "after": e["after"],
+                        "kind": kind,
+                    }
                 )
     v.exploding_layers = [m for m, _ in sorted(layers.items(), key=lambda kv: -kv[1])]
     extra = {**(replay_fields(findings, state_steps) if replayed else {}), **(extra or {})}
-    resumed = [f.metrics["resume_step"] for f in findings if top in RESUME_CAUSES and f.kind in _RESUME_KINDS and f.metrics.get("resume_step") is not None]
+    resumed = [
+        f.metrics["resume_step"]
+        for f in findings
+        if top in RESUME_CAUSES
+        and f.kind in _RESUME_KINDS
+        and f.metrics.get("resume_step") is not None
+    ]
     if resumed:
         # The first update after a resume that lost state is the first bad one; the replay's
         # own onset (a spike it cannot reproduce from the healthy state) does not override it.
         extra["first_bad_step"] = min(resumed) + 1
     v.overflowing_tensors = list(extra.pop("overflowing_tensors", [])) + v.overflowing_tensors
     if replayed:  # the diff's layers, then the replay's; ten are enough to read
-        v.exploding_layers = list(dict.fromkeys(v.exploding_layers + list(extra.pop("replay_layers", []))))[:10]
+        v.exploding_layers = list(
+            dict.fromkeys(v.exploding_layers + list(extra.pop("replay_layers", [])))
+        )[:10]
     for k, val in extra.items():
         setattr(v, k, val)
-    withheld = v.replay_check is not None and v.replay_check["status"] in ("missed_first", "missed_later")
+    withheld = v.replay_check is not None and v.replay_check["status"] in (
+        "missed_first",
+        "missed_later",
+    )
     if withheld:
         assert v.replay_check is not None
         # The replay is not the run: nothing it measured is evidence; the diff speaks alone.
         v.summary = _withheld(top, causes, findings, v, before, after, v.replay_check["reason"])
         if top != "none":
-            v.recommended_actions = [a.format(rollback=rollback or "an earlier checkpoint", after=after) for a in _ACTIONS.get(top, [])]
+            v.recommended_actions = [
+                a.format(rollback=rollback or "an earlier checkpoint", after=after)
+                for a in _ACTIONS.get(top, [])
+            ]
         return v
     if top == "none":
-        v.summary = f"No anomaly between {before} and {after}: " + _healthy_body(findings, weights_only, replayed)
+        v.summary = f"No anomaly between {before} and {after}: " + _healthy_body(
+            findings, weights_only, replayed
+        )
         return v
-    layer_finding = next((f for f in findings if top in _LAYER_CAUSES and f.kind == _LAYER_CAUSES[top] and top in f.supports), None)
+    layer_finding = next(
+        (
+            f
+            for f in findings
+            if top in _LAYER_CAUSES and f.kind == _LAYER_CAUSES[top] and top in f.supports
+        ),
+        None,
+    )
     if layer_finding is not None:
         # The layer whose logits grew is the one to fix; modules the replay saw move after it are its effect.
         v.first_anomalous_module = layer_finding.subject
         v.exploding_layers = list(dict.fromkeys([layer_finding.subject, *v.exploding_layers]))[:10]
     layer = layer_finding.subject if layer_finding is not None else "the affected layers"
-    v.recommended_actions = [a.format(rollback=rollback or "an earlier checkpoint", after=after, layer=layer) for a in _ACTIONS.get(top, [])]
-    lr_groups = [f for f in findings if f.kind in ("lr_above_schedule", "lr_jump") and top in f.supports]
+    v.recommended_actions = [
+        a.format(rollback=rollback or "an earlier checkpoint", after=after, layer=layer)
+        for a in _ACTIONS.get(top, [])
+    ]
+    lr_groups = [
+        f for f in findings if f.kind in ("lr_above_schedule", "lr_jump") and top in f.supports
+    ]
     if lr_groups and top != "lr_too_high":
         members = list(dict.fromkeys(m for f in lr_groups for m in f.metrics.get("modules", [])))
         mods = ", ".join(members)
-        v.recommended_actions.insert(0, f"Fix the LR of {mods}: its param group runs far above the schedule (per-module LR multiplier?).")
+        v.recommended_actions.insert(
+            0,
+            f"Fix the LR of {mods}: its param group runs far above the schedule (per-module LR multiplier?).",
+        )
         # The modules whose own LR jumped are the ones that explode first (their update is
         # the fault); a neighbour the replay saw move first is its effect.
         if members and not any(_related(v.first_anomalous_module or "", m) for m in members):
             v.first_anomalous_module = members[0]
     if v.anomalous_samples and top == "poison_batch":
-        ids = ", ".join(str(x["sample_id"] if x["sample_id"] is not None else f"row {x['index']}") for x in v.anomalous_samples)
+        ids = ", ".join(
+            str(x["sample_id"] if x["sample_id"] is not None else f"row {x['index']}")
+            for x in v.anomalous_samples
+        )
         at = f" of step {v.first_bad_step}" if v.first_bad_step is not None else ""
-        v.recommended_actions.insert(0, f"Drop samples {ids}{at} from the data and resume from {rollback or 'an earlier checkpoint'}.")
+        v.recommended_actions.insert(
+            0,
+            f"Drop samples {ids}{at} from the data and resume from {rollback or 'an earlier checkpoint'}.",
+        )
     if not before_healthy:
-        v.recommended_actions.insert(0, f"{before} already holds non-finite state: roll back further than it.")
+        v.recommended_actions.insert(
+            0, f"{before} already holds non-finite state: roll back further than it."
+        )
     v.summary = _summary(top, causes, findings, v, before, after)
     return v
 
@@ -391,7 +500,11 @@ def _healthy_body(findings: Sequence[Finding], weights_only: bool, replayed: boo
         head = "every tensor moved within Adam's bounds and its peers' range. "
     gone = [f for f in findings if f.metrics.get("refuted_by_replay")]
     if gone:
-        what = ", ".join(dict.fromkeys(module_of(f.subject) if f.subject != "run" else "the median tensor" for f in gone))
+        what = ", ".join(
+            dict.fromkeys(
+                module_of(f.subject) if f.subject != "run" else "the median tensor" for f in gone
+            )
+        )
         head = head.replace(" and its peers' range", "") + (
             f"The rise in gradient energy the moments show on {what} is no incident: the replay computed every step of the "
             "window, matched the run's log on each, and none spiked."
@@ -405,17 +518,28 @@ def _healthy_body(findings: Sequence[Finding], weights_only: bool, replayed: boo
     )
 
 
-def _summary(top: str, causes: list[dict[str, Any]], findings: Sequence[Finding], v: Verdict, before: str, after: str) -> str:
+def _summary(
+    top: str,
+    causes: list[dict[str, Any]],
+    findings: Sequence[Finding],
+    v: Verdict,
+    before: str,
+    after: str,
+) -> str:
     by_id = {f.id: f for f in findings}
     lead = [by_id[i] for i in causes[0]["evidence"] if i in by_id]
     lead.sort(key=lambda f: (not f.primary, -_weight(f)))
     what = top.replace("_", " ")
-    parts = [f"Most likely cause between {before} and {after}: {what} (confidence {causes[0]['confidence']:.0%})."]
+    parts = [
+        f"Most likely cause between {before} and {after}: {what} (confidence {causes[0]['confidence']:.0%})."
+    ]
     if lead:
         parts.append(lead[0].message[0].upper() + lead[0].message[1:] + ".")
     if v.corrupted_elements:
         e = v.corrupted_elements[0]
-        parts.append(f"Corrupted element: {e['tensor']}{e['index']} {e['before']:.6g} -> {e['after']:.6g} ({e['kind']}).")
+        parts.append(
+            f"Corrupted element: {e['tensor']}{e['index']} {e['before']:.6g} -> {e['after']:.6g} ({e['kind']})."
+        )
     if v.exploding_layers:
         parts.append(f"Layers standing out: {', '.join(v.exploding_layers[:3])}.")
     if len(causes) > 1:
@@ -425,24 +549,43 @@ def _summary(top: str, causes: list[dict[str, Any]], findings: Sequence[Finding]
     return " ".join(parts)
 
 
-def _withheld(top: str, causes: list[dict[str, Any]], findings: Sequence[Finding], v: Verdict, before: str, after: str, reason: str) -> str:
-    head = _summary(top, causes, findings, v, before, after) if top != "none" else f"No anomaly in the checkpoint diff between {before} and {after}."
+def _withheld(
+    top: str,
+    causes: list[dict[str, Any]],
+    findings: Sequence[Finding],
+    v: Verdict,
+    before: str,
+    after: str,
+    reason: str,
+) -> str:
+    head = (
+        _summary(top, causes, findings, v, before, after)
+        if top != "none"
+        else f"No anomaly in the checkpoint diff between {before} and {after}."
+    )
     return f"{head} The replay is withheld and nothing in this report comes from it: {reason[0].lower()}{reason[1:]}."
 
 
-def decide_whatif(*, before: str, n_steps: int, outcome: str, recommended: str | None, baseline_on_track: bool) -> Verdict:
+def decide_whatif(
+    *, before: str, n_steps: int, outcome: str, recommended: str | None, baseline_on_track: bool
+) -> Verdict:
     """The verdict of a `whatif`: it compares mitigations and diagnoses nothing, so its cause
     is "none" only where its own baseline stays on track, else "undiagnosed" (replay or
     bisect name the cause); the action is the least invasive mitigation on track."""
-    v = Verdict(summary=f"What-if from {before} over {n_steps} steps: {outcome}.", causes=[], rollback_checkpoint=None)
+    v = Verdict(
+        summary=f"What-if from {before} over {n_steps} steps: {outcome}.",
+        causes=[],
+        rollback_checkpoint=None,
+    )
     if baseline_on_track:
         v.causes = [{"cause": "none", "confidence": 1.0, "evidence": []}]
     else:
         v.causes = [{"cause": "undiagnosed", "confidence": 0.0, "evidence": ["F1"]}]
-        v.summary += " The baseline replay leaves its track: `ckptforensics replay` names the cause."
+        v.summary += (
+            " The baseline replay leaves its track: `ckptforensics replay` names the cause."
+        )
     v.recommended_actions = [f"Resume from {before} with {recommended}."] if recommended else []
     return v
-
 
 
 def decide_audit(findings: Sequence[Finding], rows: Sequence[Any], *, checkpoint: str) -> Verdict:
@@ -456,18 +599,25 @@ def decide_audit(findings: Sequence[Finding], rows: Sequence[Any], *, checkpoint
     risks.sort(key=lambda r: order[r.severity])
     counts = {s: sum(1 for r in risks if r.severity == s) for s in order}
     unknown = sum(1 for r in rows if r.status == "unknown")
-    head = f"Audit of {checkpoint}: " + (
-        ", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" risk{'s' if len(risks) != 1 else ''} in {len(rows)} checks"
-        if risks
-        else f"no risk in {len(rows)} checks"
-    ) + (f" ({unknown} not checkable from what the run recorded)." if unknown else ".")
+    head = (
+        f"Audit of {checkpoint}: "
+        + (
+            ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+            + f" risk{'s' if len(risks) != 1 else ''} in {len(rows)} checks"
+            if risks
+            else f"no risk in {len(rows)} checks"
+        )
+        + (f" ({unknown} not checkable from what the run recorded)." if unknown else ".")
+    )
     parts = [head]
     if risks and risks[0].severity != "info":
         parts.append(risks[0].message[0].upper() + risks[0].message[1:] + ".")
     if causes[0]["cause"] != "none":
         parts.append("Exposed to: " + ", ".join(c["cause"] for c in causes[:3]) + ".")
     v = Verdict(summary=" ".join(parts), causes=causes, rollback_checkpoint=None)
-    v.recommended_actions = list(dict.fromkeys(f"{r.id.replace('_', ' ')}: {r.fix}" for r in risks if r.fix))
+    v.recommended_actions = list(
+        dict.fromkeys(f"{r.id.replace('_', ' ')}: {r.fix}" for r in risks if r.fix)
+    )
     subjects = [r.subject for r in risks if r.severity != "info" and r.subject != "run"]
     v.exploding_layers = list(dict.fromkeys(subjects))[:10]
     return v

@@ -21,7 +21,15 @@ from .tensors import MAD_TO_SIGMA
 __all__ = ["Mitigation", "Outcome", "parse_mitigation", "whatif", "INVASIVENESS"]
 
 # Least invasive first: what a recommendation prefers when several keep the run on track.
-INVASIVENESS = ("clip", "eps", "lr_scale", "precision", "skip_samples", "skip_step", "reset_moments")
+INVASIVENESS = (
+    "clip",
+    "eps",
+    "lr_scale",
+    "precision",
+    "skip_samples",
+    "skip_step",
+    "reset_moments",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +52,9 @@ def parse_mitigation(text: str) -> Mitigation:
             raise ForensicsError(f"--try {text!r}: expected knob=value, got {part!r}")
         k, v = (x.strip() for x in part.split("=", 1))
         if k not in INVASIVENESS:
-            raise ForensicsError(f"--try {text!r}: unknown knob {k!r}; known: {', '.join(INVASIVENESS)}")
+            raise ForensicsError(
+                f"--try {text!r}: unknown knob {k!r}; known: {', '.join(INVASIVENESS)}"
+            )
         if k == "precision" and v not in ("fp32", "bf16", "fp16"):
             raise ForensicsError(f"--try {text!r}: precision must be fp32, bf16 or fp16")
         if k in ("clip", "eps", "lr_scale", "skip_step"):
@@ -73,11 +83,15 @@ class Outcome:
     note: str = ""
 
 
-def _band(logged: dict[int, dict[str, float]], first: int, key: str = "loss") -> tuple[float, float] | None:
+def _band(
+    logged: dict[int, dict[str, float]], first: int, key: str = "loss"
+) -> tuple[float, float] | None:
     """The pre-spike level and its band: median of the last 8 logged losses before the
     window, and 6 robust standard deviations of the last 16 around their linear trend
     (at least 5% of the level). One-sided: a loss below the level is on track."""
-    pts = [(s, v[key]) for s, v in logged.items() if s < first and key in v and math.isfinite(v[key])][-16:]
+    pts = [
+        (s, v[key]) for s, v in logged.items() if s < first and key in v and math.isfinite(v[key])
+    ][-16:]
     if len(pts) < 5:
         return None
     x, y = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts], float)
@@ -106,7 +120,10 @@ def whatif(
     Returns:
         (outcomes, recommended mitigation or None, the band used).
     """
-    base_plan = plan(cfg, steps=None if n_steps <= 0 else list(range(_step_of(cfg) + 1, _step_of(cfg) + n_steps + 1)))
+    base_plan = plan(
+        cfg,
+        steps=None if n_steps <= 0 else list(range(_step_of(cfg) + 1, _step_of(cfg) + n_steps + 1)),
+    )
     settle(base_plan, progress)
     base_plan.clips = [settle_clip(base_plan, progress)]
     steps = base_plan.steps
@@ -121,17 +138,27 @@ def whatif(
             from .replay.hfdata import require_rebuilt_match
 
             first = (outcomes[0].losses[0], outcomes[0].grad_norms[0])
-            require_rebuilt_match(steps[0], first, base_plan.logged.get(steps[0]), base_plan.precision)
+            require_rebuilt_match(
+                steps[0], first, base_plan.logged.get(steps[0]), base_plan.precision
+            )
         if len(outcomes) == 1:
             check = _baseline_check(cfg, base_plan, outcomes[0])
-    ranked = sorted(((m.rank, i) for i, (o, m) in enumerate(zip(outcomes[1:], tries, strict=True)) if o.on_track and not o.note))
+    ranked = sorted(
+        (
+            (m.rank, i)
+            for i, (o, m) in enumerate(zip(outcomes[1:], tries, strict=True))
+            if o.on_track and not o.note
+        )
+    )
     best = tries[ranked[0][1]].text if ranked and not outcomes[0].on_track else None
     info = {
         "level": band[0] if band else None,
         "band": band[1] if band else None,
         "grad_norm_level": gband[0] if gband else None,
         "grad_norm_band": gband[1] if gband else None,
-        "source": "training log before the window" if band else "first replayed step (no training log)",
+        "source": "training log before the window"
+        if band
+        else "first replayed step (no training log)",
         "baseline_on_track": outcomes[0].on_track,
         "clip": {"value": base_plan.clips[0][0], "source": base_plan.clips[0][1]},
         "check": check.as_dict(),
@@ -154,11 +181,18 @@ def _baseline_check(cfg: ReplayConfig, p: Any, base: Outcome) -> LogCheck:
     the run, so one that misses the log on its first checked step is refused (as `replay`
     refuses it), unless `cfg.allow_mismatch`. After the spike the baseline may leave the log
     (the run's own divergence is chaotic): that is not checked against it."""
-    recs = [_Replayed(s, loss, g) for s, loss, g in zip(base.steps, base.losses, base.grad_norms, strict=True)]
+    recs = [
+        _Replayed(s, loss, g)
+        for s, loss, g in zip(base.steps, base.losses, base.grad_norms, strict=True)
+    ]
     check = check_against_log(recs, p.logged, p.precision, None, p.clips[0][0])
     miss = check.first_miss
     if miss is not None and miss.step == check.first_checked and not cfg.allow_mismatch:
-        figures = f"loss {miss.loss:.5g} vs {miss.logged_loss:.5g} logged" if miss.loss_ok is False else f"grad norm {miss.grad_norm:.4g} vs {miss.logged_grad_norm:.4g} logged"
+        figures = (
+            f"loss {miss.loss:.5g} vs {miss.logged_loss:.5g} logged"
+            if miss.loss_ok is False
+            else f"grad norm {miss.grad_norm:.4g} vs {miss.logged_grad_norm:.4g} logged"
+        )
         raise ReplayMismatch(
             f"the baseline replay does not reproduce the run's own log on its first checked step {miss.step} ({figures}); "
             f"likeliest: {diagnose_miss(p, miss, check.loss_atol)}; pass --allow-mismatch to compare the mitigations anyway"
@@ -175,7 +209,14 @@ def _step_of(cfg: ReplayConfig) -> int:
         return a.step
 
 
-def _replay_with(cfg: ReplayConfig, base: Any, m: Mitigation, auto_rows: dict[int, list[int]], band: Any, gband: Any) -> Outcome:
+def _replay_with(
+    cfg: ReplayConfig,
+    base: Any,
+    m: Mitigation,
+    auto_rows: dict[int, list[int]],
+    band: Any,
+    gband: Any,
+) -> Outcome:
     knobs = dict(m.knobs)
     p = base  # the baseline's settled plan (precision, loss scale, clip); a precision knob changes it
     if "precision" in knobs:
@@ -204,10 +245,14 @@ def _replay_with(cfg: ReplayConfig, base: Any, m: Mitigation, auto_rows: dict[in
         for s in p.steps:
             batch = p.batches.batch(s)
             if s in rows:
-                keep = torch.tensor([i for i in range(batch["input_ids"].shape[0]) if i not in rows[s]])
+                keep = torch.tensor(
+                    [i for i in range(batch["input_ids"].shape[0]) if i not in rows[s]]
+                )
                 batch = {k: v[keep] for k, v in batch.items()}
                 out.skipped_rows[s] = rows[s]
-            rec, _ = sess.step(s, batch, [lr * scale for lr in p.lrs[s]], clip, update=s != skip_step)
+            rec, _ = sess.step(
+                s, batch, [lr * scale for lr in p.lrs[s]], clip, update=s != skip_step
+            )
             out.steps.append(s)
             if rec.skipped and s != skip_step:
                 out.skipped_updates.append(s)
@@ -217,15 +262,27 @@ def _replay_with(cfg: ReplayConfig, base: Any, m: Mitigation, auto_rows: dict[in
         sess.close()
     fin = [x for x in out.losses if math.isfinite(x)]
     out.max_loss = max(fin) if len(fin) == len(out.losses) and fin else math.inf
-    out.max_grad_norm = (max(out.grad_norms) if all(math.isfinite(g) for g in out.grad_norms) else math.inf) if out.grad_norms else math.nan
+    out.max_grad_norm = (
+        (max(out.grad_norms) if all(math.isfinite(g) for g in out.grad_norms) else math.inf)
+        if out.grad_norms
+        else math.nan
+    )
     out.final_loss = out.losses[-1] if out.losses else math.nan
     # On track: every step finite (no overflow, no skipped update), every loss and every
     # (pre-clip) grad norm under its pre-spike level plus band.
     first = out.losses[0] if out.losses else math.nan
     level, width = band if band is not None else (first, 0.2 * abs(first))
-    glevel, gwidth = gband if gband is not None else (out.grad_norms[0] if out.grad_norms else math.nan, math.inf)
+    glevel, gwidth = (
+        gband
+        if gband is not None
+        else (out.grad_norms[0] if out.grad_norms else math.nan, math.inf)
+    )
     finite = all(math.isfinite(x) for x in out.losses + out.grad_norms) and not out.skipped_updates
-    out.on_track = finite and all(x <= level + width for x in out.losses) and all(g <= glevel + gwidth for g in out.grad_norms)
+    out.on_track = (
+        finite
+        and all(x <= level + width for x in out.losses)
+        and all(g <= glevel + gwidth for g in out.grad_norms)
+    )
     return out
 
 

@@ -23,7 +23,12 @@ __all__ = ["ROOT", "SUBSET", "build", "draw_args", "free_port", "torchrun", "val
 # `make test` runs the suite on two workers (pytest-xdist): each module's tests run on one
 # worker, so a module's fixtures are built once; the modules sharing an expensive session
 # fixture (the drawn runs, the DeepSpeed runs) run on one worker together.
-_SHARED = {"test_draws": "draws", "test_distributed_replay": "draws", "test_deepspeed": "deepspeed", "test_crash_corpus": "deepspeed"}
+_SHARED = {
+    "test_draws": "draws",
+    "test_distributed_replay": "draws",
+    "test_deepspeed": "deepspeed",
+    "test_crash_corpus": "deepspeed",
+}
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -127,8 +132,20 @@ def draw_args(run: Path, command: str = "replay", batch: str | None = None) -> l
 
     t = truth(run)
     hint = t["replay"]
-    args = [command, "--run-dir", str(run), "--before", str(t["before"]), "--after", str(t["after"]), "--batch", str(run / (batch or hint["batch"]))]
-    args += ["--model", model_spec(run, hint["model"])] if hint.get("model") else []  # HF Trainer draws: config.json
+    args = [
+        command,
+        "--run-dir",
+        str(run),
+        "--before",
+        str(t["before"]),
+        "--after",
+        str(t["after"]),
+        "--batch",
+        str(run / (batch or hint["batch"])),
+    ]
+    args += (
+        ["--model", model_spec(run, hint["model"])] if hint.get("model") else []
+    )  # HF Trainer draws: config.json
     args += ["--precision", hint["precision"]] if hint.get("precision") else []
     return args
 
@@ -148,7 +165,11 @@ def draw_report(tmp_path_factory: pytest.TempPathFactory) -> Any:
         key = (str(run), command, batch)
         if key not in done:
             out = root / str(len(done))
-            r = CliRunner().invoke(cli, ["-q", *draw_args(run, command, batch), "--out", str(out)], catch_exceptions=False)
+            r = CliRunner().invoke(
+                cli,
+                ["-q", *draw_args(run, command, batch), "--out", str(out)],
+                catch_exceptions=False,
+            )
             assert r.exit_code == 0, r.output
             assert validate_reports(out) == 1
             done[key] = out
@@ -166,7 +187,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def torchrun(args: list[str], env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
+def torchrun(
+    args: list[str], env: dict[str, str], timeout: int = 600
+) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node 2 ARGS` on a free port. A launch that fails is tried once
     more on a new port: the port found free can be taken before torchrun binds it, and a
     rendezvous lost that way says nothing about the code under test (a real failure
@@ -174,7 +197,9 @@ def torchrun(args: list[str], env: dict[str, str], timeout: int = 600) -> subpro
     exe = Path(sys.executable).with_name("torchrun")
     for attempt in (1, 2):
         cmd = [str(exe), "--nproc_per_node", "2", "--master_port", str(free_port()), *args]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout
+        )
         if proc.returncode == 0 or attempt == 2 or "error: " in proc.stderr:
             return proc
     return proc

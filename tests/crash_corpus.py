@@ -74,27 +74,103 @@ class Case:
     args: tuple[str, ...] = field(default=())
 
 
-def sources(zoo: dict[str, Path], data: Path, deepspeed: Path | None, hf_sharded: Path) -> list[Source]:
+def sources(
+    zoo: dict[str, Path], data: Path, deepspeed: Path | None, hf_sharded: Path
+) -> list[Source]:
     """The runs the corpus damages."""
-    mcore, olmo, litgpt = data / "megatron-core-0.19", data / "olmo-core-3.0" / "run", data / "litgpt-0.5"
+    mcore, olmo, litgpt = (
+        data / "megatron-core-0.19",
+        data / "olmo-core-3.0" / "run",
+        data / "litgpt-0.5",
+    )
     hf = ("optimizer.pt", "trainer_state.json")
     hf_optional = ("config.json", "scheduler.pt", "training_args.bin")
-    shards = tuple(sorted(p.name for p in (hf_sharded / "checkpoint-40").glob("model-*.safetensors")))
+    shards = tuple(
+        sorted(p.name for p in (hf_sharded / "checkpoint-40").glob("model-*.safetensors"))
+    )
     tracker = ("latest_checkpointed_iteration.txt",)
     out = [
         Source("nanogpt", zoo["healthy"], "step_30.pt", "step_40.pt", (30, 40), ("",)),
-        Source("safetensors", zoo["healthy-safetensors"], "step_30.safetensors", "step_40.safetensors", (30, 40), ("",)),
-        Source("lightning", zoo["lightning"], "epoch=0-step=30.ckpt", "epoch=0-step=40.ckpt", (30, 40), ("",)),
-        Source("hf-trainer", zoo["hf-trainer"], "checkpoint-30", "checkpoint-40", (30, 40), ("model.safetensors", *hf), hf_optional),
-        Source("hf-sharded", hf_sharded, "checkpoint-30", "checkpoint-40", (30, 40), ("model.safetensors.index.json", *shards, *hf), hf_optional),
+        Source(
+            "safetensors",
+            zoo["healthy-safetensors"],
+            "step_30.safetensors",
+            "step_40.safetensors",
+            (30, 40),
+            ("",),
+        ),
+        Source(
+            "lightning",
+            zoo["lightning"],
+            "epoch=0-step=30.ckpt",
+            "epoch=0-step=40.ckpt",
+            (30, 40),
+            ("",),
+        ),
+        Source(
+            "hf-trainer",
+            zoo["hf-trainer"],
+            "checkpoint-30",
+            "checkpoint-40",
+            (30, 40),
+            ("model.safetensors", *hf),
+            hf_optional,
+        ),
+        Source(
+            "hf-sharded",
+            hf_sharded,
+            "checkpoint-30",
+            "checkpoint-40",
+            (30, 40),
+            ("model.safetensors.index.json", *shards, *hf),
+            hf_optional,
+        ),
         Source("litgpt", litgpt, "step-00000020", "step-00000030", (20, 30), ("lit_model.pth",)),
-        Source("megatron-legacy", mcore / "legacy", "iter_0000010", "iter_0000020", (10, 20), ("mp_rank_00/model_optim_rng.pt",), save_files=tracker),
-        Source("megatron-dist", mcore / "plain", "iter_0000010", "iter_0000020", (10, 20), (".metadata", "__0_0.distcp", "metadata.json"), save_files=tracker),
-        Source("olmo-core", olmo, "step20", "step30", (20, 30), (".metadata.json", "train/rank0.pt", "model_and_optim/.metadata", *(f"model_and_optim/__0_{i}.distcp" for i in range(4)))),
+        Source(
+            "megatron-legacy",
+            mcore / "legacy",
+            "iter_0000010",
+            "iter_0000020",
+            (10, 20),
+            ("mp_rank_00/model_optim_rng.pt",),
+            save_files=tracker,
+        ),
+        Source(
+            "megatron-dist",
+            mcore / "plain",
+            "iter_0000010",
+            "iter_0000020",
+            (10, 20),
+            (".metadata", "__0_0.distcp", "metadata.json"),
+            save_files=tracker,
+        ),
+        Source(
+            "olmo-core",
+            olmo,
+            "step20",
+            "step30",
+            (20, 30),
+            (
+                ".metadata.json",
+                "train/rank0.pt",
+                "model_and_optim/.metadata",
+                *(f"model_and_optim/__0_{i}.distcp" for i in range(4)),
+            ),
+        ),
     ]
     if deepspeed is not None:
         ds = tuple(sorted(p.name for p in (deepspeed / "global_step3").iterdir()))
-        out.append(Source("deepspeed", deepspeed, "global_step2", "global_step3", (2, 3), ds, save_files=("latest",)))
+        out.append(
+            Source(
+                "deepspeed",
+                deepspeed,
+                "global_step2",
+                "global_step3",
+                (2, 3),
+                ds,
+                save_files=("latest",),
+            )
+        )
     return out
 
 
@@ -142,14 +218,24 @@ def _distcp_cuts(f: Path) -> dict[str, int]:
     from ckptforensics.formats.dcp import read_metadata
 
     md = read_metadata(f.parent)
-    spans = sorted((int(i.offset), int(i.offset) + int(i.length)) for i in md.storage_data.values() if Path(str(i.relative_path)).name == f.name)
-    return {"first chunk header": spans[0][0] + 10, "first chunk": (spans[0][0] + spans[0][1]) // 2, "last chunk": spans[-1][1] - 1}
+    spans = sorted(
+        (int(i.offset), int(i.offset) + int(i.length))
+        for i in md.storage_data.values()
+        if Path(str(i.relative_path)).name == f.name
+    )
+    return {
+        "first chunk header": spans[0][0] + 10,
+        "first chunk": (spans[0][0] + spans[0][1]) // 2,
+        "last chunk": spans[-1][1] - 1,
+    }
 
 
 def boundaries(f: Path, seed: str) -> dict[str, int]:
     """Where to cut `f`: every boundary its format has, plus one seeded offset."""
     size = f.stat().st_size
-    if f.suffix == ".distcp":  # chunks one after another (each a small zip): cut by .metadata's offsets
+    if (
+        f.suffix == ".distcp"
+    ):  # chunks one after another (each a small zip): cut by .metadata's offsets
         cuts = _distcp_cuts(f)
     elif f.suffix == ".safetensors":
         cuts = _safetensors_cuts(f)
@@ -169,7 +255,9 @@ def _fresh(src: Source, root: Path, name: str) -> Path:
     for part in (src.before, src.after, *src.save_files):
         p = src.run / part
         (shutil.copytree if p.is_dir() else shutil.copy2)(p, run / part)
-    for d, dirs, files in os.walk(run):  # readable by all (atomic writers leave 0600): only a case's damage is not
+    for d, dirs, files in os.walk(
+        run
+    ):  # readable by all (atomic writers leave 0600): only a case's damage is not
         for n in dirs:
             (Path(d) / n).chmod(0o755)
         for n in files:
@@ -177,17 +265,25 @@ def _fresh(src: Source, root: Path, name: str) -> Path:
     return run
 
 
-
-
 def build_cases(srcs: list[Source], root: Path) -> list[Case]:
     """Every damaged copy, under root (one run dir each)."""
     cases: list[Case] = []
 
-    def add(src: Source, what: str, damage: Callable[[Path], str | None], unprivileged: bool = False) -> None:
+    def add(
+        src: Source, what: str, damage: Callable[[Path], str | None], unprivileged: bool = False
+    ) -> None:
         name = f"{src.name}/{what}"
         run = _fresh(src, root, name.replace("/", "__").replace(" ", "_"))
         after = damage(run / src.after)
-        cases.append(Case(name, run, str(src.steps[0]), after if after is not None else str(src.steps[1]), unprivileged))
+        cases.append(
+            Case(
+                name,
+                run,
+                str(src.steps[0]),
+                after if after is not None else str(src.steps[1]),
+                unprivileged,
+            )
+        )
 
     for src in srcs:
         for rel in (*src.required, *src.optional):
@@ -195,7 +291,11 @@ def build_cases(srcs: list[Source], root: Path) -> list[Case]:
             label = rel or f.name
             for where, cut in boundaries(f, f"corpus-{src.name}-{label}").items():
                 at = "at a seeded offset" if where == "seeded" else f"in its {where}"
-                add(src, f"{label} cut {at} (byte {cut})", lambda a, r=rel, c=cut: _truncate(a / r if r else a, c))
+                add(
+                    src,
+                    f"{label} cut {at} (byte {cut})",
+                    lambda a, r=rel, c=cut: _truncate(a / r if r else a, c),
+                )
             add(src, f"{label} empty", lambda a, r=rel: _truncate(a / r if r else a, 0))
             if rel and rel in src.required:
                 add(src, f"{label} missing", lambda a, r=rel: _remove(a / r))
@@ -218,17 +318,37 @@ def build_cases(srcs: list[Source], root: Path) -> list[Case]:
 def _pointer_cases(src: Source, add: Callable[..., None]) -> None:
     """Save-dir pointers (DeepSpeed's `latest`, Megatron's tracker) and world sizes."""
     if src.name == "deepspeed":
-        add(src, "latest names a step that is not there", lambda a: _write(a.parent / "latest", "global_step99", a.parent))
-        add(src, "latest lags behind this tag", lambda a: _write(a.parent / "latest", "global_step2", None))
+        add(
+            src,
+            "latest names a step that is not there",
+            lambda a: _write(a.parent / "latest", "global_step99", a.parent),
+        )
+        add(
+            src,
+            "latest lags behind this tag",
+            lambda a: _write(a.parent / "latest", "global_step2", None),
+        )
         add(src, "an extra rank (another world size)", lambda a: _extra_rank(a))
         add(src, "latest empty", lambda a: _write(a.parent / "latest", "", a.parent))
     if src.name.startswith("megatron"):
         tracker = "latest_checkpointed_iteration.txt"
-        add(src, "tracker names an iteration that is not there", lambda a: _write(a.parent / tracker, "99", a.parent))
-        add(src, "tracker lags behind this iteration", lambda a: _write(a.parent / tracker, "10", None))
+        add(
+            src,
+            "tracker names an iteration that is not there",
+            lambda a: _write(a.parent / tracker, "99", a.parent),
+        )
+        add(
+            src,
+            "tracker lags behind this iteration",
+            lambda a: _write(a.parent / tracker, "10", None),
+        )
         add(src, "tracker empty", lambda a: _write(a.parent / tracker, "", a.parent))
     if src.name == "megatron-legacy":
-        add(src, "an extra model-parallel rank (another world size)", lambda a: shutil.copytree(a / "mp_rank_00", a / "mp_rank_01") and None)
+        add(
+            src,
+            "an extra model-parallel rank (another world size)",
+            lambda a: shutil.copytree(a / "mp_rank_00", a / "mp_rank_01") and None,
+        )
     if src.name == "hf-sharded":
         add(src, "index names a shard that is not there", lambda a: _rename_shard(a))
 

@@ -11,10 +11,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_documented_notebook_session_runs_and_finds_the_poisoned_rows(zoo: dict[str, Path], tmp_path: Path, capsys: object) -> None:
+def test_the_documented_notebook_session_runs_and_finds_the_poisoned_rows(
+    zoo: dict[str, Path], tmp_path: Path, capsys: object
+) -> None:
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "api.md").read_text(), re.S)
     assert len(blocks) == 4
-    code = "\n".join(blocks).replace('run = "build/zoo/poison_batch"', f"run = {str(zoo['poison_batch'])!r}")
+    code = "\n".join(blocks).replace(
+        'run = "build/zoo/poison_batch"', f"run = {str(zoo['poison_batch'])!r}"
+    )
     truth = json.loads((zoo["poison_batch"] / "truth.json").read_text())
     ns: dict[str, object] = {}
     cwd = os.getcwd()
@@ -28,7 +32,13 @@ def test_the_documented_notebook_session_runs_and_finds_the_poisoned_rows(zoo: d
     assert r.cause == "poison_batch" and r.verdict["first_bad_step"] == truth["first_bad_step"]  # type: ignore[attr-defined]
     assert sorted(s["index"] for s in r.verdict["anomalous_samples"]) == truth["samples"]  # type: ignore[attr-defined]
     assert b.doc["bisect"]["rows"] == truth["samples"]  # type: ignore[attr-defined]
-    assert {p.name for p in ns["written"]} == {"report.json", "report.md", "report.html", "evidence.h5", "skip.json"}  # type: ignore[attr-defined]
+    assert {p.name for p in ns["written"]} == {
+        "report.json",
+        "report.md",
+        "report.html",
+        "evidence.h5",
+        "skip.json",
+    }  # type: ignore[attr-defined]
     assert (tmp_path / "incident" / "skip.json").is_file()
     assert ns["again"].doc == b.doc and ns["again"].extra == b.extra  # type: ignore[attr-defined]
     assert "poison_batch" in r.to_markdown()  # type: ignore[attr-defined]
@@ -41,7 +51,9 @@ def test_the_readme_python_section_runs_as_written(zoo: dict[str, Path], tmp_pat
     section = readme[readme.index("### From Python") :]
     code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
     assert 'run = "build/zoo/poison_batch"' in code
-    code = code.replace('run = "build/zoo/poison_batch"', f"run = {str(zoo['poison_batch'])!r}").replace('"fixtures/', f'"{ROOT}/fixtures/')
+    code = code.replace(
+        'run = "build/zoo/poison_batch"', f"run = {str(zoo['poison_batch'])!r}"
+    ).replace('"fixtures/', f'"{ROOT}/fixtures/')
     truth = json.loads((zoo["poison_batch"] / "truth.json").read_text())
     ns: dict[str, object] = {}
     cwd = os.getcwd()
@@ -54,4 +66,3 @@ def test_the_readme_python_section_runs_as_written(zoo: dict[str, Path], tmp_pat
     assert r.cause == truth["cause"] and r.verdict["first_bad_step"] == truth["first_bad_step"]  # type: ignore[attr-defined]
     assert sorted(s["index"] for s in r.verdict["anomalous_samples"]) == truth["samples"]  # type: ignore[attr-defined]
     assert (tmp_path / "incident" / "report.md").is_file()
-

@@ -30,9 +30,27 @@ IDS = {"input_ids": torch.randint(0, 64, (2, 16), generator=torch.Generator().ma
 def _hf(name: str, impl: str = "sdpa") -> nn.Module:
     import transformers as T
 
-    small = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "attn_implementation": impl}
+    small = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "attn_implementation": impl,
+    }
     if name == "gpt2":
-        return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4, attn_implementation=impl, bos_token_id=0, eos_token_id=0))
+        return T.GPT2LMHeadModel(
+            T.GPT2Config(
+                vocab_size=64,
+                n_positions=64,
+                n_embd=32,
+                n_layer=2,
+                n_head=4,
+                attn_implementation=impl,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
     if name in ("opt-post", "opt-pre"):
         cfg = T.OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
                           word_embed_proj_dim=32, do_layer_norm_before=name == "opt-pre", attn_implementation=impl)  # fmt: skip
@@ -40,7 +58,11 @@ def _hf(name: str, impl: str = "sdpa") -> nn.Module:
     if name == "llama":
         return T.LlamaForCausalLM(T.LlamaConfig(num_key_value_heads=2, **small))
     if name == "gemma2":
-        return T.Gemma2ForCausalLM(T.Gemma2Config(num_key_value_heads=2, head_dim=8, **{**small, "attn_implementation": "eager"}))
+        return T.Gemma2ForCausalLM(
+            T.Gemma2Config(
+                num_key_value_heads=2, head_dim=8, **{**small, "attn_implementation": "eager"}
+            )
+        )
     if name == "olmo2":
         return T.Olmo2ForCausalLM(T.Olmo2Config(**small))
     if name == "qwen3":
@@ -61,8 +83,16 @@ KNOWN = [
     (lambda: _hf("llama", "eager"), "pre", False),
     (lambda: _hf("opt-post"), "post", False),  # OPT with do_layer_norm_before=False (OPT-350m's)
     (lambda: _hf("opt-pre"), "pre", False),
-    (lambda: _hf("gemma2"), "sandwich", False),  # pre- and post-sublayer norms, soft-capped attention
-    (lambda: _hf("olmo2"), "reordered", True),  # OLMo 2: norm after the sublayer, QK-norm on full q, k
+    (
+        lambda: _hf("gemma2"),
+        "sandwich",
+        False,
+    ),  # pre- and post-sublayer norms, soft-capped attention
+    (
+        lambda: _hf("olmo2"),
+        "reordered",
+        True,
+    ),  # OLMo 2: norm after the sublayer, QK-norm on full q, k
     (lambda: _hf("qwen3"), "pre", True),  # per-head q_norm / k_norm
 ]
 KNOWN_IDS = ["tinygpt", "tinygpt-post", "tinygpt-reordered", "tinygpt-qk", "tinygpt-post-qk", "gpt2", "gpt2-eager", "llama", "llama-eager",
@@ -70,7 +100,9 @@ KNOWN_IDS = ["tinygpt", "tinygpt-post", "tinygpt-reordered", "tinygpt-qk", "tiny
 
 
 @pytest.mark.parametrize(("build", "placement", "qk"), KNOWN, ids=KNOWN_IDS)
-def test_trace_reads_placement_and_qk_norm_of_known_models(build: Any, placement: str, qk: bool) -> None:
+def test_trace_reads_placement_and_qk_norm_of_known_models(
+    build: Any, placement: str, qk: bool
+) -> None:
     torch.manual_seed(0)
     arch = trace_architecture(build(), IDS)
     assert arch.norm_placement == placement, [x.placement for x in arch.layers]
@@ -112,7 +144,11 @@ class _Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = (z.view(b, t, 2, d // 2).transpose(1, 2) for z in self.qkv(x).split(d, -1))
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        y = (
+            nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            .transpose(1, 2)
+            .reshape(b, t, d)
+        )
         x = self.input_layernorm(x + self.o(y))
         return self.pre_mlp_layernorm(x + self.ff(x))
 
@@ -137,8 +173,14 @@ def test_names_do_not_decide() -> None:
     torch.manual_seed(0)
     arch = trace_architecture(_Misnamed(), IDS)
     assert arch.norm_placement == "post" and arch.qk_norm is False
-    assert arch.head_param == "k_norm.weight" and arch.embedding_params == ("q_norm.weight",) and arch.tied_embeddings is False
-    assert set(arch.norm_params) == {f"blocks.{i}.{n}.g" for i in (0, 1) for n in ("input_layernorm", "pre_mlp_layernorm")}
+    assert (
+        arch.head_param == "k_norm.weight"
+        and arch.embedding_params == ("q_norm.weight",)
+        and arch.tied_embeddings is False
+    )
+    assert set(arch.norm_params) == {
+        f"blocks.{i}.{n}.g" for i in (0, 1) for n in ("input_layernorm", "pre_mlp_layernorm")
+    }
 
 
 # ----------------------------------------------------------------- every fixture trainer's run
@@ -150,12 +192,21 @@ def placement_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("placements")
     out = {}
     for norm in ("post", "reordered"):
-        run = Run(name=norm, out=root / norm, steps=20, save_every=10, cfg=GPTConfig(n_layer=2, norm=norm))
+        run = Run(
+            name=norm, out=root / norm, steps=20, save_every=10, cfg=GPTConfig(n_layer=2, norm=norm)
+        )
         train(run)
         out[norm] = run.out
     # nanoGPT's calling convention: forward(idx, targets) -> (logits, loss), the last position's
     # logits only without targets; labels are next-token targets.
-    run = Run(name="targets", out=root / "targets", steps=20, save_every=10, cfg=GPTConfig(n_layer=2), convention="targets")
+    run = Run(
+        name="targets",
+        out=root / "targets",
+        steps=20,
+        save_every=10,
+        cfg=GPTConfig(n_layer=2),
+        convention="targets",
+    )
     train(run)
     out["targets"] = run.out
     return out
@@ -171,14 +222,28 @@ TRAINERS = [
     ("hf-trainer", None, "pre", False),  # transformers Trainer, Llama (config.json)
     ("hf-gpt2", None, "pre", False),  # transformers Trainer, GPT-2
     ("lightning", "fixtures/tinygpt.py:from_hparams", "pre", False),  # Lightning ModelCheckpoint
-    ("data:megatron-core-0.19/legacy", None, "pre", False),  # megatron-core, local spec (RMSNorm modules)
-    ("data:megatron-core-0.19/distopt", None, "pre", False),  # megatron-core, TE spec: norms fused into linear_qkv
+    (
+        "data:megatron-core-0.19/legacy",
+        None,
+        "pre",
+        False,
+    ),  # megatron-core, local spec (RMSNorm modules)
+    (
+        "data:megatron-core-0.19/distopt",
+        None,
+        "pre",
+        False,
+    ),  # megatron-core, TE spec: norms fused into linear_qkv
     ("data:olmo-core-3.0/run", None, "reordered", True),  # OLMo-core reordered_norm block, qk_norm
 ]
 
 
-@pytest.mark.parametrize(("run", "model", "placement", "qk"), TRAINERS, ids=[t[0] for t in TRAINERS])
-def test_audit_names_norm_placement_and_qk_norm_of_every_trainer(zoo: dict[str, Path], run: str, model: str | None, placement: str, qk: bool) -> None:
+@pytest.mark.parametrize(
+    ("run", "model", "placement", "qk"), TRAINERS, ids=[t[0] for t in TRAINERS]
+)
+def test_audit_names_norm_placement_and_qk_norm_of_every_trainer(
+    zoo: dict[str, Path], run: str, model: str | None, placement: str, qk: bool
+) -> None:
     path = DATA / run.split(":", 1)[1] if run.startswith("data:") else zoo[run]
     doc = _audit(path, model)
     assert doc["architecture"]["norm_placement"] == placement
@@ -189,26 +254,42 @@ def test_audit_names_norm_placement_and_qk_norm_of_every_trainer(zoo: dict[str, 
 
 
 @pytest.mark.parametrize("norm", ["post", "reordered"])
-def test_audit_own_loop_post_ln_and_reordered(placement_runs: dict[str, Path], norm: str, tmp_path: Path) -> None:
-    r = CliRunner().invoke(cli, ["audit", "--run-dir", str(placement_runs[norm]), "--model", MODEL, "--json"])
+def test_audit_own_loop_post_ln_and_reordered(
+    placement_runs: dict[str, Path], norm: str, tmp_path: Path
+) -> None:
+    r = CliRunner().invoke(
+        cli, ["audit", "--run-dir", str(placement_runs[norm]), "--model", MODEL, "--json"]
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
     assert doc["architecture"]["norm_placement"] == norm and doc["architecture"]["qk_norm"] is False
     rows = {x["id"]: x for x in doc["audit"]["rows"]}
     assert rows["norm_placement"]["status"] == ("risk" if norm == "post" else "ok")
     if norm == "post":
-        assert rows["norm_placement"]["severity"] == "warning" and "post-LN" in rows["norm_placement"]["message"]
+        assert (
+            rows["norm_placement"]["severity"] == "warning"
+            and "post-LN" in rows["norm_placement"]["message"]
+        )
         assert rows["embedding_scale"]["status"] == "ok"  # the stream is normalised after every add
     # the pair's rows compare with the checkpoint before
-    assert doc["audit"]["compared_with"]["step"] == 10 and rows["activation_growth"]["status"] in ("ok", "risk")
+    assert doc["audit"]["compared_with"]["step"] == 10 and rows["activation_growth"]["status"] in (
+        "ok",
+        "risk",
+    )
 
 
-def test_nanogpt_calling_convention_is_traced_on_every_position(placement_runs: dict[str, Path]) -> None:
+def test_nanogpt_calling_convention_is_traced_on_every_position(
+    placement_runs: dict[str, Path],
+) -> None:
     """A model that returns the last position's logits unless given targets is called as its
     trainer calls it (replay.conventions): the head and RMS_t see every position."""
     doc = _audit(placement_runs["targets"], "fixtures/tinygpt.py:targets_factory")
     arch = doc["architecture"]
-    assert arch["norm_placement"] == "pre" and arch["tied_embeddings"] is True and arch["head_param"] == "transformer.wte.weight"  # tied: its first name
+    assert (
+        arch["norm_placement"] == "pre"
+        and arch["tied_embeddings"] is True
+        and arch["head_param"] == "transformer.wte.weight"
+    )  # tied: its first name
     rows = _rows(doc)
     assert rows["beta2"]["status"] in ("ok", "risk") and rows["beta2"]["value"]["rms_t_max"] > 0
 
@@ -222,10 +303,17 @@ def test_litgpt_architecture_or_what_to_install() -> None:
         assert doc["architecture"]["norm_placement"] is None
         assert "needs litgpt (pip install litgpt)" in doc["architecture"]["note"]
         rows = {r["id"]: r for r in doc["audit"]["rows"]}
-        assert rows["norm_placement"]["status"] == "unknown" and "pip install litgpt" in rows["norm_placement"]["message"]
-        assert rows["warmup"]["value"]["warmup"] == 5  # what LitGPT's hyperparameters.yaml says is still read
+        assert (
+            rows["norm_placement"]["status"] == "unknown"
+            and "pip install litgpt" in rows["norm_placement"]["message"]
+        )
+        assert (
+            rows["warmup"]["value"]["warmup"] == 5
+        )  # what LitGPT's hyperparameters.yaml says is still read
         return
-    assert doc["architecture"]["norm_placement"] == "pre" and doc["architecture"]["qk_norm"] is False
+    assert (
+        doc["architecture"]["norm_placement"] == "pre" and doc["architecture"]["qk_norm"] is False
+    )
 
 
 # ----------------------------------------------------------------- the two mechanisms
@@ -240,11 +328,15 @@ def _rows(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["id"]: r for r in doc["audit"]["rows"]}
 
 
-def test_attention_growth_audits_risky_and_its_qk_norm_twin_clean(logit_runs: dict[str, Path]) -> None:
+def test_attention_growth_audits_risky_and_its_qk_norm_twin_clean(
+    logit_runs: dict[str, Path],
+) -> None:
     hot = _rows(_audit(logit_runs["attention_growth"], MODEL))
     layer = json.loads((logit_runs["attention_growth"] / "truth.json").read_text())["layers"][0]
     assert hot["qk_norm"]["status"] == "risk" and hot["qk_norm"]["severity"] == "warning"
-    assert hot["attention_logits"]["status"] == "risk" and hot["attention_logits"]["subject"] == layer
+    assert (
+        hot["attention_logits"]["status"] == "risk" and hot["attention_logits"]["subject"] == layer
+    )
     assert hot["attention_logits"]["value"]["max_logit"][layer] > 50
     twin = _rows(_audit(logit_runs["attention_growth-qknorm"], MODEL))
     assert twin["qk_norm"]["status"] == "ok" and twin["attention_logits"]["status"] == "ok"
@@ -254,21 +346,44 @@ def test_attention_growth_audits_risky_and_its_qk_norm_twin_clean(logit_runs: di
 def test_output_drift_audits_risky_and_its_z_loss_twin_clean(logit_runs: dict[str, Path]) -> None:
     hot = _rows(_audit(logit_runs["output_drift"], MODEL))
     assert hot["logit_control"]["status"] == "risk" and hot["output_logits"]["status"] == "risk"
-    assert hot["output_logits"]["value"]["log_z"] > 30 and hot["output_logits"]["subject"] == "lm_head"
+    assert (
+        hot["output_logits"]["value"]["log_z"] > 30 and hot["output_logits"]["subject"] == "lm_head"
+    )
     twin = _rows(_audit(logit_runs["output_drift-zloss"], MODEL))
-    assert twin["logit_control"]["status"] == "ok" and "z-loss 0.0001" in twin["logit_control"]["message"]
-    assert twin["output_logits"]["status"] == "ok" and abs(twin["output_logits"]["value"]["log_z"]) < 10
+    assert (
+        twin["logit_control"]["status"] == "ok"
+        and "z-loss 0.0001" in twin["logit_control"]["message"]
+    )
+    assert (
+        twin["output_logits"]["status"] == "ok"
+        and abs(twin["output_logits"]["value"]["log_z"]) < 10
+    )
 
 
 def _replay(run: Path, tmp: Path, *extra: str) -> dict[str, Any]:
     t = json.loads((run / "truth.json").read_text())
-    args = ["-q", "replay", "--run-dir", str(run), "--before", str(t["before"]), "--after", str(t["after"]), "--batch", str(run / "batches.h5"), "--model", MODEL]
+    args = [
+        "-q",
+        "replay",
+        "--run-dir",
+        str(run),
+        "--before",
+        str(t["before"]),
+        "--after",
+        str(t["after"]),
+        "--batch",
+        str(run / "batches.h5"),
+        "--model",
+        MODEL,
+    ]
     r = CliRunner().invoke(cli, [*args, *extra, "--out", str(tmp)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     return json.loads((tmp / "report.json").read_text())
 
 
-def test_attention_growth_replays_to_its_cause_and_layer(logit_runs: dict[str, Path], tmp_path: Path) -> None:
+def test_attention_growth_replays_to_its_cause_and_layer(
+    logit_runs: dict[str, Path], tmp_path: Path
+) -> None:
     run = logit_runs["attention_growth"]
     truth = json.loads((run / "truth.json").read_text())
     doc = _replay(run, tmp_path / "hot")
@@ -282,28 +397,51 @@ def test_attention_growth_replays_to_its_cause_and_layer(logit_runs: dict[str, P
     assert not any(x["kind"] == "attention_logit_growth" for x in twin["findings"])
 
 
-def test_output_drift_replays_to_its_cause_and_head(logit_runs: dict[str, Path], tmp_path: Path) -> None:
+def test_output_drift_replays_to_its_cause_and_head(
+    logit_runs: dict[str, Path], tmp_path: Path
+) -> None:
     doc = _replay(logit_runs["output_drift"], tmp_path / "hot")
     assert doc["verdict"]["causes"][0]["cause"] == "output_logit_divergence"
     assert doc["verdict"]["first_anomalous_module"] == "lm_head"
-    twin = _replay(logit_runs["output_drift-zloss"], tmp_path / "twin", "--loss", "fixtures/tinygpt.py:zloss_token_loss")
+    twin = _replay(
+        logit_runs["output_drift-zloss"],
+        tmp_path / "twin",
+        "--loss",
+        "fixtures/tinygpt.py:zloss_token_loss",
+    )
     assert twin["verdict"]["causes"][0]["cause"] == "none"
 
 
-def test_probe_attention_statistics_match_the_fixtures_own_measurement(logit_runs: dict[str, Path]) -> None:
+def test_probe_attention_statistics_match_the_fixtures_own_measurement(
+    logit_runs: dict[str, Path],
+) -> None:
     """The probe's per-layer max logit and entropy on each replayed step against the fixture's
     own fp32 recomputation of q k^T in training (same state, same batch)."""
     from ckptforensics.replay import ReplayConfig, replay
 
     run = logit_runs["attention_growth"]
     truth = json.loads((run / "truth.json").read_text())
-    rep = replay(ReplayConfig(before=run / f"step_{truth['before']}.pt", after=None, step=truth["before"] + 1, model=MODEL, batch=str(run / "batches.h5"), clip=1.0))
+    rep = replay(
+        ReplayConfig(
+            before=run / f"step_{truth['before']}.pt",
+            after=None,
+            step=truth["before"] + 1,
+            model=MODEL,
+            batch=str(run / "batches.h5"),
+            clip=1.0,
+        )
+    )
     s = truth["before"] + 1
     p = rep.passes[s]
-    assert p.attn_modules == ("transformer.h.0.attn", "transformer.h.1.attn") and p.head == "lm_head"
+    assert (
+        p.attn_modules == ("transformer.h.0.attn", "transformer.h.1.attn") and p.head == "lm_head"
+    )
     got_max = p.attn[..., 0].amax(1).tolist()
     got_ent = p.attn[..., 1].mean(1).tolist()
-    want_max, want_ent = truth["attention"]["max_logit"][str(s)], truth["attention"]["entropy"][str(s)]
+    want_max, want_ent = (
+        truth["attention"]["max_logit"][str(s)],
+        truth["attention"]["entropy"][str(s)],
+    )
     assert got_max == pytest.approx(want_max, rel=1e-3)
     assert got_ent == pytest.approx(want_ent, rel=1e-3)
     assert math.isfinite(p.logit_mean)
@@ -312,14 +450,45 @@ def test_probe_attention_statistics_match_the_fixtures_own_measurement(logit_run
 # ----------------------------------------------------------------- the command
 def test_audit_json_strict_and_report_files(logit_runs: dict[str, Path], tmp_path: Path) -> None:
     run = logit_runs["attention_growth"]
-    r = CliRunner().invoke(cli, ["audit", "--run-dir", str(run), "--model", MODEL, "--strict", "--out", str(tmp_path / "a")])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "audit",
+            "--run-dir",
+            str(run),
+            "--model",
+            MODEL,
+            "--strict",
+            "--out",
+            str(tmp_path / "a"),
+        ],
+    )
     assert r.exit_code == 1, r.output  # warnings at the default --fail-on warning
-    assert (tmp_path / "a" / "report.md").read_text().startswith("# ckptforensics audit: 0 critical, 2 warning")
+    assert (
+        (tmp_path / "a" / "report.md")
+        .read_text()
+        .startswith("# ckptforensics audit: 0 critical, 2 warning")
+    )
     assert "<h1>ckptforensics audit" in (tmp_path / "a" / "report.html").read_text()
-    r = CliRunner().invoke(cli, ["audit", "--run-dir", str(run), "--model", MODEL, "--strict", "--fail-on", "critical", "--json"])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "audit",
+            "--run-dir",
+            str(run),
+            "--model",
+            MODEL,
+            "--strict",
+            "--fail-on",
+            "critical",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
-    assert doc["architecture"]["norm_placement"] == "pre" and doc["architecture"]["qk_norm"] is False
+    assert (
+        doc["architecture"]["norm_placement"] == "pre" and doc["architecture"]["qk_norm"] is False
+    )
     assert doc["verdict"]["causes"][0]["cause"] == "attention_logit_growth"
     # re-rendered from evidence.h5 identically
     r = CliRunner().invoke(cli, ["report", str(tmp_path / "a" / "evidence.h5"), "--format", "md"])
@@ -335,7 +504,12 @@ def test_audit_bad_input_is_one_line(tmp_path: Path) -> None:
 
 def test_audit_help_teaches() -> None:
     r = CliRunner().invoke(cli, ["audit", "--help"])
-    assert r.exit_code == 0 and "Example:" in r.output and "--strict" in r.output and "jq .architecture.norm_placement" in r.output
+    assert (
+        r.exit_code == 0
+        and "Example:" in r.output
+        and "--strict" in r.output
+        and "jq .architecture.norm_placement" in r.output
+    )
 
 
 # ----------------------------------------------------------------- numerics and optimizer rows
@@ -355,17 +529,44 @@ def _low_precision_run(root: Path, dtype: torch.dtype, lr: float, steps: int = 3
         model(ids, labels=ids).backward()
         opt.step()
     cfg = {"learning_rate": lr, "grad_clip": 0.0, "beta2": 0.95}
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "model_args": model.model_args(), "iter_num": steps, "config": cfg}, root / f"step_{steps}.pt")
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "model_args": model.model_args(),
+            "iter_num": steps,
+            "config": cfg,
+        },
+        root / f"step_{steps}.pt",
+    )
     return root
 
 
 def test_fp16_without_a_scaler_is_critical_and_fails_a_strict_gate(tmp_path: Path) -> None:
     run = _low_precision_run(tmp_path / "fp16", torch.float16, 3e-3)
-    r = CliRunner().invoke(cli, ["audit", "--run-dir", str(run), "--model", MODEL, "--json", "--strict", "--fail-on", "critical"])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "audit",
+            "--run-dir",
+            str(run),
+            "--model",
+            MODEL,
+            "--json",
+            "--strict",
+            "--fail-on",
+            "critical",
+        ],
+    )
     assert r.exit_code == 1, r.output
     rows = _rows(json.loads(r.output))
-    assert rows["fp16_loss_scaler"]["status"] == "risk" and rows["fp16_loss_scaler"]["severity"] == "critical"
-    assert rows["clipping"]["status"] == "risk" and rows["clipping"]["value"] == 0.0  # grad_clip 0 recorded
+    assert (
+        rows["fp16_loss_scaler"]["status"] == "risk"
+        and rows["fp16_loss_scaler"]["severity"] == "critical"
+    )
+    assert (
+        rows["clipping"]["status"] == "risk" and rows["clipping"]["value"] == 0.0
+    )  # grad_clip 0 recorded
     assert json.loads(r.output)["audit"]["rows"][0]["id"] == "fp16_loss_scaler"  # severity first
 
 
@@ -374,7 +575,9 @@ def test_pure_bf16_at_a_small_lr_loses_its_updates(tmp_path: Path) -> None:
     rows = _rows(_audit(run, MODEL))
     mw = rows["master_weights"]
     assert mw["status"] == "risk" and mw["severity"] == "warning" and mw["value"] > 0.5
-    assert rows["fp16_loss_scaler"]["status"] == "ok" and rows["fp16_loss_scaler"]["value"] == "bf16"
+    assert (
+        rows["fp16_loss_scaler"]["status"] == "ok" and rows["fp16_loss_scaler"]["value"] == "bf16"
+    )
 
 
 def test_loss_scale_history_of_an_fp16_run_with_a_scaler(zoo: dict[str, Path]) -> None:
@@ -383,7 +586,12 @@ def test_loss_scale_history_of_an_fp16_run_with_a_scaler(zoo: dict[str, Path]) -
     fp = rows["fp16_loss_scaler"]
     assert fp["status"] == "ok" and fp["value"] >= 1
     ls = rows["loss_scale_history"]
-    scales = [json.loads(x)["loss_scale"] for x in (zoo["fp16_overflow"] / "metrics.jsonl").read_text().splitlines()]
+    scales = [
+        json.loads(x)["loss_scale"]
+        for x in (zoo["fp16_overflow"] / "metrics.jsonl").read_text().splitlines()
+    ]
     backoffs = sum(1 for a, b in zip(scales, scales[1:], strict=False) if b < a)
-    assert ls["status"] in ("ok", "risk") and ls["value"] == pytest.approx(1000 * backoffs / (len(scales) - 1))
+    assert ls["status"] in ("ok", "risk") and ls["value"] == pytest.approx(
+        1000 * backoffs / (len(scales) - 1)
+    )
     assert ls["threshold"] == pytest.approx(1000 / 20)  # the scaler's own growth interval

@@ -37,7 +37,23 @@ def test_bisect_finds_the_poisoned_step_and_rows(zoo: dict[str, Path], tmp_path:
     t = truth(run)
     tok = _word_tokenizer(tmp_path / "tokenizer")
     out = tmp_path / "out"
-    r = invoke("bisect", "--run-dir", str(run), "--before", "30", "--after", "35", "--model", MODEL, "--batch", str(run / "batches.h5"), "--out", str(out), "--tokenizer", str(tok))
+    r = invoke(
+        "bisect",
+        "--run-dir",
+        str(run),
+        "--before",
+        "30",
+        "--after",
+        "35",
+        "--model",
+        MODEL,
+        "--batch",
+        str(run / "batches.h5"),
+        "--out",
+        str(out),
+        "--tokenizer",
+        str(tok),
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads((out / "report.json").read_text())
     b = doc["bisect"]
@@ -55,14 +71,40 @@ def test_bisect_finds_the_poisoned_step_and_rows(zoo: dict[str, Path], tmp_path:
 
 def test_bisect_finds_no_bad_step_on_a_healthy_window(zoo: dict[str, Path]) -> None:
     run = zoo["healthy"]
-    r = invoke("bisect", "--run-dir", str(run), "--before", "30", "--after", "40", "--model", MODEL, "--batch", str(run / "batches.h5"), "--json")
+    r = invoke(
+        "bisect",
+        "--run-dir",
+        str(run),
+        "--before",
+        "30",
+        "--after",
+        "40",
+        "--model",
+        MODEL,
+        "--batch",
+        str(run / "batches.h5"),
+        "--json",
+    )
     assert r.exit_code == 0
     b = json.loads(r.stdout)["bisect"]
     assert b["first_bad_step"] is None and b["rows"] == [] and b["replays"] == 0
 
 
 def _whatif(run: Path, *tries: str, doc: bool = False) -> dict:
-    args = ["whatif", "--run-dir", str(run), "--before", "30", "--steps", "10", "--model", MODEL, "--batch", str(run / "batches.h5"), "--json"]
+    args = [
+        "whatif",
+        "--run-dir",
+        str(run),
+        "--before",
+        "30",
+        "--steps",
+        "10",
+        "--model",
+        MODEL,
+        "--batch",
+        str(run / "batches.h5"),
+        "--json",
+    ]
     for t in tries:
         args += ["--try", t]
     r = invoke(*args)
@@ -86,7 +128,9 @@ def test_whatif_lowering_the_lr_holds_the_lr_jump(zoo: dict[str, Path]) -> None:
     assert not out["baseline"]["on_track"] and not out["clip=0.5"]["on_track"]
     assert w["recommended"] == "lr_scale=0.01"
     # whatif diagnoses nothing: its baseline spikes, so the cause is not "none"
-    assert doc["verdict"]["causes"] == [{"cause": "undiagnosed", "confidence": 0.0, "evidence": ["F1"]}]
+    assert doc["verdict"]["causes"] == [
+        {"cause": "undiagnosed", "confidence": 0.0, "evidence": ["F1"]}
+    ]
 
 
 def test_whatif_higher_precision_removes_the_fp16_overflow(zoo: dict[str, Path]) -> None:
@@ -101,7 +145,21 @@ def test_whatif_higher_precision_removes_the_fp16_overflow(zoo: dict[str, Path])
 
 def test_whatif_rejects_unknown_knobs(zoo: dict[str, Path]) -> None:
     run = zoo["healthy"]
-    r = invoke("whatif", "--run-dir", str(run), "--before", "30", "--steps", "3", "--model", MODEL, "--batch", str(run / "batches.h5"), "--try", "warp=9")
+    r = invoke(
+        "whatif",
+        "--run-dir",
+        str(run),
+        "--before",
+        "30",
+        "--steps",
+        "3",
+        "--model",
+        MODEL,
+        "--batch",
+        str(run / "batches.h5"),
+        "--try",
+        "warp=9",
+    )
     assert_bad_input(r, "unknown knob 'warp'")
 
 
@@ -111,7 +169,20 @@ def test_bisect_pins_bad_updates_that_do_not_spike(zoo: dict[str, Path], name: s
     step, and the batch alone does not spike, so no rows are blamed."""
     run = zoo[name]
     t = truth(run)
-    r = invoke("bisect", "--run-dir", str(run), "--before", str(t["before"]), "--after", str(t["after"]), "--model", MODEL, "--batch", str(run / "batches.h5"), "--json")
+    r = invoke(
+        "bisect",
+        "--run-dir",
+        str(run),
+        "--before",
+        str(t["before"]),
+        "--after",
+        str(t["after"]),
+        "--model",
+        MODEL,
+        "--batch",
+        str(run / "batches.h5"),
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     b = doc["bisect"]

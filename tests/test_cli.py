@@ -42,10 +42,22 @@ def test_every_command_has_help_with_an_example() -> None:
     assert invoke("--version").output.startswith("ckptforensics")
 
 
-def test_diff_writes_reports_and_leaves_inputs_untouched(zoo: dict[str, Path], tmp_path: Path) -> None:
+def test_diff_writes_reports_and_leaves_inputs_untouched(
+    zoo: dict[str, Path], tmp_path: Path
+) -> None:
     run = zoo["silent_corruption"]
     before = tree_hash(run)
-    result = invoke("diff", "--run-dir", str(run), "--before", "30", "--after", "40", "--out", str(tmp_path / "rep"))
+    result = invoke(
+        "diff",
+        "--run-dir",
+        str(run),
+        "--before",
+        "30",
+        "--after",
+        "40",
+        "--out",
+        str(tmp_path / "rep"),
+    )
     assert result.exit_code == 0
     assert tree_hash(run) == before
     doc = json.loads((tmp_path / "rep" / "report.json").read_text())
@@ -61,10 +73,22 @@ def test_diff_writes_reports_and_leaves_inputs_untouched(zoo: dict[str, Path], t
 
 
 def test_json_output_and_strict_exit_codes(zoo: dict[str, Path]) -> None:
-    bad = invoke("diff", "--run-dir", str(zoo["lr_jump"]), "--before", "30", "--after", "40", "--json", "--strict")
+    bad = invoke(
+        "diff",
+        "--run-dir",
+        str(zoo["lr_jump"]),
+        "--before",
+        "30",
+        "--after",
+        "40",
+        "--json",
+        "--strict",
+    )
     assert bad.exit_code == 1
     assert json.loads(bad.stdout)["verdict"]["causes"][0]["cause"] == "lr_too_high"
-    ok = invoke("diff", "--run-dir", str(zoo["healthy"]), "--before", "30", "--after", "40", "--strict")
+    ok = invoke(
+        "diff", "--run-dir", str(zoo["healthy"]), "--before", "30", "--after", "40", "--strict"
+    )
     assert ok.exit_code == 0
     assert "No anomaly" in ok.output
 
@@ -93,7 +117,9 @@ def test_missing_step_lists_checkpoints(zoo: dict[str, Path]) -> None:
 def test_unknown_format(tmp_path: Path) -> None:
     f = tmp_path / "random.bin"
     f.write_bytes(os.urandom(4096))
-    assert_bad_input(invoke("inspect", str(f)), "not a safetensors, torch.save or checkpoint directory")
+    assert_bad_input(
+        invoke("inspect", str(f)), "not a safetensors, torch.save or checkpoint directory"
+    )
 
 
 def test_truncated_safetensors(zoo: dict[str, Path], tmp_path: Path) -> None:
@@ -102,17 +128,28 @@ def test_truncated_safetensors(zoo: dict[str, Path], tmp_path: Path) -> None:
     (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
     assert_bad_input(invoke("inspect", str(tmp_path / "cut.safetensors")), "truncated file")
     (tmp_path / "head.safetensors").write_bytes(data[:20])
-    assert_bad_input(invoke("inspect", str(tmp_path / "head.safetensors")), "truncated or corrupt safetensors header")
+    assert_bad_input(
+        invoke("inspect", str(tmp_path / "head.safetensors")),
+        "truncated or corrupt safetensors header",
+    )
 
 
 def test_truncated_torch_file(zoo: dict[str, Path], tmp_path: Path) -> None:
     data = (zoo["healthy"] / "step_30.pt").read_bytes()
     (tmp_path / "step_30.pt").write_bytes(data[: len(data) // 3])
-    assert_bad_input(invoke("inspect", str(tmp_path / "step_30.pt")), "truncated or not a torch file")
+    assert_bad_input(
+        invoke("inspect", str(tmp_path / "step_30.pt")), "truncated or not a torch file"
+    )
 
 
 def test_different_parameter_sets(zoo: dict[str, Path]) -> None:
-    r = invoke("diff", "--before", str(zoo["healthy"] / "step_30.pt"), "--after", str(zoo["lightning"] / "epoch=0-step=30.ckpt"))
+    r = invoke(
+        "diff",
+        "--before",
+        str(zoo["healthy"] / "step_30.pt"),
+        "--after",
+        str(zoo["lightning"] / "epoch=0-step=30.ckpt"),
+    )
     assert_bad_input(r, "parameter sets differ")
 
 
@@ -120,14 +157,30 @@ def test_shape_mismatch(zoo: dict[str, Path], tmp_path: Path) -> None:
     ck = torch.load(zoo["healthy-torch"] / "step_40.pt", weights_only=True)
     ck["model"]["transformer.wpe.weight"] = ck["model"]["transformer.wpe.weight"][:16]
     torch.save({"model": ck["model"], "step": 40}, tmp_path / "b.pt")
-    r = invoke("diff", "--before", str(zoo["healthy-torch"] / "step_30.pt"), "--after", str(tmp_path / "b.pt"))
+    r = invoke(
+        "diff",
+        "--before",
+        str(zoo["healthy-torch"] / "step_30.pt"),
+        "--after",
+        str(tmp_path / "b.pt"),
+    )
     assert_bad_input(r, "transformer.wpe.weight: shape [32, 32]")
 
 
-def test_missing_optimizer_state_is_a_weights_only_diff(zoo: dict[str, Path], tmp_path: Path) -> None:
+def test_missing_optimizer_state_is_a_weights_only_diff(
+    zoo: dict[str, Path], tmp_path: Path
+) -> None:
     ck = torch.load(zoo["healthy-torch"] / "step_40.pt", weights_only=True)
     torch.save({"model": ck["model"], "step": 40}, tmp_path / "b.pt")
-    r = invoke("diff", "--before", str(zoo["healthy-torch"] / "step_30.pt"), "--after", str(tmp_path / "b.pt"), "--out", str(tmp_path / "rep"))
+    r = invoke(
+        "diff",
+        "--before",
+        str(zoo["healthy-torch"] / "step_30.pt"),
+        "--after",
+        str(tmp_path / "b.pt"),
+        "--out",
+        str(tmp_path / "rep"),
+    )
     assert r.exit_code == 0
     doc = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert doc["diff"]["pair"]["weights_only"] is True
@@ -137,13 +190,21 @@ def test_missing_optimizer_state_is_a_weights_only_diff(zoo: dict[str, Path], tm
 
 def test_mismatched_optimizer_kinds(zoo: dict[str, Path], tmp_path: Path) -> None:
     ck = torch.load(zoo["healthy-torch"] / "step_40.pt", weights_only=True)
-    params = [torch.nn.Parameter(t.clone()) for k, t in ck["model"].items() if k != "lm_head.weight"]
+    params = [
+        torch.nn.Parameter(t.clone()) for k, t in ck["model"].items() if k != "lm_head.weight"
+    ]
     sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     for p in params:
         p.grad = torch.ones_like(p)
     sgd.step()
     torch.save({"model": ck["model"], "optimizer": sgd.state_dict(), "step": 40}, tmp_path / "b.pt")
-    r = invoke("diff", "--before", str(zoo["healthy-torch"] / "step_30.pt"), "--after", str(tmp_path / "b.pt"))
+    r = invoke(
+        "diff",
+        "--before",
+        str(zoo["healthy-torch"] / "step_30.pt"),
+        "--after",
+        str(tmp_path / "b.pt"),
+    )
     assert_bad_input(r, "optimizer kinds differ")
 
 
@@ -166,7 +227,17 @@ def test_pickle_that_runs_code_is_refused(zoo: dict[str, Path], tmp_path: Path) 
 def test_out_inside_an_input_directory_is_refused(zoo: dict[str, Path]) -> None:
     ck = zoo["hf-trainer"]
     before = tree_hash(ck)
-    r = invoke("diff", "--run-dir", str(ck), "--before", "20", "--after", "30", "--out", str(ck / "checkpoint-30" / "rep"))
+    r = invoke(
+        "diff",
+        "--run-dir",
+        str(ck),
+        "--before",
+        "20",
+        "--after",
+        "30",
+        "--out",
+        str(ck / "checkpoint-30" / "rep"),
+    )
     assert_bad_input(r, "inside the input checkpoint")
     assert tree_hash(ck) == before
 
@@ -178,9 +249,21 @@ HOSTILE = {
 }
 
 
-@pytest.mark.parametrize("where", ["optimizer.pt", "scaler.pt", "scheduler.pt", "lightning.ckpt", "nested", "torch_dist common.pt"])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "optimizer.pt",
+        "scaler.pt",
+        "scheduler.pt",
+        "lightning.ckpt",
+        "nested",
+        "torch_dist common.pt",
+    ],
+)
 @pytest.mark.parametrize("how", sorted(HOSTILE))
-def test_hostile_pickles_are_refused(zoo: dict[str, Path], tmp_path: Path, where: str, how: str) -> None:
+def test_hostile_pickles_are_refused(
+    zoo: dict[str, Path], tmp_path: Path, where: str, how: str
+) -> None:
     """Every pickle that would run code is refused with one line, and the canary proves nothing ran."""
     canary = tmp_path / "ran"
     reduce_src = HOSTILE[how].format(canary=canary)
@@ -202,14 +285,20 @@ def test_hostile_pickles_are_refused(zoo: dict[str, Path], tmp_path: Path, where
         target = tmp_path / "checkpoint-30"
         shutil.copytree(zoo["hf-trainer"] / "checkpoint-30", target)
         name = "optimizer.pt" if where == "nested" else where
-        payload = {"state": {}, "param_groups": [{"params": [], "extra": [{"deep": Exploit()}]}]} if where == "nested" else {"scale": Exploit()}
+        payload = (
+            {"state": {}, "param_groups": [{"params": [], "extra": [{"deep": Exploit()}]}]}
+            if where == "nested"
+            else {"scale": Exploit()}
+        )
         torch.save(payload, target / name)
     r = invoke("inspect", str(target))
     assert_bad_input(r, "refused to unpickle")
     assert not canary.exists()
 
 
-def test_every_command_leaves_its_inputs_byte_identical(zoo: dict[str, Path], tmp_path: Path) -> None:
+def test_every_command_leaves_its_inputs_byte_identical(
+    zoo: dict[str, Path], tmp_path: Path
+) -> None:
     """inspect, diff, replay, bisect, whatif, triage and report, run on one run dir."""
     run = zoo["poison_batch"]
     before = tree_hash(run)
@@ -222,20 +311,41 @@ def test_every_command_leaves_its_inputs_byte_identical(zoo: dict[str, Path], tm
             ["diff", *window],
             ["replay", *window, *replayed],
             ["bisect", *window, *replayed],
-            ["whatif", "--run-dir", str(run), "--before", "30", "--steps", "3", *replayed, "--try", "clip=0.5"],
+            [
+                "whatif",
+                "--run-dir",
+                str(run),
+                "--before",
+                "30",
+                "--steps",
+                "3",
+                *replayed,
+                "--try",
+                "clip=0.5",
+            ],
             ["triage", "--run-dir", str(run)],
         ]
     ):
         out = ["--out", str(tmp_path / str(i))] if args[0] != "inspect" else []
         r = invoke("-q", *args, *out)
         assert r.exit_code == 0, (args[0], r.output)
-    r = invoke("report", str(tmp_path / "2" / "evidence.h5"), "--format", "md", "--out", str(tmp_path / "again.md"))
+    r = invoke(
+        "report",
+        str(tmp_path / "2" / "evidence.h5"),
+        "--format",
+        "md",
+        "--out",
+        str(tmp_path / "again.md"),
+    )
     assert r.exit_code == 0, r.output
     assert tree_hash(run) == before
 
 
 def test_a_run_dir_given_as_a_checkpoint_lists_its_steps(zoo: dict[str, Path]) -> None:
-    assert_bad_input(invoke("inspect", str(zoo["lr_jump"])), "a run directory with checkpoints at steps 10, 20, 30, 40, 50, 60")
+    assert_bad_input(
+        invoke("inspect", str(zoo["lr_jump"])),
+        "a run directory with checkpoints at steps 10, 20, 30, 40, 50, 60",
+    )
 
 
 def test_a_megatron_save_dir_stands_for_its_latest_iteration() -> None:

@@ -20,7 +20,11 @@ from tests.test_cli import assert_bad_input
 @pytest.fixture(scope="session")
 def dcp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dcp")
-    proc = torchrun([str(ROOT / "fixtures" / "fsdp_dcp.py"), str(out)], {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    proc = torchrun(
+        [str(ROOT / "fixtures" / "fsdp_dcp.py"), str(out)],
+        {**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out
 
@@ -53,14 +57,32 @@ def test_accelerate_fsdp_layout_matches_the_gathered_state(dcp_run: Path, tmp_pa
     assert ck.optimizer is not None
     for n in ck.names():
         assert torch.equal(ck.tensor(n), full["model"][n]), n
-        assert torch.equal(ck.optim_state(n)["exp_avg_sq"], full["optim"]["state"][n]["exp_avg_sq"]), n
-    r = CliRunner().invoke(cli, ["diff", "--run-dir", str(run), "--before", "2", "--after", "3", "--out", str(tmp_path)])
+        assert torch.equal(
+            ck.optim_state(n)["exp_avg_sq"], full["optim"]["state"][n]["exp_avg_sq"]
+        ), n
+    r = CliRunner().invoke(
+        cli,
+        ["diff", "--run-dir", str(run), "--before", "2", "--after", "3", "--out", str(tmp_path)],
+    )
     assert r.exit_code == 0, r.output
     assert "No anomaly" in r.output
 
 
 def test_dcp_inspect_and_diff(dcp_run: Path, tmp_path: Path) -> None:
-    r = CliRunner().invoke(cli, ["diff", "--run-dir", str(dcp_run), "--before", "2", "--after", "3", "--out", str(tmp_path)])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "diff",
+            "--run-dir",
+            str(dcp_run),
+            "--before",
+            "2",
+            "--after",
+            "3",
+            "--out",
+            str(tmp_path),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "No anomaly" in r.output
     r = CliRunner().invoke(cli, ["inspect", "--run-dir", str(dcp_run), "3"])
@@ -77,7 +99,9 @@ def test_hostile_dcp_metadata_is_refused(dcp_run: Path, tmp_path: Path) -> None:
     d = tmp_path / "step-3"
     shutil.copytree(dcp_run / "step-3", d)
     (d / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": Exploit()}))
-    assert_bad_input(CliRunner().invoke(cli, ["inspect", str(d)]), "refused to unpickle posix.system")
+    assert_bad_input(
+        CliRunner().invoke(cli, ["inspect", str(d)]), "refused to unpickle posix.system"
+    )
     assert not canary.exists()
 
 
@@ -96,8 +120,13 @@ def test_mangled_dcp_metadata(dcp_run: Path, tmp_path_factory: pytest.TempPathFa
 
     data = (dcp_run / "step-3" / ".metadata").read_bytes()
 
-    @settings(max_examples=60, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(cut=st.integers(0, len(data)), flips=st.lists(st.tuples(st.integers(0, len(data) - 1), st.integers(0, 255)), max_size=4))
+    @settings(
+        max_examples=60, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck)
+    )
+    @given(
+        cut=st.integers(0, len(data)),
+        flips=st.lists(st.tuples(st.integers(0, len(data) - 1), st.integers(0, 255)), max_size=4),
+    )
     def check(cut: int, flips: list[tuple[int, int]]) -> None:
         d = tmp_path_factory.mktemp("md") / "step-3"
         shutil.copytree(dcp_run / "step-3", d)

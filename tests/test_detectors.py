@@ -39,17 +39,28 @@ def test_replay_detectors_do_not_depend_on_their_order(zoo: dict[str, Path]) -> 
     a stage gives the same findings, and the verdict's fields are the planted truth."""
     run = zoo["poison_batch"]
     t = truth(run)
-    rep = replay(ReplayConfig(before=run / "step_30.pt", after=run / "step_35.pt", batch=str(run / "batches.h5"), model="fixtures/tinygpt.py:factory"))
+    rep = replay(
+        ReplayConfig(
+            before=run / "step_30.pt",
+            after=run / "step_35.pt",
+            batch=str(run / "batches.h5"),
+            model="fixtures/tinygpt.py:factory",
+        )
+    )
     th = Thresholds()
     ev = rd.ReplayEvidence(rep)
     onset = [f for d in rd.ONSET_DETECTORS for f in d(ev, th)]
-    ev = rd.ReplayEvidence(rep, min(f.metrics["step"] for f in onset if f.kind in rd.ONSET_KINDS), True)
+    ev = rd.ReplayEvidence(
+        rep, min(f.metrics["step"] for f in onset if f.kind in rd.ONSET_KINDS), True
+    )
     for stage in (rd.EXAMINE_DETECTORS, rd.STATE_DETECTORS):
         forward = [f for d in stage for f in d(ev, th)]
         backward = [f for d in reversed(stage) for f in d(ev, th)]
         assert sorted(map(repr, forward)) == sorted(map(repr, backward))
     found = rd.replay_findings(rep, th)
-    assert all(dataclasses.is_dataclass(f) and f.source.startswith("docs/signatures.md") for f in found)
+    assert all(
+        dataclasses.is_dataclass(f) and f.source.startswith("docs/signatures.md") for f in found
+    )
     fields = replay_fields(found)
     assert fields["first_bad_step"] == t["first_bad_step"]
     assert sorted(x["index"] for x in fields["anomalous_samples"]) == sorted(t["samples"])

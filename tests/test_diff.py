@@ -18,15 +18,22 @@ from tests.conftest import truth
 
 
 def run_diff(run: Path, a: str = "30", b: str = "40", **cfg: int):
-    ca, cb = open_checkpoint(resolve_checkpoint(a, run)), open_checkpoint(resolve_checkpoint(b, run))
+    ca, cb = (
+        open_checkpoint(resolve_checkpoint(a, run)),
+        open_checkpoint(resolve_checkpoint(b, run)),
+    )
     result = diff_checkpoints(ca, cb, DiffConfig(**cfg))
     findings = diff_findings(result)
     return result, findings, decide(findings, before=a, after=b)
 
 
-@pytest.mark.parametrize("run", ["healthy", "healthy-torch", "healthy-safetensors", "lightning", "hf-trainer"])
+@pytest.mark.parametrize(
+    "run", ["healthy", "healthy-torch", "healthy-safetensors", "lightning", "hf-trainer"]
+)
 @pytest.mark.parametrize("pair", [("10", "20"), ("20", "30"), ("30", "40")])
-def test_healthy_pairs_raise_no_alarm(zoo: dict[str, Path], run: str, pair: tuple[str, str]) -> None:
+def test_healthy_pairs_raise_no_alarm(
+    zoo: dict[str, Path], run: str, pair: tuple[str, str]
+) -> None:
     assert truth(zoo[run])["cause"] == "none"
     _, findings, verdict = run_diff(zoo[run], *pair)
     assert [f for f in findings if f.severity != "info"] == []
@@ -64,7 +71,10 @@ def test_bit_flip_is_located_to_the_element_and_bit(zoo: dict[str, Path], run: s
 def test_chunking_does_not_change_the_answer(zoo: dict[str, Path]) -> None:
     whole, _, _ = run_diff(zoo["silent_corruption"])
     tiny, _, verdict = run_diff(zoo["silent_corruption"], chunk_elems=1000)
-    assert verdict.corrupted_elements[0]["index"] == truth(zoo["silent_corruption"])["corrupted"]["index"]
+    assert (
+        verdict.corrupted_elements[0]["index"]
+        == truth(zoo["silent_corruption"])["corrupted"]["index"]
+    )
     for x, y in zip(whole.tensors, tiny.tensors, strict=True):
         assert x.r_v == pytest.approx(y.r_v, rel=1e-6)
         assert x.dw_norm == pytest.approx(y.dw_norm, rel=1e-6)
@@ -104,7 +114,9 @@ def test_nonfinite_weights_are_data_not_errors(zoo: dict[str, Path], tmp_path: P
     shutil.copy(src / "step_30.pt", tmp_path / "step_30.pt")
     _, findings, verdict = run_diff(tmp_path)
     nf = [f for f in findings if f.kind == "nonfinite"]
-    assert nf and nf[0].subject == "transformer.h.0.mlp.c_fc.weight" and nf[0].metrics["weights"] == 3
+    assert (
+        nf and nf[0].subject == "transformer.h.0.mlp.c_fc.weight" and nf[0].metrics["weights"] == 3
+    )
     assert "transformer.h.0.mlp.c_fc" in verdict.exploding_layers
 
 
@@ -149,12 +161,25 @@ def test_a_window_over_the_warmup_peak_is_bounded_by_the_base_lr(tmp_path: Path)
     def lr(s: int) -> float:  # warm up to the peak at 10, hold it to 18, then drop to 5%
         return peak * min(1.0, s / 10) if s <= 18 else 0.05 * peak
 
-    run = Run(name="peak", out=tmp_path / "peak", steps=25, save_every=1, lr=lr, peak_lr=peak, warmup=10, cfg=GPTConfig(n_layer=1, n_embd=16, n_head=2))
+    run = Run(
+        name="peak",
+        out=tmp_path / "peak",
+        steps=25,
+        save_every=1,
+        lr=lr,
+        peak_lr=peak,
+        warmup=10,
+        cfg=GPTConfig(n_layer=1, n_embd=16, n_head=2),
+    )
     train(run)
     for s in range(1, 26):
         if s not in (2, 25):
             (run.out / f"step_{s}.pt").unlink()
     result, findings, verdict = run_diff(run.out, "2", "25")
-    assert result.pair.lr_a[0] < 0.5 * peak and result.pair.lr_b[0] < 0.1 * peak  # both ends far below the peak
-    assert not [f for f in findings if f.kind in ("update_bound_exceeded_widely", "adam_bound_violation")], [f.message for f in findings]
+    assert (
+        result.pair.lr_a[0] < 0.5 * peak and result.pair.lr_b[0] < 0.1 * peak
+    )  # both ends far below the peak
+    assert not [
+        f for f in findings if f.kind in ("update_bound_exceeded_widely", "adam_bound_violation")
+    ], [f.message for f in findings]
     assert verdict.causes[0]["cause"] == "none"

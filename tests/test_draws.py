@@ -25,7 +25,12 @@ from tests.conftest import SUBSET  # noqa: E402
 
 def test_the_subset_is_of_the_tuning_split_and_covers_every_cause() -> None:
     assert set(SUBSET) <= set(TUNING)
-    assert {draw(s).cause for s in SUBSET} == {"none", "poison_batch", "lr_too_high", "gradient_explosion"}
+    assert {draw(s).cause for s in SUBSET} == {
+        "none",
+        "poison_batch",
+        "lr_too_high",
+        "gradient_explosion",
+    }
 
 
 @pytest.mark.parametrize("seed", SUBSET)
@@ -45,7 +50,11 @@ def test_drawn_incident_is_named(draws: dict[int, Path], draw_report: Any, seed:
     if t["draw"]["trainer"] in GROUP0_LR_ONLY and t["cause"] == "gradient_explosion":
         # The trainer logs group 0's LR only: the log shows the fault from its first effect.
         rows = read_metrics(log)
-        last = log_onset({s: r["loss"] for s, r in rows.items()}, {s: r["grad_norm"] for s, r in rows.items()}, at)
+        last = log_onset(
+            {s: r["loss"] for s, r in rows.items()},
+            {s: r["grad_norm"] for s, r in rows.items()},
+            at,
+        )
         assert onset is not None and at <= onset <= (last or at), (onset, at, last)
     else:
         assert onset == at
@@ -53,7 +62,10 @@ def test_drawn_incident_is_named(draws: dict[int, Path], draw_report: Any, seed:
         assert sorted(s["index"] for s in v["anomalous_samples"]) == t["samples"]
     if t["layers"]:
         culprit = v["first_anomalous_module"] or v["exploding_layers"][0]
-        assert any(culprit == m or culprit.startswith(m + ".") or m.startswith(culprit + ".") for m in t["layers"]), culprit
+        assert any(
+            culprit == m or culprit.startswith(m + ".") or m.startswith(culprit + ".")
+            for m in t["layers"]
+        ), culprit
     if t["cause"] == "none":
         assert not [f for f in doc["findings"] if f["severity"] != "info"], doc["findings"]
 
@@ -71,7 +83,9 @@ def test_a_spike_on_a_falling_loss_is_an_onset(draws: dict[int, Path]) -> None:
     assert triage(log, run).first_bad_step == at
 
 
-def test_lightning_logs_and_checkpoints_are_found_where_lightning_puts_them(draws: dict[int, Path]) -> None:
+def test_lightning_logs_and_checkpoints_are_found_where_lightning_puts_them(
+    draws: dict[int, Path],
+) -> None:
     """Draw 1002 is Lightning's default layout: checkpoints in
     lightning_logs/version_0/checkpoints, the CSVLogger's metrics.csv, which logs optimizer
     step s under step s - 1; the tool's step s must be the trainer's step s."""
@@ -81,7 +95,9 @@ def test_lightning_logs_and_checkpoints_are_found_where_lightning_puts_them(draw
     t = json.loads((run / "truth.json").read_text())
     assert t["draw"]["trainer"] == "lightning"
     found = dict(list_checkpoints(run))
-    assert {t["before"], t["after"]} <= set(found) and all(p.suffix == ".ckpt" for p in found.values())
+    assert {t["before"], t["after"]} <= set(found) and all(
+        p.suffix == ".ckpt" for p in found.values()
+    )
     log = find_metrics(run)
     assert log is not None and log.name == "metrics.csv"
     rows = read_metrics(log)
@@ -112,7 +128,10 @@ def test_blips_the_loss_ignores_are_not_onsets_on_a_long_quiet_run(tmp_path: Pat
         poison={1001: junk},
     )
     train(run)
-    assert run.grad_norms[578] > 2.5 * run.grad_norms[577] and run.losses[1001] > 1.5 * run.losses[1000]
+    assert (
+        run.grad_norms[578] > 2.5 * run.grad_norms[577]
+        and run.losses[1001] > 1.5 * run.losses[1000]
+    )
     res = triage(run.out / "metrics.jsonl", run.out)
     assert res.first_bad_step == 1001, [o.message for o in res.onsets]
     assert res.rollback_step == 1000
@@ -121,7 +140,9 @@ def test_blips_the_loss_ignores_are_not_onsets_on_a_long_quiet_run(tmp_path: Pat
 
 
 @pytest.mark.parametrize("seed", [1002, 1052])
-def test_the_flight_recorder_replays_as_the_batch_log_does(draws: dict[int, Path], draw_report: Any, seed: int) -> None:
+def test_the_flight_recorder_replays_as_the_batch_log_does(
+    draws: dict[int, Path], draw_report: Any, seed: int
+) -> None:
     """Draw 1002 carries the recorder's Lightning callback, 1052 the plain-loop calls on
     each of its two FSDP2 ranks: the recorder's segments (two ranks' rows merged into the
     global batch) give the verdict the run's own batch log gives."""
@@ -130,7 +151,9 @@ def test_the_flight_recorder_replays_as_the_batch_log_does(draws: dict[int, Path
     for k in ("first_bad_step", "reproducible", "first_anomalous_module"):
         assert got["verdict"][k] == ref["verdict"][k], k
     assert got["verdict"]["causes"][0]["cause"] == ref["verdict"]["causes"][0]["cause"]
-    assert [s["index"] for s in got["verdict"]["anomalous_samples"]] == [s["index"] for s in ref["verdict"]["anomalous_samples"]]
+    assert [s["index"] for s in got["verdict"]["anomalous_samples"]] == [
+        s["index"] for s in ref["verdict"]["anomalous_samples"]
+    ]
     assert got["replay"]["config"]["lr"]["source"] == "batch log /lr"
     assert "flight recorder" in got["replay"]["config"]["batches"]["value"]
     # triage on the recorder's log puts the onset on the planted step: where the run's own

@@ -78,27 +78,47 @@ def test_id_mapping_matches_names_torch_saved(tmp_path: Path) -> None:
     model(ids, labels=ids).backward()
     opt.step()
     osd = opt.state_dict()
-    truth = {pid: name for g in osd["param_groups"] for pid, name in zip(g["params"], g["param_names"], strict=True)}
+    truth = {
+        pid: name
+        for g in osd["param_groups"]
+        for pid, name in zip(g["params"], g["param_names"], strict=True)
+    }
     for g in osd["param_groups"]:
         del g["param_names"]
     view = map_optimizer(osd, [(n, tuple(p.shape)) for n, p in named], "test")
-    got = {pid: name for name in view.state for pid, st in osd["state"].items() if st is view.state[name]}
+    got = {
+        pid: name
+        for name in view.state
+        for pid, st in osd["state"].items()
+        if st is view.state[name]
+    }
     assert got == truth
 
 
 def test_ambiguous_mapping_is_refused() -> None:
     params = [("a.scale", (3,)), ("b.bias", (3,)), ("c.scale", (3,)), ("d.bias", (3,))]
-    state = {i: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)} for i in range(4)}
-    osd = {"state": state, "param_groups": [{"params": [0, 1], "lr": 1e-3}, {"params": [2, 3], "lr": 1e-3}]}
+    state = {
+        i: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+        for i in range(4)
+    }
+    osd = {
+        "state": state,
+        "param_groups": [{"params": [0, 1], "lr": 1e-3}, {"params": [2, 3], "lr": 1e-3}],
+    }
     with pytest.raises(OptimizerMappingError, match="ambiguously"):
         map_optimizer(osd, params, "optimizer.pt")
 
 
 def test_mapping_failure_names_the_first_mismatch() -> None:
     params = [("w", (4, 4)), ("b", (4,))]
-    state = {0: {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}, 1: {"exp_avg": torch.zeros(4, 4), "exp_avg_sq": torch.zeros(4, 4)}}
+    state = {
+        0: {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)},
+        1: {"exp_avg": torch.zeros(4, 4), "exp_avg_sq": torch.zeros(4, 4)},
+    }
     osd = {"state": state, "param_groups": [{"params": [0, 1], "lr": 1e-3}]}
-    with pytest.raises(OptimizerMappingError, match=r"id 0 in group 0 has state of shape \(4,\) but w is \(4, 4\)"):
+    with pytest.raises(
+        OptimizerMappingError, match=r"id 0 in group 0 has state of shape \(4,\) but w is \(4, 4\)"
+    ):
         map_optimizer(osd, params, "optimizer.pt")
 
 
@@ -117,7 +137,9 @@ def test_sharded_hf_weights_with_index(zoo: dict[str, Path], tmp_path: Path) -> 
 
     src = zoo["hf-trainer"] / "checkpoint-30"
     model = LlamaForCausalLM.from_pretrained(src)
-    out = tmp_path / "model-30"  # a save_pretrained dir (a Trainer's checkpoint-N also needs its optimizer and state)
+    out = (
+        tmp_path / "model-30"
+    )  # a save_pretrained dir (a Trainer's checkpoint-N also needs its optimizer and state)
     model.save_pretrained(out, max_shard_size="40KB")
     assert (out / "model.safetensors.index.json").is_file()
     assert len(list(out.glob("model-*.safetensors"))) > 1
@@ -159,7 +181,10 @@ def test_megatron_torch_dist_matches_the_legacy_save() -> None:
     """The same megatron-core run saved both ways: torch_dist's stacked layer tensors, read per
     layer as `decoder.layers.<i>.<name>` (the local spec's norms under TE's fused names),
     hold the legacy file's tensors and moments bit for bit."""
-    te = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight", "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+    te = {
+        "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+        "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    }
     dist = open_checkpoint(resolve_checkpoint("20", MCORE / "plain"))
     legacy = open_checkpoint(resolve_checkpoint("20", MCORE / "legacy"))
     assert dist.format == "megatron-dist" and dist.step == 20 and legacy.format == "megatron"
@@ -171,13 +196,18 @@ def test_megatron_torch_dist_matches_the_legacy_save() -> None:
         seen.add(name)
         assert torch.equal(dist.tensor(name), legacy.tensor(n)), n
         for where in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(dist.optim_state(name)[where], legacy.optim_state(n)[where]), (n, where)
+            assert torch.equal(dist.optim_state(name)[where], legacy.optim_state(n)[where]), (
+                n,
+                where,
+            )
     assert seen == set(dist.names())
     assert dist.hyper("decoder.final_layernorm.weight").weight_decay == 0.0
     assert dist.hyper("decoder.layers.1.mlp.linear_fc1.weight").weight_decay == pytest.approx(0.1)
 
 
-def test_megatron_bucket_that_does_not_fit_the_model_is_refused_with_the_reason(tmp_path: Path) -> None:
+def test_megatron_bucket_that_does_not_fit_the_model_is_refused_with_the_reason(
+    tmp_path: Path,
+) -> None:
     """A distributed-optimizer bucket whose size no reverse, 64-aligned layout of the model's
     parameters explains is refused, not guessed (the real layout: tests/test_real_formats.py)."""
     import json
@@ -187,9 +217,21 @@ def test_megatron_bucket_that_does_not_fit_the_model_is_refused_with_the_reason(
     d = tmp_path / "iter_0000010"
     key = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0.exp_avg"
     with pytest.warns(UserWarning, match="single process"):
-        dcp.save({"decoder.final_layernorm.weight": torch.ones(4), key: torch.zeros(16), key + "_sq": torch.zeros(16)}, checkpoint_id=str(d), no_dist=True)
-    (d / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
-    assert_bad_input(CliRunner().invoke(cli, ["inspect", str(d)]), "the layout does not match this model")
+        dcp.save(
+            {
+                "decoder.final_layernorm.weight": torch.ones(4),
+                key: torch.zeros(16),
+                key + "_sq": torch.zeros(16),
+            },
+            checkpoint_id=str(d),
+            no_dist=True,
+        )
+    (d / "metadata.json").write_text(
+        json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1})
+    )
+    assert_bad_input(
+        CliRunner().invoke(cli, ["inspect", str(d)]), "the layout does not match this model"
+    )
 
 
 def test_megatron_torch_dist_bit_flip_is_located_to_its_layer(tmp_path: Path) -> None:
@@ -207,7 +249,11 @@ def test_megatron_torch_dist_bit_flip_is_located_to_its_layer(tmp_path: Path) ->
     dst = run / "iter_0000020"
     store = DcpStore(dst, read_metadata(dst))
     # one chunk per layer of the stacked [2, 128, 32] tensor: take layer 1's
-    info = next(info for idx, info in store.by_fqn["decoder.layers.mlp.linear_fc1.weight"] if idx.offset[0] == 1)
+    info = next(
+        info
+        for idx, info in store.by_fqn["decoder.layers.mlp.linear_fc1.weight"]
+        if idx.offset[0] == 1
+    )
     t = store._blob(info)
     t[0, 5, 7] = flip_bit(float(t[0, 5, 7]), 30, torch.float32)
     buf = io.BytesIO()
@@ -216,7 +262,9 @@ def test_megatron_torch_dist_bit_flip_is_located_to_its_layer(tmp_path: Path) ->
     with (dst / str(info.relative_path)).open("r+b") as fh:
         fh.seek(int(info.offset))
         fh.write(buf.getvalue())
-    r = CliRunner().invoke(cli, ["diff", "--run-dir", str(run), "--before", "10", "--after", "20", "--json"])
+    r = CliRunner().invoke(
+        cli, ["diff", "--run-dir", str(run), "--before", "10", "--after", "20", "--json"]
+    )
     assert r.exit_code == 0, r.output
     v = json.loads(r.stdout)["verdict"]
     assert v["causes"][0]["cause"] == "silent_corruption"

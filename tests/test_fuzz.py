@@ -18,7 +18,9 @@ from ckptforensics.cli import cli
 from ckptforensics.errors import ForensicsError
 
 EXAMPLES = int(os.environ.get("CKPTFORENSICS_FUZZ_EXAMPLES", "60"))
-FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=EXAMPLES, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck)
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,12 @@ flips = st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), max_si
 
 @FUZZ
 @given(cut=st.integers(0, 4096), flips=flips)
-def test_mangled_safetensors_header(seeds: dict[str, bytes], tmp_path_factory: pytest.TempPathFactory, cut: int, flips: list[tuple[int, int]]) -> None:
+def test_mangled_safetensors_header(
+    seeds: dict[str, bytes],
+    tmp_path_factory: pytest.TempPathFactory,
+    cut: int,
+    flips: list[tuple[int, int]],
+) -> None:
     data = seeds["safetensors"]
     head = _mangle(data, len(data), [(p % 512, v) for p, v in flips])  # header region
     f = tmp_path_factory.mktemp("st") / "x.safetensors"
@@ -63,15 +70,29 @@ def test_mangled_safetensors_header(seeds: dict[str, bytes], tmp_path_factory: p
 
 @FUZZ
 @given(cut=st.integers(0, 1 << 20), flips=flips)
-def test_mangled_torch_zip(seeds: dict[str, bytes], tmp_path_factory: pytest.TempPathFactory, cut: int, flips: list[tuple[int, int]]) -> None:
+def test_mangled_torch_zip(
+    seeds: dict[str, bytes],
+    tmp_path_factory: pytest.TempPathFactory,
+    cut: int,
+    flips: list[tuple[int, int]],
+) -> None:
     f = tmp_path_factory.mktemp("pt") / "step_30.pt"
     f.write_bytes(_mangle(seeds["torch"], cut, flips))
     _inspect_ok(f)
 
 
 @FUZZ
-@given(text=st.one_of(st.binary(max_size=200), st.text(max_size=200).map(str.encode)), cut=st.integers(0, 120))
-def test_mangled_index_json(zoo: dict[str, Path], seeds: dict[str, bytes], tmp_path_factory: pytest.TempPathFactory, text: bytes, cut: int) -> None:
+@given(
+    text=st.one_of(st.binary(max_size=200), st.text(max_size=200).map(str.encode)),
+    cut=st.integers(0, 120),
+)
+def test_mangled_index_json(
+    zoo: dict[str, Path],
+    seeds: dict[str, bytes],
+    tmp_path_factory: pytest.TempPathFactory,
+    text: bytes,
+    cut: int,
+) -> None:
     d = tmp_path_factory.mktemp("hf") / "checkpoint-30"
     d.mkdir()
     shutil.copy(zoo["hf-trainer"] / "checkpoint-30" / "config.json", d / "config.json")
@@ -82,7 +103,13 @@ def test_mangled_index_json(zoo: dict[str, Path], seeds: dict[str, bytes], tmp_p
 
 @FUZZ
 @given(cut=st.integers(0, 1 << 16), flips=flips, step=st.integers(-2, 70))
-def test_mangled_batch_log(seeds: dict[str, bytes], tmp_path_factory: pytest.TempPathFactory, cut: int, flips: list[tuple[int, int]], step: int) -> None:
+def test_mangled_batch_log(
+    seeds: dict[str, bytes],
+    tmp_path_factory: pytest.TempPathFactory,
+    cut: int,
+    flips: list[tuple[int, int]],
+    step: int,
+) -> None:
     from ckptforensics.replay.batches import open_batches
 
     f = tmp_path_factory.mktemp("h5") / "batches.h5"

@@ -19,7 +19,9 @@ import torch
 from click.testing import CliRunner
 
 pytest.importorskip("lightning", reason="the LightningCLI fixture needs lightning")
-pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse[signatures] (the dev extra)")
+pytest.importorskip(
+    "jsonargparse", reason="LightningCLI needs jsonargparse[signatures] (the dev extra)"
+)
 
 import fixtures.tinygpt  # noqa: E402
 from ckptforensics.cli import cli  # noqa: E402
@@ -52,7 +54,9 @@ def test_lightning_cli_records_the_class_path_in_hyper_parameters(cli_run: Path)
 
 
 @pytest.mark.parametrize("batch", ["batches.h5", "flight"])
-def test_replay_builds_the_module_from_its_class_path_without_model(cli_run: Path, batch: str) -> None:
+def test_replay_builds_the_module_from_its_class_path_without_model(
+    cli_run: Path, batch: str
+) -> None:
     code, doc, out = _replay(cli_run, "--batch", str(cli_run / batch))
     assert code == 0, out
     assert doc is not None
@@ -94,7 +98,10 @@ def _spy(calls: list[str], name: str) -> object:
         ("fixtures.tinygpt.GPT", "is not a LightningModule subclass (a class)"),
         ("fixtures.tinygpt.factory", "is not a LightningModule subclass (function)"),
         ("fixtures.tinygpt.NoSuchClass", "is not a LightningModule subclass (missing)"),
-        ("__main__.GPTModule", "the training script itself (__main__); pass --model path/to/script.py:GPTModule"),
+        (
+            "__main__.GPTModule",
+            "the training script itself (__main__); pass --model path/to/script.py:GPTModule",
+        ),
         ("no_such_package_here.Module", "module 'no_such_package_here' is not importable here"),
         ("os.system('id')", "is not a dotted Python name"),
         ("fixtures.no_such_module.Module", "import failed (ModuleNotFoundError"),
@@ -108,25 +115,64 @@ def test_a_rewritten_class_path_is_refused_in_one_line_and_never_called(
     monkeypatch.setattr(fixtures.tinygpt.GPT, "__init__", _spy(calls, "GPT"))
     monkeypatch.setattr(fixtures.tinygpt, "factory", _spy(calls, "factory"))
     before = _rewritten(cli_run, tmp_path, class_path)
-    args = ["replay", "--before", str(before), "--after", str(cli_run / CKPTS / "epoch=0-step=8.ckpt"), "--batch", str(cli_run / "batches.h5")]
+    args = [
+        "replay",
+        "--before",
+        str(before),
+        "--after",
+        str(cli_run / CKPTS / "epoch=0-step=8.ckpt"),
+        "--batch",
+        str(cli_run / "batches.h5"),
+    ]
     r = CliRunner().invoke(cli, args)
     assert_bad_input(r, message)
     assert f"class path {class_path!r}" in r.stderr and "--model" in r.stderr
     assert calls == []
 
 
-def test_lightning_cli_with_a_fixed_model_class_records_no_class_path(cli_run: Path, tmp_path: Path) -> None:
+def test_lightning_cli_with_a_fixed_model_class_records_no_class_path(
+    cli_run: Path, tmp_path: Path
+) -> None:
     before = _rewritten(cli_run, tmp_path, None)
-    args = ["replay", "--before", str(before), "--after", str(cli_run / CKPTS / "epoch=0-step=8.ckpt"), "--batch", str(cli_run / "batches.h5")]
-    assert_bad_input(CliRunner().invoke(cli, args), "with a fixed model class, so they name no class")
-    ok = CliRunner().invoke(cli, [*args, "--model", "fixtures/lightning_cli_run.py:GPTModule"], catch_exceptions=False)
+    args = [
+        "replay",
+        "--before",
+        str(before),
+        "--after",
+        str(cli_run / CKPTS / "epoch=0-step=8.ckpt"),
+        "--batch",
+        str(cli_run / "batches.h5"),
+    ]
+    assert_bad_input(
+        CliRunner().invoke(cli, args), "with a fixed model class, so they name no class"
+    )
+    ok = CliRunner().invoke(
+        cli, [*args, "--model", "fixtures/lightning_cli_run.py:GPTModule"], catch_exceptions=False
+    )
     assert ok.exit_code == 0, ok.output
 
 
-def test_without_lightning_the_class_path_says_what_to_install(cli_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_lightning_the_class_path_says_what_to_install(
+    cli_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import sys
 
     for name in ("lightning", "pytorch_lightning"):
         monkeypatch.setitem(sys.modules, name, None)  # import lightning -> ImportError
-    r = CliRunner().invoke(cli, ["replay", "--run-dir", str(cli_run), "--before", "4", "--after", "8", "--batch", str(cli_run / "batches.h5")])
-    assert_bad_input(r, f"class path {CLASS_PATH!r}: building a LightningModule needs lightning installed")
+    r = CliRunner().invoke(
+        cli,
+        [
+            "replay",
+            "--run-dir",
+            str(cli_run),
+            "--before",
+            "4",
+            "--after",
+            "8",
+            "--batch",
+            str(cli_run / "batches.h5"),
+        ],
+    )
+    assert_bad_input(
+        r, f"class path {CLASS_PATH!r}: building a LightningModule needs lightning installed"
+    )

@@ -34,7 +34,10 @@ def test_path_is_taken_as_path(tmp_path: Path) -> None:
 def test_missing_step_lists_what_was_found(tmp_path: Path) -> None:
     for s in (10, 20):
         (tmp_path / f"checkpoint-{s}").mkdir()
-    with pytest.raises(CheckpointNotFound, match=r"no checkpoint for step 30 .* found: checkpoint-10, checkpoint-20"):
+    with pytest.raises(
+        CheckpointNotFound,
+        match=r"no checkpoint for step 30 .* found: checkpoint-10, checkpoint-20",
+    ):
         resolve_checkpoint("30", tmp_path)
 
 

@@ -26,7 +26,16 @@ from ckptforensics.logs import (
 from ckptforensics.triage import triage
 from tests.conftest import ROOT
 
-FORMATS = ("jsonl", "megatron", "tensorboard", "megatron-tb", "lightning", "lightning-tb", "wandb", "mlflow")
+FORMATS = (
+    "jsonl",
+    "megatron",
+    "tensorboard",
+    "megatron-tb",
+    "lightning",
+    "lightning-tb",
+    "wandb",
+    "mlflow",
+)
 
 
 def _built(call: str, out: Path) -> Any:
@@ -38,7 +47,9 @@ def _built(call: str, out: Path) -> Any:
         f"sys.path.insert(0, {str(ROOT)!r}); from fixtures.log_formats import {call}; "
         f"r = {call}(Path(sys.argv[1])); print(json.dumps({{k: str(v) for k, v in r.items()}} if isinstance(r, dict) else str(r)))"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     return {k: Path(v) for k, v in got.items()} if isinstance(got, dict) else Path(got)
@@ -54,20 +65,30 @@ def _truth(formats: dict[str, Path]) -> dict:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_each_format_merges_its_three_legs_into_the_runs_own_steps(formats: dict[str, Path], fmt: str) -> None:
+def test_each_format_merges_its_three_legs_into_the_runs_own_steps(
+    formats: dict[str, Path], fmt: str
+) -> None:
     own = read_metrics(formats["run"] / "metrics.jsonl")
     log = read_log(formats[fmt])
-    assert sorted(log.rows) == sorted(own)  # steps as the trainer counts them (Lightning's one-behind, W&B's _step undone)
+    assert sorted(log.rows) == sorted(
+        own
+    )  # steps as the trainer counts them (Lightning's one-behind, W&B's _step undone)
     for s, r in own.items():
-        assert log.rows[s]["loss"] == pytest.approx(r["loss"], rel=1e-6), s  # leg 1's NaN at 22 was replaced by leg 2's
-        assert log.rows[s]["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-6, abs=5e-4 if fmt == "megatron" else 0)  # printed :.3f
+        assert log.rows[s]["loss"] == pytest.approx(r["loss"], rel=1e-6), (
+            s
+        )  # leg 1's NaN at 22 was replaced by leg 2's
+        assert log.rows[s]["grad_norm"] == pytest.approx(
+            r["grad_norm"], rel=1e-6, abs=5e-4 if fmt == "megatron" else 0
+        )  # printed :.3f
     legs = [(leg.first, leg.last) for leg in log.legs]
     assert legs == [tuple(x) for x in _truth(formats)["legs"]]
     assert [leg.superseded for leg in log.legs] == [2, 7, 0]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_triage_gives_the_jsonl_onset_and_rollback_on_every_format(formats: dict[str, Path], fmt: str) -> None:
+def test_triage_gives_the_jsonl_onset_and_rollback_on_every_format(
+    formats: dict[str, Path], fmt: str
+) -> None:
     run = formats["run"]
     ref = triage(run / "metrics.jsonl", run)
     t = _truth(formats)
@@ -82,21 +103,44 @@ def test_discovery_finds_each_format_where_its_trainer_puts_it(formats: dict[str
     names = {fmt: [Path(f).name for f in find_logs(formats[fmt])] for fmt in FORMATS}
     assert names["jsonl"] == ["metrics.jsonl"] and names["megatron"] == ["train.log"]
     assert names["lightning"] == ["metrics.csv"] * 3
-    assert all(n.startswith("events.out.tfevents.") for f in ("tensorboard", "megatron-tb", "lightning-tb") for n in names[f])
+    assert all(
+        n.startswith("events.out.tfevents.")
+        for f in ("tensorboard", "megatron-tb", "lightning-tb")
+        for n in names[f]
+    )
     assert names["wandb"] == ["run-legs0001.wandb"] * 3
     assert len(names["mlflow"]) == 3
     assert find_metrics(formats["megatron"]) == formats["megatron"] / "train.log"
-    assert find_metrics(formats["wandb"]) == formats["wandb"]  # several files: the folder, which read_metrics merges
+    assert (
+        find_metrics(formats["wandb"]) == formats["wandb"]
+    )  # several files: the folder, which read_metrics merges
 
 
 def test_cli_triage_says_which_files_it_read(formats: dict[str, Path]) -> None:
     r = CliRunner().invoke(cli, ["triage", "--run-dir", str(formats["tensorboard"]), "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    assert doc["first_bad_step"] == 35 and doc["log_format"] == "tensorboard" and len(doc["files"]) == 3
-    r = CliRunner().invoke(cli, ["triage", "--metrics", str(formats["megatron-tb"] / "tensorboard" / "events.*"), "--run-dir", str(formats["run"])])
+    assert (
+        doc["first_bad_step"] == 35
+        and doc["log_format"] == "tensorboard"
+        and len(doc["files"]) == 3
+    )
+    r = CliRunner().invoke(
+        cli,
+        [
+            "triage",
+            "--metrics",
+            str(formats["megatron-tb"] / "tensorboard" / "events.*"),
+            "--run-dir",
+            str(formats["run"]),
+        ],
+    )
     assert r.exit_code == 0, r.output
-    assert "first bad step: 35" in r.output and r.output.count("  leg ") == 3 and "rollback checkpoint: " in r.output
+    assert (
+        "first bad step: 35" in r.output
+        and r.output.count("  leg ") == 3
+        and "rollback checkpoint: " in r.output
+    )
 
 
 def test_megatron_counts_iterations_not_samples(formats: dict[str, Path]) -> None:
@@ -105,7 +149,9 @@ def test_megatron_counts_iterations_not_samples(formats: dict[str, Path]) -> Non
     rows = read_metrics(formats["megatron-tb"])
     assert max(rows) == 50 and not any(k.endswith("vs samples") for r in rows.values() for k in r)
     text = read_metrics(formats["megatron"] / "train.log")
-    assert text[50]["consumed samples"] == 400 and text[50]["lr"] == pytest.approx(rows[50]["lr"], rel=1e-6)
+    assert text[50]["consumed samples"] == 400 and text[50]["lr"] == pytest.approx(
+        rows[50]["lr"], rel=1e-6
+    )
 
 
 def test_megatron_line_in_both_megatrons_formats() -> None:
@@ -115,25 +161,44 @@ def test_megatron_line_in_both_megatrons_formats() -> None:
           " learning rate: 1.499999E-05 | global batch size:   512 | lm loss: 6.412345E+00 | loss scale: 65536.0 | grad norm: 1.234 |"
           " number of skipped iterations:   0 | number of nan iterations:   0 |")  # fmt: skip
     step, vals = megatron_line(lm)  # type: ignore[misc]
-    assert step == 100 and vals["lm loss"] == pytest.approx(6.412345) and vals["loss scale"] == 65536 and vals["consumed samples"] == 51200
+    assert (
+        step == 100
+        and vals["lm loss"] == pytest.approx(6.412345)
+        and vals["loss scale"] == 65536
+        and vals["consumed samples"] == 51200
+    )
     ds = (" iteration     3000/  292968 | consumed samples:      1536000 | consumed tokens:   3145728000 | elapsed time per iteration (ms): 4012.8 |"
           " learning rate: 5.994E-05 | global batch size:   512 | lm loss: 1.412345E+01 | loss scale: 4096.0 | grad norm: 0.000 |"
           " actual seqlen:  2048 | number of skipped iterations:   3 | number of nan iterations:   0 | samples per second: 127.591 |"
           " tokens per gpu per second (tgs): 2041.4 | TFLOPs: 109.38 |")  # fmt: skip
     step, vals = megatron_line(ds)  # type: ignore[misc]
-    assert step == 3000 and vals["lm loss"] == pytest.approx(14.12345) and vals["number of skipped iterations"] == 3 and vals["TFLOPs"] == pytest.approx(109.38)
+    assert (
+        step == 3000
+        and vals["lm loss"] == pytest.approx(14.12345)
+        and vals["number of skipped iterations"] == 3
+        and vals["TFLOPs"] == pytest.approx(109.38)
+    )
 
 
-def test_a_missing_extra_is_one_line(formats: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_missing_extra_is_one_line(
+    formats: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed: importing it fails
     monkeypatch.setitem(sys.modules, "tensorboard.backend.event_processing.event_accumulator", None)
-    with pytest.raises(MissingExtra, match=r"needs the tensorboard package \(pip install 'ckptforensics\[tensorboard\]'\)"):
+    with pytest.raises(
+        MissingExtra,
+        match=r"needs the tensorboard package \(pip install 'ckptforensics\[tensorboard\]'\)",
+    ):
         read_log(formats["tensorboard"])
     r = CliRunner().invoke(cli, ["triage", "--metrics", str(formats["tensorboard"])])
-    assert r.exit_code == 2 and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+    assert (
+        r.exit_code == 2 and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+    )
 
 
-def test_a_torn_wandb_file_keeps_what_precedes_the_tear(formats: dict[str, Path], tmp_path: Path) -> None:
+def test_a_torn_wandb_file_keeps_what_precedes_the_tear(
+    formats: dict[str, Path], tmp_path: Path
+) -> None:
     """A run killed mid-write leaves a last record cut short: the records before it are read."""
     src = find_logs(formats["wandb"])[-1]
     data = src.read_bytes()
@@ -185,7 +250,9 @@ def test_hf_trainers_three_reporters_log_its_steps(tmp_path: Path) -> None:
             assert r["loss"] == pytest.approx(state[s]["loss"], rel=1e-6), (where, s)
             assert r["grad_norm"] == pytest.approx(state[s]["grad_norm"], rel=1e-6)
             assert r["lr"] == pytest.approx(state[s]["lr"], rel=1e-6)
-    assert [Path(f).name for f in find_logs(run)] == ["trainer_state.json"]  # the Trainer's own log comes first
+    assert [Path(f).name for f in find_logs(run)] == [
+        "trainer_state.json"
+    ]  # the Trainer's own log comes first
 
 
 def test_mlflow_3s_sqlite_store(tmp_path: Path) -> None:
@@ -201,7 +268,15 @@ def test_mlflow_3s_sqlite_store(tmp_path: Path) -> None:
     before = tree_hash(tmp_path)
     own = read_metrics(src / "metrics.jsonl")
     log = read_log(tmp_path)  # discovered: mlflow.db
-    assert [Path(f).name for f in log.files] == ["mlflow.db"] and [(leg.first, leg.last, leg.superseded) for leg in log.legs] == [(1, 22, 2), (21, 37, 7), (31, 50, 0)]
-    assert sorted(log.rows) == sorted(own) and all(log.rows[s]["loss"] == pytest.approx(r["loss"], rel=1e-12) for s, r in own.items())
-    assert triage(tmp_path, None).first_bad_step == triage(src / "metrics.jsonl", None).first_bad_step == 35
+    assert [Path(f).name for f in log.files] == ["mlflow.db"] and [
+        (leg.first, leg.last, leg.superseded) for leg in log.legs
+    ] == [(1, 22, 2), (21, 37, 7), (31, 50, 0)]
+    assert sorted(log.rows) == sorted(own) and all(
+        log.rows[s]["loss"] == pytest.approx(r["loss"], rel=1e-12) for s, r in own.items()
+    )
+    assert (
+        triage(tmp_path, None).first_bad_step
+        == triage(src / "metrics.jsonl", None).first_bad_step
+        == 35
+    )
     assert tree_hash(tmp_path) == before

@@ -31,12 +31,19 @@ def test_every_sample_equals_megatron_cores_gptdataset() -> None:
     assert len(got) == want["tokens"].shape[0]
     for i in range(len(got)):
         text = got.text(i)
-        assert np.array_equal(text[:-1], want["tokens"][i]) and np.array_equal(text[1:], want["labels"][i]), i
+        assert np.array_equal(text[:-1], want["tokens"][i]) and np.array_equal(
+            text[1:], want["labels"][i]
+        ), i
 
 
 def test_the_batch_of_an_iteration_is_its_global_samples() -> None:
     want = np.load(DATA / "expected.npz")
-    args = {"global_batch_size": 8, "micro_batch_size": 2, "seq_length": int(want["seq"]), "seed": int(want["seed"])}
+    args = {
+        "global_batch_size": 8,
+        "micro_batch_size": 2,
+        "seq_length": int(want["seq"]),
+        "seed": int(want["seed"]),
+    }
     assert is_megatron_data(DATA)
     src = megatron_batches(str(DATA), args)
     assert src.labels_shifted and src.micro_batch_size == 2 and src.rebuilt
@@ -49,7 +56,9 @@ def test_the_batch_of_an_iteration_is_its_global_samples() -> None:
 def test_bad_data_is_one_clear_error(tmp_path: Path) -> None:
     want = np.load(DATA / "expected.npz")
     with pytest.raises(BatchError, match="GPTDataset train caches for sequence length 32"):
-        open_samples(DATA, seq_length=32, seed=int(want["seed"]))  # the run's args disagree with the caches
+        open_samples(
+            DATA, seq_length=32, seed=int(want["seed"])
+        )  # the run's args disagree with the caches
     bad = tmp_path / "d"
     shutil.copytree(DATA, bad)
     (bad / "text.bin").write_bytes((bad / "text.bin").read_bytes()[:100])
@@ -69,25 +78,56 @@ def _metrics(tmp: Path) -> Path:
 
     steps = json.loads((MCORE / "truth.json").read_text())["variants"]["plain"]["steps"]
     path = tmp / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"step": s["step"], "loss": s["loss"], "grad_norm": s["grad_norm"], "lr": s["lr"][0]}) + "\n" for s in steps))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "step": s["step"],
+                    "loss": s["loss"],
+                    "grad_norm": s["grad_norm"],
+                    "lr": s["lr"][0],
+                }
+            )
+            + "\n"
+            for s in steps
+        )
+    )
     return path
 
 
 @pytest.mark.parametrize("variant", ["plain", "legacy"])
-def test_replay_a_megatron_run_from_its_own_data_with_no_batch_and_no_model(variant: str, tmp_path: Path) -> None:
+def test_replay_a_megatron_run_from_its_own_data_with_no_batch_and_no_model(
+    variant: str, tmp_path: Path
+) -> None:
     import json
 
     from click.testing import CliRunner
 
     from ckptforensics.cli import cli
 
-    args = ["replay", "--run-dir", str(MCORE / variant), "--before", "10", "--after", "20", "--data", str(DATA), "--metrics", str(_metrics(tmp_path)), "--out", str(tmp_path / "rep")]
+    args = [
+        "replay",
+        "--run-dir",
+        str(MCORE / variant),
+        "--before",
+        "10",
+        "--after",
+        "20",
+        "--data",
+        str(DATA),
+        "--metrics",
+        str(_metrics(tmp_path)),
+        "--out",
+        str(tmp_path / "rep"),
+    ]
     r = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert doc["verdict"]["reproducible"] is True and doc["verdict"]["causes"][0]["cause"] == "none"
     cfg = doc["replay"]["config"]
-    assert "Megatron GPTDataset" in cfg["batches"]["value"] and "rebuilt" in cfg["batches"]["source"]
+    assert (
+        "Megatron GPTDataset" in cfg["batches"]["value"] and "rebuilt" in cfg["batches"]["source"]
+    )
     assert "reference Megatron GPT" in cfg["model"]["value"]
 
 
@@ -102,12 +142,26 @@ def test_a_dataset_that_is_not_the_runs_is_refused_in_one_line(tmp_path: Path) -
     tokens = np.fromfile(other / "text.bin", dtype=np.uint16)
     np.random.default_rng(1).shuffle(tokens)  # the same documents' tokens in another order
     tokens.tofile(other / "text.bin")
-    args = ["replay", "--run-dir", str(MCORE / "plain"), "--before", "10", "--after", "20", "--data", str(other), "--metrics", str(_metrics(tmp_path))]
+    args = [
+        "replay",
+        "--run-dir",
+        str(MCORE / "plain"),
+        "--before",
+        "10",
+        "--after",
+        "20",
+        "--data",
+        str(other),
+        "--metrics",
+        str(_metrics(tmp_path)),
+    ]
     assert_bad_input(CliRunner().invoke(cli, args), "the data pipeline differs")
 
 
 @pytest.mark.parametrize("data", ["prefix", "launch dir"])
-def test_paths_recorded_relative_to_the_launch_directory_are_found(data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_paths_recorded_relative_to_the_launch_directory_are_found(
+    data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """megatron-core wrote this run launched from the repository root: its args hold
     `--data-path fixtures/.../gptdataset/text` and `--data-cache-path fixtures/.../gptdataset/cache`,
     relative to there. The run copied under another launch directory, the dataset moved
@@ -142,16 +196,45 @@ def test_paths_recorded_relative_to_the_launch_directory_are_found(data: str, tm
     monkeypatch.chdir(work)  # where the tool runs says nothing about where the run was launched
     given = str(store / "text") if data == "prefix" else str(launch)
     metrics = _metrics(tmp_path)
-    r = CliRunner().invoke(cli, ["replay", "--run-dir", str(run), "--before", "10", "--after", "20", "--data", given, "--metrics", str(metrics), "--out", str(tmp_path / "rep")], catch_exceptions=False)
+    r = CliRunner().invoke(
+        cli,
+        [
+            "replay",
+            "--run-dir",
+            str(run),
+            "--before",
+            "10",
+            "--after",
+            "20",
+            "--data",
+            given,
+            "--metrics",
+            str(metrics),
+            "--out",
+            str(tmp_path / "rep"),
+        ],
+        catch_exceptions=False,
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "rep" / "report.json").read_text())
-    assert doc["verdict"]["reproducible"] is True and doc["replay"]["reproduction"]["mismatched"] == 0
+    assert (
+        doc["verdict"]["reproducible"] is True and doc["replay"]["reproduction"]["mismatched"] == 0
+    )
     said = doc["replay"]["config"]["batches"]["value"]
-    assert f"caches: --data-cache-path {rel_cache} resolved against the run directory's parent {launch}" in said
+    assert (
+        f"caches: --data-cache-path {rel_cache} resolved against the run directory's parent {launch}"
+        in said
+    )
     if data == "launch dir":
-        assert f"dataset: --data-path {rel_data} resolved against the run directory's parent {launch}" in said
+        assert (
+            f"dataset: --data-path {rel_data} resolved against the run directory's parent {launch}"
+            in said
+        )
 
     # Before: the relative cache path was only tried against the working directory.
     shutil.rmtree(launch / rel_cache)
-    with open_checkpoint(run / "iter_0000010") as ck, pytest.raises(BatchError, match="0 GPTDataset train caches"):
+    with (
+        open_checkpoint(run / "iter_0000010") as ck,
+        pytest.raises(BatchError, match="0 GPTDataset train caches"),
+    ):
         megatron_batches(given, ck.config, run)

@@ -29,15 +29,33 @@ def test_every_step_is_the_batch_olmo_core_fed() -> None:
     src = olmo_batches(str(OLMO), OLMO / "run" / "step10")
     assert src.labels_shifted and src.rebuilt
     with h5py.File(OLMO / "batches.h5", "r") as h:
-        steps, ids, labels = np.asarray(h["step"]), np.asarray(h["input_ids"]), np.asarray(h["labels"])
+        steps, ids, labels = (
+            np.asarray(h["step"]),
+            np.asarray(h["input_ids"]),
+            np.asarray(h["labels"]),
+        )
     for i, s in enumerate(steps):
         b = src.batch(int(s))
         assert torch.equal(b["input_ids"], torch.from_numpy(ids[i]).long()), s
         assert torch.equal(b["labels"], torch.from_numpy(labels[i]).long()), s
 
 
-def test_replay_an_olmo_core_run_from_its_own_data_with_no_batch_and_no_model(tmp_path: Path) -> None:
-    args = ["replay", "--run-dir", str(OLMO / "run"), "--before", "10", "--after", "20", "--data", str(OLMO), "--out", str(tmp_path / "rep")]
+def test_replay_an_olmo_core_run_from_its_own_data_with_no_batch_and_no_model(
+    tmp_path: Path,
+) -> None:
+    args = [
+        "replay",
+        "--run-dir",
+        str(OLMO / "run"),
+        "--before",
+        "10",
+        "--after",
+        "20",
+        "--data",
+        str(OLMO),
+        "--out",
+        str(tmp_path / "rep"),
+    ]
     r = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "rep" / "report.json").read_text())
@@ -53,14 +71,38 @@ def test_token_files_that_are_not_the_runs_are_refused_in_one_line(tmp_path: Pat
     tokens = np.fromfile(f, dtype=np.uint16)
     np.random.default_rng(1).shuffle(tokens)
     tokens.tofile(f)
-    args = ["replay", "--run-dir", str(OLMO / "run"), "--before", "10", "--after", "20", "--data", str(other)]
+    args = [
+        "replay",
+        "--run-dir",
+        str(OLMO / "run"),
+        "--before",
+        "10",
+        "--after",
+        "20",
+        "--data",
+        str(other),
+    ]
     assert_bad_input(CliRunner().invoke(cli, args), "the data pipeline differs")
-    run = shutil.copytree(OLMO / "run", tmp_path / "moved" / "run")  # away from the token files its paths are relative to
-    args = ["replay", "--run-dir", str(run), "--before", "10", "--after", "20", "--data", str(tmp_path / "none")]
+    run = shutil.copytree(
+        OLMO / "run", tmp_path / "moved" / "run"
+    )  # away from the token files its paths are relative to
+    args = [
+        "replay",
+        "--run-dir",
+        str(run),
+        "--before",
+        "10",
+        "--after",
+        "20",
+        "--data",
+        str(tmp_path / "none"),
+    ]
     assert_bad_input(CliRunner().invoke(cli, args), "no token file tokens/part-00000.npy")
 
 
-def test_token_paths_relative_to_the_launch_directory_are_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_token_paths_relative_to_the_launch_directory_are_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """OLMo-core recorded `dataset.paths` relative to where the run was launched (its save
     folder `run` sits there too). Replayed from elsewhere with --data naming a directory
     that does not hold them, they resolve against the run directory's parent, the launch
@@ -72,9 +114,24 @@ def test_token_paths_relative_to_the_launch_directory_are_found(tmp_path: Path, 
     shutil.copytree(OLMO / "tokens", launch / "tokens")
     (tmp_path / "work").mkdir()
     monkeypatch.chdir(tmp_path / "work")
-    args = ["replay", "--run-dir", str(launch / "run"), "--before", "10", "--after", "20", "--data", str(tmp_path / "work"), "--out", str(tmp_path / "rep")]
+    args = [
+        "replay",
+        "--run-dir",
+        str(launch / "run"),
+        "--before",
+        "10",
+        "--after",
+        "20",
+        "--data",
+        str(tmp_path / "work"),
+        "--out",
+        str(tmp_path / "rep"),
+    ]
     r = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert doc["verdict"]["reproducible"] is True
-    assert f"token files: tokens/part-00000.npy resolved against the run directory's parent {launch}" in doc["replay"]["config"]["batches"]["value"]
+    assert (
+        f"token files: tokens/part-00000.npy resolved against the run directory's parent {launch}"
+        in doc["replay"]["config"]["batches"]["value"]
+    )

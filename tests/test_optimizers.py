@@ -34,7 +34,13 @@ def _have(opt: str) -> bool:
 
 def _opt(opt: str, *rest: str) -> object:
     """A parameter that skips, naming the package, where the optimizer's package is absent."""
-    return pytest.param(opt, *rest, marks=pytest.mark.skipif(not _have(opt), reason=f"{opt} needs {_PACKAGES.get(opt)} (pip install -e '.[dev]')"))
+    return pytest.param(
+        opt,
+        *rest,
+        marks=pytest.mark.skipif(
+            not _have(opt), reason=f"{opt} needs {_PACKAGES.get(opt)} (pip install -e '.[dev]')"
+        ),
+    )
 
 
 # optimizer -> (family of its groups in order, the kind the checkpoint reads as)
@@ -79,7 +85,9 @@ def test_family_read_from_the_state_layout(runs: dict[str, dict[str, Path]], opt
         assert set(ck.optimizer.state) == set(ck.names())
     if opt == "adafactor_hf":
         g = ck.optimizer.groups[0]
-        assert g.options["implementation"].startswith("transformers") and g.options["eps2"] == pytest.approx(1e-3)
+        assert g.options["implementation"].startswith("transformers") and g.options[
+            "eps2"
+        ] == pytest.approx(1e-3)
 
 
 @pytest.mark.parametrize("opt", OPTS)
@@ -96,7 +104,10 @@ def test_diff_under_each_optimizer(runs: dict[str, dict[str, Path]], opt: str) -
     v = doc["verdict"]
     assert v["causes"][0]["cause"] == "silent_corruption"
     hit = v["corrupted_elements"][0]
-    assert (hit["tensor"], hit["index"]) == (truth["corrupted"]["tensor"], truth["corrupted"]["index"])
+    assert (hit["tensor"], hit["index"]) == (
+        truth["corrupted"]["tensor"],
+        truth["corrupted"]["index"],
+    )
     assert hit["kind"] == f"bit_flip(exponent bit {truth['corrupted']['bit']})"
 
 
@@ -109,14 +120,23 @@ def test_inspect_names_the_family(runs: dict[str, dict[str, Path]], opt: str) ->
 
 @pytest.mark.parametrize(
     ("opt", "kind"),
-    [("lion", "lr_spike"), ("adafactor_hf", "healthy"), ("muon", "bit_flip"), _opt("adam8bit", "lr_spike"), _opt("adam8bit", "bit_flip"), _opt("lamb", "bit_flip")],
+    [
+        ("lion", "lr_spike"),
+        ("adafactor_hf", "healthy"),
+        ("muon", "bit_flip"),
+        _opt("adam8bit", "lr_spike"),
+        _opt("adam8bit", "bit_flip"),
+        _opt("lamb", "bit_flip"),
+    ],
 )
 def test_replay_rebuilds_the_family(runs: dict[str, dict[str, Path]], opt: str, kind: str) -> None:
     """Replayed with the family's own class: an LR spike's first bad step; a healthy pair that
     reproduces; a flipped element no replay reaches."""
     a, b, truth = _pair(runs[opt][kind])
     run = runs[opt][kind]
-    cfg = ReplayConfig(before=a, after=b, model="fixtures/tinygpt.py:factory", batch=str(run / "batches.h5"))
+    cfg = ReplayConfig(
+        before=a, after=b, model="fixtures/tinygpt.py:factory", batch=str(run / "batches.h5")
+    )
     doc, _ = run_replay(cfg, command="replay")
     v = doc["verdict"]
     assert v["causes"][0]["cause"] == (truth["cause"] or "none")
@@ -143,13 +163,18 @@ def test_8bit_state_dequantised(runs: dict[str, dict[str, Path]]) -> None:
         st = ck.optimizer.state["transformer.h.1.mlp.c_fc.weight"]
         assert st["state2"].dtype == torch.uint8 and st["exp_avg_sq"].dtype == torch.float32
         for i, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
-            theirs = F.dequantize_blockwise(st[f"state{i}"], absmax=st[f"absmax{i}"], code=st[f"qmap{i}"], blocksize=256)
+            theirs = F.dequantize_blockwise(
+                st[f"state{i}"], absmax=st[f"absmax{i}"], code=st[f"qmap{i}"], blocksize=256
+            )
             assert torch.equal(st[key], theirs)
         small = ck.optimizer.state["transformer.h.1.ln_1.weight"]
         assert small["state1"].dtype == torch.float32 and small["exp_avg"] is small["state1"]
         v_max, m_max = float(st["exp_avg_sq"].max()), float(st["exp_avg"].abs().max())
     doc, _ = run_diff(runs["adam8bit"]["healthy"] / "step_20.pt", path, command="diff")
-    assert any("8-bit optimizer state: 4 quantised tensors' moments dequantised" in n for n in doc["diff"]["pair"]["notes"])
+    assert any(
+        "8-bit optimizer state: 4 quantised tensors' moments dequantised" in n
+        for n in doc["diff"]["pair"]["notes"]
+    )
     row = next(t for t in doc["diff"]["tensors"] if t["name"] == "transformer.h.1.mlp.c_fc.weight")
     assert row["has_moments"] and row["family"] == "adam8bit" and row["k"] == 10
     assert row["max_v_b"] == pytest.approx(v_max) and row["max_abs_m_b"] == pytest.approx(m_max)
@@ -165,7 +190,11 @@ def test_8bit_state_flip_located(runs: dict[str, dict[str, Path]]) -> None:
     assert v["causes"][0]["cause"] == "silent_corruption"
     hit = v["corrupted_elements"][0]
     want = truth["corrupted"]
-    assert (hit["tensor"], hit["where"], hit["index"]) == (want["tensor"], want["where"], want["index"])
+    assert (hit["tensor"], hit["where"], hit["index"]) == (
+        want["tensor"],
+        want["where"],
+        want["index"],
+    )
     assert hit["kind"] == "bit_flip(code bit 7)"
 
 
@@ -180,12 +209,24 @@ def test_lamb_implementations_one_line(runs: dict[str, dict[str, Path]], tmp_pat
     from fixtures.tinygpt import GPT, GPTConfig
 
     a, b, _ = _pair(runs["lamb"]["healthy"])
-    for impl, keep in (("deepspeed", {"bias_correction": True, "max_coeff": 10.0, "min_coeff": 0.01}), ("apex", {"bias_correction": True, "grad_averaging": True})):
+    for impl, keep in (
+        ("deepspeed", {"bias_correction": True, "max_coeff": 10.0, "min_coeff": 0.01}),
+        ("apex", {"bias_correction": True, "grad_averaging": True}),
+    ):
         for src in (a, b):
             ck = torch.load(src, weights_only=False)
             for g in ck["optimizer"]["param_groups"]:
                 step = g["step"]
-                for k in ("weight_decouple", "fixed_decay", "rectify", "adam", "foreach", "max_grad_norm", "grad_averaging", "step"):
+                for k in (
+                    "weight_decouple",
+                    "fixed_decay",
+                    "rectify",
+                    "adam",
+                    "foreach",
+                    "max_grad_norm",
+                    "grad_averaging",
+                    "step",
+                ):
                     g.pop(k, None)
                 g.update(keep, max_grad_norm=0.0)
                 if impl == "apex":
@@ -198,9 +239,16 @@ def test_lamb_implementations_one_line(runs: dict[str, dict[str, Path]], tmp_pat
             torch.save(ck, tmp_path / f"{impl}-{src.name}")
         pa, pb = tmp_path / f"{impl}-{a.name}", tmp_path / f"{impl}-{b.name}"
         with open_checkpoint(pb) as ck:
-            assert ck.optimizer.kind == "lamb" and impl in ck.optimizer.groups[0].options["implementation"].lower()
+            assert (
+                ck.optimizer.kind == "lamb"
+                and impl in ck.optimizer.groups[0].options["implementation"].lower()
+            )
             with pytest.raises(ForensicsError, match="needs its CUDA op"):
-                build_optimizer(GPT(GPTConfig(**torch.load(pb, weights_only=False)["model_config"])), ck, lambda k: k)
+                build_optimizer(
+                    GPT(GPTConfig(**torch.load(pb, weights_only=False)["model_config"])),
+                    ck,
+                    lambda k: k,
+                )
         doc, _ = run_diff(pa, pb, command="diff")
         assert doc["verdict"]["causes"][0]["cause"] == "none", (impl, doc["verdict"]["summary"])
 
@@ -225,12 +273,27 @@ def test_unknown_optimizer_one_line(tmp_path: Path, which: str) -> None:
         opt.zero_grad()
         model(ids, labels=ids).backward()
         opt.step()
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, tmp_path / f"step_{step}.pt")
-    res = CliRunner().invoke(cli, ["diff", "--before", str(tmp_path / "step_1.pt"), "--after", str(tmp_path / "step_2.pt"), "--json"])
+        torch.save(
+            {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
+            tmp_path / f"step_{step}.pt",
+        )
+    res = CliRunner().invoke(
+        cli,
+        [
+            "diff",
+            "--before",
+            str(tmp_path / "step_1.pt"),
+            "--after",
+            str(tmp_path / "step_2.pt"),
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
     named = "sum" if which == "adagrad" else "bitsandbytes"  # Adagrad's state key; bnb's package
-    assert any("not one the tool knows" in n and named in n for n in doc["diff"]["pair"]["notes"]), doc["diff"]["pair"]["notes"]
+    assert any(
+        "not one the tool knows" in n and named in n for n in doc["diff"]["pair"]["notes"]
+    ), doc["diff"]["pair"]["notes"]
     with open_checkpoint(tmp_path / "step_1.pt") as ck:
         from ckptforensics.replay.model import build_optimizer
 
@@ -253,8 +316,13 @@ def test_resume_that_lost_state(resumed: dict[str, Path]) -> None:
             continue
         assert v["first_bad_step"] == truth["first_bad_step"] == resume_run.RESUME + 1
         assert v["rollback_checkpoint"] == str(a) and a.name == truth["rollback"]
-        assert any(cause.split("_")[0] in x.lower() or "resume" in x.lower() for x in v["recommended_actions"])
-    lost = run_diff(*_pair(resumed["optimizer_lost"])[:2], command="diff")[0]["verdict"]["recommended_actions"][0]
+        assert any(
+            cause.split("_")[0] in x.lower() or "resume" in x.lower()
+            for x in v["recommended_actions"]
+        )
+    lost = run_diff(*_pair(resumed["optimizer_lost"])[:2], command="diff")[0]["verdict"][
+        "recommended_actions"
+    ][0]
     for way in ("resume_from_checkpoint", "ckpt_path", "load_optimizer_states", "--no-load-optim"):
         assert way in lost
 
@@ -274,7 +342,13 @@ def test_triage_onset_at_the_resume(resumed: dict[str, Path]) -> None:
 def test_resume_lost_optimizer_from_replay(resumed: dict[str, Path]) -> None:
     a, b, truth = _pair(resumed["optimizer_lost"])
     run = resumed["optimizer_lost"]
-    cfg = ReplayConfig(before=a, after=b, model="fixtures/tinygpt.py:factory", batch=str(run / "batches.h5"), precision="fp16")
+    cfg = ReplayConfig(
+        before=a,
+        after=b,
+        model="fixtures/tinygpt.py:factory",
+        batch=str(run / "batches.h5"),
+        precision="fp16",
+    )
     doc, _ = run_replay(cfg, command="replay")
     v = doc["verdict"]
     assert v["causes"][0]["cause"] == "optimizer_state_lost"
@@ -291,12 +365,16 @@ def test_data_loader_restart(resumed: dict[str, Path]) -> None:
 
     def ids(run: Path) -> dict[int, list[int]]:
         with h5py.File(run / "batches.h5", "r") as h:
-            return {int(s): row.tolist() for s, row in zip(h["step"][:], h["sample_id"][:], strict=True)}
+            return {
+                int(s): row.tolist() for s, row in zip(h["step"][:], h["sample_id"][:], strict=True)
+            }
 
     window = list(range(resume_run.RESUME + 1, resume_run.RESUME + 11))
     found = detect_data_restart(ids(resumed["data_restarted"]), window)
     assert [f.kind for f in found] == ["data_loader_restarted"]
-    assert found[0].metrics["step"] == resume_run.RESUME + 1 and found[0].metrics["repeats_step"] == 1
+    assert (
+        found[0].metrics["step"] == resume_run.RESUME + 1 and found[0].metrics["repeats_step"] == 1
+    )
     assert detect_data_restart(ids(resumed["correct"]), window) == []
 
 

@@ -44,7 +44,22 @@ def test_the_replay_freezes_the_row_the_run_froze(run: Path) -> None:
     t = json.loads((run / "truth.json").read_text())
     cfg = json.loads(next(run.glob("checkpoint-*/config.json")).read_text())
     assert cfg["pad_token_id"] == 63  # what the Trainer saved; the run froze row 0
-    r = CliRunner().invoke(cli, ["replay", "--run-dir", str(run), "--before", str(t["before"]), "--after", str(t["after"]), "--batch", str(run / "batches.h5"), "--json"], catch_exceptions=False)
+    r = CliRunner().invoke(
+        cli,
+        [
+            "replay",
+            "--run-dir",
+            str(run),
+            "--before",
+            str(t["before"]),
+            "--after",
+            str(t["after"]),
+            "--batch",
+            str(run / "batches.h5"),
+            "--json",
+        ],
+        catch_exceptions=False,
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["verdict"]["replay_check"]["status"] in ("matched", "diverged_after_onset")

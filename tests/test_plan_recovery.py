@@ -39,7 +39,10 @@ def _expect_truth(doc: dict[str, Any], t: dict[str, Any]) -> None:
     if t["optimizer_restarted_at"] is not None:
         assert opt["status"] == "failed" and opt["step"] == t["optimizer_restarted_at"], opt
         assert "optimizer" in r["summary"]
-        assert any(f["kind"] == "resume_optimizer_state" and f["severity"] == "critical" for f in doc["findings"])
+        assert any(
+            f["kind"] == "resume_optimizer_state" and f["severity"] == "critical"
+            for f in doc["findings"]
+        )
     else:
         assert opt["status"] == "ok", opt
 
@@ -53,10 +56,14 @@ def loop_resumes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("variant", ["fixed", "none", "lost"])
-def test_recovery_names_each_resume_of_the_loop(loop_resumes: dict[str, Path], variant: str, tmp_path: Path) -> None:
+def test_recovery_names_each_resume_of_the_loop(
+    loop_resumes: dict[str, Path], variant: str, tmp_path: Path
+) -> None:
     run = loop_resumes[f"loop-{variant}"]
     t = _truth(run)
-    plan = {"expect": {"skip_sample_ids": [273, 276, 278], "skip_sample_steps": [35], "onset": None}}
+    plan = {
+        "expect": {"skip_sample_ids": [273, 276, 278], "skip_sample_steps": [35], "onset": None}
+    }
     rep = api.recovery(run, t["resumed_from"], plan=plan)
     rep.save(tmp_path / "rec")
     _expect_truth(rep.doc, t)
@@ -71,28 +78,60 @@ def test_recovery_names_each_resume_of_the_loop(loop_resumes: dict[str, Path], v
 
 def test_recovery_cli_json_out_and_strict(loop_resumes: dict[str, Path], tmp_path: Path) -> None:
     run = loop_resumes["loop-none"]
-    r = CliRunner().invoke(cli, ["recovery", "--run-dir", str(run), "--resumed-from", "30", "--json", "--out", str(tmp_path / "rec"), "--strict"])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "recovery",
+            "--run-dir",
+            str(run),
+            "--resumed-from",
+            "30",
+            "--json",
+            "--out",
+            str(tmp_path / "rec"),
+            "--strict",
+        ],
+    )
     assert r.exit_code == 1, r.output  # relapsed: --strict is an alarm
     doc = json.loads(r.stdout)
     assert doc["recovery"]["status"] == "relapsed" and doc["recovery"]["step"] == 35
-    assert (tmp_path / "rec" / "report.json").is_file() and (tmp_path / "rec" / "report.md").read_text().startswith("# ckptforensics: recovery — relapsed at step 35")
-    r = CliRunner().invoke(cli, ["recovery", "--run-dir", str(loop_resumes["loop-fixed"]), "--resumed-from", "30", "--strict"])
+    assert (tmp_path / "rec" / "report.json").is_file() and (
+        tmp_path / "rec" / "report.md"
+    ).read_text().startswith("# ckptforensics: recovery — relapsed at step 35")
+    r = CliRunner().invoke(
+        cli,
+        [
+            "recovery",
+            "--run-dir",
+            str(loop_resumes["loop-fixed"]),
+            "--resumed-from",
+            "30",
+            "--strict",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert r.output.startswith("Recovered at step 31")
     r = CliRunner().invoke(cli, ["recovery", "--run-dir", str(run), "--resumed-from", "60"])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "no step after 60" in r.output
 
 
-def test_triage_on_a_rolled_back_run_shows_both_legs_and_points_at_recovery(loop_resumes: dict[str, Path]) -> None:
+def test_triage_on_a_rolled_back_run_shows_both_legs_and_points_at_recovery(
+    loop_resumes: dict[str, Path],
+) -> None:
     run = loop_resumes["loop-fixed"]
     rep = api.triage(run_dir=run)
     assert rep.kind == "triage" and rep.first_bad_step == rep.doc["first_bad_step"]
     res = rep.result
     assert res.resumed is not None and res.resumed["from"] == 30
     assert [(leg["first"], leg["last"]) for leg in res.resumed["legs"]] == [(1, 60), (31, 60)]
-    assert any(c.startswith(f"ckptforensics recovery --run-dir {run} --resumed-from 30") for c in res.commands)
+    assert any(
+        c.startswith(f"ckptforensics recovery --run-dir {run} --resumed-from 30")
+        for c in res.commands
+    )
     r = CliRunner().invoke(cli, ["triage", "--run-dir", str(run)])
-    assert r.exit_code == 0 and "rolled back already" in r.output and "--resumed-from 30" in r.output
+    assert (
+        r.exit_code == 0 and "rolled back already" in r.output and "--resumed-from 30" in r.output
+    )
 
 
 # ---------------------------------------------------------------- plan, applied by the loop
@@ -104,28 +143,64 @@ def _zoo_incident(root: Path, name: str) -> Path:
 
 @pytest.mark.parametrize(
     "incident,after,knob",
-    [("poison_batch", 35, "skip_samples"), ("lr_jump", 40, "lr_fix"), ("gradient_explosion", 40, "lr_fix")],
+    [
+        ("poison_batch", 35, "skip_samples"),
+        ("lr_jump", 40, "lr_fix"),
+        ("gradient_explosion", 40, "lr_fix"),
+    ],
 )
-def test_plan_applied_by_the_loop_makes_the_run_recover(tmp_path_factory: pytest.TempPathFactory, incident: str, after: int, knob: str) -> None:
+def test_plan_applied_by_the_loop_makes_the_run_recover(
+    tmp_path_factory: pytest.TempPathFactory, incident: str, after: int, knob: str
+) -> None:
     from fixtures import zoo
     from fixtures.resume_runs import loop_changes, resume_loop
 
     root = tmp_path_factory.mktemp(f"plan-{incident}")
     run = _zoo_incident(root / "zoo", incident)
     out = root / "plan"
-    r = CliRunner().invoke(cli, ["plan", "--run-dir", str(run), "--before", "30", "--after", str(after), "--batch", str(run / "batches.h5"), "--model", MODEL, "--json", "--out", str(out)])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "plan",
+            "--run-dir",
+            str(run),
+            "--before",
+            "30",
+            "--after",
+            str(after),
+            "--batch",
+            str(run / "batches.h5"),
+            "--model",
+            MODEL,
+            "--json",
+            "--out",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     p = doc["plan"]
-    assert p["status"] == "ready" and p["rollback"]["step"] == 30 and p["trainer"] in ("loop", "nanogpt")
+    assert (
+        p["status"] == "ready"
+        and p["rollback"]["step"] == 30
+        and p["trainer"] in ("loop", "nanogpt")
+    )
     first = p["changes"][0]
     assert first["knob"] == knob, p["changes"]
     assert doc["whatif"]["outcomes"], "the plan replays its mitigations"
     if knob == "skip_samples":
         assert first["status"] == "verified" and first["evidence"]["source"] == "whatif"
-        assert p["skip"]["sample_ids"] == [273, 276, 278] and json.loads((out / "skip.json").read_text())["sample_ids"] == [273, 276, 278]
-    make = {"poison_batch": zoo.poison_run, "lr_jump": zoo.lr_jump_run, "gradient_explosion": zoo.gradient_explosion_run}[incident]
-    resumed = resume_loop(run, root / "resumed", rollback=p["rollback"]["step"], make=make, **loop_changes(p))
+        assert p["skip"]["sample_ids"] == [273, 276, 278] and json.loads(
+            (out / "skip.json").read_text()
+        )["sample_ids"] == [273, 276, 278]
+    make = {
+        "poison_batch": zoo.poison_run,
+        "lr_jump": zoo.lr_jump_run,
+        "gradient_explosion": zoo.gradient_explosion_run,
+    }[incident]
+    resumed = resume_loop(
+        run, root / "resumed", rollback=p["rollback"]["step"], make=make, **loop_changes(p)
+    )
     rec = api.recovery(resumed.out, 30, plan=out)
     assert rec.doc["recovery"]["status"] == "recovered", rec.doc["recovery"]["summary"]
     checks = _checks(rec.doc)
@@ -147,7 +222,9 @@ def hf_resumes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("variant", ["fixed", "none", "lost"])
-def test_recovery_names_each_resume_of_the_hf_trainer(hf_resumes: dict[str, Path], variant: str) -> None:
+def test_recovery_names_each_resume_of_the_hf_trainer(
+    hf_resumes: dict[str, Path], variant: str
+) -> None:
     run = hf_resumes[f"hf-{variant}"]
     t = _truth(run)
     rep = api.recovery(run, t["resumed_from"])
@@ -155,7 +232,9 @@ def test_recovery_names_each_resume_of_the_hf_trainer(hf_resumes: dict[str, Path
     assert Path(rep.doc["recovery"]["log"]).name == "trainer_state.json"
 
 
-def test_plan_applied_by_the_hf_trainer_makes_the_run_recover(hf_resumes: dict[str, Path], tmp_path: Path) -> None:
+def test_plan_applied_by_the_hf_trainer_makes_the_run_recover(
+    hf_resumes: dict[str, Path], tmp_path: Path
+) -> None:
     from fixtures.resume_runs import hf_changes, resume_hf
 
     src = hf_resumes["hf-none"].parent / "hf" / "run"
@@ -184,13 +263,18 @@ def lightning_resumes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
 
 
 @pytest.mark.parametrize("variant", ["fixed", "none", "lost"])
-def test_recovery_names_each_resume_of_lightning(lightning_resumes: dict[str, Path], variant: str) -> None:
+def test_recovery_names_each_resume_of_lightning(
+    lightning_resumes: dict[str, Path], variant: str
+) -> None:
     run = lightning_resumes[f"lightning-{variant}"]
     t = _truth(run)
     rep = api.recovery(run, t["resumed_from"])
     _expect_truth(rep.doc, t)
     legs = rep.doc["recovery"]["legs"]
-    assert [Path(leg["source"]).parent.name for leg in legs] == ["version_0", "version_1"]  # a CSVLogger version a launch
+    assert [Path(leg["source"]).parent.name for leg in legs] == [
+        "version_0",
+        "version_1",
+    ]  # a CSVLogger version a launch
 
 
 def test_plan_refuses_conflicting_inputs_before_any_work(tmp_path: Path) -> None:

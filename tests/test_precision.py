@@ -15,7 +15,12 @@ MODEL = "fixtures/tinygpt.py:factory"
 
 
 def _replay(run: Path, before: int, batch: Path | None = None) -> tuple[object, int, int]:
-    cfg = ReplayConfig(before=run / f"step_{before}.pt", after=run / f"step_{before + 10}.pt", model=MODEL, batch=str(batch or run / "batches.h5"))
+    cfg = ReplayConfig(
+        before=run / f"step_{before}.pt",
+        after=run / f"step_{before + 10}.pt",
+        model=MODEL,
+        batch=str(batch or run / "batches.h5"),
+    )
     r = replay(cfg)
     assert r.matches is not None
     return r, sum(m.mismatched for m in r.matches), sum(m.numel for m in r.matches)
@@ -24,18 +29,27 @@ def _replay(run: Path, before: int, batch: Path | None = None) -> tuple[object, 
 @pytest.fixture(scope="module")
 def fp16_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fp16")
-    return {"bare": fp16_nanogpt(root), "logged": fp16_nanogpt(root, logged=True), "recorded": fp16_nanogpt(root, record=True)}
+    return {
+        "bare": fp16_nanogpt(root),
+        "logged": fp16_nanogpt(root, logged=True),
+        "recorded": fp16_nanogpt(root, record=True),
+    }
 
 
 @pytest.mark.parametrize("before", [20, 40])
-def test_fp16_run_without_scaler_state_or_logged_scale_lands_on_after(fp16_runs: dict[str, Path], before: int) -> None:
+def test_fp16_run_without_scaler_state_or_logged_scale_lands_on_after(
+    fp16_runs: dict[str, Path], before: int
+) -> None:
     """karpathy/nanoGPT saves no GradScaler state and logs no scale. The window 20-30 skips
     a step mid-window; in 40-50 the scale grew inside the window and the next step
     overflowed. A fresh GradScaler (65536) skipped other steps: 0.2% and 81% of elements
     missed *after*. The calibrated scale skips the run's steps and lands on it."""
     run = fp16_runs["bare"]
     r, bad, n = _replay(run, before)
-    assert r.precision == "fp16" and r.config["precision"]["source"] == "checkpoint config dtype='float16'"
+    assert (
+        r.precision == "fp16"
+        and r.config["precision"]["source"] == "checkpoint config dtype='float16'"
+    )
     src = r.config["loss_scale"]["source"]
     assert src.startswith("calibrated") and "the run skipped 1 of its 10 steps" in src
     want = [s for s in truth(run)["skipped_steps"] if before < s <= before + 10]
@@ -49,7 +63,9 @@ def test_fp16_scale_from_the_training_log(fp16_runs: dict[str, Path]) -> None:
     norms) fall."""
     run = fp16_runs["logged"]
     r, bad, n = _replay(run, 40)
-    assert r.config["loss_scale"]["source"].startswith("training log loss_scale per step (the scale each step used")
+    assert r.config["loss_scale"]["source"].startswith(
+        "training log loss_scale per step (the scale each step used"
+    )
     t = truth(run)
     assert [x.step for x in r.records if x.skipped] == [44]
     assert all(x.loss_scale == t["loss_scales"][str(x.step)] for x in r.records)
@@ -79,7 +95,9 @@ def deepspeed_bf16_draw(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_draw(1115, tmp_path_factory.mktemp("ds-bf16"))
 
 
-def test_deepspeed_bf16_replays_on_its_fp32_masters_and_lands_on_after(deepspeed_bf16_draw: Path, tmp_path: Path) -> None:
+def test_deepspeed_bf16_replays_on_its_fp32_masters_and_lands_on_after(
+    deepspeed_bf16_draw: Path, tmp_path: Path
+) -> None:
     """DeepSpeed's bf16 steps fp32 master weights kept in the optimizer partitions: the replay
     starts from them, computes in bf16 as `ds_config` says, and lands on *after*'s masters
     (an fp32 replay of the bf16 module weights missed them)."""
@@ -91,7 +109,9 @@ def test_deepspeed_bf16_replays_on_its_fp32_masters_and_lands_on_after(deepspeed
     from tests.conftest import draw_args
 
     run = deepspeed_bf16_draw
-    r = CliRunner().invoke(cli, ["-q", *draw_args(run), "--out", str(tmp_path / "rep")], catch_exceptions=False)
+    r = CliRunner().invoke(
+        cli, ["-q", *draw_args(run), "--out", str(tmp_path / "rep")], catch_exceptions=False
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "rep" / "report.json").read_text())
     cfg = doc["replay"]["config"]["precision"]

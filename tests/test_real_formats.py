@@ -37,41 +37,83 @@ def test_hf_gpt2_tied_head_replays_without_model(zoo: dict[str, Path], tmp_path:
     ck = open_checkpoint(run / "checkpoint-20")
     assert "lm_head.weight" not in ck.names()  # HF never stores the tied head
     assert ck.optimizer is not None and set(ck.optimizer.state) == set(ck.names())
-    r = invoke("replay", "--run-dir", str(run), "--before", "20", "--after", "30", "--batch", str(run / "batches.h5"), "--out", str(tmp_path / "rep"))
+    r = invoke(
+        "replay",
+        "--run-dir",
+        str(run),
+        "--before",
+        "20",
+        "--after",
+        "30",
+        "--batch",
+        str(run / "batches.h5"),
+        "--out",
+        str(tmp_path / "rep"),
+    )
     assert r.exit_code == 0, r.output
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())["replay"]
     assert rep["config"]["model"]["value"].startswith("transformers from config.json")
     assert [s["step"] for s in rep["steps"]] == list(range(21, 31))
     # GPT-2's loss_type is None, so the Trainer counts num_items_in_batch over the unshifted
     # labels: its logged loss is (T-1)/T of the mean, and the replay divides the same way.
-    assert "before the shift" in rep["config"]["loss"]["value"] and rep["config"]["loss"]["source"] == "the run's trainer"
-    assert rep["config"]["clip"] == {"value": 1.0, "source": "checkpoint config grad_clip"}  # training_args.bin
+    assert (
+        "before the shift" in rep["config"]["loss"]["value"]
+        and rep["config"]["loss"]["source"] == "the run's trainer"
+    )
+    assert rep["config"]["clip"] == {
+        "value": 1.0,
+        "source": "checkpoint config grad_clip",
+    }  # training_args.bin
     logged = {int(k): v["loss"] for k, v in rep["logged"].items()}
-    assert [s["loss"] for s in rep["steps"]] == pytest.approx([logged[s["step"]] for s in rep["steps"]], rel=1e-5)
+    assert [s["loss"] for s in rep["steps"]] == pytest.approx(
+        [logged[s["step"]] for s in rep["steps"]], rel=1e-5
+    )
     assert rep["reproduction"]["mismatched"] == 0
 
 
-def test_hf_padded_rows_with_gradient_accumulation_reproduce(zoo: dict[str, Path], tmp_path: Path) -> None:
+def test_hf_padded_rows_with_gradient_accumulation_reproduce(
+    zoo: dict[str, Path], tmp_path: Path
+) -> None:
     """Rows of 10-32 tokens padded with -100 labels and attention mask 0, two micro-batches
     per step: the replay divides by the Trainer's num_items_in_batch (labels[..., 1:] over
     both micro-batches), takes the clip from training_args.bin, and lands on step 30."""
     run = zoo["hf-padded"]
     ck = open_checkpoint(run / "checkpoint-20")
     tc = ck.scalars["train_config"]
-    assert tc["max_grad_norm"] == 1.0 and tc["gradient_accumulation_steps"] == 2 and tc["per_device_train_batch_size"] == 4
+    assert (
+        tc["max_grad_norm"] == 1.0
+        and tc["gradient_accumulation_steps"] == 2
+        and tc["per_device_train_batch_size"] == 4
+    )
     out = tmp_path / "rep"
-    r = invoke("replay", "--run-dir", str(run), "--before", "20", "--after", "30", "--batch", str(run / "batches.h5"), "--out", str(out))
+    r = invoke(
+        "replay",
+        "--run-dir",
+        str(run),
+        "--before",
+        "20",
+        "--after",
+        "30",
+        "--batch",
+        str(run / "batches.h5"),
+        "--out",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads((out / "report.json").read_text())
     rep = doc["replay"]
     assert "labels[..., 1:]" in rep["config"]["loss"]["value"]
     logged = {int(k): v["loss"] for k, v in rep["logged"].items()}
-    assert [s["loss"] for s in rep["steps"]] == pytest.approx([logged[s["step"]] for s in rep["steps"]], rel=1e-5)
+    assert [s["loss"] for s in rep["steps"]] == pytest.approx(
+        [logged[s["step"]] for s in rep["steps"]], rel=1e-5
+    )
     assert rep["reproduction"]["mismatched"] == 0
     assert doc["verdict"]["causes"][0]["cause"] == "none", doc["verdict"]
 
 
-def test_hostile_training_args_is_refused_and_the_rest_read(zoo: dict[str, Path], tmp_path: Path) -> None:
+def test_hostile_training_args_is_refused_and_the_rest_read(
+    zoo: dict[str, Path], tmp_path: Path
+) -> None:
     canary = tmp_path / "ran"
     ck = tmp_path / "checkpoint-20"
     shutil.copytree(zoo["hf-padded"] / "checkpoint-20", ck)
@@ -103,7 +145,9 @@ def test_lightning_name_filtered_groups_map_every_id(zoo: dict[str, Path]) -> No
     assert opt.hyper["model.transformer.h.1.mlp.c_fc.weight"].weight_decay == pytest.approx(0.1)
 
 
-def _regrouped(osd: dict, params: list[tuple[str, tuple[int, ...]]], rng: random.Random) -> tuple[dict, dict[int, str]]:
+def _regrouped(
+    osd: dict, params: list[tuple[str, tuple[int, ...]]], rng: random.Random
+) -> tuple[dict, dict[int, str]]:
     """The real state under a random name-filter-like grouping (each group in model order)."""
     by_name = dict(zip([n for n, _ in params], range(len(params)), strict=True))
     k = rng.randint(2, 5)
@@ -118,13 +162,19 @@ def _regrouped(osd: dict, params: list[tuple[str, tuple[int, ...]]], rng: random
                 ids.append(nid)
                 nid += 1
         if ids:
-            groups.append({"params": ids, "lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0})
+            groups.append(
+                {"params": ids, "lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+            )
     return {"state": state, "param_groups": groups}, truth
 
 
 def _model_order_state(ck) -> tuple[list[tuple[str, tuple[int, ...]]], dict]:
-    names = [n for n in ck.names() if n in ck.optimizer.state]  # model order, as the state_dict lists them
-    return [(n, ck.meta(n).shape) for n in names], {"state": {i: ck.optimizer.state[n] for i, n in enumerate(names)}}
+    names = [
+        n for n in ck.names() if n in ck.optimizer.state
+    ]  # model order, as the state_dict lists them
+    return [(n, ck.meta(n).shape) for n in names], {
+        "state": {i: ck.optimizer.state[n] for i, n in enumerate(names)}
+    }
 
 
 def _ambiguous_seed(params: list, osd: dict, settles=None) -> int:
@@ -162,7 +212,10 @@ def test_random_group_layouts_are_settled_by_the_pairs_updates(zoo: dict[str, Pa
         grouped_a, _ = _regrouped(osd_a, params, random.Random(seed))
         try:
             view = map_optimizer(grouped_b, params, "regrouped")
-            got = {pid: next(n for n, st in view.state.items() if st is grouped_b["state"][pid]) for pid in truth}
+            got = {
+                pid: next(n for n, st in view.state.items() if st is grouped_b["state"][pid])
+                for pid in truth
+            }
             outcomes["unique"] += 1
         except AmbiguousMapping as e:
             try:
@@ -199,7 +252,12 @@ def test_pair_settles_ambiguous_ids_end_to_end(zoo: dict[str, Path], tmp_path: P
 
     def settles(pending, grouped: dict, seed: int) -> None:
         before, _ = _regrouped(osd_a, params, random.Random(seed))
-        settle_by_evidence(pending, lambda n: cks[1].tensor(n).double() - cks[0].tensor(n).double(), grouped, before)
+        settle_by_evidence(
+            pending,
+            lambda n: cks[1].tensor(n).double() - cks[0].tensor(n).double(),
+            grouped,
+            before,
+        )
 
     seed = _ambiguous_seed(params, osd, settles)
     paths = []
@@ -220,11 +278,21 @@ def test_pair_settles_ambiguous_ids_end_to_end(zoo: dict[str, Path], tmp_path: P
             assert torch.equal(st["exp_avg"], ref.optimizer.state[n]["exp_avg"]), n
     r = invoke("diff", "--before", str(paths[0]), "--after", str(paths[1]), "--json")
     assert r.exit_code == 0, r.output
-    r = invoke("replay", "--before", str(paths[0]), "--model", "fixtures/tinygpt.py:from_hparams", "--batch", str(zoo["lightning"] / "batches.h5"))
+    r = invoke(
+        "replay",
+        "--before",
+        str(paths[0]),
+        "--model",
+        "fixtures/tinygpt.py:from_hparams",
+        "--batch",
+        str(zoo["lightning"] / "batches.h5"),
+    )
     assert_bad_input(r, "pass --after so the pair's updates settle the mapping")
 
 
-def test_factory_gets_the_hyper_parameters_its_signature_accepts(zoo: dict[str, Path], tmp_path: Path) -> None:
+def test_factory_gets_the_hyper_parameters_its_signature_accepts(
+    zoo: dict[str, Path], tmp_path: Path
+) -> None:
     """A factory forwarding **kwargs to its config class refuses Lightning's `lr`: dropped,
     and replay.config says what was passed and what refused."""
     run = zoo["lightning"]
@@ -257,7 +325,18 @@ def test_step_dir_holding_one_checkpoint_file(zoo: dict[str, Path], tmp_path: Pa
 def test_numpy_rng_state_is_data(tmp_path: Path) -> None:
     """np.random.get_state() (uint32 array, dtype, scalars), as every Megatron save holds."""
     f = tmp_path / "rng.pt"
-    torch.save({"rng_state": [{"np_rng_state": np.random.get_state(), "x": np.float64(2.5), "a": np.arange(4, dtype=np.int16)}]}, f)
+    torch.save(
+        {
+            "rng_state": [
+                {
+                    "np_rng_state": np.random.get_state(),
+                    "x": np.float64(2.5),
+                    "a": np.arange(4, dtype=np.int16),
+                }
+            ]
+        },
+        f,
+    )
     obj, _ = load_torch_file(f)
     st = obj["rng_state"][0]["np_rng_state"]
     assert st[0] == "MT19937" and st[1].dtype == np.uint32 and st[1].shape == (624,)
@@ -273,7 +352,11 @@ def test_numpy_object_arrays_are_refused(tmp_path: Path, payload: str) -> None:
         def __reduce__(self):  # noqa: ANN204 - a hostile pickle
             return (os.system, (f"touch {canary}",))
 
-    arr = np.array([1, Evil()], dtype=object) if payload == "object array" else np.array([(Evil(),)], dtype=[("a", "O")])
+    arr = (
+        np.array([1, Evil()], dtype=object)
+        if payload == "object array"
+        else np.array([(Evil(),)], dtype=[("a", "O")])
+    )
     f = tmp_path / "model_optim_rng.pt"
     torch.save({"model": {"w": torch.zeros(2)}, "rng_state": arr}, f)
     r = invoke("inspect", str(f))
@@ -297,14 +380,20 @@ def _assert_matches_truth(ck, want: dict, name_of=lambda n: n) -> None:
     for fqn, p in want.items():
         name = name_of(fqn)
         assert ck.meta(name).shape == tuple(p["shape"]), name
-        assert _sums(ck.tensor(name)) == pytest.approx((p["param"]["sum"], p["param"]["abs_sum"]), rel=1e-9, abs=1e-12), name
+        assert _sums(ck.tensor(name)) == pytest.approx(
+            (p["param"]["sum"], p["param"]["abs_sum"]), rel=1e-9, abs=1e-12
+        ), name
         st = opt.state[name]
         for field in ("exp_avg", "exp_avg_sq"):
             assert tuple(st[field].shape) == tuple(p["shape"]), (name, field)
-            assert _sums(st[field]) == pytest.approx((p[field]["sum"], p[field]["abs_sum"]), rel=1e-9, abs=1e-15), (name, field)
+            assert _sums(st[field]) == pytest.approx(
+                (p[field]["sum"], p[field]["abs_sum"]), rel=1e-9, abs=1e-15
+            ), (name, field)
         assert float(st["step"]) == p["step"], name
         h = opt.hyper[name]
-        assert h.lr == pytest.approx(p["lr"], rel=1e-12) and h.weight_decay == pytest.approx(p["weight_decay"]), name
+        assert h.lr == pytest.approx(p["lr"], rel=1e-12) and h.weight_decay == pytest.approx(
+            p["weight_decay"]
+        ), name
         if p.get("betas"):
             assert h.betas == pytest.approx(tuple(p["betas"]))
 
@@ -345,11 +434,25 @@ def test_olmo_core_replays_onto_after_with_the_reference_model(tmp_path: Path) -
     config's clip is used and SkipStepAdamW's skipping is said."""
     truth = json.loads((OLMO / "truth.json").read_text())["steps"]
     out = tmp_path / "rep"
-    r = invoke("replay", "--run-dir", str(OLMO / "run"), "--before", "10", "--after", "20", "--batch", str(OLMO / "batches.h5"), "--out", str(out))
+    r = invoke(
+        "replay",
+        "--run-dir",
+        str(OLMO / "run"),
+        "--before",
+        "10",
+        "--after",
+        "20",
+        "--batch",
+        str(OLMO / "batches.h5"),
+        "--out",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads((out / "report.json").read_text())
     rep = doc["replay"]
-    assert rep["config"]["model"]["value"].startswith("reference OLMo-core Transformer from config.json (reordered_norm")
+    assert rep["config"]["model"]["value"].startswith(
+        "reference OLMo-core Transformer from config.json (reordered_norm"
+    )
     assert rep["config"]["clip"] == {"value": 1.0, "source": "checkpoint config grad_clip"}
     want = truth[10:20] if isinstance(truth, list) else [truth[str(i)] for i in range(11, 21)]
     assert [s["loss"] for s in rep["steps"]] == pytest.approx([w["loss"] for w in want], rel=1e-5)
@@ -430,7 +533,20 @@ def test_litgpt_replay_lands_on_after(tmp_path: Path) -> None:
     for model in ("fixtures/litgpt_run.py:build_model", None):
         extra = ["--model", model] if model else []
         out = tmp_path / f"rep{len(extra)}"
-        r = invoke("replay", "--run-dir", str(LITGPT), "--before", "10", "--after", "20", *extra, "--batch", str(LITGPT / "batches.h5"), "--out", str(out))
+        r = invoke(
+            "replay",
+            "--run-dir",
+            str(LITGPT),
+            "--before",
+            "10",
+            "--after",
+            "20",
+            *extra,
+            "--batch",
+            str(LITGPT / "batches.h5"),
+            "--out",
+            str(out),
+        )
         assert r.exit_code == 0, r.output
         rep = json.loads((out / "report.json").read_text())["replay"]
         assert rep["config"]["clip"] == {"value": 1.0, "source": "checkpoint config grad_clip"}
@@ -442,7 +558,17 @@ def test_litgpt_without_litgpt_says_what_to_install(monkeypatch: pytest.MonkeyPa
     import sys
 
     monkeypatch.setitem(sys.modules, "litgpt", None)  # import litgpt -> ImportError
-    r = invoke("replay", "--run-dir", str(LITGPT), "--before", "10", "--after", "20", "--batch", str(LITGPT / "batches.h5"))
+    r = invoke(
+        "replay",
+        "--run-dir",
+        str(LITGPT),
+        "--before",
+        "10",
+        "--after",
+        "20",
+        "--batch",
+        str(LITGPT / "batches.h5"),
+    )
     assert_bad_input(r, "needs litgpt")
 
 
@@ -469,7 +595,10 @@ def test_litgpt_and_olmo_core_logs_are_found_and_keyed_by_the_checkpoints_step()
 
 MCORE = DATA / "megatron-core-0.19"
 # The local spec's norms are saved under TransformerEngine's names in torch_dist.
-_TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight", "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_TE_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
 
 
 def _dist_name(name: str) -> str:
@@ -480,23 +609,41 @@ def _dist_name(name: str) -> str:
 
 
 @pytest.mark.parametrize("variant", ["plain", "distopt", "legacy"])
-def test_megatron_core_replays_onto_after_with_the_reference_model(variant: str, tmp_path: Path) -> None:
+def test_megatron_core_replays_onto_after_with_the_reference_model(
+    variant: str, tmp_path: Path
+) -> None:
     """No --model: the reference Megatron GPT is built from the checkpoint's `args` (GQA,
     RoPE, RMSNorm, SwiGLU, untied head; TE norm names in torch_dist, local ones in legacy).
     Its first step's loss is megatron-core's own, and the window lands on iteration 20."""
     steps = json.loads((MCORE / "truth.json").read_text())["variants"][variant]["steps"]
     out = tmp_path / "rep"
-    r = invoke("replay", "--run-dir", str(MCORE / variant), "--before", "10", "--after", "20", "--batch", str(MCORE / "batches.h5"), "--out", str(out))
+    r = invoke(
+        "replay",
+        "--run-dir",
+        str(MCORE / variant),
+        "--before",
+        "10",
+        "--after",
+        "20",
+        "--batch",
+        str(MCORE / "batches.h5"),
+        "--out",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     rep = json.loads((out / "report.json").read_text())["replay"]
-    assert rep["config"]["model"]["value"].startswith("reference Megatron GPT from the checkpoint's args")
+    assert rep["config"]["model"]["value"].startswith(
+        "reference Megatron GPT from the checkpoint's args"
+    )
     assert rep["config"]["clip"]["value"] == 1.0
     assert rep["steps"][0]["loss"] == pytest.approx(steps[10]["loss"], rel=1e-5)
     assert rep["steps"][0]["grad_norm"] == pytest.approx(steps[10]["grad_norm"], rel=1e-4)
     assert rep["reproduction"]["mismatched"] == 0 and rep["reproduction"]["tensors"] == 45
 
 
-def test_a_megatron_batch_log_that_says_nothing_of_its_labels_replays_the_same(tmp_path: Path) -> None:
+def test_a_megatron_batch_log_that_says_nothing_of_its_labels_replays_the_same(
+    tmp_path: Path,
+) -> None:
     """Megatron hands the model next-token targets; a batch log a user writes from its loop
     carries no attribute saying so. The replay measures it from the data (it used to shift
     the labels again: step 11's loss then was another task's) and lands on iteration 20; its
@@ -511,14 +658,39 @@ def test_a_megatron_batch_log_that_says_nothing_of_its_labels_replays_the_same(t
         del h.attrs["labels_shifted"]
     truth_steps = json.loads((MCORE / "truth.json").read_text())["variants"]["plain"]["steps"]
     metrics = tmp_path / "log.jsonl"
-    metrics.write_text("".join(json.dumps({"step": st["step"], "loss": st["loss"], "grad_norm": st["grad_norm"]}) + "\n" for st in truth_steps))
+    metrics.write_text(
+        "".join(
+            json.dumps({"step": st["step"], "loss": st["loss"], "grad_norm": st["grad_norm"]})
+            + "\n"
+            for st in truth_steps
+        )
+    )
     out = tmp_path / "rep"
-    r = invoke("replay", "--run-dir", str(MCORE / "plain"), "--before", "10", "--after", "20", "--batch", str(log), "--metrics", str(metrics), "--out", str(out))
+    r = invoke(
+        "replay",
+        "--run-dir",
+        str(MCORE / "plain"),
+        "--before",
+        "10",
+        "--after",
+        "20",
+        "--batch",
+        str(log),
+        "--metrics",
+        str(metrics),
+        "--out",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads((out / "report.json").read_text())
     rep = doc["replay"]
-    assert rep["config"]["labels"]["value"].startswith("next-token targets") and rep["config"]["labels"]["source"].startswith("measured")
-    assert rep["reproduction"]["mismatched"] == 0 and doc["verdict"]["replay_check"]["status"] == "matched"
+    assert rep["config"]["labels"]["value"].startswith("next-token targets") and rep["config"][
+        "labels"
+    ]["source"].startswith("measured")
+    assert (
+        rep["reproduction"]["mismatched"] == 0
+        and doc["verdict"]["replay_check"]["status"] == "matched"
+    )
     assert rep["check"]["checked_steps"] == list(range(11, 21))
 
 
@@ -531,7 +703,9 @@ def test_megatron_option_the_reference_lacks_is_refused_by_name() -> None:
         build_model(None, ck)
 
 
-@pytest.mark.parametrize("variant", ["plain", "distopt", "legacy", "bf16-plain", "bf16-distopt", "bf16-legacy"])
+@pytest.mark.parametrize(
+    "variant", ["plain", "distopt", "legacy", "bf16-plain", "bf16-distopt", "bf16-legacy"]
+)
 @pytest.mark.parametrize("it", ["10", "20"])
 def test_megatron_core_checkpoint_matches_what_megatron_recorded(variant: str, it: str) -> None:
     """megatron-core 0.19 + Megatron-LM's save_checkpoint wrote these: torch_dist without
@@ -552,7 +726,9 @@ def test_megatron_bf16_weights_are_the_fp32_main_params_the_model_rounds(variant
     (`fp32_from_fp16_params`; torch_dist `optimizer.state.fp32_param.*`; the distributed
     optimizer's bucket `param`). The main params are read as the weights, in fp32, and the
     model's own bf16 weights are their rounding, as megatron-core's live objects were."""
-    want = json.loads((MCORE / "truth.json").read_text())["variants"][variant]["saves"]["10"]["params"]
+    want = json.loads((MCORE / "truth.json").read_text())["variants"][variant]["saves"]["10"][
+        "params"
+    ]
     ck = open_checkpoint(MCORE / variant / "iter_0000010")
     rename = (lambda n: n) if variant.endswith("legacy") else _dist_name
     assert ck.scalars["fp32_masters"] is True
@@ -564,12 +740,18 @@ def test_megatron_bf16_weights_are_the_fp32_main_params_the_model_rounds(variant
     for fqn, p in want.items():
         w = ck.tensor(rename(fqn))
         assert w.dtype == torch.float32 and p["model_dtype"] == "torch.bfloat16"
-        assert _sums(w.bfloat16()) == pytest.approx((p["model_param"]["sum"], p["model_param"]["abs_sum"]), rel=1e-9, abs=1e-12), fqn
-        assert float((w != w.bfloat16().float()).float().mean()) > 0.99, fqn  # fp32 values, not bf16 ones
+        assert _sums(w.bfloat16()) == pytest.approx(
+            (p["model_param"]["sum"], p["model_param"]["abs_sum"]), rel=1e-9, abs=1e-12
+        ), fqn
+        assert float((w != w.bfloat16().float()).float().mean()) > 0.99, (
+            fqn
+        )  # fp32 values, not bf16 ones
 
 
 @pytest.mark.parametrize("variant", ["bf16-plain", "bf16-distopt", "bf16-legacy"])
-def test_megatron_bf16_run_replays_in_its_own_precision_onto_after(variant: str, tmp_path: Path) -> None:
+def test_megatron_bf16_run_replays_in_its_own_precision_onto_after(
+    variant: str, tmp_path: Path
+) -> None:
     """megatron-core --bf16 (bf16 params computed on, each micro-batch's bf16 gradient summed
     in fp32, an fp32 optimizer stepping fp32 main params copied back to bf16): the replay reads
     the policy from the run's args, says so, starts from the main params, matches every loss
@@ -580,29 +762,65 @@ def test_megatron_bf16_run_replays_in_its_own_precision_onto_after(variant: str,
     over the whole batch instead of per micro-batch puts grad norms 2e-4 off."""
     steps = json.loads((MCORE / "truth.json").read_text())["variants"][variant]["steps"]
     metrics = tmp_path / "log.jsonl"
-    metrics.write_text("".join(json.dumps({"step": s["step"], "loss": s["loss"], "grad_norm": s["grad_norm"]}) + "\n" for s in steps))
+    metrics.write_text(
+        "".join(
+            json.dumps({"step": s["step"], "loss": s["loss"], "grad_norm": s["grad_norm"]}) + "\n"
+            for s in steps
+        )
+    )
     out = tmp_path / "rep"
-    r = invoke("replay", "--run-dir", str(MCORE / variant), "--before", "10", "--after", "20", "--batch", str(MCORE / "batches.h5"), "--metrics", str(metrics), "--out", str(out))
+    r = invoke(
+        "replay",
+        "--run-dir",
+        str(MCORE / variant),
+        "--before",
+        "10",
+        "--after",
+        "20",
+        "--batch",
+        str(MCORE / "batches.h5"),
+        "--metrics",
+        str(metrics),
+        "--out",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads((out / "report.json").read_text())
     rep = doc["replay"]
     prec = rep["config"]["precision"]
     assert prec["value"] == "bf16-params"
-    assert prec["source"].startswith("Megatron args bf16=True") and "not modelled" not in prec["source"]
-    assert "accumulate_allreduce_grads_in_fp32=True (each micro-batch of micro_batch_size=2 rows" in prec["source"]
+    assert (
+        prec["source"].startswith("Megatron args bf16=True")
+        and "not modelled" not in prec["source"]
+    )
+    assert (
+        "accumulate_allreduce_grads_in_fp32=True (each micro-batch of micro_batch_size=2 rows"
+        in prec["source"]
+    )
     assert "main_params_dtype=torch.float32" in prec["source"]
     assert f"use_distributed_optimizer={variant == 'bf16-distopt'}" in prec["source"]
-    assert "the weights read (and replayed from) are the optimizer's fp32 main params" in prec["source"]
+    assert (
+        "the weights read (and replayed from) are the optimizer's fp32 main params"
+        in prec["source"]
+    )
     for got in rep["steps"]:
         logged = steps[got["step"] - 1]
         assert got["loss"] == pytest.approx(logged["loss"], rel=1e-5), got["step"]
         assert got["grad_norm"] == pytest.approx(logged["grad_norm"], rel=2e-4), got["step"]
-    assert rep["check"]["checked_steps"] == list(range(11, 21)) and rep["check"]["first_miss"] is None
-    assert doc["verdict"]["replay_check"]["status"] == "matched" and doc["verdict"]["reproducible"] is True
+    assert (
+        rep["check"]["checked_steps"] == list(range(11, 21)) and rep["check"]["first_miss"] is None
+    )
+    assert (
+        doc["verdict"]["replay_check"]["status"] == "matched"
+        and doc["verdict"]["reproducible"] is True
+    )
     repro = rep["reproduction"]
     assert repro["tensors"] == 45 and repro["mismatched"] == 0 and repro["impossible"] == 0
     assert repro["worst"]["deviation_over_tolerance"] < 0.5
-    assert "bf16-params" in repro["tolerance"]["moments"] and repro["tolerance"]["source"] == "docs/signatures.md#replay-precision"
+    assert (
+        "bf16-params" in repro["tolerance"]["moments"]
+        and repro["tolerance"]["source"] == "docs/signatures.md#replay-precision"
+    )
 
 
 def test_megatron_distributed_optimizer_unflattens_to_the_plain_run() -> None:
@@ -614,18 +832,27 @@ def test_megatron_distributed_optimizer_unflattens_to_the_plain_run() -> None:
     d = MCORE / "distopt" / "iter_0000010"
     dist, plain = open_checkpoint(d), open_checkpoint(MCORE / "plain" / "iter_0000010")
     md = read_metadata(d)
-    flat = DcpStore(d, md).tensor(next(k for k in md.state_dict_metadata if k.endswith("bucket_idx_0.param")))
+    flat = DcpStore(d, md).tensor(
+        next(k for k in md.state_dict_metadata if k.endswith("bucket_idx_0.param"))
+    )
     seen = 0
     for name in dist.names():
         st = dist.optimizer.state[name]
         assert set(st) >= {"exp_avg", "exp_avg_sq"}
         for field in ("exp_avg", "exp_avg_sq"):
-            assert torch.allclose(st[field], plain.optimizer.state[name][field], rtol=0, atol=1e-8), (name, field)
+            assert torch.allclose(
+                st[field], plain.optimizer.state[name][field], rtol=0, atol=1e-8
+            ), (name, field)
             assert torch.isfinite(st[field]).all()  # padding (uninitialised memory) is never read
         w = dist.tensor(name).flatten()
-        seen += sum(torch.equal(flat[i : i + w.numel()], w) for i in range(0, flat.numel() - w.numel() + 1, 32))
+        seen += sum(
+            torch.equal(flat[i : i + w.numel()], w)
+            for i in range(0, flat.numel() - w.numel() + 1, 32)
+        )
     assert seen >= len(dist.names())
-    r = invoke("diff", "--run-dir", str(MCORE / "distopt"), "--before", "10", "--after", "20", "--json")
+    r = invoke(
+        "diff", "--run-dir", str(MCORE / "distopt"), "--before", "10", "--after", "20", "--json"
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["verdict"]["causes"][0]["cause"] == "none"
 
@@ -638,7 +865,15 @@ def test_hostile_megatron_files_are_refused(tmp_path: Path, where: str) -> None:
         shutil.copytree(MCORE / "legacy" / "iter_0000010", ck)
         f = ck / "mp_rank_00" / "model_optim_rng.pt"
         real, _ = load_torch_file(f)  # memory-mapped: write the hostile copy beside it
-        torch.save({"model": real["model"], "iteration": 10, "rng_state": real["rng_state"], "args": _Canary(canary)}, tmp_path / "h.pt")
+        torch.save(
+            {
+                "model": real["model"],
+                "iteration": 10,
+                "rng_state": real["rng_state"],
+                "args": _Canary(canary),
+            },
+            tmp_path / "h.pt",
+        )
         del real
         os.replace(tmp_path / "h.pt", f)
     else:

@@ -33,7 +33,19 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _replay(run: Path, before: str, after: str, batch: Path, out: Path) -> dict:
-    args = ["replay", "--before", str(run / before), "--after", str(after), "--model", MODEL, "--batch", str(batch), "--out", str(out)]
+    args = [
+        "replay",
+        "--before",
+        str(run / before),
+        "--after",
+        str(after),
+        "--model",
+        MODEL,
+        "--batch",
+        str(batch),
+        "--out",
+        str(out),
+    ]
     r = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert r.exit_code == 0, r.output
     return json.loads((out / "report.json").read_text())
@@ -44,46 +56,102 @@ def test_a_recorded_incident_replays_as_the_zoo_log_does(recorded: Path, tmp_pat
     at = t["first_bad_step"]
     flight = recorded / "flight"
     box = flight / f"blackbox-step{at}"
-    assert box.is_dir(), sorted(p.name for p in flight.iterdir())  # the monitor alarmed on the planted step
+    assert box.is_dir(), sorted(
+        p.name for p in flight.iterdir()
+    )  # the monitor alarmed on the planted step
     incident = json.loads((box / "incident.json").read_text())
     assert incident["spike"]["step"] == at and f"step_{t['before']}.pt" in incident["command"]
-    ref = _replay(recorded, f"step_{t['before']}.pt", str(recorded / f"step_{t['after']}.pt"), recorded / "batches.h5", tmp_path / "ref")
-    got = _replay(recorded, f"step_{t['before']}.pt", str(recorded / f"step_{t['after']}.pt"), box, tmp_path / "got")
+    ref = _replay(
+        recorded,
+        f"step_{t['before']}.pt",
+        str(recorded / f"step_{t['after']}.pt"),
+        recorded / "batches.h5",
+        tmp_path / "ref",
+    )
+    got = _replay(
+        recorded,
+        f"step_{t['before']}.pt",
+        str(recorded / f"step_{t['after']}.pt"),
+        box,
+        tmp_path / "got",
+    )
     for k in ("first_bad_step", "reproducible"):
         assert got["verdict"][k] == ref["verdict"][k]
-    assert [c["cause"] for c in got["verdict"]["causes"]] == [c["cause"] for c in ref["verdict"]["causes"]]
+    assert [c["cause"] for c in got["verdict"]["causes"]] == [
+        c["cause"] for c in ref["verdict"]["causes"]
+    ]
     assert got["verdict"]["causes"][0]["cause"] == t["cause"]
     rows = [(s["index"], s["sample_id"]) for s in got["verdict"]["anomalous_samples"]]
     assert rows == [(s["index"], s["sample_id"]) for s in ref["verdict"]["anomalous_samples"]]
     assert [i for i, _ in rows] == t["samples"]
     # The black box's own state is an *after* the replay reads.
-    state = _replay(recorded, f"step_{t['before']}.pt", str(box / f"state_step{at}.pt"), box, tmp_path / "box")
-    assert state["verdict"]["causes"][0]["cause"] == t["cause"] and state["verdict"]["reproducible"] is True
+    state = _replay(
+        recorded, f"step_{t['before']}.pt", str(box / f"state_step{at}.pt"), box, tmp_path / "box"
+    )
+    assert (
+        state["verdict"]["causes"][0]["cause"] == t["cause"]
+        and state["verdict"]["reproducible"] is True
+    )
     # triage reads the recorder's log, per-parameter columns included, as it reads the run's.
     res = triage(flight / "metrics.jsonl", recorded)
     assert res.first_bad_step == at
     row = json.loads((flight / "metrics.jsonl").read_text().splitlines()[9])
-    assert row["step"] == 10 and any(k.startswith("optim/grad/") and k.endswith(".norm") for k in row)
+    assert row["step"] == 10 and any(
+        k.startswith("optim/grad/") and k.endswith(".norm") for k in row
+    )
 
 
-def test_bisect_on_a_black_box_writes_the_skip_list_the_batch_log_gives(recorded: Path, tmp_path: Path) -> None:
+def test_bisect_on_a_black_box_writes_the_skip_list_the_batch_log_gives(
+    recorded: Path, tmp_path: Path
+) -> None:
     t = json.loads((recorded / "truth.json").read_text())
     box = recorded / "flight" / f"blackbox-step{t['first_bad_step']}"
     docs = {}
     for name, batch in (("ref", recorded / "batches.h5"), ("rec", box)):
         out = tmp_path / name
-        args = ["bisect", "--run-dir", str(recorded), "--before", str(t["before"]), "--after", str(t["after"]), "--model", MODEL, "--batch", str(batch), "--out", str(out)]
+        args = [
+            "bisect",
+            "--run-dir",
+            str(recorded),
+            "--before",
+            str(t["before"]),
+            "--after",
+            str(t["after"]),
+            "--model",
+            MODEL,
+            "--batch",
+            str(batch),
+            "--out",
+            str(out),
+        ]
         r = CliRunner().invoke(cli, args, catch_exceptions=False)
         assert r.exit_code == 0, r.output
-        docs[name] = (json.loads((out / "report.json").read_text())["bisect"], json.loads((out / "skip.json").read_text()))
+        docs[name] = (
+            json.loads((out / "report.json").read_text())["bisect"],
+            json.loads((out / "skip.json").read_text()),
+        )
     (b_ref, skip_ref), (b_rec, skip_rec) = docs["ref"], docs["rec"]
     assert b_rec["first_bad_step"] == b_ref["first_bad_step"] == t["first_bad_step"]
     assert sorted(b_rec["rows"]) == sorted(b_ref["rows"]) == t["samples"]
-    assert skip_rec["sample_ids"] == skip_ref["sample_ids"]  # the recorder's sample ids, as the zoo's log numbers rows
+    assert (
+        skip_rec["sample_ids"] == skip_ref["sample_ids"]
+    )  # the recorder's sample ids, as the zoo's log numbers rows
 
 
 def test_a_killed_run_leaves_a_log_that_replays(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "fixtures" / "record_run.py"), str(tmp_path), "30", "--kill-at", "9"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "fixtures" / "record_run.py"),
+            str(tmp_path),
+            "30",
+            "--kill-at",
+            "9",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]  # SIGKILL: the segment was never closed
     seg = next((tmp_path / "flight").glob("segment-*.h5"))
     with pytest.raises(OSError):
@@ -92,7 +160,9 @@ def test_a_killed_run_leaves_a_log_that_replays(tmp_path: Path) -> None:
     assert src.steps == list(range(1, 10)) and src.grad_clip == 1.0
     table = markov_table(0)
     assert torch.equal(src.batch(7)["input_ids"], batch_for_step(7, table))
-    doc = _replay(tmp_path, "ckpt_5.pt", str(tmp_path / "ckpt_8.pt"), tmp_path / "flight", tmp_path / "rep")
+    doc = _replay(
+        tmp_path, "ckpt_5.pt", str(tmp_path / "ckpt_8.pt"), tmp_path / "flight", tmp_path / "rep"
+    )
     assert doc["verdict"]["reproducible"] is True and doc["verdict"]["causes"][0]["cause"] == "none"
     assert doc["replay"]["config"]["lr"]["source"] == "batch log /lr"
 
@@ -101,20 +171,47 @@ def test_a_log_of_sample_ids_replays_with_the_dataset_they_index(tmp_path: Path)
     pytest.importorskip("datasets")
     from tests.test_cli import assert_bad_input
 
-    proc = subprocess.run([sys.executable, str(ROOT / "fixtures" / "record_run.py"), str(tmp_path), "9", "--ids-only"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "fixtures" / "record_run.py"),
+            str(tmp_path),
+            "9",
+            "--ids-only",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     seg = next((tmp_path / "flight").glob("segment-*.h5"))
     with h5py.File(seg, "r") as h:
         assert "input_ids" not in h and h["sample_id"].shape == (9, 8)
-    args = ["replay", "--before", str(tmp_path / "ckpt_5.pt"), "--after", str(tmp_path / "ckpt_8.pt"), "--model", MODEL, "--batch", str(tmp_path / "flight")]
+    args = [
+        "replay",
+        "--before",
+        str(tmp_path / "ckpt_5.pt"),
+        "--after",
+        str(tmp_path / "ckpt_8.pt"),
+        "--model",
+        MODEL,
+        "--batch",
+        str(tmp_path / "flight"),
+    ]
     assert_bad_input(CliRunner().invoke(cli, args), "pass --data")
-    r = CliRunner().invoke(cli, [*args, "--data", str(tmp_path / "data"), "--out", str(tmp_path / "rep")], catch_exceptions=False)
+    r = CliRunner().invoke(
+        cli,
+        [*args, "--data", str(tmp_path / "data"), "--out", str(tmp_path / "rep")],
+        catch_exceptions=False,
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert doc["verdict"]["reproducible"] is True and doc["verdict"]["causes"][0]["cause"] == "none"
 
 
-def _loop(rec: Recorder, model: torch.nn.Module, steps: range, every_ckpt: int | None = None) -> None:
+def _loop(
+    rec: Recorder, model: torch.nn.Module, steps: range, every_ckpt: int | None = None
+) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     table = markov_table(0)
     for step in steps:
@@ -144,7 +241,9 @@ def test_the_ring_drops_the_oldest_interval_never_the_newest(tmp_path: Path) -> 
     assert rec.spikes == []  # a healthy run: no alarm
 
 
-def test_one_host_read_per_step_whatever_the_depth(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_host_read_per_step_whatever_the_depth(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Statistics stay on the device; each step is read back once (stats steps included).
     Counted: what reads a device value on the host (`.cpu()`, `.item()`, `float()`); the
     batch's rows are host copies started in `on_batch`, turned into arrays without a read."""
@@ -152,7 +251,9 @@ def test_one_host_read_per_step_whatever_the_depth(tmp_path: Path, monkeypatch: 
     for name in ("cpu", "item", "__float__"):
         orig = getattr(torch.Tensor, name)
 
-        def counted(self: torch.Tensor, *a: object, _orig: object = orig, _n: str = name, **k: object) -> object:
+        def counted(
+            self: torch.Tensor, *a: object, _orig: object = orig, _n: str = name, **k: object
+        ) -> object:
             reads.append(_n)
             return _orig(self, *a, **k)  # type: ignore[operator]
 
@@ -187,7 +288,11 @@ def test_the_monitor_alarms_on_a_spike_not_on_a_blip() -> None:
     grad = [1.0 + 0.05 * math.sin(s * 2.3) for s in range(1, 200)]
     grad[80] = 4.0  # a blip the loss ignores
     loss[150] *= 3.0  # a spike
-    alarms = [sp.step for s, (lo, g) in enumerate(zip(loss, grad, strict=True), 1) if (sp := m.update(s, lo, g))]
+    alarms = [
+        sp.step
+        for s, (lo, g) in enumerate(zip(loss, grad, strict=True), 1)
+        if (sp := m.update(s, lo, g))
+    ]
     assert alarms == [151]
 
 
@@ -205,7 +310,9 @@ def test_the_trainer_callback_stops_training_at_an_alarm_when_asked(tmp_path: Pa
             super().__init__()
             self.emb = torch.nn.Embedding(16, 4)
 
-        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> SimpleNamespace:
+        def forward(
+            self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+        ) -> SimpleNamespace:
             loss = self.emb(input_ids).pow(2).mean() * self.scale
             return SimpleNamespace(loss=loss)
 
@@ -214,7 +321,12 @@ def test_the_trainer_callback_stops_training_at_an_alarm_when_asked(tmp_path: Pa
     model = LM().train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cb = hf_callback(tmp_path / "flight", stop_on_spike=True)
-    args = SimpleNamespace(gradient_accumulation_steps=1, max_grad_norm=1.0, per_device_train_batch_size=2, output_dir=str(tmp_path))
+    args = SimpleNamespace(
+        gradient_accumulation_steps=1,
+        max_grad_norm=1.0,
+        per_device_train_batch_size=2,
+        output_dir=str(tmp_path),
+    )
     state, control = SimpleNamespace(global_step=0), SimpleNamespace(should_training_stop=False)
     cb.on_train_begin(args, state, control, model=model)
     stopped_at = None
@@ -232,5 +344,7 @@ def test_the_trainer_callback_stops_training_at_an_alarm_when_asked(tmp_path: Pa
             stopped_at = step
             break
     cb.on_train_end(args, state, control)
-    assert stopped_at == 30 and (tmp_path / "flight" / "blackbox-step30" / "incident.json").is_file()
+    assert (
+        stopped_at == 30 and (tmp_path / "flight" / "blackbox-step30" / "incident.json").is_file()
+    )
     assert open_batches(str(tmp_path / "flight")).steps == list(range(1, 31))

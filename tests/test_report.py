@@ -23,10 +23,27 @@ def reports(zoo: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> d
     run = zoo["poison_batch"]
     common = ["--run-dir", str(run), "--model", MODEL, "--batch", str(run / "batches.h5")]
     cmds = {
-        "diff": ["diff", "--run-dir", str(zoo["silent_corruption"]), "--before", "30", "--after", "40"],
+        "diff": [
+            "diff",
+            "--run-dir",
+            str(zoo["silent_corruption"]),
+            "--before",
+            "30",
+            "--after",
+            "40",
+        ],
         "replay": ["replay", "--before", "30", "--after", "35", *common],
         "bisect": ["bisect", "--before", "30", "--after", "35", *common],
-        "whatif": ["whatif", "--before", "30", "--steps", "6", "--try", "skip_samples=auto", *common],
+        "whatif": [
+            "whatif",
+            "--before",
+            "30",
+            "--steps",
+            "6",
+            "--try",
+            "skip_samples=auto",
+            *common,
+        ],
     }
     out = {}
     for name, args in cmds.items():
@@ -44,7 +61,9 @@ def test_every_report_validates_against_the_schema(reports: dict[str, Path]) -> 
 def test_the_schema_names_exactly_the_causes_the_verdict_knows() -> None:
     from ckptforensics.verdict import CAUSES
 
-    cause = schema()["properties"]["verdict"]["properties"]["causes"]["items"]["properties"]["cause"]
+    cause = schema()["properties"]["verdict"]["properties"]["causes"]["items"]["properties"][
+        "cause"
+    ]
     assert set(cause["enum"]) == set(CAUSES)
 
 
@@ -64,7 +83,10 @@ def test_html_plots_name_the_modules_and_map_modules_by_steps(reports: dict[str,
 
     doc = json.loads((reports["replay"] / "report.json").read_text())
     page = (reports["replay"] / "report.html").read_text()
-    assert "Modules x steps: output-gradient norm" in page and "Modules x steps: activation RMS" in page
+    assert (
+        "Modules x steps: output-gradient norm" in page
+        and "Modules x steps: activation RMS" in page
+    )
     rep = doc["replay"]
     import matplotlib
 
@@ -72,15 +94,24 @@ def test_html_plots_name_the_modules_and_map_modules_by_steps(reports: dict[str,
     import matplotlib.pyplot as plt
 
     shown = _heatmap(plt, rep["per_module_steps"], rep["modules"], doc["verdict"])
-    assert [t for t, _ in shown] == ["Modules x steps: output-gradient norm", "Modules x steps: activation RMS"]
+    assert [t for t, _ in shown] == [
+        "Modules x steps: output-gradient norm",
+        "Modules x steps: activation RMS",
+    ]
     assert all(re.match(r'<img alt="plot" src="data:image/png;base64,', img) for _, img in shown)
     assert _short(["transformer.h.0.attn", "transformer.h.1.mlp"]) == ["h.0.attn", "h.1.mlp"]
 
 
-@pytest.mark.parametrize("fmt,name", [("md", "report.md"), ("html", "report.html"), ("json", "report.json")])
-def test_report_rerenders_from_evidence_identically(reports: dict[str, Path], fmt: str, name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "fmt,name", [("md", "report.md"), ("html", "report.html"), ("json", "report.json")]
+)
+def test_report_rerenders_from_evidence_identically(
+    reports: dict[str, Path], fmt: str, name: str, tmp_path: Path
+) -> None:
     for d in reports.values():
-        r = CliRunner().invoke(cli, ["report", str(d / "evidence.h5"), "--format", fmt, "--out", str(tmp_path / name)])
+        r = CliRunner().invoke(
+            cli, ["report", str(d / "evidence.h5"), "--format", fmt, "--out", str(tmp_path / name)]
+        )
         assert r.exit_code == 0, r.output
         assert (tmp_path / name).read_text() == (d / name).read_text()
 
@@ -104,10 +135,16 @@ def test_report_refuses_other_files(tmp_path: Path) -> None:
 def _chromium() -> str | None:
     import shutil
 
-    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    return (
+        shutil.which("chromium")
+        or shutil.which("chromium-browser")
+        or shutil.which("google-chrome")
+    )
 
 
-@pytest.mark.skipif(_chromium() is None, reason="no Chromium on this machine (.ci/run installs Debian's)")
+@pytest.mark.skipif(
+    _chromium() is None, reason="no Chromium on this machine (.ci/run installs Debian's)"
+)
 def test_html_renders_in_headless_chromium(reports: dict[str, Path], tmp_path: Path) -> None:
     import subprocess
 
@@ -116,9 +153,24 @@ def test_html_renders_in_headless_chromium(reports: dict[str, Path], tmp_path: P
 
     shot = tmp_path / "shot.png"
     page = (reports["replay"] / "report.html").resolve()
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars"]
-    subprocess.run([_chromium(), *flags, f"--screenshot={shot}", "--window-size=1200,2400", page.as_uri()], check=True, capture_output=True, timeout=120)
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--hide-scrollbars",
+    ]
+    subprocess.run(
+        [_chromium(), *flags, f"--screenshot={shot}", "--window-size=1200,2400", page.as_uri()],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     img = imread(shot)[..., :3]
     ink = (img.mean(axis=2) < 0.9).mean()  # share of pixels that are not near-white
     assert ink > 0.02, f"screenshot looks blank ({ink:.1%} ink)"

@@ -23,13 +23,42 @@ def _report(path: Path) -> dict:
 
 
 def _single(run: Path, before: str, after: str, out: Path) -> dict:
-    r = CliRunner().invoke(cli, ["-q", "diff", "--run-dir", str(run), "--before", before, "--after", after, "--workers", "1", "--out", str(out)])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "-q",
+            "diff",
+            "--run-dir",
+            str(run),
+            "--before",
+            before,
+            "--after",
+            after,
+            "--workers",
+            "1",
+            "--out",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     return _report(out / "report.json")
 
 
 def _torchrun(run: Path, before: str, after: str, out: Path) -> subprocess.CompletedProcess:
-    args = ["-m", "ckptforensics.cli", "-q", "diff", "--run-dir", str(run), "--before", before, "--after", after, "--out", str(out)]
+    args = [
+        "-m",
+        "ckptforensics.cli",
+        "-q",
+        "diff",
+        "--run-dir",
+        str(run),
+        "--before",
+        before,
+        "--after",
+        after,
+        "--out",
+        str(out),
+    ]
     return torchrun(args, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
 
 
@@ -46,7 +75,23 @@ def test_balanced_shares() -> None:
 def test_workers_give_the_single_process_report(zoo: dict[str, Path], tmp_path: Path) -> None:
     run = zoo["lr_jump"]
     one = _single(run, "30", "40", tmp_path / "one")
-    r = CliRunner().invoke(cli, ["-q", "diff", "--run-dir", str(run), "--before", "30", "--after", "40", "--workers", "2", "--out", str(tmp_path / "two")])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "-q",
+            "diff",
+            "--run-dir",
+            str(run),
+            "--before",
+            "30",
+            "--after",
+            "40",
+            "--workers",
+            "2",
+            "--out",
+            str(tmp_path / "two"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert _report(tmp_path / "two" / "report.json") == one
     assert one["verdict"]["causes"][0]["cause"] == "lr_too_high"
@@ -71,7 +116,9 @@ def test_a_rank_that_fails_fails_the_run_with_one_line(dcp_run: Path, tmp_path: 
     # ChildFailedError, a launcher traceback that names no frame of ours).
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
-    assert len(errors) == 2 and all("__1_0.distcp: truncated" in e for e in errors), proc.stderr[-2000:]
+    assert len(errors) == 2 and all("__1_0.distcp: truncated" in e for e in errors), proc.stderr[
+        -2000:
+    ]
     assert "exitcode  : 2" in proc.stderr
     assert "ckptforensics/" not in proc.stderr.replace(str(run), "")
     assert not (tmp_path / "out" / "report.json").exists()

@@ -29,7 +29,19 @@ def _skipped_by_the_run(lo: int, hi: int) -> list[int]:
 def test_replay_skips_the_steps_olmo_core_skipped_and_lands_on_after(tmp_path: Path) -> None:
     want = _skipped_by_the_run(10, 20)
     assert want == [16, 17, 20]
-    args = ["replay", "--run-dir", str(OLMO / "run"), "--before", "10", "--after", "20", "--data", str(OLMO), "--out", str(tmp_path / "rep")]
+    args = [
+        "replay",
+        "--run-dir",
+        str(OLMO / "run"),
+        "--before",
+        "10",
+        "--after",
+        "20",
+        "--data",
+        str(OLMO),
+        "--out",
+        str(tmp_path / "rep"),
+    ]
     r = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "rep" / "report.json").read_text())
@@ -50,6 +62,8 @@ def test_without_the_logged_flags_olmo_cores_rule_decides(tmp_path: Path) -> Non
         doc = json.loads(f.read_text())
         doc.pop("optim/step skipped", None)
         f.write_text(json.dumps(doc))
-    res = replay(ReplayConfig(before=run / "step10", after=run / "step20", batch=str(OLMO / "batches.h5")))
+    res = replay(
+        ReplayConfig(before=run / "step10", after=run / "step20", batch=str(OLMO / "batches.h5"))
+    )
     assert [x.step for x in res.records if x.skipped] == _skipped_by_the_run(10, 20)
     assert res.matches is not None and sum(m.mismatched for m in res.matches) == 0

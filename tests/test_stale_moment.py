@@ -26,15 +26,31 @@ def _report(*args: str) -> dict:
 
 
 def test_a_released_head_is_adam_instability(run: Path) -> None:
-    doc = _report("replay", "--run-dir", str(run), "--before", "32", "--after", "40", "--batch", str(run / "flight"))
+    doc = _report(
+        "replay",
+        "--run-dir",
+        str(run),
+        "--before",
+        "32",
+        "--after",
+        "40",
+        "--batch",
+        str(run / "flight"),
+    )
     v = doc["verdict"]
     assert v["causes"][0]["cause"] == "adam_instability", v["causes"]
     assert v["reproducible"] is True and v["first_bad_step"] == RELEASE
     assert v["replay_check"]["status"] == "matched"
     rms = next(f for f in doc["findings"] if f["kind"] == "rms_t")
     assert rms["subject"] == "lm_head.weight" and rms["metrics"]["rms_t"] > 100
-    burst = next(f for f in doc["findings"] if f["kind"] == "gradient_burst" and f["subject"] == "lm_head.weight")
+    burst = next(
+        f
+        for f in doc["findings"]
+        if f["kind"] == "gradient_burst" and f["subject"] == "lm_head.weight"
+    )
     assert burst["supports"][0] == "adam_instability"
     # The diff alone cannot tell the stale moment from a gradient burst: it says so no better.
     diff = _report("diff", "--run-dir", str(run), "--before", "32", "--after", "40")
-    assert any(f["kind"] == "gradient_burst" and f["subject"] == "lm_head.weight" for f in diff["findings"])
+    assert any(
+        f["kind"] == "gradient_burst" and f["subject"] == "lm_head.weight" for f in diff["findings"]
+    )

@@ -19,7 +19,9 @@ LOG_VISIBLE = ["poison_batch", "lr_jump", "fp16_overflow", "gradient_explosion",
 
 
 @pytest.mark.parametrize("name", LOG_VISIBLE)
-def test_triage_finds_the_planted_step_and_a_rollback_before_it(zoo: dict[str, Path], name: str) -> None:
+def test_triage_finds_the_planted_step_and_a_rollback_before_it(
+    zoo: dict[str, Path], name: str
+) -> None:
     run = zoo[name]
     res = triage(run / "metrics.jsonl", run)
     assert res.first_bad_step == truth(run)["first_bad_step"]
@@ -27,7 +29,9 @@ def test_triage_finds_the_planted_step_and_a_rollback_before_it(zoo: dict[str, P
     assert any("replay" in c and f"--before {res.rollback_step}" in c for c in res.commands)
 
 
-@pytest.mark.parametrize("name", ["healthy", "healthy-torch", "healthy-safetensors", "silent_corruption"])
+@pytest.mark.parametrize(
+    "name", ["healthy", "healthy-torch", "healthy-safetensors", "silent_corruption"]
+)
 def test_triage_finds_nothing_in_clean_logs(zoo: dict[str, Path], name: str) -> None:
     assert triage(zoo[name] / "metrics.jsonl", zoo[name]).first_bad_step is None
 
@@ -50,7 +54,11 @@ def test_triage_cli_discovers_the_log(zoo: dict[str, Path]) -> None:
     r = CliRunner().invoke(cli, ["triage", "--run-dir", str(zoo["lr_jump"]), "--json"])
     assert r.exit_code == 0
     doc = json.loads(r.stdout)
-    assert doc["first_bad_step"] == 35 and doc["rollback_step"] == 30 and doc["metrics_file"].endswith("metrics.jsonl")
+    assert (
+        doc["first_bad_step"] == 35
+        and doc["rollback_step"] == 30
+        and doc["metrics_file"].endswith("metrics.jsonl")
+    )
 
 
 def test_triage_names_the_signal(zoo: dict[str, Path]) -> None:
@@ -58,7 +66,9 @@ def test_triage_names_the_signal(zoo: dict[str, Path]) -> None:
     ge = triage(zoo["gradient_explosion"] / "metrics.jsonl", None).onsets[0]
     assert ge.signal == "lr" and "optim/LR (group" in ge.message
     ai = triage(zoo["adam_instability"] / "metrics.jsonl", None).onsets[0]
-    assert ai.signal == "param_grad" and ai.message.startswith(truth(zoo["adam_instability"])["layers"][0] + ":")
+    assert ai.signal == "param_grad" and ai.message.startswith(
+        truth(zoo["adam_instability"])["layers"][0] + ":"
+    )
 
 
 def test_group_lr_columns() -> None:
@@ -79,6 +89,12 @@ def test_triage_out_writes_a_page_with_its_timeline(zoo: dict[str, Path], tmp_pa
     doc = json.loads((tmp_path / "triage.json").read_text())
     assert doc["first_bad_step"] == 35 and doc["timeline"]["checkpoints"][:2] == [5, 10]
     page = (tmp_path / "triage.html").read_text()
-    assert "data:image/png;base64," in page and "http" not in page.split("<body>")[0]  # plot inline, nothing fetched
-    assert (tmp_path / "triage.md").read_text().startswith("# ckptforensics: triage\n\n**First bad step: 35**")
+    assert (
+        "data:image/png;base64," in page and "http" not in page.split("<body>")[0]
+    )  # plot inline, nothing fetched
+    assert (
+        (tmp_path / "triage.md")
+        .read_text()
+        .startswith("# ckptforensics: triage\n\n**First bad step: 35**")
+    )
     assert tree_hash(run) == before

@@ -16,7 +16,9 @@ def _grads(shape: tuple[int, ...], steps: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        scale = 10.0 ** float(torch.randint(-6, 7, (1,), generator=g))  # 1e-6 .. 1e6: bursts included
+        scale = 10.0 ** float(
+            torch.randint(-6, 7, (1,), generator=g)
+        )  # 1e-6 .. 1e6: bursts included
         out.append(torch.randn(shape, generator=g) * scale)
     return out
 
@@ -32,10 +34,14 @@ def _make(name: str, p: torch.nn.Parameter) -> torch.optim.Optimizer:
     if name == "adafactor":
         return torch.optim.Adafactor([p], lr=1e-2, weight_decay=0.1)
     if name == "lamb":
-        pyopt = pytest.importorskip("pytorch_optimizer", reason="LAMB's bound needs pytorch_optimizer")
+        pyopt = pytest.importorskip(
+            "pytorch_optimizer", reason="LAMB's bound needs pytorch_optimizer"
+        )
         return pyopt.Lamb([p], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     transformers = pytest.importorskip("transformers")
-    return transformers.optimization.Adafactor([p], lr=1e-2, scale_parameter=False, relative_step=False, weight_decay=0.1)
+    return transformers.optimization.Adafactor(
+        [p], lr=1e-2, scale_parameter=False, relative_step=False, weight_decay=0.1
+    )
 
 
 @pytest.mark.parametrize("name", ["adamw", "lion", "muon", "adafactor", "adafactor_hf", "lamb"])
@@ -46,22 +52,47 @@ def test_no_step_passes_its_family_bound(name: str, shape: tuple[int, int]) -> N
     opt = _make(name, p)
     for t, g in enumerate(_grads(shape, 12, seed=len(name) + shape[0]), 1):
         before = p.detach().clone()
-        moments = {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        moments = {
+            k: v.clone()
+            for k, v in opt.state[p].items()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        }
         p.grad = g
         opt.step()
         st = opt.state_dict()
         fam, impl = optimizer_family(set(st["state"][0]), st["param_groups"][0])
         h = group_hyper(st["param_groups"][0], 0, (fam, impl))
         rms_w = max(float(before.pow(2).mean().sqrt()), float(p.detach().pow(2).mean().sqrt()))
-        b = step_bound(fam, lr=h.lr, weight_decay=h.weight_decay, betas=h.betas, options=h.options, t_first=t, t_last=t, shape=shape, rms_w=rms_w)
+        b = step_bound(
+            fam,
+            lr=h.lr,
+            weight_decay=h.weight_decay,
+            betas=h.betas,
+            options=h.options,
+            t_first=t,
+            t_last=t,
+            shape=shape,
+            rms_w=rms_w,
+        )
         dw = (p.detach() - before).abs()
         w = torch.maximum(before.abs(), p.detach().abs())
-        assert bool((dw <= (b.per_step + b.decay * w) * (1 + 1e-3) + 1e-7 * w).all()), (name, t, float((dw / (b.per_step + b.decay * w)).max()))
+        assert bool((dw <= (b.per_step + b.decay * w) * (1 + 1e-3) + 1e-7 * w).all()), (
+            name,
+            t,
+            float((dw / (b.per_step + b.decay * w)).max()),
+        )
         if b.rms is not None:
             assert float(dw.pow(2).mean().sqrt()) <= (b.rms + b.decay * rms_w) * (1 + 1e-3)
         floor = second_moment_floor(fam, h.betas, h.options, t, t)
         for k, v in moments.items():
-            if floor is not None and k in ("exp_avg_sq", "row_var", "col_var", "variance", "exp_avg_sq_row", "exp_avg_sq_col"):
+            if floor is not None and k in (
+                "exp_avg_sq",
+                "row_var",
+                "col_var",
+                "variance",
+                "exp_avg_sq_row",
+                "exp_avg_sq_col",
+            ):
                 now = opt.state[p][k]
                 assert bool((now >= v * floor * (1 - 1e-6)).all()), (name, k, t)
 
@@ -116,7 +147,10 @@ def test_8bit_floor_holds_through_quantisation(shape: tuple[int, int]) -> None:
         for t1 in range(t0 + 1, len(vs)):
             k = t1 - t0
             floor = vs[t0] * 0.95**k * (1 - 1e-6 * (k + 4))
-            assert bool((vs[t1] >= floor - quantised_floor_allowance(k, gap) * scales[t1]).all()), (t0, t1)
+            assert bool((vs[t1] >= floor - quantised_floor_allowance(k, gap) * scales[t1]).all()), (
+                t0,
+                t1,
+            )
             plain_broken |= bool((vs[t1] < floor).any())
     assert plain_broken
 
@@ -136,7 +170,19 @@ def test_8bit_steps_can_pass_adams_bound() -> None:
         before = p.detach().clone()
         p.grad = g
         opt.step()
-        worst = max(worst, float(((p.detach() - before).abs() / (1e-2 * adam_ratio_bound(0.9, 0.95, t, t))).max()))
+        worst = max(
+            worst,
+            float(((p.detach() - before).abs() / (1e-2 * adam_ratio_bound(0.9, 0.95, t, t))).max()),
+        )
     assert worst > 1 + 1e-3
-    b = step_bound("adam8bit", lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95), options={"quantised": True}, t_first=1, t_last=14, shape=(24, 40))
+    b = step_bound(
+        "adam8bit",
+        lr=1e-2,
+        weight_decay=0.0,
+        betas=(0.9, 0.95),
+        options={"quantised": True},
+        t_first=1,
+        t_last=14,
+        shape=(24, 40),
+    )
     assert not b.sharp and math.isinf(b.per_step)

@@ -33,7 +33,9 @@ __all__ = [
 ]
 
 
-def run_audit(cfg: AuditConfig, *, command: str, progress: Callable[[str], None] | None = None) -> tuple[dict[str, Any], list[Any]]:
+def run_audit(
+    cfg: AuditConfig, *, command: str, progress: Callable[[str], None] | None = None
+) -> tuple[dict[str, Any], list[Any]]:
     """`ckptforensics audit`: the report document (schema `ckptforensics.report/1`, with its
     `architecture` and `audit` sections) and the findings (one per risk).
 
@@ -50,22 +52,49 @@ def run_audit(cfg: AuditConfig, *, command: str, progress: Callable[[str], None]
         rows = run_checks(ev)
         findings = [_numbered(f, i) for i, f in enumerate(check_findings(rows), 1)]
         verdict = decide_audit(findings, rows, checkpoint=str(cfg.checkpoint))
-        earlier = earlier_checkpoint(cfg, a, cfg.run_dir or cfg.checkpoint.parent) if ev.prev is not None else None
-        arch = ev.arch.as_dict() if ev.arch is not None else {"norm_placement": None, "qk_norm": None, "note": ev.arch_note}
+        earlier = (
+            earlier_checkpoint(cfg, a, cfg.run_dir or cfg.checkpoint.parent)
+            if ev.prev is not None
+            else None
+        )
+        arch = (
+            ev.arch.as_dict()
+            if ev.arch is not None
+            else {"norm_placement": None, "qk_norm": None, "note": ev.arch_note}
+        )
         section = {
             "checkpoint": str(cfg.checkpoint),
             "step": ev.step,
-            "compared_with": {"path": str(earlier), "step": ev.prev_step} if earlier is not None else None,
+            "compared_with": {"path": str(earlier), "step": ev.prev_step}
+            if earlier is not None
+            else None,
             "batch": ev.batch_source,
             "rows": [r.as_dict() for r in rows],
-            "counts": {s: sum(1 for r in rows if r.status == "risk" and r.severity == s) for s in ("critical", "warning", "info")},
+            "counts": {
+                s: sum(1 for r in rows if r.status == "risk" and r.severity == s)
+                for s in ("critical", "warning", "info")
+            },
             "notes": list(ev.notes),
         }
         if earlier is not None:
             with open_checkpoint(earlier) as b:
-                doc = build_report(command=command, before=b, after=a, verdict=verdict, findings=findings, sections={"architecture": arch, "audit": section})
+                doc = build_report(
+                    command=command,
+                    before=b,
+                    after=a,
+                    verdict=verdict,
+                    findings=findings,
+                    sections={"architecture": arch, "audit": section},
+                )
         else:
-            doc = build_report(command=command, before=a, after=a, verdict=verdict, findings=findings, sections={"architecture": arch, "audit": section})
+            doc = build_report(
+                command=command,
+                before=a,
+                after=a,
+                verdict=verdict,
+                findings=findings,
+                sections={"architecture": arch, "audit": section},
+            )
     return doc, findings
 
 
@@ -82,5 +111,7 @@ def default_checkpoint(run_dir: Path) -> Path:
 
     found = list_checkpoints(run_dir)
     if not found:
-        raise CheckpointNotFound(f"{run_dir}: no checkpoint found (checkpoint-N, iter_N, step_N, global_stepN, *step=N*.ckpt); pass STEP or a path")
+        raise CheckpointNotFound(
+            f"{run_dir}: no checkpoint found (checkpoint-N, iter_N, step_N, global_stepN, *step=N*.ckpt); pass STEP or a path"
+        )
     return found[-1][1]

@@ -64,7 +64,10 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
     notes: list[str] = []
     run_dir = cfg.run_dir or cfg.checkpoint.parent
     rc = run_config(a, cfg.checkpoint)
-    mfile = cfg.metrics or next((f for f in (find_metrics(d) for d in _near(run_dir, cfg.checkpoint)) if f is not None), None)
+    mfile = cfg.metrics or next(
+        (f for f in (find_metrics(d) for d in _near(run_dir, cfg.checkpoint)) if f is not None),
+        None,
+    )
     try:
         rows = read_metrics(mfile) if mfile is not None else {}
     except ForensicsError as e:  # an unreadable log takes its rows to unknown, not the audit down
@@ -106,7 +109,11 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
     precision, psrc, masters = _precision(a, rc)
     scaler = a.scalars.get("scaler") if isinstance(a.scalars.get("scaler"), dict) else {}
     interval = scaler.get("growth_interval", scaler.get("_growth_interval"))
-    scales = tuple((s, float(r["loss_scale"])) for s, r in sorted(rows.items()) if "loss_scale" in r and math.isfinite(float(r["loss_scale"])))
+    scales = tuple(
+        (s, float(r["loss_scale"]))
+        for s, r in sorted(rows.items())
+        if "loss_scale" in r and math.isfinite(float(r["loss_scale"]))
+    )
     clip, csrc = _clip(rc)
     warm, wsrc = _warmup(rc, rows)
     z, zsrc = _z_loss(rc)
@@ -167,7 +174,10 @@ def run_config(a: Checkpoint, path: Path) -> dict[str, Any]:
     """Every configuration the run recorded, as one dict of sections: `train` (the reader's
     `train_config`), `training_args` (HF), `args` (Megatron), `model` (the model config),
     `olmo` (OLMo-core's experiment config.json), `litgpt` (hyperparameters.yaml)."""
-    out: dict[str, Any] = {"train": dict(a.scalars.get("train_config") or {}), "model": dict(a.config or {})}
+    out: dict[str, Any] = {
+        "train": dict(a.scalars.get("train_config") or {}),
+        "model": dict(a.config or {}),
+    }
     if isinstance(a.scalars.get("training_args"), dict):
         out["training_args"] = a.scalars["training_args"]
     from ..replay.reference import is_megatron_args
@@ -218,13 +228,25 @@ def _z_loss(rc: dict[str, Any]) -> tuple[float | None, str | None]:
     `z_loss_multiplier`, the project's GPT's `z_loss`); a MoE router's z-loss is not this."""
     for key, v in _walk(rc):
         leaf = key.rsplit(".", 1)[-1].lower()
-        if "z_loss" in leaf and "router" not in key.lower() and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+        if (
+            "z_loss" in leaf
+            and "router" not in key.lower()
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and v > 0
+        ):
             return float(v), key
     return None, None
 
 
 def _clip(rc: dict[str, Any]) -> tuple[float | None, str | None]:
-    for path in (("train", "grad_clip"), ("train", "max_grad_norm"), ("args", "clip_grad"), ("olmo", "train_module", "max_grad_norm"), ("litgpt", "train", "max_norm")):
+    for path in (
+        ("train", "grad_clip"),
+        ("train", "max_grad_norm"),
+        ("args", "clip_grad"),
+        ("olmo", "train_module", "max_grad_norm"),
+        ("litgpt", "train", "max_norm"),
+    ):
         v = _get(rc, *path)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             return float(v), ".".join(path)
@@ -234,7 +256,13 @@ def _clip(rc: dict[str, Any]) -> tuple[float | None, str | None]:
 
 
 def _warmup(rc: dict[str, Any], rows: dict[int, dict[str, float]]) -> tuple[int | None, str | None]:
-    for path in (("train", "warmup_iters"), ("args", "lr_warmup_iters"), ("olmo", "train_module", "scheduler", "warmup"), ("olmo", "train_module", "scheduler", "warmup_steps"), ("litgpt", "train", "lr_warmup_steps")):
+    for path in (
+        ("train", "warmup_iters"),
+        ("args", "lr_warmup_iters"),
+        ("olmo", "train_module", "scheduler", "warmup"),
+        ("olmo", "train_module", "scheduler", "warmup_steps"),
+        ("litgpt", "train", "lr_warmup_steps"),
+    ):
         v = _get(rc, *path)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             return int(v), ".".join(path)
@@ -247,7 +275,14 @@ def _warmup(rc: dict[str, Any], rows: dict[int, dict[str, float]]) -> tuple[int 
 
 
 def _total_steps(rc: dict[str, Any]) -> int | None:
-    for path in (("train", "max_steps"), ("training_args", "max_steps"), ("args", "train_iters"), ("model", "max_iters"), ("train", "max_iters"), ("litgpt", "train", "max_steps")):
+    for path in (
+        ("train", "max_steps"),
+        ("training_args", "max_steps"),
+        ("args", "train_iters"),
+        ("model", "max_iters"),
+        ("train", "max_iters"),
+        ("litgpt", "train", "max_steps"),
+    ):
         v = _get(rc, *path)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
@@ -269,7 +304,11 @@ def _precision(a: Checkpoint, rc: dict[str, Any]) -> tuple[str, str, bool]:
         return "bf16", src, masters
     lit = str(_get(rc, "litgpt", "precision") or "")
     if prec == "fp32" and lit.startswith(("bf16", "16")):
-        return ("bf16" if lit.startswith("bf16") else "fp16"), f"hyperparameters.yaml precision {lit}", masters
+        return (
+            ("bf16" if lit.startswith("bf16") else "fp16"),
+            f"hyperparameters.yaml precision {lit}",
+            masters,
+        )
     if prec == "fp32" and _main_dtype(a) == "float16":  # fp16 parameters: trained in fp16 itself
         return "fp16", "float16 weights in the checkpoint", masters
     return prec, src, masters
@@ -285,7 +324,9 @@ def _main_dtype(a: Checkpoint) -> str:
 
 
 # ---------------------------------------------------------------- batch
-def _batch(cfg: AuditConfig, a: Checkpoint, run_dir: Path, notes: list[str]) -> tuple[dict[str, torch.Tensor] | None, str, str | None, float, bool | None]:
+def _batch(
+    cfg: AuditConfig, a: Checkpoint, run_dir: Path, notes: list[str]
+) -> tuple[dict[str, torch.Tensor] | None, str, str | None, float, bool | None]:
     """The batch to trace: the run's next batch after the checkpoint where a batch log has it."""
     from ..replay.batches import BatchError, open_batches
 
@@ -312,7 +353,14 @@ def _batch(cfg: AuditConfig, a: Checkpoint, run_dir: Path, notes: list[str]) -> 
         return None, "random token ids (the batch log keeps sample ids only)", spec, math.nan, None
     step = a.step or 0
     steps = src.steps
-    pick = step + 1 if steps is None or step + 1 in steps else (min((s for s in steps if s > step), default=None) or max((s for s in steps if s <= step), default=None))
+    pick = (
+        step + 1
+        if steps is None or step + 1 in steps
+        else (
+            min((s for s in steps if s > step), default=None)
+            or max((s for s in steps if s <= step), default=None)
+        )
+    )
     if pick is None:
         return None, "random token ids (the batch log has no step)", spec, math.nan, None
     try:
@@ -321,10 +369,18 @@ def _batch(cfg: AuditConfig, a: Checkpoint, run_dir: Path, notes: list[str]) -> 
         notes.append(str(e))
         return None, "random token ids (the batch could not be read)", spec, math.nan, None
     batch = {k: v for k, v in b.items() if k in ("input_ids", "attention_mask", "labels")}
-    return batch, f"the batch of step {pick} ({src.describe})", spec, float(batch["input_ids"].numel()), src.labels_shifted
+    return (
+        batch,
+        f"the batch of step {pick} ({src.describe})",
+        spec,
+        float(batch["input_ids"].numel()),
+        src.labels_shifted,
+    )
 
 
-def _convention(model: nn.Module, batch: dict[str, torch.Tensor], declared: bool | None, notes: list[str]) -> tuple[bool, Callable[[nn.Module, dict[str, torch.Tensor]], Any]]:
+def _convention(
+    model: nn.Module, batch: dict[str, torch.Tensor], declared: bool | None, notes: list[str]
+) -> tuple[bool, Callable[[nn.Module, dict[str, torch.Tensor]], Any]]:
     """The batch's label convention (measured from the data) and how the run's trainer calls
     the model (`replay.conventions`), so that the traced pass gives every position's logits."""
     from ..replay.conventions import LabelError, call_model, detect_call, settle_labels
@@ -344,12 +400,23 @@ def _random_batch(model: nn.Module) -> dict[str, torch.Tensor]:
     sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
     vocab = min(sizes) if sizes else 2
     g = torch.Generator().manual_seed(0)
-    return {"input_ids": torch.randint(0, vocab, (_RANDOM_ROWS, min(_RANDOM_TOKENS, vocab)), generator=g)}
+    return {
+        "input_ids": torch.randint(
+            0, vocab, (_RANDOM_ROWS, min(_RANDOM_TOKENS, vocab)), generator=g
+        )
+    }
 
 
 # ---------------------------------------------------------------- gradient and state
 def _rms_t(
-    model: nn.Module, a: Checkpoint, to_ckpt: Callable[[str], str], logits: torch.Tensor, batch: dict[str, torch.Tensor], shifted: bool, source: str, notes: list[str]
+    model: nn.Module,
+    a: Checkpoint,
+    to_ckpt: Callable[[str], str],
+    logits: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    shifted: bool,
+    source: str,
+    notes: list[str],
 ) -> dict[str, float]:
     """RMS_t = sqrt(mean(g^2 / v_hat)) per tensor, the gradient of the causal-LM loss on the
     traced batch (a real batch only: random tokens say nothing about v)."""
@@ -369,15 +436,27 @@ def _rms_t(
     model.zero_grad(set_to_none=True)
     loss.backward()
     group = {id(p): g for g in opt.param_groups for p in g["params"]}
-    with_grad = [(n, p) for n, p in model.named_parameters() if p.grad is not None and opt.state.get(p)]
+    with_grad = [
+        (n, p) for n, p in model.named_parameters() if p.grad is not None and opt.state.get(p)
+    ]
     if not with_grad:
         return {}
-    table = torch.stack([param_grad_stats(p.grad, opt.state[p], group[id(p)]) for _, p in with_grad]).cpu().tolist()  # one sync
+    table = (
+        torch.stack([param_grad_stats(p.grad, opt.state[p], group[id(p)]) for _, p in with_grad])
+        .cpu()
+        .tolist()
+    )  # one sync
     model.zero_grad(set_to_none=True)
-    return {to_ckpt(n): row[1] for (n, _), row in zip(with_grad, table, strict=True) if math.isfinite(row[1])}
+    return {
+        to_ckpt(n): row[1]
+        for (n, _), row in zip(with_grad, table, strict=True)
+        if math.isfinite(row[1])
+    }
 
 
-def _names(arch: Architecture | None, to_ckpt: Callable[[str], str], a: Checkpoint) -> dict[str, list[str]]:
+def _names(
+    arch: Architecture | None, to_ckpt: Callable[[str], str], a: Checkpoint
+) -> dict[str, list[str]]:
     """The trace's norm and embedding parameters under their checkpoint names."""
     if arch is None:
         return {}
@@ -386,10 +465,23 @@ def _names(arch: Architecture | None, to_ckpt: Callable[[str], str], a: Checkpoi
         c = to_ckpt(n)
         return a.aliases.get(c, c)
 
-    return {"norm": sorted({ck(n) for n in arch.norm_params}), "embedding": sorted({ck(n) for n in arch.embedding_params})}
+    return {
+        "norm": sorted({ck(n) for n in arch.norm_params}),
+        "embedding": sorted({ck(n) for n in arch.embedding_params}),
+    }
 
 
-def _optimizer(a: Checkpoint, names: dict[str, list[str]]) -> tuple[tuple[TensorMoments, ...], dict[str, float], tuple[float, float] | None, float | None, tuple[float, ...], str | None, float]:
+def _optimizer(
+    a: Checkpoint, names: dict[str, list[str]]
+) -> tuple[
+    tuple[TensorMoments, ...],
+    dict[str, float],
+    tuple[float, float] | None,
+    float | None,
+    tuple[float, ...],
+    str | None,
+    float,
+]:
     """Per tensor: the share of sqrt(v_hat) < eps; every parameter's weight decay; Adam's
     betas and eps; the LRs; the moments' dtype; the share of bf16 weight elements whose
     LR-sized update rounds away. One tensor and its state in memory at a time."""
@@ -428,7 +520,15 @@ def _optimizer(a: Checkpoint, names: dict[str, list[str]]) -> tuple[tuple[Tensor
         moments.append(TensorMoments(name, v.numel(), share, role))
         a.forget(name)
     lrs = tuple(g.lr for g in opt.groups)
-    return tuple(moments), decayed, betas, eps, lrs, moment_dtype, (lost_n / lost_tot if lost_tot else math.nan)
+    return (
+        tuple(moments),
+        decayed,
+        betas,
+        eps,
+        lrs,
+        moment_dtype,
+        (lost_n / lost_tot if lost_tot else math.nan),
+    )
 
 
 # ---------------------------------------------------------------- the earlier checkpoint
@@ -441,7 +541,9 @@ def earlier_checkpoint(cfg: AuditConfig, a: Checkpoint, run_dir: Path) -> Path |
     return before[-1] if before else None
 
 
-def _trace_other(cfg: AuditConfig, path: Path, batch: dict[str, torch.Tensor], call: Any, notes: list[str]) -> tuple[Architecture | None, int | None]:
+def _trace_other(
+    cfg: AuditConfig, path: Path, batch: dict[str, torch.Tensor], call: Any, notes: list[str]
+) -> tuple[Architecture | None, int | None]:
     """The earlier checkpoint's trace on the same batch (the between-checkpoint rows)."""
     from ..replay.model import build_model, load_weights
 

@@ -63,7 +63,13 @@ _SOFTMAX = (torch.softmax, F.softmax, torch.Tensor.softmax)
 _SCALE_INVARIANT = 1e-3
 # Ops that read a parameter at positions an input gives (token ids): their output is an
 # activation, not a view of the parameter.
-_READS_DATA = ("EmbeddingBackward", "EmbeddingBagBackward", "IndexBackward", "IndexSelectBackward", "GatherBackward")
+_READS_DATA = (
+    "EmbeddingBackward",
+    "EmbeddingBagBackward",
+    "IndexBackward",
+    "IndexSelectBackward",
+    "GatherBackward",
+)
 # Nodes a graph walk visits at most (a walk that finds no stop within them gives up).
 _WALK_LIMIT = 200_000
 
@@ -168,7 +174,9 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.trace = trace
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         t = self.trace
@@ -179,17 +187,46 @@ class _Recorder(TorchFunctionMode):
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
             causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
             scale = kwargs.get("scale", args[6] if len(args) > 6 else None)
-            t.attention.append(_AttnSite("sdpa", t.running(), int(q.shape[-3]), [q.grad_fn, k.grad_fn], out.grad_fn, attention_logit_stats(q, k, mask, causal, scale)))
+            t.attention.append(
+                _AttnSite(
+                    "sdpa",
+                    t.running(),
+                    int(q.shape[-3]),
+                    [q.grad_fn, k.grad_fn],
+                    out.grad_fn,
+                    attention_logit_stats(q, k, mask, causal, scale),
+                )
+            )
         elif func in _SOFTMAX and args and isinstance(args[0], torch.Tensor) and args[0].dim() == 4:
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
             if dim in (-1, 3) and args[0].is_floating_point():
-                t.attention.append(_AttnSite("softmax", t.running(), int(args[0].shape[1]), [args[0].grad_fn], out.grad_fn, softmax_logit_stats(args[0])))
-        elif func in _NORM_FUNCS and args and isinstance(args[0], torch.Tensor) and out.grad_fn is not None:
+                t.attention.append(
+                    _AttnSite(
+                        "softmax",
+                        t.running(),
+                        int(args[0].shape[1]),
+                        [args[0].grad_fn],
+                        out.grad_fn,
+                        softmax_logit_stats(args[0]),
+                    )
+                )
+        elif (
+            func in _NORM_FUNCS
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and out.grad_fn is not None
+        ):
             params = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, nn.Parameter)]
             t.add_norm(_NormSite(args[0].grad_fn, out.grad_fn, params))
         elif func in _ADD_FUNCS and _same_shape_add(args, out):
             a, b = args[0].detach(), args[1].detach()
-            t.adds[out.grad_fn] = (_rms(a), _rms(b), _rms(out.detach()), args[0].grad_fn, args[1].grad_fn)
+            t.adds[out.grad_fn] = (
+                _rms(a),
+                _rms(b),
+                _rms(out.detach()),
+                args[0].grad_fn,
+                args[1].grad_fn,
+            )
         return out
 
 
@@ -249,8 +286,17 @@ class _Trace:
                 self.stack.pop()
             if isinstance(out, torch.Tensor) and out.grad_fn is not None:
                 self.outputs.setdefault(out.grad_fn, name)
-            x = args[0] if isinstance(args, tuple) and len(args) == 1 and isinstance(args[0], torch.Tensor) else None
-            if x is None or not isinstance(out, torch.Tensor) or out.grad_fn is None or not _norm_candidate(mod, x, out):
+            x = (
+                args[0]
+                if isinstance(args, tuple) and len(args) == 1 and isinstance(args[0], torch.Tensor)
+                else None
+            )
+            if (
+                x is None
+                or not isinstance(out, torch.Tensor)
+                or out.grad_fn is None
+                or not _norm_candidate(mod, x, out)
+            ):
                 return
             if _scale_invariant(self, mod, x):
                 site = self.norms.get(out.grad_fn)
@@ -291,7 +337,9 @@ def _scale_invariant(trace: _Trace, mod: nn.Module, x: torch.Tensor) -> bool:
         trace.busy = True
         try:
             a, b, c = mod(xs), mod(10 * xs), mod(-xs)
-        except Exception:  # a module that cannot be called on its own input again: not a norm we can test
+        except (
+            Exception
+        ):  # a module that cannot be called on its own input again: not a norm we can test
             return False
         finally:
             trace.busy = False
@@ -400,7 +448,9 @@ class _Reader:
     def __init__(self, trace: _Trace, graph: _Graph) -> None:
         self.t, self.g = trace, graph
         self.norm_out = trace.norms
-        self.norm_in: dict[Any, _NormSite] = {s.inp: s for s in trace.norms.values() if s.inp is not None}
+        self.norm_in: dict[Any, _NormSite] = {
+            s.inp: s for s in trace.norms.values() if s.inp is not None
+        }
         self._inner: dict[Any, set[Any]] = {}
 
     def is_norm_out(self, n: Any) -> bool:
@@ -460,7 +510,11 @@ class _Reader:
         site = self.norm_in.get(add)
         if site is None:
             return False
-        others = [c for c in self.g.consumers.get(add, ()) if c not in self.internal(site) and c is not site.out]
+        others = [
+            c
+            for c in self.g.consumers.get(add, ())
+            if c not in self.internal(site) and c is not site.out
+        ]
         return not others
 
 
@@ -494,7 +548,9 @@ def _call(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
 Call = Callable[[nn.Module, dict[str, torch.Tensor]], Any]
 
 
-def trace_architecture(model: nn.Module, batch: dict[str, torch.Tensor], call: Call | None = None) -> Architecture:
+def trace_architecture(
+    model: nn.Module, batch: dict[str, torch.Tensor], call: Call | None = None
+) -> Architecture:
     """Run one forward pass of `model` on `batch` (on the model's device; grad enabled, no
     backward) and read the architecture off it.
 
@@ -515,7 +571,9 @@ def trace_architecture(model: nn.Module, batch: dict[str, torch.Tensor], call: C
     return trace_pass(model, batch, call)[0]
 
 
-def trace_pass(model: nn.Module, batch: dict[str, torch.Tensor], call: Call | None = None) -> tuple[Architecture, torch.Tensor]:
+def trace_pass(
+    model: nn.Module, batch: dict[str, torch.Tensor], call: Call | None = None
+) -> tuple[Architecture, torch.Tensor]:
     """`trace_architecture`, and the pass's logits with their graph (a caller may take the
     gradient of a loss on them: the audit's RMS_t)."""
     was_training = model.training
@@ -552,7 +610,11 @@ def _read(trace: _Trace, g: _Graph, logits: torch.Tensor, names: dict[int, str])
     adds = list(trace.adds.items())
     lg = logits.detach().float()
     head_stats = torch.stack([lg.max(), lg.abs().max(), lg.mean(), torch.logsumexp(lg, -1).mean()])
-    parts = [*(t.reshape(-1).float() for t in table), *(torch.stack([a[0], a[1], a[2]]).float() for _, a in adds), head_stats]
+    parts = [
+        *(t.reshape(-1).float() for t in table),
+        *(torch.stack([a[0], a[1], a[2]]).float() for _, a in adds),
+        head_stats,
+    ]
     flat = torch.cat([x.to(lg.device) for x in parts]).cpu().tolist()
     pos = 0
     per_call = []
@@ -567,7 +629,11 @@ def _read(trace: _Trace, g: _Graph, logits: torch.Tensor, names: dict[int, str])
     logit_max, logit_absmax, logit_mean, log_z = flat[pos : pos + 4]
     for i, site in enumerate(trace.attention):
         placement, add = r.placement(site)
-        qk = bool(site.qk) and all(r.normalised(n) for n in site.qk if n is not None) if site.kind == "sdpa" else _eager_qk(r, site)
+        qk = (
+            bool(site.qk) and all(r.normalised(n) for n in site.qk if n is not None)
+            if site.kind == "sdpa"
+            else _eager_qk(r, site)
+        )
         softcap = site.kind == "softmax" and _tanh_before(g, site.qk[0])
         st = per_call[i]
         rows = st[:, 2]
@@ -586,7 +652,9 @@ def _read(trace: _Trace, g: _Graph, logits: torch.Tensor, names: dict[int, str])
                 qk_norm=qk,
                 softcap=softcap,
                 max_logit=float(st[:, 0].max()) if st.numel() else math.nan,
-                entropy=float(torch.nan_to_num(ent, nan=math.inf).min()) if ent.numel() and bool(torch.isfinite(ent).any()) else math.nan,
+                entropy=float(torch.nan_to_num(ent, nan=math.inf).min())
+                if ent.numel() and bool(torch.isfinite(ent).any())
+                else math.nan,
                 stream_rms=stream,
                 residual_rms=resid,
             )
@@ -596,13 +664,17 @@ def _read(trace: _Trace, g: _Graph, logits: torch.Tensor, names: dict[int, str])
     kinds = Counter(x.placement for x in layers)
     if not layers:
         placement = "unknown"
-        notes.append("no attention call was seen (no scaled_dot_product_attention, no softmax over [B, H, T, S])")
+        notes.append(
+            "no attention call was seen (no scaled_dot_product_attention, no softmax over [B, H, T, S])"
+        )
     elif len(kinds) == 1:
         placement = layers[0].placement
     else:
         known = Counter({k: v for k, v in kinds.items() if k != "unknown"})
         placement = known.most_common(1)[0][0] if len(known) == 1 else "mixed"
-        notes.append("placements per layer: " + ", ".join(f"{k} x{v}" for k, v in kinds.most_common()))
+        notes.append(
+            "placements per layer: " + ", ".join(f"{k} x{v}" for k, v in kinds.most_common())
+        )
     if placement == "unknown" and layers:
         notes.append("no residual add was found after the attention's output projection")
     qk_norm = all(x.qk_norm for x in layers) if layers else None
@@ -617,7 +689,9 @@ def _read(trace: _Trace, g: _Graph, logits: torch.Tensor, names: dict[int, str])
     if head_w is not None:
         tied = any(w is head_w for w in emb_w)
     head_module = _module_of(trace, g, heads, logits.grad_fn)
-    norm_params = sorted({names[id(p)] for s in trace.norms.values() for p in s.params if id(p) in names})
+    norm_params = sorted(
+        {names[id(p)] for s in trace.norms.values() for p in s.params if id(p) in names}
+    )
     return Architecture(
         norm_placement=placement,
         qk_norm=qk_norm,

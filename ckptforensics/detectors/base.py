@@ -105,4 +105,15 @@ def cap(x: float, hi: float = 1e6) -> float:
 
 def with_id(f: Finding, i: int) -> Finding:
     """The finding numbered `F<i>` (ids are assigned once all detectors have run)."""
-    return Finding(f"F{i}", f.kind, f.subject, f.score, f.severity, f.metrics, f.message, f.source, f.supports, f.primary)
+    return Finding(
+        f"F{i}",
+        f.kind,
+        f.subject,
+        f.score,
+        f.severity,
+        f.metrics,
+        f.message,
+        f.source,
+        f.supports,
+        f.primary,
+    )

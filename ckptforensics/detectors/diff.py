@@ -15,6 +15,7 @@ from .base import Finding, Thresholds, cap, module_of, with_id
 
 __all__ = ["DIFF_DETECTORS", "diff_findings"]
 
+
 def diff_findings(diff: DiffResult, th: Thresholds | None = None) -> list[Finding]:
     """Every detector that needs no replay, over one diff; ids assigned in order."""
     th = th or Thresholds()
@@ -39,11 +40,25 @@ def diff_findings(diff: DiffResult, th: Thresholds | None = None) -> list[Findin
 
 
 def _violations(t: TensorDiff) -> int:
-    return t.bound_violations + t.vfloor_violations + t.mbound_violations + t.outlier_changes + t.norm_violations
+    return (
+        t.bound_violations
+        + t.vfloor_violations
+        + t.mbound_violations
+        + t.outlier_changes
+        + t.norm_violations
+    )
 
 
 # How messages name the optimizer family whose bound a tensor broke.
-_FAMILY_NAMES = {"adam": "Adam", "lamb": "LAMB", "lion": "Lion", "adafactor": "Adafactor", "muon": "Muon", "sgd": "SGD", "adam8bit": "8-bit Adam"}
+_FAMILY_NAMES = {
+    "adam": "Adam",
+    "lamb": "LAMB",
+    "lion": "Lion",
+    "adafactor": "Adafactor",
+    "muon": "Muon",
+    "sgd": "SGD",
+    "adam8bit": "8-bit Adam",
+}
 
 
 def detect_corruption(diff: DiffResult, th: Thresholds) -> list[Finding]:
@@ -56,7 +71,10 @@ def detect_corruption(diff: DiffResult, th: Thresholds) -> list[Finding]:
     if _moments_restarted(diff):
         # Second moments under their floor almost everywhere are a restart of the optimizer
         # (detect_optimizer_state_lost), not elements any fault flipped: judge the rest.
-        diff = DiffResult(pair=diff.pair, tensors=[dataclasses.replace(t, vfloor_violations=0) for t in diff.tensors])
+        diff = DiffResult(
+            pair=diff.pair,
+            tensors=[dataclasses.replace(t, vfloor_violations=0) for t in diff.tensors],
+        )
     bad = [t for t in diff.tensors if _violations(t) > 0]
     if not bad:
         return []
@@ -95,7 +113,10 @@ def detect_corruption(diff: DiffResult, th: Thresholds) -> list[Finding]:
             }
             for c in t.candidates
         ]
-        worst = max((abs(c.after - c.before) / c.bound for c in t.candidates if c.bound and c.bound > 0), default=1.0)
+        worst = max(
+            (abs(c.after - c.before) / c.bound for c in t.candidates if c.bound and c.bound > 0),
+            default=1.0,
+        )
         opt = _FAMILY_NAMES.get(t.family, "Adam")
         what = (
             f"one stored bit ({flips[0].bit_field} bit {flips[0].bit}) away from a value {opt} could reach"
@@ -129,9 +150,10 @@ def detect_corruption(diff: DiffResult, th: Thresholds) -> list[Finding]:
 
 
 def _overflow_cause(dtype: str) -> tuple[str, ...]:
-    return {"fp16": ("fp16_overflow", "gradient_explosion"), "bf16": ("bf16_overflow", "gradient_explosion")}.get(
-        dtype, ("gradient_explosion",)
-    )
+    return {
+        "fp16": ("fp16_overflow", "gradient_explosion"),
+        "bf16": ("bf16_overflow", "gradient_explosion"),
+    }.get(dtype, ("gradient_explosion",))
 
 
 def detect_nonfinite(diff: DiffResult, th: Thresholds) -> list[Finding]:
@@ -148,7 +170,12 @@ def detect_nonfinite(diff: DiffResult, th: Thresholds) -> list[Finding]:
                 t.name,
                 cap(max(new_w, t.nonfinite_m_b, t.nonfinite_v_b) / max(1, t.numel) * 100 + 1),
                 "critical",
-                {"weights": t.nonfinite_b, "weights_before": t.nonfinite_a, "exp_avg": t.nonfinite_m_b, "exp_avg_sq": t.nonfinite_v_b},
+                {
+                    "weights": t.nonfinite_b,
+                    "weights_before": t.nonfinite_a,
+                    "exp_avg": t.nonfinite_m_b,
+                    "exp_avg_sq": t.nonfinite_v_b,
+                },
                 f"{t.name}: {max(new_w, 0)} non-finite weights, {t.nonfinite_m_b} in exp_avg, {t.nonfinite_v_b} in exp_avg_sq after the window",
                 "docs/signatures.md#dtype-range",
                 _overflow_cause(t.dtype),
@@ -162,7 +189,10 @@ def detect_dtype_range(diff: DiffResult, th: Thresholds) -> list[Finding]:
     """max|x| against the storage dtype's max (fp16 65504, bf16 3.39e38)."""
     out = []
     for t in diff.tensors:
-        for where, head, mx in (("weight", t.headroom_b, t.max_abs_b), ("exp_avg_sq", t.moment_headroom_b, t.max_v_b)):
+        for where, head, mx in (
+            ("weight", t.headroom_b, t.max_abs_b),
+            ("exp_avg_sq", t.moment_headroom_b, t.max_v_b),
+        ):
             if not math.isfinite(head) or head >= th.headroom_warn:
                 continue
             dtype = t.dtype if where == "weight" else "fp32"
@@ -174,7 +204,13 @@ def detect_dtype_range(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     t.name,
                     cap(th.headroom_warn / max(head, 1e-30)),
                     "critical" if over else "warning",
-                    {"where": where, "dtype": dtype, "max_abs": mx, "headroom": head, "warn_below": th.headroom_warn},
+                    {
+                        "where": where,
+                        "dtype": dtype,
+                        "max_abs": mx,
+                        "headroom": head,
+                        "warn_below": th.headroom_warn,
+                    },
                     f"{t.name} ({where}, {dtype}) reaches {mx:.3g}, {'at' if over else 'within 2x of'} the dtype's limit",
                     "docs/signatures.md#dtype-range",
                     _overflow_cause(dtype),
@@ -235,7 +271,11 @@ def detect_skipped_steps(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     "info" if normal else "warning",
                     {"trainer_steps": g, "optimizer_steps": k},
                     f"{g - k} of {g} steps skipped the optimizer update (overflowing gradients under a loss scaler)"
-                    + (": one per loss-scale backoff, dynamic loss scaling's normal operation" if normal else ""),
+                    + (
+                        ": one per loss-scale backoff, dynamic loss scaling's normal operation"
+                        if normal
+                        else ""
+                    ),
                     "docs/signatures.md#skipped-steps",
                     () if normal else ("fp16_overflow", "loss_scale_collapse"),
                     primary=not normal,
@@ -298,11 +338,19 @@ def detect_lr(diff: DiffResult, th: Thresholds) -> list[Finding]:
         la = p.lr_a[g] if g < len(p.lr_a) else None
         base = p.base_lr[g] if g < len(p.base_lr) else None
         mods, share = _group_members(diff, g)
-        who = f" ({', '.join(mods[:3])}{', ...' if len(mods) > 3 else ''}; {share:.0%} of parameters)" if share < 0.5 else ""
+        who = (
+            f" ({', '.join(mods[:3])}{', ...' if len(mods) > 3 else ''}; {share:.0%} of parameters)"
+            if share < 0.5
+            else ""
+        )
         if base and lb > th.lr_over_base * base:
             # The LR stored in *before* is the one its next step uses: already above the
             # schedule there means the window's first step is the first bad one.
-            first = (p.step_a + 1) if (la and p.step_a is not None and la > th.lr_over_base * base) else None
+            first = (
+                (p.step_a + 1)
+                if (la and p.step_a is not None and la > th.lr_over_base * base)
+                else None
+            )
             out.append(
                 Finding(
                     "",
@@ -310,7 +358,15 @@ def detect_lr(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     f"param_group[{g}]",
                     cap(lb / base / th.lr_over_base),
                     "critical",
-                    {"lr_after": lb, "base_lr": base, "factor": lb / base, "limit": th.lr_over_base, "modules": mods, "param_share": share, "first_step": first},
+                    {
+                        "lr_after": lb,
+                        "base_lr": base,
+                        "factor": lb / base,
+                        "limit": th.lr_over_base,
+                        "modules": mods,
+                        "param_share": share,
+                        "first_step": first,
+                    },
                     f"param group {g}{who} runs at LR {lb:.3g}, {lb / base:.1f}x the schedule's base {base:.3g}",
                     "docs/signatures.md#update-weight-ratio; schedules never exceed their base LR",
                     _lr_supports(share),
@@ -328,7 +384,14 @@ def detect_lr(diff: DiffResult, th: Thresholds) -> list[Finding]:
                         f"param_group[{g}]",
                         cap(lb / la / allowed),
                         "critical",
-                        {"lr_before": la, "lr_after": lb, "growth": lb / la, "allowed": allowed, "modules": mods, "param_share": share},
+                        {
+                            "lr_before": la,
+                            "lr_after": lb,
+                            "growth": lb / la,
+                            "allowed": allowed,
+                            "modules": mods,
+                            "param_share": share,
+                        },
                         f"param group {g}{who}: LR rose {lb / la:.1f}x between steps {p.step_a} and {p.step_b}, "
                         f"more than any warmup allows ({allowed:.1f}x)",
                         "docs/signatures.md#update-weight-ratio",
@@ -347,7 +410,13 @@ def detect_update_ratio(diff: DiffResult, th: Thresholds) -> list[Finding]:
     (tuning draws 1113, 1118, 1186: 0.10-0.15 at steps 5-10). From one pair, a high ratio
     cannot tell an LR too high for the model from a young model: it is reported (info),
     and an LR fault is named by the LR findings, the bounds and the replay."""
-    ratios = np.array([t.update_ratio for t in diff.tensors if len(t.shape) >= 2 and math.isfinite(t.update_ratio)])
+    ratios = np.array(
+        [
+            t.update_ratio
+            for t in diff.tensors
+            if len(t.shape) >= 2 and math.isfinite(t.update_ratio)
+        ]
+    )
     if ratios.size == 0:
         return []
     med = float(np.median(ratios))
@@ -360,7 +429,11 @@ def detect_update_ratio(diff: DiffResult, th: Thresholds) -> list[Finding]:
             "run",
             cap(med / th.update_ratio),
             "info",
-            {"median_update_ratio": med, "max_update_ratio": float(ratios.max()), "threshold": th.update_ratio},
+            {
+                "median_update_ratio": med,
+                "max_update_ratio": float(ratios.max()),
+                "threshold": th.update_ratio,
+            },
             f"weight matrices move {med:.2g} of their norm per step (median), {med / th.update_ratio:.0f}x the alarm level",
             "docs/signatures.md#update-weight-ratio",
             ("lr_too_high",),
@@ -412,7 +485,13 @@ def detect_gradient_burst(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     t.name,
                     cap(min(zz / th.z, r / th.burst)),
                     "warning",
-                    {"r_v": float(r), "robust_z": float(zz), "role": t.role, "z_threshold": th.z, "burst": th.burst},
+                    {
+                        "r_v": float(r),
+                        "robust_z": float(zz),
+                        "role": t.role,
+                        "z_threshold": th.z,
+                        "burst": th.burst,
+                    },
                     f"{module_of(t.name)}: gradient energy {r:.3g}x its running average (robust z {zz:.1f} among {t.role} tensors)",
                     "docs/signatures.md#gradient-burst (OLMo-core 6 sigma)",
                     ("gradient_explosion",),
@@ -440,7 +519,13 @@ def detect_vanished_burst(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     t.name,
                     cap(t.vanished_share_a / th.rho_share * math.log10(t.r_v)),
                     "warning",
-                    {"vanished_share_before": t.vanished_share_a, "vanished_share_after": t.vanished_share_b, "r_v": t.r_v, "threshold": th.burst, "eps": t.eps},
+                    {
+                        "vanished_share_before": t.vanished_share_a,
+                        "vanished_share_after": t.vanished_share_b,
+                        "r_v": t.r_v,
+                        "threshold": th.burst,
+                        "eps": t.eps,
+                    },
                     f"{module_of(t.name)}: exp_avg_sq had collapsed (sqrt(v) < 10 eps on {t.vanished_share_a:.0%} of elements) "
                     f"before a gradient burst ({t.r_v:.3g}x): Adam turned it into near-maximal updates",
                     "docs/signatures.md#sign-like-updates, sqrt(v) < 10 eps (Molybog 2304.09871)",
@@ -459,7 +544,11 @@ def detect_sign_like(diff: DiffResult, th: Thresholds) -> list[Finding]:
     the same role (robust z), not only cross an absolute share; and only weight
     matrices count, as in the instability's description.
     """
-    ts = [t for t in diff.tensors if t.has_moments and len(t.shape) >= 2 and math.isfinite(t.rho_share_b)]
+    ts = [
+        t
+        for t in diff.tensors
+        if t.has_moments and len(t.shape) >= 2 and math.isfinite(t.rho_share_b)
+    ]
     if len(ts) < 3:
         return []
     z = _z_by_role(ts, np.array([t.rho_share_b - t.rho_share_a for t in ts]))
@@ -474,7 +563,11 @@ def detect_sign_like(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     t.name,
                     cap(t.rho_share_b / th.rho_share),
                     "warning",
-                    {"rho_share_before": t.rho_share_a, "rho_share_after": t.rho_share_b, "vanished_share_after": t.vanished_share_b},
+                    {
+                        "rho_share_before": t.rho_share_a,
+                        "rho_share_after": t.rho_share_b,
+                        "vanished_share_after": t.vanished_share_b,
+                    },
                     f"{module_of(t.name)}: {t.rho_share_b:.0%} of updates are sign-like (was {t.rho_share_a:.0%})",
                     "docs/signatures.md#sign-like-updates (Molybog 2304.09871)",
                     ("adam_instability",),
@@ -510,12 +603,18 @@ def detect_optimizer_state_lost(diff: DiffResult, th: Thresholds) -> list[Findin
     shares = _restart_shares(diff)
     restarted = float(np.mean(shares > RESTART_SHARE)) if shares.size else 0.0
     med = float(np.median(shares)) if shares.size else math.nan
-    counter_back = p.adam_step_a is not None and p.adam_step_b is not None and p.adam_step_b < p.adam_step_a
+    counter_back = (
+        p.adam_step_a is not None and p.adam_step_b is not None and p.adam_step_b < p.adam_step_a
+    )
     moments_restart = _moments_restarted(diff)
     if not (counter_back or moments_restart):
         return []
     resume = None
-    if p.step_b is not None and p.adam_step_b is not None and (p.step_a is None or p.step_b - p.adam_step_b >= p.step_a):
+    if (
+        p.step_b is not None
+        and p.adam_step_b is not None
+        and (p.step_a is None or p.step_b - p.adam_step_b >= p.step_a)
+    ):
         resume = p.step_b - p.adam_step_b
         # Skipped steps since the resume (loss-scale backoffs) make the counter trail by
         # them: a resume starts from a checkpoint, and *before* is the one within them.
@@ -523,9 +622,13 @@ def detect_optimizer_state_lost(diff: DiffResult, th: Thresholds) -> list[Findin
             resume = p.step_a
     why = []
     if counter_back:
-        why.append(f"the optimizer's step counter went back from {p.adam_step_a} to {p.adam_step_b} while the trainer went from step {p.step_a} to {p.step_b}")
+        why.append(
+            f"the optimizer's step counter went back from {p.adam_step_a} to {p.adam_step_b} while the trainer went from step {p.step_a} to {p.step_b}"
+        )
     if shares.size:
-        why.append(f"{restarted:.0%} of tensors hold second moments under their decay floor on over half their elements (median share {med:.0%})")
+        why.append(
+            f"{restarted:.0%} of tensors hold second moments under their decay floor on over half their elements (median share {med:.0%})"
+        )
     at = f"; the fresh optimizer started at step {resume}" if resume is not None else ""
     return [
         Finding(
@@ -564,7 +667,11 @@ def detect_scheduler_restart(diff: DiffResult, th: Thresholds) -> list[Finding]:
     ea, eb = _int(p.scheduler_a, "last_epoch"), _int(p.scheduler_b, "last_epoch")
     if ea is None or eb is None or eb >= ea:
         return []
-    resume = p.step_b - eb if p.step_b is not None and (p.step_a is None or p.step_b - eb >= p.step_a) else None
+    resume = (
+        p.step_b - eb
+        if p.step_b is not None and (p.step_a is None or p.step_b - eb >= p.step_a)
+        else None
+    )
     lrs = f" (LR {p.lr_a[0]:.3g} -> {p.lr_b[0]:.3g})" if p.lr_a and p.lr_b else ""
     return [
         Finding(
@@ -573,7 +680,13 @@ def detect_scheduler_restart(diff: DiffResult, th: Thresholds) -> list[Finding]:
             "run",
             cap(ea / max(eb, 1)),
             "critical",
-            {"last_epoch_before": ea, "last_epoch_after": eb, "resume_step": resume, "trainer_step_before": p.step_a, "trainer_step_after": p.step_b},
+            {
+                "last_epoch_before": ea,
+                "last_epoch_after": eb,
+                "resume_step": resume,
+                "trainer_step_before": p.step_a,
+                "trainer_step_after": p.step_b,
+            },
             f"the LR scheduler restarted{f' at step {resume}' if resume is not None else ''}: its last_epoch went back from {ea} to {eb}{lrs}, so the LR re-runs its schedule from the start",
             "docs/signatures.md#lr-scheduler-restarted",
             ("lr_scheduler_restarted",),
@@ -599,7 +712,11 @@ def detect_scaler_reset(diff: DiffResult, th: Thresholds) -> list[Finding]:
     interval = _int(sa, "growth_interval") or 2000
     factor = float(sa.get("growth_factor") or 2.0)
     ta, tb = _int(sa, "_growth_tracker"), _int(sb, "_growth_tracker")
-    k = p.adam_step_b - p.adam_step_a if p.adam_step_a is not None and p.adam_step_b is not None else None
+    k = (
+        p.adam_step_b - p.adam_step_a
+        if p.adam_step_a is not None and p.adam_step_b is not None
+        else None
+    )
     counter_ok = k is not None and 0 <= k <= g
     why = None
     # At most one growth per growth_interval clean steps, counted from before's tracker.
@@ -608,7 +725,15 @@ def detect_scaler_reset(diff: DiffResult, th: Thresholds) -> list[Finding]:
         why = f"the scale grew from {la:g} to {lb:g} in {g} steps, more than growth_interval {interval} allows (x{max_growth:g})"
     elif counter_ok and k == g and lb < la:
         why = f"the scale fell from {la:g} to {lb:g} though no optimizer step was skipped (every backoff skips one)"
-    elif counter_ok and k == g and lb == la and ta is not None and tb is not None and g < interval - ta and tb != ta + g:
+    elif (
+        counter_ok
+        and k == g
+        and lb == la
+        and ta is not None
+        and tb is not None
+        and g < interval - ta
+        and tb != ta + g
+    ):
         why = f"the scale stayed {lb:g} but its growth tracker went from {ta} to {tb} over {g} clean steps (it counts them)"
     if why is None:
         return []
@@ -620,7 +745,14 @@ def detect_scaler_reset(diff: DiffResult, th: Thresholds) -> list[Finding]:
             "run",
             5.0,
             "critical",
-            {"scale_before": la, "scale_after": lb, "tracker_before": ta, "tracker_after": tb, "growth_interval": interval, "resume_step": resume},
+            {
+                "scale_before": la,
+                "scale_after": lb,
+                "tracker_before": ta,
+                "tracker_after": tb,
+                "growth_interval": interval,
+                "resume_step": resume,
+            },
             f"the loss scaler was rebuilt at a resume{f' (at step {resume} or before)' if resume is not None else ''}: {why}",
             "docs/signatures.md#loss-scaler-reset",
             ("loss_scaler_reset",),

@@ -35,7 +35,18 @@ from ..stats import (
 )
 from ..tensors import lr_growth_limit
 
-__all__ = ["undecidable_last_line", "TriageConfig", "Onset", "Curve", "LogEvidence", "LogDetector", "SEED_DETECTORS", "ONSET_DETECTORS", "log_evidence", "log_onsets"]
+__all__ = [
+    "undecidable_last_line",
+    "TriageConfig",
+    "Onset",
+    "Curve",
+    "LogEvidence",
+    "LogDetector",
+    "SEED_DETECTORS",
+    "ONSET_DETECTORS",
+    "log_evidence",
+    "log_onsets",
+]
 
 Rows = dict[int, dict[str, float]]
 
@@ -75,7 +86,9 @@ class Onset:
     baseline: float
     robust_z: float
     message: str
-    rule: str = "trend"  # which rule decided (docs/signatures.md#log-onset): trend, megatron-10x, ...
+    rule: str = (
+        "trend"  # which rule decided (docs/signatures.md#log-onset): trend, megatron-10x, ...
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +123,9 @@ def _curve(rows: Rows, key: str, cfg: TriageConfig, above_level: bool = False) -
     # A grad norm of exactly 0 is no measurement (a run that never computes it prints 0.000).
     steps = [s for s in rows if key in rows[s] and not (key == "grad_norm" and rows[s][key] == 0)]
     vals = [rows[s][key] for s in steps]
-    z, level = trend_z(vals, z=cfg.z, window=cfg.window, min_history=cfg.judge_after, above_level=above_level)
+    z, level = trend_z(
+        vals, z=cfg.z, window=cfg.window, min_history=cfg.judge_after, above_level=above_level
+    )
     return Curve(key, steps, vals, z, level)
 
 
@@ -145,10 +160,24 @@ def _spikes(c: Curve, cfg: TriageConfig) -> list[Onset]:
     key = c.key
     out = []
     for s, v, zi, base in zip(c.steps, c.values, c.z, c.level, strict=True):
-        factor = (not math.isfinite(v)) or (key == "loss" and math.isfinite(base) and v >= cfg.loss_factor * base)
+        factor = (not math.isfinite(v)) or (
+            key == "loss" and math.isfinite(base) and v >= cfg.loss_factor * base
+        )
         if zi > cfg.z or factor:
-            rule = "nonfinite" if not math.isfinite(v) else "trend" if zi > cfg.z else "megatron-10x"
-            out.append(Onset(s, key, v, float(base), float(zi), f"{key} {v:.4g} at step {s} vs {base:.4g} on its trend (robust z {zi:.1f})", rule))
+            rule = (
+                "nonfinite" if not math.isfinite(v) else "trend" if zi > cfg.z else "megatron-10x"
+            )
+            out.append(
+                Onset(
+                    s,
+                    key,
+                    v,
+                    float(base),
+                    float(zi),
+                    f"{key} {v:.4g} at step {s} vs {base:.4g} on its trend (robust z {zi:.1f})",
+                    rule,
+                )
+            )
     return out
 
 
@@ -163,7 +192,10 @@ def loss_spikes(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     return [
         o
         for o in out
-        if not math.isfinite(o.value) or o.value >= cfg.loss_factor * o.baseline or above.get(o.step, math.inf) > cfg.z or grad.get(o.step, 0.0) >= cfg.z / 2
+        if not math.isfinite(o.value)
+        or o.value >= cfg.loss_factor * o.baseline
+        or above.get(o.step, math.inf) > cfg.z
+        or grad.get(o.step, 0.0) >= cfg.z / 2
     ]
 
 
@@ -185,7 +217,17 @@ def scale_drops(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
         sa, sb = ev.rows[a]["loss_scale"], ev.rows[b]["loss_scale"]
         if sb < sa:
             when = f"at step {b}" if b == a + 1 else f"between steps {a + 1} and {b}"
-            out.append(Onset(a + 1, "loss_scale", sb, sa, math.inf, f"loss scale backs off ({sa:g} -> {sb:g}): a step overflowed {when}", "loss-scale-backoff"))
+            out.append(
+                Onset(
+                    a + 1,
+                    "loss_scale",
+                    sb,
+                    sa,
+                    math.inf,
+                    f"loss scale backs off ({sa:g} -> {sb:g}): a step overflowed {when}",
+                    "loss-scale-backoff",
+                )
+            )
     return out
 
 
@@ -194,7 +236,15 @@ def skipped_iterations(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     closes (a seed, routine unless the loss follows). The line is where the log shows it; a
     backoff read from the loss scale alone is dated at the first step of that interval."""
     return [
-        Onset(s, "loss_scale", r.get("loss_scale", math.nan), math.nan, math.inf, f"{r['skipped']:g} skipped iteration(s) in the interval ending at iteration {s} (Megatron's count: overflows)", "skipped-iterations")
+        Onset(
+            s,
+            "loss_scale",
+            r.get("loss_scale", math.nan),
+            math.nan,
+            math.inf,
+            f"{r['skipped']:g} skipped iteration(s) in the interval ending at iteration {s} (Megatron's count: overflows)",
+            "skipped-iterations",
+        )
         for s, r in ev.rows.items()
         if r.get("skipped", 0) > 0
     ]
@@ -218,9 +268,27 @@ def lr_jumps(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     out = []
     for first, hits in sorted(jumps.items()):
         col, la, lb, b = max(hits, key=lambda h: h[2] / h[1])
-        where = "" if col == "lr" else f" in {col}" + (f" (and {len(hits) - 1} more)" if len(hits) > 1 else "")
-        when = f"at step {b}" if b == first else f"between steps {first - 1} and {b} (the log skips the steps between)"
-        out.append(Onset(first, "lr", lb, la, math.inf, f"lr jumps {lb / la:.0f}x {when}{where} ({la:.3g} -> {lb:.3g})", "lr-growth"))
+        where = (
+            ""
+            if col == "lr"
+            else f" in {col}" + (f" (and {len(hits) - 1} more)" if len(hits) > 1 else "")
+        )
+        when = (
+            f"at step {b}"
+            if b == first
+            else f"between steps {first - 1} and {b} (the log skips the steps between)"
+        )
+        out.append(
+            Onset(
+                first,
+                "lr",
+                lb,
+                la,
+                math.inf,
+                f"lr jumps {lb / la:.0f}x {when}{where} ({la:.3g} -> {lb:.3g})",
+                "lr-growth",
+            )
+        )
     return out
 
 
@@ -255,7 +323,11 @@ def lr_restarts(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
         """One step back at the run's first LR between two steps of its schedule: a fresh
         scheduler's first value, then the saved schedule loaded over it (a resume that
         rebuilt the optimizer and its scheduler and restored only the scheduler's state)."""
-        return math.isclose(vals[i], vals[0], rel_tol=1e-6) and vals[i - 1] > 2 * vals[i] and vals[i + 1] > 2 * vals[i]
+        return (
+            math.isclose(vals[i], vals[0], rel_tol=1e-6)
+            and vals[i - 1] > 2 * vals[i]
+            and vals[i + 1] > 2 * vals[i]
+        )
 
     out = []
     i = n + 1
@@ -263,11 +335,29 @@ def lr_restarts(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
         j = repeats(i)
         if j is None and dip(i):
             b = steps[i]
-            out.append(Onset(b, "lr_restart", vals[i], vals[i - 1], math.inf, f"the LR falls back to the run's first value at step {b} for one step ({vals[i - 1]:.3g} -> {vals[i]:.3g} -> {vals[i + 1]:.3g}): an optimizer and scheduler rebuilt at a resume"))
+            out.append(
+                Onset(
+                    b,
+                    "lr_restart",
+                    vals[i],
+                    vals[i - 1],
+                    math.inf,
+                    f"the LR falls back to the run's first value at step {b} for one step ({vals[i - 1]:.3g} -> {vals[i]:.3g} -> {vals[i + 1]:.3g}): an optimizer and scheduler rebuilt at a resume",
+                )
+            )
             i += n
         elif j is not None and repeats(i - 1) is None:
             b = steps[i] - j
-            out.append(Onset(b, "lr_restart", vals[i], vals[i - 1], math.inf, f"the LR re-runs its warm-up from step {b} (the run's first values again: {vals[i - 1]:.3g} -> {vals[i]:.3g}): the scheduler restarted at a resume"))
+            out.append(
+                Onset(
+                    b,
+                    "lr_restart",
+                    vals[i],
+                    vals[i - 1],
+                    math.inf,
+                    f"the LR re-runs its warm-up from step {b} (the run's first values again: {vals[i - 1]:.3g} -> {vals[i]:.3g}): the scheduler restarted at a resume",
+                )
+            )
             i += n
         i += 1
     return out
@@ -279,7 +369,9 @@ def gradient_returns(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     moment has decayed meanwhile, so its next updates are sign-like and lr-sized
     (Molybog et al. 2023, Adam instability)."""
     rows = ev.rows
-    param_of = {k: v for r in rows.values() for k, v in param_grad_columns(r).items()}  # column -> parameter
+    param_of = {
+        k: v for r in rows.values() for k, v in param_grad_columns(r).items()
+    }  # column -> parameter
     cols = sorted(param_of)
     if len(cols) < 3:
         return []
@@ -300,7 +392,9 @@ def gradient_returns(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
                 # Back to within 100x of its peers: a gradient that stays tiny moves Adam's
                 # v as little as it moves the update.
                 if quiet < 1e-3 and r >= 1e3 * quiet and r >= 1e-2:
-                    first.setdefault(param_of[c].rsplit(".", 1)[0], (s, r / max(quiet, 1e-30), len(h)))
+                    first.setdefault(
+                        param_of[c].rsplit(".", 1)[0], (s, r / max(quiet, 1e-30), len(h))
+                    )
             h.append(r)
     return [
         Onset(
@@ -325,7 +419,17 @@ def nan_iterations(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     for s, r in ev.rows.items():
         n = r.get("nan_iterations", 0.0)
         if n > 0:
-            return [Onset(s, "loss", math.nan, math.nan, math.inf, f"{n:g} NaN iteration(s) in the interval ending at iteration {s} (Megatron's count)", "nan-iterations")]
+            return [
+                Onset(
+                    s,
+                    "loss",
+                    math.nan,
+                    math.nan,
+                    math.inf,
+                    f"{n:g} NaN iteration(s) in the interval ending at iteration {s} (Megatron's count)",
+                    "nan-iterations",
+                )
+            ]
     return []
 
 
@@ -389,15 +493,29 @@ def short_joint(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     if not ev.excerpt:
         return []
     steps = _lines(ev)[: cfg.judge_after]
-    loss = [(s, ev.rows[s]["loss"]) for s in steps if "loss" in ev.rows[s] and math.isfinite(ev.rows[s]["loss"])]
-    grad = [(s, ev.rows[s]["grad_norm"]) for s in steps if "grad_norm" in ev.rows[s] and math.isfinite(ev.rows[s]["grad_norm"]) and ev.rows[s]["grad_norm"] > 0]
+    loss = [
+        (s, ev.rows[s]["loss"])
+        for s in steps
+        if "loss" in ev.rows[s] and math.isfinite(ev.rows[s]["loss"])
+    ]
+    grad = [
+        (s, ev.rows[s]["grad_norm"])
+        for s in steps
+        if "grad_norm" in ev.rows[s]
+        and math.isfinite(ev.rows[s]["grad_norm"])
+        and ev.rows[s]["grad_norm"] > 0
+    ]
     if not grad:
         return []
     out: list[Onset] = []
     for k, (s, v) in enumerate(loss):
         prev = [x for _, x in loss[:k]]
         later = [x for _, x in loss[k + 1 :]]
-        if len(prev) < JOINT_MIN or not v > max(prev) or any(not (x > max(prev) and _short_z(prev, x)[0] >= HELD_Z * cfg.z) for x in later):
+        if (
+            len(prev) < JOINT_MIN
+            or not v > max(prev)
+            or any(not (x > max(prev) and _short_z(prev, x)[0] >= HELD_Z * cfg.z) for x in later)
+        ):
             continue
         zl, med = _short_z(prev, v)
         # The grad norm of this line or the next (a Megatron line's grad norm is its
@@ -435,11 +553,18 @@ def one_reference_line(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
         if len(loss) < k + ONE_REF_HELD or not all(math.isfinite(v) for _, v in loss[:k]):
             break
         ref = float(np.median([v for _, v in loss[:k]]))
-        units = [(math.log10(v) - math.log10(ref)) / CURVE_FLOOR if math.isfinite(v) else math.inf for _, v in loss[k:]]
+        units = [
+            (math.log10(v) - math.log10(ref)) / CURVE_FLOOR if math.isfinite(v) else math.inf
+            for _, v in loss[k:]
+        ]
         if min(units) < HELD_Z * cfg.z or units[-1] < cfg.z:
             continue
         s, v = loss[k]
-        what = "the excerpt's one earlier line" if k == 1 else f"the excerpt's {k} earlier lines (their median"
+        what = (
+            "the excerpt's one earlier line"
+            if k == 1
+            else f"the excerpt's {k} earlier lines (their median"
+        )
         msg = (f"loss {v:.4g} at step {s} leaves {what} ({ref:.4g}{')' if k > 1 else ''}) and stays above it on the {len(units) - 1} line(s) after "
                f"(all >= {HELD_Z * cfg.z:g}, the last {units[-1]:.1f} noise units of the trend rule's 4.7% floor; too few lines for a spread of their own)")  # fmt: skip
         return [Onset(s, "loss", v, ref, units[0], msg, "one-reference-line")]
@@ -464,16 +589,48 @@ def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
         if not math.isfinite(v):
             out.append(Onset(s, "loss", v, mean, math.inf, f"loss {v} at step {s}", "nonfinite"))
         elif v >= MEGATRON_SPIKY_FACTOR * max(prev):
-            out.append(Onset(s, "loss", v, max(prev), math.inf, f"loss {v:.4g} at step {s} is >= 10x the largest before it ({max(prev):.4g}; Megatron's spiky-loss rule)", "megatron-10x"))
+            out.append(
+                Onset(
+                    s,
+                    "loss",
+                    v,
+                    max(prev),
+                    math.inf,
+                    f"loss {v:.4g} at step {s} is >= 10x the largest before it ({max(prev):.4g}; Megatron's spiky-loss rule)",
+                    "megatron-10x",
+                )
+            )
         elif v - mean >= LIGHTNING_RTOL * mean:
-            out.append(Onset(s, "loss", v, mean, math.inf, f"loss {v:.4g} at step {s} is >= 3x the mean of the {min(len(prev), LIGHTNING_WINDOW)} lines before it ({mean:.4g}; Lightning's SpikeDetection, rtol 2)", "lightning-rtol"))
+            out.append(
+                Onset(
+                    s,
+                    "loss",
+                    v,
+                    mean,
+                    math.inf,
+                    f"loss {v:.4g} at step {s} is >= 3x the mean of the {min(len(prev), LIGHTNING_WINDOW)} lines before it ({mean:.4g}; Lightning's SpikeDetection, rtol 2)",
+                    "lightning-rtol",
+                )
+            )
         elif len(prev) >= SHORT_MIN:
             z, med = _short_z(prev, v)
             nxt = loss[k + 1][1] if k + 1 < len(loss) else None
             # Back under z/2 on the next line: a blip the excerpt sees recover (a hard batch, a
             # junk row), not an onset (issue 32: an onset persists or is confirmed).
-            if z > cfg.z and not (nxt is not None and math.isfinite(nxt) and _short_z(prev, nxt)[0] < cfg.z / 2):
-                out.append(Onset(s, "loss", v, 10**med, z, f"loss {v:.4g} at step {s} vs {10**med:.4g} over the {len(prev)} lines before it (robust z {z:.1f}, spread floored at 4.7%)", "short-z"))
+            if z > cfg.z and not (
+                nxt is not None and math.isfinite(nxt) and _short_z(prev, nxt)[0] < cfg.z / 2
+            ):
+                out.append(
+                    Onset(
+                        s,
+                        "loss",
+                        v,
+                        10**med,
+                        z,
+                        f"loss {v:.4g} at step {s} vs {10**med:.4g} over the {len(prev)} lines before it (robust z {z:.1f}, spread floored at 4.7%)",
+                        "short-z",
+                    )
+                )
     seen = {o.step for o in out}
     losses = dict(loss)
 
@@ -481,18 +638,46 @@ def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
         """The loss on this line or the next above everything before this line (or the excerpt ends)."""
         before = [v for t, v in loss if t < s and math.isfinite(v)]
         after = [v for t, v in loss if t >= s][:2]
-        return not after or not before or any(not math.isfinite(v) or v > max(before) for v in after)
+        return (
+            not after or not before or any(not math.isfinite(v) or v > max(before) for v in after)
+        )
 
     grad = [(s, ev.rows[s]["grad_norm"]) for s in steps if "grad_norm" in ev.rows[s]]
     for k, (s, g) in enumerate(grad):
         prev_g = [x for _, x in grad[:k] if math.isfinite(x)]
-        if prev_g and max(prev_g) > 0 and (not math.isfinite(g) or g >= MEGATRON_SPIKY_FACTOR * max(prev_g)) and rises(s) and s not in seen:
-            out.append(Onset(s, "grad_norm", g, max(prev_g), math.inf, f"grad norm {g:.4g} at step {s} is >= 10x the largest before it ({max(prev_g):.4g}; Megatron's rule for grads), and the loss rises with it ({losses.get(s, math.nan):.4g})", "megatron-10x"))
+        if (
+            prev_g
+            and max(prev_g) > 0
+            and (not math.isfinite(g) or g >= MEGATRON_SPIKY_FACTOR * max(prev_g))
+            and rises(s)
+            and s not in seen
+        ):
+            out.append(
+                Onset(
+                    s,
+                    "grad_norm",
+                    g,
+                    max(prev_g),
+                    math.inf,
+                    f"grad norm {g:.4g} at step {s} is >= 10x the largest before it ({max(prev_g):.4g}; Megatron's rule for grads), and the loss rises with it ({losses.get(s, math.nan):.4g})",
+                    "megatron-10x",
+                )
+            )
     scale = [(s, ev.rows[s]["loss_scale"]) for s in steps if "loss_scale" in ev.rows[s]]
     for k, (s, v) in enumerate(scale):
         top = max((x for _, x in scale[:k]), default=0.0)
         if top > 0 and v <= SCALE_COLLAPSE * top and rises(s):
-            out.append(Onset(s, "loss_scale", v, top, math.inf, f"loss scale collapses to {v:g} at step {s} from {top:g} (overflows on consecutive steps), and the loss rises with it", "loss-scale-collapse"))
+            out.append(
+                Onset(
+                    s,
+                    "loss_scale",
+                    v,
+                    top,
+                    math.inf,
+                    f"loss scale collapses to {v:g} at step {s} from {top:g} (overflows on consecutive steps), and the loss rises with it",
+                    "loss-scale-collapse",
+                )
+            )
             break
     return out
 
@@ -504,17 +689,32 @@ def _followed(onset: Onset, ev: LogEvidence, cfg: TriageConfig) -> bool:
     steps = ev.loss.steps
     if not steps:
         return True
-    z_grad = ev.grad_norm.z if ev.grad_norm.steps == steps else None  # aligned with the loss steps, or not used
+    z_grad = (
+        ev.grad_norm.z if ev.grad_norm.steps == steps else None
+    )  # aligned with the loss steps, or not used
     i = next((k for k, s in enumerate(steps) if s >= onset.step), len(steps))
     # An overflow under a loss scaler (a backoff, an inf grad norm) is routine by design:
     # at the end of the log it needs the loss to say otherwise.
-    routine = onset.signal == "loss_scale" or (onset.signal == "grad_norm" and not math.isfinite(onset.value) and ev.scaled)
+    routine = onset.signal == "loss_scale" or (
+        onset.signal == "grad_norm" and not math.isfinite(onset.value) and ev.scaled
+    )
     level = ev.loss_level.z if ev.loss_level.steps == steps else None
-    return loss_follows(ev.loss.z, i, cfg.z, cfg.follow, z_grad, benefit=not routine, routine=routine, z_level=level)
+    return loss_follows(
+        ev.loss.z, i, cfg.z, cfg.follow, z_grad, benefit=not routine, routine=routine, z_level=level
+    )
 
 
 SEED_DETECTORS: tuple[LogDetector, ...] = (grad_spikes, scale_drops, skipped_iterations)
-ONSET_DETECTORS: tuple[LogDetector, ...] = (loss_spikes, lr_jumps, lr_restarts, gradient_returns, nan_iterations, short_history, short_joint, one_reference_line)
+ONSET_DETECTORS: tuple[LogDetector, ...] = (
+    loss_spikes,
+    lr_jumps,
+    lr_restarts,
+    gradient_returns,
+    nan_iterations,
+    short_history,
+    short_joint,
+    one_reference_line,
+)
 # When two signals start on one step, the report names the most causal first.
 _SIGNAL_ORDER = ("lr", "lr_restart", "param_grad", "loss_scale", "grad_norm", "loss")
 
@@ -561,13 +761,17 @@ def recovery_horizon(ev: LogEvidence, cfg: TriageConfig) -> int:
         return RECOVER  # too few to fit, or every blip lasts one step
     q = int(stats.geom.isf(family_alpha(len(runs), BLIP_ALPHA), 1.0 / float(np.mean(runs))))
     return min(max(RECOVER, q), CURVE_SHORT // 2)
+
+
 # A blip the grad norm does not confirm is routine only on a log that blips so at all: one
 # other blip at least half its size (a quiet log's lone poisoned batch, whose junk rows move
 # the gradient less than z/2, stays an onset).
 UNCONFIRMED_PEERS = 1
 
 
-def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dict[int, tuple[float, float]]:
+def blips(
+    ev: LogEvidence, cfg: TriageConfig, floor: float | None = None
+) -> dict[int, tuple[float, float]]:
     """step -> (robust z, log10 excess over the level before it) of every loss excursion
     (z > `floor`, default cfg.z; finite, under the 10x rule) that recovers: back under z/2
     within the log's own blip duration (`recovery_horizon`), and either under half its excess
@@ -582,7 +786,10 @@ def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dic
     horizon = recovery_horizon(ev, cfg)
     out = {}
     for i, zi in enumerate(z):
-        if not (zi > floor and math.isfinite(vals[i]) and math.isfinite(base[i])) or vals[i] >= cfg.loss_factor * base[i]:
+        if (
+            not (zi > floor and math.isfinite(vals[i]) and math.isfinite(base[i]))
+            or vals[i] >= cfg.loss_factor * base[i]
+        ):
             continue
         # Recovery is judged against the level before the excursion, in the noise units it
         # was measured in (the trend itself moves up under a rise it accepts: steps under z 6
@@ -593,7 +800,11 @@ def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dic
         band = lb + max((cfg.z / 2) * excess / zi, usual)
         after = lv[i + 1 : i + 1 + horizon + HOLD]
         first = after[:horizon]
-        if len(first) < min(horizon, RECOVER) or not np.isfinite(first).all() or not (first <= band).any():
+        if (
+            len(first) < min(horizon, RECOVER)
+            or not np.isfinite(first).all()
+            or not (first <= band).any()
+        ):
             continue
         # Back under the band and under half its excess within the horizon: the excursion has
         # ended (contiguity: a rise after it is another excursion, which does not continue from
@@ -602,7 +813,11 @@ def blips(ev: LogEvidence, cfg: TriageConfig, floor: float | None = None) -> dic
         back = int(np.argmax(first <= band))
         hold = after[back + 1 : back + 1 + HOLD]
         ended = bool((first <= min(band, lb + excess / 2)).any())
-        if not ended and hold.size and not float(np.median(np.where(np.isfinite(hold), hold, np.inf))) < lb + excess / 2:
+        if (
+            not ended
+            and hold.size
+            and not float(np.median(np.where(np.isfinite(hold), hold, np.inf))) < lb + excess / 2
+        ):
             continue
         out[steps[i]] = (float(zi), float(excess))
     return out
@@ -634,10 +849,20 @@ def _grad_confirms(step: int, ev: LogEvidence, cfg: TriageConfig) -> tuple[bool,
     if not zs:
         return False, "no grad norm was logged there"
     top = max(zs)
-    return (top >= cfg.z / 2 or not math.isfinite(top)), f"the grad norm stays at robust z {top:.1f} (under {cfg.z / 2:g})"
+    return (
+        top >= cfg.z / 2 or not math.isfinite(top)
+    ), f"the grad norm stays at robust z {top:.1f} (under {cfg.z / 2:g})"
 
 
-def _peers(tail: dict[int, tuple[float, float]], step: int, excess: float, zs: float, share: float, ev: LogEvidence, cfg: TriageConfig) -> tuple[bool, int]:
+def _peers(
+    tail: dict[int, tuple[float, float]],
+    step: int,
+    excess: float,
+    zs: float,
+    share: float,
+    ev: LogEvidence,
+    cfg: TriageConfig,
+) -> tuple[bool, int]:
     """Whether the log has enough other blips at least `share` of this one's size (its log10
     excess over the level before it: the noise, and so a blip's z, shrinks as training goes on
     while a hard batch stays as hard)."""
@@ -660,7 +885,9 @@ def _excursions(ev: LogEvidence, cfg: TriageConfig) -> tuple[set[int], list[int]
     return hard | over, sorted(logged)
 
 
-def _routine(o: Onset, tail: dict[int, tuple[float, float]], ev: LogEvidence, cfg: TriageConfig) -> str | None:
+def _routine(
+    o: Onset, tail: dict[int, tuple[float, float]], ev: LogEvidence, cfg: TriageConfig
+) -> str | None:
     """Why a loss or grad-norm onset of the trend rule is the log's routine (a message), or
     None when it stands. A blip that recovers: unconfirmed by the grad norm, within the log's
     tail, or recurring at the log's period; in the log's last CURVE_SHORT steps, where
@@ -674,8 +901,25 @@ def _routine(o: Onset, tail: dict[int, tuple[float, float]], ev: LogEvidence, cf
         if answer is None:
             return None
         k = answer
-        why = _routine(Onset(steps[k], "loss", ev.loss.values[k], float(ev.loss.level[k]), float(ev.loss.z[k]), "", "trend"), tail, ev, cfg)
-        return f"the loss answers at step {steps[k]} with a blip of its routine: {why}" if why else None
+        why = _routine(
+            Onset(
+                steps[k],
+                "loss",
+                ev.loss.values[k],
+                float(ev.loss.level[k]),
+                float(ev.loss.z[k]),
+                "",
+                "trend",
+            ),
+            tail,
+            ev,
+            cfg,
+        )
+        return (
+            f"the loss answers at step {steps[k]} with a blip of its routine: {why}"
+            if why
+            else None
+        )
     if o.signal not in ("loss", "grad_norm") or o.rule != "trend":
         return None
     horizon = recovery_horizon(ev, cfg)
@@ -697,10 +941,19 @@ def _routine(o: Onset, tail: dict[int, tuple[float, float]], ev: LogEvidence, cf
     if i >= len(steps) or len(steps) - 1 - i >= horizon:
         return None
     base = ev.loss.level[i]
-    if not (math.isfinite(ev.loss.values[i]) and math.isfinite(base)) or not float(ev.loss.z[i]) > cfg.z:
+    if (
+        not (math.isfinite(ev.loss.values[i]) and math.isfinite(base))
+        or not float(ev.loss.z[i]) > cfg.z
+    ):
         return None  # a grad-norm seed the loss followed at half z: judged by the loss's own size
-    enough, n = _peers(tail, o.step, math.log10(ev.loss.values[i] / base), float(ev.loss.z[i]), 2 / 3, ev, cfg)
-    return f"in the log's last steps, where recovery cannot be seen yet, {n} other blips of this log reach two thirds its size" if enough else None
+    enough, n = _peers(
+        tail, o.step, math.log10(ev.loss.values[i] / base), float(ev.loss.z[i]), 2 / 3, ev, cfg
+    )
+    return (
+        f"in the log's last steps, where recovery cannot be seen yet, {n} other blips of this log reach two thirds its size"
+        if enough
+        else None
+    )
 
 
 def _persisting_start(o: Onset, ev: LogEvidence, cfg: TriageConfig) -> Onset:
@@ -731,7 +984,15 @@ def _persisting_start(o: Onset, ev: LogEvidence, cfg: TriageConfig) -> Onset:
     return o
 
 
-SHORT_RULES = ("short-z", "short-joint", "one-reference-line", "lightning-rtol", "megatron-10x", "nonfinite", "loss-scale-collapse")
+SHORT_RULES = (
+    "short-z",
+    "short-joint",
+    "one-reference-line",
+    "lightning-rtol",
+    "megatron-10x",
+    "nonfinite",
+    "loss-scale-collapse",
+)
 
 
 def _short_followed(seed: Onset, found: list[Onset], ev: LogEvidence) -> bool:
@@ -755,7 +1016,12 @@ def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[On
     # The excerpt's short rules measure what spread its lines have: one reference line decides
     # only where they find nothing but a last line rising (`undecidable_last_line`).
     lines = _lines(ev)
-    measured = [o for o in found if o.rule != "one-reference-line" and not (lines and o.step == lines[-1] and o.rule in NOISE_RULES)]
+    measured = [
+        o
+        for o in found
+        if o.rule != "one-reference-line"
+        and not (lines and o.step == lines[-1] and o.rule in NOISE_RULES)
+    ]
     if measured:
         found = [o for o in found if o.rule != "one-reference-line"]
     kept = [o for o in seeds if _followed(o, ev, cfg) or _short_followed(o, found, ev)]
@@ -763,8 +1029,18 @@ def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[On
     onsets = kept + found
     tail = blips(ev, cfg, cfg.z / 2)
     why = {id(o): _routine(o, tail, ev, cfg) for o in onsets}
-    ignored += [Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, f"{o.message}; {why[id(o)]}", "tail") for o in onsets if why[id(o)]]
-    onsets = [_persisting_start(o, ev, cfg) for o in onsets if not why[id(o)]] + held_rise(ev, cfg) + held_shift(ev, cfg)
+    ignored += [
+        Onset(
+            o.step, o.signal, o.value, o.baseline, o.robust_z, f"{o.message}; {why[id(o)]}", "tail"
+        )
+        for o in onsets
+        if why[id(o)]
+    ]
+    onsets = (
+        [_persisting_start(o, ev, cfg) for o in onsets if not why[id(o)]]
+        + held_rise(ev, cfg)
+        + held_shift(ev, cfg)
+    )
     return sorted(onsets, key=lambda o: (o.step, _SIGNAL_ORDER.index(o.signal))), ignored
 
 
@@ -783,12 +1059,22 @@ def held_rise(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     # pause runs above the trend line, not above where the curve is. The window is measured
     # against the level before its first step, in that step's noise units: the trend accepts
     # steps under z 6 and would follow the rise it is asked about.
-    z, steps, vals, base = ev.loss_level.z, ev.loss_level.steps, ev.loss_level.values, ev.loss_level.level
+    z, steps, vals, base = (
+        ev.loss_level.z,
+        ev.loss_level.steps,
+        ev.loss_level.values,
+        ev.loss_level.level,
+    )
     lv = np.log10(np.maximum(np.asarray(vals, dtype=np.float64), 1e-30))
     lv = np.where(np.isfinite(lv), lv, np.inf)  # a NaN loss is held above any level
     k = CURVE_SHORT
     for i in range(len(z) - k + 1):
-        if not (z[i] >= HELD_Z * cfg.z and math.isfinite(z[i]) and math.isfinite(base[i]) and math.isfinite(lv[i])):
+        if not (
+            z[i] >= HELD_Z * cfg.z
+            and math.isfinite(z[i])
+            and math.isfinite(base[i])
+            and math.isfinite(lv[i])
+        ):
             continue
         lb = math.log10(base[i])
         scale = (lv[i] - lb) / z[i]
@@ -796,7 +1082,11 @@ def held_rise(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
         held = float(np.percentile(units, 25))
         # Contiguity: the next step keeps at least half this one's excess, and the one after
         # stays at z/3 (a blip that falls back before the rise is not where it continues from).
-        if held >= HELD_Z * cfg.z and units[1] >= max(HELD_Z * cfg.z, units[0] / 2) and units[2] >= HELD_Z * cfg.z:
+        if (
+            held >= HELD_Z * cfg.z
+            and units[1] >= max(HELD_Z * cfg.z, units[0] / 2)
+            and units[2] >= HELD_Z * cfg.z
+        ):
             return [Onset(steps[i], "loss", vals[i], float(base[i]), held,
                           f"loss {vals[i]:.4g} at step {steps[i]} starts {k} steps held above its level {base[i]:.4g} (6 of 8 at robust z {held:.1f} or more)", "held")]  # fmt: skip
     return []
@@ -823,7 +1113,10 @@ def _shift_p(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
     x = np.nan_to_num(log_curve(values), posinf=1e300)
     before = np.stack([x[i - h : i] for i in starts])
     after = np.stack([x[i : i + k] for i in starts])
-    return np.asarray(stats.mannwhitneyu(after, before, alternative="greater", axis=1, method="exact").pvalue, dtype=np.float64)
+    return np.asarray(
+        stats.mannwhitneyu(after, before, alternative="greater", axis=1, method="exact").pvalue,
+        dtype=np.float64,
+    )
 
 
 def held_shift(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
@@ -846,7 +1139,12 @@ def held_shift(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
         p_grad = np.ones(starts.size)
         if ok.any():
             p_grad[ok] = _shift_p(np.asarray(ev.grad_norm.values, dtype=np.float64), gi[ok])
-        p = np.array([stats.combine_pvalues([a, b], method="fisher").pvalue for a, b in zip(p_loss, p_grad, strict=True)])
+        p = np.array(
+            [
+                stats.combine_pvalues([a, b], method="fisher").pvalue
+                for a, b in zip(p_loss, p_grad, strict=True)
+            ]
+        )
         passed = (p_loss < SHIFT_ALPHA) & (p_grad < SHIFT_ALPHA) & (p < level)
         how = "and the grad norm with it"
     else:
@@ -879,9 +1177,13 @@ def log_noise(ev: LogEvidence, cfg: TriageConfig) -> dict[str, float | int | str
     over = int(np.sum(z > cfg.z))
     df = tail_df(z)
     sigma = robust_sigma(np.diff(lv)) / math.sqrt(2) if lv.size > 3 else math.nan
-    kind = "quiet" if over <= 1 else ("heavy-tailed" if (math.isfinite(df) and df < 10) else "noisy")
+    kind = (
+        "quiet" if over <= 1 else ("heavy-tailed" if (math.isfinite(df) and df < 10) else "noisy")
+    )
     return {
-        "loss_noise_pct_per_step": round(100 * (10**sigma - 1), 2) if math.isfinite(sigma) else math.nan,
+        "loss_noise_pct_per_step": round(100 * (10**sigma - 1), 2)
+        if math.isfinite(sigma)
+        else math.nan,
         "steps_judged": steps_judged,
         "steps_over_z": over,
         "expected_over_z_if_normal": expected_exceedances(steps_judged, cfg.z),
@@ -897,7 +1199,16 @@ def log_noise(ev: LogEvidence, cfg: TriageConfig) -> dict[str, float | int | str
 # Rules that read the noise (a z against a spread, measured or floored); on an excerpt's last
 # line alone they cannot tell a hard batch from an onset. The ratio rules, a non-finite loss,
 # an LR jump, a NaN count and a collapsing loss scale need no line after.
-NOISE_RULES = ("trend", "persisting-run", "short-z", "short-joint", "held", "held-shift", "one-reference-line", "tail")
+NOISE_RULES = (
+    "trend",
+    "persisting-run",
+    "short-z",
+    "short-joint",
+    "held",
+    "held-shift",
+    "one-reference-line",
+    "tail",
+)
 UNDECIDABLE = "the last line rises; one line cannot tell a hard batch from an onset"
 
 

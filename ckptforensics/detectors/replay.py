@@ -38,7 +38,10 @@ __all__ = [
     "log_onset",
 ]
 
-def step_z(values: Sequence[float], baseline: Sequence[float] = (), above_level: bool = False) -> np.ndarray:
+
+def step_z(
+    values: Sequence[float], baseline: Sequence[float] = (), above_level: bool = False
+) -> np.ndarray:
     """Robust z of per-step values (log scale) against the run's own trend: the logged
     history before the window leads into the window (`tensors.trend_z`, as triage judges
     the log; `above_level` as there); lacking that much history, against every step there
@@ -46,11 +49,15 @@ def step_z(values: Sequence[float], baseline: Sequence[float] = (), above_level:
     noise: a healthy run's 1.4x grad-norm wiggle read z 6.9 against its 4 neighbours and
     1.8 against the 20 steps of the run, fixtures/hf_ddp_run.py 15 -> 20). Non-finite = +inf."""
     if len(baseline) >= CURVE_MIN_HISTORY:
-        return trend_z([*baseline, *values], judge_from=len(baseline), above_level=above_level)[0][len(baseline) :]
+        return trend_z([*baseline, *values], judge_from=len(baseline), above_level=above_level)[0][
+            len(baseline) :
+        ]
     x = log_curve(values)
     pool = log_curve([*baseline, *values])
     ref = pool[np.isfinite(pool)]
-    return np.where(np.isfinite(x), robust_z(x, floor=CURVE_FLOOR, reference=ref if ref.size else None), np.inf)
+    return np.where(
+        np.isfinite(x), robust_z(x, floor=CURVE_FLOOR, reference=ref if ref.size else None), np.inf
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,14 +106,21 @@ def _examined(rep: Any, onset: list[Finding]) -> ReplayEvidence:
     if not rep.records:
         return ReplayEvidence(rep)
     zg = _grad_z(rep)
-    return ReplayEvidence(rep, rep.records[int(np.argmax(np.where(np.isfinite(zg), zg, 1e9)))].step, False)
+    return ReplayEvidence(
+        rep, rep.records[int(np.argmax(np.where(np.isfinite(zg), zg, 1e9)))].step, False
+    )
 
 
 def _grad_z(rep: Any) -> np.ndarray:
-    return step_z([r.grad_norm for r in rep.records], [b["grad_norm"] for b in rep.baseline.values() if "grad_norm" in b])
+    return step_z(
+        [r.grad_norm for r in rep.records],
+        [b["grad_norm"] for b in rep.baseline.values() if "grad_norm" in b],
+    )
 
 
-def _went_bad(r: Any, i: int, zl: np.ndarray, zg: np.ndarray, th: Thresholds, above: np.ndarray) -> bool:
+def _went_bad(
+    r: Any, i: int, zl: np.ndarray, zg: np.ndarray, th: Thresholds, above: np.ndarray
+) -> bool:
     """A non-finite loss, a loss off its trend (and off its recent level, unless the grad
     norm rises with it: as triage's `loss_spikes`), or a grad-norm outlier the loss follows
     (a blip the loss ignores is not a spike, as triage judges the log). Under a loss scaler
@@ -121,12 +135,18 @@ def _went_bad(r: Any, i: int, zl: np.ndarray, zg: np.ndarray, th: Thresholds, ab
     return bool(zg[i] > th.z and loss_follows(zl, i, th.z, z_grad=zg, z_level=above))
 
 
-def _onset(recs: Sequence[Any], base: Sequence[dict[str, float]], th: Thresholds, grads: bool = True) -> tuple[int | None, np.ndarray, np.ndarray]:
+def _onset(
+    recs: Sequence[Any], base: Sequence[dict[str, float]], th: Thresholds, grads: bool = True
+) -> tuple[int | None, np.ndarray, np.ndarray]:
     """Index of the first step of `recs` (anything with .loss, .grad_norm, .skipped,
     .loss_scale) that goes bad against the history `base` (logged rows), and the loss and
     grad-norm z of every step (`grads` False: a log without grad norms, judged on the loss)."""
     values = [r.grad_norm for r in recs]
-    zg = step_z(values, [b["grad_norm"] for b in base if "grad_norm" in b]) if grads else np.zeros(len(recs))
+    zg = (
+        step_z(values, [b["grad_norm"] for b in base if "grad_norm" in b])
+        if grads
+        else np.zeros(len(recs))
+    )
     losses, history = [r.loss for r in recs], [b["loss"] for b in base if "loss" in b]
     zl = step_z(losses, history)
     above = step_z(losses, history, above_level=True)
@@ -151,7 +171,14 @@ def _spike(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
             f"step {r.step}",
             cap(max(zg[i], zl[i]) / th.z) if math.isfinite(max(zg[i], zl[i])) else 10.0,
             "warning",
-            {"step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "grad_z": float(zg[i]), "loss_z": float(zl[i]), "skipped": r.skipped},
+            {
+                "step": r.step,
+                "loss": r.loss,
+                "grad_norm": r.grad_norm,
+                "grad_z": float(zg[i]),
+                "loss_z": float(zl[i]),
+                "skipped": r.skipped,
+            },
             f"replayed step {r.step} spikes: loss {r.loss:.3g}, grad norm {r.grad_norm:.3g} (robust z {float(max(zg[i], zl[i])):.1f} over the window)"
             + (", optimizer step skipped" if r.skipped else ""),
             "docs/signatures.md#spike-onset",
@@ -170,7 +197,11 @@ def _rms_t(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     StableAdamW clips routinely: evidence where the window went bad, context (info) on a
     window with no onset (tuning draws 1246, 1260: 6-8x on a LayerNorm weight in healthy runs)."""
     for r in ev.rep.records:
-        names = [n for n in r.param_rms_t if tensor_role(n, (2, 2)) != "embedding" and r.param_rms_t[n] > 0]
+        names = [
+            n
+            for n in r.param_rms_t
+            if tensor_role(n, (2, 2)) != "embedding" and r.param_rms_t[n] > 0
+        ]
         if len(names) < 4:
             continue
         vals = np.array([r.param_rms_t[n] for n in names])
@@ -189,7 +220,13 @@ def _rms_t(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
                 name,
                 cap(float(z[i]) / th.z),
                 "warning" if evidence else "info",
-                {"step": r.step, "rms_t": v, "robust_z": float(z[i]), "spam_spikes": spikes, "flagged": [names[int(j)] for j in hits[:8]]},
+                {
+                    "step": r.step,
+                    "rms_t": v,
+                    "robust_z": float(z[i]),
+                    "spam_spikes": spikes,
+                    "flagged": [names[int(j)] for j in hits[:8]],
+                },
                 f"step {r.step}: {name}'s gradient is {v:.3g}x what Adam's second moment expects (RMS_t; robust z {float(z[i]):.1f} "
                 f"among the step's parameters){f', {spikes} elements with g^2 > 5000 v' if spikes else ''}: its updates go sign-like",
                 "docs/signatures.md#rms-t (StableAdamW 2304.13013), per-element spike (SPAM 2501.06842)",
@@ -214,7 +251,9 @@ def first_steps_from_state(dfind: list[Finding], rep: Any) -> list[int]:
             out.append(int(f.metrics["first_step"]))
         if f.kind == "vanished_v_burst" and first is not None:
             level = 100 * float(f.metrics.get("eps") or 1e-8)
-            hit = next((r.step for r in rep.records if r.param_grad_rms.get(f.subject, 0.0) > level), None)
+            hit = next(
+                (r.step for r in rep.records if r.param_grad_rms.get(f.subject, 0.0) > level), None
+            )
             if hit is not None:
                 out.append(hit)
     return out
@@ -235,7 +274,9 @@ def _output_logits(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     level = float(np.median(lz))
     slope, intercept = theil_sen(steps, lz)
     resid = lz - (intercept + slope * steps)
-    noise = max(float(np.median(np.abs(resid - np.median(resid)))) * MAD_TO_SIGMA, 1e-3 * level, 1e-6)
+    noise = max(
+        float(np.median(np.abs(resid - np.median(resid)))) * MAD_TO_SIGMA, 1e-3 * level, 1e-6
+    )
     z = slope * float(np.std(steps)) * math.sqrt(len(recs)) / noise
     if level <= th.logit_max or z <= th.z:
         return []
@@ -279,7 +320,11 @@ def _attention(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     al. 2023; Zhai et al. 2023); a warning without a spike where both happen inside the
     window; context (info) otherwise."""
     rep = ev.rep
-    steps = [s for s in sorted(rep.passes) if rep.passes[s].attn is not None and rep.passes[s].attn_modules]
+    steps = [
+        s
+        for s in sorted(rep.passes)
+        if rep.passes[s].attn is not None and rep.passes[s].attn_modules
+    ]
     if not steps:
         return []
     end = ev.step if ev.step is not None and ev.bad else steps[-1]
@@ -292,7 +337,15 @@ def _attention(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     # overflow detector's, never a logit that grew: they count as absent here.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a layer whose heads are all NaN
-        logit = np.stack([np.nanmax(np.where(np.isfinite(a := rep.passes[s].attn[..., 0].numpy()), a, np.nan), axis=1) for s in upto])
+        logit = np.stack(
+            [
+                np.nanmax(
+                    np.where(np.isfinite(a := rep.passes[s].attn[..., 0].numpy()), a, np.nan),
+                    axis=1,
+                )
+                for s in upto
+            ]
+        )
         ent = np.stack([np.nanmin(rep.passes[s].attn[..., 1].numpy(), axis=1) for s in upto])
     over = np.isfinite(logit) & (logit > th.attn_logit)
     crossed = [(int(np.argmax(over[:, j])), j) for j in range(logit.shape[1]) if over[:, j].any()]
@@ -302,7 +355,11 @@ def _attention(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     name = mods[j]
     first_logit = logit[0, j] if np.isfinite(logit[0, j]) else logit[k, j]
     growth = float(np.nanmax(logit[:, j]) / max(first_logit, 1e-12))
-    fell = float(ent[0, j] / max(ent[-1, j], 1e-12)) if np.isfinite(ent[0, j]) and np.isfinite(ent[-1, j]) else 1.0
+    fell = (
+        float(ent[0, j] / max(ent[-1, j], 1e-12))
+        if np.isfinite(ent[0, j]) and np.isfinite(ent[-1, j])
+        else 1.0
+    )
     grew = growth >= th.attn_growth or fell >= th.attn_growth
     evidence = ev.bad and grew
     # Without a spike the mechanism can still be under way: the layer's logits, already past
@@ -353,13 +410,19 @@ def _lr_steps(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     if steps and rep.baseline:
         last = max(rep.baseline)
         n = len(plan[steps[0]])
-        prev_lr = group_lrs(rep.baseline[last], n) or ([rep.baseline[last]["lr"]] * n if "lr" in rep.baseline[last] else None)
+        prev_lr = group_lrs(rep.baseline[last], n) or (
+            [rep.baseline[last]["lr"]] * n if "lr" in rep.baseline[last] else None
+        )
         if prev_lr is not None and last < steps[0]:
             plan[last] = list(prev_lr)
             steps = [last, *steps]
     for prev, s in zip(steps, steps[1:], strict=False):
         allowed = lr_growth_limit(prev, s, th.lr_growth_margin)
-        jumped = [g for g, (la, lb) in enumerate(zip(plan[prev], plan[s], strict=False)) if la > 0 and lb / la > allowed]
+        jumped = [
+            g
+            for g, (la, lb) in enumerate(zip(plan[prev], plan[s], strict=False))
+            if la > 0 and lb / la > allowed
+        ]
         if not jumped:
             continue
         g = jumped[0]
@@ -373,7 +436,14 @@ def _lr_steps(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
                 f"step {s}",
                 cap(lb / la / allowed),
                 "critical",
-                {"step": s, "group": g, "groups": jumped, "lr_before": la, "lr": lb, "source": rep.config["lr"]["source"]},
+                {
+                    "step": s,
+                    "group": g,
+                    "groups": jumped,
+                    "lr_before": la,
+                    "lr": lb,
+                    "source": rep.config["lr"]["source"],
+                },
                 f"step {s} runs param group {g} at LR {lb:.3g}, {lb / la:.0f}x step {prev}'s"
                 + (f" ({len(jumped)} of {len(plan[s])} groups)" if confined else ""),
                 "docs/signatures.md#update-weight-ratio",
@@ -412,7 +482,11 @@ def _localise(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     # STALE_RMS_T: a moment two orders of magnitude stale, a frozen-then-released or gated
     # module) went bad through Adam, not through a gradient the others share.
     rec = next((r for r in rep.records if r.step == s), None)
-    stale = {module_of(n) for n, v in (rec.param_rms_t if rec is not None else {}).items() if v > STALE_RMS_T}
+    stale = {
+        module_of(n)
+        for n, v in (rec.param_rms_t if rec is not None else {}).items()
+        if v > STALE_RMS_T
+    }
     nf_f = p.fwd[:, FWD_STATS.index("nonfinite")].numpy()
     nf_b = p.bwd[:, BWD_STATS.index("grad_nonfinite")].numpy()
     out = []
@@ -421,17 +495,32 @@ def _localise(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     if fwd_first is not None:
         out.append(
             _first_anomaly(
-                "forward", s, p.modules[fwd_first], float(zf[fwd_first]), float(nf_f[fwd_first]), th,
-                ("absmax", float(p.fwd[fwd_first, ia]), "output", "max |x|"), stale=stale,
+                "forward",
+                s,
+                p.modules[fwd_first],
+                float(zf[fwd_first]),
+                float(nf_f[fwd_first]),
+                th,
+                ("absmax", float(p.fwd[fwd_first, ia]), "output", "max |x|"),
+                stale=stale,
             )
         )
-    ranked = sorted((i for i in range(len(p.modules)) if math.isfinite(zb[i]) and zb[i] > th.z), key=lambda i: -zb[i])
+    ranked = sorted(
+        (i for i in range(len(p.modules)) if math.isfinite(zb[i]) and zb[i] > th.z),
+        key=lambda i: -zb[i],
+    )
     if bwd_first is not None:
         out.append(
             _first_anomaly(
-                "backward", s, p.modules[bwd_first], float(zb[bwd_first]), float(nf_b[bwd_first]), th,
+                "backward",
+                s,
+                p.modules[bwd_first],
+                float(zb[bwd_first]),
+                float(nf_b[bwd_first]),
+                th,
                 ("grad_norm", float(p.bwd[bwd_first, ig]), "output gradient", "norm"),
-                ranked=[p.modules[i] for i in ranked[:8]], stale=stale,
+                ranked=[p.modules[i] for i in ranked[:8]],
+                stale=stale,
             )
         )
     return out
@@ -464,9 +553,19 @@ def _first_anomaly(
         name,
         cap(z / th.z) if math.isfinite(z) else 10.0,
         "warning",
-        {"step": s, "robust_z": z, "nonfinite": nonfinite, key: value, **({"ranked": ranked} if ranked is not None else {})},
+        {
+            "step": s,
+            "robust_z": z,
+            "nonfinite": nonfinite,
+            key: value,
+            **({"ranked": ranked} if ranked is not None else {}),
+        },
         f"step {s}: {name} is the first module in {order} order whose {what} leaves its range{extra} ({label} {value:.3g}, robust z {z:.1f})"
-        + (f"; its gradient is over {STALE_RMS_T:g}x what Adam's second moment expects (RMS_t)" if adam else ""),
+        + (
+            f"; its gradient is over {STALE_RMS_T:g}x what Adam's second moment expects (RMS_t)"
+            if adam
+            else ""
+        ),
         "docs/signatures.md#first-anomaly (OLMo-core 6 sigma)" + (", #rms-t" if adam else ""),
         ("adam_instability", "gradient_explosion") if adam else ("gradient_explosion",),
     )
@@ -493,7 +592,11 @@ def _overflow(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
         fwd_over = [i for i in p.fwd_order if nf_f[i] > 0]
         if not cands and not fwd_over:
             continue
-        fp32_ok = ref is not None and not bool((ref.fwd[:, FWD_STATS.index("nonfinite")] > 0).any()) and not bool((ref.bwd[:, BWD_STATS.index("grad_nonfinite")] > 0).any())
+        fp32_ok = (
+            ref is not None
+            and not bool((ref.fwd[:, FWD_STATS.index("nonfinite")] > 0).any())
+            and not bool((ref.bwd[:, BWD_STATS.index("grad_nonfinite")] > 0).any())
+        )
         if fwd_over:
             first, where = p.modules[fwd_over[0]], "output"
         else:
@@ -503,10 +606,20 @@ def _overflow(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
         true_max = math.nan
         if ref is not None and first in ref.modules:
             j = ref.modules.index(first)
-            true_max = float(ref.fwd[j, FWD_STATS.index("absmax")] if where == "output" else ref.bwd[j, BWD_STATS.index("grad_absmax")] * (r.loss_scale or 1.0))
+            true_max = float(
+                ref.fwd[j, FWD_STATS.index("absmax")]
+                if where == "output"
+                else ref.bwd[j, BWD_STATS.index("grad_absmax")] * (r.loss_scale or 1.0)
+            )
         # Dynamic loss scaling grows the scale until a scaled gradient overflows, then halves
         # it: an overflow that one or two halvings (x4) undo is its normal operation.
-        if where == "gradient" and (r.loss_scale or 0) > 1 and fp32_ok and math.isfinite(true_max) and true_max < th.routine_overflow * limit:
+        if (
+            where == "gradient"
+            and (r.loss_scale or 0) > 1
+            and fp32_ok
+            and math.isfinite(true_max)
+            and true_max < th.routine_overflow * limit
+        ):
             out.append(
                 Finding(
                     "",
@@ -514,7 +627,12 @@ def _overflow(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
                     first,
                     1.0,
                     "info",
-                    {"step": r.step, "loss_scale": r.loss_scale, "scaled_max_abs": true_max, "limit": limit},
+                    {
+                        "step": r.step,
+                        "loss_scale": r.loss_scale,
+                        "scaled_max_abs": true_max,
+                        "limit": limit,
+                    },
                     f"step {r.step}: the scaled gradient of {first} reaches {true_max:.4g} under loss scale {r.loss_scale:g} "
                     f"({true_max / limit:.2f}x fp16's limit): the scaler's routine backoff, not an incident",
                     "docs/signatures.md#skipped-steps; torch.amp.GradScaler growth/backoff",
@@ -522,8 +640,18 @@ def _overflow(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
                 )
             )
             continue
-        tensor = {"name": first, "dtype": rep.precision, "max_abs": true_max if math.isfinite(true_max) else math.inf, "limit": limit, "where": f"{where} at step {r.step}"}
-        reach = f" (in fp32 it reaches {true_max:.4g}, {true_max / limit:.2f}x the limit)" if math.isfinite(true_max) and true_max > 0 else ""
+        tensor = {
+            "name": first,
+            "dtype": rep.precision,
+            "max_abs": true_max if math.isfinite(true_max) else math.inf,
+            "limit": limit,
+            "where": f"{where} at step {r.step}",
+        }
+        reach = (
+            f" (in fp32 it reaches {true_max:.4g}, {true_max / limit:.2f}x the limit)"
+            if math.isfinite(true_max) and true_max > 0
+            else ""
+        )
         cause = ("fp16_overflow",) if rep.precision == "fp16" else ("bf16_overflow",)
         out.append(
             Finding(
@@ -532,10 +660,27 @@ def _overflow(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
                 first,
                 10.0,
                 "critical",
-                {"step": r.step, "where": where, "precision": rep.precision, "fp32_finite": fp32_ok, "loss_scale": r.loss_scale, "skipped": r.skipped, "fp32_max_abs": true_max, "tensor": tensor},
+                {
+                    "step": r.step,
+                    "where": where,
+                    "precision": rep.precision,
+                    "fp32_finite": fp32_ok,
+                    "loss_scale": r.loss_scale,
+                    "skipped": r.skipped,
+                    "fp32_max_abs": true_max,
+                    "tensor": tensor,
+                },
                 f"step {r.step}: the {where} of {first} overflows {rep.precision}{reach}"
-                + (f" under loss scale {r.loss_scale:g}" if r.loss_scale and where == "gradient" else "")
-                + ("; the fp32 replay of the same step stays finite" if fp32_ok else "; fp32 overflows too"),
+                + (
+                    f" under loss scale {r.loss_scale:g}"
+                    if r.loss_scale and where == "gradient"
+                    else ""
+                )
+                + (
+                    "; the fp32 replay of the same step stays finite"
+                    if fp32_ok
+                    else "; fp32 overflows too"
+                ),
                 "docs/signatures.md#dtype-range",
                 cause if fp32_ok else ("gradient_explosion", *cause),
                 primary=True,
@@ -567,7 +712,9 @@ def _samples(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     # junk has junk for its median), then against their own batch. The nearest steps are
     # the reference, whole steps until they hold 3 batches of rows: a loss still falling
     # across the window would otherwise widen the reference's spread by its own descent.
-    others = sorted((x for x in rep.records if x.step != s), key=lambda x: (abs(x.step - s), x.step))
+    others = sorted(
+        (x for x in rep.records if x.step != s), key=lambda x: (abs(x.step - s), x.step)
+    )
     ref: list[float] = []
     for x in others:
         if len(ref) >= 3 * b:
@@ -579,10 +726,16 @@ def _samples(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
         zl[fin] = robust_z(loss[fin], floor=0.05 * float(np.median(np.abs(loss[fin]))) + 1e-12)
     zw = np.zeros(b)
     if ref_loss.size >= 3 * b and fin.any():
-        zw[fin] = robust_z(loss[fin], floor=0.05 * abs(float(np.median(ref_loss))) + 1e-12, reference=ref_loss)
+        zw[fin] = robust_z(
+            loss[fin], floor=0.05 * abs(float(np.median(ref_loss))) + 1e-12, reference=ref_loss
+        )
     share = np.zeros(b)
     zs = np.zeros(b)
-    if r.sample_grad_sq is not None and math.isfinite(sum(r.sample_grad_sq)) and sum(r.sample_grad_sq) > 0:
+    if (
+        r.sample_grad_sq is not None
+        and math.isfinite(sum(r.sample_grad_sq))
+        and sum(r.sample_grad_sq) > 0
+    ):
         sq = np.array(r.sample_grad_sq)
         share = sq / sq.sum()
         zs = robust_z(share, floor=0.05 / b)
@@ -600,17 +753,23 @@ def _samples(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
         if zl[i] > th.z:
             why.append(f"loss {loss[i]:.3g} (robust z {zl[i]:.1f} in its batch)")
         elif zw[i] > th.z:
-            why.append(f"loss {loss[i]:.3g} (robust z {zw[i]:.1f} against the window's other steps' rows)")
+            why.append(
+                f"loss {loss[i]:.3g} (robust z {zw[i]:.1f} against the window's other steps' rows)"
+            )
         numeric = bool(why)
         evidence |= numeric
         st = stats[i] if i < len(stats) else None
         if st is not None:
             data, decisive = [], False
             if st.longest_run > run_cap and st.longest_run >= st.length / 2:
-                data.append(f"one token repeated {st.longest_run} times (other steps' rows: at most {run_cap})")
+                data.append(
+                    f"one token repeated {st.longest_run} times (other steps' rows: at most {run_cap})"
+                )
                 decisive = st.longest_run >= DATA_MARGIN * run_cap
             elif st.periodic_repeat > rep_cap and st.periodic_repeat >= st.length / 2:
-                data.append(f"a pattern of period <= 13 repeated over {st.periodic_repeat} tokens (other steps' rows: at most {rep_cap})")
+                data.append(
+                    f"a pattern of period <= 13 repeated over {st.periodic_repeat} tokens (other steps' rows: at most {rep_cap})"
+                )
                 decisive = st.periodic_repeat >= DATA_MARGIN * rep_cap
             # A few rare tokens are normal in any window; a quarter of the row is not.
             if st.unseen >= max(1, 0.25 * st.length):
@@ -625,7 +784,14 @@ def _samples(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
             why.append("its loss is not finite while other rows' are")
         if why:
             sid = r.sample_ids[i] if r.sample_ids else None
-            rows.append({"index": i, "sample_id": sid, "score": float(max(zs[i], zl[i], 0.0)), "why": "; ".join(why)})
+            rows.append(
+                {
+                    "index": i,
+                    "sample_id": sid,
+                    "score": float(max(zs[i], zl[i], 0.0)),
+                    "why": "; ".join(why),
+                }
+            )
     if not rows:
         return []
     carried = float(sum(share[x["index"]] for x in rows))
@@ -652,7 +818,13 @@ def _samples(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
             f"step {s}",
             cap(carried / 0.5 * 2),
             "critical" if carried >= 0.5 else "warning",
-            {"step": s, "rows": [x["index"] for x in rows], "grad_share": carried, "batch_size": b, "samples": rows},
+            {
+                "step": s,
+                "rows": [x["index"] for x in rows],
+                "grad_share": carried,
+                "batch_size": b,
+                "samples": rows,
+            },
             f"step {s}: rows {[x['index'] for x in rows]} carry {carried:.0%} of the gradient norm^2 of a spiking batch",
             "docs/signatures.md#per-sample-share, #data-stats (OLMo-core instance filter)",
             ("poison_batch",),
@@ -669,7 +841,9 @@ def _reproduction(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     total = sum(m.numel for m in rep.matches) or 1
     mis = sum(m.mismatched for m in rep.matches)
     imp = [m for m in rep.matches if m.impossible]
-    confined = 0 < len(imp) <= th.confined_tensors and all(m.impossible <= max(8, th.confined_share * m.numel) for m in imp)
+    confined = 0 < len(imp) <= th.confined_tensors and all(
+        m.impossible <= max(8, th.confined_share * m.numel) for m in imp
+    )
     if confined:
         return [
             Finding(
@@ -678,7 +852,11 @@ def _reproduction(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
                 imp[0].name,
                 10.0,
                 "critical",
-                {"tensors": [m.name for m in imp], "elements": sum(m.impossible for m in imp), "where": [m.where for m in imp]},
+                {
+                    "tensors": [m.name for m in imp],
+                    "elements": sum(m.impossible for m in imp),
+                    "where": [m.where for m in imp],
+                },
                 f"the replay reproduces every tensor except {sum(m.impossible for m in imp)} element(s) of "
                 f"{', '.join(sorted({m.name for m in imp}))}, which no replay of these steps can reach: a hardware fault",
                 "docs/signatures.md#reproducibility",
@@ -736,11 +914,18 @@ class _LoggedStep:
 def log_onset(rep: Any, th: Thresholds, until: int) -> int | None:
     """The first step of the window, up to `until`, where the run's own log goes bad (the
     replay's onset rule on the logged figures against the logged history)."""
-    rows = [(s, rep.logged[s]) for s in sorted(rep.logged) if s <= until and "loss" in rep.logged[s]]
+    rows = [
+        (s, rep.logged[s]) for s in sorted(rep.logged) if s <= until and "loss" in rep.logged[s]
+    ]
     if not rows:
         return None
-    recs = [_LoggedStep(s, r["loss"], r.get("grad_norm", math.nan), False, r.get("loss_scale")) for s, r in rows]
-    i, _, _ = _onset(recs, list(rep.baseline.values()), th, grads=all("grad_norm" in r for _, r in rows))
+    recs = [
+        _LoggedStep(s, r["loss"], r.get("grad_norm", math.nan), False, r.get("loss_scale"))
+        for s, r in rows
+    ]
+    i, _, _ = _onset(
+        recs, list(rep.baseline.values()), th, grads=all("grad_norm" in r for _, r in rows)
+    )
     return recs[i].step if i is not None else None
 
 
@@ -761,36 +946,117 @@ def _log_agreement(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     rep = ev.rep
     check = rep.check
     first, miss = check.first_checked, check.first_miss
-    base = {"checked": len([c for c in check.checks if c.checked]), "first_checked": first, "loss_as": check.loss_as, "note": check.note}
+    base = {
+        "checked": len([c for c in check.checks if c.checked]),
+        "first_checked": first,
+        "loss_as": check.loss_as,
+        "note": check.note,
+    }
     src = "docs/signatures.md#replay-vs-log"
     if first is None:
         why = check.note or "no logged figure for the window"
         msg = f"the replay could not be checked against the run's log ({why}): its evidence stands unchecked"
-        return [Finding("", "replay_log_agreement", "run", 1.0, "info", {**base, "status": "unchecked"}, msg, src, ())]
+        return [
+            Finding(
+                "",
+                "replay_log_agreement",
+                "run",
+                1.0,
+                "info",
+                {**base, "status": "unchecked"},
+                msg,
+                src,
+                (),
+            )
+        ]
     if miss is None:
         msg = f"every replayed step with a logged figure matches the run's log ({base['checked']} steps; the log's loss read as {check.loss_as})"
-        return [Finding("", "replay_log_agreement", "run", 1.0, "info", {**base, "status": "matched"}, msg, src, ())]
+        return [
+            Finding(
+                "",
+                "replay_log_agreement",
+                "run",
+                1.0,
+                "info",
+                {**base, "status": "matched"},
+                msg,
+                src,
+                (),
+            )
+        ]
     d = miss.step
     figures = _figures(miss)
     onset = ev.step if ev.bad else None
-    metrics = {**base, "step": d, "replayed_loss": miss.loss, "logged_loss": miss.logged_loss, "replayed_grad_norm": miss.grad_norm, "logged_grad_norm": miss.logged_grad_norm}
+    metrics = {
+        **base,
+        "step": d,
+        "replayed_loss": miss.loss,
+        "logged_loss": miss.logged_loss,
+        "replayed_grad_norm": miss.grad_norm,
+        "logged_grad_norm": miss.logged_grad_norm,
+    }
     if onset is not None and onset <= d:
         msg = f"the replay matches the run's log up to step {d - 1} and diverges from it at step {d} ({figures}), after the spike at step {onset}"
-        return [Finding("", "replay_log_agreement", "run", 1.0, "info", {**metrics, "status": "diverged_after_onset"}, msg, src, ())]
+        return [
+            Finding(
+                "",
+                "replay_log_agreement",
+                "run",
+                1.0,
+                "info",
+                {**metrics, "status": "diverged_after_onset"},
+                msg,
+                src,
+                (),
+            )
+        ]
     if log_onset(ev.rep, th, d) == d and len(rep.baseline) >= 5:
         n = sum(c.checked for c in check.checks if c.step < d)
-        before = f"matching the log on every step before it ({n} checked)" if d != first else "from the checkpoint's own state"
+        before = (
+            f"matching the log on every step before it ({n} checked)"
+            if d != first
+            else "from the checkpoint's own state"
+        )
         msg = (
             f"step {d}: the run's log spikes ({figures}) where the replay from the same state and batch does not, {before}: "
             "the spike does not reproduce (a hardware fault or nondeterminism)"
         )
-        return [Finding("", "replay_spike_not_reproduced", f"step {d}", 10.0, "critical", {**metrics, "status": "not_reproduced"}, msg, src, ("silent_corruption",), primary=True)]
+        return [
+            Finding(
+                "",
+                "replay_spike_not_reproduced",
+                f"step {d}",
+                10.0,
+                "critical",
+                {**metrics, "status": "not_reproduced"},
+                msg,
+                src,
+                ("silent_corruption",),
+                primary=True,
+            )
+        ]
     status = "missed_first" if d == first else "missed_later"
-    where = "on its first checked step" if d == first else f"at step {d}, where neither the log nor the replay spikes"
+    where = (
+        "on its first checked step"
+        if d == first
+        else f"at step {d}, where neither the log nor the replay spikes"
+    )
     msg = f"the replay does not reproduce the run's own log {where} ({figures})"
     if rep.diagnosis:
         msg += f"; likeliest: {rep.diagnosis}"
-    return [Finding("", "replay_withheld", f"step {d}", 1.0, "info", {**metrics, "status": status}, msg, src, ())]
+    return [
+        Finding(
+            "",
+            "replay_withheld",
+            f"step {d}",
+            1.0,
+            "info",
+            {**metrics, "status": status},
+            msg,
+            src,
+            (),
+        )
+    ]
 
 
 def _figures(miss: Any) -> str:
@@ -806,4 +1072,9 @@ def _figures(miss: Any) -> str:
 ONSET_KINDS = ("lr_step_jump", "replay_spike")
 ONSET_DETECTORS: tuple[ReplayDetector, ...] = (_lr_steps, _spike)
 EXAMINE_DETECTORS: tuple[ReplayDetector, ...] = (_localise, _overflow, _samples, _attention)
-STATE_DETECTORS: tuple[ReplayDetector, ...] = (_output_logits, _rms_t, _reproduction, _log_agreement)
+STATE_DETECTORS: tuple[ReplayDetector, ...] = (
+    _output_logits,
+    _rms_t,
+    _reproduction,
+    _log_agreement,
+)

@@ -15,7 +15,9 @@ __all__ = ["detect_data_restart", "REPEAT_SHARE"]
 REPEAT_SHARE = 0.5
 
 
-def detect_data_restart(sample_ids: Mapping[int, Sequence[int]], window: Sequence[int], th: Thresholds | None = None) -> list[Finding]:
+def detect_data_restart(
+    sample_ids: Mapping[int, Sequence[int]], window: Sequence[int], th: Thresholds | None = None
+) -> list[Finding]:
     """The window's first step whose rows were already consumed, in the same order, by an
     earlier step of the log that is not the epoch's start: the data loader restarted at a
     resume (`sample_ids`: step -> dataset index of each row, the flight recorder's /sample_id).
@@ -56,7 +58,14 @@ def detect_data_restart(sample_ids: Mapping[int, Sequence[int]], window: Sequenc
                 "run",
                 cap(10 * share),
                 "critical",
-                {"step": s, "repeats_step": src, "repeated_share": share, "same_step_share": repeats, "resume_step": s - 1, "threshold": REPEAT_SHARE},
+                {
+                    "step": s,
+                    "repeats_step": src,
+                    "repeated_share": share,
+                    "same_step_share": repeats,
+                    "resume_step": s - 1,
+                    "threshold": REPEAT_SHARE,
+                },
                 f"step {s} re-reads {share:.0%} of the samples step {src} already consumed: the data loader restarted at a resume after step {s - 1}",
                 "docs/signatures.md#data-loader-restarted",
                 ("data_loader_restarted",),

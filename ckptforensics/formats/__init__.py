@@ -62,7 +62,14 @@ CHECKERS: dict[str, Checker] = {}
 ENTRY_POINT_GROUP = "ckptforensics.formats"
 
 
-def register(name: str, opener: Opener, sniff: Sniffer | None = None, *, first: bool = False, complete: Checker | None = None) -> None:
+def register(
+    name: str,
+    opener: Opener,
+    sniff: Sniffer | None = None,
+    *,
+    first: bool = False,
+    complete: Checker | None = None,
+) -> None:
     """Add a reader: `opener(path) -> Checkpoint`, and optionally `sniff(path) -> bool`,
     which `sniff()` asks before the generic safetensors / torch.save checks (`first`: before
     every registered one, for a layout that would otherwise pass for another), and
@@ -89,14 +96,33 @@ def _is_safetensors(path: Path) -> bool:
     return len(head) >= 9 and head[8:9] == b"{"
 
 
-register("megatron-dist", open_megatron_dist, lambda p: p.is_dir() and is_megatron_dist_dir(p), complete=megatron_dist_completeness)
+register(
+    "megatron-dist",
+    open_megatron_dist,
+    lambda p: p.is_dir() and is_megatron_dist_dir(p),
+    complete=megatron_dist_completeness,
+)
 register("dcp", open_dcp, lambda p: p.is_dir() and is_dcp_dir(p), complete=dcp_completeness)
-register("deepspeed", open_deepspeed, lambda p: p.is_dir() and is_deepspeed_dir(p), complete=deepspeed_completeness)
-register("megatron", open_megatron, lambda p: p.is_dir() and is_megatron_dir(p), complete=megatron_completeness)
+register(
+    "deepspeed",
+    open_deepspeed,
+    lambda p: p.is_dir() and is_deepspeed_dir(p),
+    complete=deepspeed_completeness,
+)
+register(
+    "megatron",
+    open_megatron,
+    lambda p: p.is_dir() and is_megatron_dir(p),
+    complete=megatron_completeness,
+)
 register("hf-trainer", open_hf_dir, lambda p: p.is_dir() and is_hf_dir(p), complete=hf_completeness)
 register("safetensors", open_safetensors, _is_safetensors, complete=safetensors_completeness)
 for _flavour in ("torch", "nanogpt", "lightning", "litgpt"):
-    register(_flavour, lambda p, f=_flavour: open_torch_file(p, f), complete=lambda p, f=_flavour: torch_file_completeness(p, f))
+    register(
+        _flavour,
+        lambda p, f=_flavour: open_torch_file(p, f),
+        complete=lambda p, f=_flavour: torch_file_completeness(p, f),
+    )
 _BUILTIN = frozenset(FORMATS)
 _plugins_loaded = False
 
@@ -141,21 +167,31 @@ def sniff(path: Path) -> str:
         if single_file(path) is not None:
             return "torch-file"
         broken = broken_links(path)
-        if broken:  # the file that made it a checkpoint is a link to nothing (lit_model.pth -> a loop)
-            raise IncompleteCheckpoint(f"{path}: no checkpoint layout recognised, and {'; '.join(broken)}; pass a complete checkpoint (an earlier step)")
+        if (
+            broken
+        ):  # the file that made it a checkpoint is a link to nothing (lit_model.pth -> a loop)
+            raise IncompleteCheckpoint(
+                f"{path}: no checkpoint layout recognised, and {'; '.join(broken)}; pass a complete checkpoint (an earlier step)"
+            )
         from ..locate import list_checkpoints
 
         found = list_checkpoints(path)
         if found:
             steps = [s for s, _ in found]
-            shown = ", ".join(map(str, steps[:6])) + (f", ... {steps[-1]}" if len(steps) > 6 else "")
-            raise UnknownFormat(f"{path}: a run directory with checkpoints at steps {shown}; pass one of them, or --run-dir {path} and a step")
+            shown = ", ".join(map(str, steps[:6])) + (
+                f", ... {steps[-1]}" if len(steps) > 6 else ""
+            )
+            raise UnknownFormat(
+                f"{path}: a run directory with checkpoints at steps {shown}; pass one of them, or --run-dir {path} and a step"
+            )
         raise UnknownFormat(
             f"{path}: a directory that is not a known checkpoint layout "
             "(expected model*.safetensors / pytorch_model*.bin); pass the checkpoint itself"
         )
     if path.stat().st_size == 0:
-        raise IncompleteCheckpoint(f"{path}: empty (0 bytes): a save cut off before writing it; pass a complete checkpoint (an earlier step)")
+        raise IncompleteCheckpoint(
+            f"{path}: empty (0 bytes): a save cut off before writing it; pass a complete checkpoint (an earlier step)"
+        )
     with path.open("rb") as f:
         head = f.read(16)
     # torch.save zips start with a local file header; a truncated one has lost its
@@ -167,7 +203,16 @@ def sniff(path: Path) -> str:
 
 # One-file checkpoints that trainers write inside a step directory: nanoGPT-style loops
 # (`step_N/ckpt.pt`), LitGPT (`step-00000040/lit_model.pth`), Lightning (`*.ckpt`).
-SINGLE_FILES = ("ckpt.pt", "model.pt", "checkpoint.pt", "state.pt", "lit_model.pth", "model.pth", "checkpoint.pth", "state.pth")
+SINGLE_FILES = (
+    "ckpt.pt",
+    "model.pt",
+    "checkpoint.pt",
+    "state.pt",
+    "lit_model.pth",
+    "model.pth",
+    "checkpoint.pth",
+    "state.pth",
+)
 
 
 def single_file(path: Path) -> Path | None:
@@ -206,7 +251,11 @@ def _target(p: Path, format: str | None) -> tuple[Path, str]:
         load_plugins()
         if format not in FORMATS:
             raise UnknownFormat(f"unknown format {format!r}; known: {', '.join(sorted(FORMATS))}")
-        inner = single_file(p) if p.is_dir() and format in ("torch", "nanogpt", "lightning", "litgpt") else None
+        inner = (
+            single_file(p)
+            if p.is_dir() and format in ("torch", "nanogpt", "lightning", "litgpt")
+            else None
+        )
         return inner or p, format
     kind = sniff(p)
     if kind == "torch-file":
@@ -229,9 +278,15 @@ def completeness(path: str | Path, format: str | None = None) -> Completeness:
         name = "torch" if kind == "torch-file" else kind
         check = CHECKERS.get(name)
         if check is None:
-            return Completeness(name, f"the {name} reader (a plugin) states no completeness rule", checked=False)
+            return Completeness(
+                name, f"the {name} reader (a plugin) states no completeness rule", checked=False
+            )
         c = check(target)
-        broken = [b for b in broken_links(target) if not any(q.startswith(b.split(":")[0]) for q in c.problems)]
+        broken = [
+            b
+            for b in broken_links(target)
+            if not any(q.startswith(b.split(":")[0]) for q in c.problems)
+        ]
         return dataclasses.replace(c, problems=(*c.problems, *broken)) if broken else c
 
 
@@ -248,7 +303,11 @@ def broken_links(path: Path) -> list[str]:
                 try:
                     p.stat()
                 except OSError as e:
-                    what = "a symlink loop" if e.errno == errno.ELOOP else f"a symlink to nothing ({os.readlink(p)})"
+                    what = (
+                        "a symlink loop"
+                        if e.errno == errno.ELOOP
+                        else f"a symlink to nothing ({os.readlink(p)})"
+                    )
                     out.append(f"{p.relative_to(path).as_posix()}: {what}")
     return sorted(out)
 
@@ -258,12 +317,18 @@ def require_complete(path: str | Path, format: str | None = None) -> Completenes
     c = completeness(path, format)
     if c.checked and not c.complete:
         if all("not readable" in p for p in c.problems):
-            raise IncompleteCheckpoint(f"{path}: unreadable {c.format} checkpoint: {'; '.join(c.problems)}. Fix its permissions, or pass another")
-        raise IncompleteCheckpoint(f"{path}: incomplete {c.format} checkpoint: {'; '.join(c.problems)}. Pass a complete checkpoint (an earlier step)")
+            raise IncompleteCheckpoint(
+                f"{path}: unreadable {c.format} checkpoint: {'; '.join(c.problems)}. Fix its permissions, or pass another"
+            )
+        raise IncompleteCheckpoint(
+            f"{path}: incomplete {c.format} checkpoint: {'; '.join(c.problems)}. Pass a complete checkpoint (an earlier step)"
+        )
     return c
 
 
-def open_checkpoint(path: str | Path, format: str | None = None, *, check: bool = True) -> Checkpoint:
+def open_checkpoint(
+    path: str | Path, format: str | None = None, *, check: bool = True
+) -> Checkpoint:
     """Open any supported checkpoint read-only and lazily.
 
     Args:
@@ -302,7 +367,10 @@ def settle_pair(a: Checkpoint, b: Checkpoint) -> None:
         return
 
     def delta(name: str) -> torch.Tensor:
-        return b.tensor(b.aliases.get(name, name)).double() - a.tensor(a.aliases.get(name, name)).double()
+        return (
+            b.tensor(b.aliases.get(name, name)).double()
+            - a.tensor(a.aliases.get(name, name)).double()
+        )
 
     ids, label = settle_by_evidence(pend_b, delta, pend_b.osd, pend_a.osd)
     for ck, pend in ((a, pend_a), (b, pend_b)):
@@ -312,7 +380,9 @@ def settle_pair(a: Checkpoint, b: Checkpoint) -> None:
         ck.notes.append(f"optimizer ids: {label}")
 
 
-def open_pair(a: str | Path, b: str | Path, format: str | None = None) -> tuple[Checkpoint, Checkpoint]:
+def open_pair(
+    a: str | Path, b: str | Path, format: str | None = None
+) -> tuple[Checkpoint, Checkpoint]:
     """Open *before* and *after* and settle what only the pair can (see `settle_pair`)."""
     ca = open_checkpoint(a, format)
     try:

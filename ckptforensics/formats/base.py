@@ -182,7 +182,11 @@ class Checkpoint:
     def state_rows(self, name: str, field: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of one optimizer state tensor of `name` (see `rows`)."""
         st = self.optim_state(name)
-        return st.rows(field, start, stop) if isinstance(st, LazyState) else read_rows(st[field], start, stop)
+        return (
+            st.rows(field, start, stop)
+            if isinstance(st, LazyState)
+            else read_rows(st[field], start, stop)
+        )
 
     @property
     def step(self) -> int | None:

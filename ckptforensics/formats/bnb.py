@@ -46,7 +46,10 @@ QUANT_KEY = "__bnb_optimizer_quant_state__"
 BLOCKSIZE = 256
 # The moments this module adds to a quantised state (derived, never saved back).
 DERIVED = ("exp_avg", "exp_avg_sq")
-_SLOTS = (("exp_avg", "state1", "qmap1", "absmax1", "max1"), ("exp_avg_sq", "state2", "qmap2", "absmax2", "max2"))
+_SLOTS = (
+    ("exp_avg", "state1", "qmap1", "absmax1", "max1"),
+    ("exp_avg_sq", "state2", "qmap2", "absmax2", "max2"),
+)
 
 
 def unwrap(st: Any) -> Any:
@@ -138,16 +141,25 @@ def code_gap(qmap: torch.Tensor) -> float:
     return float((q[1:] - q[:-1]).max())
 
 
-def quant_parts(st: dict[str, Any], which: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def quant_parts(
+    st: dict[str, Any], which: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(codes, qmap, per-block scale) of state1 (which=1) or state2, or None where unquantised."""
     _, s, q, am, mx = _SLOTS[which - 1]
     codes, qmap, scale = st.get(s), st.get(q), _scale(st, am, mx)
-    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or not isinstance(qmap, torch.Tensor) or scale is None:
+    if (
+        not isinstance(codes, torch.Tensor)
+        or codes.dtype != torch.uint8
+        or not isinstance(qmap, torch.Tensor)
+        or scale is None
+    ):
         return None
     return codes, qmap, scale
 
 
-def explain_code_flip(code: int, qmap: torch.Tensor, scale: float, before: float, ok: Callable[[float], bool]) -> tuple[str, int | None, str | None]:
+def explain_code_flip(
+    code: int, qmap: torch.Tensor, scale: float, before: float, ok: Callable[[float], bool]
+) -> tuple[str, int | None, str | None]:
     """Is a stored code one flipped bit away from a code whose value the optimizer could
     have reached? A flipped bit moves the index 2^b places along the sorted map: bit 7
     across half of it (the sign of the first moment's signed map; three to four decades of

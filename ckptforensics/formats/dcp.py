@@ -43,7 +43,9 @@ def _dcp_roots(path: Path) -> list[Path]:
         if (d / ".metadata").is_file():
             return [d]
     if (path / "pytorch_model_fsdp_0" / ".metadata").is_file():
-        return [path / "pytorch_model_fsdp_0"] + ([path / "optimizer_0"] if (path / "optimizer_0" / ".metadata").is_file() else [])
+        return [path / "pytorch_model_fsdp_0"] + (
+            [path / "optimizer_0"] if (path / "optimizer_0" / ".metadata").is_file() else []
+        )
     return []
 
 
@@ -54,7 +56,11 @@ def is_dcp_dir(path: Path) -> bool:
         return False
     if _dcp_roots(path):
         return True
-    return any(any(d.glob("*.distcp")) for d in (path, path / "model_and_optim", path / "pytorch_model_fsdp_0") if d.is_dir())
+    return any(
+        any(d.glob("*.distcp"))
+        for d in (path, path / "model_and_optim", path / "pytorch_model_fsdp_0")
+        if d.is_dir()
+    )
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -92,7 +98,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise UnsafeCheckpoint(f"refused to unpickle {module}.{name} from DCP metadata (code execution risk); nothing was run")
+        raise UnsafeCheckpoint(
+            f"refused to unpickle {module}.{name} from DCP metadata (code execution risk); nothing was run"
+        )
 
 
 def read_metadata(root: Path) -> Any:
@@ -116,7 +124,9 @@ def _read_metadata(path: str, size: int, mtime_ns: int) -> Any:
     except UnsafeCheckpoint as e:
         raise UnsafeCheckpoint(f"{f}: {e}") from None
     except Exception as e:  # any decoding failure of untrusted metadata is corruption
-        raise CorruptCheckpoint(f"{f}: unreadable DCP metadata ({type(e).__name__}: {str(e)[:120]})") from None
+        raise CorruptCheckpoint(
+            f"{f}: unreadable DCP metadata ({type(e).__name__}: {str(e)[:120]})"
+        ) from None
     if not hasattr(md, "state_dict_metadata") or not hasattr(md, "storage_data"):
         raise CorruptCheckpoint(f"{f}: not DCP metadata")
     return md
@@ -140,14 +150,20 @@ class DcpStore:
         except OSError as e:
             raise CorruptCheckpoint(f"{path}: {e}") from None
         if len(data) != int(info.length):
-            raise CorruptCheckpoint(f"{path}: truncated (wanted {info.length} bytes at {info.offset})")
+            raise CorruptCheckpoint(
+                f"{path}: truncated (wanted {info.length} bytes at {info.offset})"
+            )
         try:
             with torch.serialization.safe_globals(safe_load_globals()):
                 return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError:
-            raise UnsafeCheckpoint(f"{path}: refused to unpickle {_unsafe_name(data) or 'an item'} (code execution risk); nothing was run") from None
+            raise UnsafeCheckpoint(
+                f"{path}: refused to unpickle {_unsafe_name(data) or 'an item'} (code execution risk); nothing was run"
+            ) from None
         except Exception as e:  # a mangled chunk
-            raise CorruptCheckpoint(f"{path}: unreadable chunk at {info.offset} ({type(e).__name__})") from None
+            raise CorruptCheckpoint(
+                f"{path}: unreadable chunk at {info.offset} ({type(e).__name__})"
+            ) from None
 
     def tensor(self, fqn: str) -> torch.Tensor:
         meta = self.md.state_dict_metadata[fqn]
@@ -160,7 +176,9 @@ class DcpStore:
             try:
                 out[sl] = chunk
             except RuntimeError:
-                raise CorruptCheckpoint(f"{self.root}: chunk of {fqn} at {list(idx.offset)} does not fit {list(meta.size)}") from None
+                raise CorruptCheckpoint(
+                    f"{self.root}: chunk of {fqn} at {list(idx.offset)} does not fit {list(meta.size)}"
+                ) from None
         return out
 
     def rows(self, fqn: str, start: int, stop: int) -> torch.Tensor:
@@ -170,7 +188,9 @@ class DcpStore:
         out = torch.empty((stop - start, *size[1:]), dtype=meta.properties.dtype)
         for idx, info in self.by_fqn.get(fqn, []):
             lo = int(idx.offset[0]) if size else 0
-            meta_chunk = next((c for c in meta.chunks if tuple(c.offsets) == tuple(idx.offset)), None)
+            meta_chunk = next(
+                (c for c in meta.chunks if tuple(c.offsets) == tuple(idx.offset)), None
+            )
             hi = lo + (int(meta_chunk.sizes[0]) if meta_chunk is not None else size[0] - lo)
             if hi <= start or lo >= stop:
                 continue
@@ -178,11 +198,15 @@ class DcpStore:
             if not isinstance(chunk, torch.Tensor):
                 raise CorruptCheckpoint(f"{self.root}: chunk of {fqn} is not a tensor")
             a, b = max(lo, start), min(lo + chunk.shape[0], stop)
-            rest = tuple(slice(o, o + s) for o, s in zip(idx.offset[1:], chunk.shape[1:], strict=False))
+            rest = tuple(
+                slice(o, o + s) for o, s in zip(idx.offset[1:], chunk.shape[1:], strict=False)
+            )
             try:
                 out[(slice(a - start, b - start), *rest)] = chunk[a - lo : b - lo]
             except RuntimeError:
-                raise CorruptCheckpoint(f"{self.root}: chunk of {fqn} at {list(idx.offset)} does not fit {list(size)}") from None
+                raise CorruptCheckpoint(
+                    f"{self.root}: chunk of {fqn} at {list(idx.offset)} does not fit {list(size)}"
+                ) from None
         return out
 
     def value(self, fqn: str) -> Any:
@@ -242,11 +266,24 @@ def open_dcp(path: Path) -> Checkpoint:
             if not hasattr(meta, "size"):
                 ckpt.scalars.setdefault("extra", []).append(key)  # bytes items (train state ...)
                 continue
-            name = ".".join(map(str, parts[1:])) if parts and parts[0] == "model" and len(parts) > 1 else key
-            ckpt.add_tensor(name, TensorMeta(tuple(meta.size), meta.properties.dtype), getter(store, key))
+            name = (
+                ".".join(map(str, parts[1:]))
+                if parts and parts[0] == "model" and len(parts) > 1
+                else key
+            )
+            ckpt.add_tensor(
+                name, TensorMeta(tuple(meta.size), meta.properties.dtype), getter(store, key)
+            )
     # The trainer's own record first (OLMo-core's train state), then the directory name,
     # then HF's trainer_state.json beside accelerate's folders.
-    step = next((s for s in (_olmo_train_state(path), _step_from_name(path), _trainer_step(path)) if s is not None), None)
+    step = next(
+        (
+            s
+            for s in (_olmo_train_state(path), _step_from_name(path), _trainer_step(path))
+            if s is not None
+        ),
+        None,
+    )
     if step is not None:
         ckpt.scalars["global_step"] = step
     _olmo_config(ckpt, path)
@@ -269,7 +306,9 @@ def _note_adam_step(ckpt: Checkpoint) -> None:
     st = first.get("step")
     adam = int(float(st)) if st is not None else None
     if adam is not None and adam == ckpt.step + 1:
-        ckpt.notes.append(f"Adam's step counter is {adam}, one ahead of the trainer's {ckpt.step} (a step-0 save initialises Adam with one zero-LR step)")
+        ckpt.notes.append(
+            f"Adam's step counter is {adam}, one ahead of the trainer's {ckpt.step} (a step-0 save initialises Adam with one zero-LR step)"
+        )
 
 
 _HEAD = re.compile(r"(^|\.)(lm_head|output|output_layer)\.weight$")
@@ -286,7 +325,9 @@ def _untie(ckpt: Checkpoint, state: dict[str, dict[str, Any]]) -> None:
         if len(twins) == 1:
             ckpt.aliases[name] = twins[0]
             ckpt.remove_tensor(name)
-            ckpt.notes.append(f"{name} has no optimizer state and is shaped like {twins[0]}: read as tied to it")
+            ckpt.notes.append(
+                f"{name} has no optimizer state and is shaped like {twins[0]}: read as tied to it"
+            )
 
 
 def _olmo_config(ckpt: Checkpoint, path: Path) -> None:
@@ -306,8 +347,13 @@ def _olmo_config(ckpt: Checkpoint, path: Path) -> None:
         ckpt.config = model
         tm = cfg.get("train_module") or {}
         optim = tm.get("optim") or {}
-        ckpt.scalars["train_config"] = {"grad_clip": tm.get("max_grad_norm"), "learning_rate": optim.get("lr")}
-        ckpt.scalars["olmo_optim"] = optim  # the replay follows a SkipStep optimizer's skips (replay/skipstep)
+        ckpt.scalars["train_config"] = {
+            "grad_clip": tm.get("max_grad_norm"),
+            "learning_rate": optim.get("lr"),
+        }
+        ckpt.scalars["olmo_optim"] = (
+            optim  # the replay follows a SkipStep optimizer's skips (replay/skipstep)
+        )
         if "skip_step" in str(optim.get("type", "")) or "SkipStep" in str(optim.get("_CLASS_", "")):
             ckpt.notes.append(
                 f"the optimizer is OLMo-core's {optim.get('_CLASS_', 'SkipStepAdamW').rsplit('.', 1)[-1]}: it skips a step whose loss or "
@@ -330,7 +376,9 @@ def _job_config(ckpt: Checkpoint, path: Path) -> None:
             except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
                 continue
             training = doc.get("training") if isinstance(doc, dict) else None
-            if isinstance(training, dict) and isinstance(training.get("mixed_precision_param"), str):
+            if isinstance(training, dict) and isinstance(
+                training.get("mixed_precision_param"), str
+            ):
                 ckpt.scalars["mixed_precision"] = {
                     "param_dtype": training["mixed_precision_param"],
                     "reduce_dtype": str(training.get("mixed_precision_reduce", "float32")),
@@ -391,7 +439,9 @@ def getter(store: DcpStore, key: str) -> Callable[[], torch.Tensor]:
     return _Getter(store, key)
 
 
-def _optimizer(store: DcpStore, state: dict[str, dict[str, Any]], groups: dict[Any, dict[str, str]]) -> OptimizerView:
+def _optimizer(
+    store: DcpStore, state: dict[str, dict[str, Any]], groups: dict[Any, dict[str, str]]
+) -> OptimizerView:
     by_name = {fqn: LazyState(fields) for fqn, fields in state.items()}
     hypers, hyper_of = [], {}
     per_param = {k: v for k, v in groups.items() if isinstance(k, str)}
@@ -418,7 +468,11 @@ def _optimizer(store: DcpStore, state: dict[str, dict[str, Any]], groups: dict[A
     for fqn in by_name:
         hyper_of.setdefault(fqn, hypers[0])
     kind = optimizer_kind({k: dict.fromkeys(v) for k, v in state.items()})
-    label = "FQN (DCP); param groups stored per parameter, grouped by equal values" if per_param else "FQN (DCP)"
+    label = (
+        "FQN (DCP); param groups stored per parameter, grouped by equal values"
+        if per_param
+        else "FQN (DCP)"
+    )
     return OptimizerView(kind=kind, state=by_name, hyper=hyper_of, groups=hypers, mapping=label)
 
 
@@ -431,7 +485,11 @@ def dcp_files_problems(root: Path, top: Path) -> list[str]:
     meta = root / ".metadata"
     bad = file_problem(meta, top)
     if bad is not None:
-        return [f"{bad} (written after every rank's files: the save did not finish)" if bad.endswith("missing") else bad]
+        return [
+            f"{bad} (written after every rank's files: the save did not finish)"
+            if bad.endswith("missing")
+            else bad
+        ]
     try:
         md = read_metadata(root)
     except (CorruptCheckpoint, UnsafeCheckpoint) as e:
@@ -451,7 +509,9 @@ def dcp_files_problems(root: Path, top: Path) -> list[str]:
         if bad is not None:
             out.append(f"{bad} (named in .metadata)" if bad.endswith("missing") else bad)
         elif f.stat().st_size < ends[name]:
-            out.append(f"{rel_name(f, top)}: truncated ({f.stat().st_size} bytes; .metadata places chunks up to byte {ends[name]})")
+            out.append(
+                f"{rel_name(f, top)}: truncated ({f.stat().st_size} bytes; .metadata places chunks up to byte {ends[name]})"
+            )
     return out
 
 
@@ -460,14 +520,29 @@ def dcp_completeness(path: Path) -> Completeness:
     last, `train/rank*.pt`, `model_and_optim/`) and accelerate's FSDP folders."""
     roots = _dcp_roots(path)
     if not roots:  # shards without .metadata: find where it should be
-        roots = [d for d in (path / "model_and_optim", path / "pytorch_model_fsdp_0", path) if d.is_dir() and any(d.glob("*.distcp"))][:1]
+        roots = [
+            d
+            for d in (path / "model_and_optim", path / "pytorch_model_fsdp_0", path)
+            if d.is_dir() and any(d.glob("*.distcp"))
+        ][:1]
     problems = [p for root in roots for p in dcp_files_problems(root, path)]
     rule = _DCP_RULE
-    if (path / "model_and_optim").is_dir() or (path / "train").is_dir() or (path / ".metadata.json").exists():
-        rule = "an OLMo-core checkpoint: .metadata.json (written last), train/rank0.pt, and model_and_optim/ with " + _DCP_RULE
+    if (
+        (path / "model_and_optim").is_dir()
+        or (path / "train").is_dir()
+        or (path / ".metadata.json").exists()
+    ):
+        rule = (
+            "an OLMo-core checkpoint: .metadata.json (written last), train/rank0.pt, and model_and_optim/ with "
+            + _DCP_RULE
+        )
         bad = json_problem(path / ".metadata.json", path)
         if bad is not None:
-            problems.append(f"{bad} (OLMo-core writes it last: the save did not finish)" if bad.endswith("missing") else bad)
+            problems.append(
+                f"{bad} (OLMo-core writes it last: the save did not finish)"
+                if bad.endswith("missing")
+                else bad
+            )
         from .torchfile import torch_file_problem
 
         for f in sorted({path / "train" / "rank0.pt", *(path / "train").glob("rank*.pt")}):
@@ -475,7 +550,11 @@ def dcp_completeness(path: Path) -> Completeness:
             if bad is not None:
                 problems.append(bad)
     elif (path / "pytorch_model_fsdp_0").is_dir():
-        rule = "accelerate's FSDP checkpoint: pytorch_model_fsdp_0/ and optimizer_0/, each with " + _DCP_RULE + "; trainer_state.json (written last)"
+        rule = (
+            "accelerate's FSDP checkpoint: pytorch_model_fsdp_0/ and optimizer_0/, each with "
+            + _DCP_RULE
+            + "; trainer_state.json (written last)"
+        )
         from .hf import is_trainer_checkpoint, save_only_model
 
         opt = path / "optimizer_0"
@@ -485,7 +564,11 @@ def dcp_completeness(path: Path) -> Completeness:
             problems.append("optimizer_0/ missing")
         bad = file_problem(path / "trainer_state.json", path)
         if bad is not None and is_trainer_checkpoint(path):
-            problems.append(f"{bad} (the Trainer writes it last: the save did not finish)" if bad.endswith("missing") else bad)
+            problems.append(
+                f"{bad} (the Trainer writes it last: the save did not finish)"
+                if bad.endswith("missing")
+                else bad
+            )
     elif not roots:
         problems.append("no .metadata and no shard files")
     return Completeness("dcp", rule, tuple(problems))

@@ -63,8 +63,13 @@ def open_deepspeed(path: Path) -> Checkpoint:
         raise CorruptCheckpoint(f"{model_files[0]}: not DeepSpeed model states (no module)")
     ckpt = Checkpoint(path=path, format="deepspeed", file_backed=mapped)
     # ZeRO-0 saves no param_shapes: its optimizer is a plain torch state_dict.
-    shapes: list[list[tuple[str, tuple[int, ...]]]] = [[(n, tuple(s)) for n, s in g.items()] for g in (ms.get("param_shapes") or [])]
-    ranks = sorted(((int(m.group(1)), f) for f in tag.iterdir() if (m := _RANK.match(f.name))), key=lambda x: x[0])
+    shapes: list[list[tuple[str, tuple[int, ...]]]] = [
+        [(n, tuple(s)) for n, s in g.items()] for g in (ms.get("param_shapes") or [])
+    ]
+    ranks = sorted(
+        ((int(m.group(1)), f) for f in tag.iterdir() if (m := _RANK.match(f.name))),
+        key=lambda x: x[0],
+    )
     optim = [load_torch_file(f)[0] for _, f in ranks]
     stage = _stage(optim)
     if stage == 3:
@@ -84,7 +89,9 @@ def open_deepspeed(path: Path) -> Checkpoint:
         ckpt.scalars["train_config"] = {
             "grad_clip": cfg.get("gradient_clipping"),
             **{k: v for k, v in plain.items() if not isinstance(v, dict)},
-            **{k: True for k in ("fp16", "bf16") if _enabled(plain, k)},  # what the replay's precision reads
+            **{
+                k: True for k in ("fp16", "bf16") if _enabled(plain, k)
+            },  # what the replay's precision reads
             "ds_config": plain,
         }
     if optim:
@@ -131,7 +138,9 @@ def _stage(optim: list[dict[str, Any]]) -> int:
         return 3 if "fp32_flat_groups" in optim[0]["optimizer_state_dict"] else 2
 
 
-def _stage0(osd: dict[str, Any], shapes: list[list[tuple[str, tuple[int, ...]]]], source: str) -> OptimizerView:
+def _stage0(
+    osd: dict[str, Any], shapes: list[list[tuple[str, tuple[int, ...]]]], source: str
+) -> OptimizerView:
     """ZeRO-0: a plain torch state_dict whose groups follow param_shapes exactly."""
     from .optim import map_optimizer
 
@@ -163,7 +172,9 @@ def _fragments(optim: list[dict[str, Any]], g: int, name: str, field: str) -> li
     return pieces
 
 
-def _stage3_piece(optim: list[dict[str, Any]], g: int, offset: int, numel: int, field: str | None) -> torch.Tensor:
+def _stage3_piece(
+    optim: list[dict[str, Any]], g: int, offset: int, numel: int, field: str | None
+) -> torch.Tensor:
     """Stage 3: every rank holds ceil(numel / ws) elements of each parameter, in order."""
     ws = len(optim)
     part = math.ceil(numel / ws)
@@ -183,16 +194,28 @@ def _stage3_offsets(members: list[tuple[str, tuple[int, ...]]], ws: int) -> dict
     return out
 
 
-def _stage3_weights(ckpt: Checkpoint, shapes: list[list[tuple[str, tuple[int, ...]]]], optim: list[dict[str, Any]], ms: dict[str, Any]) -> None:
+def _stage3_weights(
+    ckpt: Checkpoint,
+    shapes: list[list[tuple[str, tuple[int, ...]]]],
+    optim: list[dict[str, Any]],
+    ms: dict[str, Any],
+) -> None:
     ws = len(optim)
     for g, members in enumerate(shapes):
         offs = _stage3_offsets(members, ws)
         for name, shape in members:
-            ckpt.add_tensor(name, TensorMeta(shape, torch.float32), _lazy3(optim, g, offs[name], shape, None))
+            ckpt.add_tensor(
+                name, TensorMeta(shape, torch.float32), _lazy3(optim, g, offs[name], shape, None)
+            )
     ckpt.notes.append("ZeRO-3: weights are the fp32 master partitions, gathered")
 
 
-def _stage12_masters(ckpt: Checkpoint, shapes: list[list[tuple[str, tuple[int, ...]]]], optim: list[dict[str, Any]], source: str) -> None:
+def _stage12_masters(
+    ckpt: Checkpoint,
+    shapes: list[list[tuple[str, tuple[int, ...]]]],
+    optim: list[dict[str, Any]],
+    source: str,
+) -> None:
     """ZeRO-1/2 with bf16 or fp16 weights: the optimizer files hold the fp32 master weights
     (`single_partition_of_fp32_groups`, cut like the moments by `param_slice_mappings`),
     which the optimizer steps; the module holds their rounding. The masters are the weights
@@ -200,45 +223,76 @@ def _stage12_masters(ckpt: Checkpoint, shapes: list[list[tuple[str, tuple[int, .
     osd = optim[0]["optimizer_state_dict"] if optim else {}
     if "single_partition_of_fp32_groups" not in osd or not shapes:
         return
-    low = [n for g in shapes for n, _ in g if ckpt.has(n) and ckpt.meta(n).dtype in (torch.bfloat16, torch.float16)]
+    low = [
+        n
+        for g in shapes
+        for n, _ in g
+        if ckpt.has(n) and ckpt.meta(n).dtype in (torch.bfloat16, torch.float16)
+    ]
     if not low:
         return
     for g, members in enumerate(shapes):
         for name, shape in members:
             if name in low:
-                ckpt.add_tensor(name, TensorMeta(shape, torch.float32), _lazy_master(optim, g, name, shape, source))
+                ckpt.add_tensor(
+                    name,
+                    TensorMeta(shape, torch.float32),
+                    _lazy_master(optim, g, name, shape, source),
+                )
     ckpt.scalars["fp32_masters"] = True
-    ckpt.notes.append(f"ZeRO-{_stage(optim)}: weights are the fp32 master partitions (the module holds their bf16/fp16 rounding)")
+    ckpt.notes.append(
+        f"ZeRO-{_stage(optim)}: weights are the fp32 master partitions (the module holds their bf16/fp16 rounding)"
+    )
 
 
-def _lazy_master(optim: list[dict[str, Any]], g: int, name: str, shape: tuple[int, ...], source: str) -> Callable[[], torch.Tensor]:
+def _lazy_master(
+    optim: list[dict[str, Any]], g: int, name: str, shape: tuple[int, ...], source: str
+) -> Callable[[], torch.Tensor]:
     def build() -> torch.Tensor:
         pieces = []
         for o in optim:
             osd = o["optimizer_state_dict"]
             frag = osd["param_slice_mappings"][g].get(name)
             if frag is not None:
-                pieces.append(osd["single_partition_of_fp32_groups"][g].narrow(0, int(frag.get("start")), int(frag.get("numel"))))
+                pieces.append(
+                    osd["single_partition_of_fp32_groups"][g].narrow(
+                        0, int(frag.get("start")), int(frag.get("numel"))
+                    )
+                )
         flat = torch.cat(pieces) if pieces else torch.empty(0)
         if flat.numel() != math.prod(shape):
-            raise CorruptCheckpoint(f"{source}: {name} has {flat.numel()} fp32 master elements across ranks, expected {math.prod(shape)}")
+            raise CorruptCheckpoint(
+                f"{source}: {name} has {flat.numel()} fp32 master elements across ranks, expected {math.prod(shape)}"
+            )
         return flat.view(shape)
 
     return build
 
 
-def _lazy3(optim: list[dict[str, Any]], g: int, off: int, shape: tuple[int, ...], field: str | None) -> Callable[[], torch.Tensor]:
+def _lazy3(
+    optim: list[dict[str, Any]], g: int, off: int, shape: tuple[int, ...], field: str | None
+) -> Callable[[], torch.Tensor]:
     return lambda: _stage3_piece(optim, g, off, math.prod(shape), field).view(shape)
 
 
-def _partitioned(optim: list[dict[str, Any]], shapes: list[list[tuple[str, tuple[int, ...]]]], stage: int, source: str) -> OptimizerView:
+def _partitioned(
+    optim: list[dict[str, Any]],
+    shapes: list[list[tuple[str, tuple[int, ...]]]],
+    stage: int,
+    source: str,
+) -> OptimizerView:
     base = _inner(optim[0])
-    hypers: list[GroupHyper] = [group_hyper({k: v for k, v in g.items() if k != "params"}, i) for i, g in enumerate(base["param_groups"])]
+    hypers: list[GroupHyper] = [
+        group_hyper({k: v for k, v in g.items() if k != "params"}, i)
+        for i, g in enumerate(base["param_groups"])
+    ]
     state: dict[str, dict[str, Any]] = {}
     hyper: dict[str, GroupHyper] = {}
     for g, members in enumerate(shapes):
         if g >= len(hypers):
-            raise CorruptCheckpoint(f"{source}: {len(shapes)} parameter groups but {len(hypers)} optimizer groups")
+            raise CorruptCheckpoint(
+                f"{source}: {len(shapes)} parameter groups but {len(hypers)} optimizer groups"
+            )
         step = base["state"][g].get("step")
         offs = _stage3_offsets(members, len(optim)) if stage == 3 else {}
         for name, shape in members:
@@ -250,15 +304,25 @@ def _partitioned(optim: list[dict[str, Any]], shapes: list[list[tuple[str, tuple
                 else:
                     build[field] = _lazy12(optim, g, name, field, shape, source)
             state[name] = LazyState(build)
-    return OptimizerView(kind="adam", state=state, hyper=hyper, groups=hypers, mapping=f"ZeRO-{stage} partitions by param_shapes")
+    return OptimizerView(
+        kind="adam",
+        state=state,
+        hyper=hyper,
+        groups=hypers,
+        mapping=f"ZeRO-{stage} partitions by param_shapes",
+    )
 
 
-def _lazy12(optim: list[dict[str, Any]], g: int, name: str, field: str, shape: tuple[int, ...], source: str) -> Callable[[], torch.Tensor]:
+def _lazy12(
+    optim: list[dict[str, Any]], g: int, name: str, field: str, shape: tuple[int, ...], source: str
+) -> Callable[[], torch.Tensor]:
     def build() -> torch.Tensor:
         pieces = _fragments(optim, g, name, field)
         flat = torch.cat(pieces) if len(pieces) > 1 else (pieces[0] if pieces else torch.empty(0))
         if flat.numel() != math.prod(shape):
-            raise CorruptCheckpoint(f"{source}: {name} has {flat.numel()} {field} elements across ranks, expected {math.prod(shape)}")
+            raise CorruptCheckpoint(
+                f"{source}: {name} has {flat.numel()} {field} elements across ranks, expected {math.prod(shape)}"
+            )
         return flat.view(shape)
 
     return build
@@ -287,7 +351,9 @@ def deepspeed_completeness(path: Path) -> Completeness:
         name = latest.read_text().strip()
         tag = path / Path(name).name
         if not tag.is_dir():
-            return Completeness("deepspeed", _DS_RULE, (f"`latest` names {name}, which is not there",))
+            return Completeness(
+                "deepspeed", _DS_RULE, (f"`latest` names {name}, which is not there",)
+            )
     problems += _tag_problems(tag, path)
     return Completeness("deepspeed", _DS_RULE, tuple(problems))
 
@@ -300,7 +366,9 @@ def _lagging_latest(tag: Path) -> list[str]:
         return []
     mine, theirs = _STEP_TAG.match(tag.name), _STEP_TAG.match(named or "")
     if mine and theirs and int(mine.group(1)) > int(theirs.group(1)):
-        return [f"newer than ../latest ({named}): DeepSpeed writes `latest` once every rank has saved, so this save did not finish"]
+        return [
+            f"newer than ../latest ({named}): DeepSpeed writes `latest` once every rank has saved, so this save did not finish"
+        ]
     return []
 
 
@@ -309,11 +377,17 @@ def _tag_problems(tag: Path, top: Path) -> list[str]:
         return (tag / name).relative_to(top).as_posix() if tag != top else name
 
     names = [f.name for f in tag.iterdir()] if tag.is_dir() else []
-    models = {(int(m.group(1) or 0), int(m.group(2))): n for n in names if (m := _MODEL_FILE.match(n))}
+    models = {
+        (int(m.group(1) or 0), int(m.group(2))): n for n in names if (m := _MODEL_FILE.match(n))
+    }
     optims = {(int(m.group(1)), int(m.group(2))): n for n in names if (m := _OPTIM_FILE.match(n))}
     if not models:
         return [f"{rel('mp_rank_00_model_states.pt')} missing"]
-    problems = [b for n in sorted(set(models.values()) | set(optims.values())) if (b := torch_file_problem(tag / n, top))]
+    problems = [
+        b
+        for n in sorted(set(models.values()) | set(optims.values()))
+        if (b := torch_file_problem(tag / n, top))
+    ]
     if problems:
         return problems
     zero3 = any(n.startswith("zero_pp_rank_") for n in models.values())
@@ -326,20 +400,32 @@ def _tag_problems(tag: Path, top: Path) -> list[str]:
     dp = _int(ms.get("dp_world_size"), 1)
     mp = _int(ms.get("mp_world_size"), 1 + max(m for _, m in models))
     cfg = ms.get("ds_config") if isinstance(ms.get("ds_config"), dict) else {}
-    stage = _int((cfg.get("zero_optimization") or {}).get("stage"), 3 if zero3 else (1 if optims else 0))
+    stage = _int(
+        (cfg.get("zero_optimization") or {}).get("stage"), 3 if zero3 else (1 if optims else 0)
+    )
     for m in range(mp):
         for r in range(dp if zero3 else 1):
             if (r, m) not in models:
-                want = f"zero_pp_rank_{r}_mp_rank_{m:02d}_model_states.pt" if zero3 else f"mp_rank_{m:02d}_model_states.pt"
-                problems.append(f"{rel(want)} missing (dp_world_size {dp}, mp_world_size {mp} in the model states)")
+                want = (
+                    f"zero_pp_rank_{r}_mp_rank_{m:02d}_model_states.pt"
+                    if zero3
+                    else f"mp_rank_{m:02d}_model_states.pt"
+                )
+                problems.append(
+                    f"{rel(want)} missing (dp_world_size {dp}, mp_world_size {mp} in the model states)"
+                )
         if stage >= 1:
             for r in range(dp):
                 if (r, m) not in optims:
                     want = f"zero_pp_rank_{r}_mp_rank_{m:02d}_optim_states.pt"
                     problems.append(f"{rel(want)} missing (dp_world_size {dp} in the model states)")
-    extra = sorted(r for r, _ in optims if r >= dp) + sorted(r for r, _ in models if zero3 and r >= dp)
+    extra = sorted(r for r, _ in optims if r >= dp) + sorted(
+        r for r, _ in models if zero3 and r >= dp
+    )
     if extra:
-        problems.append(f"files of rank {extra[0]} but dp_world_size {dp} in the model states: mismatched world sizes (two saves mixed?)")
+        problems.append(
+            f"files of rank {extra[0]} but dp_world_size {dp} in the model states: mismatched world sizes (two saves mixed?)"
+        )
     return problems
 
 

@@ -18,7 +18,13 @@ from .safetensors_file import SafetensorsFile, add_file, safetensors_problem
 from .statedict import add_state_dict, scaler_scalars, scheduler_scalars
 from .torchfile import load_torch_file, torch_file_problem
 
-__all__ = ["open_hf_dir", "is_hf_dir", "hf_completeness", "is_trainer_checkpoint", "save_only_model"]
+__all__ = [
+    "open_hf_dir",
+    "is_hf_dir",
+    "hf_completeness",
+    "is_trainer_checkpoint",
+    "save_only_model",
+]
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +37,9 @@ def is_hf_dir(path: Path) -> bool:
         return True
     # A save that died before (or while) writing its weights: its index, or the config
     # beside the Trainer's own files, still says what it was meant to be.
-    if (path / "model.safetensors.index.json").is_file() or (path / "pytorch_model.bin.index.json").is_file():
+    if (path / "model.safetensors.index.json").is_file() or (
+        path / "pytorch_model.bin.index.json"
+    ).is_file():
         return True
     return (path / "config.json").is_file() and is_trainer_checkpoint(path)
 
@@ -70,7 +78,22 @@ def open_hf_dir(path: Path) -> Checkpoint:
 
 
 # What a replay needs from TrainingArguments (transformers' own field names).
-_TRAINING_ARGS = ("max_grad_norm", "learning_rate", "gradient_accumulation_steps", "per_device_train_batch_size", "seed", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "bf16", "fp16", "warmup_steps", "warmup_ratio", "max_steps")
+_TRAINING_ARGS = (
+    "max_grad_norm",
+    "learning_rate",
+    "gradient_accumulation_steps",
+    "per_device_train_batch_size",
+    "seed",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "bf16",
+    "fp16",
+    "warmup_steps",
+    "warmup_ratio",
+    "max_steps",
+)
 
 
 def _training_args(ckpt: Checkpoint, f: Path) -> None:
@@ -138,7 +161,9 @@ def _weights(ckpt: Checkpoint, path: Path) -> None:
             st = SafetensorsFile(shard)
             missing = by_file[fname] - set(st.entries)
             if missing:
-                raise CorruptCheckpoint(f"{shard}: lacks {sorted(missing)[0]} that the index places there")
+                raise CorruptCheckpoint(
+                    f"{shard}: lacks {sorted(missing)[0]} that the index places there"
+                )
             add_file(ckpt, st, only=by_file[fname])
         return
     files = sorted(path.glob("model*.safetensors"))
@@ -148,7 +173,9 @@ def _weights(ckpt: Checkpoint, path: Path) -> None:
         return
     bins = sorted(path.glob("pytorch_model*.bin"))
     if not bins:
-        raise CorruptCheckpoint(f"{path}: HF directory without model*.safetensors or pytorch_model*.bin")
+        raise CorruptCheckpoint(
+            f"{path}: HF directory without model*.safetensors or pytorch_model*.bin"
+        )
     for b in bins:
         obj, mapped = load_torch_file(b)
         ckpt.file_backed = ckpt.file_backed and mapped
@@ -167,13 +194,19 @@ def _model_params(ckpt: Checkpoint) -> tuple[list[tuple[str, tuple[int, ...]]] |
         stored.update({alias: stored[n] for alias, n in ckpt.aliases.items() if n in stored})
         if len(order) == len(stored) and all(stored.get(n) == shape for n, shape in order):
             return order, ""
-        log.debug("%s: the %s template does not match the stored weights; building the model", ckpt.path, ckpt.config.get("model_type"))
+        log.debug(
+            "%s: the %s template does not match the stored weights; building the model",
+            ckpt.path,
+            ckpt.config.get("model_type"),
+        )
     params, why = _params_for_config(json.dumps(ckpt.config, sort_keys=True))
     return (list(params) if params is not None else None), why
 
 
 @functools.lru_cache(maxsize=4)
-def _params_for_config(config_json: str) -> tuple[tuple[tuple[str, tuple[int, ...]], ...] | None, str]:
+def _params_for_config(
+    config_json: str,
+) -> tuple[tuple[tuple[str, tuple[int, ...]], ...] | None, str]:
     """Cached per config: both checkpoints of a pair share it, and building costs seconds."""
     config = json.loads(config_json)
     try:
@@ -186,9 +219,14 @@ def _params_for_config(config_json: str) -> tuple[tuple[tuple[str, tuple[int, ..
         archs = config.get("architectures") or []
         cls = getattr(transformers, archs[0], None) if archs else None
         with torch.device("meta"):
-            model = cls(cfg) if cls is not None else transformers.AutoModelForCausalLM.from_config(cfg)
+            model = (
+                cls(cfg) if cls is not None else transformers.AutoModelForCausalLM.from_config(cfg)
+            )
     except Exception as e:  # a config transformers cannot build; said in the report
-        return None, f"transformers cannot build the model from config.json ({type(e).__name__}: {e})"
+        return (
+            None,
+            f"transformers cannot build the model from config.json ({type(e).__name__}: {e})",
+        )
     return tuple((n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad), ""
 
 
@@ -214,7 +252,14 @@ def _optimizer(ckpt: Checkpoint, opt: Path) -> None:
 # The files HF's Trainer writes into `checkpoint-N/` besides the model's (transformers
 # Trainer._save_checkpoint): model, then optimizer/scheduler/scaler, RNG states, and
 # trainer_state.json last.
-_TRAINER_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt", "scaler.pt", "training_args.bin", "rng_state.pth")
+_TRAINER_FILES = (
+    "trainer_state.json",
+    "optimizer.pt",
+    "scheduler.pt",
+    "scaler.pt",
+    "training_args.bin",
+    "rng_state.pth",
+)
 _TRAINER_DIR = re.compile(r"^checkpoint-\d+$")
 _SHARD = re.compile(r"^model-(\d+)-of-(\d+)\.safetensors$")
 
@@ -222,7 +267,11 @@ _SHARD = re.compile(r"^model-(\d+)-of-(\d+)\.safetensors$")
 def is_trainer_checkpoint(path: Path) -> bool:
     """A Trainer's `checkpoint-N/` (by its name or its Trainer files), not a bare
     `save_pretrained` model directory."""
-    return bool(_TRAINER_DIR.match(path.name)) or any((path / f).exists() or (path / f).is_symlink() for f in _TRAINER_FILES) or any(path.glob("rng_state_*.pth"))
+    return (
+        bool(_TRAINER_DIR.match(path.name))
+        or any((path / f).exists() or (path / f).is_symlink() for f in _TRAINER_FILES)
+        or any(path.glob("rng_state_*.pth"))
+    )
 
 
 def save_only_model(path: Path) -> bool:
@@ -251,16 +300,28 @@ def hf_completeness(path: Path) -> Completeness:
     trainer_state.json (written last, so its absence means the save did not finish)."""
     problems = _weights_problems(path)
     if not is_trainer_checkpoint(path):
-        return Completeness("hf-trainer", "a save_pretrained model directory: every weight shard its index names, whole", tuple(problems))
+        return Completeness(
+            "hf-trainer",
+            "a save_pretrained model directory: every weight shard its index names, whole",
+            tuple(problems),
+        )
     bad = json_problem(path / "trainer_state.json", path)
     if bad is not None:
-        problems.append(f"{bad} (the Trainer writes it last: the save did not finish)" if bad.endswith("missing") else bad)
+        problems.append(
+            f"{bad} (the Trainer writes it last: the save did not finish)"
+            if bad.endswith("missing")
+            else bad
+        )
     opt = path / "optimizer.pt"
     if opt.exists() or opt.is_symlink() or not save_only_model(path):
         bad = torch_file_problem(opt, path)
         if bad is not None:
             problems.append(bad)
-    for extra in ("scheduler.pt", "scaler.pt", "training_args.bin"):  # the reader loads these when present
+    for extra in (
+        "scheduler.pt",
+        "scaler.pt",
+        "training_args.bin",
+    ):  # the reader loads these when present
         f = path / extra
         if f.exists() or f.is_symlink():
             bad = torch_file_problem(f, path)
@@ -270,7 +331,10 @@ def hf_completeness(path: Path) -> Completeness:
 
 
 def _weights_problems(path: Path) -> list[str]:
-    for index_name, check in (("model.safetensors.index.json", safetensors_problem), ("pytorch_model.bin.index.json", None)):
+    for index_name, check in (
+        ("model.safetensors.index.json", safetensors_problem),
+        ("pytorch_model.bin.index.json", None),
+    ):
         index = path / index_name
         if not (index.exists() or index.is_symlink()):
             continue
@@ -287,14 +351,22 @@ def _weights_problems(path: Path) -> list[str]:
         out = []
         for fname in sorted(by_file):
             shard = path / fname
-            bad = check(shard, path, by_file[fname]) if check is not None else torch_file_problem(shard, path)
+            bad = (
+                check(shard, path, by_file[fname])
+                if check is not None
+                else torch_file_problem(shard, path)
+            )
             if bad is not None:
                 out.append(f"{bad} (listed in {index_name})" if bad.endswith("missing") else bad)
         return out
-    files = sorted(f for f in path.glob("model*.safetensors") if f.is_file() or not f.is_symlink())  # links to nothing: `broken_links`
+    files = sorted(
+        f for f in path.glob("model*.safetensors") if f.is_file() or not f.is_symlink()
+    )  # links to nothing: `broken_links`
     shards = {int(m.group(2)) for f in files if (m := _SHARD.match(f.name))}
     if shards:  # save_pretrained writes the index after its shards
-        return [f"model.safetensors.index.json missing ({len(files)} of {max(shards)} shards there: save_pretrained writes the index after them)"]
+        return [
+            f"model.safetensors.index.json missing ({len(files)} of {max(shards)} shards there: save_pretrained writes the index after them)"
+        ]
     if files:
         return [b for b in (safetensors_problem(f, path) for f in files) if b]
     bins = sorted(path.glob("pytorch_model*.bin"))

@@ -11,7 +11,17 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-__all__ = ["InertRecord", "InertDict", "inert_globals", "numpy_globals", "safe_load_globals", "allowed_names", "dcp_inert_classes", "ALLOWLIST", "DCP_ALLOWLIST"]
+__all__ = [
+    "InertRecord",
+    "InertDict",
+    "inert_globals",
+    "numpy_globals",
+    "safe_load_globals",
+    "allowed_names",
+    "dcp_inert_classes",
+    "ALLOWLIST",
+    "DCP_ALLOWLIST",
+]
 
 
 class InertRecord:
@@ -86,7 +96,16 @@ ALLOWLIST: tuple[tuple[str, str, type], ...] = (
 # `_StorageInfo` (relative_path, offset, length, ...). Read by their fields, never imported.
 DCP_ALLOWLIST: tuple[tuple[str, str, type], ...] = tuple(
     ("torch.distributed.checkpoint.planner", n, InertRecord)
-    for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData", "LoadPlan", "ReadItem", "LoadItemType")
+    for n in (
+        "SavePlan",
+        "WriteItem",
+        "WriteItemType",
+        "TensorWriteData",
+        "BytesIOWriteData",
+        "LoadPlan",
+        "ReadItem",
+        "LoadItemType",
+    )
 ) + (("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo", InertRecord),)
 
 
@@ -110,10 +129,34 @@ def dcp_inert_classes() -> dict[tuple[str, str], type]:
 # dtypes are left out: an object array's payload is more pickle, a structured one can hold
 # object fields. A pickle that builds one of them is refused at its BUILD opcode.
 _PLAIN_DTYPES = (
-    "Bool", "Int8", "Int16", "Int32", "Int64", "Long", "LongLong", "Short", "Byte",
-    "UInt8", "UInt16", "UInt32", "UInt64", "ULong", "ULongLong", "UShort", "UByte",
-    "Float16", "Float32", "Float64", "LongDouble", "Complex64", "Complex128", "CLongDouble",
-    "Bytes", "Str", "DateTime64", "TimeDelta64",
+    "Bool",
+    "Int8",
+    "Int16",
+    "Int32",
+    "Int64",
+    "Long",
+    "LongLong",
+    "Short",
+    "Byte",
+    "UInt8",
+    "UInt16",
+    "UInt32",
+    "UInt64",
+    "ULong",
+    "ULongLong",
+    "UShort",
+    "UByte",
+    "Float16",
+    "Float32",
+    "Float64",
+    "LongDouble",
+    "Complex64",
+    "Complex128",
+    "CLongDouble",
+    "Bytes",
+    "Str",
+    "DateTime64",
+    "TimeDelta64",
 )
 
 

@@ -33,7 +33,9 @@ __all__ = [
 Param = tuple[str, tuple[int, ...]]
 
 # transformers' Trainer puts these names in the no-decay group (FORMATS.md).
-_HF_NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)", re.IGNORECASE)
+_HF_NO_DECAY = re.compile(
+    r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)", re.IGNORECASE
+)
 
 
 def hf_no_decay(name: str, shape: tuple[int, ...]) -> bool:
@@ -54,9 +56,17 @@ FAMILIES = ("adam", "lamb", "lion", "adafactor", "muon", "sgd", "adam8bit")
 _GROUP_MARKS: tuple[tuple[str, frozenset[str], str], ...] = (
     ("muon", frozenset({"ns_coefficients", "ns_steps"}), "torch.optim.Muon"),
     ("adafactor", frozenset({"beta2_decay", "d"}), "torch.optim.Adafactor"),
-    ("adafactor", frozenset({"clip_threshold", "decay_rate"}), "transformers.optimization.Adafactor"),
+    (
+        "adafactor",
+        frozenset({"clip_threshold", "decay_rate"}),
+        "transformers.optimization.Adafactor",
+    ),
     ("lamb", frozenset({"max_coeff", "min_coeff"}), "deepspeed.ops.lamb.FusedLamb"),
-    ("lamb", frozenset({"weight_decouple", "rectify", "adam", "max_grad_norm"}), "pytorch_optimizer.Lamb"),
+    (
+        "lamb",
+        frozenset({"weight_decouple", "rectify", "adam", "max_grad_norm"}),
+        "pytorch_optimizer.Lamb",
+    ),
     ("lamb", frozenset({"grad_averaging", "max_grad_norm"}), "apex.optimizers.FusedLAMB"),
     ("sgd", frozenset({"dampening"}), "torch.optim.SGD"),
 )
@@ -79,13 +89,28 @@ def optimizer_family(keys: set[str], group: dict[str, Any] | None = None) -> tup
         if marks <= g:
             return fam, impl
     bnb_group = {"t_alpha", "t_beta3"} <= g
-    if {"state1", "qmap1"} <= keys or {"state1", "absmax1"} <= keys or ({"state1", "state2"} <= keys and bnb_group):
+    if (
+        {"state1", "qmap1"} <= keys
+        or {"state1", "absmax1"} <= keys
+        or ({"state1", "state2"} <= keys and bnb_group)
+    ):
         adam_rule = "state2" in keys and "unorm_vec" not in keys and not (group or {}).get("alpha")
-        return ("adam8bit", "bitsandbytes") if adam_rule else (f"unknown:bitsandbytes {','.join(sorted(keys))}", "bitsandbytes")
+        return (
+            ("adam8bit", "bitsandbytes")
+            if adam_rule
+            else (f"unknown:bitsandbytes {','.join(sorted(keys))}", "bitsandbytes")
+        )
     if {"exp_avg", "exp_avg_sq"} <= keys:
         # torch's Adam and AdamW save `amsgrad` in every group; apex's FusedAdam and
         # DeepSpeed's (CPU)Adam save `bias_correction` instead, with the same moments.
-        return "adam", "torch.optim.Adam(W)" if "amsgrad" in g else "apex/DeepSpeed Adam" if "bias_correction" in g else "Adam"
+        return (
+            "adam",
+            "torch.optim.Adam(W)"
+            if "amsgrad" in g
+            else "apex/DeepSpeed Adam"
+            if "bias_correction" in g
+            else "Adam",
+        )
     if keys & {"row_var", "col_var", "variance"}:
         return "adafactor", "torch.optim.Adafactor"
     if keys & {"exp_avg_sq_row", "exp_avg_sq_col"}:
@@ -99,7 +124,9 @@ def optimizer_family(keys: set[str], group: dict[str, Any] | None = None) -> tup
     return f"unknown:{','.join(sorted(keys))}", ""
 
 
-def optimizer_kind(state: dict[Any, dict[str, Any]], groups: list[dict[str, Any]] | None = None) -> str:
+def optimizer_kind(
+    state: dict[Any, dict[str, Any]], groups: list[dict[str, Any]] | None = None
+) -> str:
     """The families of a state_dict's groups joined by '+' in group order ('adam',
     'muon+adam'); groups without state take the family their options name, or none."""
     keys: set[str] = set()
@@ -125,15 +152,45 @@ def _group_family(group: dict[str, Any], state: dict[Any, dict[str, Any]]) -> tu
 
 # Options each family saves in its groups that its bounds and its replay read.
 _OPTIONS = (
-    "beta2_decay", "d", "clip_threshold", "decay_rate", "relative_step", "scale_parameter", "warmup_init", "beta1",
-    "momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn", "dampening",
-    "max_coeff", "min_coeff", "bias_correction", "max_grad_norm", "grad_averaging", "amsgrad", "maximize",
-    "decoupled_weight_decay", "foreach", "optim_bits", "percentile_clipping", "block_wise",
-    "weight_decouple", "fixed_decay", "rectify", "adam", "adam_w_mode", "use_nvlamb", "step",
+    "beta2_decay",
+    "d",
+    "clip_threshold",
+    "decay_rate",
+    "relative_step",
+    "scale_parameter",
+    "warmup_init",
+    "beta1",
+    "momentum",
+    "nesterov",
+    "ns_coefficients",
+    "ns_steps",
+    "adjust_lr_fn",
+    "dampening",
+    "max_coeff",
+    "min_coeff",
+    "bias_correction",
+    "max_grad_norm",
+    "grad_averaging",
+    "amsgrad",
+    "maximize",
+    "decoupled_weight_decay",
+    "foreach",
+    "optim_bits",
+    "percentile_clipping",
+    "block_wise",
+    "weight_decouple",
+    "fixed_decay",
+    "rectify",
+    "adam",
+    "adam_w_mode",
+    "use_nvlamb",
+    "step",
 )
 
 
-def group_hyper(group: dict[str, Any], index: int, family: tuple[str, str] | None = None) -> GroupHyper:
+def group_hyper(
+    group: dict[str, Any], index: int, family: tuple[str, str] | None = None
+) -> GroupHyper:
     """One saved param group as a GroupHyper, whatever its family.
 
     Adafactor's `eps` is a pair (eps1 for the second moment, eps2 the floor of the
@@ -153,10 +210,16 @@ def group_hyper(group: dict[str, Any], index: int, family: tuple[str, str] | Non
     opts["implementation"] = impl
     return GroupHyper(
         lr=_opt_num(group.get("lr", 0.0), math.nan),
-        betas=(float(_num(betas[0])), float(_num(betas[1]))) if isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) for b in betas) else None,
+        betas=(float(_num(betas[0])), float(_num(betas[1])))
+        if isinstance(betas, (tuple, list))
+        and len(betas) == 2
+        and all(_is_number(b) for b in betas)
+        else None,
         eps=_opt_num(eps, math.nan),
         weight_decay=_opt_num(group.get("weight_decay", 0.0), 0.0),
-        initial_lr=float(_num(group["initial_lr"])) if _is_number(group.get("initial_lr")) else None,
+        initial_lr=float(_num(group["initial_lr"]))
+        if _is_number(group.get("initial_lr"))
+        else None,
         max_lr=float(_num(group["max_lr"])) if _is_number(group.get("max_lr")) else None,
         index=index,
         fused=bool(group["fused"]) if isinstance(group.get("fused"), bool) else None,
@@ -201,7 +264,9 @@ def merge_optimizers(osds: Sequence[dict[str, Any]], source: str) -> dict[str, A
     offset = 0
     for i, osd in enumerate(osds):
         if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
-            raise CorruptCheckpoint(f"{source}[{i}]: not a torch optimizer state_dict (no 'state'/'param_groups')")
+            raise CorruptCheckpoint(
+                f"{source}[{i}]: not a torch optimizer state_dict (no 'state'/'param_groups')"
+            )
         ids = [pid for g in osd["param_groups"] for pid in g["params"]]
         remap = {pid: offset + j for j, pid in enumerate(ids)}
         for pid, st in osd["state"].items():
@@ -236,7 +301,9 @@ def param_shape_of(st: dict[str, Any] | None) -> tuple[int, ...] | None:
 
 
 def _is_number(x: Any) -> bool:
-    return (isinstance(x, (int, float)) and not isinstance(x, bool)) or (isinstance(x, torch.Tensor) and x.numel() == 1)
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) or (
+        isinstance(x, torch.Tensor) and x.numel() == 1
+    )
 
 
 def _partitions(params: Sequence[Param], sizes: list[int]) -> list[tuple[str, list[list[Param]]]]:
@@ -246,7 +313,10 @@ def _partitions(params: Sequence[Param], sizes: list[int]) -> list[tuple[str, li
         out.append(("single group", [list(params)]))
         return out
     if len(sizes) == 2:
-        for label, rule in (("HF decay/no-decay groups", hf_no_decay), ("dim>=2 / dim<2 groups", _dim_rule)):
+        for label, rule in (
+            ("HF decay/no-decay groups", hf_no_decay),
+            ("dim>=2 / dim<2 groups", _dim_rule),
+        ):
             g0 = [p for p in params if not rule(*p)]
             g1 = [p for p in params if rule(*p)]
             out.append((label, [g0, g1]))
@@ -282,7 +352,9 @@ def map_optimizer(
         CorruptCheckpoint: the state_dict lacks `state` / `param_groups`.
     """
     if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
-        raise CorruptCheckpoint(f"{source}: not a torch optimizer state_dict (no 'state'/'param_groups')")
+        raise CorruptCheckpoint(
+            f"{source}: not a torch optimizer state_dict (no 'state'/'param_groups')"
+        )
     osd = {**osd, "state": {pid: bnb.unwrap(st) for pid, st in osd["state"].items()}}
     state: dict[Any, dict[str, Any]] = osd["state"]
     groups: list[dict[str, Any]] = osd["param_groups"]
@@ -314,10 +386,19 @@ def map_optimizer(
     if sum(sizes) == len(params):
         found = order_preserving(params, ids, _state_shapes(state))
         if found.mapping is not None:
-            return _view(kind, state, groups, hypers, found.mapping, "groups in model order by shape (unique)")
+            return _view(
+                kind,
+                state,
+                groups,
+                hypers,
+                found.mapping,
+                "groups in model order by shape (unique)",
+            )
         if found.ambiguous:
             raise AmbiguousMapping(
-                PendingMapping(osd=osd, params=list(params), source=source, ambiguous=found.ambiguous),
+                PendingMapping(
+                    osd=osd, params=list(params), source=source, ambiguous=found.ambiguous
+                ),
                 f"{source}: optimizer ids map ambiguously: {_name_ambiguous(found.ambiguous)} have same-shaped "
                 "candidates in several groups; the pair's own updates settle it (diff/replay with --after)",
             )
@@ -422,7 +503,9 @@ def order_preserving(
     live: set[State] = {sizes}
     layer_edges: list[list[tuple[State, State, Any]]] = [[] for _ in params]
     for i in range(len(params) - 1, -1, -1):
-        layer_edges[i] = [(st, to, pid) for st in layers[i] for to, pid in moves(i, st) if to in live]
+        layer_edges[i] = [
+            (st, to, pid) for st in layers[i] for to, pid in moves(i, st) if to in live
+        ]
         live = {st for st, _, _ in layer_edges[i]}
     cand = [{pid for _, _, pid in es} for es in layer_edges]
     ambiguous = {params[i][0]: sorted(v, key=str) for i, v in enumerate(cand) if len(v) > 1}
@@ -461,7 +544,10 @@ def order_preserving(
     for i, es in enumerate(layer_edges):
         name = params[i][0]
         if name in ambiguous:
-            rival = max((fwd[a] + weight(i, pid) + bwd[b] for a, b, pid in es if pid != chosen[name]), default=-math.inf)
+            rival = max(
+                (fwd[a] + weight(i, pid) + bwd[b] for a, b, pid in es if pid != chosen[name]),
+                default=-math.inf,
+            )
             margins[name] = total - rival
     return Assignment(mapping, ambiguous, margins=margins)
 
@@ -548,7 +634,10 @@ def settle_by_evidence(
     found = order_preserving(pending.params, ids, _state_shapes(pending.osd["state"]), score=cos)
     assert found.mapping is not None
     chosen = {n: pid for pid, n in found.mapping.items()}
-    need = {n: 2 * _EVIDENCE_MARGIN if cos(n, chosen[n]) < _EVIDENCE_MIN else _EVIDENCE_MARGIN for n in found.ambiguous}
+    need = {
+        n: 2 * _EVIDENCE_MARGIN if cos(n, chosen[n]) < _EVIDENCE_MIN else _EVIDENCE_MARGIN
+        for n in found.ambiguous
+    }
     unclear = [n for n in found.ambiguous if found.margins[n] < need[n]]
     if unclear:
         raise OptimizerMappingError(
@@ -557,7 +646,10 @@ def settle_by_evidence(
             f"weight change is not {_EVIDENCE_MARGIN} clear, in summed correlation, of one giving them other ids); "
             "pass a checkpoint that stores param_names"
         )
-    return found.mapping, f"groups in model order by shape; {len(found.ambiguous)} same-shaped tensors settled by the pair's updates"
+    return (
+        found.mapping,
+        f"groups in model order by shape; {len(found.ambiguous)} same-shaped tensors settled by the pair's updates",
+    )
 
 
 def view_from_ids(pending: PendingMapping, id_to_name: dict[Any, str], label: str) -> OptimizerView:
@@ -565,7 +657,9 @@ def view_from_ids(pending: PendingMapping, id_to_name: dict[Any, str], label: st
     osd = pending.osd
     groups = osd["param_groups"]
     hypers = [group_hyper(g, i, _group_family(g, osd["state"])) for i, g in enumerate(groups)]
-    return _view(optimizer_kind(osd["state"], groups), osd["state"], groups, hypers, id_to_name, label)
+    return _view(
+        optimizer_kind(osd["state"], groups), osd["state"], groups, hypers, id_to_name, label
+    )
 
 
 def _try(
@@ -581,7 +675,10 @@ def _try(
         for pid, (name, shape) in zip(ids, part, strict=True):
             got = param_shape_of(state.get(pid))
             if got is not None and got != tuple(shape):
-                return None, f"id {pid} in group {gi} has state of shape {got} but {name} is {tuple(shape)}"
+                return (
+                    None,
+                    f"id {pid} in group {gi} has state of shape {got} but {name} is {tuple(shape)}",
+                )
             mapping[pid] = name
     return mapping, ""
 
@@ -637,7 +734,15 @@ def trainable_order(
     return out
 
 
-_BUFFER_SUFFIXES = ("inv_freq", "running_mean", "running_var", "num_batches_tracked", "masked_bias", ".attn.bias", "_float_tensor")
+_BUFFER_SUFFIXES = (
+    "inv_freq",
+    "running_mean",
+    "running_var",
+    "num_batches_tracked",
+    "masked_bias",
+    ".attn.bias",
+    "_float_tensor",
+)
 
 
 def _is_buffer_name(name: str) -> bool:

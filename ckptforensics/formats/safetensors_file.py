@@ -48,12 +48,16 @@ class SafetensorsFile:
                 raise CorruptCheckpoint(f"{path}: truncated safetensors file (no header length)")
             (n,) = struct.unpack("<Q", head)
             if n > _MAX_HEADER or 8 + n > size:
-                raise CorruptCheckpoint(f"{path}: truncated or corrupt safetensors header (length {n}, file {size} bytes)")
+                raise CorruptCheckpoint(
+                    f"{path}: truncated or corrupt safetensors header (length {n}, file {size} bytes)"
+                )
             raw = f.read(n)
         try:
             header = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CorruptCheckpoint(f"{path}: safetensors header is not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+            raise CorruptCheckpoint(
+                f"{path}: safetensors header is not valid JSON ({e.msg if hasattr(e, 'msg') else e})"
+            ) from None
         if not isinstance(header, dict):
             raise CorruptCheckpoint(f"{path}: safetensors header is not a JSON object")
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
@@ -65,10 +69,17 @@ class SafetensorsFile:
                 shape = tuple(int(s) for s in info["shape"])
                 lo, hi = (int(x) for x in info["data_offsets"])
             except (KeyError, TypeError, ValueError):
-                raise CorruptCheckpoint(f"{path}: tensor {name!r} has a malformed or unsupported header entry") from None
+                raise CorruptCheckpoint(
+                    f"{path}: tensor {name!r} has a malformed or unsupported header entry"
+                ) from None
             meta = TensorMeta(shape, dtype)
             nbytes = meta.numel * torch.empty((), dtype=dtype).element_size()
-            if hi - lo != nbytes or lo < 0 or self.data_start + hi > size or any(s < 0 for s in shape):
+            if (
+                hi - lo != nbytes
+                or lo < 0
+                or self.data_start + hi > size
+                or any(s < 0 for s in shape)
+            ):
                 raise CorruptCheckpoint(
                     f"{path}: tensor {name!r} lies outside the file or disagrees with its shape (truncated file?)"
                 )
@@ -122,7 +133,9 @@ def open_safetensors(path: Path) -> Checkpoint:
     return ckpt
 
 
-def safetensors_problem(path: Path, root: Path | None = None, names: set[str] | None = None) -> str | None:
+def safetensors_problem(
+    path: Path, root: Path | None = None, names: set[str] | None = None
+) -> str | None:
     """What keeps a safetensors file from being whole, or None; reads its header only.
 
     The header (8-byte length, then JSON) places every tensor at byte offsets; a file
@@ -146,4 +159,8 @@ def safetensors_problem(path: Path, root: Path | None = None, names: set[str] | 
 def safetensors_completeness(path: Path) -> Completeness:
     """One safetensors file: its header and every tensor it places within the file."""
     bad = safetensors_problem(path, path.parent)
-    return Completeness("safetensors", "a safetensors file: its header, and every tensor it places, within the file", (bad,) if bad else ())
+    return Completeness(
+        "safetensors",
+        "a safetensors file: its header, and every tensor it places, within the file",
+        (bad,) if bad else (),
+    )

@@ -22,7 +22,12 @@ def add_state_dict(ckpt: Checkpoint, sd: Mapping[str, Any], strip: str = "") -> 
             continue
         name = raw_name[len(strip) :] if strip and raw_name.startswith(strip) else raw_name
         if t.numel() > 0:
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            key = (
+                t.untyped_storage().data_ptr(),
+                t.storage_offset(),
+                tuple(t.shape),
+                tuple(t.stride()),
+            )
             if key in seen:
                 ckpt.aliases[name] = seen[key]
                 continue
@@ -42,7 +47,11 @@ def attach_optimizer(ckpt: Checkpoint, osd: Any, source: str) -> None:
     Lightning's `optimizer_states`): read as one, each group keeping its optimizer's index.
     """
     if isinstance(osd, (list, tuple)):
-        osd = osd[0] if len(osd) == 1 else merge_optimizers([dict(o) if isinstance(o, Mapping) else o for o in osd], source)
+        osd = (
+            osd[0]
+            if len(osd) == 1
+            else merge_optimizers([dict(o) if isinstance(o, Mapping) else o for o in osd], source)
+        )
     if not isinstance(osd, Mapping):
         raise CorruptCheckpoint(f"{source}: optimizer state is not a state_dict")
     names = ckpt.names() + list(ckpt.aliases)
@@ -83,5 +92,9 @@ def scheduler_scalars(state: Any) -> dict[str, Any]:
     """LR scheduler state: last step and last LRs (lambdas are not serialisable, so absent)."""
     if not isinstance(state, Mapping):
         return {}
-    keep = {k: to_plain(state[k]) for k in ("last_epoch", "base_lrs", "_last_lr", "_step_count") if k in state}
+    keep = {
+        k: to_plain(state[k])
+        for k in ("last_epoch", "base_lrs", "_last_lr", "_step_count")
+        if k in state
+    }
     return {"scheduler": keep} if keep else {}

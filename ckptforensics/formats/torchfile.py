@@ -96,8 +96,19 @@ def load_torch_file(path: Path) -> tuple[Any, bool]:
                 "nothing was run. Only tensors, containers and known inert records are read"
             ) from None
         raise CorruptCheckpoint(f"{path}: not a readable torch file ({_short(msg)})") from None
-    except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile, KeyError, AttributeError, TypeError) as e:
-        raise CorruptCheckpoint(f"{path}: truncated or not a torch file ({_short(str(e))})") from None
+    except (
+        RuntimeError,
+        EOFError,
+        ValueError,
+        OSError,
+        zipfile.BadZipFile,
+        KeyError,
+        AttributeError,
+        TypeError,
+    ) as e:
+        raise CorruptCheckpoint(
+            f"{path}: truncated or not a torch file ({_short(str(e))})"
+        ) from None
     return obj, mm
 
 
@@ -113,7 +124,11 @@ def _first_unsafe_global(path: Path) -> str | None:
 def _global_from_message(msg: str) -> str | None:
     m = re.search(r"but got <class '([\w.]+)'>", msg)
     if m:  # BUILD of a class outside the allowlist (a numpy object array's dtype, ...)
-        return m.group(1) + (" (a numpy object array: Python objects, not data)" if m.group(1).endswith("ObjectDType") else "")
+        return m.group(1) + (
+            " (a numpy object array: Python objects, not data)"
+            if m.group(1).endswith("ObjectDType")
+            else ""
+        )
     for line in msg.splitlines():
         if "Unsupported global" in line:
             return line.split("GLOBAL", 1)[-1].strip().split(" ")[0]

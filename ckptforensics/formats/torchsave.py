@@ -26,7 +26,9 @@ def sniff_torch_object(obj: Any) -> str:
     """Which flavour of torch.save file this is, from its top-level keys."""
     if not isinstance(obj, Mapping):
         return "unknown"
-    if "state_dict" in obj and ("optimizer_states" in obj or "pytorch-lightning_version" in obj or "loops" in obj):
+    if "state_dict" in obj and (
+        "optimizer_states" in obj or "pytorch-lightning_version" in obj or "loops" in obj
+    ):
         return "lightning"
     if "model" in obj and "step_count" in obj and ("iter_num" in obj or "train_dataloader" in obj):
         return "litgpt"
@@ -51,7 +53,9 @@ def open_torch_file(path: Path, want: str | None = None) -> Checkpoint:
             "expected model/state_dict tensors"
         )
     ckpt = Checkpoint(path=path, format=kind, file_backed=mapped)
-    {"lightning": _lightning, "nanogpt": _nanogpt, "litgpt": _litgpt, "torch": _plain}[kind](ckpt, obj)
+    {"lightning": _lightning, "nanogpt": _nanogpt, "litgpt": _litgpt, "torch": _plain}[kind](
+        ckpt, obj
+    )
     if ckpt.optimizer is None:
         ckpt.notes.append("no optimizer state in this checkpoint: weights only")
     return ckpt
@@ -68,7 +72,9 @@ def _plain(ckpt: Checkpoint, obj: Mapping[str, Any]) -> None:
     add_state_dict(ckpt, model)
     osd = next((obj[k] for k in _OPTIM_KEYS if isinstance(obj.get(k), Mapping)), None)
     if osd is None:
-        key = next((k for k in _OPTIMS_KEYS if isinstance(obj.get(k), (list, tuple)) and obj[k]), None)
+        key = next(
+            (k for k in _OPTIMS_KEYS if isinstance(obj.get(k), (list, tuple)) and obj[k]), None
+        )
         osd = obj[key] if key is not None else None
     if osd is not None:
         attach_optimizer(ckpt, osd, f"{ckpt.path}:optimizer")
@@ -117,7 +123,11 @@ def _lightning(ckpt: Checkpoint, obj: Mapping[str, Any]) -> None:
     scheds = obj.get("lr_schedulers") or []
     if scheds:
         ckpt.scalars.update(scheduler_scalars(scheds[0]))
-    hp = to_plain(dict(obj["hyper_parameters"])) if isinstance(obj.get("hyper_parameters"), Mapping) else None
+    hp = (
+        to_plain(dict(obj["hyper_parameters"]))
+        if isinstance(obj.get("hyper_parameters"), Mapping)
+        else None
+    )
     ckpt.config = hp
 
 

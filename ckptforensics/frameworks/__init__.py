@@ -20,7 +20,20 @@ from typing import Any, Protocol
 
 from ..formats.base import Checkpoint
 
-__all__ = ["Settings", "Edit", "Skip", "Planner", "planner_for", "PLANNERS", "key_diff", "value_text", "skip_json", "flatten", "lr_fix_edit", "LR_FIX_PREFIX"]
+__all__ = [
+    "Settings",
+    "Edit",
+    "Skip",
+    "Planner",
+    "planner_for",
+    "PLANNERS",
+    "key_diff",
+    "value_text",
+    "skip_json",
+    "flatten",
+    "lr_fix_edit",
+    "LR_FIX_PREFIX",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +94,13 @@ class Planner(Protocol):
 
     def render(self, edits: Sequence[Edit], s: Settings) -> str: ...
 
-    def skip(self, steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings) -> Skip: ...
+    def skip(
+        self,
+        steps: Sequence[int],
+        sample_ids: Sequence[int],
+        rows: dict[int, list[int]],
+        s: Settings,
+    ) -> Skip: ...
 
     def resume(self, rollback: Path, step: int, s: Settings) -> list[Edit]: ...
 
@@ -93,7 +112,12 @@ LR_FIX_PREFIX = "LR of param groups"
 
 def lr_fix_edit(value: dict[str, Any], note: str) -> Edit:
     """The edit of a per-group LR fix (`lr_fix`): those groups' LR from the jump back to before it."""
-    return Edit(f"{LR_FIX_PREFIX} {value['groups']} from step {value['from_step']}", value["lr"], value["lr_before"], note)
+    return Edit(
+        f"{LR_FIX_PREFIX} {value['groups']} from step {value['from_step']}",
+        value["lr"],
+        value["lr_before"],
+        note,
+    )
 
 
 def value_text(v: Any) -> str:
@@ -106,7 +130,10 @@ def key_diff(source: str | None, edits: Sequence[Edit], line: Any = None) -> str
     (planned), one pair per edit; `line(key, value)` formats one line in the trainer's own
     syntax (default `key: value`)."""
     fmt = line or (lambda k, v: f"{k}: {value_text(v)}")
-    out = [f"--- {source or 'the run (settings not recorded in the checkpoint)'}", "+++ planned resume"]
+    out = [
+        f"--- {source or 'the run (settings not recorded in the checkpoint)'}",
+        "+++ planned resume",
+    ]
     for e in edits:
         if e.before is not None:
             out.append("-" + fmt(e.key, e.before))
@@ -125,9 +152,15 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def skip_json(steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]]) -> dict[str, Any]:
+def skip_json(
+    steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]]
+) -> dict[str, Any]:
     """bisect's skip.json document: the steps, the sample ids, the rows of each step."""
-    return {"steps": sorted(set(steps)), "sample_ids": sorted(set(sample_ids)), "rows": {str(k): list(v) for k, v in sorted(rows.items())}}
+    return {
+        "steps": sorted(set(steps)),
+        "sample_ids": sorted(set(sample_ids)),
+        "rows": {str(k): list(v) for k, v in sorted(rows.items())},
+    }
 
 
 def _planners() -> tuple[Any, ...]:
@@ -137,7 +170,16 @@ def _planners() -> tuple[Any, ...]:
     return (hf, lightning, megatron, deepspeed, olmo_core, torchtitan, nanogpt, loop)
 
 
-PLANNERS: tuple[str, ...] = ("hf", "lightning", "megatron", "deepspeed", "olmo_core", "torchtitan", "nanogpt", "loop")
+PLANNERS: tuple[str, ...] = (
+    "hf",
+    "lightning",
+    "megatron",
+    "deepspeed",
+    "olmo_core",
+    "torchtitan",
+    "nanogpt",
+    "loop",
+)
 
 
 def planner_for(ck: Checkpoint) -> Any:

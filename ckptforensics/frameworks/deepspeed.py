@@ -29,7 +29,11 @@ def settings(ck: Checkpoint) -> Settings:
     cfg = ck.scalars.get("ds_config")
     path = Path(ck.path)
     save = path.parent if path.name.startswith("global_step") else path
-    return Settings(f"{ck.path} (ds_config)" if isinstance(cfg, dict) else None, flatten(cfg) if isinstance(cfg, dict) else {}, str(save))
+    return Settings(
+        f"{ck.path} (ds_config)" if isinstance(cfg, dict) else None,
+        flatten(cfg) if isinstance(cfg, dict) else {},
+        str(save),
+    )
 
 
 def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
@@ -39,12 +43,27 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
     if knob == "eps":
         return [Edit("optimizer.params.eps", v.get("optimizer.params.eps"), float(value))]
     if knob == "precision":
-        return [Edit("bf16.enabled", v.get("bf16.enabled"), value == "bf16"), Edit("fp16.enabled", v.get("fp16.enabled"), value == "fp16")]
+        return [
+            Edit("bf16.enabled", v.get("bf16.enabled"), value == "bf16"),
+            Edit("fp16.enabled", v.get("fp16.enabled"), value == "fp16"),
+        ]
     if knob == "lr_scale":
         f = float(value)
-        keys = [k for k in v if k in ("optimizer.params.lr", "scheduler.params.warmup_max_lr", "scheduler.params.warmup_min_lr") and isinstance(v[k], (int, float))]
+        keys = [
+            k
+            for k in v
+            if k
+            in (
+                "optimizer.params.lr",
+                "scheduler.params.warmup_max_lr",
+                "scheduler.params.warmup_min_lr",
+            )
+            and isinstance(v[k], (int, float))
+        ]
         note = "load_checkpoint(..., load_lr_scheduler_states=False) or the saved scheduler keeps the old LR"
-        return [Edit(k, v[k], v[k] * f, note) for k in keys] or [Edit("optimizer.params.lr", None, f"x{f:g}", note)]
+        return [Edit(k, v[k], v[k] * f, note) for k in keys] or [
+            Edit("optimizer.params.lr", None, f"x{f:g}", note)
+        ]
     if knob == "lr_fix":
         return [lr_fix_edit(value, "the per-group LR the client optimizer sets: fix its factor")]
     return []
@@ -55,10 +74,23 @@ def render(edits: Sequence[Edit], s: Settings) -> str:
     return key_diff(s.source, keys, lambda k, val: f'  "{k}": {json.dumps(val)}')
 
 
-def skip(steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings) -> Skip:
-    return Skip("skip.json", skip_json(steps, sample_ids, rows), "DeepSpeed has no skip list: filter the sample ids of skip.json in your data loader")
+def skip(
+    steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings
+) -> Skip:
+    return Skip(
+        "skip.json",
+        skip_json(steps, sample_ids, rows),
+        "DeepSpeed has no skip list: filter the sample ids of skip.json in your data loader",
+    )
 
 
 def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:
     tag = rollback.name if rollback.name.startswith("global_step") else f"global_step{step}"
-    return [Edit("load_checkpoint", None, f"engine.load_checkpoint({str(s.save_dir)!r}, tag={tag!r})", "keep load_optimizer_states=True")]
+    return [
+        Edit(
+            "load_checkpoint",
+            None,
+            f"engine.load_checkpoint({str(s.save_dir)!r}, tag={tag!r})",
+            "keep load_optimizer_states=True",
+        )
+    ]

@@ -29,7 +29,9 @@ def owns(ck: Checkpoint) -> bool:
 def settings(ck: Checkpoint) -> Settings:
     args = ck.scalars.get("training_args")
     src = Path(ck.path) / "training_args.bin"
-    return Settings(str(src) if isinstance(args, dict) else None, dict(args or {}), str(Path(ck.path).parent))
+    return Settings(
+        str(src) if isinstance(args, dict) else None, dict(args or {}), str(Path(ck.path).parent)
+    )
 
 
 def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
@@ -39,7 +41,10 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
     if knob == "eps":
         return [Edit("adam_epsilon", v.get("adam_epsilon"), float(value))]
     if knob == "precision":
-        return [Edit("bf16", v.get("bf16"), value == "bf16"), Edit("fp16", v.get("fp16"), value == "fp16")]
+        return [
+            Edit("bf16", v.get("bf16"), value == "bf16"),
+            Edit("fp16", v.get("fp16"), value == "fp16"),
+        ]
     if knob == "lr_scale":
         lr = v.get("learning_rate")
         return [
@@ -71,7 +76,9 @@ def render(edits: Sequence[Edit], s: Settings) -> str:
     text = key_diff(s.source and f"{s.source} (TrainingArguments)", keys, _kw)
     flags = " ".join(f"--{e.key} {e.after}" for e in keys if e.after is not None)
     out = [text, "", f"# or on the command line of an HfArgumentParser script: {flags}"]
-    scale = next((e for e in edits if e.key == "learning_rate" and e.after is not None and e.before), None)
+    scale = next(
+        (e for e in edits if e.key == "learning_rate" and e.after is not None and e.before), None
+    )
     if scale is not None:
         f = scale.after / scale.before
         out += [
@@ -85,7 +92,9 @@ def render(edits: Sequence[Edit], s: Settings) -> str:
     return "\n".join(out)
 
 
-def skip(steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings) -> Skip:
+def skip(
+    steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings
+) -> Skip:
     if sample_ids:
         ids = sorted(set(sample_ids))
         text = (
@@ -94,8 +103,19 @@ def skip(steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[i
         )
         return Skip("HF dataset indices", ids, text)
     doc = skip_json(steps, sample_ids, rows)
-    return Skip("skip.json", doc, f"no dataset indices known: drop the rows of steps {doc['steps']} listed in skip.json from train_dataset")
+    return Skip(
+        "skip.json",
+        doc,
+        f"no dataset indices known: drop the rows of steps {doc['steps']} listed in skip.json from train_dataset",
+    )
 
 
 def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:
-    return [Edit("resume_from_checkpoint", s.values.get("resume_from_checkpoint"), str(rollback), "trainer.train(resume_from_checkpoint=...) takes the same")]
+    return [
+        Edit(
+            "resume_from_checkpoint",
+            s.values.get("resume_from_checkpoint"),
+            str(rollback),
+            "trainer.train(resume_from_checkpoint=...) takes the same",
+        )
+    ]

@@ -38,7 +38,11 @@ def _cli_config(path: Path) -> Path | None:
 
 def settings(ck: Checkpoint) -> Settings:
     path = Path(ck.path)
-    values: dict[str, Any] = {f"model.{k}": v for k, v in (ck.config or {}).items() if isinstance(v, (int, float, str, bool))}
+    values: dict[str, Any] = {
+        f"model.{k}": v
+        for k, v in (ck.config or {}).items()
+        if isinstance(v, (int, float, str, bool))
+    }
     src = None
     cfg = _cli_config(path)
     if cfg is not None:
@@ -52,12 +56,16 @@ def settings(ck: Checkpoint) -> Settings:
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
             doc = {}
         for section in ("trainer", "model"):
-            for k, v in (doc.get(section) or {}).items() if isinstance(doc.get(section), dict) else ():
+            for k, v in (
+                (doc.get(section) or {}).items() if isinstance(doc.get(section), dict) else ()
+            ):
                 if isinstance(v, (int, float, str, bool)) or v is None:
                     values[f"{section}.{k}"] = v
         src = str(cfg)
     save = path.parent
-    return Settings(src, values, str(save), {"cli": cfg is not None, "hparams": sorted(ck.config or {})})
+    return Settings(
+        src, values, str(save), {"cli": cfg is not None, "hparams": sorted(ck.config or {})}
+    )
 
 
 def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
@@ -67,9 +75,18 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
     if knob == "precision":
         return [Edit("trainer.precision", v.get("trainer.precision"), _PRECISION[str(value)])]
     if knob == "eps":
-        return [Edit("configure_optimizers: eps", None, float(value), "the optimizer is built in configure_optimizers: pass eps there")]
+        return [
+            Edit(
+                "configure_optimizers: eps",
+                None,
+                float(value),
+                "the optimizer is built in configure_optimizers: pass eps there",
+            )
+        ]
     if knob == "lr_scale":
-        key = next((f"model.{k}" for k in _LR_KEYS if f"model.{k}" in v), "configure_optimizers: lr")
+        key = next(
+            (f"model.{k}" for k in _LR_KEYS if f"model.{k}" in v), "configure_optimizers: lr"
+        )
         lr = v.get(key)
         return [
             Edit(
@@ -90,17 +107,50 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
 
 
 def render(edits: Sequence[Edit], s: Settings) -> str:
-    keys = [e for e in edits if "." in e.key and ":" not in e.key and not e.key.startswith(LR_FIX_PREFIX)]
+    keys = [
+        e
+        for e in edits
+        if "." in e.key and ":" not in e.key and not e.key.startswith(LR_FIX_PREFIX)
+    ]
     out: list[str] = []
     if s.extra.get("cli"):
         out.append(key_diff(s.source, keys, lambda k, val: f"{k}: {value_text(val)}"))
     else:
-        kw = ", ".join(f"{e.key.split('.', 1)[1]}={e.after!r}" for e in keys if e.key.startswith("trainer."))
+        kw = ", ".join(
+            f"{e.key.split('.', 1)[1]}={e.after!r}" for e in keys if e.key.startswith("trainer.")
+        )
         if kw:
-            out.append(f"trainer = L.Trainer(..., {kw})  # the run's Trainer arguments are not in its checkpoint")
-        out += [f"# {e.key}: {value_text(e.before)} -> {value_text(e.after)}" for e in keys if e.key.startswith("model.")]
-    scale = next((e for e in edits if "lr" in e.key and isinstance(e.after, (int, float)) and isinstance(e.before, (int, float)) and e.before), None)
-    factor = scale.after / scale.before if scale is not None else next((float(str(e.after)[1:]) for e in edits if isinstance(e.after, str) and e.after.startswith("x")), None)
+            out.append(
+                f"trainer = L.Trainer(..., {kw})  # the run's Trainer arguments are not in its checkpoint"
+            )
+        out += [
+            f"# {e.key}: {value_text(e.before)} -> {value_text(e.after)}"
+            for e in keys
+            if e.key.startswith("model.")
+        ]
+    scale = next(
+        (
+            e
+            for e in edits
+            if "lr" in e.key
+            and isinstance(e.after, (int, float))
+            and isinstance(e.before, (int, float))
+            and e.before
+        ),
+        None,
+    )
+    factor = (
+        scale.after / scale.before
+        if scale is not None
+        else next(
+            (
+                float(str(e.after)[1:])
+                for e in edits
+                if isinstance(e.after, str) and e.after.startswith("x")
+            ),
+            None,
+        )
+    )
     if factor is not None:
         out += [
             "",
@@ -114,7 +164,9 @@ def render(edits: Sequence[Edit], s: Settings) -> str:
     return "\n".join(out)
 
 
-def skip(steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings) -> Skip:
+def skip(
+    steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings
+) -> Skip:
     doc = skip_json(steps, sample_ids, rows)
     text = (
         "skip = json.load(open('skip.json'))['sample_ids']  # filter them in your Dataset / DataModule "

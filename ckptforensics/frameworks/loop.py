@@ -23,7 +23,11 @@ def owns(ck: Checkpoint) -> bool:
 
 def settings(ck: Checkpoint) -> Settings:
     tc = ck.scalars.get("train_config")
-    return Settings(f"{ck.path} (train config)" if isinstance(tc, dict) else None, dict(tc or {}), str(Path(ck.path).parent))
+    return Settings(
+        f"{ck.path} (train config)" if isinstance(tc, dict) else None,
+        dict(tc or {}),
+        str(Path(ck.path).parent),
+    )
 
 
 def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
@@ -45,12 +49,18 @@ def render(edits: Sequence[Edit], s: Settings) -> str:
     lines = []
     for e in edits:
         if e.key.startswith("clip_grad_norm_"):
-            lines.append(f"torch.nn.utils.clip_grad_norm_(model.parameters(), {e.after:g})  # was {e.before if e.before is not None else 'not recorded'}")
+            lines.append(
+                f"torch.nn.utils.clip_grad_norm_(model.parameters(), {e.after:g})  # was {e.before if e.before is not None else 'not recorded'}"
+            )
         elif e.key.startswith("LR scale"):
-            lines.append(f"for g in optimizer.param_groups: g['lr'] *= {e.after:g}  # after the schedule sets it, every step")
+            lines.append(
+                f"for g in optimizer.param_groups: g['lr'] *= {e.after:g}  # after the schedule sets it, every step"
+            )
         elif e.key.startswith(LR_FIX_PREFIX):
             groups = e.key.split("[", 1)[1].split("]", 1)[0]
-            lines.append(f"# {e.key}: {e.before:.4g} -> {e.after:.4g} (the schedule's); the factor your loop gives groups [{groups}] is the bug")
+            lines.append(
+                f"# {e.key}: {e.before:.4g} -> {e.after:.4g} (the schedule's); the factor your loop gives groups [{groups}] is the bug"
+            )
         elif e.key == "autocast dtype":
             lines.append(
                 "# fp32: run the forward pass without torch.autocast (and without a GradScaler)"
@@ -62,7 +72,9 @@ def render(edits: Sequence[Edit], s: Settings) -> str:
     return "\n".join(lines)
 
 
-def skip(steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings) -> Skip:
+def skip(
+    steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings
+) -> Skip:
     doc = skip_json(steps, sample_ids, rows)
     text = (
         "skip = json.load(open('skip.json'))  # in the loop, before the forward pass:\n"

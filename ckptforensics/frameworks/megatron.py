@@ -21,7 +21,14 @@ from . import LR_FIX_PREFIX, Edit, Settings, Skip, key_diff, lr_fix_edit
 NAME = "megatron"
 TITLE = "Megatron-LM"
 
-_FLAG = {"clip_grad": "--clip-grad", "lr": "--lr", "min_lr": "--min-lr", "adam_eps": "--adam-eps", "bf16": "--bf16", "fp16": "--fp16"}
+_FLAG = {
+    "clip_grad": "--clip-grad",
+    "lr": "--lr",
+    "min_lr": "--min-lr",
+    "adam_eps": "--adam-eps",
+    "bf16": "--bf16",
+    "fp16": "--fp16",
+}
 
 
 def owns(ck: Checkpoint) -> bool:
@@ -41,13 +48,30 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
     if knob == "eps":
         return [Edit("adam_eps", v.get("adam_eps"), float(value))]
     if knob == "precision":
-        return [Edit("bf16", v.get("bf16"), value == "bf16"), Edit("fp16", v.get("fp16"), value == "fp16")]
+        return [
+            Edit("bf16", v.get("bf16"), value == "bf16"),
+            Edit("fp16", v.get("fp16"), value == "fp16"),
+        ]
     if knob == "lr_scale":
         f = float(value)
-        out = [Edit("lr", v.get("lr"), v["lr"] * f if isinstance(v.get("lr"), (int, float)) else None, "with --override-opt_param-scheduler")]
+        out = [
+            Edit(
+                "lr",
+                v.get("lr"),
+                v["lr"] * f if isinstance(v.get("lr"), (int, float)) else None,
+                "with --override-opt_param-scheduler",
+            )
+        ]
         if isinstance(v.get("min_lr"), (int, float)) and v["min_lr"]:
             out.append(Edit("min_lr", v["min_lr"], v["min_lr"] * f))
-        out.append(Edit("override_opt_param_scheduler", v.get("override_opt_param_scheduler"), True, "the checkpoint's schedule wins over --lr without it"))
+        out.append(
+            Edit(
+                "override_opt_param_scheduler",
+                v.get("override_opt_param_scheduler"),
+                True,
+                "the checkpoint's schedule wins over --lr without it",
+            )
+        )
         return out
     if knob == "lr_fix":
         return [
@@ -74,7 +98,9 @@ def render(edits: Sequence[Edit], s: Settings) -> str:
     return key_diff(s.source, keys, _flag)
 
 
-def skip(steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings) -> Skip:
+def skip(
+    steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings
+) -> Skip:
     its = sorted({int(x) - 1 for x in steps})
     text = (
         f"--iterations-to-skip {' '.join(map(str, its))}  # the loop checks the completed-iteration count before each "
@@ -86,8 +112,18 @@ def skip(steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[i
 
 def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:
     v = s.values
-    out = [Edit("load", v.get("load"), str(s.save_dir)), Edit("ckpt_step", v.get("ckpt_step"), int(step), "load this iteration, not the tracker's latest")]
+    out = [
+        Edit("load", v.get("load"), str(s.save_dir)),
+        Edit(
+            "ckpt_step",
+            v.get("ckpt_step"),
+            int(step),
+            "load this iteration, not the tracker's latest",
+        ),
+    ]
     for k in ("no_load_optim", "no_load_rng", "finetune"):
         if v.get(k):
-            out.append(Edit(k, True, False, "it drops the optimizer state or the iteration count on load"))
+            out.append(
+                Edit(k, True, False, "it drops the optimizer state or the iteration count on load")
+            )
     return out

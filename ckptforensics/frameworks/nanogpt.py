@@ -26,7 +26,9 @@ def owns(ck: Checkpoint) -> bool:
 
 
 def settings(ck: Checkpoint) -> Settings:
-    return Settings(f"{ck.path} (config)", dict(ck.scalars.get("train_config") or {}), str(Path(ck.path).parent))
+    return Settings(
+        f"{ck.path} (config)", dict(ck.scalars.get("train_config") or {}), str(Path(ck.path).parent)
+    )
 
 
 def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
@@ -37,12 +39,27 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
         return [Edit("dtype", v.get("dtype"), _DTYPE[str(value)])]
     if knob == "lr_scale":
         f = float(value)
-        out = [Edit("learning_rate", v.get("learning_rate"), v["learning_rate"] * f if isinstance(v.get("learning_rate"), (int, float)) else f"x{f:g}")]
+        out = [
+            Edit(
+                "learning_rate",
+                v.get("learning_rate"),
+                v["learning_rate"] * f
+                if isinstance(v.get("learning_rate"), (int, float))
+                else f"x{f:g}",
+            )
+        ]
         if isinstance(v.get("min_lr"), (int, float)):
             out.append(Edit("min_lr", v["min_lr"], v["min_lr"] * f))
         return out
     if knob == "eps":
-        return [Edit("configure_optimizers: eps", None, float(value), "model.configure_optimizers builds AdamW without eps: pass it there")]
+        return [
+            Edit(
+                "configure_optimizers: eps",
+                None,
+                float(value),
+                "model.configure_optimizers builds AdamW without eps: pass it there",
+            )
+        ]
     if knob == "lr_fix":
         return [lr_fix_edit(value, "fix the per-group LR your loop sets")]
     return []
@@ -53,11 +70,22 @@ def render(edits: Sequence[Edit], s: Settings) -> str:
     return key_diff(s.source, keys, lambda k, val: f"{k} = {val!r}")
 
 
-def skip(steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings) -> Skip:
-    return Skip("skip.json", skip_json(steps, sample_ids, rows), "nanoGPT's get_batch draws random offsets: skip the steps of skip.json (draw, do not train)")
+def skip(
+    steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings
+) -> Skip:
+    return Skip(
+        "skip.json",
+        skip_json(steps, sample_ids, rows),
+        "nanoGPT's get_batch draws random offsets: skip the steps of skip.json (draw, do not train)",
+    )
 
 
 def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:
     return [
-        Edit("init_from", s.values.get("init_from"), "resume", f"train.py reads out_dir/ckpt.pt: copy {rollback.name} there first"),
+        Edit(
+            "init_from",
+            s.values.get("init_from"),
+            "resume",
+            f"train.py reads out_dir/ckpt.pt: copy {rollback.name} there first",
+        ),
     ]

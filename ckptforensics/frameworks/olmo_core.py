@@ -31,7 +31,11 @@ def _config_file(path: Path) -> Path | None:
 
 def owns(ck: Checkpoint) -> bool:
     f = _config_file(Path(ck.path)) if ck.format == "dcp" else None
-    return f is not None and isinstance(ck.config, dict) and str(ck.config.get("_CLASS_", "")).startswith("olmo_core.")
+    return (
+        f is not None
+        and isinstance(ck.config, dict)
+        and str(ck.config.get("_CLASS_", "")).startswith("olmo_core.")
+    )
 
 
 def settings(ck: Checkpoint) -> Settings:
@@ -42,33 +46,65 @@ def settings(ck: Checkpoint) -> Settings:
             doc = json.loads(f.read_text())
         except (OSError, ValueError):
             doc = {}
-    flat = {k: v for k, v in flatten({k: doc[k] for k in ("train_module", "trainer") if isinstance(doc.get(k), dict)}).items() if not isinstance(v, list)}
+    flat = {
+        k: v
+        for k, v in flatten(
+            {k: doc[k] for k in ("train_module", "trainer") if isinstance(doc.get(k), dict)}
+        ).items()
+        if not isinstance(v, list)
+    }
     return Settings(str(f) if f else None, flat, str(Path(ck.path).parent))
 
 
 def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
     v = s.values
     if knob == "clip":
-        return [Edit("train_module.max_grad_norm", v.get("train_module.max_grad_norm"), float(value))]
+        return [
+            Edit("train_module.max_grad_norm", v.get("train_module.max_grad_norm"), float(value))
+        ]
     if knob == "eps":
         return [Edit("train_module.optim.eps", v.get("train_module.optim.eps"), float(value))]
     if knob == "precision":
         dtype = {"bf16": "bfloat16", "fp32": None, "fp16": "float16"}[str(value)]
-        return [Edit("train_module.autocast_precision", v.get("train_module.autocast_precision"), dtype)]
+        return [
+            Edit("train_module.autocast_precision", v.get("train_module.autocast_precision"), dtype)
+        ]
     if knob == "lr_scale":
         lr = v.get("train_module.optim.lr")
-        return [Edit("train_module.optim.lr", lr, lr * float(value) if isinstance(lr, (int, float)) else None, "the restored groups keep their initial_lr: check the logged LR")]
+        return [
+            Edit(
+                "train_module.optim.lr",
+                lr,
+                lr * float(value) if isinstance(lr, (int, float)) else None,
+                "the restored groups keep their initial_lr: check the logged LR",
+            )
+        ]
     if knob == "lr_fix":
-        return [lr_fix_edit(value, "a group override (optim.group_overrides lr) is the likely source: fix its factor")]
+        return [
+            lr_fix_edit(
+                value,
+                "a group override (optim.group_overrides lr) is the likely source: fix its factor",
+            )
+        ]
     return []
 
 
 def render(edits: Sequence[Edit], s: Settings) -> str:
-    return key_diff(s.source, [e for e in edits if not e.key.startswith(LR_FIX_PREFIX)], lambda k, val: f'  "{k}": {json.dumps(val)}')
+    return key_diff(
+        s.source,
+        [e for e in edits if not e.key.startswith(LR_FIX_PREFIX)],
+        lambda k, val: f'  "{k}": {json.dumps(val)}',
+    )
 
 
-def skip(steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings) -> Skip:
-    return Skip("skip.json", skip_json(steps, sample_ids, rows), "OLMo-core has no skip list: drop these instance indices from the NumpyFSLDataset order your data loader builds")
+def skip(
+    steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings
+) -> Skip:
+    return Skip(
+        "skip.json",
+        skip_json(steps, sample_ids, rows),
+        "OLMo-core has no skip list: drop these instance indices from the NumpyFSLDataset order your data loader builds",
+    )
 
 
 def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:

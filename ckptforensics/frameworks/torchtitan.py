@@ -52,10 +52,23 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
     if knob == "eps":
         return [Edit("optimizer.eps", v.get("optimizer.eps"), float(value))]
     if knob == "precision":
-        return [Edit("training.mixed_precision_param", v.get("training.mixed_precision_param"), {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[str(value)])]
+        return [
+            Edit(
+                "training.mixed_precision_param",
+                v.get("training.mixed_precision_param"),
+                {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[str(value)],
+            )
+        ]
     if knob == "lr_scale":
         lr = v.get("optimizer.lr")
-        return [Edit("optimizer.lr", lr, lr * float(value) if isinstance(lr, (int, float)) else f"x{float(value):g}", "the LR scheduler's state is restored from the checkpoint: check the logged LR")]
+        return [
+            Edit(
+                "optimizer.lr",
+                lr,
+                lr * float(value) if isinstance(lr, (int, float)) else f"x{float(value):g}",
+                "the LR scheduler's state is restored from the checkpoint: check the logged LR",
+            )
+        ]
     if knob == "lr_fix":
         return [lr_fix_edit(value, "fix the per-group LR factor your optimizer builder sets")]
     return []
@@ -63,7 +76,11 @@ def edits(knob: str, value: Any, s: Settings) -> list[Edit]:
 
 def _toml_line(k: str, v: Any) -> str:
     section, _, key = k.rpartition(".")
-    return f"[{section}] {key} = {v!r}" if not isinstance(v, bool) else f"[{section}] {key} = {str(v).lower()}"
+    return (
+        f"[{section}] {key} = {v!r}"
+        if not isinstance(v, bool)
+        else f"[{section}] {key} = {str(v).lower()}"
+    )
 
 
 def render(edits: Sequence[Edit], s: Settings) -> str:
@@ -72,13 +89,26 @@ def render(edits: Sequence[Edit], s: Settings) -> str:
     return key_diff(s.source, keys, _toml_line) + f"\n\n# or as flags: {flags}"
 
 
-def skip(steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings) -> Skip:
-    return Skip("skip.json", skip_json(steps, sample_ids, rows), "torchtitan has no skip list: filter the sample ids of skip.json in your dataset")
+def skip(
+    steps: Sequence[int], sample_ids: Sequence[int], rows: dict[int, list[int]], s: Settings
+) -> Skip:
+    return Skip(
+        "skip.json",
+        skip_json(steps, sample_ids, rows),
+        "torchtitan has no skip list: filter the sample ids of skip.json in your dataset",
+    )
 
 
 def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:
     out = [Edit("checkpoint.load_step", s.values.get("checkpoint.load_step"), int(step))]
     excl = s.values.get("checkpoint.exclude_from_loading")
     if excl:
-        out.append(Edit("checkpoint.exclude_from_loading", excl, [], "excluding the optimizer loses its state"))
+        out.append(
+            Edit(
+                "checkpoint.exclude_from_loading",
+                excl,
+                [],
+                "excluding the optimizer loses its state",
+            )
+        )
     return out

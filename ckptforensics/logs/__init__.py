@@ -119,7 +119,9 @@ def _paths(path: Path | str) -> list[Path]:
             return sorted(p.glob("run-*.wandb"))
         files = find_logs(p)
         if not files:
-            raise ForensicsError(f"{p}: no training log in this folder (see `ckptforensics triage --help` for the formats read)")
+            raise ForensicsError(
+                f"{p}: no training log in this folder (see `ckptforensics triage --help` for the formats read)"
+            )
         return files
     if not p.is_file():
         raise ForensicsError(f"{p}: no such training log")

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["ALIASES", "canonical", "lr_columns", "group_lrs", "param_grad_columns", "IGNORED_TAG_SUFFIXES"]
+__all__ = [
+    "ALIASES",
+    "canonical",
+    "lr_columns",
+    "group_lrs",
+    "param_grad_columns",
+    "IGNORED_TAG_SUFFIXES",
+]
 
 # Our name -> the names trainers log it under, first match wins. Where each comes from:
 # - OLMo-core: MetricSaverCallback / its trainer's metric names ("train/CE loss",
@@ -22,9 +29,26 @@ __all__ = ["ALIASES", "canonical", "lr_columns", "group_lrs", "param_grad_column
 #   lightning.pytorch.utilities.grad_norm ("grad_2.0_norm_total").
 # - nanoGPT-style loops and the flight recorder: "loss", "grad_norm", "lr".
 ALIASES: dict[str, tuple[str, ...]] = {
-    "loss": ("train/CE loss", "lm loss", "train/loss", "loss_metrics/global_avg_loss", "train_loss", "train/loss_step", "train_loss_step"),
-    "grad_norm": ("optim/total grad norm", "grad-norm", "grad norm", "train/grad_norm", "grad_2.0_norm_total"),
-    "lr": ("train/learning_rate", "learning_rate"),  # Megatron's: readers.megatron_lr (one step later)
+    "loss": (
+        "train/CE loss",
+        "lm loss",
+        "train/loss",
+        "loss_metrics/global_avg_loss",
+        "train_loss",
+        "train/loss_step",
+        "train_loss_step",
+    ),
+    "grad_norm": (
+        "optim/total grad norm",
+        "grad-norm",
+        "grad norm",
+        "train/grad_norm",
+        "grad_2.0_norm_total",
+    ),
+    "lr": (
+        "train/learning_rate",
+        "learning_rate",
+    ),  # Megatron's: readers.megatron_lr (one step later)
     "loss_scale": ("loss-scale", "loss scale", "train/loss_scale"),
     "skipped": ("number of skipped iterations", "skipped-iterations"),
     "nan_iterations": ("number of nan iterations",),

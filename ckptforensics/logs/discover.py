@@ -17,13 +17,17 @@ log = logging.getLogger(__name__)
 
 # Folders a walk does not enter: checkpoints are large and hold no logs of their own that
 # the searches below want (trainer_state.json is looked up through list_checkpoints).
-_SKIP = re.compile(r"^(?:iter_\d+|global_step\d+|checkpoint-\d+|step[-_]?\d+|\..*|__pycache__|wandb|mlruns)$")
+_SKIP = re.compile(
+    r"^(?:iter_\d+|global_step\d+|checkpoint-\d+|step[-_]?\d+|\..*|__pycache__|wandb|mlruns)$"
+)
 
 
 # A checkpoint's own folder inside its run: HF's checkpoint-N, Megatron's iter_N, DeepSpeed's
 # global_stepN, DCP's and LitGPT's step-N, OLMo-core's stepN, Lightning's checkpoints/ (in
 # version_N/), a plain ckpts/.
-_CKPT_DIR = re.compile(r"^(?:iter_\d+|global_step\d+|checkpoint-\d+|step[-_]?\d+|checkpoints?|ckpts?|version_\d+)$")
+_CKPT_DIR = re.compile(
+    r"^(?:iter_\d+|global_step\d+|checkpoint-\d+|step[-_]?\d+|checkpoints?|ckpts?|version_\d+)$"
+)
 
 
 def log_dirs(checkpoint: Path) -> list[Path]:
@@ -94,13 +98,19 @@ def find_logs(run_dir: Path) -> list[Path]:
     for name in ("metrics.jsonl", "metrics.csv"):
         if (run_dir / name).is_file():
             return [run_dir / name]
-    if run_dir.name == "checkpoints" and (run_dir.parent / "metrics.csv").is_file():  # Lightning's version_N/checkpoints
+    if (
+        run_dir.name == "checkpoints" and (run_dir.parent / "metrics.csv").is_file()
+    ):  # Lightning's version_N/checkpoints
         return [run_dir.parent / "metrics.csv"]
     for pattern in ("lightning_logs/version_*/metrics.csv", "logs/csv/version_*/metrics.csv"):
         found = sorted(run_dir.glob(pattern), key=lambda p: int(p.parent.name.split("_")[-1]))
         if found:
             return found
-    ckpts = [(s, Path(p)) for s, p in list_checkpoints(run_dir) if (Path(p) / "trainer_state.json").is_file()]
+    ckpts = [
+        (s, Path(p))
+        for s, p in list_checkpoints(run_dir)
+        if (Path(p) / "trainer_state.json").is_file()
+    ]
     if ckpts:
         # The newest complete checkpoint's: a save that died half-way may hold a torn one.
         from ..locate import first_complete
@@ -120,4 +130,8 @@ def find_logs(run_dir: Path) -> list[Path]:
     events = [f for f in files if f.name.startswith("events.out.tfevents.")]
     if events:
         return events
-    return _wandb(run_dir) or _mlflow(run_dir) or ([run_dir / "mlflow.db"] if (run_dir / "mlflow.db").is_file() else [])
+    return (
+        _wandb(run_dir)
+        or _mlflow(run_dir)
+        or ([run_dir / "mlflow.db"] if (run_dir / "mlflow.db").is_file() else [])
+    )

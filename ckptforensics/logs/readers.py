@@ -119,16 +119,32 @@ def _csv(path: Path, lightning: bool) -> list[Rows]:
     litgpt = {"iter", "iter_time", "remaining_time"} <= cols
     wandb_chart = "Step" in cols and any(" - " in c for c in cols)
     trainer_step = _trainer_step_key(cols)
-    col = "iter" if litgpt else "Step" if wandb_chart else trainer_step or ("step" if "step" in cols else "_step" if "_step" in cols else None)
+    col = (
+        "iter"
+        if litgpt
+        else "Step"
+        if wandb_chart
+        else trainer_step or ("step" if "step" in cols else "_step" if "_step" in cols else None)
+    )
     if col is None:
-        raise ForensicsError(f"{path}: a CSV log needs a step column (step, _step, Step, iter or a trainer's global_step)")
+        raise ForensicsError(
+            f"{path}: a CSV log needs a step column (step, _step, Step, iter or a trainer's global_step)"
+        )
     # Lightning's CSVLogger: an `epoch` column on every row (its logger connector adds it).
-    shift = 1 if (not litgpt and "epoch" in cols and "step" in cols and lightning) or trainer_step == "trainer/global_step" else 0
+    shift = (
+        1
+        if (not litgpt and "epoch" in cols and "step" in cols and lightning)
+        or trainer_step == "trainer/global_step"
+        else 0
+    )
     seq = []
     for r in records:
         if r.get(col) in (None, ""):
             continue
-        vals = _numbers({k: v for k, v in r.items() if k and not k.endswith(("__MIN", "__MAX"))}, ("step", col, "Step", "_step", "_runtime", "_timestamp"))
+        vals = _numbers(
+            {k: v for k, v in r.items() if k and not k.endswith(("__MIN", "__MAX"))},
+            ("step", col, "Step", "_step", "_runtime", "_timestamp"),
+        )
         if wandb_chart:
             vals = {_WANDB_EXPORT.match(k).group(1): v for k, v in vals.items()}  # type: ignore[union-attr]
         seq.append((int(float(r[col])) + shift, vals))
@@ -219,7 +235,9 @@ def _tensorboard(path: Path) -> tuple[Rows, float]:
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     except ImportError:
-        raise MissingExtra(f"{path}: reading TensorBoard event files needs the tensorboard package (pip install 'ckptforensics[tensorboard]')") from None
+        raise MissingExtra(
+            f"{path}: reading TensorBoard event files needs the tensorboard package (pip install 'ckptforensics[tensorboard]')"
+        ) from None
     acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     rows: Rows = {}
@@ -240,7 +258,9 @@ def _tensorboard(path: Path) -> tuple[Rows, float]:
             if ev.tensor_proto.dtype in (1, 2) and not ev.tensor_proto.tensor_shape.dim:
                 from tensorboard.util import tensor_util
 
-                rows.setdefault(int(ev.step), {})[tag] = float(tensor_util.make_ndarray(ev.tensor_proto))
+                rows.setdefault(int(ev.step), {})[tag] = float(
+                    tensor_util.make_ndarray(ev.tensor_proto)
+                )
                 start = min(start, ev.wall_time)
     return rows, start if math.isfinite(start) else _mtime(path)
 
@@ -289,7 +309,9 @@ def _wandb(path: Path) -> tuple[Rows, float]:
     try:
         from wandb.proto import wandb_internal_pb2 as pb
     except ImportError:
-        raise MissingExtra(f"{path}: reading W&B run files needs the wandb package (pip install 'ckptforensics[wandb]')") from None
+        raise MissingExtra(
+            f"{path}: reading W&B run files needs the wandb package (pip install 'ckptforensics[wandb]')"
+        ) from None
     seq: list[dict[str, float]] = []
     start = math.inf
     for raw in _wandb_records(path):
@@ -319,7 +341,9 @@ def _wandb(path: Path) -> tuple[Rows, float]:
     rows: Rows = {}
     for r in seq:
         if key in r:
-            rows.setdefault(int(r[key]) + shift, {}).update({k: v for k, v in r.items() if not k.startswith("_") and k != key})
+            rows.setdefault(int(r[key]) + shift, {}).update(
+                {k: v for k, v in r.items() if not k.startswith("_") and k != key}
+            )
     return rows, start if math.isfinite(start) else _mtime(path)
 
 
@@ -349,7 +373,9 @@ def _mlflow_sqlite(db: Path) -> list[Leg]:
     as MLflow's SqlAlchemyStore lays them out: key, value, timestamp, run_uuid, step, is_nan)."""
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)  # read-only: an input is never written
     try:
-        runs = con.execute("SELECT run_uuid, name, experiment_id, start_time FROM runs WHERE lifecycle_stage = 'active'").fetchall()
+        runs = con.execute(
+            "SELECT run_uuid, name, experiment_id, start_time FROM runs WHERE lifecycle_stage = 'active'"
+        ).fetchall()
         if not runs:
             return []
         _, name, exp, _ = max(runs, key=lambda r: r[3] or 0)
@@ -358,7 +384,9 @@ def _mlflow_sqlite(db: Path) -> list[Leg]:
             if rname != name or rexp != exp:
                 continue
             rows: Rows = {}
-            for key, value, step, is_nan in con.execute("SELECT key, value, step, is_nan FROM metrics WHERE run_uuid = ?", (uuid,)):
+            for key, value, step, is_nan in con.execute(
+                "SELECT key, value, step, is_nan FROM metrics WHERE run_uuid = ?", (uuid,)
+            ):
                 rows.setdefault(int(step), {})[key] = math.nan if is_nan else float(value)
             legs.append(Leg(f"{db}#{uuid}", rows, (start or 0) / 1000.0, 0, "mlflow"))
         return legs
@@ -397,7 +425,9 @@ def lightning_log(path: Path) -> bool:
     `global_step` before that step's optimizer step counts, so optimizer step s is logged
     as s - 1 (measured on a CSVLogger run: the first step's loss sits at step 0); its
     checkpoints count completed steps."""
-    return (path.parent / "hparams.yaml").is_file() or (path.parent.parent.name == "lightning_logs" and path.parent.name.startswith("version_"))
+    return (path.parent / "hparams.yaml").is_file() or (
+        path.parent.parent.name == "lightning_logs" and path.parent.name.startswith("version_")
+    )
 
 
 def read_file(path: Path) -> list[Leg]:
@@ -426,7 +456,10 @@ def read_file(path: Path) -> list[Leg]:
             rows, t = _wandb(path)
             return [Leg(str(path), megatron_lr(rows), t, 0, "wandb")]
         if OLMO_METRICS.match(path.name):
-            return [Leg(str(path.parent), r, _mtime(path), 0, "olmo-core") for r in _olmo_metrics(path.parent)]
+            return [
+                Leg(str(path.parent), r, _mtime(path), 0, "olmo-core")
+                for r in _olmo_metrics(path.parent)
+            ]
         t = _mtime(path)
         if path.suffix == ".csv":
             legs, kind = _csv(path, lightning_log(path)), "csv"
@@ -437,5 +470,12 @@ def read_file(path: Path) -> list[Leg]:
         else:
             legs, kind = _jsonl(path), "jsonl"
         return [Leg(str(path), megatron_lr(r), t, i, kind) for i, r in enumerate(legs)]
-    except (OSError, UnicodeDecodeError, ValueError, json.JSONDecodeError, struct.error, sqlite3.Error) as e:
+    except (
+        OSError,
+        UnicodeDecodeError,
+        ValueError,
+        json.JSONDecodeError,
+        struct.error,
+        sqlite3.Error,
+    ) as e:
         raise ForensicsError(f"{path}: not a readable training log ({e})") from None

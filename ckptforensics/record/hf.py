@@ -39,7 +39,14 @@ def hf_callback(path: str | os.PathLike[str], **kw: Any) -> Any:
             self._handles: list[Any] = []
             self._step = 1  # the optimizer step the micro-batches being fed belong to
 
-        def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **_: Any) -> None:
+        def on_train_begin(
+            self,
+            args: Any,
+            state: Any,
+            control: Any,
+            model: torch.nn.Module | None = None,
+            **_: Any,
+        ) -> None:
             accum = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
             cfg = RecorderConfig(
                 grad_clip=float(args.max_grad_norm) if getattr(args, "max_grad_norm", 0) else None,
@@ -48,19 +55,30 @@ def hf_callback(path: str | os.PathLike[str], **kw: Any) -> Any:
             )  # fmt: skip
             self.rec = Recorder(Path(path), cfg)
             if model is not None:
-                self._handles = [model.register_forward_pre_hook(self._batch, with_kwargs=True), model.register_forward_hook(self._loss, with_kwargs=True)]
+                self._handles = [
+                    model.register_forward_pre_hook(self._batch, with_kwargs=True),
+                    model.register_forward_hook(self._loss, with_kwargs=True),
+                ]
 
-        def _batch(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def _batch(
+            self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> None:
             if self.rec is None or not module.training:
                 return
-            b = {k: kwargs[k] for k in ("input_ids", "attention_mask", "labels") if isinstance(kwargs.get(k), torch.Tensor)}
+            b = {
+                k: kwargs[k]
+                for k in ("input_ids", "attention_mask", "labels")
+                if isinstance(kwargs.get(k), torch.Tensor)
+            }
             if "input_ids" not in b and args and isinstance(args[0], torch.Tensor):
                 b["input_ids"] = args[0]
             if "input_ids" in b:
                 self.rec.on_batch(self._step, b)
                 self._summed = kwargs.get("num_items_in_batch") is not None
 
-        def _loss(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        def _loss(
+            self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+        ) -> None:
             loss = getattr(out, "loss", None)
             if module.training and isinstance(loss, torch.Tensor):
                 self._losses.append(loss.detach())
@@ -68,11 +86,26 @@ def hf_callback(path: str | os.PathLike[str], **kw: Any) -> Any:
         def on_step_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
             self._step = int(state.global_step) + 1
 
-        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **_: Any) -> None:
+        def on_pre_optimizer_step(
+            self,
+            args: Any,
+            state: Any,
+            control: Any,
+            model: torch.nn.Module | None = None,
+            **_: Any,
+        ) -> None:
             if self.rec is not None and model is not None:
                 self.rec.after_backward(model)
 
-        def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, model: torch.nn.Module | None = None, **_: Any) -> None:
+        def on_optimizer_step(
+            self,
+            args: Any,
+            state: Any,
+            control: Any,
+            optimizer: Any = None,
+            model: torch.nn.Module | None = None,
+            **_: Any,
+        ) -> None:
             if self.rec is None or optimizer is None:
                 return
             losses, self._losses = self._losses, []
@@ -80,14 +113,19 @@ def hf_callback(path: str | os.PathLike[str], **kw: Any) -> Any:
             if losses:
                 total = torch.stack([x.float().reshape(()) for x in losses])
                 loss = total.sum() if self._summed else total.mean()
-            opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+            opt = getattr(
+                optimizer, "optimizer", optimizer
+            )  # accelerate's AcceleratedOptimizer wraps the torch one
             spike = self.rec.after_step(self._step, opt, loss=loss, model=model)
             if spike is not None and self.rec.cfg.stop_on_spike:
                 control.should_training_stop = True
 
         def on_save(self, args: Any, state: Any, control: Any, **_: Any) -> None:
             if self.rec is not None:
-                self.rec.on_checkpoint(int(state.global_step), Path(args.output_dir) / f"checkpoint-{state.global_step}")
+                self.rec.on_checkpoint(
+                    int(state.global_step),
+                    Path(args.output_dir) / f"checkpoint-{state.global_step}",
+                )
 
         def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
             for h in self._handles:

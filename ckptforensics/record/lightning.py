@@ -39,10 +39,14 @@ def lightning_callback(path: str | os.PathLike[str], **kw: Any) -> Any:
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             clip = getattr(trainer, "gradient_clip_val", None)
             accum = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
-            self.rec = Recorder(Path(path), RecorderConfig(grad_clip=float(clip) if clip else None, **kw))
+            self.rec = Recorder(
+                Path(path), RecorderConfig(grad_clip=float(clip) if clip else None, **kw)
+            )
             self._accum = accum
 
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_start(
+            self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+        ) -> None:
             if self.rec is None:
                 return
             b = {"input_ids": batch, "labels": batch} if isinstance(batch, torch.Tensor) else batch
@@ -56,16 +60,26 @@ def lightning_callback(path: str | os.PathLike[str], **kw: Any) -> Any:
                 self._opt = optimizer
                 self._lr = [float(g["lr"]) for g in optimizer.param_groups]
 
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
             if self.rec is None or self._opt is None:
                 return  # mid-accumulation: the step is not done
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             opt, self._opt = self._opt, None
-            spike = self.rec.after_step(int(trainer.global_step), getattr(opt, "optimizer", opt), loss=loss, model=pl_module, lr=self._lr)
+            spike = self.rec.after_step(
+                int(trainer.global_step),
+                getattr(opt, "optimizer", opt),
+                loss=loss,
+                model=pl_module,
+                lr=self._lr,
+            )
             if spike is not None and self.rec.cfg.stop_on_spike:
                 trainer.should_stop = True
 
-        def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        def on_save_checkpoint(
+            self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]
+        ) -> None:
             if self.rec is not None:
                 self.rec.on_checkpoint(int(trainer.global_step))
 

@@ -46,7 +46,9 @@ class SpikeMonitor:
     _loss: TrendBaseline = field(init=False)
     _level: TrendBaseline = field(init=False)
     _grad: TrendBaseline = field(init=False)
-    _grad_spike: tuple[int, float, float] | None = None  # (step, grad norm, z) waiting on the next loss
+    _grad_spike: tuple[int, float, float] | None = (
+        None  # (step, grad norm, z) waiting on the next loss
+    )
     _quiet_until: int = -1
 
     def __post_init__(self) -> None:
@@ -66,16 +68,39 @@ class SpikeMonitor:
         if not math.isfinite(loss):
             return self._alarm(step, loss, grad_norm, zl, zg, "the loss is not finite")
         if zl > self.z and (za > self.z or zg >= half):
-            return self._alarm(step, loss, grad_norm, zl, zg, f"loss {loss:.4g} is {zl:.1f} robust sigma above its trend")
+            return self._alarm(
+                step,
+                loss,
+                grad_norm,
+                zl,
+                zg,
+                f"loss {loss:.4g} is {zl:.1f} robust sigma above its trend",
+            )
         if waiting is not None and zl >= half and za >= half:
             s, g, z = waiting
-            return self._alarm(s, loss, g, zl, z, f"grad norm {g:.4g} at step {s} (robust z {z:.1f}), and the loss rises after it (z {zl:.1f})")
+            return self._alarm(
+                s,
+                loss,
+                g,
+                zl,
+                z,
+                f"grad norm {g:.4g} at step {s} (robust z {z:.1f}), and the loss rises after it (z {zl:.1f})",
+            )
         if zg > self.z and grad_norm is not None and math.isfinite(grad_norm):
             if zl >= half:
-                return self._alarm(step, loss, grad_norm, zl, zg, f"grad norm {grad_norm:.4g} (robust z {zg:.1f}) with the loss up (z {zl:.1f})")
+                return self._alarm(
+                    step,
+                    loss,
+                    grad_norm,
+                    zl,
+                    zg,
+                    f"grad norm {grad_norm:.4g} (robust z {zg:.1f}) with the loss up (z {zl:.1f})",
+                )
             self._grad_spike = (step, grad_norm, zg)
         return None
 
-    def _alarm(self, step: int, loss: float, grad_norm: float | None, zl: float, zg: float, why: str) -> Spike:
+    def _alarm(
+        self, step: int, loss: float, grad_norm: float | None, zl: float, zg: float, why: str
+    ) -> Spike:
         self._quiet_until = step + self.cooldown
         return Spike(step, loss, grad_norm, zl, zg, why)

@@ -103,7 +103,14 @@ class Recorder:
     Only rank 0 writes `metrics.jsonl` and black boxes.
     """
 
-    def __init__(self, path: str | os.PathLike[str], config: RecorderConfig | None = None, *, monitor: SpikeMonitor | None | bool = True, **kw: Any) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: RecorderConfig | None = None,
+        *,
+        monitor: SpikeMonitor | None | bool = True,
+        **kw: Any,
+    ) -> None:
         self.root = Path(path)
         self.cfg = config or RecorderConfig(**kw)
         self.rank, self.world = _rank_world()
@@ -115,22 +122,31 @@ class Recorder:
         self._pending = _Pending()
         self._last_scale: float | None = None
         self._last_ckpt: tuple[int, str | None] | None = None
-        self._metrics = open(self.root / "metrics.jsonl", "a", buffering=1) if self.rank == 0 else None  # noqa: SIM115 - lives as long as the recorder
+        # The log file lives as long as the recorder (closed in `close`).
+        self._metrics = None
+        if self.rank == 0:
+            self._metrics = open(self.root / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
 
     # -- the loop's three calls ------------------------------------------------------
 
-    def on_batch(self, step: int, batch: Mapping[str, Any] | torch.Tensor, sample_ids: Any = None) -> None:
+    def on_batch(
+        self, step: int, batch: Mapping[str, Any] | torch.Tensor, sample_ids: Any = None
+    ) -> None:
         """One micro-batch of `step` (call once per forward). Copies start without a sync."""
         if not self._records(step):
             return
         b = {"input_ids": batch} if isinstance(batch, torch.Tensor) else batch
         if self.cfg.tokens:
-            self._pending.rows.append({k: _host(b[k]) for k in _ROW_KEYS if isinstance(b.get(k), torch.Tensor)})
+            self._pending.rows.append(
+                {k: _host(b[k]) for k in _ROW_KEYS if isinstance(b.get(k), torch.Tensor)}
+            )
         ids = sample_ids if sample_ids is not None else b.get("sample_id", b.get("idx"))
         if ids is not None:
             self._pending.sample_ids.append(_host(torch.as_tensor(ids)).reshape(-1))
 
-    def after_backward(self, model: torch.nn.Module, scale: float | torch.Tensor | None = None) -> None:
+    def after_backward(
+        self, model: torch.nn.Module, scale: float | torch.Tensor | None = None
+    ) -> None:
         """After the step's last backward, before clipping: the pre-clip grad norm (kept on
         the device) and, on a stats step, each parameter's grad norm. `scale` divides
         gradients still multiplied by a loss scale (call after `scaler.unscale_` instead)."""
@@ -170,7 +186,13 @@ class Recorder:
             total = torch.linalg.vector_norm(p.grad)
         vals.append(_scalar(total))
         sc = getattr(scaler, "_scale", None) if scaler is not None else None
-        vals.append(_scalar(sc if sc is not None else (scaler.get_scale() if scaler is not None and scaler.is_enabled() else None)))
+        vals.append(
+            _scalar(
+                sc
+                if sc is not None
+                else (scaler.get_scale() if scaler is not None and scaler.is_enabled() else None)
+            )
+        )
         stats_names: list[str] = []
         if step % self.cfg.stats_every == 0 and p.grad is not None and p.names is not None:
             stats = _param_stats(optimizer, model, p.names)
@@ -178,22 +200,42 @@ class Recorder:
             vals.append(p.grad)
             vals.extend(stats.values())
         dev = next((v.device for v in vals if v.device.type != "cpu"), torch.device("cpu"))
-        host = torch.cat([v.reshape(-1).float().to(dev) for v in vals]).cpu().tolist()  # the step's one host read
+        host = (
+            torch.cat([v.reshape(-1).float().to(dev) for v in vals]).cpu().tolist()
+        )  # the step's one host read
         loss_v, norm_v, scale_v = host[0], host[1], host[2]
         extra = dict(zip(stats_names, host[3:], strict=False))
         if skipped is None:
-            skipped = (not math.isfinite(norm_v)) or (self._last_scale is not None and math.isfinite(scale_v) and scale_v < self._last_scale)
+            skipped = (not math.isfinite(norm_v)) or (
+                self._last_scale is not None
+                and math.isfinite(scale_v)
+                and scale_v < self._last_scale
+            )
         self._last_scale = scale_v if math.isfinite(scale_v) else None
         self._write(step, p, lrs, loss_v, norm_v, scale_v, bool(skipped))
         # Per-group LRs under OLMo-core's names, which `triage` reads (logs._GROUP_LR).
-        row = {"step": step, "loss": loss_v, "grad_norm": norm_v, "lr": lrs[0], **{f"optim/LR (group {i})": v for i, v in enumerate(lrs) if len(lrs) > 1}}
+        row = {
+            "step": step,
+            "loss": loss_v,
+            "grad_norm": norm_v,
+            "lr": lrs[0],
+            **{f"optim/LR (group {i})": v for i, v in enumerate(lrs) if len(lrs) > 1},
+        }
         if math.isfinite(scale_v):
             row["loss_scale"] = scale_v
         if skipped:
             row["skipped"] = 1
         row.update(extra)
         if self._metrics is not None:
-            self._metrics.write(json.dumps({k: (v if isinstance(v, int) or math.isfinite(v) else str(v)) for k, v in row.items()}) + "\n")
+            self._metrics.write(
+                json.dumps(
+                    {
+                        k: (v if isinstance(v, int) or math.isfinite(v) else str(v))
+                        for k, v in row.items()
+                    }
+                )
+                + "\n"
+            )
         spike = None
         if self.monitor is not None:
             spike = self.monitor.update(step, loss_v, norm_v if math.isfinite(norm_v) else None)
@@ -225,10 +267,24 @@ class Recorder:
     def _records(self, step: int) -> bool:
         return step % max(1, self.cfg.every) == 0
 
-    def _write(self, step: int, p: _Pending, lrs: list[float], loss: float, norm: float, scale: float, skipped: bool) -> None:
+    def _write(
+        self,
+        step: int,
+        p: _Pending,
+        lrs: list[float],
+        loss: float,
+        norm: float,
+        scale: float,
+        skipped: bool,
+    ) -> None:
         # `checkpoint_every` cuts segments until the loop reports its checkpoints itself.
         every = self.cfg.checkpoint_every if self._last_ckpt is None else None
-        if self._seg is not None and self._seg_first is not None and every and (step - 1) // every != (self._seg_first - 1) // every:
+        if (
+            self._seg is not None
+            and self._seg_first is not None
+            and every
+            and (step - 1) // every != (self._seg_first - 1) // every
+        ):
             self._close_segment()
         if self._seg is None:
             # The ring: at most `keep` segments, the one now opened included; the oldest go.
@@ -261,7 +317,13 @@ class Recorder:
             self._seg.close()
             self._seg = None
 
-    def _blackbox(self, spike: Spike, step: int, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer) -> None:
+    def _blackbox(
+        self,
+        spike: Spike,
+        step: int,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
         """On an alarm: the recorded batches of the last steps and the current state, in a
         folder the ring never drops, and the replay command to run (logged, and in
         incident.json). The state is *after*; *before* is the last checkpoint the run saved."""
@@ -277,18 +339,33 @@ class Recorder:
         if model is not None:
             state = box / f"state_step{step}.pt"
             tmp = state.with_suffix(".tmp")
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
+            torch.save(
+                {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                tmp,
+            )
             os.replace(tmp, state)
         before = self._last_ckpt
         cmd = ["ckptforensics", "replay"]
         if before is not None:
             cmd += ["--before", before[1] or str(before[0])]
-        cmd += ["--after", str(state) if state is not None else "AFTER", "--batch", str(box), *self.cfg.replay_args]
+        cmd += [
+            "--after",
+            str(state) if state is not None else "AFTER",
+            "--batch",
+            str(box),
+            *self.cfg.replay_args,
+        ]
         info = {"spike": asdict(spike), "recorded_step": step, "command": shlex.join(cmd)}
         tmp = box / "incident.json.tmp"
         tmp.write_text(json.dumps(info, indent=2, default=str))
         os.replace(tmp, box / "incident.json")
-        log.warning("spike at step %d (%s); black box %s; run: %s", spike.step, spike.why, box, info["command"])
+        log.warning(
+            "spike at step %d (%s); black box %s; run: %s",
+            spike.step,
+            spike.why,
+            box,
+            info["command"],
+        )
 
 
 def _narrow(a: np.ndarray) -> np.ndarray:
@@ -350,7 +427,9 @@ def _scalar(v: Any) -> torch.Tensor:
     return torch.tensor([float(v)])
 
 
-def _param_stats(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, names: list[str]) -> dict[str, torch.Tensor]:
+def _param_stats(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, names: list[str]
+) -> dict[str, torch.Tensor]:
     """Per-parameter update / weight ratio and Adam's RMS_t, as device tensors.
 
     For Adam(W) state (`exp_avg`, `exp_avg_sq`, `step`), the update the step just applied
@@ -376,7 +455,9 @@ def _param_stats(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
         v_hat = _local(st["exp_avg_sq"]).float() / (1 - b2**t)
         m_hat = _local(st["exp_avg"]).float() / (1 - b1**t)
         w = _local(p.detach()).float()
-        upd = g["lr"] * (m_hat / (v_hat.sqrt() + g.get("eps", 1e-8)) + g.get("weight_decay", 0.0) * w)
+        upd = g["lr"] * (
+            m_hat / (v_hat.sqrt() + g.get("eps", 1e-8)) + g.get("weight_decay", 0.0) * w
+        )
         ratio.append(torch.linalg.vector_norm(upd) / torch.linalg.vector_norm(w).clamp_min(1e-12))
         gr = _local(p.grad).float()
         rms.append((gr.square() / v_hat.clamp_min(g.get("eps", 1e-8) ** 2)).mean().sqrt())

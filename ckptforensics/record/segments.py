@@ -88,9 +88,17 @@ class Segment:
                 )  # fmt: skip
             for k, v in series.items():
                 a = np.asarray(v)
-                self._ds[k] = h.create_dataset(k, shape=(0, *a.shape), maxshape=(None, *a.shape), chunks=(_CHUNK_ROWS, *a.shape), dtype=a.dtype)
+                self._ds[k] = h.create_dataset(
+                    k,
+                    shape=(0, *a.shape),
+                    maxshape=(None, *a.shape),
+                    chunks=(_CHUNK_ROWS, *a.shape),
+                    dtype=a.dtype,
+                )
             for k in ("rows", "seq_len", "step"):
-                self._ds[k] = h.create_dataset(k, shape=(0,), maxshape=(None,), chunks=(_CHUNK_ROWS,), dtype=np.int64)
+                self._ds[k] = h.create_dataset(
+                    k, shape=(0,), maxshape=(None,), chunks=(_CHUNK_ROWS,), dtype=np.int64
+                )
             h.swmr_mode = True
             self._h = h
         i = self.n
@@ -98,7 +106,13 @@ class Segment:
         for k, v in rows.items():
             a, ds = np.asarray(v), self._ds.get(k)
             if ds is None or ds.ndim != a.ndim + 1:
-                log.warning("%s: step %d's %s has shape %s, unlike the segment's: not recorded", self.path.name, step, k, a.shape)
+                log.warning(
+                    "%s: step %d's %s has shape %s, unlike the segment's: not recorded",
+                    self.path.name,
+                    step,
+                    k,
+                    a.shape,
+                )
                 continue
             grow = tuple(max(x, y) for x, y in zip(ds.shape[1:], a.shape, strict=True))
             ds.resize((i + 1, *grow))
@@ -108,7 +122,13 @@ class Segment:
         for k, v in series.items():
             ds = self._ds.get(k)
             if ds is None or ds.shape[1:] != np.shape(v):
-                log.warning("%s: step %d's %s has shape %s, unlike the segment's: not recorded", self.path.name, step, k, np.shape(v))
+                log.warning(
+                    "%s: step %d's %s has shape %s, unlike the segment's: not recorded",
+                    self.path.name,
+                    step,
+                    k,
+                    np.shape(v),
+                )
                 continue
             ds.resize(i + 1, axis=0)
             ds[i] = v

@@ -2,4 +2,13 @@
 
 from .engine import Plan, ReplayConfig, ReplayResult, Session, StepRecord, TensorMatch, plan, replay
 
-__all__ = ["Plan", "ReplayConfig", "ReplayResult", "Session", "StepRecord", "TensorMatch", "plan", "replay"]
+__all__ = [
+    "Plan",
+    "ReplayConfig",
+    "ReplayResult",
+    "Session",
+    "StepRecord",
+    "TensorMatch",
+    "plan",
+    "replay",
+]

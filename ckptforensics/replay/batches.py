@@ -65,13 +65,17 @@ class BatchSource:
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         if self.steps is not None and step not in self.steps:
             shown = f"{self.steps[0]}..{self.steps[-1]}" if self.steps else "none"
-            raise BatchError(f"{self.describe}: no batch for step {step} (steps {shown}); record the window's batches")
+            raise BatchError(
+                f"{self.describe}: no batch for step {step} (steps {shown}); record the window's batches"
+            )
         out = self.get(step)
         if "input_ids" not in out:
             raise BatchError(f"{self.describe}: batch of step {step} has no input_ids")
         ids = out["input_ids"]
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            raise BatchError(f"{self.describe}: input_ids of step {step} must be integer [B, T], got {ids.dtype} {list(ids.shape)}")
+            raise BatchError(
+                f"{self.describe}: input_ids of step {step} must be integer [B, T], got {ids.dtype} {list(ids.shape)}"
+            )
         return {k: v.long() if k != "attention_mask" else v for k, v in out.items()}
 
 
@@ -88,7 +92,9 @@ def open_batches(spec: str) -> BatchSource:
         from .model import load_callable
 
         fn = load_callable(spec, "--batch")
-        return BatchSource(describe=spec, get=lambda s: {k: torch.as_tensor(v) for k, v in fn(s).items()})
+        return BatchSource(
+            describe=spec, get=lambda s: {k: torch.as_tensor(v) for k, v in fn(s).items()}
+        )
     raise BatchError(f"--batch {spec}: no such file, and not a module:function")
 
 
@@ -105,7 +111,9 @@ def _single(path: Path) -> BatchSource:
         else:
             data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # any decoding failure of an untrusted batch file
-        raise BatchError(f"{path}: not a readable batch file ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+        raise BatchError(
+            f"{path}: not a readable batch file ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        ) from None
     if not isinstance(data, dict):
         raise BatchError(f"{path}: expected a dict of tensors with input_ids")
     batch = {k: v for k, v in data.items() if k in _KEYS and isinstance(v, torch.Tensor)}
@@ -123,27 +131,39 @@ def _open_h5(path: Path) -> object:
     except (OSError, RuntimeError, ValueError) as e:
         try:
             return h5py.File(path, "r", swmr=True)
-        except (OSError, RuntimeError, ValueError):  # h5py raises RuntimeError on a mangled superblock
-            raise BatchError(f"{path}: not a readable HDF5 file ({str(e).splitlines()[0][:160]})") from None
+        except (
+            OSError,
+            RuntimeError,
+            ValueError,
+        ):  # h5py raises RuntimeError on a mangled superblock
+            raise BatchError(
+                f"{path}: not a readable HDF5 file ({str(e).splitlines()[0][:160]})"
+            ) from None
 
 
 def _h5(path: Path) -> BatchSource:
     h = _open_h5(path)
-    ids_only = "input_ids" not in h and "sample_id" in h and "step" in h  # the recorder's tokens=False
+    ids_only = (
+        "input_ids" not in h and "sample_id" in h and "step" in h
+    )  # the recorder's tokens=False
     if "input_ids" not in h and not ids_only:
         raise BatchError(f"{path}: HDF5 without /input_ids")
     try:
         ids = None if ids_only else h["input_ids"]
         np.asarray(h["step"]) if "step" in h else None
     except (OSError, ValueError, TypeError, KeyError) as e:
-        raise BatchError(f"{path}: malformed batch log ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+        raise BatchError(
+            f"{path}: malformed batch log ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        ) from None
     if "step" not in h:
         # A single batch stored as HDF5 datasets [B, T].
         batch = {k: torch.from_numpy(np.asarray(h[k])) for k in _KEYS if k in h}
         return BatchSource(describe=str(path), get=lambda s: batch)
     steps = [int(s) for s in np.asarray(h["step"])]
     if "recorder" in h.attrs:  # a flight-recorder segment: /step is flushed last
-        steps = steps[: min(h[k].shape[0] for k in (*_KEYS, "sample_id", "rows", "seq_len") if k in h)]
+        steps = steps[
+            : min(h[k].shape[0] for k in (*_KEYS, "sample_id", "rows", "seq_len") if k in h)
+        ]
     if ids is not None and (ids.ndim != 3 or ids.shape[0] != len(steps)):
         raise BatchError(f"{path}: /input_ids must be [S, B, T] with S = len(/step)")
     row = {s: i for i, s in enumerate(steps)}
@@ -153,14 +173,18 @@ def _h5(path: Path) -> BatchSource:
 
     def get(step: int) -> dict[str, torch.Tensor]:
         if ids_only:
-            raise BatchError(f"{path}: the log keeps the sample ids of step {step}, not its tokens: pass --data (the dataset they index)")
+            raise BatchError(
+                f"{path}: the log keeps the sample ids of step {step}, not its tokens: pass --data (the dataset they index)"
+            )
         i = row[step]
         b = int(rows_[i]) if rows_ is not None else None
         t = int(seq_[i]) if seq_ is not None else None
         try:
             return {k: torch.from_numpy(np.asarray(h[k][i][:b, :t])) for k in _KEYS if k in h}
         except (OSError, ValueError, TypeError, IndexError, KeyError) as e:
-            raise BatchError(f"{path}: batch of step {step} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+            raise BatchError(
+                f"{path}: batch of step {step} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+            ) from None
 
     src = BatchSource(describe=str(path), get=get, steps=steps, ids_only=ids_only)
     if "lr" in h:
@@ -168,10 +192,15 @@ def _h5(path: Path) -> BatchSource:
         src.lr = {s: [float(x) for x in np.atleast_1d(lr[i])] for s, i in row.items()}
     if "loss_scale" in h:
         ls = np.asarray(h["loss_scale"], dtype=np.float64)
-        src.loss_scale = {s: float(ls[i]) for s, i in row.items() if math.isfinite(ls[i])}  # NaN: no scaler that step
+        src.loss_scale = {
+            s: float(ls[i]) for s, i in row.items() if math.isfinite(ls[i])
+        }  # NaN: no scaler that step
     if "sample_id" in h:
         sid = np.asarray(h["sample_id"])
-        src.sample_ids = {s: [int(x) for x in sid[i][: None if rows_ is None else int(rows_[i])]] for s, i in row.items()}
+        src.sample_ids = {
+            s: [int(x) for x in sid[i][: None if rows_ is None else int(rows_[i])]]
+            for s, i in row.items()
+        }
     declared = h.attrs.get("labels_shifted")
     src.labels_shifted = None if declared is None else bool(declared)
     mbs = h.attrs.get("micro_batch_size")
@@ -191,7 +220,9 @@ def with_rows(src: BatchSource, dataset: Any, describe: str) -> BatchSource:
     dataset's fingerprint is not the recorded one."""
     got = getattr(dataset, "_fingerprint", None)
     if src.fingerprint is not None and got is not None and str(got) != src.fingerprint:
-        raise BatchError(f"{describe}: dataset fingerprint {got} is not the recorded {src.fingerprint}: not the data the run read")
+        raise BatchError(
+            f"{describe}: dataset fingerprint {got} is not the recorded {src.fingerprint}: not the data the run read"
+        )
 
     def get(step: int) -> dict[str, torch.Tensor]:
         ids = src.sample_ids.get(step)
@@ -200,7 +231,9 @@ def with_rows(src: BatchSource, dataset: Any, describe: str) -> BatchSource:
         try:
             rows = [dataset[i] for i in ids]
         except (IndexError, KeyError) as e:
-            raise BatchError(f"{describe}: sample id of step {step} not in the dataset ({e})") from None
+            raise BatchError(
+                f"{describe}: sample id of step {step} not in the dataset ({e})"
+            ) from None
         out: dict[str, torch.Tensor] = {}
         for k in _KEYS:
             if all(k in r for r in rows):
@@ -224,10 +257,16 @@ def _recorder_dir(root: Path) -> BatchSource:
 
     segs = list_segments(root)
     if not segs:
-        raise BatchError(f"{root}: a directory without flight-recorder segments (segment-*-rank*.h5)")
+        raise BatchError(
+            f"{root}: a directory without flight-recorder segments (segment-*-rank*.h5)"
+        )
     ranks = sorted({r for _, r, _ in segs})
-    per_rank: dict[int, list[BatchSource]] = {r: [_h5(p) for _, rr, p in segs if rr == r] for r in ranks}
-    owner: dict[int, dict[int, BatchSource]] = {r: {s: src for src in srcs for s in src.steps or []} for r, srcs in per_rank.items()}
+    per_rank: dict[int, list[BatchSource]] = {
+        r: [_h5(p) for _, rr, p in segs if rr == r] for r in ranks
+    }
+    owner: dict[int, dict[int, BatchSource]] = {
+        r: {s: src for src in srcs for s in src.steps or []} for r, srcs in per_rank.items()
+    }
     steps = sorted(set.intersection(*(set(o) for o in owner.values())))
 
     def get(step: int) -> dict[str, torch.Tensor]:
@@ -235,10 +274,18 @@ def _recorder_dir(root: Path) -> BatchSource:
         if len(parts) == 1:
             return parts[0]
         width = max(p["input_ids"].shape[1] for p in parts)
-        return {k: torch.cat([pad_rows(p[k], width, k) for p in parts]) for k in parts[0] if all(k in p for p in parts)}
+        return {
+            k: torch.cat([pad_rows(p[k], width, k) for p in parts])
+            for k in parts[0]
+            if all(k in p for p in parts)
+        }
 
     first = per_rank[ranks[0]][0]
-    src = BatchSource(describe=f"{root} (flight recorder, {len(ranks)} rank{'s' if len(ranks) > 1 else ''})", get=get, steps=steps)
+    src = BatchSource(
+        describe=f"{root} (flight recorder, {len(ranks)} rank{'s' if len(ranks) > 1 else ''})",
+        get=get,
+        steps=steps,
+    )
     src.ids_only, src.fingerprint = first.ids_only, first.fingerprint
     for s in steps:
         lead = owner[ranks[0]][s]

@@ -20,12 +20,21 @@ from .records import TensorMatch, local_tensor
 if TYPE_CHECKING:
     from .session import Session
 
-__all__ = ["compare_after", "compare_shard", "merge_matches", "weight_match", "moment_tol", "MATCH_SHARE"]
+__all__ = [
+    "compare_after",
+    "compare_shard",
+    "merge_matches",
+    "weight_match",
+    "moment_tol",
+    "MATCH_SHARE",
+]
 
 log = logging.getLogger(__name__)
 
 
-def compare_after(session: Session, b: Checkpoint, lrs: dict[int, list[float]], only: set[str] | None = None) -> list[TensorMatch]:
+def compare_after(
+    session: Session, b: Checkpoint, lrs: dict[int, list[float]], only: set[str] | None = None
+) -> list[TensorMatch]:
     """Replayed weights and moments against *after*, per tensor (those in `only`, if given).
 
     A weight matches when it is within 1% of one Adam step (k lr) of *after*: a
@@ -44,7 +53,19 @@ def compare_after(session: Session, b: Checkpoint, lrs: dict[int, list[float]], 
         if (only is not None and name not in only) or not b.has(name):
             continue
         if ranks is not None:
-            out.extend(compare_shard(ranks, name, p, state.get(p, {}), session.opt.param_groups[group_of.get(id(p), 0)], b, lrs, group_of.get(id(p), 0), session.precision))
+            out.extend(
+                compare_shard(
+                    ranks,
+                    name,
+                    p,
+                    state.get(p, {}),
+                    session.opt.param_groups[group_of.get(id(p), 0)],
+                    b,
+                    lrs,
+                    group_of.get(id(p), 0),
+                    session.precision,
+                )
+            )
             continue
         gi = group_of.get(id(p), 0)
         g = session.opt.param_groups[gi]
@@ -54,19 +75,36 @@ def compare_after(session: Session, b: Checkpoint, lrs: dict[int, list[float]], 
         mine = p.detach().cpu().to(torch.float32)
         quant = g.get("family") == "adam8bit" and bnb.is_quantised(st_p)
         # The seam to the optimizer's family: its own per-step bound (updates.replay_bound).
-        c, wd = replay_bound({**g, "quantised": quant}, st_p, k, lr, tuple(p.shape), float(mine.pow(2).mean().sqrt()))
-        out.append(weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, wd, mp.reach(session.precision)))
+        c, wd = replay_bound(
+            {**g, "quantised": quant}, st_p, k, lr, tuple(p.shape), float(mine.pow(2).mean().sqrt())
+        )
+        out.append(
+            weight_match(
+                name, mine, ref, b.meta(name).dtype, k * lr, c, wd, mp.reach(session.precision)
+            )
+        )
         st = b.optim_state(name)
         if st_p and g.get("family") == "adam8bit":
-            st_p = {kk: v for kk, v in bnb.with_moments(st_p).items() if kk in ("step", *bnb.DERIVED)}
+            st_p = {
+                kk: v for kk, v in bnb.with_moments(st_p).items() if kk in ("step", *bnb.DERIVED)
+            }
         if st_p and st:
-            pairs = {where: (st_p[where].cpu().float(), st[where].float().view_as(st_p[where])) for where in _shared_state(st_p, st)}
+            pairs = {
+                where: (st_p[where].cpu().float(), st[where].float().view_as(st_p[where]))
+                for where in _shared_state(st_p, st)
+            }
             v = pairs.get("exp_avg_sq")
             for where, (x, y) in pairs.items():
                 # Relative rounding per step, floored at the tensor's own scale: elements
                 # whose true gradient is zero (a key bias, say) hold pure rounding noise.
-                scale = mp.moment_scale(session.precision, where, x, y, *v) if v is not None else torch.maximum(x.abs(), y.abs())
-                tol = moment_tol(scale, float(scale.max()), k, mp.moment_rounding(session.precision))
+                scale = (
+                    mp.moment_scale(session.precision, where, x, y, *v)
+                    if v is not None
+                    else torch.maximum(x.abs(), y.abs())
+                )
+                tol = moment_tol(
+                    scale, float(scale.max()), k, mp.moment_rounding(session.precision)
+                )
                 if quant:
                     tol = tol + _code_tol(state.get(p, {}), where, x)
                 out.append(_match(name, where, x, y, tol, None))
@@ -93,7 +131,15 @@ def _shared_state(mine: dict, after: dict) -> list[str]:
 
 
 def compare_shard(
-    ranks: distributed.Ranks, name: str, p: Any, st_p: dict, g: dict, b: Checkpoint, lrs: dict[int, list[float]], gi: int, precision: str = "fp32"
+    ranks: distributed.Ranks,
+    name: str,
+    p: Any,
+    st_p: dict,
+    g: dict,
+    b: Checkpoint,
+    lrs: dict[int, list[float]],
+    gi: int,
+    precision: str = "fp32",
 ) -> list[TensorMatch]:
     """`compare_after` for one FSDP2-sharded parameter: this rank's rows of the replayed state
     against the same rows of *after* (only those read); the ranks' counts are merged by
@@ -106,34 +152,75 @@ def compare_shard(
     c = adam_ratio_bound(beta1, beta2, max(1, t_end - k + 1), t_end)
     stored = b.meta(name).shape
 
-    def after_rows(read: Callable[[int, int], torch.Tensor], full: Callable[[], torch.Tensor]) -> torch.Tensor:
-        return distributed.local_rows(ranks, p, stored, read, full).float().reshape(local_tensor(p).shape)
+    def after_rows(
+        read: Callable[[int, int], torch.Tensor], full: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        return (
+            distributed.local_rows(ranks, p, stored, read, full)
+            .float()
+            .reshape(local_tensor(p).shape)
+        )
 
     mine = local_tensor(p).detach().cpu().float()
     ref = after_rows(lambda lo, hi: b.rows(name, lo, hi), lambda: b.tensor(name))
-    out = [weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, g["weight_decay"], mp.reach(precision))]
+    out = [
+        weight_match(
+            name, mine, ref, b.meta(name).dtype, k * lr, c, g["weight_decay"], mp.reach(precision)
+        )
+    ]
     st = b.optim_state(name)
     if st_p and st:
         pairs = {}
         for where in ("exp_avg", "exp_avg_sq"):
             x = local_tensor(st_p[where]).cpu().float()
-            y = after_rows(lambda lo, hi, w=where: b.state_rows(name, w, lo, hi), lambda w=where: st[w])
+            y = after_rows(
+                lambda lo, hi, w=where: b.state_rows(name, w, lo, hi), lambda w=where: st[w]
+            )
             pairs[where] = (x, y, torch.maximum(x.abs(), y.abs()))
         vx, vy, _ = pairs["exp_avg_sq"]
-        pairs = {w: (x, y, mp.moment_scale(precision, w, x, y, vx, vy)) for w, (x, y, _) in pairs.items()}
-        tops = ranks.max(torch.stack([s.max() if s.numel() else s.new_zeros(()) for _, _, s in pairs.values()]))
+        pairs = {
+            w: (x, y, mp.moment_scale(precision, w, x, y, vx, vy)) for w, (x, y, _) in pairs.items()
+        }
+        tops = ranks.max(
+            torch.stack([s.max() if s.numel() else s.new_zeros(()) for _, _, s in pairs.values()])
+        )
         for (where, (x, y, scale)), top in zip(pairs.items(), tops.tolist(), strict=True):
-            out.append(_match(name, where, x, y, moment_tol(scale, top, k, mp.moment_rounding(precision)), None))
+            out.append(
+                _match(
+                    name,
+                    where,
+                    x,
+                    y,
+                    moment_tol(scale, top, k, mp.moment_rounding(precision)),
+                    None,
+                )
+            )
         b.forget(name)
     return out
 
 
-def weight_match(name: str, mine: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, klr: float, c: float, wd: float, reach: float = 1.0) -> TensorMatch:
+def weight_match(
+    name: str,
+    mine: torch.Tensor,
+    ref: torch.Tensor,
+    dtype: torch.dtype,
+    klr: float,
+    c: float,
+    wd: float,
+    reach: float = 1.0,
+) -> TensorMatch:
     """A replayed weight against *after*'s: within 1% of the window's Adam steps (k lr) plus
     rounding of the stored dtype; past the bound no Adam step reaches (`impossible`)."""
     ulp = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
     wscale = torch.maximum(mine.abs(), ref.abs())
-    return _match(name, "weight", mine, ref, 0.01 * klr + 4 * ulp * wscale, reach * klr * (c + wd * wscale) * 1.001 + 2 * ulp * wscale)
+    return _match(
+        name,
+        "weight",
+        mine,
+        ref,
+        0.01 * klr + 4 * ulp * wscale,
+        reach * klr * (c + wd * wscale) * 1.001 + 2 * ulp * wscale,
+    )
 
 
 def moment_tol(scale: torch.Tensor, top: float, k: int, rel: float = 1e-3) -> torch.Tensor:
@@ -150,24 +237,39 @@ def merge_matches(ranks: distributed.Ranks, local: list[TensorMatch]) -> list[Te
     for part in ranks.objects(local):
         for m in part:
             o = merged.get((m.name, m.where))
-            merged[(m.name, m.where)] = m if o is None else TensorMatch(
-                name=m.name,
-                where=m.where,
-                max_abs_diff=max(o.max_abs_diff, m.max_abs_diff),
-                mismatched=o.mismatched + m.mismatched,
-                numel=o.numel + m.numel,
-                tolerance=max(o.tolerance, m.tolerance),
-                impossible=o.impossible + m.impossible,
-                worst=max(o.worst, m.worst),
+            merged[(m.name, m.where)] = (
+                m
+                if o is None
+                else TensorMatch(
+                    name=m.name,
+                    where=m.where,
+                    max_abs_diff=max(o.max_abs_diff, m.max_abs_diff),
+                    mismatched=o.mismatched + m.mismatched,
+                    numel=o.numel + m.numel,
+                    tolerance=max(o.tolerance, m.tolerance),
+                    impossible=o.impossible + m.impossible,
+                    worst=max(o.worst, m.worst),
+                )
             )
     return [merged[(m.name, m.where)] for m in local]
 
 
-def _match(name: str, where: str, x: torch.Tensor, y: torch.Tensor, tol: torch.Tensor | float, bound: torch.Tensor | None) -> TensorMatch:
+def _match(
+    name: str,
+    where: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    tol: torch.Tensor | float,
+    bound: torch.Tensor | None,
+) -> TensorMatch:
     diff = (x - y).abs()
     bad = ~(diff <= tol)
     impossible = int((~(diff <= bound)).sum()) if bound is not None else 0
-    ratio = torch.where(diff == 0, 0.0, torch.nan_to_num(diff / torch.as_tensor(tol, dtype=diff.dtype), nan=float("inf")))
+    ratio = torch.where(
+        diff == 0,
+        0.0,
+        torch.nan_to_num(diff / torch.as_tensor(tol, dtype=diff.dtype), nan=float("inf")),
+    )
     return TensorMatch(
         name=name,
         where=where,

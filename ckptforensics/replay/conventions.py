@@ -70,13 +70,19 @@ class LabelConvention:
         return "shifted" if self.shifted else "unshifted"
 
     def describe(self) -> str:
-        what = "next-token targets (labels[t] = input_ids[t+1])" if self.shifted else "the inputs, shifted inside the loss (HF)"
+        what = (
+            "next-token targets (labels[t] = input_ids[t+1])"
+            if self.shifted
+            else "the inputs, shifted inside the loss (HF)"
+        )
         if self.same is None:
             return f"{what}: no labels in the batches"
         return f"{what}: labels == input_ids on {self.same:.1%}, == input_ids shifted by one on {self.next:.1%} of {self.positions} positions"
 
 
-def measure_labels(batches: Iterable[dict[str, torch.Tensor]]) -> tuple[float | None, float | None, int]:
+def measure_labels(
+    batches: Iterable[dict[str, torch.Tensor]],
+) -> tuple[float | None, float | None, int]:
     """(same, next, positions) over the batches: how often `labels[t]` equals `input_ids[t]`
     and `input_ids[t + 1]`, on the positions where the two differ and the label counts.
 
@@ -108,7 +114,12 @@ def measure_labels(batches: Iterable[dict[str, torch.Tensor]]) -> tuple[float | 
     return same / total, nxt / total, total
 
 
-def settle_labels(batches: Iterable[dict[str, torch.Tensor]], declared: bool | None = None, flag: str | None = None, where: str = "the batches") -> LabelConvention:
+def settle_labels(
+    batches: Iterable[dict[str, torch.Tensor]],
+    declared: bool | None = None,
+    flag: str | None = None,
+    where: str = "the batches",
+) -> LabelConvention:
     """The label convention of `batches`, measured; `declared` is what the batch log's
     `labels_shifted` attribute says (None: nothing), `flag` the user's `--labels`.
 
@@ -124,8 +135,16 @@ def settle_labels(batches: Iterable[dict[str, torch.Tensor]], declared: bool | N
     wanted = None if flag is None else flag == "shifted"
     if same is None:  # no labels: the inputs are the targets, shifted by the loss
         if wanted:
-            raise LabelError(f"{where}: --labels shifted, but the batches carry no labels (the inputs are the targets)")
-        return LabelConvention(False, None, None, 0, "no labels in the batches: input_ids are the targets, shifted by the loss")
+            raise LabelError(
+                f"{where}: --labels shifted, but the batches carry no labels (the inputs are the targets)"
+            )
+        return LabelConvention(
+            False,
+            None,
+            None,
+            0,
+            "no labels in the batches: input_ids are the targets, shifted by the loss",
+        )
     figures = f"labels == input_ids on {same:.1%}, == input_ids shifted by one on {nxt:.1%} of {n} positions"
     decided = True if n and nxt >= AGREEMENT else False if n and same >= AGREEMENT else None
     for said, by in ((wanted, "--labels"), (declared, "the batch log's labels_shifted attribute")):
@@ -135,12 +154,22 @@ def settle_labels(batches: Iterable[dict[str, torch.Tensor]], declared: bool | N
                 f"({figures}); drop it or fix the batches"
             )
     if decided is not None:
-        return LabelConvention(decided, same, nxt, n, f"measured from the data (>= {AGREEMENT:.0%} agreement)")
+        return LabelConvention(
+            decided, same, nxt, n, f"measured from the data (>= {AGREEMENT:.0%} agreement)"
+        )
     if wanted is not None:
         return LabelConvention(wanted, same, nxt, n, "--labels (the data does not decide)")
     if declared is not None:
-        return LabelConvention(declared, same, nxt, n, "the batch log's labels_shifted attribute (the data does not decide)")
-    raise LabelError(f"{where}: the labels follow neither convention ({figures}); pass --labels shifted|unshifted")
+        return LabelConvention(
+            declared,
+            same,
+            nxt,
+            n,
+            "the batch log's labels_shifted attribute (the data does not decide)",
+        )
+    raise LabelError(
+        f"{where}: the labels follow neither convention ({figures}); pass --labels shifted|unshifted"
+    )
 
 
 # Names a forward takes its targets under (nanoGPT `targets`, HF/torchtitan/Megatron `labels`).
@@ -171,7 +200,11 @@ class CallConvention:
 
 def _forward_params(model: nn.Module) -> list[inspect.Parameter]:
     try:
-        return [p for p in inspect.signature(model.forward).parameters.values() if p.kind is not p.VAR_KEYWORD and p.kind is not p.VAR_POSITIONAL]
+        return [
+            p
+            for p in inspect.signature(model.forward).parameters.values()
+            if p.kind is not p.VAR_KEYWORD and p.kind is not p.VAR_POSITIONAL
+        ]
     except (TypeError, ValueError):
         return []
 
@@ -190,11 +223,17 @@ def _output_logits(out: Any) -> tuple[torch.Tensor | None, str]:
 def _targets_for(labels: torch.Tensor, shifted: bool, ignore: int) -> torch.Tensor:
     """Next-token targets in the model's own convention (a forward that takes targets expects
     them shifted, as nanoGPT's `Y = data[i + 1 : i + 1 + T]`), ignored positions as `ignore`."""
-    tgt = labels if shifted else torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+    tgt = (
+        labels
+        if shifted
+        else torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+    )
     return torch.where(tgt < 0, torch.full_like(tgt, ignore), tgt)
 
 
-def call_model(model: nn.Module, conv: CallConvention, batch: dict[str, torch.Tensor], shifted: bool) -> Any:
+def call_model(
+    model: nn.Module, conv: CallConvention, batch: dict[str, torch.Tensor], shifted: bool
+) -> Any:
     """One forward as the run's trainer calls it (tensors already on the model's device)."""
     ids = batch["input_ids"]
     kwargs: dict[str, torch.Tensor] = {}
@@ -232,16 +271,31 @@ def detect_call(model: nn.Module, batch: dict[str, torch.Tensor], shifted: bool)
             out = call_model(model, conv, batch, shifted)
         except (IndexError, RuntimeError, ValueError, TypeError) as e:
             if tgt is None and not targets:
-                raise ForensicsError(f"the model's forward fails on the batch ({type(e).__name__}: {str(e).splitlines()[0][:160]}); pass --model or --loss") from None
+                raise ForensicsError(
+                    f"the model's forward fails on the batch ({type(e).__name__}: {str(e).splitlines()[0][:160]}); pass --model or --loss"
+                ) from None
             tried.append(f"{'with ' + tgt if tgt else 'plain call'} fails ({type(e).__name__})")
             continue
         logits, kind = _output_logits(out)
         if logits is not None and logits.dim() == 3 and tuple(logits.shape[:2]) == tuple(ids.shape):
-            how = ("model(input_ids=ids" if keywords else "model(ids") + (", attention_mask=mask" if mask else "")
+            how = ("model(input_ids=ids" if keywords else "model(ids") + (
+                ", attention_mask=mask" if mask else ""
+            )
             how += f", {tgt}=next-token targets)" if tgt else ")"
-            ret = {"logits": "logits", "object": "an output object whose .logits", "tuple": "a tuple whose first item"}[kind]
+            ret = {
+                "logits": "logits",
+                "object": "an output object whose .logits",
+                "tuple": "a tuple whose first item",
+            }[kind]
             extra = f" (without {tgt}: {tried[0]})" if tgt and tried else ""
-            return CallConvention(keywords, mask, tgt, ignore, kind, f"{how} -> {ret} [B, T, V] covers every position{extra}")
+            return CallConvention(
+                keywords,
+                mask,
+                tgt,
+                ignore,
+                kind,
+                f"{how} -> {ret} [B, T, V] covers every position{extra}",
+            )
         shape = f"logits {list(logits.shape)}" if logits is not None else f"a {type(out).__name__}"
         tried.append(f"{'with ' + tgt if tgt else 'plain call'} gives {shape}")
     raise ForensicsError(

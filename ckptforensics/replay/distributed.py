@@ -27,7 +27,19 @@ from torch import nn
 
 from ..errors import Failed, one_line
 
-__all__ = ["Ranks", "current", "start", "stop", "joined", "agree", "params_on_meta", "checkpoint_blocks", "shard_model", "materialize", "local_rows"]
+__all__ = [
+    "Ranks",
+    "current",
+    "start",
+    "stop",
+    "joined",
+    "agree",
+    "params_on_meta",
+    "checkpoint_blocks",
+    "shard_model",
+    "materialize",
+    "local_rows",
+]
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +154,10 @@ def start(device: str) -> Ranks | None:
         dev, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         # A rank that stops without a word must not leave the others waiting for long.
-        dist.init_process_group(backend, timeout=timedelta(minutes=int(os.environ.get("CKPTFORENSICS_DIST_TIMEOUT_MIN", "30"))))
+        dist.init_process_group(
+            backend,
+            timeout=timedelta(minutes=int(os.environ.get("CKPTFORENSICS_DIST_TIMEOUT_MIN", "30"))),
+        )
     mesh = init_device_mesh(dev.type, (world,))
     _return_freed_memory()
     ranks = Ranks(rank=rank, world=world, mesh=mesh, device=dev)
@@ -272,7 +287,11 @@ def shard_model(model: nn.Module, ranks: Ranks, bf16_params: bool = False) -> in
     Returns the number of blocks sharded."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_params else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16_params
+        else MixedPrecisionPolicy()
+    )
     blocks = _blocks(model)
     for block in blocks:
         fully_shard(block, mesh=ranks.mesh, mp_policy=policy)
@@ -308,7 +327,11 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def local_rows(
-    ranks: Ranks, p: torch.Tensor, stored: tuple[int, ...], read_rows: Callable[[int, int], torch.Tensor], read_full: Callable[[], torch.Tensor]
+    ranks: Ranks,
+    p: torch.Tensor,
+    stored: tuple[int, ...],
+    read_rows: Callable[[int, int], torch.Tensor],
+    read_full: Callable[[], torch.Tensor],
 ) -> torch.Tensor:
     """This rank's shard of a tensor for the DTensor `p`: only the shard's rows are read
     where the checkpoint stores it in `p`'s shape, else it is read whole and split (flat

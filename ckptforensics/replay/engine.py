@@ -17,7 +17,16 @@ from .session import Session
 from .settle import diagnose_miss, log_score, settle
 from .window import Plan, plan, run_window
 
-__all__ = ["ReplayConfig", "StepRecord", "TensorMatch", "ReplayResult", "Plan", "Session", "plan", "replay"]
+__all__ = [
+    "ReplayConfig",
+    "StepRecord",
+    "TensorMatch",
+    "ReplayResult",
+    "Plan",
+    "Session",
+    "plan",
+    "replay",
+]
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +36,14 @@ def _check_rebuilt(p: Plan, result: ReplayResult) -> None:
     from .hfdata import require_rebuilt_match
 
     first = result.records[0]
-    require_rebuilt_match(first.step, (first.loss, first.grad_norm), p.logged.get(first.step), p.precision)
+    require_rebuilt_match(
+        first.step, (first.loss, first.grad_norm), p.logged.get(first.step), p.precision
+    )
 
 
-def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, steps: list[int] | None = None) -> ReplayResult:
+def replay(
+    cfg: ReplayConfig, progress: Callable[[str], None] | None = None, steps: list[int] | None = None
+) -> ReplayResult:
     """Replay the window from *before* with probes; compare with *after* when given, and
     every replayed step with the run's own log (`logcheck`).
 
@@ -58,8 +71,14 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
         result.config = p.config(clip, csrc)
         result.logged = {s: p.logged[s] for s in p.steps if s in p.logged}
         result.baseline = p.baseline()
-        result.check = check_against_log(result.records, p.logged, p.precision, p.batches.micro_batch_size, clip)
-        err = (_mismatch_score(result), log_score(result.check)) if p.b is not None else (log_score(result.check), 0.0)
+        result.check = check_against_log(
+            result.records, p.logged, p.precision, p.batches.micro_batch_size, clip
+        )
+        err = (
+            (_mismatch_score(result), log_score(result.check))
+            if p.b is not None
+            else (log_score(result.check), 0.0)
+        )
         if best is None or err < best[0]:
             best = (err, result)
         miss = result.check.first_miss
@@ -68,7 +87,9 @@ def replay(cfg: ReplayConfig, progress: Callable[[str], None] | None = None, ste
         if not todo and best[0][0] > 0 and csrc.startswith("calibrated"):
             # Neither usual setting lands: the other clip norms trainers use, where they
             # would have clipped at all (below the window's largest grad norm).
-            top = max((r.grad_norm for r in result.records if math.isfinite(r.grad_norm)), default=0.0)
+            top = max(
+                (r.grad_norm for r in result.records if math.isfinite(r.grad_norm)), default=0.0
+            )
             how = csrc.split(":")[0]
             todo = [(c, f"{how}: {c:g}") for c in CLIP_CANDIDATES if c not in tried and c < top]
     assert best is not None

@@ -33,7 +33,14 @@ from ..errors import ForensicsError
 from .batches import BatchError, BatchSource
 from .paths import resolve_recorded
 
-__all__ = ["trainer_batches", "require_rebuilt_match", "REBUILT_LOSS_RTOL", "REBUILT_GRAD_RTOL", "STANDARD_COLLATORS", "Collator"]
+__all__ = [
+    "trainer_batches",
+    "require_rebuilt_match",
+    "REBUILT_LOSS_RTOL",
+    "REBUILT_GRAD_RTOL",
+    "STANDARD_COLLATORS",
+    "Collator",
+]
 
 # The first replayed step's loss (and pre-clip grad norm, where logged) from a rebuilt
 # batch against the log. The same batch from the same weights lands within float noise
@@ -62,14 +69,20 @@ def open_dataset(spec: str) -> Any:
         try:
             import datasets
         except ImportError:
-            raise BatchError("--data DIR needs the datasets package (pip install 'ckptforensics[hf]')") from None
+            raise BatchError(
+                "--data DIR needs the datasets package (pip install 'ckptforensics[hf]')"
+            ) from None
         try:
             ds = datasets.load_from_disk(str(path))
         except (FileNotFoundError, ValueError, OSError) as e:
-            raise BatchError(f"--data {spec}: not a dataset saved with save_to_disk ({str(e).splitlines()[0][:160]})") from None
+            raise BatchError(
+                f"--data {spec}: not a dataset saved with save_to_disk ({str(e).splitlines()[0][:160]})"
+            ) from None
         if isinstance(ds, datasets.DatasetDict):
             if "train" not in ds:
-                raise BatchError(f"--data {spec}: a DatasetDict without a 'train' split (splits: {', '.join(ds)})")
+                raise BatchError(
+                    f"--data {spec}: a DatasetDict without a 'train' split (splits: {', '.join(ds)})"
+                )
             ds = ds["train"]
         return ds
     if ":" in spec:
@@ -85,8 +98,14 @@ def _arguments(record: dict[str, Any], tmp: str) -> Any:
     from transformers import TrainingArguments
 
     accepted = set(inspect.signature(TrainingArguments.__init__).parameters)
-    kept = {k: record[k] for k in _DATA_FIELDS if k in record and k in accepted and record[k] is not None}
-    return TrainingArguments(output_dir=tmp, report_to=[], use_cpu=True, dataloader_num_workers=0, **kept)
+    kept = {
+        k: record[k]
+        for k in _DATA_FIELDS
+        if k in record and k in accepted and record[k] is not None
+    }
+    return TrainingArguments(
+        output_dir=tmp, report_to=[], use_cpu=True, dataloader_num_workers=0, **kept
+    )
 
 
 class _Signature(torch.nn.Module):
@@ -117,7 +136,11 @@ def _model_forward(config: dict[str, Any] | None) -> Any:
 # the collator is code). The last two need the run's tokenizer (its pad id and padding side),
 # which the Trainer does save beside each checkpoint when it had one (`processing_class`, or
 # the collator's own `tokenizer` when there was none).
-STANDARD_COLLATORS = ("default_data_collator", "DataCollatorForLanguageModeling(mlm=False)", "DataCollatorWithPadding")
+STANDARD_COLLATORS = (
+    "default_data_collator",
+    "DataCollatorForLanguageModeling(mlm=False)",
+    "DataCollatorWithPadding",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,19 +166,36 @@ def _tokenizer(ckpt_dir: Path | None, record: dict[str, Any], data: str) -> tupl
         places.append((ckpt_dir, f"the tokenizer saved in {ckpt_dir.name}"))
         out = record.get("output_dir")
         data_path = Path(data) if Path(data).exists() else None
-        found = resolve_recorded(out if isinstance(out, str) else None, ckpt_dir.parent, data_path, holds=lambda p: (p / "tokenizer.json").is_file())
+        found = resolve_recorded(
+            out if isinstance(out, str) else None,
+            ckpt_dir.parent,
+            data_path,
+            holds=lambda p: (p / "tokenizer.json").is_file(),
+        )
         if found is not None and found.path.absolute() != ckpt_dir.absolute():
-            places.append((found.path, f"the tokenizer saved in the run's output_dir ({found.how})"))
+            places.append(
+                (found.path, f"the tokenizer saved in the run's output_dir ({found.how})")
+            )
     for where, label in places:
         if not (where / "tokenizer.json").is_file():
             continue
         try:
             from transformers import AutoTokenizer
 
-            return AutoTokenizer.from_pretrained(str(where), local_files_only=True, trust_remote_code=False), label
+            return AutoTokenizer.from_pretrained(
+                str(where), local_files_only=True, trust_remote_code=False
+            ), label
         except Exception as e:  # an unreadable tokenizer in untrusted input: the candidates that need it are skipped
-            log.warning("%s: the tokenizer does not load (%s: %s)", where, type(e).__name__, str(e).splitlines()[0][:160] if str(e) else "")
-    return None, "no tokenizer.json in the checkpoint (the Trainer saves its processing_class there) nor in the run's output_dir"
+            log.warning(
+                "%s: the tokenizer does not load (%s: %s)",
+                where,
+                type(e).__name__,
+                str(e).splitlines()[0][:160] if str(e) else "",
+            )
+    return (
+        None,
+        "no tokenizer.json in the checkpoint (the Trainer saves its processing_class there) nor in the run's output_dir",
+    )
 
 
 def _standard(tok: Any, tok_src: str) -> list[Collator]:
@@ -170,8 +210,20 @@ def _standard(tok: Any, tok_src: str) -> list[Collator]:
     if tok is None:
         return out
     pad = f"pad id {tok.pad_token_id}, {tok.padding_side} padding; {tok_src}"
-    out.append(Collator(f"DataCollatorForLanguageModeling(mlm=False; {pad})", DataCollatorForLanguageModeling(tok, mlm=False), "DataCollatorForLanguageModeling(mlm=False)"))
-    out.append(Collator(f"DataCollatorWithPadding({pad})", DataCollatorWithPadding(tok), "DataCollatorWithPadding"))
+    out.append(
+        Collator(
+            f"DataCollatorForLanguageModeling(mlm=False; {pad})",
+            DataCollatorForLanguageModeling(tok, mlm=False),
+            "DataCollatorForLanguageModeling(mlm=False)",
+        )
+    )
+    out.append(
+        Collator(
+            f"DataCollatorWithPadding({pad})",
+            DataCollatorWithPadding(tok),
+            "DataCollatorWithPadding",
+        )
+    )
     return out
 
 
@@ -183,7 +235,11 @@ def _given(spec: str, tok: Any, tok_src: str) -> Collator:
 
     obj = load_callable(spec, "--collator")
     try:
-        required = [p.name for p in inspect.signature(obj).parameters.values() if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        required = [
+            p.name
+            for p in inspect.signature(obj).parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
     except (TypeError, ValueError):
         required = []
     if required not in (["tokenizer"], ["processing_class"]):
@@ -193,8 +249,14 @@ def _given(spec: str, tok: Any, tok_src: str) -> Collator:
     try:
         built = obj(tok)
     except Exception as e:  # the user's factory failing on the run's tokenizer is bad input
-        raise BatchError(f"--collator {spec}: building it with {tok_src} failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
-    return Collator(f"{spec}(tokenizer) (--collator; pad id {tok.pad_token_id}, {tok.padding_side} padding; {tok_src})", built, f"{spec}(tokenizer) (--collator)")
+        raise BatchError(
+            f"--collator {spec}: building it with {tok_src} failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+        ) from None
+    return Collator(
+        f"{spec}(tokenizer) (--collator; pad id {tok.pad_token_id}, {tok.padding_side} padding; {tok_src})",
+        built,
+        f"{spec}(tokenizer) (--collator)",
+    )
 
 
 class _Active:
@@ -243,7 +305,9 @@ def trainer_batches(
             per process, or unreadable data.
     """
     if not record:
-        raise BatchError("--data needs the run's training_args.bin in the checkpoint (the batch size, seed and accumulation)")
+        raise BatchError(
+            "--data needs the run's training_args.bin in the checkpoint (the batch size, seed and accumulation)"
+        )
     if world_size > 1 and record.get("average_tokens_across_devices") is False:
         raise BatchError(
             f"this run trained on {world_size} processes with average_tokens_across_devices=False: each process divided its loss by its own "
@@ -255,7 +319,9 @@ def trainer_batches(
         raise BatchError("--data needs transformers (pip install 'ckptforensics[hf]')") from None
     ds = open_dataset(data)
     if not hasattr(ds, "__len__"):
-        raise BatchError(f"--data {data}: an iterable dataset has no sampler to rebuild; pass --batch")
+        raise BatchError(
+            f"--data {data}: an iterable dataset has no sampler to rebuild; pass --batch"
+        )
     tok, tok_src = _tokenizer(ckpt_dir, record, data)
     collators = [_given(collator, tok, tok_src)] if collator else _standard(tok, tok_src)
     active = _Active()
@@ -263,10 +329,17 @@ def trainer_batches(
     with tempfile.TemporaryDirectory() as tmp:
         try:
             args = _arguments(record, tmp)
-            trainer = Trainer(model=_Signature(_model_forward(config)), args=args, train_dataset=ds, data_collator=active)
+            trainer = Trainer(
+                model=_Signature(_model_forward(config)),
+                args=args,
+                train_dataset=ds,
+                data_collator=active,
+            )
             loader = trainer.get_train_dataloader()
         except (TypeError, ValueError, KeyError) as e:
-            raise BatchError(f"--data {data}: the Trainer cannot build the run's dataloader ({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+            raise BatchError(
+                f"--data {data}: the Trainer cannot build the run's dataloader ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+            ) from None
         finally:
             torch.random.set_rng_state(state)
     accum = int(record.get("gradient_accumulation_steps") or 1)
@@ -275,7 +348,10 @@ def trainer_batches(
     seed = record.get("data_seed") or record.get("seed")
     out = []
     for c in collators:
-        src = BatchSource(describe=f"{data} (rebuilt: the Trainer's sampler, seed {seed}{procs}; collator {c.name})", get=partial(plan.batch, collator=c))
+        src = BatchSource(
+            describe=f"{data} (rebuilt: the Trainer's sampler, seed {seed}{procs}; collator {c.name})",
+            get=partial(plan.batch, collator=c),
+        )
         src.micro_batch_size = int(record.get("per_device_train_batch_size") or 8)
         src.rebuilt = True
         src.sample_ids = plan.ids
@@ -293,9 +369,13 @@ class _StepPlan:
     micro-batches r, r + world, ... (accelerate's `BatchSamplerShard`) and an update is
     every process's `accum` micro-batches, process 0's first."""
 
-    def __init__(self, loader: Any, accum: int, world: int = 1, active: _Active | None = None) -> None:
+    def __init__(
+        self, loader: Any, accum: int, world: int = 1, active: _Active | None = None
+    ) -> None:
         self.loader, self.accum, self.world, self.active = loader, accum, world, active
-        self.epochs: list[list[list[list[int]] | None]] = []  # epoch -> update -> micro-batch -> indices (None: not rebuilt)
+        self.epochs: list[
+            list[list[list[int]] | None]
+        ] = []  # epoch -> update -> micro-batch -> indices (None: not rebuilt)
         self.ids: dict[int, list[int]] = {}  # step -> dataset index of each row, as fetched
 
     def _epoch(self, e: int) -> list[list[list[int]]]:
@@ -308,7 +388,9 @@ class _StepPlan:
                 sampler.sampler.set_epoch(n)
             micro = [list(b) for b in sampler]
             if not micro:
-                raise BatchError("the rebuilt dataloader is empty (the dataset is smaller than one batch with drop_last)")
+                raise BatchError(
+                    "the rebuilt dataloader is empty (the dataset is smaller than one batch with drop_last)"
+                )
             self.epochs.append(self._updates(micro))
         return self.epochs[e]
 
@@ -324,8 +406,13 @@ class _StepPlan:
             whole -= w
         per_rank = [micro[r:whole:w] for r in range(w)]
         n = len(per_rank[0])
-        updates: list[list[list[int]] | None] = [[b for r in range(w) for b in per_rank[r][i : i + self.accum]] for i in range(0, n, self.accum)]
-        if whole < len(micro):  # the epoch's last update takes what is left, evened out by accelerate
+        updates: list[list[list[int]] | None] = [
+            [b for r in range(w) for b in per_rank[r][i : i + self.accum]]
+            for i in range(0, n, self.accum)
+        ]
+        if whole < len(
+            micro
+        ):  # the epoch's last update takes what is left, evened out by accelerate
             if n % self.accum:
                 updates[-1] = None
             else:
@@ -354,32 +441,48 @@ class _StepPlan:
             self.active.fn = collator.fn
         try:
             parts = [self.loader.collate_fn([self.loader.dataset[i] for i in idx]) for idx in micro]
-        except Exception as e:  # the collator's failure on these rows (its own code): this candidate does not fit
+        except (
+            Exception
+        ) as e:  # the collator's failure on these rows (its own code): this candidate does not fit
             msg = str(e).splitlines()[0][:160] if str(e) else ""
             name = collator.short or collator.name
-            err = BatchError(f"collator {name} cannot collate the rows of step {step} ({type(e).__name__}: {msg})")
+            err = BatchError(
+                f"collator {name} cannot collate the rows of step {step} ({type(e).__name__}: {msg})"
+            )
             err.brief = f"{name} cannot collate ({type(e).__name__}: {msg[:80]})"  # type: ignore[attr-defined]  # for choose_batches' one line
             raise err from None
         if any(not isinstance(p, Mapping) or "input_ids" not in p for p in parts):
-            raise BatchError(f"collator {collator.short or collator.name} gives no input_ids for step {step}")
+            raise BatchError(
+                f"collator {collator.short or collator.name} gives no input_ids for step {step}"
+            )
         keys = [k for k in ("input_ids", "attention_mask", "labels") if all(k in p for p in parts)]
         width = max(p["input_ids"].shape[1] for p in parts)
         fill = {"input_ids": 0, "attention_mask": 0, "labels": -100}
-        return {k: torch.cat([_pad(torch.as_tensor(p[k]), width, fill[k]) for p in parts]) for k in keys}
+        return {
+            k: torch.cat([_pad(torch.as_tensor(p[k]), width, fill[k]) for p in parts]) for k in keys
+        }
 
 
 def _pad(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
     """Right-pad a micro-batch to the step's widest (dynamic padding pads per micro-batch);
     pads carry mask 0 and label -100, so no loss or attention reads them."""
-    return t if t.shape[1] == width else torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+    return (
+        t
+        if t.shape[1] == width
+        else torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+    )
 
 
-def require_rebuilt_match(step: int, replayed: tuple[float, float], logged: dict[str, float] | None, precision: str) -> None:
+def require_rebuilt_match(
+    step: int, replayed: tuple[float, float], logged: dict[str, float] | None, precision: str
+) -> None:
     """The rebuilt batch of the first replayed step must give the loss (and the grad norm,
     where logged) the log recorded; else a one-line error and nothing is diagnosed."""
     loss, grad = replayed
     if not logged or "loss" not in logged:
-        raise ForensicsError(f"the rebuilt batches cannot be checked: the log has no loss for step {step}; pass --batch")
+        raise ForensicsError(
+            f"the rebuilt batches cannot be checked: the log has no loss for step {step}; pass --batch"
+        )
     checks = [("loss", loss, logged["loss"], REBUILT_LOSS_RTOL.get(precision, 5e-3))]
     if "grad_norm" in logged:
         checks.append(("grad norm", grad, logged["grad_norm"], REBUILT_GRAD_RTOL))

@@ -16,7 +16,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LOSS_RTOL", "GRAD_RTOL", "TOLERANCE_SOURCE", "StepCheck", "LogCheck", "check_against_log", "log_rounding"]
+__all__ = [
+    "LOSS_RTOL",
+    "GRAD_RTOL",
+    "TOLERANCE_SOURCE",
+    "StepCheck",
+    "LogCheck",
+    "check_against_log",
+    "log_rounding",
+]
 
 # Relative tolerance of a replayed step's loss against the logged one, per precision. The same
 # batch from the same weights replays within float noise on the same kernels (2e-7 relative,
@@ -28,7 +36,9 @@ LOSS_RTOL = {"fp32": 1e-3, "bf16": 5e-3, "fp16": 5e-3}
 # Grad norms spread by tens of percent between batches and by well under a percent across
 # devices in fp32; low-precision gradients by a few percent.
 GRAD_RTOL = {"fp32": 1e-2, "bf16": 3e-2, "fp16": 3e-2}
-TOLERANCE_SOURCE = "docs/signatures.md#replay-vs-log (float noise across devices vs batch-to-batch spread)"
+TOLERANCE_SOURCE = (
+    "docs/signatures.md#replay-vs-log (float noise across devices vs batch-to-batch spread)"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +97,27 @@ class LogCheck:
             "first_miss": miss.step if miss else None,
             "loss_as": self.loss_as,
             "grad_as": self.grad_as,
-            "tolerance": {"loss_rtol": self.loss_rtol, "loss_atol": self.loss_atol, "grad_rtol": self.grad_rtol, "source": TOLERANCE_SOURCE},
+            "tolerance": {
+                "loss_rtol": self.loss_rtol,
+                "loss_atol": self.loss_atol,
+                "grad_rtol": self.grad_rtol,
+                "source": TOLERANCE_SOURCE,
+            },
             "note": self.note,
             "steps": [
-                {k: getattr(c, k) for k in ("step", "loss", "logged_loss", "loss_ok", "grad_norm", "logged_grad_norm", "grad_ok")} for c in self.checks
+                {
+                    k: getattr(c, k)
+                    for k in (
+                        "step",
+                        "loss",
+                        "logged_loss",
+                        "loss_ok",
+                        "grad_norm",
+                        "logged_grad_norm",
+                        "grad_ok",
+                    )
+                }
+                for c in self.checks
             ],
         }
 
@@ -121,11 +148,17 @@ def _micro_means(rec: Any, micro: int | None) -> list[float]:
     out = []
     for i in range(0, len(loss), micro):
         n = sum(tok[i : i + micro])
-        out.append(sum(a * b for a, b in zip(loss[i : i + micro], tok[i : i + micro], strict=True)) / n if n else math.nan)
+        out.append(
+            sum(a * b for a, b in zip(loss[i : i + micro], tok[i : i + micro], strict=True)) / n
+            if n
+            else math.nan
+        )
     return out
 
 
-def _loss_candidates(s: int, recs: dict[int, Any], prev_logged: int | None, micro: int | None) -> list[tuple[str, float]]:
+def _loss_candidates(
+    s: int, recs: dict[int, Any], prev_logged: int | None, micro: int | None
+) -> list[tuple[str, float]]:
     """What the log's loss at step s may be, in the order trainers log it."""
     out: list[tuple[str, float]] = []
     spacing = s - prev_logged if prev_logged is not None else 1
@@ -134,9 +167,13 @@ def _loss_candidates(s: int, recs: dict[int, Any], prev_logged: int | None, micr
     else:
         span = range(prev_logged + 1, s + 1)  # type: ignore[operator]
         if all(t in recs for t in span):
-            out.append(("the step's loss", recs[s].loss))  # a point sample every `spacing` steps (nanoGPT)
+            out.append(
+                ("the step's loss", recs[s].loss)
+            )  # a point sample every `spacing` steps (nanoGPT)
             vals = [recs[t].loss for t in span]
-            out.append((f"the mean over the logging interval ({spacing} steps)", sum(vals) / len(vals)))
+            out.append(
+                (f"the mean over the logging interval ({spacing} steps)", sum(vals) / len(vals))
+            )
     means = _micro_means(recs[s], micro) if out else []
     if means:
         out.append(("the last micro-batch's loss (nanoGPT's lossf)", means[-1]))
@@ -161,7 +198,9 @@ def check_against_log(
     clipped one. A column that is zero on every logged line was never computed (Megatron-
     DeepSpeed's grad norm): it is not checked.
     """
-    check = LogCheck(loss_rtol=LOSS_RTOL.get(precision, 5e-3), grad_rtol=GRAD_RTOL.get(precision, 3e-2))
+    check = LogCheck(
+        loss_rtol=LOSS_RTOL.get(precision, 5e-3), grad_rtol=GRAD_RTOL.get(precision, 3e-2)
+    )
     recs = {r.step: r for r in records}
     if not recs or not logged:
         check.note = "no training log" if not logged else "nothing replayed"
@@ -183,24 +222,44 @@ def check_against_log(
             prev = max((t for t in loss_steps if t < s), default=None)
             cands = _loss_candidates(s, recs, prev, micro_batch_size)
             if chosen is None and cands:
-                hit = next((name for name, v in cands if _close(v, row["loss"], check.loss_rtol, check.loss_atol)), None)
+                hit = next(
+                    (
+                        name
+                        for name, v in cands
+                        if _close(v, row["loss"], check.loss_rtol, check.loss_atol)
+                    ),
+                    None,
+                )
                 chosen = hit or cands[0][0]
                 check.loss_as = chosen
             value = next((v for name, v in cands if name == chosen), None)
             if value is not None:
-                c = StepCheck(step=s, loss=value, logged_loss=row["loss"], loss_ok=_close(value, row["loss"], check.loss_rtol, check.loss_atol))
+                c = StepCheck(
+                    step=s,
+                    loss=value,
+                    logged_loss=row["loss"],
+                    loss_ok=_close(value, row["loss"], check.loss_rtol, check.loss_atol),
+                )
             else:
                 skipped.append(s)
         if "grad_norm" in row and grad_alive:
             g, lg = recs[s].grad_norm, row["grad_norm"]
             ok = _close(g, lg, check.grad_rtol, 0.0)
-            if not ok and clip and math.isfinite(g) and g > clip and _close(clip, lg, check.grad_rtol, 0.0):
+            if (
+                not ok
+                and clip
+                and math.isfinite(g)
+                and g > clip
+                and _close(clip, lg, check.grad_rtol, 0.0)
+            ):
                 ok, check.grad_as = True, "the clipped grad norm"
             c = StepCheck(c.step, c.loss, c.logged_loss, g, lg, c.loss_ok, ok)
         check.checks.append(c)
     notes = []
     if skipped:
-        notes.append(f"steps {skipped} not checked: their logged loss summarises steps before the window")
+        notes.append(
+            f"steps {skipped} not checked: their logged loss summarises steps before the window"
+        )
     if grads and not grad_alive:
         notes.append("the log's grad norm is 0 on every line (never computed): not checked")
     if not any(c.checked for c in check.checks):

@@ -41,7 +41,16 @@ from .paths import resolve_recorded
 __all__ = ["IndexedTokens", "GPTSamples", "megatron_batches", "is_megatron_data"]
 
 _HEADER = b"MMIDIDX\x00\x00"
-_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+_DTYPES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 
 
 @dataclass
@@ -66,14 +75,18 @@ class IndexedTokens:
             (code,) = struct.unpack_from("<B", raw, 17)
             n_seq, n_doc = struct.unpack_from("<QQ", raw, 18)
             if version != 1 or code not in _DTYPES:
-                raise BatchError(f"{idx}: Megatron index version {version}, dtype code {code}: not one this reader knows")
+                raise BatchError(
+                    f"{idx}: Megatron index version {version}, dtype code {code}: not one this reader knows"
+                )
             off = 34
             lengths = np.frombuffer(raw, np.int32, n_seq, off)
             pointers = np.frombuffer(raw, np.int64, n_seq, off + lengths.nbytes)
             documents = np.frombuffer(raw, np.int64, n_doc, off + lengths.nbytes + pointers.nbytes)
             data = np.memmap(bin_, dtype=np.uint8, mode="r")
         except (OSError, ValueError, struct.error) as e:
-            raise BatchError(f"{prefix}: unreadable Megatron indexed dataset ({type(e).__name__}: {e})") from None
+            raise BatchError(
+                f"{prefix}: unreadable Megatron indexed dataset ({type(e).__name__}: {e})"
+            ) from None
         dtype = _DTYPES[code]
         end = int(pointers[-1]) + int(lengths[-1]) * np.dtype(dtype).itemsize if n_seq else 0
         if end > data.size:
@@ -110,10 +123,19 @@ class GPTSamples:
         if d0 == d1:
             parts = [self.tokens.get(int(self.document_index[d0]), o0, o1 - o0 + 1)]
         else:
-            parts = [self.tokens.get(int(self.document_index[k]), o0 if k == d0 else 0, None if k < d1 else o1 + 1) for k in range(d0, d1 + 1)]
+            parts = [
+                self.tokens.get(
+                    int(self.document_index[k]), o0 if k == d0 else 0, None if k < d1 else o1 + 1
+                )
+                for k in range(d0, d1 + 1)
+            ]
         out = np.concatenate(parts).astype(np.int64)
-        if out.size < self.sequence_length + 1:  # the dataset's last sample: GPTDataset pads with the tokenizer's pad id
-            raise BatchError(f"sample {i} is short ({out.size} of {self.sequence_length + 1} tokens): the end of the data")
+        if (
+            out.size < self.sequence_length + 1
+        ):  # the dataset's last sample: GPTDataset pads with the tokenizer's pad id
+            raise BatchError(
+                f"sample {i} is short ({out.size} of {self.sequence_length + 1} tokens): the end of the data"
+            )
         return out
 
 
@@ -121,7 +143,9 @@ def _load_index(path: Path) -> np.ndarray:
     try:
         return np.load(path, allow_pickle=False, mmap_mode="r")
     except (OSError, ValueError) as e:
-        raise BatchError(f"{path}: not a plain GPTDataset index ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+        raise BatchError(
+            f"{path}: not a plain GPTDataset index ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        ) from None
 
 
 def _find(root: Path, pattern: str) -> list[Path]:
@@ -132,10 +156,16 @@ def is_megatron_data(path: Path) -> bool:
     """A dir (or its subdirs) with an indexed dataset and GPTDataset caches, or a prefix."""
     if path.with_name(path.name + ".idx").is_file():
         return True
-    return path.is_dir() and bool(_find(path, "*.idx")) and bool(_find(path, "*-GPTDataset-train-sample_index.npy"))
+    return (
+        path.is_dir()
+        and bool(_find(path, "*.idx"))
+        and bool(_find(path, "*-GPTDataset-train-sample_index.npy"))
+    )
 
 
-def _caches(root: Path, seq_length: int | None, seed: int | None) -> list[tuple[Path, dict[str, Any]]]:
+def _caches(
+    root: Path, seq_length: int | None, seed: int | None
+) -> list[tuple[Path, dict[str, Any]]]:
     """GPTDataset train caches under `root` (or one level down) built for this sequence
     length and seed (their description.txt)."""
     out = []
@@ -144,13 +174,19 @@ def _caches(root: Path, seq_length: int | None, seed: int | None) -> list[tuple[
             d = json.loads(desc.read_text())
         except (OSError, ValueError):
             continue
-        if (seq_length is None or d.get("sequence_length") == seq_length) and (seed is None or d.get("random_seed") == seed):
+        if (seq_length is None or d.get("sequence_length") == seq_length) and (
+            seed is None or d.get("random_seed") == seed
+        ):
             out.append((desc, d))
     return out
 
 
 def open_samples(
-    data: Path, seq_length: int | None = None, seed: int | None = None, cache: Path | None = None, prefix: Path | None = None
+    data: Path,
+    seq_length: int | None = None,
+    seed: int | None = None,
+    cache: Path | None = None,
+    prefix: Path | None = None,
 ) -> GPTSamples:
     """The GPTDataset of `data`: a directory holding one indexed dataset and its caches (in
     it or one level down), or a dataset prefix; `prefix` names the dataset when `data` is a
@@ -162,7 +198,9 @@ def open_samples(
     elif prefix is None:
         idx = _find(data, "*.idx")
         if len(idx) != 1:
-            raise BatchError(f"--data {data}: {len(idx)} indexed datasets (*.idx); pass the one the run trained on as a prefix")
+            raise BatchError(
+                f"--data {data}: {len(idx)} indexed datasets (*.idx); pass the one the run trained on as a prefix"
+            )
         prefix, root = idx[0].with_suffix(""), data
     else:
         root = data if data.is_dir() and data in prefix.parents else prefix.parent
@@ -177,7 +215,14 @@ def open_samples(
     desc, d = caches[0]
     base = desc.name.removesuffix("description.txt")
     get = lambda affix: _load_index(desc.with_name(base + affix))  # noqa: E731
-    samples = GPTSamples(IndexedTokens.open(prefix), get("document_index.npy"), get("sample_index.npy"), get("shuffle_index.npy"), int(d["sequence_length"]), d)
+    samples = GPTSamples(
+        IndexedTokens.open(prefix),
+        get("document_index.npy"),
+        get("sample_index.npy"),
+        get("shuffle_index.npy"),
+        int(d["sequence_length"]),
+        d,
+    )
     samples.cache_dir = desc.parent
     return samples
 
@@ -198,38 +243,59 @@ def _is_number(x: str) -> bool:
     return True
 
 
-def _locate(data: Path, args: dict[str, Any], run_dir: Path | None, seq: int | None) -> tuple[Path | None, Path | None, list[str]]:
+def _locate(
+    data: Path, args: dict[str, Any], run_dir: Path | None, seq: int | None
+) -> tuple[Path | None, Path | None, list[str]]:
     """(the dataset prefix when `--data` does not name one, the caches' dir, what was used):
     the run's `--data-path` and `--data-cache-path`, resolved (`paths.resolve_recorded`)."""
     said: list[str] = []
     prefix = None
-    named = data.with_name(data.name + ".idx").is_file() or (data.is_dir() and len(_find(data, "*.idx")) == 1)
+    named = data.with_name(data.name + ".idx").is_file() or (
+        data.is_dir() and len(_find(data, "*.idx")) == 1
+    )
     recorded = _recorded_prefix(args)
     if not named and recorded is not None:
         is_prefix = lambda p: p.with_name(p.name + ".idx").is_file()  # noqa: E731
-        under = [p.with_suffix("") for p in _find(data, Path(recorded).name + ".idx")] if data.is_dir() else []
+        under = (
+            [p.with_suffix("") for p in _find(data, Path(recorded).name + ".idx")]
+            if data.is_dir()
+            else []
+        )
         if len(under) == 1:
             prefix = under[0]
-            said.append(f"dataset {prefix} (the run's --data-path {recorded}, by name under --data)")
-        elif (found := resolve_recorded(recorded, run_dir or data, data, holds=is_prefix)) is not None:
+            said.append(
+                f"dataset {prefix} (the run's --data-path {recorded}, by name under --data)"
+            )
+        elif (
+            found := resolve_recorded(recorded, run_dir or data, data, holds=is_prefix)
+        ) is not None:
             prefix = found.path
             said.append(f"dataset: --data-path {found.how}")
     cache = None
     has = lambda p: p.is_dir() and bool(_caches(p, seq, args.get("seed")))  # noqa: E731
-    found = resolve_recorded(args.get("data_cache_path") if isinstance(args.get("data_cache_path"), str) else None, run_dir or data, data, holds=has)
+    found = resolve_recorded(
+        args.get("data_cache_path") if isinstance(args.get("data_cache_path"), str) else None,
+        run_dir or data,
+        data,
+        holds=has,
+    )
     if found is not None:
         cache = found.path
         said.append(f"caches: --data-cache-path {found.how}")
     return prefix, cache, said
 
 
-def megatron_batches(data: str, args: dict[str, Any] | None, run_dir: Path | None = None) -> BatchSource:
+def megatron_batches(
+    data: str, args: dict[str, Any] | None, run_dir: Path | None = None
+) -> BatchSource:
     """The global batch of every step from the run's data: step s is iteration s - 1,
     samples (s - 1) x global_batch_size onwards; `labels` are next-token targets.
     `run_dir`: the directory holding the run's checkpoints (`--save`), against which the
     paths the run recorded relative to its launch directory are resolved."""
     if not args:
-        raise BatchError("--data needs the run's Megatron args in the checkpoint (global batch size, sequence length, seed)")
+        raise BatchError(
+            "--data needs the run's Megatron args in the checkpoint (global batch size, sequence length, seed)"
+        )
     gbs, seq = args.get("global_batch_size"), args.get("seq_length")
     if not isinstance(gbs, int) or gbs < 1:
         raise BatchError("--data: the checkpoint's args give no global_batch_size")
@@ -241,7 +307,9 @@ def megatron_batches(data: str, args: dict[str, Any] | None, run_dir: Path | Non
     n_steps = len(samples) // gbs
 
     def get(step: int) -> dict[str, torch.Tensor]:
-        text = torch.from_numpy(np.stack([samples.text(i) for i in range((step - 1) * gbs, step * gbs)]))
+        text = torch.from_numpy(
+            np.stack([samples.text(i) for i in range((step - 1) * gbs, step * gbs)])
+        )
         return {"input_ids": text[:, :-1].contiguous(), "labels": text[:, 1:].contiguous()}
 
     mbs = args.get("micro_batch_size")

@@ -77,7 +77,9 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
     return fn
 
 
-def _factory_kwargs(fn: Callable[..., Any], config: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+def _factory_kwargs(
+    fn: Callable[..., Any], config: dict[str, Any] | None
+) -> tuple[dict[str, Any], bool]:
     """The checkpoint's model config restricted to what the factory's signature accepts.
 
     Returns:
@@ -95,7 +97,11 @@ def _factory_kwargs(fn: Callable[..., Any], config: dict[str, Any] | None) -> tu
     # sub-module): never built from a checkpoint, so never passed; the default stands.
     config = {k: v for k, v in config.items() if not _class_spec(v)}
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return {k: v for k, v in config.items() if _plain_value(v) or (k in params and params[k].kind in named)}, True
+        return {
+            k: v
+            for k, v in config.items()
+            if _plain_value(v) or (k in params and params[k].kind in named)
+        }, True
     return {k: v for k, v in config.items() if k in params and params[k].kind in named}, False
 
 
@@ -172,7 +178,11 @@ def build_model(spec: str | None, ckpt: Checkpoint) -> tuple[nn.Module, str]:
         built = _from_recorded_config(ckpt)
         if built is not None:
             return built
-    if spec is None or spec.endswith("config.json") or (Path(spec).is_dir() and (Path(spec) / "config.json").is_file()):
+    if (
+        spec is None
+        or spec.endswith("config.json")
+        or (Path(spec).is_dir() and (Path(spec) / "config.json").is_file())
+    ):
         return _hf_model(spec, ckpt), f"transformers from {'config.json' if spec is None else spec}"
     fn = load_callable(spec, "--model")
     model, desc = _call_factory(fn, spec, ckpt.config)
@@ -199,11 +209,15 @@ def _from_recorded_config(ckpt: Checkpoint) -> tuple[nn.Module, str] | None:
         try:
             from litgpt import GPT, Config  # type: ignore[import-not-found]
         except ImportError:
-            raise ModelSpecError(f"{ckpt.path}: building a LitGPT model needs litgpt (pip install litgpt), or pass --model module:factory") from None
+            raise ModelSpecError(
+                f"{ckpt.path}: building a LitGPT model needs litgpt (pip install litgpt), or pass --model module:factory"
+            ) from None
         import dataclasses
 
         known = {f.name for f in dataclasses.fields(Config)}
-        return GPT(Config(**{k: v for k, v in cfg.items() if k in known})), "litgpt.GPT from model_config.yaml"
+        return GPT(
+            Config(**{k: v for k, v in cfg.items() if k in known})
+        ), "litgpt.GPT from model_config.yaml"
     if ckpt.format == "lightning" and cfg:
         if "_class_path" in cfg:
             return lightning_module_from_class_path(ckpt)
@@ -248,12 +262,18 @@ def lightning_module_from_class_path(ckpt: Checkpoint) -> tuple[nn.Module, str]:
     mod_name, _, cls_name = path.rpartition(".")
     top = mod_name.split(".")[0]
     if top == "__main__":
-        raise ModelSpecError(f"{where} is a class of the training script itself (__main__); pass --model path/to/script.py:{cls_name}")
+        raise ModelSpecError(
+            f"{where} is a class of the training script itself (__main__); pass --model path/to/script.py:{cls_name}"
+        )
     bases = _lightning_module_classes()
     if not bases:
-        raise ModelSpecError(f"{where}: building a LightningModule needs lightning installed (pip install lightning), or pass --model module:factory")
+        raise ModelSpecError(
+            f"{where}: building a LightningModule needs lightning installed (pip install lightning), or pass --model module:factory"
+        )
     if top in sys.stdlib_module_names or top in sys.builtin_module_names:
-        raise ModelSpecError(f"{where} is not a LightningModule (standard library); refused, pass --model module:factory")
+        raise ModelSpecError(
+            f"{where} is not a LightningModule (standard library); refused, pass --model module:factory"
+        )
     try:
         found = importlib.util.find_spec(top) is not None
     except (ImportError, ValueError):
@@ -264,21 +284,38 @@ def lightning_module_from_class_path(ckpt: Checkpoint) -> tuple[nn.Module, str]:
         )
     try:
         module = importlib.import_module(mod_name)
-    except Exception as e:  # the named module exists but fails to import: bad input, said in one line
-        raise ModelSpecError(f"{where}: import failed ({type(e).__name__}: {e}); pass --model module:factory") from None
+    except (
+        Exception
+    ) as e:  # the named module exists but fails to import: bad input, said in one line
+        raise ModelSpecError(
+            f"{where}: import failed ({type(e).__name__}: {e}); pass --model module:factory"
+        ) from None
     cls = getattr(module, cls_name, None)
     # Checked before anything is called: only a LightningModule subclass is ever instantiated.
     if not (isinstance(cls, type) and issubclass(cls, bases)):
-        kind = "a class" if isinstance(cls, type) else "missing" if cls is None else type(cls).__name__
-        raise ModelSpecError(f"{where} is not a LightningModule subclass ({kind}); refused, pass --model module:factory")
+        kind = (
+            "a class" if isinstance(cls, type) else "missing" if cls is None else type(cls).__name__
+        )
+        raise ModelSpecError(
+            f"{where} is not a LightningModule subclass ({kind}); refused, pass --model module:factory"
+        )
     args = {k: v for k, v in cfg.items() if k not in _LIGHTNING_CLI_KEYS}
-    return _call_factory(cls, path, args, what=where, source="(class and arguments from the checkpoint's hyper_parameters class path, LightningCLI)")
+    return _call_factory(
+        cls,
+        path,
+        args,
+        what=where,
+        source="(class and arguments from the checkpoint's hyper_parameters class path, LightningCLI)",
+    )
 
 
 def _lightning_module_classes() -> tuple[type, ...]:
     """`LightningModule` of each lightning flavour installed (lightning 2.x, pytorch_lightning)."""
     found = []
-    for top, mod in (("lightning", "lightning.pytorch"), ("pytorch_lightning", "pytorch_lightning")):
+    for top, mod in (
+        ("lightning", "lightning.pytorch"),
+        ("pytorch_lightning", "pytorch_lightning"),
+    ):
         try:
             if importlib.util.find_spec(top) is None:
                 continue
@@ -310,17 +347,29 @@ def trainer_loss_norm(model: nn.Module, ckpt: Checkpoint) -> LossNorm:
     if hasattr(model, "accepts_loss_kwargs"):
         accepts = bool(model.accepts_loss_kwargs)
     else:
-        accepts = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+        accepts = any(
+            p.kind is inspect.Parameter.VAR_KEYWORD
+            for p in inspect.signature(model.forward).parameters.values()
+        )
     if not accepts:
-        return LossNorm("micro", "HF Trainer: the model takes no loss kwargs, so each micro-batch's mean / gradient_accumulation_steps")
+        return LossNorm(
+            "micro",
+            "HF Trainer: the model takes no loss kwargs, so each micro-batch's mean / gradient_accumulation_steps",
+        )
     try:
         from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     except ImportError:
-        return LossNorm("targets", "HF Trainer num_items_in_batch (transformers not importable: assumed shifted)")
+        return LossNorm(
+            "targets",
+            "HF Trainer num_items_in_batch (transformers not importable: assumed shifted)",
+        )
     loss_type = getattr(model, "loss_type", None)
     enc_dec = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
     if LOSS_MAPPING.get(loss_type) is ForCausalLMLoss and not enc_dec:
-        return LossNorm("targets", f"HF Trainer: sum / num_items_in_batch, counted over labels[..., 1:] (loss_type {loss_type!r})")
+        return LossNorm(
+            "targets",
+            f"HF Trainer: sum / num_items_in_batch, counted over labels[..., 1:] (loss_type {loss_type!r})",
+        )
     return LossNorm(
         "labels",
         f"HF Trainer: sum / num_items_in_batch, counted over every label != -100 before the shift (loss_type {loss_type!r}: "
@@ -337,18 +386,28 @@ def _hf_model(spec: str | None, ckpt: Checkpoint) -> nn.Module:
     elif ckpt.config and "model_type" in ckpt.config:
         cfg = ckpt.config
     else:
-        raise ModelSpecError(f"{ckpt.path}: no config.json to build the model from; pass --model module:factory")
+        raise ModelSpecError(
+            f"{ckpt.path}: no config.json to build the model from; pass --model module:factory"
+        )
     try:
         import transformers
     except ImportError:
-        raise ModelSpecError("building the model from config.json needs transformers: pip install 'ckptforensics[hf]'") from None
+        raise ModelSpecError(
+            "building the model from config.json needs transformers: pip install 'ckptforensics[hf]'"
+        ) from None
     try:
         config = transformers.AutoConfig.for_model(**cfg)
         archs = cfg.get("architectures") or []
         cls = getattr(transformers, archs[0], None) if archs else None
-        return cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
+        return (
+            cls(config)
+            if cls is not None
+            else transformers.AutoModelForCausalLM.from_config(config)
+        )
     except Exception as e:  # a config transformers cannot build
-        raise ModelSpecError(f"cannot build the model from config.json ({type(e).__name__}: {e})") from None
+        raise ModelSpecError(
+            f"cannot build the model from config.json ({type(e).__name__}: {e})"
+        ) from None
 
 
 def _prefix_map(model_keys: list[str], ckpt_names: set[str]) -> Callable[[str], str]:
@@ -362,7 +421,9 @@ def _prefix_map(model_keys: list[str], ckpt_names: set[str]) -> Callable[[str], 
     for n in sorted(ckpt_names):
         if n.endswith("." + first):
             pre = n[: -len(first)]
-            if sum(pre + k in ckpt_names for k in model_keys) > sum(k in ckpt_names for k in model_keys):
+            if sum(pre + k in ckpt_names for k in model_keys) > sum(
+                k in ckpt_names for k in model_keys
+            ):
                 return lambda key, pre=pre: pre + key
     return lambda k: k
 
@@ -392,7 +453,14 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, ranks: Any = None) -> Calla
                 new[key] = ref
                 continue
             # A weight the model ties to another (GPT-2's lm_head to wte): HF stores it once.
-            twin = next((t for t in ties.get(key, ()) if ckpt.aliases.get(to_ckpt(t), to_ckpt(t)) in ckpt.names()), None)
+            twin = next(
+                (
+                    t
+                    for t in ties.get(key, ())
+                    if ckpt.aliases.get(to_ckpt(t), to_ckpt(t)) in ckpt.names()
+                ),
+                None,
+            )
             if twin is not None:
                 ckpt.aliases.setdefault(name, ckpt.aliases.get(to_ckpt(twin), to_ckpt(twin)))
                 src = ckpt.aliases[name]
@@ -430,7 +498,13 @@ def _fill_shard(param: Any, ckpt: Checkpoint, name: str, ranks: Any) -> None:
     """Copy this rank's rows of checkpoint tensor `name` into the DTensor `param`."""
     from .distributed import local_rows
 
-    local = local_rows(ranks, param, ckpt.meta(name).shape, lambda lo, hi: ckpt.rows(name, lo, hi), lambda: ckpt.tensor(name))
+    local = local_rows(
+        ranks,
+        param,
+        ckpt.meta(name).shape,
+        lambda lo, hi: ckpt.rows(name, lo, hi),
+        lambda: ckpt.tensor(name),
+    )
     with torch.no_grad():
         param.to_local().copy_(local)
 
@@ -440,12 +514,19 @@ def _model_ties(model: nn.Module) -> dict[str, tuple[str, ...]]:
     by_param: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         by_param.setdefault(id(p), []).append(n)
-    return {n: tuple(o for o in group if o != n) for group in by_param.values() if len(group) > 1 for n in group}
+    return {
+        n: tuple(o for o in group if o != n)
+        for group in by_param.values()
+        if len(group) > 1
+        for n in group
+    }
 
 
 def _is_derived_buffer(model: nn.Module, key: str) -> bool:
     """Non-persistent-like buffers (rotary inv_freq, causal masks) rebuilt by the model itself."""
-    return key not in dict(model.named_parameters()) and key.endswith(("inv_freq", "attn.bias", "masked_bias", "position_ids"))
+    return key not in dict(model.named_parameters()) and key.endswith(
+        ("inv_freq", "attn.bias", "masked_bias", "position_ids")
+    )
 
 
 class OptimizerChain(torch.optim.Optimizer):
@@ -489,7 +570,9 @@ def _family_class(family: str, impl: str) -> Any:
         try:
             from transformers.optimization import Adafactor
         except ImportError:
-            raise ForensicsError("replaying transformers' Adafactor needs transformers (pip install 'ckptforensics[hf]')") from None
+            raise ForensicsError(
+                "replaying transformers' Adafactor needs transformers (pip install 'ckptforensics[hf]')"
+            ) from None
         return Adafactor
     if family == "adafactor":
         return torch.optim.Adafactor
@@ -497,7 +580,9 @@ def _family_class(family: str, impl: str) -> Any:
         try:
             from lion_pytorch import Lion
         except ImportError:
-            raise ForensicsError("replaying Lion needs its package: pip install lion-pytorch") from None
+            raise ForensicsError(
+                "replaying Lion needs its package: pip install lion-pytorch"
+            ) from None
         return Lion
     if family == "muon":
         return torch.optim.Muon
@@ -515,14 +600,18 @@ def _family_class(family: str, impl: str) -> Any:
             finally:
                 quiet.setLevel(level)
         except ImportError:
-            raise ForensicsError("replaying 8-bit Adam needs its package: pip install bitsandbytes") from None
+            raise ForensicsError(
+                "replaying 8-bit Adam needs its package: pip install bitsandbytes"
+            ) from None
         # Adam8bit and AdamW8bit are one Optimizer2State("adam"): decay applied as w (1 - lr wd).
         return bnb.optim.AdamW8bit
     if family == "lamb" and impl.startswith("pytorch_optimizer"):
         try:
             from pytorch_optimizer import Lamb
         except ImportError:
-            raise ForensicsError("replaying pytorch_optimizer's Lamb needs its package: pip install pytorch_optimizer") from None
+            raise ForensicsError(
+                "replaying pytorch_optimizer's Lamb needs its package: pip install pytorch_optimizer"
+            ) from None
         return Lamb
     if family == "lamb" and impl:
         raise ForensicsError(
@@ -536,20 +625,55 @@ def _family_class(family: str, impl: str) -> Any:
 _CLASS_KEYS = {
     "adam": ("lr", "betas", "eps", "weight_decay"),
     "adafactor-torch": ("lr", "beta2_decay", "eps", "d", "weight_decay", "maximize"),
-    "adafactor-transformers": ("lr", "eps", "clip_threshold", "decay_rate", "beta1", "weight_decay", "scale_parameter", "relative_step", "warmup_init"),
+    "adafactor-transformers": (
+        "lr",
+        "eps",
+        "clip_threshold",
+        "decay_rate",
+        "beta1",
+        "weight_decay",
+        "scale_parameter",
+        "relative_step",
+        "warmup_init",
+    ),
     "lion": ("lr", "betas", "weight_decay"),
-    "muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn"),
+    "muon": (
+        "lr",
+        "weight_decay",
+        "momentum",
+        "nesterov",
+        "ns_coefficients",
+        "eps",
+        "ns_steps",
+        "adjust_lr_fn",
+    ),
     "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
     "adam8bit": ("lr", "betas", "eps", "weight_decay"),
     # pytorch_optimizer's Lamb; `pre_norm` is an attribute, not saved: its default (False).
-    "lamb": ("lr", "betas", "eps", "weight_decay", "weight_decouple", "fixed_decay", "rectify", "grad_averaging", "max_grad_norm", "adam"),
+    "lamb": (
+        "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "weight_decouple",
+        "fixed_decay",
+        "rectify",
+        "grad_averaging",
+        "max_grad_norm",
+        "adam",
+    ),
 }
 
 
 def _group_args(h: Any, key: str) -> dict[str, Any]:
     """A saved group's hyper-parameters as its class's constructor takes them."""
     o = h.options
-    vals: dict[str, Any] = {"lr": h.lr, "betas": h.betas, "weight_decay": h.weight_decay, **{k: v for k, v in o.items() if k != "implementation"}}
+    vals: dict[str, Any] = {
+        "lr": h.lr,
+        "betas": h.betas,
+        "weight_decay": h.weight_decay,
+        **{k: v for k, v in o.items() if k != "implementation"},
+    }
     if key.startswith("adafactor"):
         eps1 = None if not math.isfinite(h.eps) else h.eps
         vals["eps"] = (eps1, o.get("eps2", 1e-3))
@@ -564,10 +688,16 @@ def _group_args(h: Any, key: str) -> dict[str, Any]:
     # transformers' Adafactor takes lr=None (relative step); every other None means "the
     # class's default".
     keep_none = ("lr",) if key == "adafactor-transformers" else ()
-    return {k: vals[k] for k in _CLASS_KEYS[key] if k in vals and (vals[k] is not None or k in keep_none)}
+    return {
+        k: vals[k]
+        for k in _CLASS_KEYS[key]
+        if k in vals and (vals[k] is not None or k in keep_none)
+    }
 
 
-def build_optimizer(model: nn.Module, ckpt: Checkpoint, to_ckpt: Callable[[str], str], ranks: Any = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, ckpt: Checkpoint, to_ckpt: Callable[[str], str], ranks: Any = None
+) -> torch.optim.Optimizer:
     """The run's optimizer rebuilt with its framework's own class, its param groups,
     hyper-parameters and state (with `ranks`, Adam's moments as the DTensor shard of their
     parameter: only those rows read).
@@ -582,9 +712,18 @@ def build_optimizer(model: nn.Module, ckpt: Checkpoint, to_ckpt: Callable[[str],
     """
     opt = ckpt.optimizer
     if opt is None:
-        raise ForensicsError(f"{ckpt.path}: no optimizer state; replay needs the moments to reproduce the update")
+        raise ForensicsError(
+            f"{ckpt.path}: no optimizer state; replay needs the moments to reproduce the update"
+        )
     fams = {h.family for h in opt.groups}
-    unknown = sorted({h.family for h in opt.groups if h.family != "none" and _family_class(h.family, str(h.options.get("implementation", ""))) is None})
+    unknown = sorted(
+        {
+            h.family
+            for h in opt.groups
+            if h.family != "none"
+            and _family_class(h.family, str(h.options.get("implementation", ""))) is None
+        }
+    )
     if unknown:
         what = unknown[0].removeprefix("unknown:")
         raise ForensicsError(
@@ -593,7 +732,9 @@ def build_optimizer(model: nn.Module, ckpt: Checkpoint, to_ckpt: Callable[[str],
             "`ckptforensics diff` still compares the weights"
         )
     if ranks is not None and fams - {"adam", "none"}:
-        raise ForensicsError(f"{ckpt.path}: a torchrun replay rebuilds Adam(W) only; run this {'+'.join(sorted(fams))} replay in one process")
+        raise ForensicsError(
+            f"{ckpt.path}: a torchrun replay rebuilds Adam(W) only; run this {'+'.join(sorted(fams))} replay in one process"
+        )
     groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in opt.groups]
     for key, p in model.named_parameters():
         if not p.requires_grad:
@@ -601,7 +742,9 @@ def build_optimizer(model: nn.Module, ckpt: Checkpoint, to_ckpt: Callable[[str],
         name = ckpt.aliases.get(to_ckpt(key), to_ckpt(key))
         h = opt.hyper.get(name)
         if h is None:
-            raise IncompatibleCheckpoints(f"{ckpt.path}: parameter {name} is in no optimizer param group")
+            raise IncompatibleCheckpoints(
+                f"{ckpt.path}: parameter {name} is in no optimizer param group"
+            )
         groups[h.index].append((name, p))
     # One optimizer per saved optimizer (groups keep their order within it).
     built: list[torch.optim.Optimizer] = []
@@ -612,31 +755,57 @@ def build_optimizer(model: nn.Module, ckpt: Checkpoint, to_ckpt: Callable[[str],
         h0 = opt.groups[mine[0]]
         fam = h0.family if h0.family != "none" else "adam"
         impl = str(h0.options.get("implementation", ""))
-        key = "adafactor-transformers" if fam == "adafactor" and impl.startswith("transformers") else "adafactor-torch" if fam == "adafactor" else fam
+        key = (
+            "adafactor-transformers"
+            if fam == "adafactor" and impl.startswith("transformers")
+            else "adafactor-torch"
+            if fam == "adafactor"
+            else fam
+        )
         cls = _family_class(fam, impl)
         param_groups = [
-            {"params": [p for _, p in groups[gi]], **_group_args(opt.groups[gi], key), "family": fam, "implementation": impl} for gi in mine
+            {
+                "params": [p for _, p in groups[gi]],
+                **_group_args(opt.groups[gi], key),
+                "family": fam,
+                "implementation": impl,
+            }
+            for gi in mine
         ]
         if fam == "adam":
             # The saved implementation: HF Trainer's default is fused AdamW, whose rounding differs.
             fused = all(opt.groups[gi].fused for gi in mine)
-            o = torch.optim.AdamW(param_groups, fused=True) if fused else torch.optim.AdamW(param_groups)
+            o = (
+                torch.optim.AdamW(param_groups, fused=True)
+                if fused
+                else torch.optim.AdamW(param_groups)
+            )
         else:
             try:
                 o = cls(param_groups)
             except (TypeError, ValueError) as e:
-                raise ForensicsError(f"{ckpt.path}: cannot rebuild {cls.__name__} from the saved param groups ({e})") from None
+                raise ForensicsError(
+                    f"{ckpt.path}: cannot rebuild {cls.__name__} from the saved param groups ({e})"
+                ) from None
             for g, gi in zip(o.param_groups, mine, strict=True):
                 step = opt.groups[gi].options.get("step")
                 if fam == "lamb" and isinstance(step, (int, float)):
-                    g["step"] = int(step)  # pytorch_optimizer counts steps in the group (its bias correction)
+                    g["step"] = int(
+                        step
+                    )  # pytorch_optimizer counts steps in the group (its bias correction)
         for gi in mine:
             for name, p in groups[gi]:
                 st = opt.state.get(name)
                 if not st:
                     continue
                 if ranks is not None and hasattr(p, "to_local"):
-                    o.state[p] = {"step": torch.tensor(float(st["step"])), **{k: _shard_moment(p, ckpt, name, k, ranks) for k in ("exp_avg", "exp_avg_sq")}}
+                    o.state[p] = {
+                        "step": torch.tensor(float(st["step"])),
+                        **{
+                            k: _shard_moment(p, ckpt, name, k, ranks)
+                            for k in ("exp_avg", "exp_avg_sq")
+                        },
+                    }
                     ckpt.forget(name)
                     continue
                 o.state[p] = _state_for(fam, key, st, p)
@@ -653,13 +822,25 @@ def _state_for(fam: str, key: str, st: dict[str, Any], p: nn.Parameter) -> dict[
         # bitsandbytes' own layout: uint8 codes, maps and scales as saved, an int step.
         from ..formats import bnb
 
-        return {k: int(float(v)) if k == "step" else v.to(p.device).clone() if isinstance(v, torch.Tensor) else v for k, v in bnb.raw_state(st).items()}
+        return {
+            k: int(float(v))
+            if k == "step"
+            else v.to(p.device).clone()
+            if isinstance(v, torch.Tensor)
+            else v
+            for k, v in bnb.raw_state(st).items()
+        }
     for k, v in st.items():
         if k == "step":
             out[k] = int(float(v)) if key == "adafactor-transformers" else torch.tensor(float(v))
         elif isinstance(v, torch.Tensor):
             t = v.to(p.device, torch.float32).clone()
-            out[k] = t.view_as(p) if t.numel() == p.numel() and k in ("exp_avg", "exp_avg_sq", "momentum_buffer", "variance") else t
+            out[k] = (
+                t.view_as(p)
+                if t.numel() == p.numel()
+                and k in ("exp_avg", "exp_avg_sq", "momentum_buffer", "variance")
+                else t
+            )
         else:
             out[k] = v
     return out
@@ -673,7 +854,9 @@ def _shard_moment(p: Any, ckpt: Checkpoint, name: str, field: str, ranks: Any) -
 
     st = ckpt.optim_state(name)
     stored = tuple(ckpt.meta(name).shape) if ckpt.has(name) else ()
-    local = local_rows(ranks, p, stored, lambda lo, hi: ckpt.state_rows(name, field, lo, hi), lambda: st[field])
+    local = local_rows(
+        ranks, p, stored, lambda lo, hi: ckpt.state_rows(name, field, lo, hi), lambda: st[field]
+    )
     local = local.to(p.device, torch.float32).reshape(p.to_local().shape)
     return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
@@ -693,9 +876,18 @@ def padding_rows_trained(model: nn.Module, opt: torch.optim.Optimizer) -> list[s
         if not isinstance(m, nn.Embedding):
             continue
         v = (opt.state.get(m.weight) or {}).get("exp_avg_sq")
-        if not isinstance(v, torch.Tensor) or hasattr(v, "to_local") or v.dim() != 2 or v.shape != m.weight.shape:
+        if (
+            not isinstance(v, torch.Tensor)
+            or hasattr(v, "to_local")
+            or v.dim() != 2
+            or v.shape != m.weight.shape
+        ):
             continue
-        frozen = torch.nonzero((v.abs().sum(1) == 0) & (m.weight.detach().abs().sum(1) == 0)).flatten().tolist()
+        frozen = (
+            torch.nonzero((v.abs().sum(1) == 0) & (m.weight.detach().abs().sum(1) == 0))
+            .flatten()
+            .tolist()
+        )
         was = m.padding_idx
         if len(frozen) == 1:
             m.padding_idx = frozen[0]

@@ -38,7 +38,11 @@ _DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64"
 
 
 def is_olmo_checkpoint(path: Path) -> bool:
-    return (path / "train" / "rank0.pt").is_file() and (path / "config.json").is_file() and (path / "model_and_optim").is_dir()
+    return (
+        (path / "train" / "rank0.pt").is_file()
+        and (path / "config.json").is_file()
+        and (path / "model_and_optim").is_dir()
+    )
 
 
 def _run_config(ckpt_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -50,10 +54,14 @@ def _run_config(ckpt_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict[st
         cfg = json.loads((ckpt_dir / "config.json").read_text())
         state, _ = load_torch_file(ckpt_dir / "train" / "rank0.pt")
     except (OSError, ValueError) as e:
-        raise BatchError(f"{ckpt_dir}: no OLMo-core run config or train state ({type(e).__name__}: {e})") from None
+        raise BatchError(
+            f"{ckpt_dir}: no OLMo-core run config or train state ({type(e).__name__}: {e})"
+        ) from None
     ds, dl = cfg.get("dataset") or {}, cfg.get("data_loader") or {}
     if not str(ds.get("_CLASS_", "")).endswith("NumpyFSLDatasetConfig"):
-        raise BatchError(f"{ckpt_dir}: --data rebuilds OLMo-core's NumpyFSLDataset; this run's dataset is {ds.get('_CLASS_')}: pass --batch")
+        raise BatchError(
+            f"{ckpt_dir}: --data rebuilds OLMo-core's NumpyFSLDataset; this run's dataset is {ds.get('_CLASS_')}: pass --batch"
+        )
     loader = state.get("data_loader") if isinstance(state, dict) else None
     return ds, dl, loader if isinstance(loader, dict) else {}
 
@@ -65,9 +73,13 @@ def olmo_batches(data: str, ckpt_dir: Path) -> BatchSource:
     seq = int(ds.get("sequence_length") or loader.get("sequence_length") or 0)
     gbs, seed = dl.get("global_batch_size"), dl.get("seed", loader.get("seed"))
     if seq < 1 or not isinstance(gbs, int) or gbs % seq or not isinstance(seed, int):
-        raise BatchError(f"{ckpt_dir}: the run's config gives no usable sequence length, global batch size (tokens) and seed")
+        raise BatchError(
+            f"{ckpt_dir}: the run's config gives no usable sequence length, global batch size (tokens) and seed"
+        )
     if int(dl.get("chunk_size", 1) or 1) != 1:
-        raise BatchError(f"{ckpt_dir}: data_loader.chunk_size {dl.get('chunk_size')}: only chunk_size 1 is rebuilt; pass --batch")
+        raise BatchError(
+            f"{ckpt_dir}: data_loader.chunk_size {dl.get('chunk_size')}: only chunk_size 1 is rebuilt; pass --batch"
+        )
     dtype = _DTYPES.get(str(ds.get("dtype", "uint16")))
     if dtype is None:
         raise BatchError(f"{ckpt_dir}: dataset dtype {ds.get('dtype')} is not a token dtype")
@@ -98,12 +110,21 @@ def olmo_batches(data: str, ckpt_dir: Path) -> BatchSource:
             order = np.arange(n, dtype=np.uint32)
             np.random.Generator(np.random.PCG64(seed=seed + epoch)).shuffle(order)
             orders[epoch] = order
-        ids = torch.from_numpy(np.stack([instance(int(i)) for i in orders[epoch][b * ipb : (b + 1) * ipb]]))
-        labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100, dtype=ids.dtype)], dim=1)
+        ids = torch.from_numpy(
+            np.stack([instance(int(i)) for i in orders[epoch][b * ipb : (b + 1) * ipb]])
+        )
+        labels = torch.cat(
+            [ids[:, 1:], torch.full((ids.shape[0], 1), -100, dtype=ids.dtype)], dim=1
+        )
         return {"input_ids": ids, "labels": labels}
 
     shown = "; ".join(said[:3]) + (f"; {len(said) - 3} more" if len(said) > 3 else "")
-    src = BatchSource(describe=f"{data} (OLMo-core NumpyFSLDataset, {n} instances, {ipb} a batch, seed {seed}; token files: {shown})", get=get, labels_shifted=True, rebuilt=True)
+    src = BatchSource(
+        describe=f"{data} (OLMo-core NumpyFSLDataset, {n} instances, {ipb} a batch, seed {seed}; token files: {shown})",
+        get=get,
+        labels_shifted=True,
+        rebuilt=True,
+    )
     return src
 
 
@@ -113,7 +134,10 @@ def _token_file(recorded: str, root: Path, run_dir: Path) -> tuple[Path, str]:
     launch directory (`resolve_recorded`)."""
     rel = Path(recorded)
     if not rel.is_absolute():
-        for f, how in ((root / rel, f"{recorded} under --data"), (root / rel.name, f"{rel.name} in --data")):
+        for f, how in (
+            (root / rel, f"{recorded} under --data"),
+            (root / rel.name, f"{rel.name} in --data"),
+        ):
             if f.is_file():
                 return f, how
     elif (root / rel.name).is_file():

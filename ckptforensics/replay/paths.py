@@ -39,7 +39,10 @@ def _bases(run_dir: Path, data: Path | None) -> list[tuple[Path, str]]:
 
 
 def resolve_recorded(
-    recorded: str | None, run_dir: Path, data: Path | None = None, holds: Callable[[Path], bool] = Path.exists
+    recorded: str | None,
+    run_dir: Path,
+    data: Path | None = None,
+    holds: Callable[[Path], bool] = Path.exists,
 ) -> Resolved | None:
     """Where the run's recorded path is now: as recorded when absolute, else against the run
     directory, its parents, and `--data`'s parent, in that order; the first where `holds`

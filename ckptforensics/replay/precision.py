@@ -107,7 +107,10 @@ def candidates(ckpt: Checkpoint, requested: str = "auto") -> list[tuple[str, str
     if torch.bfloat16 in dtypes:
         if ckpt.scalars.get("fp32_masters"):
             return [("bf16-params", "bf16 weights with fp32 master weights in the optimizer state")]
-        return [("bf16", "bf16 weights in the checkpoint"), ("bf16-params", "bf16 weights in the checkpoint (bf16 compute on fp32 masters)")]
+        return [
+            ("bf16", "bf16 weights in the checkpoint"),
+            ("bf16-params", "bf16 weights in the checkpoint (bf16 compute on fp32 masters)"),
+        ]
     # fp32 weights say nothing of the compute: an FSDP2 run with a bf16 policy and an
     # autocast run both keep fp32 weights. fp32 first (no evidence of anything else).
     return [
@@ -136,13 +139,18 @@ def _stated(ckpt: Checkpoint) -> tuple[str, str] | None:
     mp = ckpt.scalars.get("mixed_precision") or {}
     param = str(mp.get("param_dtype") or tc.get("mixed_precision_param") or "")
     if param in ("bfloat16", "torch.bfloat16", "bf16"):
-        return "bf16-params", str(mp.get("source") or "job config training.mixed_precision_param=bfloat16")
+        return "bf16-params", str(
+            mp.get("source") or "job config training.mixed_precision_param=bfloat16"
+        )
     if param in ("float32", "torch.float32", "fp32") and mp:
         return "fp32", str(mp.get("source"))
     ds = tc.get("ds_config") if isinstance(tc.get("ds_config"), dict) else None
     if ds is not None:
         if _flag(ds.get("bf16")) or _flag(ds.get("bfloat16")):
-            return "bf16-params", "ds_config bf16.enabled (bf16 weights, fp32 partitions in the optimizer)"
+            return (
+                "bf16-params",
+                "ds_config bf16.enabled (bf16 weights, fp32 partitions in the optimizer)",
+            )
         if _flag(ds.get("fp16")):
             return "fp16", "ds_config fp16.enabled"
     if tc.get("megatron"):
@@ -169,20 +177,38 @@ def _megatron_bf16(tc: dict[str, Any], masters: bool) -> str:
     said += [f"{k}={policy[k]}" for k in ("main_params_dtype", "main_grads_dtype") if k in policy]
     if policy.get("accumulate_allreduce_grads_in_fp32") is True:
         mbs = tc.get("micro_batch_size")
-        per = f"each micro-batch of micro_batch_size={mbs} rows" if isinstance(mbs, int) else "each micro-batch"
-        said.append(f"accumulate_allreduce_grads_in_fp32=True ({per} backpropagated in bf16, its gradient summed in fp32)")
+        per = (
+            f"each micro-batch of micro_batch_size={mbs} rows"
+            if isinstance(mbs, int)
+            else "each micro-batch"
+        )
+        said.append(
+            f"accumulate_allreduce_grads_in_fp32=True ({per} backpropagated in bf16, its gradient summed in fp32)"
+        )
     if "use_distributed_optimizer" in policy:
         said.append(f"use_distributed_optimizer={policy['use_distributed_optimizer']}")
     off = []
-    if policy.get("accumulate_allreduce_grads_in_fp32") is False or policy.get("grad_reduce_in_bf16"):
-        off.append("gradients accumulated in bf16 (the replay takes one bf16 gradient of the whole batch, in fp32)")
+    if policy.get("accumulate_allreduce_grads_in_fp32") is False or policy.get(
+        "grad_reduce_in_bf16"
+    ):
+        off.append(
+            "gradients accumulated in bf16 (the replay takes one bf16 gradient of the whole batch, in fp32)"
+        )
     if policy.get("main_params_dtype") not in (None, "torch.float32"):
         off.append(f"main params in {policy['main_params_dtype']}")
-    off += [f"{k}={policy[k]}" for k in ("exp_avg_dtype", "exp_avg_sq_dtype") if policy.get(k) not in (None, "torch.float32")]
+    off += [
+        f"{k}={policy[k]}"
+        for k in ("exp_avg_dtype", "exp_avg_sq_dtype")
+        if policy.get(k) not in (None, "torch.float32")
+    ]
     if policy.get("fp8"):
         off.append(f"fp8={policy['fp8']}")
     text = "Megatron args " + ", ".join(said)
-    text += "; the weights read (and replayed from) are the optimizer's fp32 main params" if masters else "; the checkpoint's fp32 main params were not read: the weights are its bf16 ones"
+    text += (
+        "; the weights read (and replayed from) are the optimizer's fp32 main params"
+        if masters
+        else "; the checkpoint's fp32 main params were not read: the weights are its bf16 ones"
+    )
     return text + (f"; not modelled: {', '.join(off)}" if off else "")
 
 
@@ -249,7 +275,11 @@ def fp32_micro_batches(ckpt: Checkpoint) -> int | None:
     tc = ckpt.scalars.get("train_config") or {}
     policy = tc.get("megatron_precision") or {}
     mbs = tc.get("micro_batch_size")
-    if not tc.get("megatron") or policy.get("bf16") is not True or policy.get("accumulate_allreduce_grads_in_fp32") is not True:
+    if (
+        not tc.get("megatron")
+        or policy.get("bf16") is not True
+        or policy.get("accumulate_allreduce_grads_in_fp32") is not True
+    ):
         return None
     return mbs if isinstance(mbs, int) and mbs > 0 else None
 
@@ -279,7 +309,11 @@ def reach(precision: str) -> float:
 def tolerance(precision: str) -> dict[str, str]:
     """The tolerance a replay in `precision` is held to against *after*, as the report states it
     (compare.weight_match, compare.moment_tol)."""
-    first = "; the first moment's relative to the gradient's size (sqrt of the second)" if precision in ("bf16", "bf16-params") else ""
+    first = (
+        "; the first moment's relative to the gradient's size (sqrt of the second)"
+        if precision in ("bf16", "bf16-params")
+        else ""
+    )
     return {
         "weights": f"1% of the window's Adam steps (k x lr) plus 4 ulp of after's dtype; impossible past {reach(precision):g} x the Adam bound",
         "moments": f"{moment_rounding(precision):.3g} relative per replayed step ({precision}){first}",
@@ -287,7 +321,9 @@ def tolerance(precision: str) -> dict[str, str]:
     }
 
 
-def moment_scale(precision: str, where: str, x: torch.Tensor, y: torch.Tensor, vx: torch.Tensor, vy: torch.Tensor) -> torch.Tensor:
+def moment_scale(
+    precision: str, where: str, x: torch.Tensor, y: torch.Tensor, vx: torch.Tensor, vy: torch.Tensor
+) -> torch.Tensor:
     """What a moment's rounding is relative to, per element: the moment itself; for the
     first moment under bf16 compute, the gradient's size (sqrt of the second moment), since
     a bf16 gradient's rounding is relative to the gradient, not to an average of gradients
@@ -378,11 +414,19 @@ def _alignment(scales: dict[int, float], flags: dict[int, bool]) -> str | None:
 
 
 def scale_plan(
-    a: Checkpoint, b: Checkpoint | None, steps: list[int], batch_scales: dict[int, float], logged: dict[int, dict[str, float]]
+    a: Checkpoint,
+    b: Checkpoint | None,
+    steps: list[int],
+    batch_scales: dict[int, float],
+    logged: dict[int, dict[str, float]],
 ) -> ScalePlan:
     """The window's loss-scale plan, from the best record the run left (module docstring)."""
     adam_a, adam_b = _adam_step(a), _adam_step(b)
-    applied = adam_b - adam_a if adam_a is not None and adam_b is not None and 0 <= adam_b - adam_a <= len(steps) else None
+    applied = (
+        adam_b - adam_a
+        if adam_a is not None and adam_b is not None and 0 <= adam_b - adam_a <= len(steps)
+        else None
+    )
     plan = ScalePlan(start=None, applied=applied, window=list(steps), flags=_log_flags(logged))
     state = a.scalars.get("scaler")
     if isinstance(state, dict) and isinstance(state.get("scale"), (int, float)):
@@ -390,7 +434,9 @@ def scale_plan(
         plan.growth_tracker = int(state.get("_growth_tracker", 0) or 0)
         plan.growth_factor = float(state.get("growth_factor", 2.0) or 2.0)
         plan.backoff_factor = float(state.get("backoff_factor", 0.5) or 0.5)
-        plan.growth_interval = int(state.get("growth_interval", DEFAULT_GROWTH_INTERVAL) or DEFAULT_GROWTH_INTERVAL)
+        plan.growth_interval = int(
+            state.get("growth_interval", DEFAULT_GROWTH_INTERVAL) or DEFAULT_GROWTH_INTERVAL
+        )
         plan.source, plan.fixed = "the checkpoint's GradScaler state", True
         return plan
     if isinstance(a.scalars.get("loss_scale"), (int, float)):
@@ -398,10 +444,18 @@ def scale_plan(
         plan.source, plan.fixed = "the checkpoint's loss scale", True
         return plan
     first = steps[0]
-    for series, what in ((batch_scales, "batch log /loss_scale"), ({s: r["loss_scale"] for s, r in logged.items() if "loss_scale" in r}, "training log loss_scale")):
+    for series, what in (
+        (batch_scales, "batch log /loss_scale"),
+        (
+            {s: r["loss_scale"] for s, r in logged.items() if "loss_scale" in r},
+            "training log loss_scale",
+        ),
+    ):
         if all(s in series for s in steps):
             plan.align = _alignment(series, plan.flags)
-            plan.logged = {s: float(v) for s, v in series.items() if first - 1 <= s <= steps[-1] + 1}
+            plan.logged = {
+                s: float(v) for s, v in series.items() if first - 1 <= s <= steps[-1] + 1
+            }
             prev = plan.logged.get(first - 1)
             plan.start = plan.logged[first] if plan.align == "used" or prev is None else prev
             plan.source, plan.fixed = f"{what} per step", True
@@ -460,7 +514,12 @@ class LossScaler:
         want = self._expected(step)
         if want is False and overflow and self.scale_now > 1.0:
             return self._redo(step, self.scale_now * self.plan.backoff_factor)
-        if want is True and not overflow and self.scale_now * 2 <= MAX_SCALE and not self.plan.fixed:
+        if (
+            want is True
+            and not overflow
+            and self.scale_now * 2 <= MAX_SCALE
+            and not self.plan.fixed
+        ):
             return self._redo(step, self.scale_now * self.plan.growth_factor)
         self._retries = 0
         self._last_overflow = overflow
@@ -547,9 +606,17 @@ class LossScaler:
         if self.skipped:
             parts.append(f"skipped steps {self.skipped}")
         if self.redone:
-            parts.append("redone at another scale: " + ", ".join(f"step {s} (tried {', '.join(f'{v:g}' for v in vs)})" for s, vs in self.redone.items()))
+            parts.append(
+                "redone at another scale: "
+                + ", ".join(
+                    f"step {s} (tried {', '.join(f'{v:g}' for v in vs)})"
+                    for s, vs in self.redone.items()
+                )
+            )
         if self.forced:
-            parts.append(f"skipped as the run's log says without an overflow in the replay: {self.forced}")
+            parts.append(
+                f"skipped as the run's log says without an overflow in the replay: {self.forced}"
+            )
         return "; ".join(parts)
 
 
@@ -569,13 +636,27 @@ def settle_loss_scale(p: Plan, progress: Callable[[str], None] | None = None) ->
     if p.precision != "fp16" or sp is None or sp.start is not None:
         return
     if p.b is None or sp.skips is None:
-        sp.start, sp.source = sp.prior, f"prior: GradScaler's default {DEFAULT_INIT_SCALE:g} halved per skip before the window"
+        sp.start, sp.source = (
+            sp.prior,
+            f"prior: GradScaler's default {DEFAULT_INIT_SCALE:g} halved per skip before the window",
+        )
         return
     k = sp.skips
     ups = [sp.prior * 2.0**i for i in range(0, 25) if sp.prior * 2.0**i <= MAX_SCALE]
     downs = [sp.prior * 2.0**-i for i in range(1, 25) if sp.prior * 2.0**-i >= 1.0]
-    order = [x for pair in zip(ups, downs + [None] * len(ups), strict=False) for x in pair if x is not None] if k == 0 else ups + downs
-    tried: list[tuple[float, float, frozenset[int] | None, int]] = []  # (score, start, placement, skips)
+    order = (
+        [
+            x
+            for pair in zip(ups, downs + [None] * len(ups), strict=False)
+            for x in pair
+            if x is not None
+        ]
+        if k == 0
+        else ups + downs
+    )
+    tried: list[
+        tuple[float, float, frozenset[int] | None, int]
+    ] = []  # (score, start, placement, skips)
     for s0 in order[:MAX_SCALE_TRIALS]:
         share, n_skipped, first = _trial(p, s0, None, progress, f"loss scale {s0:g}?")
         tried.append((share + (1.0 if n_skipped != k else 0.0), first, None, n_skipped))
@@ -588,13 +669,21 @@ def settle_loss_scale(p: Plan, progress: Callable[[str], None] | None = None) ->
         # other step backs off from it until it does not.
         top = max(order[:MAX_SCALE_TRIALS])
         for placed in itertools.islice(itertools.combinations(p.steps, k), MAX_PLACEMENT_TRIALS):
-            share, n_skipped, first = _trial(p, top, frozenset(placed), progress, f"skipped steps {list(placed)}?")
-            tried.append((share + (1.0 if n_skipped != k else 0.0), first, frozenset(placed), n_skipped))
+            share, n_skipped, first = _trial(
+                p, top, frozenset(placed), progress, f"skipped steps {list(placed)}?"
+            )
+            tried.append(
+                (share + (1.0 if n_skipped != k else 0.0), first, frozenset(placed), n_skipped)
+            )
             if share <= _LANDED:
                 break
     score, s0, placed, n_skipped = min(tried, key=lambda t: t[0])
     sp.start, sp.force = s0, placed
-    how = f"the run's {k} skipped step(s) placed at {sorted(placed)}" if placed is not None else f"this start skips {n_skipped}"
+    how = (
+        f"the run's {k} skipped step(s) placed at {sorted(placed)}"
+        if placed is not None
+        else f"this start skips {n_skipped}"
+    )
     sp.source = (
         f"calibrated: start {s0:g} ({len(tried)} replays of the window; the run skipped {k} of its {len(p.steps)} steps "
         f"by Adam's counters; {how}; prior {sp.prior:g})"
@@ -609,7 +698,13 @@ _LANDED = 0.001
 MATCH_SHARE_CAL = 0.01
 
 
-def _trial(p: Plan, s0: float, placed: frozenset[int] | None, progress: Callable[[str], None] | None, what: str) -> tuple[float, int, float]:
+def _trial(
+    p: Plan,
+    s0: float,
+    placed: frozenset[int] | None,
+    progress: Callable[[str], None] | None,
+    what: str,
+) -> tuple[float, int, float]:
     """Replay the window from loss scale `s0` (skips at `placed`, if given): (share of
     elements that miss *after*, steps skipped, the scale the first step ran at)."""
     from .compare import compare_after
@@ -626,6 +721,10 @@ def _trial(p: Plan, s0: float, placed: frozenset[int] | None, progress: Callable
         n_skipped = len(session.loss_scaler.skipped)
         first = session.loss_scaler.used.get(p.steps[0], s0)
         matches = compare_after(session, p.b, p.lrs)
-        return sum(m.mismatched for m in matches) / max(1, sum(m.numel for m in matches)), n_skipped, first
+        return (
+            sum(m.mismatched for m in matches) / max(1, sum(m.numel for m in matches)),
+            n_skipped,
+            first,
+        )
     finally:
         session.close()

@@ -115,8 +115,14 @@ def _stats(x: torch.Tensor, with_subnormal: bool) -> torch.Tensor:
     absmax = torch.maximum(-lo.float(), hi.float())
     rms = torch.linalg.vector_norm(x, dtype=torch.float32) / math.sqrt(x.numel())
     nonfinite = (~torch.isfinite(absmax)).float()
-    sub = (((x.abs() < torch.finfo(x.dtype).tiny) & (x != 0)).sum().float() / x.numel()) if with_subnormal else absmax.new_zeros(())
-    return torch.stack([absmax, rms, nonfinite, (absmax > _FP16_MAX).float(), (absmax > _BF16_MAX).float(), sub])
+    sub = (
+        (((x.abs() < torch.finfo(x.dtype).tiny) & (x != 0)).sum().float() / x.numel())
+        if with_subnormal
+        else absmax.new_zeros(())
+    )
+    return torch.stack(
+        [absmax, rms, nonfinite, (absmax > _FP16_MAX).float(), (absmax > _BF16_MAX).float(), sub]
+    )
 
 
 def _as4(t: torch.Tensor) -> torch.Tensor:
@@ -144,7 +150,9 @@ def _accumulate(acc: torch.Tensor, s: torch.Tensor, valid: torch.Tensor) -> None
     s = s.masked_fill(~valid, float("-inf"))
     acc[:, 0] = torch.maximum(acc[:, 0], s.amax(dim=(0, 2, 3)))
     logp = torch.log_softmax(s, -1)
-    ent = -(logp.exp() * logp).nan_to_num(0.0, 0.0, 0.0).sum(-1)  # [b, H, t] nats; exp(-inf) * -inf -> 0
+    ent = (
+        -(logp.exp() * logp).nan_to_num(0.0, 0.0, 0.0).sum(-1)
+    )  # [b, H, t] nats; exp(-inf) * -inf -> 0
     n = valid.sum(-1).expand_as(ent)
     use = n > 1
     acc[:, 1] += torch.where(use, ent / n.clamp_min(2).float().log(), 0.0).sum((0, 2))
@@ -208,7 +216,12 @@ def softmax_logit_stats(x: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-_SOFTMAX = (torch.softmax, F.softmax, torch.Tensor.softmax, torch._C._nn.softmax if hasattr(torch._C._nn, "softmax") else torch.softmax)
+_SOFTMAX = (
+    torch.softmax,
+    F.softmax,
+    torch.Tensor.softmax,
+    torch._C._nn.softmax if hasattr(torch._C._nn, "softmax") else torch.softmax,
+)
 
 
 def _softmax_input(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -235,7 +248,9 @@ class AttentionWatch(TorchFunctionMode):
         self.on_call = on_call
         self.sites: list[Any] = []
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
@@ -258,7 +273,13 @@ class ModuleProbe:
     `AttentionWatch` around the model's forward pass (its attention calls' logit statistics,
     attributed to the module that ran them on the first pass)."""
 
-    def __init__(self, model: nn.Module, device: torch.device | str = "cpu", ranks: Any = None, attention: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device | str = "cpu",
+        ranks: Any = None,
+        attention: bool = True,
+    ) -> None:
         self.model = model
         self.names = tuple(n for n, _ in model.named_modules() if n)
         self.index = {n: i for i, n in enumerate(self.names)}
@@ -282,7 +303,11 @@ class ModuleProbe:
         self.once = False
         self._ran: set[int] = set()
         self.enabled = True
-        self._handles = [mod.register_forward_hook(self._forward(self.index[n])) for n, mod in model.named_modules() if n]
+        self._handles = [
+            mod.register_forward_hook(self._forward(self.index[n]))
+            for n, mod in model.named_modules()
+            if n
+        ]
         # Attention and output logits: the watch is entered by the model's own forward
         # pre-hook and left by its forward hook (also when the forward raises).
         self.watch = AttentionWatch(self._site) if attention else None
@@ -311,7 +336,9 @@ class ModuleProbe:
             # on this first pass (its pre-hooks cost a call per module).
             for n, mod in self.model.named_modules():
                 if n:
-                    self._stack_handles.append(mod.register_forward_pre_hook(lambda _m, _a, n=n: self._stack.append(n)))
+                    self._stack_handles.append(
+                        mod.register_forward_pre_hook(lambda _m, _a, n=n: self._stack.append(n))
+                    )
         self.watch.rows.clear()
         self.watch.sites.clear()
         self._watching = True
@@ -325,7 +352,9 @@ class ModuleProbe:
         logits = logits_of(out)
         if logits is not None and logits.is_floating_point():
             lg = logits.detach()
-            self._logits = torch.stack([lg.float().sum(), lg.new_tensor(float(lg.numel()), dtype=torch.float32)])
+            self._logits = torch.stack(
+                [lg.float().sum(), lg.new_tensor(float(lg.numel()), dtype=torch.float32)]
+            )
         if self._mapping:
             for h in self._stack_handles:
                 h.remove()
@@ -334,7 +363,14 @@ class ModuleProbe:
             self.attn_modules = tuple(self.watch.sites)
             if logits is not None:
                 shape = tuple(logits.shape)
-                self.head = next((self.names[i] for i in reversed(self.fwd_order) if self._shapes.get(i) == shape), None)
+                self.head = next(
+                    (
+                        self.names[i]
+                        for i in reversed(self.fwd_order)
+                        if self._shapes.get(i) == shape
+                    ),
+                    None,
+                )
             self._mapping = False
         elif self.attn_modules is not None and len(self.watch.rows) != len(self.attn_modules):
             self.attn_modules = None  # a different call pattern: map again on the next pass
@@ -350,7 +386,9 @@ class ModuleProbe:
                 return
             if self._mapping:
                 self._shapes[i] = tuple(t.shape)
-            self.fwd[i] = _stats(t.detach(), with_subnormal=t.dtype in (torch.float16, torch.bfloat16))
+            self.fwd[i] = _stats(
+                t.detach(), with_subnormal=t.dtype in (torch.float16, torch.bfloat16)
+            )
             if self.count is not None:
                 self.count[i] = t.numel()
             if self.once:
@@ -403,14 +441,39 @@ class ModuleProbe:
         """The pass's tables, read to the host in one transfer (under torchrun, every rank's
         tables merged after one collective)."""
         attn = self._attn_table()
-        fwd, bwd, attn, logits = (self.fwd, self.bwd, attn, self._logits) if self.ranks is None else self._merged(attn)
-        flat = torch.cat([fwd.reshape(-1).float(), bwd.reshape(-1).float(), attn.reshape(-1).float().to(fwd.device), logits.float().to(fwd.device)]).cpu()
+        fwd, bwd, attn, logits = (
+            (self.fwd, self.bwd, attn, self._logits) if self.ranks is None else self._merged(attn)
+        )
+        flat = torch.cat(
+            [
+                fwd.reshape(-1).float(),
+                bwd.reshape(-1).float(),
+                attn.reshape(-1).float().to(fwd.device),
+                logits.float().to(fwd.device),
+            ]
+        ).cpu()
         nf, nb, na = fwd.numel(), bwd.numel(), attn.numel()
         a = flat[nf + nb : nf + nb + na].reshape(attn.shape)
         # per head: max logit, mean normalised entropy over the rows counted
-        heads = torch.stack([a[..., 0], a[..., 1] / a[..., 2].clamp_min(1).where(a[..., 2] > 0, torch.tensor(math.nan))], -1) if na else None
+        heads = (
+            torch.stack(
+                [
+                    a[..., 0],
+                    a[..., 1] / a[..., 2].clamp_min(1).where(a[..., 2] > 0, torch.tensor(math.nan)),
+                ],
+                -1,
+            )
+            if na
+            else None
+        )
         s, n = flat[-2:].tolist()
-        mods = self.attn_modules if self.attn_modules is not None and heads is not None and len(self.attn_modules) == heads.shape[0] else ()
+        mods = (
+            self.attn_modules
+            if self.attn_modules is not None
+            and heads is not None
+            and len(self.attn_modules) == heads.shape[0]
+            else ()
+        )
         return PassStats(
             self.names,
             flat[:nf].reshape(fwd.shape).clone(),
@@ -423,7 +486,9 @@ class ModuleProbe:
             logit_mean=s / n if n > 0 else math.nan,
         )
 
-    def _merged(self, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _merged(
+        self, attn: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The whole batch's statistics from every rank's share of its rows: one gather of
         [fwd | bwd | count | shared flag] per module, the attention table and the logit sums.
         Extremes and flags take the maximum, RMS and the subnormal share the element-weighted
@@ -434,7 +499,13 @@ class ModuleProbe:
         flags[list(self.shared)] = 1.0
         table = torch.cat([self.fwd, self.bwd, self.count, flags], 1).double()
         m = table.numel()
-        flat = torch.cat([table.reshape(-1), attn.reshape(-1).double().to(table.device), self._logits.double().to(table.device)])
+        flat = torch.cat(
+            [
+                table.reshape(-1),
+                attn.reshape(-1).double().to(table.device),
+                self._logits.double().to(table.device),
+            ]
+        )
         gathered = self.ranks.gather(flat).reshape(-1, flat.numel())  # [W, m + attn + 2]
         w = gathered.shape[0]
         every = gathered[:, :m].reshape(w, *table.shape)  # [W, M, nf + nb + 2]
@@ -448,9 +519,13 @@ class ModuleProbe:
         sub = FWD_STATS.index("subnormal_share")
         fwd[:, sub] = (fwd_r[..., sub] * nfw).sum(0) / tot
         bwd = bwd_r.amax(0)
-        bwd[:, BWD_STATS.index("grad_norm")] = bwd_r[..., BWD_STATS.index("grad_norm")].pow(2).sum(0).sqrt()
+        bwd[:, BWD_STATS.index("grad_norm")] = (
+            bwd_r[..., BWD_STATS.index("grad_norm")].pow(2).sum(0).sqrt()
+        )
         # A rank with no rows reports zeros over no elements (`_stats`): weightless.
-        shared = torch.nonzero(every[..., nf + nb + 1].amin(0) > 0).flatten().tolist()  # shared on every rank
+        shared = (
+            torch.nonzero(every[..., nf + nb + 1].amin(0) > 0).flatten().tolist()
+        )  # shared on every rank
         if shared:
             grads = [self.shared[i] for i in shared]
             total = self.ranks.sum(torch.cat([g.reshape(-1) for g in grads]))
@@ -502,5 +577,7 @@ def param_grad_sums(grad: torch.Tensor, state: dict, group: dict) -> torch.Tenso
     beta2, eps = group["betas"][1], group["eps"]
     c = 1.0 / (1 - beta2 ** float(state["step"]))  # v_hat = c v
     total = g2.sum()
-    r = g2.div_(v.float().add(eps * eps / c))  # g2 is our own temporary; r = c g^2 / (v_hat + eps^2)
+    r = g2.div_(
+        v.float().add(eps * eps / c)
+    )  # g2 is our own temporary; r = c g^2 / (v_hat + eps^2)
     return torch.stack([total, r.sum() / c, (r > 5000).sum().float()])

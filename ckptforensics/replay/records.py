@@ -14,7 +14,15 @@ from .logcheck import LogCheck
 from .probes import PassStats
 from .samples import RowStats
 
-__all__ = ["ReplayConfig", "StepRecord", "GradEvidence", "TensorMatch", "ReplayResult", "local_tensor", "local_state"]
+__all__ = [
+    "ReplayConfig",
+    "StepRecord",
+    "GradEvidence",
+    "TensorMatch",
+    "ReplayResult",
+    "local_tensor",
+    "local_state",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +58,17 @@ class StepRecord:
     sample_grad_sq: tuple[float, ...] | None
     sample_ids: tuple[int, ...] | None
     param_grad_nonfinite: tuple[str, ...]
-    param_grad_rms: dict[str, float] = field(default_factory=dict)  # checkpoint name -> RMS of its gradient
+    param_grad_rms: dict[str, float] = field(
+        default_factory=dict
+    )  # checkpoint name -> RMS of its gradient
     # RMS_t = sqrt(mean(g^2 / v_hat)) against the second moment before this step
     # (StableAdamW, Wortsman 2304.13013), and elements with g^2 > 5000 v (SPAM 2501.06842).
     param_rms_t: dict[str, float] = field(default_factory=dict)
     param_spikes: dict[str, int] = field(default_factory=dict)
     logit_absmax: float = math.nan  # max |logit| of the step's batch
-    skipped_by: str = ""  # who skipped the update: "loss scaler", "optimizer rule" (SkipStepAdamW), "mitigation"
+    skipped_by: str = (
+        ""  # who skipped the update: "loss scaler", "optimizer rule" (SkipStepAdamW), "mitigation"
+    )
     log_z: float = math.nan  # mean logsumexp of the logits (softmax normaliser, nats)
     sample_tokens: tuple[int, ...] = ()  # target tokens of each row (weights of its mean loss)
 
@@ -100,7 +112,9 @@ class TensorMatch:
     numel: int
     tolerance: float
     impossible: int = 0  # elements further from *after* than any Adam step allows
-    worst: float = 0.0  # the largest |difference| / tolerance of an element (< 1: every element within)
+    worst: float = (
+        0.0  # the largest |difference| / tolerance of an element (< 1: every element within)
+    )
 
 
 @dataclass(slots=True)
@@ -115,7 +129,9 @@ class ReplayResult:
     row_stats: dict[int, list[RowStats]] = field(default_factory=dict)
     matches: list[TensorMatch] | None = None
     logged: dict[int, dict[str, float]] = field(default_factory=dict)
-    baseline: dict[int, dict[str, float]] = field(default_factory=dict)  # logged steps before the window
+    baseline: dict[int, dict[str, float]] = field(
+        default_factory=dict
+    )  # logged steps before the window
     check: LogCheck = field(default_factory=LogCheck)  # every replayed step against the run's log
     plan: Any = None  # the settled Plan the replay ran (bisect continues from it)
     diagnosis: str = ""  # the likeliest reason the first checked step misses the log, where it does

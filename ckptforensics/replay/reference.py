@@ -62,7 +62,10 @@ def _rotary(x: torch.Tensor, a: Attn, in_dtype: bool = False) -> torch.Tensor:
     cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
     if in_dtype:
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    rot, rest = (x[..., : a.rope_dim] if in_dtype else x[..., : a.rope_dim].float()), x[..., a.rope_dim :]
+    rot, rest = (
+        (x[..., : a.rope_dim] if in_dtype else x[..., : a.rope_dim].float()),
+        x[..., a.rope_dim :],
+    )
     if a.rope_interleaved:
         pairs = rot.unflatten(-1, (-1, 2))
         turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
@@ -86,7 +89,9 @@ def _attend(
     return out.transpose(1, 2).flatten(2)
 
 
-def _attend_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: Attn, scale: float, softmax_fp32: bool) -> torch.Tensor:
+def _attend_megatron(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: Attn, scale: float, softmax_fp32: bool
+) -> torch.Tensor:
     """megatron-core's local `DotProductAttention` in bf16/fp16, as it rounds: scores
     `baddbmm(q, k^T, alpha=scale)` in the input dtype, the causal mask filled with -10000,
     softmax in that dtype (fp32 with `attention_softmax_in_fp32`), `bmm` with v. In fp32 the
@@ -96,7 +101,13 @@ def _attend_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: Attn,
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     b, t, h, d = q.shape
     qh, kh, vh = (x.transpose(1, 2).reshape(b * h, t, d) for x in (q, k, v))
-    scores = torch.baddbmm(torch.empty(b * h, t, t, dtype=q.dtype, device=q.device), qh, kh.transpose(1, 2), beta=0.0, alpha=scale)
+    scores = torch.baddbmm(
+        torch.empty(b * h, t, t, dtype=q.dtype, device=q.device),
+        qh,
+        kh.transpose(1, 2),
+        beta=0.0,
+        alpha=scale,
+    )
     scores = scores.view(b, h, t, t)
     if softmax_fp32:
         scores = scores.float()
@@ -176,7 +187,9 @@ class _MegatronAttention(nn.Module):
         self.scale = float(scale) if scale else 1.0 / math.sqrt(a.head_dim)
         # validate_args turns it on with apply_query_key_layer_scaling (whose rescaling of
         # the scores cancels out in fp32)
-        self.softmax_fp32 = bool(args.get("attention_softmax_in_fp32") or args.get("apply_query_key_layer_scaling"))
+        self.softmax_fp32 = bool(
+            args.get("attention_softmax_in_fp32") or args.get("apply_query_key_layer_scaling")
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.a

@@ -11,7 +11,12 @@ from torch import nn
 __all__ = ["RowStats", "row_data_stats", "PerSampleGrad", "per_token_loss"]
 
 
-def per_token_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None, shifted: bool = False) -> torch.Tensor:
+def per_token_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    shifted: bool = False,
+) -> torch.Tensor:
     """Causal-LM cross entropy per token (ignored tokens 0).
 
     HF's labels are the inputs, shifted inside the loss: [B, T-1]. Megatron, nanoGPT,
@@ -21,7 +26,9 @@ def per_token_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tenso
     """
     lg, tgt = (logits.float(), labels) if shifted else (logits[:, :-1].float(), labels[:, 1:])
     tgt = torch.where(tgt < 0, torch.full_like(tgt, -100), tgt)
-    loss = nn.functional.cross_entropy(lg.reshape(-1, lg.size(-1)), tgt.reshape(-1), reduction="none", ignore_index=-100)
+    loss = nn.functional.cross_entropy(
+        lg.reshape(-1, lg.size(-1)), tgt.reshape(-1), reduction="none", ignore_index=-100
+    )
     loss = loss.view(tgt.shape)
     if mask is not None:
         loss = loss * (mask if shifted else mask[:, 1:]).to(loss.dtype)
@@ -88,7 +95,9 @@ class PerSampleGrad:
     def __init__(self, model: nn.Module) -> None:
         self.sq: torch.Tensor | None = None
         self.enabled = False
-        self._handles = [m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, nn.Linear)]
+        self._handles = [
+            m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, nn.Linear)
+        ]
 
     def _hook(self, mod: nn.Linear, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
         if not self.enabled or not out.requires_grad:
@@ -102,7 +111,9 @@ class PerSampleGrad:
             gg = g.detach().reshape(x.shape[0], -1, g.shape[-1]).float()
             t, fin, fout = x.shape[1], x.shape[2], gg.shape[2]
             if t * t <= fin * fout:
-                val = (torch.bmm(gg, gg.transpose(1, 2)) * torch.bmm(x, x.transpose(1, 2))).sum((1, 2))
+                val = (torch.bmm(gg, gg.transpose(1, 2)) * torch.bmm(x, x.transpose(1, 2))).sum(
+                    (1, 2)
+                )
             else:
                 val = torch.einsum("bto,bti->boi", gg, x).pow(2).sum((1, 2))
             if mod.bias is not None:

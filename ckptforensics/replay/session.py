@@ -54,7 +54,9 @@ class Session:
         self.device = torch.device(cfg.device) if self.ranks is None else self.ranks.device
         if self.ranks is not None and precision == "fp16":
             # GradScaler's inf check is per rank: ranks could disagree on skipping a step.
-            raise ForensicsError("an fp16 (loss-scaled) replay runs in one process for now: run it without torchrun")
+            raise ForensicsError(
+                "an fp16 (loss-scaled) replay runs in one process for now: run it without torchrun"
+            )
         with distributed.params_on_meta() if self.ranks is not None else contextlib.nullcontext():
             self.model, self.model_source = build_model(cfg.model, a)
         self.loss_norm = trainer_loss_norm(self.model, a)
@@ -75,7 +77,11 @@ class Session:
         self.labels = labels
         self.call = None
         # bf16 parameters on fp32 masters in one process (FSDP2 casts them under torchrun).
-        self.bf16_params = mp.BF16Params([p for _, p in self.model.named_parameters() if p.requires_grad]) if precision == "bf16-params" and self.ranks is None else None
+        self.bf16_params = (
+            mp.BF16Params([p for _, p in self.model.named_parameters() if p.requires_grad])
+            if precision == "bf16-params" and self.ranks is None
+            else None
+        )
         # Megatron --bf16: each micro-batch's bf16 gradient summed in fp32 (`_regrad_micro`).
         self.micro_fp32 = mp.fp32_micro_batches(a) if self.bf16_params is not None else None
         if first is not None:  # the calling convention, from the window's first batch
@@ -84,7 +90,11 @@ class Session:
         self.skip_rule = skip_rule  # OLMo-core's SkipStepAdamW: the steps it skipped
         # fp16: the run's loss scale (precision.LossScaler); without a plan, the
         # checkpoint's scaler state or GradScaler's default start.
-        self.loss_scaler = mp.LossScaler(self.device, scale_plan or mp.scale_plan(a, None, [a.step or 0], {}, {})) if precision == "fp16" else None
+        self.loss_scaler = (
+            mp.LossScaler(self.device, scale_plan or mp.scale_plan(a, None, [a.step or 0], {}, {}))
+            if precision == "fp16"
+            else None
+        )
         self.probe = ModuleProbe(self.model, self.device, self.ranks)
         self.probe.once = cfg.checkpoint_activations
         self.psg = PerSampleGrad(self.model)
@@ -121,7 +131,9 @@ class Session:
             return out
         return out.logits if self.call.output == "object" else out[0]
 
-    def _loss(self, batch: dict[str, torch.Tensor], precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _loss(
+        self, batch: dict[str, torch.Tensor], precision: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's loss as the trainer averaged it, and each row's mean token loss.
 
         Under torchrun: this rank's rows only, and its share of the step's loss (its
@@ -149,14 +161,22 @@ class Session:
         masked = tok * mask
         self.row_tokens = mask.sum(1)
         per_sample = masked.sum(1) / self.row_tokens.clamp_min(1)
-        loss = self._normalise(masked, mask, labels, shifted) if self.ranks is None else self._share(masked, mask, full, shifted)
+        loss = (
+            self._normalise(masked, mask, labels, shifted)
+            if self.ranks is None
+            else self._share(masked, mask, full, shifted)
+        )
         with torch.no_grad():
             lg = logits.detach()
             lo, hi = torch.aminmax(lg) if lg.numel() else (lg.new_zeros(()), lg.new_zeros(()))
             lse = torch.logsumexp(lg.float(), -1)
             absmax = torch.maximum(-lo.float(), hi.float())
             # One rank: [max |logit|, mean log Z]; ranks: the sum and count to merge.
-            self.logit_stats = torch.stack([absmax, lse.mean()]) if self.ranks is None else torch.stack([absmax, lse.sum(), lse.new_tensor(lse.numel())])
+            self.logit_stats = (
+                torch.stack([absmax, lse.mean()])
+                if self.ranks is None
+                else torch.stack([absmax, lse.sum(), lse.new_tensor(lse.numel())])
+            )
         return loss, per_sample
 
     def _compute(self, precision: str) -> contextlib.AbstractContextManager[Any]:
@@ -195,9 +215,16 @@ class Session:
         self.probe.enabled = False
         try:
             for lo, hi in bounds:
-                part = {k: v[lo:hi] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == rows else v for k, v in batch.items()}
+                part = {
+                    k: v[lo:hi]
+                    if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == rows
+                    else v
+                    for k, v in batch.items()
+                }
                 loss, _ = self._loss(part, "bf16-params")
-                share = 1.0 / n if kind == "micro" else self.row_tokens.sum() / total  # its part of the step's loss
+                share = (
+                    1.0 / n if kind == "micro" else self.row_tokens.sum() / total
+                )  # its part of the step's loss
                 (loss * share).backward()
                 acc = bp.accumulate(acc)
         finally:
@@ -207,17 +234,26 @@ class Session:
         for p, g in zip(bp.params, acc, strict=True):
             p.grad = g
 
-    def _normalise(self, tok: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
+    def _normalise(
+        self, tok: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, shifted: bool
+    ) -> torch.Tensor:
         """The step's loss as its trainer averaged it (`trainer_loss_norm`)."""
         kind = self.loss_norm.kind if self.loss_fn is None else "targets"
         if kind == "labels" and not shifted:
             return tok.sum() / (labels >= 0).sum().clamp_min(1)
         if kind == "micro" and self.micro_batch_size and self.micro_batch_size < tok.shape[0]:
-            parts = [(t.sum() / m.sum().clamp_min(1)) for t, m in zip(tok.split(self.micro_batch_size), mask.split(self.micro_batch_size), strict=True)]
+            parts = [
+                (t.sum() / m.sum().clamp_min(1))
+                for t, m in zip(
+                    tok.split(self.micro_batch_size), mask.split(self.micro_batch_size), strict=True
+                )
+            ]
             return torch.stack(parts).mean()
         return tok.sum() / mask.sum().clamp_min(1)
 
-    def _share(self, tok: torch.Tensor, mask: torch.Tensor, full: dict[str, torch.Tensor], shifted: bool) -> torch.Tensor:
+    def _share(
+        self, tok: torch.Tensor, mask: torch.Tensor, full: dict[str, torch.Tensor], shifted: bool
+    ) -> torch.Tensor:
         """This rank's share of the step's loss: `_normalise` with the whole batch's
         denominator (counted from the global batch every rank holds)."""
         kind = self.loss_norm.kind if self.loss_fn is None else "targets"
@@ -226,8 +262,17 @@ class Session:
         if kind == "labels" and not shifted:
             return tok.sum() / (labels >= 0).sum().clamp_min(1).to(tok.device)
         if kind == "micro" and self.micro_batch_size and self.micro_batch_size < rows:
-            parts = [t.sum() / m.sum().clamp_min(1) for t, m in zip(tok.split(self.micro_batch_size), mask.split(self.micro_batch_size), strict=True)]
-            return torch.stack(parts).sum() / -(-rows // self.micro_batch_size) if parts else tok.sum() * 0
+            parts = [
+                t.sum() / m.sum().clamp_min(1)
+                for t, m in zip(
+                    tok.split(self.micro_batch_size), mask.split(self.micro_batch_size), strict=True
+                )
+            ]
+            return (
+                torch.stack(parts).sum() / -(-rows // self.micro_batch_size)
+                if parts
+                else tok.sum() * 0
+            )
         if self.loss_fn is not None:
             count = torch.tensor(rows * tok.shape[1])
         else:
@@ -246,7 +291,9 @@ class Session:
         self.opt.zero_grad(set_to_none=True)
         return stats
 
-    def evaluate(self, batch: dict[str, torch.Tensor], precision: str | None = None) -> tuple[float, float]:
+    def evaluate(
+        self, batch: dict[str, torch.Tensor], precision: str | None = None
+    ) -> tuple[float, float]:
         """(loss, pre-clip grad norm) of a batch at the current state; no update, no probes
         (`precision`: another than the session's, to test what the run used)."""
         self.probe.enabled = False
@@ -258,17 +305,36 @@ class Session:
                 self._regrad_micro(batch)
             grads = [local_tensor(p.grad) for _, p in self.params if p.grad is not None]
             if self.ranks is not None:  # the ranks' loss shares and squared norms, summed
-                sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-                total = self.ranks.sum(torch.stack([loss.detach().float().cpu(), sq.double().cpu().float()]).double())
+                sq = (
+                    torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+                    if grads
+                    else torch.zeros(())
+                )
+                total = self.ranks.sum(
+                    torch.stack([loss.detach().float().cpu(), sq.double().cpu().float()]).double()
+                )
                 return float(total[0]), math.sqrt(float(total[1]))
-            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))) if grads else 0.0
+            norm = (
+                float(
+                    torch.linalg.vector_norm(
+                        torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+                    )
+                )
+                if grads
+                else 0.0
+            )
             return float(loss.detach()), norm
         finally:
             self.opt.zero_grad(set_to_none=True)
             self.probe.enabled = True
 
     def step(
-        self, step: int, batch: dict[str, torch.Tensor], lrs: list[float], clip: float | None, update: bool = True
+        self,
+        step: int,
+        batch: dict[str, torch.Tensor],
+        lrs: list[float],
+        clip: float | None,
+        update: bool = True,
     ) -> tuple[StepRecord, PassStats]:
         for g, lr in zip(self.opt.param_groups, lrs, strict=True):
             g["lr"] = lr
@@ -283,7 +349,11 @@ class Session:
             self._backward(ls.scale(loss) if ls is not None else loss)
             self.psg.enabled = False
             stats = self.probe.collect()
-            verdict = ls.settle(step, ls.unscale(self.opt, [p for _, p in self.params])) if ls is not None else None
+            verdict = (
+                ls.settle(step, ls.unscale(self.opt, [p for _, p in self.params]))
+                if ls is not None
+                else None
+            )
             if verdict != "redo":
                 break
         self._regrad_micro(batch)
@@ -291,7 +361,9 @@ class Session:
         if self.ranks is None:
             g = self._gradients(with_grad, clip, loss, per_sample)
         else:
-            g = self._gradients_ranks(with_grad, clip, loss, per_sample, batch["input_ids"].shape[0])
+            g = self._gradients_ranks(
+                with_grad, clip, loss, per_sample, batch["input_ids"].shape[0]
+            )
         skipped_by = ""
         if not update:
             skipped, skipped_by = True, "mitigation"  # the mitigation skips this step's update
@@ -302,10 +374,17 @@ class Session:
             skipped_by = "loss scaler" if skipped else ""
             ls.finish(step, self.opt, skipped)
         elif self.skip_rule is not None and self.skip_rule.decide(step, g.loss, g.total):
-            skipped, skipped_by = True, "optimizer rule"  # SkipStepAdamW: weights, moments and Adam's step stay as they were
+            skipped, skipped_by = (
+                True,
+                "optimizer rule",
+            )  # SkipStepAdamW: weights, moments and Adam's step stay as they were
         else:
             skipped = not math.isfinite(g.total)
-            held = skipstep.hold_step_counter(self.opt) if self.skip_rule is not None and not self.skip_rule.step_increments else None
+            held = (
+                skipstep.hold_step_counter(self.opt)
+                if self.skip_rule is not None and not self.skip_rule.step_increments
+                else None
+            )
             self.opt.step()
             if held is not None:
                 skipstep.restore_step_counter(self.opt, held)
@@ -333,13 +412,29 @@ class Session:
     def _grad_stats(self, p: torch.Tensor) -> torch.Tensor:
         return param_grad_stats(p.grad, self.opt.state.get(p) or {}, self._group_of[id(p)])
 
-    def _gradients(self, with_grad: list[tuple[str, nn.Parameter]], clip: float | None, loss: torch.Tensor, per_sample: torch.Tensor) -> GradEvidence:
+    def _gradients(
+        self,
+        with_grad: list[tuple[str, nn.Parameter]],
+        clip: float | None,
+        loss: torch.Tensor,
+        per_sample: torch.Tensor,
+    ) -> GradEvidence:
         """The step's gradient evidence in one process, then clipping (one host read)."""
         grads = [p.grad for _, p in with_grad]
-        finite = torch.stack([torch.isfinite(g).all() for g in grads]).cpu() if grads else torch.ones(0, dtype=torch.bool)
+        finite = (
+            torch.stack([torch.isfinite(g).all() for g in grads]).cpu()
+            if grads
+            else torch.ones(0, dtype=torch.bool)
+        )
         bad = tuple(n for (n, _), ok in zip(with_grad, finite.tolist(), strict=True) if not ok)
-        table = torch.stack([self._grad_stats(p) for _, p in with_grad]).cpu().tolist() if with_grad else []  # one sync
-        total = torch.nn.utils.clip_grad_norm_([p for _, p in self.params], clip if clip else float("inf"))
+        table = (
+            torch.stack([self._grad_stats(p) for _, p in with_grad]).cpu().tolist()
+            if with_grad
+            else []
+        )  # one sync
+        total = torch.nn.utils.clip_grad_norm_(
+            [p for _, p in self.params], clip if clip else float("inf")
+        )
         sq = self.psg.sq
         logit_absmax, log_z = self.logit_stats.cpu().tolist()
         return GradEvidence(
@@ -347,8 +442,16 @@ class Session:
             total=float(total),
             nonfinite=bad,
             rms={self.to_ckpt(n): row[0] for (n, _), row in zip(with_grad, table, strict=True)},
-            rms_t={self.to_ckpt(n): row[1] for (n, _), row in zip(with_grad, table, strict=True) if math.isfinite(row[1])},
-            spikes={self.to_ckpt(n): int(row[2]) for (n, _), row in zip(with_grad, table, strict=True) if row[2] > 0},
+            rms_t={
+                self.to_ckpt(n): row[1]
+                for (n, _), row in zip(with_grad, table, strict=True)
+                if math.isfinite(row[1])
+            },
+            spikes={
+                self.to_ckpt(n): int(row[2])
+                for (n, _), row in zip(with_grad, table, strict=True)
+                if row[2] > 0
+            },
             sample_loss=tuple(per_sample.detach().float().cpu().tolist()),
             sample_grad_sq=tuple(sq.cpu().tolist()) if sq is not None else None,
             logit_absmax=logit_absmax,
@@ -357,7 +460,12 @@ class Session:
         )
 
     def _gradients_ranks(
-        self, with_grad: list[tuple[str, nn.Parameter]], clip: float | None, loss: torch.Tensor, per_sample: torch.Tensor, rows: int
+        self,
+        with_grad: list[tuple[str, nn.Parameter]],
+        clip: float | None,
+        loss: torch.Tensor,
+        per_sample: torch.Tensor,
+        rows: int,
     ) -> GradEvidence:
         """The step's gradient evidence across torchrun ranks, then clipping.
 
@@ -371,18 +479,40 @@ class Session:
         pad = -(-rows // self.ranks.world) + 1  # rows of the largest block
         n = per_sample.shape[0]
         sq = self.psg.sq
-        head = torch.cat([loss.detach().float().reshape(1), self.logit_stats.float(), torch.tensor([float(n), float(sq is not None)], device=dev)])
+        head = torch.cat(
+            [
+                loss.detach().float().reshape(1),
+                self.logit_stats.float(),
+                torch.tensor([float(n), float(sq is not None)], device=dev),
+            ]
+        )
         samples = torch.zeros(3, pad, device=dev)
         samples[0, :n] = per_sample.detach().float()
         if sq is not None:
             samples[1, :n] = sq.float()
         samples[2, :n] = self.row_tokens.float()
-        rows = [torch.cat([param_grad_sums(local_tensor(p.grad), local_state(self.opt.state.get(p)), self._group_of[id(p)]), torch.isfinite(local_tensor(p.grad)).all().float().reshape(1)]) for _, p in with_grad]
+        rows = [
+            torch.cat(
+                [
+                    param_grad_sums(
+                        local_tensor(p.grad),
+                        local_state(self.opt.state.get(p)),
+                        self._group_of[id(p)],
+                    ),
+                    torch.isfinite(local_tensor(p.grad)).all().float().reshape(1),
+                ]
+            )
+            for _, p in with_grad
+        ]
         table = torch.stack(rows) if rows else torch.zeros(0, 4, device=dev)
         flat = torch.cat([head, samples.reshape(-1), table.reshape(-1)]).double()
         every = self.ranks.gather(flat).cpu()  # the step's one collective: [W, len(flat)]
         h = len(head)
-        heads, smp, tab = every[:, :h], every[:, h : h + 3 * pad].reshape(-1, 3, pad), every[:, h + 3 * pad :].reshape(self.ranks.world, -1, 4)
+        heads, smp, tab = (
+            every[:, :h],
+            every[:, h : h + 3 * pad].reshape(-1, 3, pad),
+            every[:, h + 3 * pad :].reshape(self.ranks.world, -1, 4),
+        )
         counts = heads[:, 4].long().tolist()
         sums = tab[..., :3].sum(0)  # [P, 3]
         ok = tab[..., 3].amin(0)
@@ -395,15 +525,36 @@ class Session:
         return GradEvidence(
             loss=float(heads[:, 0].sum()),
             total=total,
-            nonfinite=tuple(nm for (nm, _), good in zip(with_grad, ok.tolist(), strict=True) if not good),
-            rms={self.to_ckpt(nm): math.sqrt(float(r[0]) / max(k, 1)) for (nm, _), r, k in zip(with_grad, sums, numel, strict=True)},
-            rms_t={self.to_ckpt(nm): math.sqrt(float(r[1]) / max(k, 1)) for (nm, _), r, k in zip(with_grad, sums, numel, strict=True) if math.isfinite(float(r[1]))},
-            spikes={self.to_ckpt(nm): int(r[2]) for (nm, _), r in zip(with_grad, sums, strict=True) if r[2] > 0},
-            sample_loss=tuple(float(x) for w, c in enumerate(counts) for x in smp[w, 0, :c].tolist()),
-            sample_grad_sq=tuple(float(x) for w, c in enumerate(counts) for x in smp[w, 1, :c].tolist()) if bool(heads[:, 5].all()) else None,
+            nonfinite=tuple(
+                nm for (nm, _), good in zip(with_grad, ok.tolist(), strict=True) if not good
+            ),
+            rms={
+                self.to_ckpt(nm): math.sqrt(float(r[0]) / max(k, 1))
+                for (nm, _), r, k in zip(with_grad, sums, numel, strict=True)
+            },
+            rms_t={
+                self.to_ckpt(nm): math.sqrt(float(r[1]) / max(k, 1))
+                for (nm, _), r, k in zip(with_grad, sums, numel, strict=True)
+                if math.isfinite(float(r[1]))
+            },
+            spikes={
+                self.to_ckpt(nm): int(r[2])
+                for (nm, _), r in zip(with_grad, sums, strict=True)
+                if r[2] > 0
+            },
+            sample_loss=tuple(
+                float(x) for w, c in enumerate(counts) for x in smp[w, 0, :c].tolist()
+            ),
+            sample_grad_sq=tuple(
+                float(x) for w, c in enumerate(counts) for x in smp[w, 1, :c].tolist()
+            )
+            if bool(heads[:, 5].all())
+            else None,
             logit_absmax=float(heads[:, 1].max()),
             log_z=float(heads[:, 2].sum() / heads[:, 3].sum().clamp_min(1)),
-            sample_tokens=tuple(int(x) for w, c in enumerate(counts) for x in smp[w, 2, :c].tolist()),
+            sample_tokens=tuple(
+                int(x) for w, c in enumerate(counts) for x in smp[w, 2, :c].tolist()
+            ),
         )
 
     def close(self) -> None:
@@ -417,7 +568,9 @@ def check_vocab(model: nn.Module, batch: dict[str, torch.Tensor], step: int) -> 
     ids = batch["input_ids"]
     if vocab is not None and ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
         bad = int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())
-        raise ForensicsError(f"batch of step {step}: token id {bad} outside the model's vocabulary of {vocab}")
+        raise ForensicsError(
+            f"batch of step {step}: token id {bad} outside the model's vocabulary of {vocab}"
+        )
 
 
 def _vocab_size(model: nn.Module) -> int | None:

@@ -25,7 +25,14 @@ from .model import (
 )
 from .window import Plan, run_window
 
-__all__ = ["settle", "settle_precision", "settle_clip", "diagnose_miss", "ratio_change", "log_score"]
+__all__ = [
+    "settle",
+    "settle_precision",
+    "settle_clip",
+    "diagnose_miss",
+    "ratio_change",
+    "log_score",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +57,23 @@ def settle_precision(p: Plan) -> None:
     first = p.steps[0]
     row = p.logged.get(first) or {}
     if "loss" not in row:
-        p.precision_source += "; other precisions possible, the log cannot tell (no logged loss at the first step)"
+        p.precision_source += (
+            "; other precisions possible, the log cannot tell (no logged loss at the first step)"
+        )
         return
     others = []
-    if distributed.current() is not None:  # FSDP2 shards in one precision: only the plan's is tried here
+    if (
+        distributed.current() is not None
+    ):  # FSDP2 shards in one precision: only the plan's is tried here
         others = [c for c, _ in cands if c != p.precision]
         cands = [c for c in cands if c[0] == p.precision]
-    miss = StepCheck(step=first, logged_loss=row["loss"], logged_grad_norm=row.get("grad_norm"), loss_ok=False, grad_ok=False if "grad_norm" in row else None)
+    miss = StepCheck(
+        step=first,
+        logged_loss=row["loss"],
+        logged_grad_norm=row.get("grad_norm"),
+        loss_ok=False,
+        grad_ok=False if "grad_norm" in row else None,
+    )
     atol = log_rounding([r["loss"] for r in p.logged.values() if "loss" in r])
     batch = p.batches.batch(first)
     session = p.session()
@@ -73,10 +90,14 @@ def settle_precision(p: Plan) -> None:
         session.close()
     p.precision_source += f"; no candidate lands on the log's first step ({', '.join(tried)}; logged {row['loss']:.5g})"
     if others:
-        p.precision_source += f"; {', '.join(others)} are tried in one process only (run without torchrun)"
+        p.precision_source += (
+            f"; {', '.join(others)} are tried in one process only (run without torchrun)"
+        )
 
 
-def settle_clip(p: Plan, progress: Callable[[str], None] | None = None, probe_steps: int = 4) -> tuple[float | None, str]:
+def settle_clip(
+    p: Plan, progress: Callable[[str], None] | None = None, probe_steps: int = 4
+) -> tuple[float | None, str]:
     """The plan's clip norm: the stated one, else the candidate whose replay of the window's
     first `probe_steps` steps lands on the run's log best (the mitigation comparisons of
     `whatif` replay from it). Without a log to tell, the first candidate, said so."""
@@ -91,7 +112,15 @@ def settle_clip(p: Plan, progress: Callable[[str], None] | None = None, probe_st
         if progress is not None:
             progress(f"clip {clip}?")
         recs = run_window(short, clip, None).records
-        scored.append((log_score(check_against_log(recs, p.logged, p.precision, p.batches.micro_batch_size, clip)), clip, src))
+        scored.append(
+            (
+                log_score(
+                    check_against_log(recs, p.logged, p.precision, p.batches.micro_batch_size, clip)
+                ),
+                clip,
+                src,
+            )
+        )
     _, clip, src = min(scored, key=lambda x: x[0])
     return clip, src
 
@@ -102,17 +131,29 @@ def log_score(check: LogCheck) -> float:
     done = [c for c in check.checks if c.checked]
     if not done:
         return 0.0
-    errs = [abs(c.loss - c.logged_loss) / max(abs(c.logged_loss), 1e-12) for c in done if c.loss is not None and c.logged_loss is not None]
+    errs = [
+        abs(c.loss - c.logged_loss) / max(abs(c.logged_loss), 1e-12)
+        for c in done
+        if c.loss is not None and c.logged_loss is not None
+    ]
     finite = [e for e in errs if math.isfinite(e)]
-    return sum(not c.ok for c in done) / len(done) + min(sum(finite) / max(len(finite), 1), 1.0) / (len(done) + 1)
+    return sum(not c.ok for c in done) / len(done) + min(sum(finite) / max(len(finite), 1), 1.0) / (
+        len(done) + 1
+    )
 
 
 def _lands(got: tuple[float, float], miss: Any, atol: float, precision: str) -> bool:
     """Whether (loss, grad norm) lands on the log's figures of the missed step."""
     loss, grad = got
-    ok = miss.logged_loss is None or abs(loss - miss.logged_loss) <= LOSS_RTOL.get(precision, 5e-3) * abs(miss.logged_loss) + atol
+    ok = (
+        miss.logged_loss is None
+        or abs(loss - miss.logged_loss)
+        <= LOSS_RTOL.get(precision, 5e-3) * abs(miss.logged_loss) + atol
+    )
     if miss.logged_grad_norm is not None and miss.grad_ok is not None:
-        ok = ok and abs(grad - miss.logged_grad_norm) <= GRAD_RTOL.get(precision, 3e-2) * abs(miss.logged_grad_norm)
+        ok = ok and abs(grad - miss.logged_grad_norm) <= GRAD_RTOL.get(precision, 3e-2) * abs(
+            miss.logged_grad_norm
+        )
     return bool(ok and math.isfinite(loss))
 
 
@@ -158,7 +199,10 @@ def diagnose_miss(p: Plan, miss: Any, atol: float = 0.0) -> str:
             apply()
             try:
                 got = session.evaluate(batch, prec)
-            except (RuntimeError, ValueError) as e:  # a variant the model cannot run (fp16 on CPU kernels, say)
+            except (
+                RuntimeError,
+                ValueError,
+            ) as e:  # a variant the model cannot run (fp16 on CPU kernels, say)
                 tried.append(f"{what} fails ({type(e).__name__})")
                 continue
             if _lands(got, miss, atol, prec):
@@ -178,7 +222,9 @@ def diagnose_miss(p: Plan, miss: Any, atol: float = 0.0) -> str:
     return f"the batches (data, order, collator) or the model (architecture, activation, norm) differ from the run's ({off:.1%} off); none of: {'; '.join(tried)}"
 
 
-def ratio_change(a: Checkpoint, b: Checkpoint | None) -> tuple[list[int], list[float], list[float]] | None:
+def ratio_change(
+    a: Checkpoint, b: Checkpoint | None
+) -> tuple[list[int], list[float], list[float]] | None:
     """Param groups whose LR relative to group 0 differs between *before* and *after* by
     more than `LR_GROWTH_MARGIN`: (those groups, every group's ratio at a, at b). A schedule
     the groups share scales them all alike, so their ratios hold; a ratio that moves is a
@@ -189,13 +235,19 @@ def ratio_change(a: Checkpoint, b: Checkpoint | None) -> tuple[list[int], list[f
     if len(la) != len(lb) or len(la) < 2 or la[0] <= 0 or lb[0] <= 0:
         return None
     ra, rb = [x / la[0] for x in la], [x / lb[0] for x in lb]
-    changed = [g for g in range(len(la)) if ra[g] > 0 and rb[g] > 0 and max(rb[g] / ra[g], ra[g] / rb[g]) > LR_GROWTH_MARGIN]
+    changed = [
+        g
+        for g in range(len(la))
+        if ra[g] > 0 and rb[g] > 0 and max(rb[g] / ra[g], ra[g] / rb[g]) > LR_GROWTH_MARGIN
+    ]
     return (changed, ra, rb) if changed else None
 
 
 def _switched(p: Plan, ra: list[float], rb: list[float], k: int) -> dict[int, list[float]]:
     """The plan's LRs with the group ratios of *before* up to step k - 1 and *after*'s from k."""
-    return {s: [v[0] * (ra[g] if s < k else rb[g]) for g in range(len(v))] for s, v in p.lrs.items()}
+    return {
+        s: [v[0] * (ra[g] if s < k else rb[g]) for g in range(len(v))] for s, v in p.lrs.items()
+    }
 
 
 def _settle_ratio_change(p: Plan, progress: Callable[[str], None] | None) -> None:
@@ -247,10 +299,14 @@ def _settle_ratio_change(p: Plan, progress: Callable[[str], None] | None) -> Non
         how = "the step whose replay reproduces after's weights of those groups"
     p.lrs = _switched(p, ra, rb, k)
     shown = ", ".join(str(g) for g in groups)
-    p.lr_source += f"; group {shown}'s LR ratio changes at step {k} (calibrated: {how}; {len(seen)} replays)"
+    p.lr_source += (
+        f"; group {shown}'s LR ratio changes at step {k} (calibrated: {how}; {len(seen)} replays)"
+    )
 
 
-def _movement(p: Plan, lrs: dict[int, list[float]], clip: float | None, start: dict[str, torch.Tensor]) -> tuple[float, float]:
+def _movement(
+    p: Plan, lrs: dict[int, list[float]], clip: float | None, start: dict[str, torch.Tensor]
+) -> tuple[float, float]:
     """How far a replay of the window moves the named weights from where they started
     (`start`, *before*'s), and the share of their elements that miss *after*'s (`compare_after`'s
     tolerance)."""
@@ -260,8 +316,14 @@ def _movement(p: Plan, lrs: dict[int, list[float]], clip: float | None, start: d
         for s in p.steps:
             session.step(s, p.batches.batch(s), lrs[s], clip)
         params = {session.to_ckpt(k): q for k, q in session.model.named_parameters()}
-        moved = sum(float((params[n].detach().cpu().double() - w).norm()) for n, w in start.items() if n in params)
-        matches = [m for m in compare_after(session, p.b, lrs, only=set(start)) if m.where == "weight"]
+        moved = sum(
+            float((params[n].detach().cpu().double() - w).norm())
+            for n, w in start.items()
+            if n in params
+        )
+        matches = [
+            m for m in compare_after(session, p.b, lrs, only=set(start)) if m.where == "weight"
+        ]
         share = sum(m.mismatched for m in matches) / max(1, sum(m.numel for m in matches))
         return moved, share
     finally:

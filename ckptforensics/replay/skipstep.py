@@ -56,7 +56,15 @@ class SkipRule:
 
     def fresh(self) -> SkipRule:
         """A copy for one replay of the window (the history before it only)."""
-        return SkipRule(self.name, self.interval, self.sigma, self.step_increments, dict(self.logged), dict(self.losses), dict(self.grad_norms))
+        return SkipRule(
+            self.name,
+            self.interval,
+            self.sigma,
+            self.step_increments,
+            dict(self.logged),
+            dict(self.losses),
+            dict(self.grad_norms),
+        )
 
     def decide(self, step: int, loss: float, grad_norm: float) -> bool:
         """Whether the run's optimizer skipped `step`, given the replayed loss and pre-clip
@@ -67,7 +75,9 @@ class SkipRule:
                 self.skipped[step] = "the run's log (optim/step skipped)"
             return self.logged[step]
         if not self._rule(step):
-            self.skipped[step] = f"OLMo-core's rule: loss or grad norm over mean + {self.sigma:g} std of the last {self.interval} steps"
+            self.skipped[step] = (
+                f"OLMo-core's rule: loss or grad norm over mean + {self.sigma:g} std of the last {self.interval} steps"
+            )
             return True
         return False
 

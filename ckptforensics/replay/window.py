@@ -54,7 +54,9 @@ def _metrics_file(cfg: ReplayConfig) -> Path | None:
         return cfg.metrics
     from ..logs import find_metrics, log_dirs
 
-    found = next((f for f in (find_metrics(d) for d in log_dirs(cfg.before)) if f is not None), None)
+    found = next(
+        (f for f in (find_metrics(d) for d in log_dirs(cfg.before)) if f is not None), None
+    )
     if found is None and cfg.batch is not None:
         # A flight recorder's directory (or a black box inside one) keeps the run's log too.
         for d in (Path(cfg.batch), Path(cfg.batch).parent):
@@ -63,31 +65,44 @@ def _metrics_file(cfg: ReplayConfig) -> Path | None:
     return found
 
 
-def _lr_plan(steps: list[int], ckpt: Checkpoint, batches: BatchSource, logged: dict[int, dict[str, float]]) -> tuple[dict[int, list[float]], str]:
+def _lr_plan(
+    steps: list[int], ckpt: Checkpoint, batches: BatchSource, logged: dict[int, dict[str, float]]
+) -> tuple[dict[int, list[float]], str]:
     """LR per step and group: batch log -> training log -> constant from *before*."""
     assert ckpt.optimizer is not None
     base = [g.lr for g in ckpt.optimizer.groups]
     if all(s in batches.lr for s in steps):
-        return {s: batches.lr[s] if len(batches.lr[s]) == len(base) else [batches.lr[s][0]] * len(base) for s in steps}, "batch log /lr"
+        return {
+            s: batches.lr[s] if len(batches.lr[s]) == len(base) else [batches.lr[s][0]] * len(base)
+            for s in steps
+        }, "batch log /lr"
     per_group = {s: group_lrs(logged.get(s, {}), len(base)) for s in steps}
     if all(v is not None for v in per_group.values()):
-        return {s: list(v) for s, v in per_group.items() if v is not None}, "training log, LR per group"
+        return {
+            s: list(v) for s, v in per_group.items() if v is not None
+        }, "training log, LR per group"
     if all("lr" in logged.get(s, {}) for s in steps):
         # A single logged LR: groups keep the ratio to it they had at *before*.
         ref = logged[steps[0]]["lr"]
         ratios = [b / ref if ref > 0 else 1.0 for b in base]
-        return {s: [logged[s]["lr"] * r for r in ratios] for s in steps}, "training log lr (group ratios from before)"
+        return {
+            s: [logged[s]["lr"] * r for r in ratios] for s in steps
+        }, "training log lr (group ratios from before)"
     return {s: list(base) for s in steps}, "constant: the LR stored in before"
 
 
-def _clip_from_checkpoint(ckpt: Checkpoint, batches: BatchSource) -> tuple[float | None, str] | None:
+def _clip_from_checkpoint(
+    ckpt: Checkpoint, batches: BatchSource
+) -> tuple[float | None, str] | None:
     tc = ckpt.scalars.get("train_config") or {}
     for key in ("grad_clip", "max_grad_norm", "gradient_clipping", "clip_grad"):
         if isinstance(tc.get(key), (int, float)):
             v = float(tc[key])
             return (v if v > 0 else None), f"checkpoint config {key}"
     if batches.grad_clip is not None:
-        return (batches.grad_clip if batches.grad_clip > 0 else None), "batch log attribute grad_clip"
+        return (
+            batches.grad_clip if batches.grad_clip > 0 else None
+        ), "batch log attribute grad_clip"
     return None
 
 
@@ -121,12 +136,23 @@ class Plan:
         cfg = self.cfg
         return {
             "precision": {"value": self.precision, "source": self.precision_source},
-            **({"loss_scale": self.scale.describe()} if self.scale is not None and self.precision == "fp16" else {}),
+            **(
+                {"loss_scale": self.scale.describe()}
+                if self.scale is not None and self.precision == "fp16"
+                else {}
+            ),
             "lr": {"value": {s: self.lrs[s] for s in self.steps}, "source": self.lr_source},
             "clip": {"value": clip, "source": clip_source},
             "loss": {
-                "value": cfg.loss or f"causal LM cross-entropy on the logits; {self.loss_norm.source if self.loss_norm else 'mean over target tokens'}",
-                "source": "--loss" if cfg.loss else ("the run's trainer" if self.loss_norm and self.loss_norm.kind != "targets" else "default"),
+                "value": cfg.loss
+                or f"causal LM cross-entropy on the logits; {self.loss_norm.source if self.loss_norm else 'mean over target tokens'}",
+                "source": "--loss"
+                if cfg.loss
+                else (
+                    "the run's trainer"
+                    if self.loss_norm and self.loss_norm.kind != "targets"
+                    else "default"
+                ),
             },
             "labels": {"value": self.labels.describe(), "source": self.labels.source},
             "call": {
@@ -134,15 +160,47 @@ class Plan:
                 "source": "the forward's signature and one forward of the first batch; checked on the first step against the log",
             },
             "optimizer": (
-                {"value": f"{self.skip.name}: AdamW whose update is skipped where the loss or grad norm exceeds the mean of the last {self.skip.interval} steps by {self.skip.sigma:g} std",
-                 "source": "OLMo-core config.json train_module.optim; the skipped steps from the run's log (optim/step skipped), else from that rule"}
-                if self.skip is not None else {"value": optimizer_name(self.a), "source": "checkpoint optimizer state (its family's own class)"}
+                {
+                    "value": f"{self.skip.name}: AdamW whose update is skipped where the loss or grad norm exceeds the mean of the last {self.skip.interval} steps by {self.skip.sigma:g} std",
+                    "source": "OLMo-core config.json train_module.optim; the skipped steps from the run's log (optim/step skipped), else from that rule",
+                }
+                if self.skip is not None
+                else {
+                    "value": optimizer_name(self.a),
+                    "source": "checkpoint optimizer state (its family's own class)",
+                }
             ),  # fmt: skip
-            "model": {"value": self.model_source or cfg.model or "config.json", "source": _model_source(cfg.model, self.model_source)},
-            "batches": {"value": self.batches.describe, "source": "--data, rebuilt; the first replayed step's loss and grad norm match the log" if self.batches.rebuilt else "--batch"},
-            "metrics": {"value": str(self.metrics_file) if self.metrics_file else None, "source": "discovered" if self.metrics_file and cfg.metrics is None else "--metrics"},
-            **({"distributed": {"value": ranks.describe(), "source": "torchrun"}} if (ranks := distributed.current()) is not None else {}),
-            **({"activations": {"value": "recomputed per block in the backward pass", "source": "--checkpoint-activations"}} if cfg.checkpoint_activations else {}),
+            "model": {
+                "value": self.model_source or cfg.model or "config.json",
+                "source": _model_source(cfg.model, self.model_source),
+            },
+            "batches": {
+                "value": self.batches.describe,
+                "source": "--data, rebuilt; the first replayed step's loss and grad norm match the log"
+                if self.batches.rebuilt
+                else "--batch",
+            },
+            "metrics": {
+                "value": str(self.metrics_file) if self.metrics_file else None,
+                "source": "discovered"
+                if self.metrics_file and cfg.metrics is None
+                else "--metrics",
+            },
+            **(
+                {"distributed": {"value": ranks.describe(), "source": "torchrun"}}
+                if (ranks := distributed.current()) is not None
+                else {}
+            ),
+            **(
+                {
+                    "activations": {
+                        "value": "recomputed per block in the backward pass",
+                        "source": "--checkpoint-activations",
+                    }
+                }
+                if cfg.checkpoint_activations
+                else {}
+            ),
         }
 
     def baseline(self) -> dict[int, dict[str, float]]:
@@ -156,8 +214,15 @@ class Plan:
         sess = distributed.agree(
             distributed.current(),
             lambda: Session(
-                self.cfg, self.a, self.precision, self.loss_fn, self.labels, self.batches.micro_batch_size, first,
-                self.scale, self.skip.fresh() if self.skip is not None else None,
+                self.cfg,
+                self.a,
+                self.precision,
+                self.loss_fn,
+                self.labels,
+                self.batches.micro_batch_size,
+                first,
+                self.scale,
+                self.skip.fresh() if self.skip is not None else None,
             ),  # fmt: skip
         )
         self.model_source, self.loss_norm, self.call = sess.model_source, sess.loss_norm, sess.call
@@ -168,7 +233,13 @@ def optimizer_name(a: Checkpoint) -> str:
     """The rebuilt optimizer's classes, as `replay.config` states them."""
     if a.optimizer is None:
         return "none"
-    names = {"adam": "AdamW", "lion": "lion_pytorch.Lion", "muon": "torch.optim.Muon", "sgd": "torch.optim.SGD", "adam8bit": "bitsandbytes.optim.AdamW8bit"}
+    names = {
+        "adam": "AdamW",
+        "lion": "lion_pytorch.Lion",
+        "muon": "torch.optim.Muon",
+        "sgd": "torch.optim.SGD",
+        "adam8bit": "bitsandbytes.optim.AdamW8bit",
+    }
     out = []
     for h in a.optimizer.groups:
         impl = str(h.options.get("implementation", ""))
@@ -188,13 +259,19 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
     Raises:
         ForensicsError: bad checkpoints, batches or configuration.
     """
-    a, b = open_pair(cfg.before, cfg.after) if cfg.after is not None else (open_checkpoint(cfg.before), None)
+    a, b = (
+        open_pair(cfg.before, cfg.after)
+        if cfg.after is not None
+        else (open_checkpoint(cfg.before), None)
+    )
     if a.step is None:
         raise ForensicsError(f"{cfg.before}: the checkpoint does not record its step; pass --step")
     if steps is None:
         if b is not None:
             if b.step is None or b.step <= a.step:
-                raise ForensicsError(f"{cfg.after}: its step ({b.step}) must come after before's ({a.step})")
+                raise ForensicsError(
+                    f"{cfg.after}: its step ({b.step}) must come after before's ({a.step})"
+                )
             steps = list(range(a.step + 1, b.step + 1))
         else:
             steps = [cfg.step if cfg.step is not None else a.step + 1]
@@ -202,15 +279,21 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
     batches = candidates[0]
     # Several candidates (the collators an HF run may have used): the window and its labels
     # once one is chosen (`choose_batches`).
-    window = [batches.batch(s) for s in steps] if len(candidates) == 1 else []  # fail early on a missing step
+    window = (
+        [batches.batch(s) for s in steps] if len(candidates) == 1 else []
+    )  # fail early on a missing step
     labels = settle_labels(window, batches.labels_shifted, cfg.labels, batches.describe)
     mfile = _metrics_file(cfg)
     logged = read_metrics(mfile) if mfile is not None else {}
     precision, psrc = run_precision(cfg, a)
     if a.optimizer is None and a.pending_optimizer is not None:
-        raise ForensicsError(f"{a.pending_optimizer.source}: optimizer ids map ambiguously ({', '.join(sorted(a.pending_optimizer.ambiguous)[:3])} ...); pass --after so the pair's updates settle the mapping")
+        raise ForensicsError(
+            f"{a.pending_optimizer.source}: optimizer ids map ambiguously ({', '.join(sorted(a.pending_optimizer.ambiguous)[:3])} ...); pass --after so the pair's updates settle the mapping"
+        )
     if a.optimizer is None:
-        raise ForensicsError(f"{cfg.before}: no optimizer state; replay needs it to reproduce the update")
+        raise ForensicsError(
+            f"{cfg.before}: no optimizer state; replay needs it to reproduce the update"
+        )
     lrs, lsrc = _lr_plan(steps, a, batches, logged)
     loss_fn = load_callable(cfg.loss, "--loss") if cfg.loss else None
     clips: list[tuple[float | None, str]]
@@ -221,12 +304,32 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
     elif b is not None:
         clips = [(None, "calibrated: none"), (1.0, "calibrated: 1.0")]
     elif sum(s in logged for s in steps) >= 2:  # the loss of a step after the first shows the clip
-        clips = [(None, "calibrated against the log: none"), (1.0, "calibrated against the log: 1.0")]
+        clips = [
+            (None, "calibrated against the log: none"),
+            (1.0, "calibrated against the log: 1.0"),
+        ]
     else:
         clips = [(None, "assumed: none (no after and no log to calibrate against)")]
     scale = mp.scale_plan(a, b, steps, batches.loss_scale, logged) if precision == "fp16" else None
     skip = skipstep.skip_rule(a, logged, steps[0])
-    p = Plan(cfg, a, b, steps, batches, lrs, lsrc, clips, precision, psrc, loss_fn, logged, mfile, labels, scale=scale, skip=skip)
+    p = Plan(
+        cfg,
+        a,
+        b,
+        steps,
+        batches,
+        lrs,
+        lsrc,
+        clips,
+        precision,
+        psrc,
+        loss_fn,
+        logged,
+        mfile,
+        labels,
+        scale=scale,
+        skip=skip,
+    )
     if len(candidates) > 1:
         p.batches = choose_batches(p, candidates)
     return p
@@ -244,11 +347,15 @@ def choose_batches(p: Plan, candidates: list[BatchSource]) -> BatchSource:
     step = p.steps[0]
     logged = p.logged.get(step)
     if not logged or "loss" not in logged:
-        raise ForensicsError(f"the rebuilt batches cannot be checked: the log has no loss for step {step} to tell the collators apart; pass --collator or --batch")
+        raise ForensicsError(
+            f"the rebuilt batches cannot be checked: the log has no loss for step {step} to tell the collators apart; pass --collator or --batch"
+        )
     missed: list[str] = []
     session: Session | None = None
     try:
-        with torch.random.fork_rng(devices=[torch.device(p.cfg.device)] if p.cfg.device == "cuda" else []):
+        with torch.random.fork_rng(
+            devices=[torch.device(p.cfg.device)] if p.cfg.device == "cuda" else []
+        ):
             for c in candidates:
                 name = c.collator or c.describe
                 try:
@@ -259,20 +366,29 @@ def choose_batches(p: Plan, candidates: list[BatchSource]) -> BatchSource:
                     continue
                 p.batches, p.labels = c, labels
                 if session is None:
-                    session = p.session()  # the model called as its trainer calls it, from this window
+                    session = (
+                        p.session()
+                    )  # the model called as its trainer calls it, from this window
                 session.labels = labels
                 loss, grad = session.evaluate(window[0])
                 try:
                     require_rebuilt_match(step, (loss, grad), logged, p.precision)
                 except ForensicsError:
-                    missed.append(f"{name}: loss {loss:.4g}" + (f", grad norm {grad:.4g}" if "grad_norm" in logged else ""))
+                    missed.append(
+                        f"{name}: loss {loss:.4g}"
+                        + (f", grad norm {grad:.4g}" if "grad_norm" in logged else "")
+                    )
                     continue
                 passed = f"; passed over: {'; '.join(missed)}" if missed else ""
-                return dataclasses.replace(c, describe=f"{c.describe}: its step {step} lands on the log{passed}")
+                return dataclasses.replace(
+                    c, describe=f"{c.describe}: its step {step} lands on the log{passed}"
+                )
     finally:
         if session is not None:
             session.close()
-    want = f"loss {logged['loss']:.4g}" + (f", grad norm {logged['grad_norm']:.4g}" if "grad_norm" in logged else "")
+    want = f"loss {logged['loss']:.4g}" + (
+        f", grad norm {logged['grad_norm']:.4g}" if "grad_norm" in logged else ""
+    )
     raise ForensicsError(
         f"the data pipeline differs: no collator rebuilds step {step} as logged ({want}); pass --collator module:obj or --batch. "
         f"Tried: {'; '.join(missed)}"
@@ -287,13 +403,17 @@ def _batches(cfg: ReplayConfig, a: Checkpoint) -> list[BatchSource]:
         if not src.ids_only:
             return [src]
         if cfg.data is None:
-            raise ForensicsError(f"{cfg.batch}: the log keeps sample ids, not tokens: pass --data (the dataset they index) as well")
+            raise ForensicsError(
+                f"{cfg.batch}: the log keeps sample ids, not tokens: pass --data (the dataset they index) as well"
+            )
         from .batches import with_rows
         from .hfdata import open_dataset
 
         return [with_rows(src, open_dataset(cfg.data), f"--data {cfg.data}")]
     if cfg.data is None:
-        raise ForensicsError("pass --batch (the batches the run consumed) or --data (the run's training data: HF Trainer, Megatron and OLMo-core runs)")
+        raise ForensicsError(
+            "pass --batch (the batches the run consumed) or --data (the run's training data: HF Trainer, Megatron and OLMo-core runs)"
+        )
     if a.format.startswith("megatron"):
         from .megatron_data import megatron_batches
 
@@ -303,11 +423,17 @@ def _batches(cfg: ReplayConfig, a: Checkpoint) -> list[BatchSource]:
     if is_olmo_checkpoint(a.path):
         return [olmo_batches(cfg.data, a.path)]
     if a.format != "hf-trainer":
-        raise ForensicsError(f"{a.path}: --data rebuilds HF Trainer runs' batches; this is a {a.format} checkpoint: pass --batch")
+        raise ForensicsError(
+            f"{a.path}: --data rebuilds HF Trainer runs' batches; this is a {a.format} checkpoint: pass --batch"
+        )
     from .hfdata import trainer_batches
 
-    world = len(list(a.path.glob("rng_state_*.pth"))) or 1  # the Trainer saves one RNG state per process
-    return trainer_batches(cfg.data, a.scalars.get("training_args"), a.config, world, cfg.collator, a.path)
+    world = (
+        len(list(a.path.glob("rng_state_*.pth"))) or 1
+    )  # the Trainer saves one RNG state per process
+    return trainer_batches(
+        cfg.data, a.scalars.get("training_args"), a.config, world, cfg.collator, a.path
+    )
 
 
 def run_window(p: Plan, clip: float | None, progress: Callable[[str], None] | None) -> ReplayResult:
@@ -330,7 +456,10 @@ def run_window(p: Plan, clip: float | None, progress: Callable[[str], None] | No
                 rec = dataclasses.replace(rec, sample_ids=tuple(batches.sample_ids[s]))
             result.records.append(rec)
             result.passes[s] = stats
-            others = np.concatenate([window[t]["input_ids"].numpy().ravel() for t in steps if t != s] or [np.zeros(0, dtype=np.int64)])
+            others = np.concatenate(
+                [window[t]["input_ids"].numpy().ravel() for t in steps if t != s]
+                or [np.zeros(0, dtype=np.int64)]
+            )
             result.row_stats[s] = row_data_stats(ids.numpy(), others)
         if b is not None:
             result.matches = compare_after(session, b, lrs)

@@ -19,7 +19,21 @@ from ..formats.base import Checkpoint
 from ..verdict import Verdict
 from .markdown import render_markdown
 
-__all__ = ["SCHEMA", "build_report", "clean", "write_report", "write_files", "atomic_write", "check_outside", "report_inputs", "prepare_out", "remove_made", "to_json", "render_markdown", "schema"]
+__all__ = [
+    "SCHEMA",
+    "build_report",
+    "clean",
+    "write_report",
+    "write_files",
+    "atomic_write",
+    "check_outside",
+    "report_inputs",
+    "prepare_out",
+    "remove_made",
+    "to_json",
+    "render_markdown",
+    "schema",
+]
 
 SCHEMA = "ckptforensics.report/1"
 
@@ -139,7 +153,9 @@ def write_files(files: dict[Path, Content]) -> list[Path]:
             tmp.unlink(missing_ok=True)
         if isinstance(e, OSError):
             where = staged[-1][1] if staged else next(iter(files))
-            raise OutputNotWritable(f"{where}: cannot be written ({e.strerror or e}); every file already in {where.parent} is as it was") from None
+            raise OutputNotWritable(
+                f"{where}: cannot be written ({e.strerror or e}); every file already in {where.parent} is as it was"
+            ) from None
         raise
     mode = 0o666 & ~current_umask()  # mkstemp makes 0600; a report is for sharing
     for tmp, final in staged:
@@ -170,13 +186,19 @@ def check_outside(out: Path, inputs: Sequence[Path]) -> None:
     for p in inputs:
         d = Path(os.path.realpath(p))
         if Path(p).is_dir() and (o == d or d in o.parents):
-            raise OutputNotWritable(f"--out {out} is inside the input checkpoint {p}; choose a directory outside it")
+            raise OutputNotWritable(
+                f"--out {out} is inside the input checkpoint {p}; choose a directory outside it"
+            )
 
 
 def report_inputs(doc: dict[str, Any]) -> list[Path]:
     """The checkpoints a report read (its incident's before and after)."""
     inc = doc.get("incident") or {}
-    return [Path(str(inc[k]["path"])) for k in ("before", "after") if isinstance(inc.get(k), dict) and inc[k].get("path")]
+    return [
+        Path(str(inc[k]["path"]))
+        for k in ("before", "after")
+        if isinstance(inc.get(k), dict) and inc[k].get("path")
+    ]
 
 
 def prepare_out(out: Path, *, file: bool = False) -> list[Path]:
@@ -198,7 +220,9 @@ def prepare_out(out: Path, *, file: bool = False) -> list[Path]:
     if file and out.is_dir():
         raise OutputNotWritable(f"--out {out} is a directory; pass a file name")
     if not file and (out.exists() or out.is_symlink()) and not out.is_dir():
-        raise OutputNotWritable(f"--out {out}: a file is in the way (--out is a directory for the report's files); pass another path")
+        raise OutputNotWritable(
+            f"--out {out}: a file is in the way (--out is a directory for the report's files); pass another path"
+        )
     missing: list[Path] = []
     anchor = target
     while not (anchor.exists() or anchor.is_symlink()) and anchor != anchor.parent:
@@ -212,19 +236,25 @@ def prepare_out(out: Path, *, file: bool = False) -> list[Path]:
             try:
                 d.mkdir()
             except OSError as e:
-                raise OutputNotWritable(f"--out {out}: cannot create {d} ({e.strerror or e})") from None
+                raise OutputNotWritable(
+                    f"--out {out}: cannot create {d} ({e.strerror or e})"
+                ) from None
             made.append(d)
         try:
             fd, probe = tempfile.mkstemp(prefix=".ckptforensics-probe-", dir=target)
         except OSError as e:
-            raise OutputNotWritable(f"--out {out}: cannot write in {target} ({e.strerror or e})") from None
+            raise OutputNotWritable(
+                f"--out {out}: cannot write in {target} ({e.strerror or e})"
+            ) from None
         try:
             left = memoryview(b"\0" * _PROBE_BYTES)
             while left:  # a write near a size limit is short; the next one fails
                 left = left[os.write(fd, left) :]
             os.fsync(fd)
         except OSError as e:
-            raise OutputNotWritable(f"--out {out}: cannot write in {target} ({e.strerror or e})") from None
+            raise OutputNotWritable(
+                f"--out {out}: cannot write in {target} ({e.strerror or e})"
+            ) from None
         finally:
             os.close(fd)
             Path(probe).unlink(missing_ok=True)
@@ -247,7 +277,9 @@ def remove_made(made: list[Path]) -> None:
             return
 
 
-def write_report(out_dir: Path, doc: dict[str, Any], extra: dict[str, str] | None = None) -> list[Path]:
+def write_report(
+    out_dir: Path, doc: dict[str, Any], extra: dict[str, str] | None = None
+) -> list[Path]:
     """report.json, report.md, report.html and evidence.h5 (and `extra` files by name, such
     as bisect's skip.json) under `out_dir`, written together (`write_files`)."""
     from .evidence import write_h5

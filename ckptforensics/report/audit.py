@@ -11,7 +11,13 @@ from .markdown import fmt
 
 __all__ = ["render_audit_markdown", "render_audit_html", "is_audit"]
 
-_MARK = {("risk", "critical"): "CRITICAL", ("risk", "warning"): "warning", ("risk", "info"): "info", ("ok", "info"): "ok", ("unknown", "info"): "—"}
+_MARK = {
+    ("risk", "critical"): "CRITICAL",
+    ("risk", "warning"): "warning",
+    ("risk", "info"): "info",
+    ("ok", "info"): "ok",
+    ("unknown", "info"): "—",
+}
 
 
 def is_audit(doc: dict[str, Any]) -> bool:
@@ -22,12 +28,18 @@ def _value(v: Any) -> str:
     """A row's figure for people: numbers through `fmt`; a dict as its first entries (a
     per-module dict as its largest entry); the full figure is in report.json."""
     if isinstance(v, dict):
-        nums = {k: x for k, x in v.items() if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)}
+        nums = {
+            k: x
+            for k, x in v.items()
+            if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+        }
         if nums and len(nums) == len(v) and len(v) > 4:
             k = max(nums, key=lambda n: nums[n])
             return f"max {fmt(nums[k])} ({k}) of {len(v)}"
         items = [(k, x) for k, x in v.items() if x is not None and k != "batch"][:4]
-        return ", ".join(f"{k} {_value(x)}" for k, x in items) + (" ..." if len(v) > len(items) + ("batch" in v) else "")
+        return ", ".join(f"{k} {_value(x)}" for k, x in items) + (
+            " ..." if len(v) > len(items) + ("batch" in v) else ""
+        )
     if isinstance(v, (list, tuple)):
         return ", ".join(_value(x) for x in v[:4]) + (" ..." if len(v) > 4 else "")
     return fmt(v)
@@ -35,7 +47,15 @@ def _value(v: Any) -> str:
 
 def _rows(doc: dict[str, Any]) -> list[list[Any]]:
     return [
-        [_MARK.get((r["status"], r["severity"]), r["status"]), r["area"], r["id"], _value(r["value"]), _value(r["threshold"]), r["message"], r["source"]]
+        [
+            _MARK.get((r["status"], r["severity"]), r["status"]),
+            r["area"],
+            r["id"],
+            _value(r["value"]),
+            _value(r["threshold"]),
+            r["message"],
+            r["source"],
+        ]
         for r in doc["audit"]["rows"]
     ]
 
@@ -60,10 +80,29 @@ def _arch_rows(a: dict[str, Any]) -> list[list[Any]]:
 
 
 def _layer_rows(a: dict[str, Any]) -> list[list[Any]]:
-    return [[x["module"], x["placement"], fmt(x["qk_norm"]), x["heads"], fmt(x["max_logit"]), fmt(x["entropy"]), fmt(x["stream_rms"])] for x in a.get("layers") or []]
+    return [
+        [
+            x["module"],
+            x["placement"],
+            fmt(x["qk_norm"]),
+            x["heads"],
+            fmt(x["max_logit"]),
+            fmt(x["entropy"]),
+            fmt(x["stream_rms"]),
+        ]
+        for x in a.get("layers") or []
+    ]
 
 
-_LAYER_HEAD = ["attention module", "placement", "QK-norm", "heads", "max logit", "entropy (of uniform)", "stream RMS"]
+_LAYER_HEAD = [
+    "attention module",
+    "placement",
+    "QK-norm",
+    "heads",
+    "max logit",
+    "entropy (of uniform)",
+    "stream RMS",
+]
 
 
 def render_audit_markdown(doc: dict[str, Any]) -> str:
@@ -77,9 +116,15 @@ def render_audit_markdown(doc: dict[str, Any]) -> str:
         f"**{v['summary']}**",
         "",
         f"- **Checkpoint**: `{au['checkpoint']}` (step {fmt(au['step'])})",
-        "- **Compared with**: " + (f"`{au['compared_with']['path']}` (step {fmt(au['compared_with']['step'])})" if au.get("compared_with") else "—"),
+        "- **Compared with**: "
+        + (
+            f"`{au['compared_with']['path']}` (step {fmt(au['compared_with']['step'])})"
+            if au.get("compared_with")
+            else "—"
+        ),
         f"- **Probed on**: {au['batch']}",
-        "- **Exposed to**: " + ", ".join(f"{x['cause']} ({x['confidence']:.0%})" for x in v["causes"]),
+        "- **Exposed to**: "
+        + ", ".join(f"{x['cause']} ({x['confidence']:.0%})" for x in v["causes"]),
         "",
         "**Architecture (from the traced forward pass)**",
         "",
@@ -90,13 +135,26 @@ def render_audit_markdown(doc: dict[str, Any]) -> str:
         *_table(_HEAD, _rows(doc)),
     ]
     if v["recommended_actions"]:
-        lines += ["", "**Recommended actions**", ""] + [f"{i}. {x}" for i, x in enumerate(v["recommended_actions"], 1)]
+        lines += ["", "**Recommended actions**", ""] + [
+            f"{i}. {x}" for i, x in enumerate(v["recommended_actions"], 1)
+        ]
     if a.get("layers"):
-        lines += ["", f"<details><summary>Attention layers ({len(a['layers'])})</summary>", "", *_table(_LAYER_HEAD, _layer_rows(a)), "", "</details>"]
+        lines += [
+            "",
+            f"<details><summary>Attention layers ({len(a['layers'])})</summary>",
+            "",
+            *_table(_LAYER_HEAD, _layer_rows(a)),
+            "",
+            "</details>",
+        ]
     if au.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in au["notes"]]
     inc = doc["incident"]
-    lines += ["", f"<sub>{inc['command']} · ckptforensics {inc['tool_version']} · schema {doc['schema']}</sub>", ""]
+    lines += [
+        "",
+        f"<sub>{inc['command']} · ckptforensics {inc['tool_version']} · schema {doc['schema']}</sub>",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -115,18 +173,32 @@ def render_audit_html(doc: dict[str, Any]) -> str:
             ["", ""],
             [
                 ["checkpoint", f"{au['checkpoint']} (step {fmt(au['step'])})"],
-                ["compared with", f"{au['compared_with']['path']} (step {fmt(au['compared_with']['step'])})" if au.get("compared_with") else "—"],
+                [
+                    "compared with",
+                    f"{au['compared_with']['path']} (step {fmt(au['compared_with']['step'])})"
+                    if au.get("compared_with")
+                    else "—",
+                ],
                 ["probed on", au["batch"]],
-                ["exposed to", ", ".join(f"{x['cause']} ({x['confidence']:.0%})" for x in v["causes"])],
+                [
+                    "exposed to",
+                    ", ".join(f"{x['cause']} ({x['confidence']:.0%})" for x in v["causes"]),
+                ],
             ],
         ),
         "<h2>Architecture</h2>" + table(["", ""], _arch_rows(a)),
         "<h2>Checks</h2>" + table(_HEAD, _rows(doc)),
     ]
     if v["recommended_actions"]:
-        parts.append("<h2>Recommended actions</h2><ol>" + "".join(f"<li>{e(x)}</li>" for x in v["recommended_actions"]) + "</ol>")
+        parts.append(
+            "<h2>Recommended actions</h2><ol>"
+            + "".join(f"<li>{e(x)}</li>" for x in v["recommended_actions"])
+            + "</ol>"
+        )
     if a.get("layers"):
         parts.append("<h2>Attention layers</h2>" + table(_LAYER_HEAD, _layer_rows(a)))
     inc = doc["incident"]
-    parts.append(f"<p><small>{e(inc['command'])} · ckptforensics {e(inc['tool_version'])} · {e(doc['schema'])}</small></p></body></html>")
+    parts.append(
+        f"<p><small>{e(inc['command'])} · ckptforensics {e(inc['tool_version'])} · {e(doc['schema'])}</small></p></body></html>"
+    )
     return "\n".join(parts)

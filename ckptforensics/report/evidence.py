@@ -12,7 +12,17 @@ from ..errors import ForensicsError
 
 __all__ = ["write_evidence", "write_h5", "load_report"]
 
-_DIFF_COLUMNS = ("update_ratio", "dw_max_abs", "r_v", "rho_share_a", "rho_share_b", "headroom_b", "max_abs_b", "bound_violations", "nonfinite_b")
+_DIFF_COLUMNS = (
+    "update_ratio",
+    "dw_max_abs",
+    "r_v",
+    "rho_share_a",
+    "rho_share_b",
+    "headroom_b",
+    "max_abs_b",
+    "bound_violations",
+    "nonfinite_b",
+)
 
 
 def _floats(xs: list[Any]) -> np.ndarray:
@@ -37,7 +47,10 @@ def write_h5(path: Path, doc: dict[str, Any]) -> None:
         diff = doc.get("diff") or {}
         if diff.get("tensors"):
             g = h.create_group("diff")
-            g.create_dataset("name", data=np.array([t["name"] for t in diff["tensors"]], dtype=h5py.string_dtype()))
+            g.create_dataset(
+                "name",
+                data=np.array([t["name"] for t in diff["tensors"]], dtype=h5py.string_dtype()),
+            )
             for col in _DIFF_COLUMNS:
                 g.create_dataset(col, data=_floats([t.get(col) for t in diff["tensors"]]))
         rep = doc.get("replay") or {}
@@ -55,13 +68,17 @@ def write_h5(path: Path, doc: dict[str, Any]) -> None:
                 order = [str(s["step"]) for s in steps if str(s["step"]) in per]
                 for stat in ("absmax", "rms", "grad_norm"):
                     # [steps, modules], rows in step order
-                    g.create_dataset(f"module_{stat}", data=np.array([_floats(per[s][stat]) for s in order]))
+                    g.create_dataset(
+                        f"module_{stat}", data=np.array([_floats(per[s][stat]) for s in order])
+                    )
             sl = [s["sample_loss"] for s in steps]
             if sl and all(len(x) == len(sl[0]) for x in sl):
                 g.create_dataset("sample_loss", data=np.array(sl, dtype=np.float64))
             sq = [s["sample_grad_sq"] for s in steps]
             if sq and all(x is not None and len(x) == len(sq[0]) for x in sq):
-                g.create_dataset("sample_grad_sq", data=_floats([v for x in sq for v in x]).reshape(len(sq), -1))
+                g.create_dataset(
+                    "sample_grad_sq", data=_floats([v for x in sq for v in x]).reshape(len(sq), -1)
+                )
 
 
 def load_report(path: Path) -> dict[str, Any]:

@@ -31,7 +31,11 @@ def table(head: list[str], rows: list[list[Any]]) -> str:
 
 def num(x: Any) -> float:
     """Report numbers are JSON: non-finite values were stored as null."""
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else float("nan")
+    return (
+        float(x)
+        if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+        else float("nan")
+    )
 
 
 def png(fig: Any) -> str:
@@ -40,7 +44,9 @@ def png(fig: Any) -> str:
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    return f'<img alt="plot" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
+    return (
+        f'<img alt="plot" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
+    )
 
 
 def _short(names: list[str]) -> list[str]:
@@ -62,7 +68,9 @@ def _name_ticks(ax: Any, names: list[str], axis: str, most: int = 40) -> None:
         ax.set_yticks(pos, labels, fontsize=6)
 
 
-def _heatmap(plt: Any, per: dict[str, Any], mods: list[str], v: dict[str, Any]) -> list[tuple[str, str]]:
+def _heatmap(
+    plt: Any, per: dict[str, Any], mods: list[str], v: dict[str, Any]
+) -> list[tuple[str, str]]:
     """Modules (forward order, named) x replayed steps, coloured by each module's output-gradient
     and activation norm against its own median over the window (log10): the view that shows
     where a spike starts and how it travels. The first anomalous module and bad step marked."""
@@ -83,7 +91,13 @@ def _heatmap(plt: Any, per: dict[str, Any], mods: list[str], v: dict[str, Any]) 
         names = [n for n, k in zip(mods, keep, strict=True) if k]
         rel = np.clip(np.nan_to_num(rel[keep], nan=0.0, posinf=3.0, neginf=-3.0), -3, 3)
         fig, ax = plt.subplots(figsize=(10, min(12, 1.5 + 0.14 * len(names))))
-        im = ax.imshow(rel, aspect="auto", cmap="RdBu_r", vmin=-max(1.0, float(np.abs(rel).max())), vmax=max(1.0, float(np.abs(rel).max())))
+        im = ax.imshow(
+            rel,
+            aspect="auto",
+            cmap="RdBu_r",
+            vmin=-max(1.0, float(np.abs(rel).max())),
+            vmax=max(1.0, float(np.abs(rel).max())),
+        )
         ax.set_xticks(range(len(steps)), steps, fontsize=7, rotation=90 if len(steps) > 20 else 0)
         _name_ticks(ax, names, "y", most=60)
         ax.set_xlabel("replayed step")
@@ -93,7 +107,9 @@ def _heatmap(plt: Any, per: dict[str, Any], mods: list[str], v: dict[str, Any]) 
         if fam and any(n == fam or n.startswith(fam + ".") for n in names):
             row = next(i for i, n in enumerate(names) if n == fam or n.startswith(fam + "."))
             ax.axhline(row, color="k", ls="--", lw=0.8)
-            ax.annotate(f"first anomalous: {_short([fam, *names])[0]}", (0, row), fontsize=7, va="bottom")
+            ax.annotate(
+                f"first anomalous: {_short([fam, *names])[0]}", (0, row), fontsize=7, va="bottom"
+            )
         fig.colorbar(im, ax=ax, label=f"log10 {what} / its window median")
         ax.set_title(f"per-module {what} x step, against each module's own baseline")
         out.append((f"Modules x steps: {what}", png(fig)))
@@ -121,7 +137,14 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
         for a, key in ((ax[0], "loss"), (ax[1], "grad_norm")):
             ls = sorted(int(s) for s in logged if key in logged[s])
             if ls:
-                a.plot(ls, [num(logged[str(s)][key]) for s in ls], "-", color="0.6", lw=1, label="training log")
+                a.plot(
+                    ls,
+                    [num(logged[str(s)][key]) for s in ls],
+                    "-",
+                    color="0.6",
+                    lw=1,
+                    label="training log",
+                )
             a.plot(steps, [num(s[key]) for s in rep["steps"]], "o-", ms=3, label="replayed")
         ax[1].set_yscale("log")
         inc = doc["incident"]
@@ -148,7 +171,9 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
                 cur = np.array([num(x) for x in per[str(s0)]["grad_norm"]], float)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)  # modules without gradients
-                    base = np.nanmedian(np.array([[num(x) for x in o] for o in others], float), axis=0)
+                    base = np.nanmedian(
+                        np.array([[num(x) for x in o] for o in others], float), axis=0
+                    )
                 keep = np.isfinite(cur) & np.isfinite(base) & (cur > 0)
                 fig, ax = plt.subplots(figsize=(10, 3.6))
                 idx = np.flatnonzero(keep)
@@ -239,7 +264,11 @@ def _recovery_plot(r: dict[str, Any]) -> str:
     se = r["series"]
     fig, ax = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
     for a, key in ((ax[0], "loss"), (ax[1], "grad_norm")):
-        for leg, style, label in (("pre", dict(color="0.5", lw=1), "before the resume"), ("incident", dict(color="r", lw=1, ls="--"), "incident leg"), ("resumed", dict(color="C0", lw=1.3), "resumed leg")):
+        for leg, style, label in (
+            ("pre", dict(color="0.5", lw=1), "before the resume"),
+            ("incident", dict(color="r", lw=1, ls="--"), "incident leg"),
+            ("resumed", dict(color="C0", lw=1.3), "resumed leg"),
+        ):
             s = se.get(leg) or {}
             if s.get("step"):
                 a.plot(s["step"], [num(x) for x in s[key]], label=label, **style)
@@ -248,10 +277,18 @@ def _recovery_plot(r: dict[str, Any]) -> str:
         if exp and len(exp) == len(steps):
             a.plot(steps, exp, color="k", ls=":", lw=1, label="pre-incident trajectory")
             if key == "loss" and len(se.get("loss_band_upper") or []) == len(steps):
-                a.fill_between(steps, exp, se["loss_band_upper"], color="g", alpha=0.12, label="band")
+                a.fill_between(
+                    steps, exp, se["loss_band_upper"], color="g", alpha=0.12, label="band"
+                )
         a.axvline(r["resumed_from"], color="g", lw=1, label="resumed from")
         if r.get("step") is not None:
-            a.axvline(r["step"], color="r" if r["status"] == "relapsed" else "C2", ls="--", lw=1, label=r["status"])
+            a.axvline(
+                r["step"],
+                color="r" if r["status"] == "relapsed" else "C2",
+                ls="--",
+                lw=1,
+                label=r["status"],
+            )
         a.set_ylabel(key.replace("_", " "))
     ax[1].set_yscale("log")
     ax[1].set_xlabel("step")
@@ -261,19 +298,38 @@ def _recovery_plot(r: dict[str, Any]) -> str:
 
 def _render_recovery(doc: dict[str, Any]) -> str:
     r, v, inc = doc["recovery"], doc["verdict"], doc["incident"]
-    head = r["status"] + (f" at step {r['step']}" if r["step"] is not None and r["status"] != "recovering" else "")
+    head = r["status"] + (
+        f" at step {r['step']}" if r["step"] is not None and r["status"] != "recovering" else ""
+    )
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>ckptforensics recovery</title>",
         f"<style>{CSS}</style></head><body><h1>ckptforensics: recovery — {_e(head)}</h1>",
         f"<p class='summary'>{_e(v['summary'])}</p>",
-        table(["", ""], [["resumed from", f"{inc['before']['path']} (step {fmt(r['resumed_from'])})"], ["checkpoint after the resume", r.get("checkpoint_after") or "—"], ["incident onset", fmt(r.get("onset"))]]),
+        table(
+            ["", ""],
+            [
+                ["resumed from", f"{inc['before']['path']} (step {fmt(r['resumed_from'])})"],
+                ["checkpoint after the resume", r.get("checkpoint_after") or "—"],
+                ["incident onset", fmt(r.get("onset"))],
+            ],
+        ),
     ]
     if v["recommended_actions"]:
-        parts.append("<h2>Next</h2><ol>" + "".join(f"<li>{_e(a)}</li>" for a in v["recommended_actions"]) + "</ol>")
+        parts.append(
+            "<h2>Next</h2><ol>"
+            + "".join(f"<li>{_e(a)}</li>" for a in v["recommended_actions"])
+            + "</ol>"
+        )
     plot = _recovery_plot(r)
-    parts.append(f"<h2>Loss and grad norm</h2><div class='plots'>{plot}</div>" if plot else "<p><em>Plots need the plots extra (matplotlib); tables follow.</em></p>")
+    parts.append(
+        f"<h2>Loss and grad norm</h2><div class='plots'>{plot}</div>"
+        if plot
+        else "<p><em>Plots need the plots extra (matplotlib); tables follow.</em></p>"
+    )
     parts.append("<h2>Details</h2>" + _md_block(recovery_lines(r)))
-    parts.append(f"<p><small>{_e(inc['command'])} · ckptforensics {_e(inc['tool_version'])} · {_e(doc['schema'])}</small></p></body></html>")
+    parts.append(
+        f"<p><small>{_e(inc['command'])} · ckptforensics {_e(inc['tool_version'])} · {_e(doc['schema'])}</small></p></body></html>"
+    )
     return "\n".join(parts)
 
 
@@ -293,8 +349,14 @@ def render_html(doc: dict[str, Any]) -> str:
         table(
             ["", ""],
             [
-                ["before", f"{inc['before']['path']} (step {fmt(inc['before']['step'])}, {inc['before']['format']})"],
-                ["after", f"{inc['after']['path']} (step {fmt(inc['after']['step'])}, {inc['after']['format']})"],
+                [
+                    "before",
+                    f"{inc['before']['path']} (step {fmt(inc['before']['step'])}, {inc['before']['format']})",
+                ],
+                [
+                    "after",
+                    f"{inc['after']['path']} (step {fmt(inc['after']['step'])}, {inc['after']['format']})",
+                ],
                 ["causes", ", ".join(f"{c['cause']} ({c['confidence']:.0%})" for c in v["causes"])],
                 ["reproduces", reproduces(v)],
                 ["replay vs the run's log", (v.get("replay_check") or {}).get("reason") or "—"],
@@ -306,33 +368,78 @@ def render_html(doc: dict[str, Any]) -> str:
         ),
     ]
     if v["recommended_actions"]:
-        parts.append("<h2>Recommended actions</h2><ol>" + "".join(f"<li>{_e(a)}</li>" for a in v["recommended_actions"]) + "</ol>")
+        parts.append(
+            "<h2>Recommended actions</h2><ol>"
+            + "".join(f"<li>{_e(a)}</li>" for a in v["recommended_actions"])
+            + "</ol>"
+        )
     p = doc.get("plan") or {}
     if p.get("status") == "ready":
         parts.append("<h2>Resume plan</h2>" + _md_block(plan_lines(p)))
     if v["anomalous_samples"]:
-        parts.append("<h2>Anomalous samples</h2>" + table(["row", "sample id", "why"], [[s["index"], fmt(s["sample_id"]), s["why"]] for s in v["anomalous_samples"]]))
+        parts.append(
+            "<h2>Anomalous samples</h2>"
+            + table(
+                ["row", "sample id", "why"],
+                [[s["index"], fmt(s["sample_id"]), s["why"]] for s in v["anomalous_samples"]],
+            )
+        )
     if v["corrupted_elements"]:
         parts.append(
             "<h2>Corrupted elements</h2>"
-            + table(["tensor", "index", "before", "after", "kind"], [[e["tensor"], e["index"], fmt(e["before"]), fmt(e["after"]), e["kind"]] for e in v["corrupted_elements"]])
+            + table(
+                ["tensor", "index", "before", "after", "kind"],
+                [
+                    [e["tensor"], e["index"], fmt(e["before"]), fmt(e["after"]), e["kind"]]
+                    for e in v["corrupted_elements"]
+                ],
+            )
         )
     if v["overflowing_tensors"]:
-        parts.append("<h2>Overflowing tensors</h2>" + table(["name", "dtype", "where"], [[o["name"], o["dtype"], o["where"]] for o in v["overflowing_tensors"]]))
+        parts.append(
+            "<h2>Overflowing tensors</h2>"
+            + table(
+                ["name", "dtype", "where"],
+                [[o["name"], o["dtype"], o["where"]] for o in v["overflowing_tensors"]],
+            )
+        )
     plots = _plots(doc)
     if plots:
-        parts.append("<h2>Plots</h2><div class='plots'>" + "".join(f"<h3>{_e(t)}</h3>{img}" for t, img in plots) + "</div>")
+        parts.append(
+            "<h2>Plots</h2><div class='plots'>"
+            + "".join(f"<h3>{_e(t)}</h3>{img}" for t, img in plots)
+            + "</div>"
+        )
     else:
         parts.append("<p><em>Plots need the plots extra (matplotlib); tables follow.</em></p>")
     parts.append(
         "<h2>Findings</h2>"
-        + table(["id", "severity", "kind", "subject", "message"], [[f["id"], f["severity"], f["kind"], f["subject"], f["message"]] for f in doc["findings"]])
+        + table(
+            ["id", "severity", "kind", "subject", "message"],
+            [
+                [f["id"], f["severity"], f["kind"], f["subject"], f["message"]]
+                for f in doc["findings"]
+            ],
+        )
     )
     wi = doc.get("whatif") or {}
     if wi.get("outcomes"):
         parts.append(
             "<h2>What-if</h2>"
-            + table(["mitigation", "on track", "max loss", "max grad norm"], [[o["mitigation"], fmt(o["on_track"]), fmt(o["max_loss"]), fmt(o["max_grad_norm"])] for o in wi["outcomes"]])
+            + table(
+                ["mitigation", "on track", "max loss", "max grad norm"],
+                [
+                    [
+                        o["mitigation"],
+                        fmt(o["on_track"]),
+                        fmt(o["max_loss"]),
+                        fmt(o["max_grad_norm"]),
+                    ]
+                    for o in wi["outcomes"]
+                ],
+            )
         )
-    parts.append(f"<p><small>{_e(inc['command'])} · ckptforensics {_e(inc['tool_version'])} · {_e(doc['schema'])}</small></p></body></html>")
+    parts.append(
+        f"<p><small>{_e(inc['command'])} · ckptforensics {_e(inc['tool_version'])} · {_e(doc['schema'])}</small></p></body></html>"
+    )
     return "\n".join(parts)

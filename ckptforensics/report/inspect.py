@@ -22,7 +22,12 @@ def inspect_doc(summary: Any, whole: Any) -> dict[str, Any]:
     return {
         "schema": INSPECT_SCHEMA,
         **clean(summary),
-        "completeness": {"complete": whole.complete, "checked": whole.checked, "rule": whole.rule, "problems": list(whole.problems)},
+        "completeness": {
+            "complete": whole.complete,
+            "checked": whole.checked,
+            "rule": whole.rule,
+            "problems": list(whole.problems),
+        },
         "files": whole.summary(),
     }
 
@@ -35,12 +40,17 @@ def _headroom(t: dict[str, Any]) -> float:
 def render_inspect_text(doc: dict[str, Any], show_all: bool = False) -> str:
     """The summary as the CLI prints it: the notable tensors (non-finite, headroom < 2x),
     or every tensor with `show_all`."""
-    lines = [f"{doc['path']}: {doc['format']}, step {doc['step'] if doc['step'] is not None else '?'}", f"  files: {doc['files']}"]
+    lines = [
+        f"{doc['path']}: {doc['format']}, step {doc['step'] if doc['step'] is not None else '?'}",
+        f"  files: {doc['files']}",
+    ]
     dtypes = ", ".join(f"{k}: {v}" for k, v in doc["dtypes"].items())
     lines.append(f"  {doc['parameters']:,} parameters in {doc['tensors']} tensors ({dtypes})")
     o = doc.get("optimizer")
     if o:
-        lines.append(f"  optimizer: {o['kind']}, step {o['step']}, {o['params_with_state']} params with state (ids mapped by {o['mapping']})")
+        lines.append(
+            f"  optimizer: {o['kind']}, step {o['step']}, {o['params_with_state']} params with state (ids mapped by {o['mapping']})"
+        )
         for i, g in enumerate(o["groups"]):
             lines.append(
                 f"    group {i}: {g['params']} params, lr {g['lr']:.4g}, betas {g['betas']}, eps {g['eps']:g}, weight_decay {g['weight_decay']:g}"

@@ -46,7 +46,9 @@ def reproduces(v: dict[str, Any]) -> str:
     check = v.get("replay_check")
     if check is None:
         return "not replayed"
-    return _CHECK_WORDS.get(check["status"], "inconclusive (the replay deviates from after: see replay.config)")
+    return _CHECK_WORDS.get(
+        check["status"], "inconclusive (the replay deviates from after: see replay.config)"
+    )
 
 
 def _finite(x: Any) -> str:
@@ -77,13 +79,39 @@ def _config_lines(config: dict[str, Any]) -> list[str]:
 
 
 def _check_table(check: dict[str, Any]) -> list[str]:
-    rows = [[c["step"], fmt(c["loss"]), fmt(c["logged_loss"]), fmt(c["loss_ok"]), fmt(c["grad_norm"]), fmt(c["logged_grad_norm"]), fmt(c["grad_ok"])] for c in check.get("steps", [])]
+    rows = [
+        [
+            c["step"],
+            fmt(c["loss"]),
+            fmt(c["logged_loss"]),
+            fmt(c["loss_ok"]),
+            fmt(c["grad_norm"]),
+            fmt(c["logged_grad_norm"]),
+            fmt(c["grad_ok"]),
+        ]
+        for c in check.get("steps", [])
+    ]
     if not rows:
         return [f"No logged figure to compare ({check.get('note') or 'no log'})."]
-    return _table(["step", "replayed loss", "logged loss", "match", "replayed grad norm", "logged grad norm", "match"], rows)
+    return _table(
+        [
+            "step",
+            "replayed loss",
+            "logged loss",
+            "match",
+            "replayed grad norm",
+            "logged grad norm",
+            "match",
+        ],
+        rows,
+    )
 
 
-_STATUS_WORDS = {"verified": "verified by what-if", "not_replayed": "not replayed", "refuted": "refuted by what-if"}
+_STATUS_WORDS = {
+    "verified": "verified by what-if",
+    "not_replayed": "not replayed",
+    "refuted": "refuted by what-if",
+}
 
 
 def _evidence_text(c: dict[str, Any]) -> str:
@@ -91,7 +119,9 @@ def _evidence_text(c: dict[str, Any]) -> str:
     if not ev:
         return _STATUS_WORDS[c["status"]]
     if ev["source"] == "bisect":
-        return f"verified by bisect (step {ev.get('step')}: the spike goes with rows {ev.get('rows')})"
+        return (
+            f"verified by bisect (step {ev.get('step')}: the spike goes with rows {ev.get('rows')})"
+        )
     steps = ev.get("steps") or []
     span = f" over steps {steps[0]}-{steps[-1]}" if steps else ""
     return (
@@ -106,23 +136,42 @@ def plan_lines(p: dict[str, Any], run_dir: str | None = None) -> list[str]:
     if not p:
         return []
     if p["status"] != "ready":
-        return [f"No resume plan ({p['status'].replace('_', ' ')}): " + "; ".join(p.get("notes") or []) + "."]
+        return [
+            f"No resume plan ({p['status'].replace('_', ' ')}): "
+            + "; ".join(p.get("notes") or [])
+            + "."
+        ]
     r = p["rollback"]
-    lines = [f"Trainer: {p['trainer_title']}" + (f" (settings read from `{p['settings']}`)" if p.get("settings") else " (its settings are not in the checkpoint)"), ""]
+    lines = [
+        f"Trainer: {p['trainer_title']}"
+        + (
+            f" (settings read from `{p['settings']}`)"
+            if p.get("settings")
+            else " (its settings are not in the checkpoint)"
+        ),
+        "",
+    ]
     lines.append(f"1. **Roll back to** `{r['path']}` (step {r['step']}): {r['why']}.")
     for note in r.get("skipped") or []:
         lines.append(f"   - passed over: {note}")
     k = 2
     sk = p.get("skip")
     if sk:
-        what = f"samples {sorted(sk['sample_ids'])}" if sk["sample_ids"] else f"the batch of step{'s' if len(sk['steps']) > 1 else ''} {', '.join(map(str, sk['steps']))}"
+        what = (
+            f"samples {sorted(sk['sample_ids'])}"
+            if sk["sample_ids"]
+            else f"the batch of step{'s' if len(sk['steps']) > 1 else ''} {', '.join(map(str, sk['steps']))}"
+        )
         lines += [f"{k}. **Skip** {what} ({sk['format']}):", "", "```", sk["text"], "```"]
         k += 1
     for c in p["changes"]:
         if c["knob"] in ("skip_samples", "skip_step"):
             lines.append(f"   - {c['knob']}: {_evidence_text(c)}")
             continue
-        keys = ", ".join(f"`{e['key']}` {fmt(e['before'])} → {fmt(e['after'])}" for e in c["edits"]) or f"{c['knob']}={c['value']}"
+        keys = (
+            ", ".join(f"`{e['key']}` {fmt(e['before'])} → {fmt(e['after'])}" for e in c["edits"])
+            or f"{c['knob']}={c['value']}"
+        )
         lines.append(f"{k}. **Change** {keys}: {c['why']}; {_evidence_text(c)}.")
         for e in c["edits"]:
             if e["note"]:
@@ -131,11 +180,24 @@ def plan_lines(p: dict[str, Any], run_dir: str | None = None) -> list[str]:
     if p.get("config_diff"):
         lines += ["", "```diff", p["config_diff"], "```"]
     if p.get("resume"):
-        lines += ["", f"{k}. **Resume**: " + "; ".join(f"`{e['key']}` = `{e['after']}`" + (f" ({e['note']})" if e["note"] else "") for e in p["resume"]) + "."]
+        lines += [
+            "",
+            f"{k}. **Resume**: "
+            + "; ".join(
+                f"`{e['key']}` = `{e['after']}`" + (f" ({e['note']})" if e["note"] else "")
+                for e in p["resume"]
+            )
+            + ".",
+        ]
     rd = run_dir or str(Path(r["path"]).parent)
-    lines += ["", f"Then, once the resumed run has trained a while: `ckptforensics recovery --run-dir {rd} --resumed-from {r['step']} --plan PLAN_DIR` (this report's directory)"]
+    lines += [
+        "",
+        f"Then, once the resumed run has trained a while: `ckptforensics recovery --run-dir {rd} --resumed-from {r['step']} --plan PLAN_DIR` (this report's directory)",
+    ]
     for alt in p.get("alternatives") or []:
-        lines.append(f"- also replayed: {alt['mitigation']} ({'on track' if alt['on_track'] else 'leaves the track'}, max loss {_finite(alt.get('max_loss'))})")
+        lines.append(
+            f"- also replayed: {alt['mitigation']} ({'on track' if alt['on_track'] else 'leaves the track'}, max loss {_finite(alt.get('max_loss'))})"
+        )
     lines += [f"- {n}" for n in p.get("notes") or []]
     return lines
 
@@ -143,7 +205,19 @@ def plan_lines(p: dict[str, Any], run_dir: str | None = None) -> list[str]:
 def recovery_lines(r: dict[str, Any]) -> list[str]:
     """The recovery section: the checks, the windows against the trajectory, the legs read."""
     lines = ["**Checks that the resume was the plan**", ""]
-    lines += _table(["check", "status", "expected", "observed", "what it says"], [[c["name"], c["status"], fmt(c["expected"]) if not isinstance(c["expected"], list) else c["expected"], fmt(c["observed"]) if not isinstance(c["observed"], list) else c["observed"], c["message"]] for c in r["checks"]])
+    lines += _table(
+        ["check", "status", "expected", "observed", "what it says"],
+        [
+            [
+                c["name"],
+                c["status"],
+                fmt(c["expected"]) if not isinstance(c["expected"], list) else c["expected"],
+                fmt(c["observed"]) if not isinstance(c["observed"], list) else c["observed"],
+                c["message"],
+            ]
+            for c in r["checks"]
+        ],
+    )
     t = r["trajectory"]["loss"]
     lines += [
         "",
@@ -158,8 +232,18 @@ def recovery_lines(r: dict[str, Any]) -> list[str]:
     )  # fmt: skip
     if r.get("gap_trend") and "slope_per_100_steps" in r["gap_trend"]:
         g = r["gap_trend"]
-        lines += ["", f"Gap to the trajectory: {g['slope_per_100_steps']:+.3g} log10 per 100 steps, now {g['gap_now']:.3g}x" + (f", back around step {g['projected_step']}" if g.get("projected_step") else "") + "."]
-    lines += ["", "Legs read: " + "; ".join(f"`{leg['source']}` steps {leg['first']}-{leg['last']}" for leg in r["legs"]) + f" (resumed leg: `{r['log']}`)."]
+        lines += [
+            "",
+            f"Gap to the trajectory: {g['slope_per_100_steps']:+.3g} log10 per 100 steps, now {g['gap_now']:.3g}x"
+            + (f", back around step {g['projected_step']}" if g.get("projected_step") else "")
+            + ".",
+        ]
+    lines += [
+        "",
+        "Legs read: "
+        + "; ".join(f"`{leg['source']}` steps {leg['first']}-{leg['last']}" for leg in r["legs"])
+        + f" (resumed leg: `{r['log']}`).",
+    ]
     if r.get("plan"):
         lines.append(f"Plan: `{r['plan']}`.")
     return lines
@@ -167,7 +251,9 @@ def recovery_lines(r: dict[str, Any]) -> list[str]:
 
 def _render_recovery(doc: dict[str, Any]) -> str:
     r, v, inc = doc["recovery"], doc["verdict"], doc["incident"]
-    head = r["status"] + (f" at step {r['step']}" if r["step"] is not None and r["status"] != "recovering" else "")
+    head = r["status"] + (
+        f" at step {r['step']}" if r["step"] is not None and r["status"] != "recovering" else ""
+    )
     lines = [f"# ckptforensics: recovery — {head}", "", f"**{v['summary']}**", ""]
     lines.append(f"- **Resumed from**: `{inc['before']['path']}` (step {fmt(r['resumed_from'])})")
     if r.get("checkpoint_after"):
@@ -175,9 +261,15 @@ def _render_recovery(doc: dict[str, Any]) -> str:
     if r.get("onset") is not None:
         lines.append(f"- **Incident onset**: step {r['onset']}")
     if v["recommended_actions"]:
-        lines += ["", "**Next**", ""] + [f"{i}. {a}" for i, a in enumerate(v["recommended_actions"], 1)]
+        lines += ["", "**Next**", ""] + [
+            f"{i}. {a}" for i, a in enumerate(v["recommended_actions"], 1)
+        ]
     lines += ["", *recovery_lines(r)]
-    lines += ["", f"<sub>{inc['command']} · ckptforensics {inc['tool_version']} · schema {doc['schema']}</sub>", ""]
+    lines += [
+        "",
+        f"<sub>{inc['command']} · ckptforensics {inc['tool_version']} · schema {doc['schema']}</sub>",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -193,7 +285,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
     b, a = inc["before"], inc["after"]
     top = v["causes"][0]
     planned = bool(doc.get("whatif") and doc.get("replay"))  # the `plan` command's report
-    title = f"plan — {top['cause'].replace('_', ' ')}" if planned else ("what-if" if doc.get("whatif") else top["cause"].replace("_", " "))
+    title = (
+        f"plan — {top['cause'].replace('_', ' ')}"
+        if planned
+        else ("what-if" if doc.get("whatif") else top["cause"].replace("_", " "))
+    )
     lines = [
         f"# ckptforensics: {title}",
         "",
@@ -204,18 +300,23 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if doc.get("whatif") and not doc.get("replay"):
         # A what-if replays forward from *before*: there is no *after* and no diagnosis.
         w = doc["whatif"]
-        lines.append(f"- **Replayed**: {len(w['outcomes'][0]['steps']) if w['outcomes'] else 0} steps per mitigation, {len(w['outcomes'])} runs")
+        lines.append(
+            f"- **Replayed**: {len(w['outcomes'][0]['steps']) if w['outcomes'] else 0} steps per mitigation, {len(w['outcomes'])} runs"
+        )
     else:
         lines += [
             f"- **After**: `{a['path']}` (step {fmt(a['step'])}, {a['format']})",
-            "- **Causes**: " + ", ".join(f"{c['cause']} ({c['confidence']:.0%})" for c in v["causes"]),
+            "- **Causes**: "
+            + ", ".join(f"{c['cause']} ({c['confidence']:.0%})" for c in v["causes"]),
             f"- **Reproduces**: {reproduces(v)}",
             f"- **Rollback checkpoint**: {('`' + v['rollback_checkpoint'] + '`') if v['rollback_checkpoint'] else '—'}",
         ]
     if v.get("replay_check"):
         lines.append(f"- **Replay vs the run's log**: {v['replay_check']['reason']}")
     if v["exploding_layers"]:
-        lines.append("- **Layers standing out**: " + ", ".join(f"`{m}`" for m in v["exploding_layers"][:5]))
+        lines.append(
+            "- **Layers standing out**: " + ", ".join(f"`{m}`" for m in v["exploding_layers"][:5])
+        )
     if v["first_bad_step"] is not None:
         lines.append(f"- **First bad step**: {fmt(v['first_bad_step'])}")
     if v["first_anomalous_module"]:
@@ -224,19 +325,35 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += ["", "**Corrupted elements**", ""]
         lines += _table(
             ["tensor", "where", "index", "before", "after", "kind"],
-            [[f"`{e['tensor']}`", e["where"], e["index"], fmt(e["before"]), fmt(e["after"]), e["kind"]] for e in v["corrupted_elements"][:10]],
+            [
+                [
+                    f"`{e['tensor']}`",
+                    e["where"],
+                    e["index"],
+                    fmt(e["before"]),
+                    fmt(e["after"]),
+                    e["kind"],
+                ]
+                for e in v["corrupted_elements"][:10]
+            ],
         )
     if v["anomalous_samples"]:
         lines += ["", "**Anomalous samples**", ""]
         lines += _table(
             ["row", "sample id", "score", "why"],
-            [[s["index"], fmt(s["sample_id"]), fmt(s["score"]), s["why"]] for s in v["anomalous_samples"][:16]],
+            [
+                [s["index"], fmt(s["sample_id"]), fmt(s["score"]), s["why"]]
+                for s in v["anomalous_samples"][:16]
+            ],
         )
     if v["overflowing_tensors"]:
         lines += ["", "**Tensors at their dtype's limit**", ""]
         lines += _table(
             ["tensor", "where", "dtype", "max abs", "limit"],
-            [[f"`{o['name']}`", o["where"], o["dtype"], fmt(o["max_abs"]), fmt(o["limit"])] for o in v["overflowing_tensors"][:10]],
+            [
+                [f"`{o['name']}`", o["where"], o["dtype"], fmt(o["max_abs"]), fmt(o["limit"])]
+                for o in v["overflowing_tensors"][:10]
+            ],
         )
     if v["recommended_actions"]:
         lines += ["", "**Recommended actions**", ""]
@@ -249,7 +366,17 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if findings:
         lines += _table(
             ["id", "severity", "kind", "subject", "score", "message"],
-            [[f["id"], f["severity"], f["kind"], f"`{f['subject']}`", fmt(f["score"]), f["message"]] for f in findings],
+            [
+                [
+                    f["id"],
+                    f["severity"],
+                    f["kind"],
+                    f"`{f['subject']}`",
+                    fmt(f["score"]),
+                    f["message"],
+                ]
+                for f in findings
+            ],
         )
     else:
         lines.append("No findings.")
@@ -264,16 +391,38 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 ["trainer step", fmt(p["step_a"]), fmt(p["step_b"])],
                 ["optimizer step", fmt(p["adam_step_a"]), fmt(p["adam_step_b"])],
                 ["loss scale", fmt(p["loss_scale_a"]), fmt(p["loss_scale_b"])],
-                ["LR per group", ", ".join(fmt(x) for x in p["lr_a"]) or "—", ", ".join(fmt(x) for x in p["lr_b"]) or "—"],
+                [
+                    "LR per group",
+                    ", ".join(fmt(x) for x in p["lr_a"]) or "—",
+                    ", ".join(fmt(x) for x in p["lr_b"]) or "—",
+                ],
             ],
         )
-        lines += ["", f"Optimizer: {p['optimizer'] or 'none (weights only)'}; betas {p['betas'] or '—'}."]
+        lines += [
+            "",
+            f"Optimizer: {p['optimizer'] or 'none (weights only)'}; betas {p['betas'] or '—'}.",
+        ]
         for n in p.get("notes") or []:
             lines.append(f"- {n}")
-        lines += ["", "</details>", "", f"<details><summary>Per-tensor diff ({len(diff['tensors'])} tensors)</summary>", ""]
+        lines += [
+            "",
+            "</details>",
+            "",
+            f"<details><summary>Per-tensor diff ({len(diff['tensors'])} tensors)</summary>",
+            "",
+        ]
         rows = sorted(diff["tensors"], key=lambda t: -(t["update_ratio"] or 0))
         lines += _table(
-            ["tensor", "dtype", "update/weight per step", "max abs Δ", "r_v", "sign-like share", "bound violations", "non-finite"],
+            [
+                "tensor",
+                "dtype",
+                "update/weight per step",
+                "max abs Δ",
+                "r_v",
+                "sign-like share",
+                "bound violations",
+                "non-finite",
+            ],
             [
                 [
                     f"`{t['name']}`",
@@ -282,7 +431,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
                     fmt(t["dw_max_abs"]),
                     fmt(t["r_v"]),
                     fmt(t["rho_share_b"]),
-                    t["bound_violations"] + t["vfloor_violations"] + t["mbound_violations"] + t["outlier_changes"],
+                    t["bound_violations"]
+                    + t["vfloor_violations"]
+                    + t["mbound_violations"]
+                    + t["outlier_changes"],
                     t["nonfinite_b"],
                 ]
                 for t in rows
@@ -291,14 +443,33 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += ["", "</details>"]
     rep = doc.get("replay") or {}
     if rep.get("withheld"):
-        lines += ["", f"<details><summary>Replay (withheld, {rep['precision']})</summary>", "", rep["withheld"] + ".", ""]
+        lines += [
+            "",
+            f"<details><summary>Replay (withheld, {rep['precision']})</summary>",
+            "",
+            rep["withheld"] + ".",
+            "",
+        ]
         lines += _check_table(rep.get("check") or {})
         lines += _config_lines(rep["config"])
         lines += ["", "</details>"]
     elif rep:
-        lines += ["", f"<details><summary>Replay ({len(rep['steps'])} steps, {rep['precision']})</summary>", ""]
+        lines += [
+            "",
+            f"<details><summary>Replay ({len(rep['steps'])} steps, {rep['precision']})</summary>",
+            "",
+        ]
         lines += _table(
-            ["step", "loss", "logged loss", "grad norm", "skipped", "loss scale", "max abs logit", "log Z"],
+            [
+                "step",
+                "loss",
+                "logged loss",
+                "grad norm",
+                "skipped",
+                "loss scale",
+                "max abs logit",
+                "log Z",
+            ],
             [
                 [
                     r["step"],
@@ -317,15 +488,37 @@ def render_markdown(doc: dict[str, Any]) -> str:
         if att:
             steps = sorted(att, key=int)
             mods = att[steps[0]]["modules"]
+
             def peak(i: int) -> float:  # JSON null: a non-finite logit (an overflow upstream)
-                return max((v for s in steps if i < len(att[s]["max_logit"]) and (v := att[s]["max_logit"][i]) is not None), default=0.0)
+                return max(
+                    (
+                        v
+                        for s in steps
+                        if i < len(att[s]["max_logit"])
+                        and (v := att[s]["max_logit"][i]) is not None
+                    ),
+                    default=0.0,
+                )
 
             top = sorted(range(len(mods)), key=lambda i: -peak(i))[:6]
             top.sort()
-            lines += ["", "Largest pre-softmax attention logit per layer (entropy of its most collapsed head, of uniform):", ""]
+            lines += [
+                "",
+                "Largest pre-softmax attention logit per layer (entropy of its most collapsed head, of uniform):",
+                "",
+            ]
             lines += _table(
                 ["step", *[f"`{mods[i]}`" for i in top]],
-                [[s, *[f"{fmt(att[s]['max_logit'][i])} ({fmt(att[s]['entropy'][i])})" for i in top]] for s in steps],
+                [
+                    [
+                        s,
+                        *[
+                            f"{fmt(att[s]['max_logit'][i])} ({fmt(att[s]['entropy'][i])})"
+                            for i in top
+                        ],
+                    ]
+                    for s in steps
+                ],
             )
         lines += _config_lines(rep["config"])
         check = rep.get("check") or {}
@@ -337,34 +530,85 @@ def render_markdown(doc: dict[str, Any]) -> str:
             lines += ["", f"Log check: {check['note']}."]
         r = rep.get("reproduction")
         if r:
-            lines += ["", f"Reproduction against after: {r['mismatched']:,} of {r['elements']:,} elements outside tolerance, {r['impossible']:,} beyond any Adam step."]
+            lines += [
+                "",
+                f"Reproduction against after: {r['mismatched']:,} of {r['elements']:,} elements outside tolerance, {r['impossible']:,} beyond any Adam step.",
+            ]
         lines += ["", "</details>"]
     bis = doc.get("bisect") or {}
     if bis:
         lines += ["", "**Bisection**", ""]
-        lines.append(f"- first bad step: {fmt(bis['first_bad_step'])}; culprit rows: {bis['rows'] or '—'} (sample ids {bis['sample_ids'] or '—'})")
-        lines.append(f"- minimal set whose removal removes the spike: {bis['minimal_rows'] or '—'}; alone with healthy rows it {'spikes' if bis['presence_spikes'] else 'does not spike' if bis['presence_spikes'] is False else '—'}")
-        lines.append(f"- evaluations: {bis['replays']} (budget {bis['budget']})" + (f"; {bis['note']}" if bis.get("note") else ""))
+        lines.append(
+            f"- first bad step: {fmt(bis['first_bad_step'])}; culprit rows: {bis['rows'] or '—'} (sample ids {bis['sample_ids'] or '—'})"
+        )
+        lines.append(
+            f"- minimal set whose removal removes the spike: {bis['minimal_rows'] or '—'}; alone with healthy rows it {'spikes' if bis['presence_spikes'] else 'does not spike' if bis['presence_spikes'] is False else '—'}"
+        )
+        lines.append(
+            f"- evaluations: {bis['replays']} (budget {bis['budget']})"
+            + (f"; {bis['note']}" if bis.get("note") else "")
+        )
         if bis.get("texts"):
             lines += ["", "Culprit rows, decoded:", ""]
-            lines += _table(["row", "text (first 256 tokens)"], [[r, "`" + t.replace("`", "'").replace("\n", " ")[:300] + "`"] for r, t in bis["texts"].items()])
+            lines += _table(
+                ["row", "text (first 256 tokens)"],
+                [
+                    [r, "`" + t.replace("`", "'").replace("\n", " ")[:300] + "`"]
+                    for r, t in bis["texts"].items()
+                ],
+            )
             lines.append("")
         if bis["disagreements"]:
-            lines.append(f"- replayed loss differs from the training log at steps {[d['step'] for d in bis['disagreements']]}")
+            lines.append(
+                f"- replayed loss differs from the training log at steps {[d['step'] for d in bis['disagreements']]}"
+            )
         if bis["trials"]:
             lines += ["", "<details><summary>Bisection trials</summary>", ""]
-            lines += _table(["trial", "loss", "grad norm", "robust z", "spikes"], [[t["label"], fmt(t["loss"]), fmt(t["grad_norm"]), fmt(t["robust_z"]), fmt(t["spiked"])] for t in bis["trials"]])
+            lines += _table(
+                ["trial", "loss", "grad norm", "robust z", "spikes"],
+                [
+                    [
+                        t["label"],
+                        fmt(t["loss"]),
+                        fmt(t["grad_norm"]),
+                        fmt(t["robust_z"]),
+                        fmt(t["spiked"]),
+                    ]
+                    for t in bis["trials"]
+                ],
+            )
             lines += ["", "</details>"]
     wi = doc.get("whatif") or {}
     if wi:
         lines += ["", "**What-if**", ""]
         lines += _table(
-            ["mitigation", "on track", "max loss", "max grad norm", "final loss", "overflow-skipped steps"],
             [
-                [o["mitigation"], fmt(o["on_track"]), _finite(o["max_loss"]), _finite(o["max_grad_norm"]), _finite(o["final_loss"]), ", ".join(map(str, o["skipped_updates"])) or "none"]
+                "mitigation",
+                "on track",
+                "max loss",
+                "max grad norm",
+                "final loss",
+                "overflow-skipped steps",
+            ],
+            [
+                [
+                    o["mitigation"],
+                    fmt(o["on_track"]),
+                    _finite(o["max_loss"]),
+                    _finite(o["max_grad_norm"]),
+                    _finite(o["final_loss"]),
+                    ", ".join(map(str, o["skipped_updates"])) or "none",
+                ]
                 for o in wi["outcomes"]
             ],
         )
-        lines += ["", f"Band: loss ≤ {fmt(wi['level'])} + {fmt(wi['band'])}, grad norm ≤ {fmt(wi['grad_norm_level'])} + {fmt(wi['grad_norm_band'])} ({wi['source']})."]
-    lines += ["", f"<sub>{inc['command']} · ckptforensics {inc['tool_version']} · schema {doc['schema']}</sub>", ""]
+        lines += [
+            "",
+            f"Band: loss ≤ {fmt(wi['level'])} + {fmt(wi['band'])}, grad norm ≤ {fmt(wi['grad_norm_level'])} + {fmt(wi['grad_norm_band'])} ({wi['source']}).",
+        ]
+    lines += [
+        "",
+        f"<sub>{inc['command']} · ckptforensics {inc['tool_version']} · schema {doc['schema']}</sub>",
+        "",
+    ]
     return "\n".join(lines)

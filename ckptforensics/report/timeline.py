@@ -15,7 +15,9 @@ def _noise(t: dict[str, Any]) -> str:
     n = t.get("noise") or {}
     if not n:
         return "—"
-    cols = f"; left out (0 on every row): {n['ignored_columns']}" if n.get("ignored_columns") else ""
+    cols = (
+        f"; left out (0 on every row): {n['ignored_columns']}" if n.get("ignored_columns") else ""
+    )
     return (f"{n['kind']}: the loss moves {n['loss_noise_pct_per_step']}% a step; {n['steps_over_z']} steps over z "
             f"(normal noise: {n['expected_over_z_if_normal']:.2g}); {n['recovering_blips']} blips that recover{cols}")  # fmt: skip
 
@@ -24,7 +26,10 @@ def _head(t: dict[str, Any]) -> list[tuple[str, str]]:
     files = t.get("files") or [t["metrics_file"]]
     return [
         ("training log", t["metrics_file"]),
-        ("files read", f"{len(files)} ({t.get('log_format') or '?'}, {len(t.get('legs') or [])} legs)"),
+        (
+            "files read",
+            f"{len(files)} ({t.get('log_format') or '?'}, {len(t.get('legs') or [])} legs)",
+        ),
         ("steps read", fmt(t["steps"])),
         ("first bad step", fmt(t["first_bad_step"])),
         ("rule", t.get("rule") or "—"),
@@ -32,22 +37,45 @@ def _head(t: dict[str, Any]) -> list[tuple[str, str]]:
         ("rollback checkpoint", t["rollback"] or "none before the onset"),
         ("checkpoint after the onset", t["after"] or "—"),
         *[("passed over", note) for note in t.get("skipped") or []],
-        *([("rolled back", f"{len(t['resumed']['legs'])} legs in the log; the latest resumed at step {t['resumed']['from']} (`ckptforensics recovery` judges it)")] if t.get("resumed") else []),
+        *(
+            [
+                (
+                    "rolled back",
+                    f"{len(t['resumed']['legs'])} legs in the log; the latest resumed at step {t['resumed']['from']} (`ckptforensics recovery` judges it)",
+                )
+            ]
+            if t.get("resumed")
+            else []
+        ),
     ]
 
 
 def render_triage_markdown(t: dict[str, Any]) -> str:
     """Verdict first: onset, rollback, the commands; then every signal."""
     first = t["first_bad_step"]
-    lines = ["# ckptforensics: triage", "", f"**{'First bad step: ' + fmt(first) if first is not None else 'No spike onset in the log.'}**", ""]
+    lines = [
+        "# ckptforensics: triage",
+        "",
+        f"**{'First bad step: ' + fmt(first) if first is not None else 'No spike onset in the log.'}**",
+        "",
+    ]
     lines += [f"- **{k}**: {v}" for k, v in _head(t)[1:]]
     if t["drift"]:
         lines.append(f"- **drift**: {t['drift']}")
     if t["commands"]:
         lines += ["", "**Next**", "", "```", *t["commands"], "```"]
     if t["onsets"]:
-        lines += ["", f"<details><summary>Signals ({len(t['onsets'])})</summary>", "", "| step | signal | rule | message |", "| --- | --- | --- | --- |"]
-        lines += [f"| {o['step']} | {o['signal']} | {o.get('rule', '')} | {o['message'].replace('|', '/')} |" for o in t["onsets"]]
+        lines += [
+            "",
+            f"<details><summary>Signals ({len(t['onsets'])})</summary>",
+            "",
+            "| step | signal | rule | message |",
+            "| --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| {o['step']} | {o['signal']} | {o.get('rule', '')} | {o['message'].replace('|', '/')} |"
+            for o in t["onsets"]
+        ]
         lines += ["", "</details>"]
     return "\n".join(lines) + "\n"
 
@@ -99,6 +127,12 @@ def render_triage_html(t: dict[str, Any]) -> str:
     if t["commands"]:
         parts.append("<h2>Next</h2><pre>" + html.escape("\n".join(t["commands"])) + "</pre>")
     if t["onsets"]:
-        parts.append("<h2>Signals</h2>" + table(["step", "signal", "rule", "message"], [[o["step"], o["signal"], o.get("rule", ""), o["message"]] for o in t["onsets"]]))
+        parts.append(
+            "<h2>Signals</h2>"
+            + table(
+                ["step", "signal", "rule", "message"],
+                [[o["step"], o["signal"], o.get("rule", ""), o["message"]] for o in t["onsets"]],
+            )
+        )
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -46,7 +46,14 @@ def recurrence_period(
         return None
     lo, hi = logged[0], logged[-1]
     present = set(logged)
-    cands = sorted({abs(b - step) // k for b in others for k in (1, 2, 3) if abs(b - step) % k == 0 and abs(b - step) // k >= min_period})
+    cands = sorted(
+        {
+            abs(b - step) // k
+            for b in others
+            for k in (1, 2, 3)
+            if abs(b - step) % k == 0 and abs(b - step) // k >= min_period
+        }
+    )
     for p in cands:
         tol = 0 if p % spacing == 0 else spacing
         hits = seen = 0

@@ -19,7 +19,12 @@ __all__ = ["MAD_TO_SIGMA", "robust_z", "robust_sigma"]
 MAD_TO_SIGMA = 1.4826
 
 
-def robust_z(values: np.ndarray, floor: float = 0.0, reference: np.ndarray | None = None, axis: int | None = None) -> np.ndarray:
+def robust_z(
+    values: np.ndarray,
+    floor: float = 0.0,
+    reference: np.ndarray | None = None,
+    axis: int | None = None,
+) -> np.ndarray:
     """Robust z-scores: (x - median) / (1.4826 * MAD), MAD floored to stay finite.
 
     The one robust z of the package. `reference` (default: the values themselves) gives
@@ -34,7 +39,9 @@ def robust_z(values: np.ndarray, floor: float = 0.0, reference: np.ndarray | Non
     if axis is not None:
         ref = np.asarray(reference, dtype=np.float64)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: modules that never ran
+            warnings.simplefilter(
+                "ignore", RuntimeWarning
+            )  # all-NaN columns: modules that never ran
             med = np.nanmedian(ref, axis=axis)
             mad = np.nanmedian(np.abs(ref - med), axis=axis) * MAD_TO_SIGMA
         return (x - med) / np.maximum(mad, max(floor, 1e-12))
@@ -50,7 +57,6 @@ def robust_z(values: np.ndarray, floor: float = 0.0, reference: np.ndarray | Non
     out[finite] = (x[finite] - med) / scale
     out[~finite] = np.inf
     return out
-
 
 
 def robust_sigma(values: np.ndarray) -> float:

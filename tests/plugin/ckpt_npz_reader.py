@@ -20,7 +20,11 @@ def open_npz(path: Path) -> Checkpoint:
     ck = Checkpoint(path=path, format="npz")
     for name in arrays.files:
         a = arrays[name]
-        ck.add_tensor(name, TensorMeta(tuple(a.shape), torch.from_numpy(a[:0].copy()).dtype), lambda n=name: torch.from_numpy(arrays[n]))
+        ck.add_tensor(
+            name,
+            TensorMeta(tuple(a.shape), torch.from_numpy(a[:0].copy()).dtype),
+            lambda n=name: torch.from_numpy(arrays[n]),
+        )
     return ck
 
 

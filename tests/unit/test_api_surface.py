@@ -18,7 +18,11 @@ from ckptforensics.options import ReplayOptions, replay_options
 def test_options_by_name_or_as_a_record_and_an_unknown_name_is_named() -> None:
     base = ReplayOptions(model="m.py:f", clip=1.0)
     got = replay_options(base, precision="bf16")
-    assert (got.model, got.clip, got.precision) == ("m.py:f", 1.0, "bf16") and base.precision == "auto"
+    assert (got.model, got.clip, got.precision) == (
+        "m.py:f",
+        1.0,
+        "bf16",
+    ) and base.precision == "auto"
     with pytest.raises(TypeError, match="unknown replay option.*modle"):
         replay_options(modle="m.py:f")
     from ckptforensics.replay import ReplayConfig
@@ -45,7 +49,10 @@ def test_inspect_is_a_report_with_its_own_document(tmp_path: Path) -> None:
     assert rep.result.parameters == 20
     assert rep.to_markdown().startswith(f"{path}:")
     written = rep.save(tmp_path / "out")
-    assert json.loads((tmp_path / "out" / "inspect.json").read_text())["schema"] == "ckptforensics.inspect/1"
+    assert (
+        json.loads((tmp_path / "out" / "inspect.json").read_text())["schema"]
+        == "ckptforensics.inspect/1"
+    )
     assert {p.name for p in written} == {"inspect.json", "inspect.md"}
     with pytest.raises(AttributeError, match="no verdict"):
         _ = rep.cause
@@ -54,7 +61,13 @@ def test_inspect_is_a_report_with_its_own_document(tmp_path: Path) -> None:
 def test_a_report_is_never_saved_inside_a_checkpoint_it_read(tmp_path: Path) -> None:
     ck = tmp_path / "checkpoint-10"
     ck.mkdir()
-    doc = {"schema": "ckptforensics.report/1", "incident": {"before": {"path": str(ck)}, "after": {"path": str(tmp_path / "checkpoint-20")}}}
+    doc = {
+        "schema": "ckptforensics.report/1",
+        "incident": {
+            "before": {"path": str(ck)},
+            "after": {"path": str(tmp_path / "checkpoint-20")},
+        },
+    }
     with pytest.raises(ForensicsError, match="inside the input checkpoint"):
         cf.Report(doc).save(ck / "report")
     assert not (ck / "report").exists()

@@ -39,7 +39,13 @@ def _problems(path: Path) -> tuple[str, ...]:
 
 @pytest.mark.parametrize(
     "path",
-    [MCORE / "legacy" / "iter_0000020", MCORE / "plain" / "iter_0000020", MCORE / "distopt" / "iter_0000010", OLMO / "step20", LITGPT / "step-00000020"],
+    [
+        MCORE / "legacy" / "iter_0000020",
+        MCORE / "plain" / "iter_0000020",
+        MCORE / "distopt" / "iter_0000010",
+        OLMO / "step20",
+        LITGPT / "step-00000020",
+    ],
     ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}/{p.name}",
 )
 def test_what_the_frameworks_wrote_is_complete(path: Path) -> None:
@@ -51,24 +57,37 @@ def test_megatron_legacy(tmp_path: Path) -> None:
     f = it / "mp_rank_00" / "model_optim_rng.pt"
     data = f.read_bytes()
     f.write_bytes(data[: len(data) - 100])
-    assert _problems(it) == ("mp_rank_00/model_optim_rng.pt: truncated or not a torch file (no zip end record)",)
+    assert _problems(it) == (
+        "mp_rank_00/model_optim_rng.pt: truncated or not a torch file (no zip end record)",
+    )
     f.unlink()
     assert _problems(it) == ("mp_rank_00/model_optim_rng.pt missing",)
     f.write_bytes(data)
     (it / "mp_rank_01").mkdir()  # a rank dir outside the parallel grid its args record
     shutil.copy(f, it / "mp_rank_01" / "model_optim_rng.pt")
-    assert _problems(it) == ("mp_rank_01/ lies outside the 1 x 1 parallel grid the args record: mismatched world sizes",)
+    assert _problems(it) == (
+        "mp_rank_01/ lies outside the 1 x 1 parallel grid the args record: mismatched world sizes",
+    )
     shutil.rmtree(it / "mp_rank_01")
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")  # the tracker lags: this save did not finish
-    assert _problems(it) == ("newer than ../latest_checkpointed_iteration.txt (10): Megatron writes it once every rank has saved, so this save did not finish",)
-    (tmp_path / "latest_checkpointed_iteration.txt").unlink()  # an iteration copied on its own: judged by its files
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text(
+        "10"
+    )  # the tracker lags: this save did not finish
+    assert _problems(it) == (
+        "newer than ../latest_checkpointed_iteration.txt (10): Megatron writes it once every rank has saved, so this save did not finish",
+    )
+    (
+        tmp_path / "latest_checkpointed_iteration.txt"
+    ).unlink()  # an iteration copied on its own: judged by its files
     assert _problems(it) == ()
 
 
 def test_megatron_tracker_naming_a_missing_iteration(tmp_path: Path) -> None:
     _copy(MCORE / "legacy" / "iter_0000010", tmp_path)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("20")
-    with pytest.raises(CheckpointNotFound, match="names iteration 20, but iter_0000020/ is not there .found: iter_0000010"):
+    with pytest.raises(
+        CheckpointNotFound,
+        match="names iteration 20, but iter_0000020/ is not there .found: iter_0000010",
+    ):
         open_checkpoint(tmp_path)
 
 
@@ -81,22 +100,30 @@ def test_megatron_torch_dist(tmp_path: Path, run: str) -> None:
     end = max(int(i.offset) + int(i.length) for i in md.storage_data.values())
     shard = it / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: end - 1])  # the last chunk one byte short
-    assert _problems(it) == (f"__0_0.distcp: truncated ({end - 1} bytes; .metadata places chunks up to byte {end})",)
+    assert _problems(it) == (
+        f"__0_0.distcp: truncated ({end - 1} bytes; .metadata places chunks up to byte {end})",
+    )
     shard.unlink()
     assert _problems(it) == ("__0_0.distcp missing (named in .metadata)",)
     shutil.copy(src / "__0_0.distcp", shard)
     (it / "metadata.json").unlink()  # Megatron writes it last
     assert completeness(it).format == "megatron-dist"
-    assert _problems(it) == ("metadata.json missing (Megatron writes it once every rank has saved)",)
+    assert _problems(it) == (
+        "metadata.json missing (Megatron writes it once every rank has saved)",
+    )
     shutil.copy(src / "metadata.json", it / "metadata.json")
     (it / ".metadata").unlink()
-    assert _problems(it) == (".metadata missing (written after every rank's files: the save did not finish)",)
+    assert _problems(it) == (
+        ".metadata missing (written after every rank's files: the save did not finish)",
+    )
 
 
 def test_olmo_core(tmp_path: Path) -> None:
     step = _copy(OLMO / "step20", tmp_path)
     (step / ".metadata.json").unlink()
-    assert _problems(step) == (".metadata.json missing (OLMo-core writes it last: the save did not finish)",)
+    assert _problems(step) == (
+        ".metadata.json missing (OLMo-core writes it last: the save did not finish)",
+    )
     shutil.copy(OLMO / "step20" / ".metadata.json", step / ".metadata.json")
     (step / "model_and_optim" / "__0_2.distcp").unlink()
     assert _problems(step) == ("model_and_optim/__0_2.distcp missing (named in .metadata)",)
@@ -108,7 +135,10 @@ def test_olmo_core(tmp_path: Path) -> None:
     meta.write_bytes(meta.read_bytes()[:1000])
     (problem,) = _problems(step)
     assert problem.startswith("model_and_optim/.metadata: unreadable DCP metadata")
-    with pytest.raises(IncompleteCheckpoint, match="incomplete dcp checkpoint: model_and_optim/.metadata: unreadable"):
+    with pytest.raises(
+        IncompleteCheckpoint,
+        match="incomplete dcp checkpoint: model_and_optim/.metadata: unreadable",
+    ):
         open_checkpoint(step)
 
 
@@ -119,7 +149,9 @@ def test_a_torch_save_file(tmp_path: Path) -> None:
     data = f.read_bytes()
     for cut in (1, len(data) // 2, len(data) - 1):
         f.write_bytes(data[:cut])
-        assert _problems(step) == ("lit_model.pth: truncated or not a torch file (no zip end record)",), cut
+        assert _problems(step) == (
+            "lit_model.pth: truncated or not a torch file (no zip end record)",
+        ), cut
     f.write_bytes(data)
     assert _problems(step) == ()
 

@@ -49,17 +49,25 @@ def test_padding_and_ignored_targets_do_not_blur_the_measure() -> None:
 
 def test_contradicted_and_undecided_conventions_are_errors() -> None:
     t = _text()
-    with pytest.raises(LabelError, match="labels_shifted attribute says labels are next-token targets, but the data says otherwise"):
+    with pytest.raises(
+        LabelError,
+        match="labels_shifted attribute says labels are next-token targets, but the data says otherwise",
+    ):
         settle_labels([{"input_ids": t, "labels": t}], declared=True)
     with pytest.raises(LabelError, match="--labels says labels are the inputs"):
         settle_labels([{"input_ids": t[:, :-1], "labels": t[:, 1:]}], flag="unshifted")
     mixed = [{"input_ids": t, "labels": torch.cat([t[:2], _text(2, 33, seed=1)])}]
-    with pytest.raises(LabelError, match=r"follow neither convention \(labels == input_ids on .*; pass --labels shifted\|unshifted"):
+    with pytest.raises(
+        LabelError,
+        match=r"follow neither convention \(labels == input_ids on .*; pass --labels shifted\|unshifted",
+    ):
         settle_labels(mixed)
     # What the data cannot decide, a flag or the log's own attribute decides, said so.
     assert settle_labels(mixed, flag="shifted").source.startswith("--labels")
     constant = torch.full((2, 16), 7)
-    assert settle_labels([{"input_ids": constant, "labels": constant}], declared=True).source.startswith("the batch log's labels_shifted")
+    assert settle_labels(
+        [{"input_ids": constant, "labels": constant}], declared=True
+    ).source.startswith("the batch log's labels_shifted")
 
 
 def test_the_calling_convention_is_found_from_one_forward() -> None:
@@ -70,7 +78,11 @@ def test_the_calling_convention_is_found_from_one_forward() -> None:
         hf = detect_call(GPT(cfg), batch, shifted=True)
         nano = detect_call(TargetsGPT(cfg), batch, shifted=True)
     assert hf.keywords and hf.targets is None and hf.output == "logits"
-    assert nano.targets == "targets" and nano.output == "tuple" and "without targets: plain call gives logits [2, 1, 64]" in nano.describe
+    assert (
+        nano.targets == "targets"
+        and nano.output == "tuple"
+        and "without targets: plain call gives logits [2, 1, 64]" in nano.describe
+    )
 
     class Positional(torch.nn.Module):  # torchtitan-style: forward(tokens) -> logits
         def __init__(self) -> None:
@@ -101,9 +113,17 @@ def test_the_log_is_read_in_its_own_terms() -> None:
     assert check_against_log(recs, step_log, "fp32").first_miss is None
     # HF Trainer with logging_steps=5: the mean over the interval, at steps 15 and 20 (10's
     # interval starts before the window and is not checked).
-    hf = {10: {"loss": 9.0}, 15: {"loss": sum(r.loss for r in recs[:5]) / 5}, 20: {"loss": sum(r.loss for r in recs[5:]) / 5}}
+    hf = {
+        10: {"loss": 9.0},
+        15: {"loss": sum(r.loss for r in recs[:5]) / 5},
+        20: {"loss": sum(r.loss for r in recs[5:]) / 5},
+    }
     check = check_against_log(recs, hf, "fp32")
-    assert check.first_miss is None and "interval" in check.loss_as and [c.step for c in check.checks if c.checked] == [15, 20]
+    assert (
+        check.first_miss is None
+        and "interval" in check.loss_as
+        and [c.step for c in check.checks if c.checked] == [15, 20]
+    )
     # Printed with 4 decimals: the rounding is part of the tolerance.
     printed = {s: {"loss": round(v["loss"], 4)} for s, v in step_log.items()}
     assert log_rounding([v["loss"] for v in printed.values()]) == 5e-5
@@ -123,6 +143,8 @@ def test_one_micro_batch_of_the_step_is_recognised() -> None:
     """nanoGPT logs the last micro-step's loss: with the micro-batch size known, the replay's
     rows give that figure."""
     rec = _Rec(5, 2.5, 1.0, sample_loss=(1.0, 2.0, 3.0, 4.0), sample_tokens=(10, 10, 10, 10))
-    check = check_against_log([rec], {4: {"loss": 9.9}, 5: {"loss": 3.5}}, "fp32", micro_batch_size=2)
+    check = check_against_log(
+        [rec], {4: {"loss": 9.9}, 5: {"loss": 3.5}}, "fp32", micro_batch_size=2
+    )
     assert check.first_miss is None and check.loss_as.startswith("the last micro-batch")
     assert not math.isnan(check.checks[0].loss)

@@ -27,7 +27,9 @@ from ckptforensics.diffstats import (
 from ckptforensics.formats import open_checkpoint
 
 KERNELS = fused.load()
-pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler here: the diff runs on torch ops only")
+pytestmark = pytest.mark.skipif(
+    KERNELS is None, reason="no C compiler here: the diff runs on torch ops only"
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # fp64 sums (kernel) against fp32 BLAS dots of <= 2^17 terms (torch): a few 1e-7 relative.
@@ -138,7 +140,9 @@ def _pair(root: Path, dtype: torch.dtype) -> tuple[Path, Path]:
     """Two torch-format checkpoints 3 AdamW steps apart, weights in `dtype`, the second
     with a NaN weight, an inf second moment and one exponent bit flipped."""
     g = torch.Generator().manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.LayerNorm(300), torch.nn.Linear(300, 40))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(300, 300), torch.nn.LayerNorm(300), torch.nn.Linear(300, 40)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     paths = []
     for step in (2, 5):
@@ -152,7 +156,9 @@ def _pair(root: Path, dtype: torch.dtype) -> tuple[Path, Path]:
             sd["0.weight"].view(-1)[123] = math.nan
             osd["state"][2]["exp_avg_sq"].view(-1)[7] = math.inf
             w = sd["2.weight"].view(-1)
-            half = 2.0**8 if dtype == torch.float16 else 2.0**64  # x 2^16 / 2^128: the exponent's top bit
+            half = (
+                2.0**8 if dtype == torch.float16 else 2.0**64
+            )  # x 2^16 / 2^128: the exponent's top bit
             w[17] = w[17] * half * half
         paths.append(root / f"step_{step}.pt")
         torch.save({"model": sd, "optimizer": osd, "step": step}, paths[-1])
@@ -194,7 +200,9 @@ def test_staging_hands_out_copies_that_survive_the_next_chunk() -> None:
     assert stage(torch.ones(3, dtype=torch.bfloat16), 0).dtype == torch.bfloat16
 
 
-def test_without_a_usable_compiler_the_diff_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_without_a_usable_compiler_the_diff_falls_back_to_torch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv("CKPTFORENSICS_FUSED", "0")
     assert fused._build() is None
     monkeypatch.delenv("CKPTFORENSICS_FUSED")

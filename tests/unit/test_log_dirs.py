@@ -26,6 +26,12 @@ def test_checkpoint_folders_lead_up_to_their_run(tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert log_dirs(run / "checkpoint-40") == [run]  # HF: the checkpoint is a folder in the run
     assert log_dirs(run / "step40" / "model_and_optim") == [run / "step40", run]  # OLMo-core
-    assert log_dirs(run / "out" / "step-00000040" / "lit_model.pth") == [run / "out" / "step-00000040", run / "out"]  # LitGPT
+    assert log_dirs(run / "out" / "step-00000040" / "lit_model.pth") == [
+        run / "out" / "step-00000040",
+        run / "out",
+    ]  # LitGPT
     ckpt = run / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=40.ckpt"
-    assert log_dirs(ckpt)[:2] == [ckpt.parent, run / "lightning_logs" / "version_0"]  # Lightning: metrics.csv beside checkpoints/
+    assert log_dirs(ckpt)[:2] == [
+        ckpt.parent,
+        run / "lightning_logs" / "version_0",
+    ]  # Lightning: metrics.csv beside checkpoints/

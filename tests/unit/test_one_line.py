@@ -32,11 +32,18 @@ def test_an_os_error_names_the_path_and_the_errno_words(tmp_path: Path) -> None:
     loop.symlink_to(loop)
     with pytest.raises(OSError) as e:
         loop.stat()  # the OS's own error
-    assert one_line(e.value) == (2, f"error: {loop}: Too many levels of symbolic links (a symlink loop)")
+    assert one_line(e.value) == (
+        2,
+        f"error: {loop}: Too many levels of symbolic links (a symlink loop)",
+    )
 
 
 def test_a_fault_says_what_was_being_done_and_where() -> None:
-    with pytest.raises(TypeError) as e, doing("reading checkpoint a.pt"), doing("reading tensor w of a.pt"):
+    with (
+        pytest.raises(TypeError) as e,
+        doing("reading checkpoint a.pt"),
+        doing("reading tensor w of a.pt"),
+    ):
         read_rows(None, 0, 1)  # a bug's shape: None where a loader was due
     code, line = one_line(e.value)
     assert code == 3
@@ -48,16 +55,22 @@ def test_a_fault_says_what_was_being_done_and_where() -> None:
 def test_bad_input_keeps_its_own_message_inside_doing() -> None:
     with pytest.raises(CorruptCheckpoint) as e, doing("reading checkpoint a.pt"):
         raise CorruptCheckpoint("a.pt: truncated")
-    assert one_line(e.value) == (2, "error: a.pt: truncated") and not hasattr(e.value, "ckptforensics_doing")
+    assert one_line(e.value) == (2, "error: a.pt: truncated") and not hasattr(
+        e.value, "ckptforensics_doing"
+    )
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     """The CLI in its own process with the test's plugin reader installed (`tests/plugin`)."""
     code = "import sys; sys.path.insert(0, sys.argv[1]); from ckptforensics.cli import main; sys.argv[1:2] = []; main()"
-    return subprocess.run([sys.executable, "-c", code, str(PLUGIN), *args], capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", code, str(PLUGIN), *args], capture_output=True, text=True, cwd=ROOT
+    )
 
 
-def test_a_reader_that_faults_exits_3_with_one_line_and_a_traceback_only_with_debug(tmp_path: Path) -> None:
+def test_a_reader_that_faults_exits_3_with_one_line_and_a_traceback_only_with_debug(
+    tmp_path: Path,
+) -> None:
     """A third-party reader that lets numpy's error out on a truncated archive: the tool's
     fault to report (exit 3), named by what it was reading; --debug shows the traceback."""
     f = tmp_path / "w.npz"
@@ -70,7 +83,11 @@ def test_a_reader_that_faults_exits_3_with_one_line_and_a_traceback_only_with_de
     assert lines[0].startswith(f"error: internal error while reading checkpoint {f}: BadZipFile: ")
     assert lines[0].endswith("run with --debug and report it")
     d = _cli("--debug", "inspect", "--format", "npz", str(f))
-    assert d.returncode == 1 and "Traceback" in d.stderr and "ckptforensics was reading checkpoint" in d.stderr
+    assert (
+        d.returncode == 1
+        and "Traceback" in d.stderr
+        and "ckptforensics was reading checkpoint" in d.stderr
+    )
 
 
 def test_help_and_readme_document_exit_code_3() -> None:
@@ -84,7 +101,9 @@ def test_an_input_that_is_a_symlink_loop_is_bad_input(tmp_path: Path) -> None:
     shutil.copytree(LITGPT / "step-00000010", run / "step-00000010")
     (run / "step-00000020").symlink_to(run / "step-00000020")
     r = CliRunner().invoke(cli, ["diff", "--run-dir", str(run), "--before", "10", "--after", "20"])
-    assert r.exit_code == 2 and r.stderr.strip().splitlines() == [f"error: {run / 'step-00000020'}: a symlink loop (Too many levels of symbolic links); pass the checkpoint itself"]
+    assert r.exit_code == 2 and r.stderr.strip().splitlines() == [
+        f"error: {run / 'step-00000020'}: a symlink loop (Too many levels of symbolic links); pass the checkpoint itself"
+    ]
 
 
 # ---------------------------------------------------------------- torchrun ranks
@@ -98,11 +117,15 @@ def _rank(rank: int, world: int, port: int, where: str, out: str) -> None:
     from ckptforensics.replay.distributed import Ranks, agree
     from ckptforensics.shard import gather_to_rank0
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     ranks = Ranks(rank=rank, world=world, mesh=None, device=torch.device("cpu"))
     try:
         if where == "agree":
-            agree(ranks, lambda: read_rows(None, 0, 1) if rank == 1 else 0)  # a fault on rank 1 only
+            agree(
+                ranks, lambda: read_rows(None, 0, 1) if rank == 1 else 0
+            )  # a fault on rank 1 only
         else:
             gather_to_rank0([], CorruptCheckpoint("b.pt: truncated") if rank == 1 else None, [])
         line = "no failure"
@@ -119,11 +142,16 @@ def test_every_rank_prints_the_same_line(tmp_path: Path, where: str) -> None:
     from tests.conftest import free_port
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    tmp_mp.start_processes(_rank, args=(2, free_port(), where, str(tmp_path)), nprocs=2, start_method="spawn")
+    tmp_mp.start_processes(
+        _rank, args=(2, free_port(), where, str(tmp_path)), nprocs=2, start_method="spawn"
+    )
     lines = [(tmp_path / f"rank{r}").read_text() for r in (0, 1)]
     assert lines[0] == lines[1], lines
     if where == "agree":
-        assert lines[0].startswith("3 error: internal error: TypeError: ") and "[at formats/base.py:" in lines[0]
+        assert (
+            lines[0].startswith("3 error: internal error: TypeError: ")
+            and "[at formats/base.py:" in lines[0]
+        )
     else:
         assert lines[0] == "2 error: b.pt: truncated"
 

@@ -43,9 +43,37 @@ def _one_line(r: object, words: str) -> None:
 
 def test_a_file_in_the_way_is_refused_before_the_input_is_read(run: Path, tmp_path: Path) -> None:
     (tmp_path / "taken").write_text("a file\n")
-    r = CliRunner().invoke(cli, ["diff", "--run-dir", str(run), "--before", "20", "--after", "30", "--out", str(tmp_path / "taken")])
-    _one_line(r, f"--out {tmp_path / 'taken'}: a file is in the way")  # not step 30's truncation: no work was done
-    r = CliRunner().invoke(cli, ["diff", "--run-dir", str(run), "--before", "10", "--after", "20", "--out", str(tmp_path / "taken" / "rep")])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "diff",
+            "--run-dir",
+            str(run),
+            "--before",
+            "20",
+            "--after",
+            "30",
+            "--out",
+            str(tmp_path / "taken"),
+        ],
+    )
+    _one_line(
+        r, f"--out {tmp_path / 'taken'}: a file is in the way"
+    )  # not step 30's truncation: no work was done
+    r = CliRunner().invoke(
+        cli,
+        [
+            "diff",
+            "--run-dir",
+            str(run),
+            "--before",
+            "10",
+            "--after",
+            "20",
+            "--out",
+            str(tmp_path / "taken" / "rep"),
+        ],
+    )
     _one_line(r, f"{tmp_path / 'taken'} is not a directory")
     assert (tmp_path / "taken").read_text() == "a file\n"
 
@@ -71,7 +99,20 @@ def test_a_read_only_out_is_refused_before_the_input_is_read(shared: Path) -> No
     ro.mkdir()
     ro.chmod(0o555)
     with unprivileged():
-        r = CliRunner().invoke(cli, ["diff", "--run-dir", str(run), "--before", "20", "--after", "30", "--out", str(ro / "rep")])
+        r = CliRunner().invoke(
+            cli,
+            [
+                "diff",
+                "--run-dir",
+                str(run),
+                "--before",
+                "20",
+                "--after",
+                "30",
+                "--out",
+                str(ro / "rep"),
+            ],
+        )
     _one_line(r, f"--out {ro / 'rep'}: cannot create {ro / 'rep'} (Permission denied)")
     assert list(ro.iterdir()) == []
 
@@ -83,27 +124,59 @@ def _limited(limit: int, *args: str) -> subprocess.CompletedProcess:
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    return subprocess.run([sys.executable, "-m", "ckptforensics.cli", "-q", *args], capture_output=True, text=True, cwd=ROOT, preexec_fn=cap)
+    return subprocess.run(
+        [sys.executable, "-m", "ckptforensics.cli", "-q", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        preexec_fn=cap,
+    )
 
 
 def test_a_full_disk_is_refused_before_any_work(run: Path, tmp_path: Path) -> None:
     out = tmp_path / "rep"
-    p = _limited(1000, "diff", "--run-dir", str(run), "--before", "20", "--after", "30", "--out", str(out))
-    assert p.returncode == 2 and p.stderr.strip().splitlines() == [f"error: --out {out}: cannot write in {out} (File too large)"], p.stderr
+    p = _limited(
+        1000, "diff", "--run-dir", str(run), "--before", "20", "--after", "30", "--out", str(out)
+    )
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        f"error: --out {out}: cannot write in {out} (File too large)"
+    ], p.stderr
     assert not out.exists()  # the directory it made for the probe is gone again
 
 
-def test_a_full_disk_mid_report_leaves_the_previous_report_as_it_was(run: Path, tmp_path: Path) -> None:
+def test_a_full_disk_mid_report_leaves_the_previous_report_as_it_was(
+    run: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "rep"
-    first = CliRunner().invoke(cli, ["-q", "diff", "--run-dir", str(run), "--before", "10", "--after", "20", "--out", str(out)])
+    first = CliRunner().invoke(
+        cli,
+        ["-q", "diff", "--run-dir", str(run), "--before", "10", "--after", "20", "--out", str(out)],
+    )
     assert first.exit_code == 0, first.output
     before = {f.name: f.read_bytes() for f in out.iterdir()}
     assert set(before) == {"report.json", "report.md", "report.html", "evidence.h5"}
     big = max(len(b) for b in before.values())
-    p = _limited(big // 2, "diff", "--run-dir", str(run), "--before", "10", "--after", "20", "--out", str(out))
+    p = _limited(
+        big // 2,
+        "diff",
+        "--run-dir",
+        str(run),
+        "--before",
+        "10",
+        "--after",
+        "20",
+        "--out",
+        str(out),
+    )
     lines = p.stderr.strip().splitlines()
-    assert p.returncode == 2 and len(lines) == 1 and "cannot be written (File too large); every file already in" in lines[0], p.stderr
-    assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # no temp file left, nothing half-written
+    assert (
+        p.returncode == 2
+        and len(lines) == 1
+        and "cannot be written (File too large); every file already in" in lines[0]
+    ), p.stderr
+    assert {
+        f.name: f.read_bytes() for f in out.iterdir()
+    } == before  # no temp file left, nothing half-written
 
 
 def test_an_interrupted_write_leaves_every_previous_file(tmp_path: Path) -> None:
@@ -125,6 +198,8 @@ def test_a_write_that_fails_names_the_file(tmp_path: Path) -> None:
     def fails(tmp: Path) -> None:
         raise OSError(28, "No space left on device")
 
-    with pytest.raises(OutputNotWritable, match=r"report.html: cannot be written \(No space left on device\)"):
+    with pytest.raises(
+        OutputNotWritable, match=r"report.html: cannot be written \(No space left on device\)"
+    ):
         write_files({tmp_path / "report.md": "# a report", tmp_path / "report.html": fails})
     assert list(tmp_path.iterdir()) == []

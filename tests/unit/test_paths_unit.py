@@ -12,21 +12,37 @@ from ckptforensics.replay.paths import resolve_recorded
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
     """launch/ holding the run (launch/out/run) and its cache (launch/cache), data beside it."""
-    for d in ("launch/out/run/checkpoint-5", "launch/cache", "launch/out/run/cache", "store/data", "store/cache-only-here"):
+    for d in (
+        "launch/out/run/checkpoint-5",
+        "launch/cache",
+        "launch/out/run/cache",
+        "store/data",
+        "store/cache-only-here",
+    ):
         (tmp_path / d).mkdir(parents=True)
     return tmp_path
 
 
-def test_the_run_directory_comes_first_then_its_parents_then_datas_parent(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_run_directory_comes_first_then_its_parents_then_datas_parent(
+    tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     run = tree / "launch" / "out" / "run"
     monkeypatch.chdir(tree / "store")  # the working directory is never a base
     got = resolve_recorded("cache", run, tree / "store" / "data")
     assert got is not None and got.path == run / "cache" and "the run directory" in got.how
     (run / "cache").rmdir()
     got = resolve_recorded("cache", run, tree / "store" / "data")
-    assert got is not None and got.path == tree / "launch" / "cache" and f"the run directory's parent {tree / 'launch'}" in got.how
+    assert (
+        got is not None
+        and got.path == tree / "launch" / "cache"
+        and f"the run directory's parent {tree / 'launch'}" in got.how
+    )
     got = resolve_recorded("cache-only-here", run, tree / "store" / "data")
-    assert got is not None and got.path == tree / "store" / "cache-only-here" and "--data's parent" in got.how
+    assert (
+        got is not None
+        and got.path == tree / "store" / "cache-only-here"
+        and "--data's parent" in got.how
+    )
     assert resolve_recorded("cache-only-here", run, None) is None  # under no base without --data
     assert resolve_recorded("nowhere", run, tree / "store" / "data") is None
 

@@ -23,15 +23,45 @@ def _burst() -> Finding:
 
 
 def _reproduces() -> Finding:
-    return Finding("F2", "replay_reproduces", "run", 1.0, "info", {"mismatched_share": 0.0}, "reproduces", "s", ())
+    return Finding(
+        "F2",
+        "replay_reproduces",
+        "run",
+        1.0,
+        "info",
+        {"mismatched_share": 0.0},
+        "reproduces",
+        "s",
+        (),
+    )
 
 
 def _agreement(status: str) -> Finding:
-    return Finding("F3", "replay_log_agreement", "run", 1.0, "info", {"status": status, "first_checked": 381}, "log", "s", ())
+    return Finding(
+        "F3",
+        "replay_log_agreement",
+        "run",
+        1.0,
+        "info",
+        {"status": status, "first_checked": 381},
+        "log",
+        "s",
+        (),
+    )
 
 
 def _spike() -> Finding:
-    return Finding("F4", "replay_spike", "step 390", 2.0, "warning", {"step": 390}, "spikes", "s", ("gradient_explosion",))
+    return Finding(
+        "F4",
+        "replay_spike",
+        "step 390",
+        2.0,
+        "warning",
+        {"step": 390},
+        "spikes",
+        "s",
+        ("gradient_explosion",),
+    )
 
 
 def _verdict(findings: list[Finding]) -> str:
@@ -50,7 +80,11 @@ def test_a_quiet_matched_replay_refutes_the_diffs_burst() -> None:
 
 
 def test_the_burst_stands_where_the_replay_spikes_misses_or_is_unchecked() -> None:
-    assert _verdict([_burst(), _reproduces(), _agreement("matched"), _spike()]) == "gradient_explosion"
+    assert (
+        _verdict([_burst(), _reproduces(), _agreement("matched"), _spike()]) == "gradient_explosion"
+    )
     assert _verdict([_burst(), _reproduces(), _agreement("unchecked")]) == "gradient_explosion"
-    assert _verdict([_burst(), _agreement("matched")]) == "gradient_explosion"  # did not land on after
+    assert (
+        _verdict([_burst(), _agreement("matched")]) == "gradient_explosion"
+    )  # did not land on after
     assert _verdict([_burst()]) == "gradient_explosion"  # the diff alone

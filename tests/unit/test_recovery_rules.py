@@ -22,7 +22,9 @@ from ckptforensics.recovery import (
 )
 
 
-def _power(steps: range, a: float = 4.0, b: float = -0.25, noise: float = 0.01, seed: int = 0) -> dict[int, float]:
+def _power(
+    steps: range, a: float = 4.0, b: float = -0.25, noise: float = 0.01, seed: int = 0
+) -> dict[int, float]:
     """A loss curve a * step^b with multiplicative log-normal noise (log10 sd `noise`)."""
     rng = np.random.default_rng(seed)
     return {s: a * s**b * 10 ** rng.normal(0, noise) for s in steps}
@@ -77,7 +79,9 @@ def test_a_gap_closing_is_recovering_then_recovered_once_held() -> None:
     longer = {**closing, **_power(range(125, 161), seed=3)}
     w = judge(_rows(longer), t, None, [])
     status, step, _ = verdict_of(w, [], _rows(longer), t)
-    assert status == "recovered" and step is not None and step > 101  # not from the first window: it was off then
+    assert (
+        status == "recovered" and step is not None and step > 101
+    )  # not from the first window: it was off then
 
 
 def test_an_onset_after_the_resume_is_a_relapse_at_its_step() -> None:
@@ -88,7 +92,9 @@ def test_an_onset_after_the_resume_is_a_relapse_at_its_step() -> None:
     w = judge(after, t, None, [117])
     status, step, _ = verdict_of(w, [117], after, t)
     assert (status, step) == ("relapsed", 117)
-    assert [x.onsets for x in w if x.onsets] == [[117]] and not next(x for x in w if x.onsets).in_band
+    assert [x.onsets for x in w if x.onsets] == [[117]] and not next(
+        x for x in w if x.onsets
+    ).in_band
 
 
 def test_too_few_steps_on_the_trajectory_are_recovering_not_recovered() -> None:
@@ -121,8 +127,14 @@ def test_a_log_a_restart_appends_to_splits_into_legs(tmp_path: Path) -> None:
     legs = read_legs(tmp_path)
     assert [(leg.first, leg.last) for leg in legs] == [(1, 40), (31, 60)]
     sp = split_legs(legs, 30)
-    assert list(sp.pre) == list(range(1, 31)) and list(sp.incident) == list(range(31, 41)) and list(sp.resumed) == list(range(31, 61))
-    assert sp.resumed[35]["loss"] == 3.0 - 35 / 100 + 0.01  # the resumed leg's own value, not the incident's
+    assert (
+        list(sp.pre) == list(range(1, 31))
+        and list(sp.incident) == list(range(31, 41))
+        and list(sp.resumed) == list(range(31, 61))
+    )
+    assert (
+        sp.resumed[35]["loss"] == 3.0 - 35 / 100 + 0.01
+    )  # the resumed leg's own value, not the incident's
 
 
 def test_one_leg_logging_past_the_resume_is_the_resumed_leg() -> None:

@@ -41,7 +41,9 @@ def test_robust_z_floor_reference_axis_and_nonfinite() -> None:
     x = np.array([0.0, 1.0, np.inf, np.nan])
     z = robust_z(x, reference=np.array([0.0, 1.0, 2.0, 3.0, 4.0]))
     assert z[2] == math.inf and z[3] == math.inf  # non-finite values are extreme by definition
-    ref = np.array([[1.0, np.nan], [2.0, np.nan], [3.0, np.nan]])  # a module that never ran: NaN column
+    ref = np.array(
+        [[1.0, np.nan], [2.0, np.nan], [3.0, np.nan]]
+    )  # a module that never ran: NaN column
     z = robust_z(np.array([5.0, 1.0]), reference=ref, axis=0)
     assert z[0] == pytest.approx((5 - 2) / (1 * MAD_TO_SIGMA)) and math.isnan(z[1])
 
@@ -58,7 +60,9 @@ def test_theil_sen_line_is_scipys() -> None:
 def test_trend_z_flags_a_spike_on_a_falling_curve_and_follows_a_new_level() -> None:
     rng = np.random.default_rng(2)
     steps = np.arange(200)
-    loss = 6.0 * np.exp(-steps / 80) + 2.0 + rng.normal(0, 0.01, 200)  # a steep, then slowing descent
+    loss = (
+        6.0 * np.exp(-steps / 80) + 2.0 + rng.normal(0, 0.01, 200)
+    )  # a steep, then slowing descent
     loss[120] *= 1.6
     z, level = trend_z(loss)
     assert np.all(z[:CURVE_MIN_HISTORY] == 0) and np.all(np.isnan(level[:CURVE_MIN_HISTORY]))
@@ -88,7 +92,9 @@ def test_loss_follows() -> None:
     assert loss_follows([0.0, 0.0, 3.5, *[0.0] * 17], 2)  # half z on the spike's own step
     assert loss_follows([0.0, 0.0], 1)  # the log ends before the loss could answer: benefit
     assert not loss_follows([0.0, 0.0], 1, benefit=False)
-    assert not loss_follows([0.0, 0.0, 4.0, *[0.0] * 17], 2, routine=True)  # a backoff needs a real spike
+    assert not loss_follows(
+        [0.0, 0.0, 4.0, *[0.0] * 17], 2, routine=True
+    )  # a backoff needs a real spike
     assert loss_follows([0.0, 0.0, 7.0, *[0.0] * 17], 2, routine=True)
 
 

@@ -33,7 +33,10 @@ def test_a_pasted_megatron_deepspeed_excerpt_names_its_onset_and_rule(tmp_path: 
     res = triage(log, None)
     # The overflow of the line of 3030 (an iteration of 3021-3030), which the next line's loss
     # follows, as a full log's backoff counts where the loss spikes on that line or the next.
-    assert res.first_bad_step == 3021 and res.rule == "loss-scale-backoff", (res.first_bad_step, res.rule)
+    assert res.first_bad_step == 3021 and res.rule == "loss-scale-backoff", (
+        res.first_bad_step,
+        res.rule,
+    )
     assert any(o.step == 3040 and o.rule in ("short-z", "loss-scale-collapse") for o in res.onsets)
     assert res.noise["ignored_columns"] == "grad_norm"  # 0.000 on every line: never computed
     assert "grad_norm" not in {o.signal for o in res.onsets}
@@ -41,7 +44,14 @@ def test_a_pasted_megatron_deepspeed_excerpt_names_its_onset_and_rule(tmp_path: 
 
 def test_healthy_excerpts_give_no_onset(tmp_path: Path) -> None:
     """A routine backoff (one halving, a skipped iteration) and a loss that wiggles 2%."""
-    vals = [(6.43, 65536, 0), (6.38, 65536, 0), (6.47, 32768, 1), (6.36, 32768, 0), (6.41, 32768, 0), (6.33, 32768, 0)]
+    vals = [
+        (6.43, 65536, 0),
+        (6.38, 65536, 0),
+        (6.47, 32768, 1),
+        (6.36, 32768, 0),
+        (6.41, 32768, 0),
+        (6.33, 32768, 0),
+    ]
     log = tmp_path / "pasted.txt"
     log.write_text("\n".join(_ds_line(3000 + 10 * k, *v) for k, v in enumerate(vals)) + "\n")
     assert triage(log, None).first_bad_step is None
@@ -67,7 +77,9 @@ def test_an_excerpt_of_megatron_lms_own_log(tmp_path: Path) -> None:
     assert res.first_bad_step == 30 and res.rule == "lr-growth"
 
 
-def _noisy(seed: int, n: int = 400, blip_every: int = 0, at: int | None = None) -> dict[int, dict[str, float]]:
+def _noisy(
+    seed: int, n: int = 400, blip_every: int = 0, at: int | None = None
+) -> dict[int, dict[str, float]]:
     """A slowly falling loss with heavy-tailed (Student-t, 3 dof) noise, hard-batch blips every
     `blip_every` steps, and (at `at`) a level that rises 40% and stays."""
     rng = np.random.default_rng(seed)
@@ -123,10 +135,17 @@ def test_a_held_shift_of_loss_and_grad_norm_under_heavy_tailed_noise() -> None:
     rows = {}
     for s in range(1, 301):
         up = s >= 200
-        rows[s] = {"loss": 2.5 * (1.3 if up else 1.0) * math.exp(0.06 * rng.standard_t(2)), "grad_norm": (2.0 if up else 1.0) * math.exp(0.1 * rng.normal())}
+        rows[s] = {
+            "loss": 2.5 * (1.3 if up else 1.0) * math.exp(0.06 * rng.standard_t(2)),
+            "grad_norm": (2.0 if up else 1.0) * math.exp(0.1 * rng.normal()),
+        }
     cfg = TriageConfig()
     onsets, _ = log_onsets(log_evidence(rows, cfg), cfg)
-    assert onsets and 200 <= onsets[0].step <= 201 and onsets[0].rule in ("held-shift", "held", "trend"), [(o.step, o.rule) for o in onsets]
+    assert (
+        onsets
+        and 200 <= onsets[0].step <= 201
+        and onsets[0].rule in ("held-shift", "held", "trend")
+    ), [(o.step, o.rule) for o in onsets]
     # The same loss without the grad norm moving (a single rank's noise): no onset.
     for r in rows.values():
         r["grad_norm"] = 1.0 * math.exp(0.1 * rng.normal())
@@ -144,7 +163,9 @@ def _lm_line(it: int, loss: float, grad: float, scale: float = 65536.0, skipped:
 
 def _pasted(tmp_path: Path, vals: list[tuple[float, float]]) -> Path:
     log = tmp_path / "pasted.txt"
-    log.write_text("\n".join(_lm_line(3000 + 10 * k, loss, grad) for k, (loss, grad) in enumerate(vals)) + "\n")
+    log.write_text(
+        "\n".join(_lm_line(3000 + 10 * k, loss, grad) for k, (loss, grad) in enumerate(vals)) + "\n"
+    )
     return log
 
 
@@ -154,7 +175,10 @@ def test_a_pasted_megatron_lm_excerpt_names_its_onset_and_rule(tmp_path: Path) -
     rules and for 6 sigma against four lines; loss and grad norm leaving the earlier lines
     together, the loss staying up, decide (the onset lies between iterations 3030 and 3040: the
     line of 3040 is the first to show it)."""
-    log = _pasted(tmp_path, [(6.43, 1.21), (6.38, 1.25), (6.45, 1.19), (6.40, 1.23), (7.90, 3.10), (8.40, 2.60)])
+    log = _pasted(
+        tmp_path,
+        [(6.43, 1.21), (6.38, 1.25), (6.45, 1.19), (6.40, 1.23), (7.90, 3.10), (8.40, 2.60)],
+    )
     res = triage(log, None)
     assert res.first_bad_step == 3040 and res.rule == "short-joint"
     assert "grad norm" in res.onsets[0].message and "stays above" in res.onsets[0].message
@@ -177,7 +201,9 @@ def test_a_pasted_megatron_lm_excerpt_names_its_onset_and_rule(tmp_path: Path) -
     ],
     ids=["single-rank-blip", "hard-batch"],
 )
-def test_a_pasted_excerpts_blip_that_recovers_is_no_onset(tmp_path: Path, vals: list[tuple[float, float]]) -> None:
+def test_a_pasted_excerpts_blip_that_recovers_is_no_onset(
+    tmp_path: Path, vals: list[tuple[float, float]]
+) -> None:
     assert triage(_pasted(tmp_path, vals), None).first_bad_step is None
 
 
@@ -191,12 +217,17 @@ def test_a_loss_scale_backoff_is_dated_where_the_scaler_logged_the_overflow(tmp_
 
     cfg = TriageConfig()
     for every in (1, 10):
-        rows = {3000 + every * k: {"loss": 6.4, "loss_scale": 65536.0 if k < 4 else 32768.0} for k in range(8)}
+        rows = {
+            3000 + every * k: {"loss": 6.4, "loss_scale": 65536.0 if k < 4 else 32768.0}
+            for k in range(8)
+        }
         (o,) = scale_drops(log_evidence(rows, cfg), cfg)
         assert o.step == 3000 + every * 3 + 1 and o.rule == "loss-scale-backoff", o
 
 
-def _single_rank(seed: int, n: int = 300, long_at: int | None = None, fault: int | None = None) -> dict[int, dict[str, float]]:
+def _single_rank(
+    seed: int, n: int = 300, long_at: int | None = None, fault: int | None = None
+) -> dict[int, dict[str, float]]:
     """One rank's micro-batch loss: quiet steps, junk blips of 1-3 steps (one rank's rows
     several batches in a row), the averaged grad norm flat; `long_at`: a 3-step blip there."""
     rng = np.random.default_rng(seed)
@@ -207,8 +238,17 @@ def _single_rank(seed: int, n: int = 300, long_at: int | None = None, fault: int
             left = int(rng.choice([1, 1, 2, 3]))
         up = left > 0 or (long_at is not None and long_at <= s < long_at + 3)
         left = max(left - 1, 0)
-        loss = 2.0 * math.exp(0.02 * rng.normal()) * (1.8 if up else 1.0) * (1.5 if fault is not None and s >= fault else 1.0)
-        rows[s] = {"loss": loss, "grad_norm": math.exp(0.05 * rng.normal()) * (2.0 if fault is not None and s >= fault else 1.0)}
+        loss = (
+            2.0
+            * math.exp(0.02 * rng.normal())
+            * (1.8 if up else 1.0)
+            * (1.5 if fault is not None and s >= fault else 1.0)
+        )
+        rows[s] = {
+            "loss": loss,
+            "grad_norm": math.exp(0.05 * rng.normal())
+            * (2.0 if fault is not None and s >= fault else 1.0),
+        }
     return rows
 
 
@@ -258,7 +298,9 @@ def test_a_held_rise_starts_where_its_level_continues_from() -> None:
 def _nogn_lines(tmp_path: Path, losses: list[float], every: int = 5) -> Path:
     """Megatron-DeepSpeed lines with no grad norm computed (0.000 on every line)."""
     log = tmp_path / "pasted.txt"
-    log.write_text("\n".join(_ds_line(160 + every * k, v, 1.0, 0) for k, v in enumerate(losses)) + "\n")
+    log.write_text(
+        "\n".join(_ds_line(160 + every * k, v, 1.0, 0) for k, v in enumerate(losses)) + "\n"
+    )
     return log
 
 
@@ -267,9 +309,14 @@ def test_an_excerpt_with_one_reference_line(tmp_path: Path) -> None:
     above it on every later line, 32% on one (the trend rule's 4.7% floor as the spread):
     the second line is the onset, by the one-reference-line rule; a wiggle is none."""
     res = triage(_nogn_lines(tmp_path, [1.838, 2.094, 4.562]), None)
-    assert res.first_bad_step == 165 and res.rule == "one-reference-line", (res.first_bad_step, res.rule)
+    assert res.first_bad_step == 165 and res.rule == "one-reference-line", (
+        res.first_bad_step,
+        res.rule,
+    )
     assert triage(_nogn_lines(tmp_path, [1.838, 1.95, 1.90]), None).first_bad_step is None
-    assert triage(_nogn_lines(tmp_path, [1.838, 2.6, 1.85]), None).first_bad_step is None  # back on the last line
+    assert (
+        triage(_nogn_lines(tmp_path, [1.838, 2.6, 1.85]), None).first_bad_step is None
+    )  # back on the last line
     # A single rank's blip over two lines, falling back on the last (still 27% up): not held at z.
     assert triage(_nogn_lines(tmp_path, [2.48, 3.51, 3.16]), None).first_bad_step is None
 
@@ -277,10 +324,25 @@ def test_an_excerpt_with_one_reference_line(tmp_path: Path) -> None:
 def test_an_excerpt_ending_on_its_first_rising_line_is_undecided(tmp_path: Path) -> None:
     """Nine quiet lines and a last one up 65% with the grad norm: a hard batch or an onset,
     the excerpt cannot say. No onset is called, and the report says why."""
-    vals = [(2.85, 0.94), (2.76, 0.92), (2.72, 0.78), (2.73, 1.06), (2.70, 0.91), (2.75, 0.97), (2.62, 1.27), (2.82, 1.18), (2.73, 1.26), (4.49, 2.84)]
+    vals = [
+        (2.85, 0.94),
+        (2.76, 0.92),
+        (2.72, 0.78),
+        (2.73, 1.06),
+        (2.70, 0.91),
+        (2.75, 0.97),
+        (2.62, 1.27),
+        (2.82, 1.18),
+        (2.73, 1.26),
+        (4.49, 2.84),
+    ]
     log = _pasted(tmp_path, vals)
     res = triage(log, None)
-    assert res.first_bad_step is None and res.undecided and "one line cannot tell a hard batch from an onset" in res.undecided
+    assert (
+        res.first_bad_step is None
+        and res.undecided
+        and "one line cannot tell a hard batch from an onset" in res.undecided
+    )
     from click.testing import CliRunner
 
     from ckptforensics.cli import cli
@@ -303,17 +365,27 @@ def test_an_excerpt_with_two_reference_lines(tmp_path: Path) -> None:
     """Two lines before the fault, too few for short-z: judged above the larger of them (short-z
     sees only the last line rise)."""
     res = triage(_nogn_lines(tmp_path, [1.84, 1.80, 2.10, 2.60]), None)
-    assert res.first_bad_step == 170 and res.rule == "one-reference-line", (res.first_bad_step, res.rule)
+    assert res.first_bad_step == 170 and res.rule == "one-reference-line", (
+        res.first_bad_step,
+        res.rule,
+    )
 
 
-def test_one_reference_line_decides_only_where_the_measured_rules_find_nothing(tmp_path: Path) -> None:
+def test_one_reference_line_decides_only_where_the_measured_rules_find_nothing(
+    tmp_path: Path,
+) -> None:
     """A low first line makes every later line look risen against it alone; with three lines
     before the jump, short-z (a spread of the excerpt's own) names the jump instead."""
     log = tmp_path / "pasted.txt"
     vals = [(1.482, 1.298), (1.721, 1.328), (1.818, 1.274), (2.960, 3.552), (2.818, 2.369)]
-    log.write_text("\n".join(_lm_line(148 + k, loss, grad) for k, (loss, grad) in enumerate(vals)) + "\n")
+    log.write_text(
+        "\n".join(_lm_line(148 + k, loss, grad) for k, (loss, grad) in enumerate(vals)) + "\n"
+    )
     res = triage(log, None)
-    assert res.first_bad_step in (150, 151) and res.rule != "one-reference-line", (res.first_bad_step, res.rule)
+    assert res.first_bad_step in (150, 151) and res.rule != "one-reference-line", (
+        res.first_bad_step,
+        res.rule,
+    )
 
 
 def test_an_excerpts_overflow_the_next_line_confirms_is_the_onset(tmp_path: Path) -> None:
@@ -321,9 +393,21 @@ def test_an_excerpts_overflow_the_next_line_confirms_is_the_onset(tmp_path: Path
     loss and grad norm up: the overflow is dated where the scaler logged it, confirmed by the
     line after it, not an undecided last line."""
     log = tmp_path / "pasted.txt"
-    rows = [(224, 1.841, 1.161, 131072.0, 0), (226, 2.074, 1.201, 131072.0, 0), (228, 1.587, 1.242, 131072.0, 0), (230, 1.499, None, 65536.0, 1), (232, 2.555, 2.407, 65536.0, 0)]
+    rows = [
+        (224, 1.841, 1.161, 131072.0, 0),
+        (226, 2.074, 1.201, 131072.0, 0),
+        (228, 1.587, 1.242, 131072.0, 0),
+        (230, 1.499, None, 65536.0, 1),
+        (232, 2.555, 2.407, 65536.0, 0),
+    ]
     text = [_lm_line(it, loss, grad or 0.0, scale, skip) for it, loss, grad, scale, skip in rows]
-    text[3] = text[3].replace(" grad norm: 0.000 |", "")  # an overflowed iteration prints no grad norm
+    text[3] = text[3].replace(
+        " grad norm: 0.000 |", ""
+    )  # an overflowed iteration prints no grad norm
     log.write_text("\n".join(text) + "\n")
     res = triage(log, None)
-    assert res.first_bad_step == 229 and res.rule == "loss-scale-backoff", (res.first_bad_step, res.rule, res.undecided)
+    assert res.first_bad_step == 229 and res.rule == "loss-scale-backoff", (
+        res.first_bad_step,
+        res.rule,
+        res.undecided,
+    )

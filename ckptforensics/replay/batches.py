@@ -142,6 +142,19 @@ def _open_h5(path: Path) -> object:
 
 
 def _h5(path: Path) -> BatchSource:
+    """A batch log (or one batch) in HDF5; any corruption h5py meets while the log's index
+    is read (a dataset header, an attribute) is the log's fault, said in one line."""
+    try:
+        return _h5_source(path)
+    except ForensicsError:
+        raise
+    except (OSError, ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+        raise BatchError(
+            f"{path}: malformed batch log ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+        ) from None
+
+
+def _h5_source(path: Path) -> BatchSource:
     h = _open_h5(path)
     ids_only = (
         "input_ids" not in h and "sample_id" in h and "step" in h

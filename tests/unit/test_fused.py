@@ -32,8 +32,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# fp64 sums (kernel) against fp32 BLAS dots of <= 2^17 terms (torch): a few 1e-7 relative.
-REL = 1e-5
+# fp64 sums (kernel) against fp32 sums of <= 2^17 terms (torch), whose rounding depends on
+# how many threads split them: a random walk of sqrt(n) eps ~ 2e-5 relative (one thread, as
+# the suite's workers run, gave 1.3e-5 on fp16 subnormals); 1e-4 is four times that.
+REL = 1e-4
 
 
 def _plant(x: torch.Tensor, case: str, g: torch.Generator) -> torch.Tensor:

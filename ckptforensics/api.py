@@ -123,11 +123,9 @@ class Report:
 
             return render_triage_html(self.doc)
         if self.kind == "inspect":
-            import html
+            from .report.inspect import render_inspect_html
 
-            return (
-                f"<!doctype html><meta charset=utf-8><pre>{html.escape(self.to_markdown())}</pre>\n"
-            )
+            return render_inspect_html(self.doc)
         from .report.html import render_html
 
         return render_html(self.doc)

@@ -7,11 +7,9 @@ on every torchrun rank alike; `--debug` shows the traceback instead.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import logging
-import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout
@@ -134,18 +132,6 @@ def cli(ctx: click.Context, verbose: int, quiet: bool, debug: bool) -> None:
     ctx.obj.debug = debug
     ctx.obj.quiet = quiet
     _setup_logging(verbose, quiet)
-
-
-def _jsonable(x: Any) -> Any:
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return _jsonable(dataclasses.asdict(x))
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
 
 
 run_dir_option = click.option(

@@ -502,22 +502,23 @@ def decide(
 
 def _healthy_body(findings: Sequence[Finding], weights_only: bool, replayed: bool) -> str:
     """The healthy summary: what was checked, and what the replay refuted."""
+    gone = [f for f in findings if f.metrics.get("refuted_by_replay")]
     if weights_only:
         head = "every tensor moved within its peers' range (weights only: no optimizer state, so Adam's bounds were not checked). "
+    elif gone:  # a tensor stood out among its peers; the replay says it was no incident
+        head = "every tensor moved within Adam's bounds. "
     else:
         head = "every tensor moved within Adam's bounds and its peers' range. "
-    gone = [f for f in findings if f.metrics.get("refuted_by_replay")]
     if gone:
         what = ", ".join(
             dict.fromkeys(
                 module_of(f.subject) if f.subject != "run" else "the median tensor" for f in gone
             )
         )
-        head = head.replace(" and its peers' range", "") + (
+        return head + (
             f"The rise in gradient energy the moments show on {what} is no incident: the replay computed every step of the "
             "window, matched the run's log on each, and none spiked."
         )
-        return head
     if replayed:
         return head + "The replay of the window's batches shows no spike either."
     return head + (

@@ -11,7 +11,7 @@ from typing import Any
 
 from . import clean
 
-__all__ = ["INSPECT_SCHEMA", "inspect_doc", "render_inspect_text"]
+__all__ = ["INSPECT_SCHEMA", "inspect_doc", "render_inspect_text", "render_inspect_html"]
 
 INSPECT_SCHEMA = "ckptforensics.inspect/1"
 
@@ -76,3 +76,10 @@ def render_inspect_text(doc: dict[str, Any], show_all: bool = False) -> str:
                 f"    {t['name']} {list(t['shape'])} {t['dtype']}: max|x| {t['max_abs']:.4g}, headroom {_headroom(t):.3g}x, non-finite {t['nonfinite']}"
             )
     return "\n".join(lines) + "\n"
+
+
+def render_inspect_html(doc: dict[str, Any]) -> str:
+    """The text, every tensor listed, as one self-contained page."""
+    import html
+
+    return f"<!doctype html><meta charset=utf-8><pre>{html.escape(render_inspect_text(doc, show_all=True))}</pre>\n"

@@ -65,3 +65,42 @@ def test_the_replay_freezes_the_row_the_run_froze(run: Path) -> None:
     assert doc["verdict"]["replay_check"]["status"] in ("matched", "diverged_after_onset")
     assert "model.embed_tokens 63 -> 0" in doc["replay"]["config"]["model"]["value"]
     assert doc["verdict"]["causes"][0]["cause"] == t["cause"]
+
+
+TIED = 1346  # a healthy tied HF Llama whose config (pad id 0) built the embedding; 0 is fed
+
+
+def test_a_tied_padding_row_is_read_from_the_log_not_the_moments(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The head trains a tied embedding's padding row, so its second moment is not 0 there
+    although the run zeroed the row's lookup: the replay asks the first step's grad norm and
+    lands on *after* (unpadded, it missed 14,751 of 24,144 elements)."""
+    d = draw(TIED)
+    assert d.tied and d.family == "llama" and d.collator == "default" and d.cause == "none"
+    run = build_draw(TIED, tmp_path_factory.mktemp("tied"))
+    t = json.loads((run / "truth.json").read_text())
+    r = CliRunner().invoke(
+        cli,
+        [
+            "replay",
+            "--run-dir",
+            str(run),
+            "--before",
+            str(t["before"]),
+            "--after",
+            str(t["after"]),
+            "--batch",
+            str(run / "batches.h5"),
+            "--json",
+        ],
+        catch_exceptions=False,
+    )
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert "padding row of the tied model.embed_tokens 0: zeroed by the run" in (
+        doc["replay"]["config"]["model"]["value"]
+    )
+    assert doc["replay"]["reproduction"]["mismatched"] == 0
+    assert doc["verdict"]["reproducible"] is True
+    assert doc["verdict"]["causes"][0]["cause"] == "none"

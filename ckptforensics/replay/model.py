@@ -31,6 +31,8 @@ __all__ = [
     "LossNorm",
     "trainer_loss_norm",
     "padding_rows_trained",
+    "tied_padding_rows",
+    "set_padding_rows",
 ]
 
 log = logging.getLogger(__name__)
@@ -869,11 +871,15 @@ def padding_rows_trained(model: nn.Module, opt: torch.optim.Optimizer) -> list[s
     the one it did. The run's padding row is the one whose weights are still the zeros
     `nn.Embedding` starts it with and whose second moment never saw a gradient; where exactly
     one row is, it is the padding row; where none is and the named row trained, there is
-    none. The changes are returned for `replay.config`. One process only (a sharded row lives
-    on one rank)."""
+    none. An embedding tied to the output head is left as built: the head's gradient reaches
+    every row, the padding row included, so a trained second moment there says nothing about
+    the lookup (held-out draw 9545: a tied Llama built with pad id 0, replayed unpadded, missed
+    *after* on 24% of elements). The changes are returned for `replay.config`. One process
+    only (a sharded row lives on one rank)."""
     fixed = []
+    tied = _shared_parameters(model)
     for name, m in model.named_modules():
-        if not isinstance(m, nn.Embedding):
+        if not isinstance(m, nn.Embedding) or id(m.weight) in tied:
             continue
         v = (opt.state.get(m.weight) or {}).get("exp_avg_sq")
         if (
@@ -896,3 +902,30 @@ def padding_rows_trained(model: nn.Module, opt: torch.optim.Optimizer) -> list[s
         if m.padding_idx != was:
             fixed.append(f"{name} {was} -> {m.padding_idx}")
     return fixed
+
+
+def _shared_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters two modules hold (tied input and output embeddings)."""
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {k for k, n in seen.items() if n > 1}
+
+
+def tied_padding_rows(model: nn.Module) -> dict[str, int]:
+    """Embeddings tied to an output head that zero a padding row, by module name: whether the
+    run zeroed that row's lookup gradient is not in its moments (the head trains the row
+    anyway), so the replay asks the log (`settle.settle_padding`)."""
+    tied = _shared_parameters(model)
+    return {
+        name: m.padding_idx
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Embedding) and id(m.weight) in tied and m.padding_idx is not None
+    }
+
+
+def set_padding_rows(model: nn.Module, rows: dict[str, int | None]) -> None:
+    """Give the named embeddings these padding rows (None: no padding row)."""
+    for name, m in model.named_modules():
+        if name in rows and isinstance(m, nn.Embedding):
+            m.padding_idx = rows[name]

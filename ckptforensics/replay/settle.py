@@ -20,9 +20,7 @@ from . import distributed
 from . import precision as mp
 from .compare import MATCH_SHARE, compare_after
 from .logcheck import GRAD_RTOL, LOSS_RTOL, LogCheck, StepCheck, check_against_log, log_rounding
-from .model import (
-    LossNorm,
-)
+from .model import LossNorm, set_padding_rows, tied_padding_rows
 from .window import Plan, run_window
 
 __all__ = [
@@ -41,9 +39,49 @@ def settle(p: Plan, progress: Callable[[str], None] | None = None) -> None:
     """What the plan cannot read from the run's files, calibrated: a per-group LR change the
     log does not show, the precision where the run states none (the first step against the
     log), the fp16 loss scale where the run recorded none."""
+    settle_padding(p)
     _settle_ratio_change(p, progress)
     settle_precision(p)
     mp.settle_loss_scale(p, progress)
+
+
+def settle_padding(p: Plan) -> None:
+    """Whether the run zeroed the padding row of a tied embedding's lookup, from its log: the
+    head's gradient trains that row either way, so the moments cannot tell (held-out draw
+    9545: a tied Llama built with pad id 0, whose Trainer config names 0 too), and a config
+    the Trainer rewrote may name another row than the one the model was built with. Matters
+    only where the first batch feeds that token id; the first step's logged grad norm
+    decides (the loss is the same either way). Without one, the row config.json names stays,
+    said so."""
+    if distributed.current() is not None:
+        return  # the replay of a sharded embedding keeps config.json's row
+    first = p.steps[0]
+    batch = p.batches.batch(first)
+    session = p.session()
+    try:
+        rows = tied_padding_rows(session.model)
+        ids = batch["input_ids"]
+        fed = {n: r for n, r in rows.items() if bool((ids == r).any())}
+        if not fed:
+            return
+        logged = (p.logged.get(first) or {}).get("grad_norm")
+        shown = ", ".join(f"{n} {r}" for n, r in fed.items())
+        if logged is None or not math.isfinite(logged) or logged <= 0:
+            p.padding_source = f"; padding row of the tied {shown} as config.json names it (the log has no grad norm at step {first} to tell whether the run zeroed it)"
+            return
+        kept = session.evaluate(batch)[1]
+        set_padding_rows(session.model, {n: None for n in fed})
+        dropped = session.evaluate(batch)[1]
+    finally:
+        session.close()
+    off = {"zeroed": abs(kept - logged) / logged, "trained": abs(dropped - logged) / logged}
+    choice = min(off, key=lambda k: off[k])
+    if choice == "trained":
+        p.padding = {n: None for n in fed}
+    p.padding_source = (
+        f"; padding row of the tied {shown}: {choice} by the run (calibrated on step {first}'s "
+        f"grad norm: {kept:.6g} zeroed, {dropped:.6g} trained, logged {logged:.6g})"
+    )
 
 
 def settle_precision(p: Plan) -> None:

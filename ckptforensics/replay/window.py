@@ -26,6 +26,7 @@ from .conventions import CallConvention, LabelConvention, settle_labels
 from .model import (
     LossNorm,
     load_callable,
+    set_padding_rows,
 )
 from .records import ReplayConfig, ReplayResult
 from .samples import row_data_stats
@@ -130,6 +131,9 @@ class Plan:
     call: CallConvention | None = None
     scale: mp.ScalePlan | None = None  # fp16: where the loss scale comes from
     skip: skipstep.SkipRule | None = None  # an optimizer that skips steps (OLMo-core)
+    # tied embeddings' padding rows as calibrated on the log (`settle.settle_padding`)
+    padding: dict[str, int | None] | None = None
+    padding_source: str = ""
 
     def config(self, clip: float | None, clip_source: str) -> dict[str, dict[str, Any]]:
         """replay.config: every assumption with its source (the report states it: replay.config)."""
@@ -225,6 +229,9 @@ class Plan:
                 self.skip.fresh() if self.skip is not None else None,
             ),  # fmt: skip
         )
+        if self.padding:
+            set_padding_rows(sess.model, self.padding)
+        sess.model_source += self.padding_source
         self.model_source, self.loss_norm, self.call = sess.model_source, sess.loss_norm, sess.call
         return sess
 

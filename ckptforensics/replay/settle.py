@@ -310,9 +310,9 @@ def _settle_ratio_change(p: Plan, progress: Callable[[str], None] | None) -> Non
     target = sum(float((p.b.tensor(n).double() - start[n]).norm()) for n in names)
     clip = p.clips[0][0]
     grows = any(rb[g] > ra[g] for g in groups)  # later change -> less movement when the ratio grew
-    seen: dict[int, tuple[float, float]] = {}
+    seen: dict[int, tuple[float, float, int]] = {}
 
-    def trial(k: int) -> tuple[float, float]:
+    def trial(k: int) -> tuple[float, float, int]:
         if k not in seen:
             if progress is not None:
                 progress(f"LR change at step {k}?")
@@ -330,11 +330,19 @@ def _settle_ratio_change(p: Plan, progress: Callable[[str], None] | None) -> Non
     k = min(cands, key=lambda c: abs(trial(c)[0] - target))
     how = "the step whose replay moves its weights as far as before -> after did"
     if trial(k)[1] > MATCH_SHARE:
-        # A wrecked module's movement is chaotic, not monotone: the change step is the one
-        # whose replay lands on after (every step of the window tried; the right one
-        # reproduces it, as every replay must).
-        k = min(p.steps, key=lambda c: trial(c)[1])
-        how = "the step whose replay reproduces after's weights of those groups"
+        # A wrecked module's movement is chaotic, not monotone: every step of the window is
+        # tried. The run's log decides first: the change step's replay matches it longest
+        # (the steps before the change cannot tell the candidates apart; the step after it
+        # shows the jump). Then the replay closest to after's weights of those groups (held-out
+        # draw 9525: an Adafactor group whose LR rose 2159x at 383; no candidate lands on after,
+        # and the closest, 386, missed the log's spike at 384).
+        k = min(p.steps, key=lambda c: (-trial(c)[2], trial(c)[1]))
+        how = (
+            "the step whose replay matches the run's log longest, then reproduces after's "
+            "weights of those groups best"
+            if p.logged
+            else "the step whose replay reproduces after's weights of those groups"
+        )
     p.lrs = _switched(p, ra, rb, k)
     shown = ", ".join(str(g) for g in groups)
     p.lr_source += (
@@ -344,15 +352,17 @@ def _settle_ratio_change(p: Plan, progress: Callable[[str], None] | None) -> Non
 
 def _movement(
     p: Plan, lrs: dict[int, list[float]], clip: float | None, start: dict[str, torch.Tensor]
-) -> tuple[float, float]:
+) -> tuple[float, float, int]:
     """How far a replay of the window moves the named weights from where they started
-    (`start`, *before*'s), and the share of their elements that miss *after*'s (`compare_after`'s
-    tolerance)."""
+    (`start`, *before*'s), the share of their elements that miss *after*'s (`compare_after`'s
+    tolerance), and how many of its first steps match the run's log (0 without a log)."""
     assert p.b is not None
     session = p.session()
     try:
-        for s in p.steps:
-            session.step(s, p.batches.batch(s), lrs[s], clip)
+        recs = [session.step(s, p.batches.batch(s), lrs[s], clip)[0] for s in p.steps]
+        check = check_against_log(recs, p.logged, p.precision, p.batches.micro_batch_size, clip)
+        miss = check.first_miss
+        agree = sum(1 for s in p.steps if miss is None or s < miss.step)
         params = {session.to_ckpt(k): q for k, q in session.model.named_parameters()}
         moved = sum(
             float((params[n].detach().cpu().double() - w).norm())
@@ -363,6 +373,6 @@ def _movement(
             m for m in compare_after(session, p.b, lrs, only=set(start)) if m.where == "weight"
         ]
         share = sum(m.mismatched for m in matches) / max(1, sum(m.numel for m in matches))
-        return moved, share
+        return moved, share, agree if p.logged else 0
     finally:
         session.close()

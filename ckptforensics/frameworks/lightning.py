@@ -5,16 +5,25 @@ LightningCLI saves those in `config.yaml` in the logger's version folder, which 
 it is there (its `trainer.*` keys). `trainer.fit(model, ckpt_path=...)` restores the optimizer
 (param groups with their LR) and the LR schedulers' state, so an LR changed in
 `configure_optimizers` does not reach a resumed run: the plan scales it in `on_train_start`.
+
+For a replay: the model is the `LightningModule` subclass LightningCLI names in
+`hyper_parameters` (`_class_path`, subclass mode; `replay.model.lightning_module_from_class_path`
+says what it imports and why); the batches come from a batch log or the flight recorder
+(the DataModule is the user's code).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..formats.base import Checkpoint
 from . import LR_FIX_PREFIX, Edit, Settings, Skip, key_diff, lr_fix_edit, skip_json, value_text
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..formats.base import Checkpoint
 
 NAME = "lightning"
 TITLE = "Lightning"
@@ -177,3 +186,31 @@ def skip(
 
 def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:
     return [Edit("ckpt_path", None, str(rollback), "trainer.fit(model, datamodule, ckpt_path=...)")]
+
+
+# ----------------------------------------------------------------------------- the replay's hooks
+# `train_loss` as its docs' self.log examples name it (`_step`: on_step=True with on_epoch);
+# the total of lightning.pytorch.utilities.grad_norm. Per-group LR: LearningRateMonitor's
+# "lr-AdamW/pg1" (logs.columns).
+LOG_NAMES = {
+    "loss": ("train_loss", "train/loss_step", "train_loss_step"),
+    "grad_norm": ("grad_2.0_norm_total",),
+}
+
+
+def model(ck: Checkpoint) -> tuple[nn.Module, str] | None:
+    """The LightningModule a LightningCLI checkpoint names (subclass mode)."""
+    from ..replay.model import ModelSpecError, lightning_module_from_class_path
+
+    cfg = ck.config
+    if not cfg:
+        return None
+    if "_class_path" in cfg:
+        return lightning_module_from_class_path(ck)
+    if "_instantiator" in cfg and "model_type" not in cfg:
+        # LightningCLI(MyModule) records no class path: only subclass mode (`--model a.B`) does.
+        raise ModelSpecError(
+            f"{ck.path}: LightningCLI wrote these hyper_parameters with a fixed model class, so they name no "
+            "class (`_class_path` is recorded in subclass mode only); pass --model module:MyModule"
+        )
+    return None

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..errors import ForensicsError, IncompatibleCheckpoints
 from ..formats.base import Checkpoint
+from ..frameworks import hook
 
 __all__ = [
     "load_callable",
@@ -192,42 +193,11 @@ def build_model(spec: str | None, ckpt: Checkpoint) -> tuple[nn.Module, str]:
 
 
 def _from_recorded_config(ckpt: Checkpoint) -> tuple[nn.Module, str] | None:
-    """A model from what a non-HF run recorded: Megatron `args`, OLMo-core's config.json,
-    LitGPT's model_config.yaml (with litgpt installed), a LightningCLI class path (with
-    lightning installed). None when none of them applies."""
-    from . import reference
-
-    cfg = ckpt.config
-    try:
-        if reference.is_megatron_args(cfg):
-            return reference.megatron_gpt(cfg, ckpt.names())
-        if reference.is_olmo_model_config(cfg):
-            return reference.olmo_transformer(cfg)
-    except reference.ReferenceError as e:
-        raise ModelSpecError(f"{ckpt.path}: {e}; pass --model module:factory") from None
-    if ckpt.format == "litgpt" and cfg:
-        try:
-            from litgpt import GPT, Config  # type: ignore[import-not-found]
-        except ImportError:
-            raise ModelSpecError(
-                f"{ckpt.path}: building a LitGPT model needs litgpt (pip install litgpt), or pass --model module:factory"
-            ) from None
-        import dataclasses
-
-        known = {f.name for f in dataclasses.fields(Config)}
-        return GPT(
-            Config(**{k: v for k, v in cfg.items() if k in known})
-        ), "litgpt.GPT from model_config.yaml"
-    if ckpt.format == "lightning" and cfg:
-        if "_class_path" in cfg:
-            return lightning_module_from_class_path(ckpt)
-        if "_instantiator" in cfg and "model_type" not in cfg:
-            # LightningCLI(MyModule) records no class path: only subclass mode (`--model a.B`) does.
-            raise ModelSpecError(
-                f"{ckpt.path}: LightningCLI wrote these hyper_parameters with a fixed model class, so they name no "
-                "class (`_class_path` is recorded in subclass mode only); pass --model module:MyModule"
-            )
-    return None
+    """A model from what the run recorded, by the `model` hook of the framework that wrote
+    it (frameworks/: Megatron `args`, OLMo-core's config.json, LitGPT's model_config.yaml, a
+    LightningCLI class path). None when it has none or it does not apply."""
+    fn = hook(ckpt, "model")
+    return fn(ckpt) if fn is not None else None
 
 
 # A class path as LightningCLI records it: jsonargparse's import path, `package.module.Class`.
@@ -340,41 +310,11 @@ class LossNorm:
 
 
 def trainer_loss_norm(model: nn.Module, ckpt: Checkpoint) -> LossNorm:
-    """The loss normalisation the run's trainer used, from what transformers' Trainer does
-    with this model (`Trainer.__init__` / `get_batch_samples` / `compute_loss`, 5.x)."""
-    if ckpt.format != "hf-trainer":
-        return LossNorm("targets", "mean over the step's target tokens")
-    if hasattr(model, "accepts_loss_kwargs"):
-        accepts = bool(model.accepts_loss_kwargs)
-    else:
-        accepts = any(
-            p.kind is inspect.Parameter.VAR_KEYWORD
-            for p in inspect.signature(model.forward).parameters.values()
-        )
-    if not accepts:
-        return LossNorm(
-            "micro",
-            "HF Trainer: the model takes no loss kwargs, so each micro-batch's mean / gradient_accumulation_steps",
-        )
-    try:
-        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-    except ImportError:
-        return LossNorm(
-            "targets",
-            "HF Trainer num_items_in_batch (transformers not importable: assumed shifted)",
-        )
-    loss_type = getattr(model, "loss_type", None)
-    enc_dec = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
-    if LOSS_MAPPING.get(loss_type) is ForCausalLMLoss and not enc_dec:
-        return LossNorm(
-            "targets",
-            f"HF Trainer: sum / num_items_in_batch, counted over labels[..., 1:] (loss_type {loss_type!r})",
-        )
-    return LossNorm(
-        "labels",
-        f"HF Trainer: sum / num_items_in_batch, counted over every label != -100 before the shift (loss_type {loss_type!r}: "
-        "Trainer._loss_shifts_labels is False), so the logged loss is (T-1)/T of the mean",
-    )
+    """The loss normalisation the run's trainer used: the `loss_norm` hook of the framework
+    that wrote `ckpt` (frameworks/hf: the HF Trainer's), else the mean over target tokens."""
+    fn = hook(ckpt, "loss_norm")
+    found = fn(model, ckpt) if fn is not None else None
+    return found or LossNorm("targets", "mean over the step's target tokens")
 
 
 def _hf_model(spec: str | None, ckpt: Checkpoint) -> nn.Module:

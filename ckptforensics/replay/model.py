@@ -1,4 +1,10 @@
-"""Rebuild the model and its optimizer from a checkpoint, exactly as the trainer left them."""
+"""Rebuild the model and its optimizer from a checkpoint, exactly as the trainer left them.
+
+The model a run's recorded config describes is its framework's (`model` hook, frameworks/);
+transformers from a `config.json` and a `--model` factory are built here for every run.
+Over 400 lines: the weights and the optimizer state are read into one model with one name
+map (`load_weights`, then `build_optimizer` by the same names and shards); replay/session.py
+takes both from here."""
 
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from ..frameworks import hook
 __all__ = [
     "load_callable",
     "build_model",
-    "lightning_module_from_class_path",
+    "call_factory",
     "load_weights",
     "build_optimizer",
     "OptimizerChain",
@@ -85,7 +91,7 @@ def _factory_kwargs(
 
     Returns:
         (kwargs, open): `open` is True when the factory takes **kwargs, so whatever it
-        passes on may still refuse a key (then dropped and said; see `_call_factory`).
+        passes on may still refuse a key (then dropped and said; see `call_factory`).
     """
     if not config:
         return {}, False
@@ -117,7 +123,7 @@ def _class_spec(v: Any) -> bool:
 _UNEXPECTED = re.compile(r"unexpected keyword argument '(\w+)'")
 
 
-def _call_factory(
+def call_factory(
     fn: Callable[..., Any],
     spec: str,
     config: dict[str, Any] | None,
@@ -167,7 +173,7 @@ def build_model(spec: str | None, ckpt: Checkpoint) -> tuple[nn.Module, str]:
     """The model named by `spec`, or, when spec is None, by the config the run recorded:
     HF config.json (transformers), Megatron `args` or OLMo-core config.json (reference
     models, `replay.reference`), LitGPT model_config.yaml (litgpt), the LightningModule
-    class path LightningCLI records in `hyper_parameters` (`lightning_module_from_class_path`).
+    class path LightningCLI records in `hyper_parameters` (frameworks/lightning).
 
     A factory receives the checkpoint's model config (nanoGPT `model_args`, Lightning
     hyper-parameters) as the keyword arguments its signature accepts.
@@ -186,7 +192,7 @@ def build_model(spec: str | None, ckpt: Checkpoint) -> tuple[nn.Module, str]:
     ):
         return _hf_model(spec, ckpt), f"transformers from {'config.json' if spec is None else spec}"
     fn = load_callable(spec, "--model")
-    model, desc = _call_factory(fn, spec, ckpt.config)
+    model, desc = call_factory(fn, spec, ckpt.config)
     if not isinstance(model, nn.Module):
         raise ModelSpecError(f"--model {spec!r}: returned {type(model).__name__}, not an nn.Module")
     return model, desc
@@ -198,101 +204,6 @@ def _from_recorded_config(ckpt: Checkpoint) -> tuple[nn.Module, str] | None:
     LightningCLI class path). None when it has none or it does not apply."""
     fn = hook(ckpt, "model")
     return fn(ckpt) if fn is not None else None
-
-
-# A class path as LightningCLI records it: jsonargparse's import path, `package.module.Class`.
-_CLASS_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
-# What LightningCLI's `_InstantiatorFn` adds beside the module's own `__init__` arguments.
-_LIGHTNING_CLI_KEYS = ("_class_path", "_instantiator")
-
-
-def lightning_module_from_class_path(ckpt: Checkpoint) -> tuple[nn.Module, str]:
-    """The LightningModule a LightningCLI checkpoint names in `hyper_parameters["_class_path"]`,
-    called with the hyper-parameters its `__init__` accepts.
-
-    A checkpoint is untrusted input, and the class path only selects code already installed
-    here: a dotted name whose top-level module `find_spec` finds (never the standard library,
-    where no LightningModule lives) is imported, and the attribute is called only if it is a
-    class deriving from lightning's `LightningModule` (`lightning.pytorch` or
-    `pytorch_lightning`). Nothing is unpickled; `_instantiator` is never called.
-    (Lightning's own `load_from_checkpoint` goes further and imports nothing; a command
-    line tool has nothing imported, so it must import the module the path names.)
-
-    Returns:
-        (module, its description for `replay.config`).
-
-    Raises:
-        ModelSpecError: one line naming the class path, why it is refused, and `--model`.
-    """
-    cfg = ckpt.config or {}
-    path = cfg.get("_class_path")
-    where = f"{ckpt.path}: hyper_parameters class path {path!r}"
-    if not isinstance(path, str) or not _CLASS_PATH.fullmatch(path):
-        raise ModelSpecError(f"{where} is not a dotted Python name; pass --model module:factory")
-    mod_name, _, cls_name = path.rpartition(".")
-    top = mod_name.split(".")[0]
-    if top == "__main__":
-        raise ModelSpecError(
-            f"{where} is a class of the training script itself (__main__); pass --model path/to/script.py:{cls_name}"
-        )
-    bases = _lightning_module_classes()
-    if not bases:
-        raise ModelSpecError(
-            f"{where}: building a LightningModule needs lightning installed (pip install lightning), or pass --model module:factory"
-        )
-    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
-        raise ModelSpecError(
-            f"{where} is not a LightningModule (standard library); refused, pass --model module:factory"
-        )
-    try:
-        found = importlib.util.find_spec(top) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        raise ModelSpecError(
-            f"{where}: module {top!r} is not importable here (install it or put it on PYTHONPATH), or pass --model module:factory"
-        )
-    try:
-        module = importlib.import_module(mod_name)
-    except (
-        Exception
-    ) as e:  # the named module exists but fails to import: bad input, said in one line
-        raise ModelSpecError(
-            f"{where}: import failed ({type(e).__name__}: {e}); pass --model module:factory"
-        ) from None
-    cls = getattr(module, cls_name, None)
-    # Checked before anything is called: only a LightningModule subclass is ever instantiated.
-    if not (isinstance(cls, type) and issubclass(cls, bases)):
-        kind = (
-            "a class" if isinstance(cls, type) else "missing" if cls is None else type(cls).__name__
-        )
-        raise ModelSpecError(
-            f"{where} is not a LightningModule subclass ({kind}); refused, pass --model module:factory"
-        )
-    args = {k: v for k, v in cfg.items() if k not in _LIGHTNING_CLI_KEYS}
-    return _call_factory(
-        cls,
-        path,
-        args,
-        what=where,
-        source="(class and arguments from the checkpoint's hyper_parameters class path, LightningCLI)",
-    )
-
-
-def _lightning_module_classes() -> tuple[type, ...]:
-    """`LightningModule` of each lightning flavour installed (lightning 2.x, pytorch_lightning)."""
-    found = []
-    for top, mod in (
-        ("lightning", "lightning.pytorch"),
-        ("pytorch_lightning", "pytorch_lightning"),
-    ):
-        try:
-            if importlib.util.find_spec(top) is None:
-                continue
-            found.append(importlib.import_module(mod).LightningModule)
-        except Exception:  # a broken install is as good as none: the message says to install it
-            continue
-    return tuple(found)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,10 @@ bias correction and drops a whole update). Where the scale comes from, in order:
 Where the run logs which steps it skipped (the flight recorder's `skipped`), an overflow on a
 step the run applied backs the scale off and redoes the step; no overflow on a step the run
 skipped doubles it and redoes the step.
+
+Over 400 lines: the modes and the loss scale are one policy (an fp16 run's scale is chosen by
+replaying under the mode), kept together so the search and what it assumes read as one. What
+a trainer's config says of its precision is its framework's `precision` hook (frameworks/).
 """
 
 from __future__ import annotations

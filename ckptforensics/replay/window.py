@@ -1,6 +1,10 @@
 """The replay's plan, resolved once from the run's files: the window's steps, its batches
 (logged or rebuilt), LR per step and group, clipping candidates, precision, loss; and one
-run of the window under it."""
+run of the window under it. What a trainer adds (its batches from `--data`, its clip) is
+asked of its framework (frameworks/).
+
+Over 400 lines: the plan's resolution and the collator choice evaluate the same `Plan`
+(a candidate's first step is a session of it), and split they would pass it back and forth."""
 
 from __future__ import annotations
 

@@ -1,32 +1,58 @@
-"""Per-trainer resume knowledge: how each trainer states its settings, takes a change, skips
-data and resumes from a checkpoint (the plan's half of a trainer's knowledge; one module per
-trainer, so each can join a wider `Framework` protocol later).
+"""Per-trainer knowledge, one module per trainer behind one `Framework` protocol (the way
+torchtitan bundles a model's pieces in one spec): which runs the trainer wrote, how it states
+its settings and resumes (the plan's half), and what a replay needs from it (the model its
+recorded config describes, its batches rebuilt from `--data`, its loss normalisation, the
+precision and clip its config records, its log's metric names).
 
-A planner is a module with `NAME`, `TITLE` and five functions (`Planner`): it reads the run's
-own settings from the checkpoint (`settings`), turns a mitigation into edits of those settings
-in the trainer's own keys (`edits`), renders them as a diff of the run's own file or command
-line (`render`), puts a skip list in the trainer's skip format (`skip`) and says how the
-trainer resumes from the rollback checkpoint (`resume`). `planner_for(ck)` picks one; the
-plain loop (`loop`) takes what nobody else owns.
+A framework is a module. Required (`Planner`, the plan's half): `NAME`, `TITLE` and six
+functions: `owns` (did this trainer write the checkpoint), `settings` (the run's own settings
+read from it), `edits` (a mitigation as edits of those settings in the trainer's own keys),
+`render` (them as a diff of the run's own file or command line), `skip` (a skip list in the
+trainer's skip format) and `resume` (how the trainer resumes from the rollback checkpoint).
+
+Optional (the replay's half, `HOOKS`): a module that lacks one, or whose hook returns None for
+a checkpoint, leaves that question to the generic behaviour, which `HOOKS` names and the
+caller in `replay/` implements. Callers ask through `hook(ck, name)` (the hook of the
+framework that wrote `ck`, or None), never by testing `ck.format`. `LOG_NAMES` (optional data)
+is the trainer's metric names; `log_aliases` merges every trainer's into the table
+`logs.columns.ALIASES` reads.
+
+`framework_for(ck)` is the one place that picks: the first module of `PLANNERS` that owns the
+checkpoint; the plain loop (`loop`) owns what nobody else does. `planner_for` is the same
+function under the plan's older name. docs/frameworks.md walks through adding a trainer.
+
+Nothing here imports torch: the hooks import what they need when called.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..formats.base import Checkpoint
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..formats.base import Checkpoint
+    from ..replay.batches import BatchSource
+    from ..replay.model import LossNorm
 
 __all__ = [
     "Settings",
     "Edit",
     "Skip",
     "Planner",
+    "Framework",
+    "HOOKS",
+    "framework_for",
     "planner_for",
+    "hook",
+    "log_aliases",
+    "config_clip",
     "PLANNERS",
+    "LOG_ORDER",
     "key_diff",
     "value_text",
     "skip_json",
@@ -105,6 +131,57 @@ class Planner(Protocol):
     def resume(self, rollback: Path, step: int, s: Settings) -> list[Edit]: ...
 
 
+class Framework(Planner, Protocol):
+    """One trainer's knowledge: the plan's half (`Planner`, required) and the replay's
+    hooks, each optional (`HOOKS`: a module may lack any; its answer None means the same).
+
+    Attributes:
+        LOG_NAMES: our metric name (`loss`, `grad_norm`, `lr`, `loss_scale`, `skipped`,
+            `nan_iterations`) -> the names the trainer logs it under (optional).
+    """
+
+    LOG_NAMES: dict[str, tuple[str, ...]]
+
+    def model(self, ck: Checkpoint) -> tuple[nn.Module, str] | None:
+        """The model the run's recorded config describes, and how it was built."""
+        ...
+
+    def batches(self, data: str, ck: Checkpoint, collator: str | None) -> list[BatchSource] | None:
+        """The run's batches rebuilt from its training data (`--data`): one source, or one
+        candidate per collator the run may have used (the replay keeps the one that lands)."""
+        ...
+
+    def loss_norm(self, model: nn.Module, ck: Checkpoint) -> LossNorm | None:
+        """What the trainer divides a step's summed token losses by."""
+        ...
+
+    def precision(self, ck: Checkpoint) -> tuple[str, str] | None:
+        """The precision the run's config states (a mode of `replay.precision.PRECISIONS`),
+        with the key it is read from."""
+        ...
+
+    def clip(self, ck: Checkpoint) -> tuple[float | None, str] | None:
+        """The run's gradient clip (None: it did not clip) and the key it is read from."""
+        ...
+
+    def fp32_micro_batches(self, ck: Checkpoint) -> int | None:
+        """Rows per micro-batch whose low-precision gradients the run summed in fp32 (each
+        micro-batch backpropagated on its own), where the run did so."""
+        ...
+
+
+# Each optional hook -> what the replay does where a framework has none (or it returns None).
+HOOKS: dict[str, str] = {
+    "model": "replay.model.build_model: transformers from the checkpoint's config.json, else --model",
+    "batches": "replay.window: refused, naming the format (pass --batch)",
+    "loss_norm": "replay.model.trainer_loss_norm: the mean over the step's target tokens",
+    "precision": "replay.precision.candidates: the weights' dtypes decide (candidates checked against the log)",
+    "clip": "replay.window: the checkpoint's train_config (grad_clip, max_grad_norm, gradient_clipping, "
+    "clip_grad), else the batch log's grad_clip, else calibrated",
+    "fp32_micro_batches": "replay.precision.fp32_micro_batches: None (one backward over the global batch)",
+}
+
+
 # The key of a per-group LR fix: not a setting of any trainer (renderers leave it out of
 # their key diffs), its note says where the factor lives in that trainer.
 LR_FIX_PREFIX = "LR of param groups"
@@ -163,13 +240,25 @@ def skip_json(
     }
 
 
+def config_clip(ck: Checkpoint, keys: Sequence[str]) -> tuple[float | None, str] | None:
+    """The clip the run's `train_config` records under the first of `keys` holding a number
+    (0 or less: no clipping), with the key as its source; None where none does."""
+    tc = ck.scalars.get("train_config") or {}
+    for key in keys:
+        if isinstance(tc.get(key), (int, float)):
+            v = float(tc[key])
+            return (v if v > 0 else None), f"checkpoint config {key}"
+    return None
+
+
 def _planners() -> tuple[Any, ...]:
-    from . import deepspeed, hf, lightning, loop, megatron, nanogpt, olmo_core, torchtitan
+    import importlib
 
-    # Order matters only where two could own a checkpoint: OLMo-core's DCP before torchtitan's.
-    return (hf, lightning, megatron, deepspeed, olmo_core, torchtitan, nanogpt, loop)
+    return tuple(importlib.import_module(f"{__name__}.{n}") for n in PLANNERS)
 
 
+# The trainer modules, in the order `framework_for` asks them. Order matters only where two
+# could own a checkpoint: OLMo-core's DCP before torchtitan's; the loop, which owns any, last.
 PLANNERS: tuple[str, ...] = (
     "hf",
     "lightning",
@@ -182,6 +271,33 @@ PLANNERS: tuple[str, ...] = (
 )
 
 
-def planner_for(ck: Checkpoint) -> Any:
-    """The planner of the trainer that wrote `ck` (the plain loop when no other owns it)."""
+# Whose metric names come first where a log holds several of one metric's (`log_aliases`):
+# the most specific names first (OLMo-core's and Megatron's are theirs alone; `train_loss`
+# may be anybody's).
+LOG_ORDER: tuple[str, ...] = ("olmo_core", "megatron", "hf", "torchtitan", "lightning")
+
+
+def framework_for(ck: Checkpoint) -> Any:
+    """The framework (module) of the trainer that wrote `ck`: the first of `PLANNERS` that
+    owns it (the plain loop when no other does)."""
     return next(p for p in _planners() if p.owns(ck))
+
+
+planner_for = framework_for  # the plan's name for it
+
+
+def hook(ck: Checkpoint, name: str) -> Callable[..., Any] | None:
+    """The optional hook `name` (one of `HOOKS`) of the framework that wrote `ck`, or None
+    where that framework has none: the caller then does the generic thing `HOOKS` names."""
+    if name not in HOOKS:
+        raise KeyError(f"{name!r} is not a framework hook ({', '.join(HOOKS)})")
+    return getattr(framework_for(ck), name, None)
+
+
+def log_aliases(ours: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """Each of our metric names -> the names trainers log it under, every trainer's
+    `LOG_NAMES` merged in `LOG_ORDER` (the first match wins where a log holds several)."""
+    import importlib
+
+    mods = [importlib.import_module(f"{__name__}.{n}") for n in LOG_ORDER]
+    return {k: tuple(n for m in mods for n in m.LOG_NAMES.get(k, ())) for k in ours}

@@ -12,10 +12,22 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..formats.base import Checkpoint
-from . import LR_FIX_PREFIX, Edit, Settings, Skip, flatten, key_diff, lr_fix_edit, skip_json
+from . import (
+    LR_FIX_PREFIX,
+    Edit,
+    Settings,
+    Skip,
+    config_clip,
+    flatten,
+    key_diff,
+    lr_fix_edit,
+    skip_json,
+)
+
+if TYPE_CHECKING:
+    from ..formats.base import Checkpoint
 
 NAME = "deepspeed"
 TITLE = "DeepSpeed"
@@ -94,3 +106,36 @@ def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:
             "keep load_optimizer_states=True",
         )
     ]
+
+
+# ----------------------------------------------------------------------------- the replay's hooks
+def clip(ck: Checkpoint) -> tuple[float | None, str] | None:
+    return config_clip(ck, ("grad_clip", "gradient_clipping"))  # ds_config gradient_clipping
+
+
+def _flag(v: Any) -> bool:
+    """A ds_config section `{"enabled": true}` (or a bare flag)."""
+    if isinstance(v, dict):
+        return v.get("enabled") is True or str(v.get("enabled")).lower() == "true"
+    return v is True
+
+
+def precision(ck: Checkpoint) -> tuple[str, str] | None:
+    """ds_config `bf16.enabled`: bf16 weights on the fp32 partitions the optimizer keeps;
+    `fp16.enabled`: a loss-scaled fp16 run."""
+    tc = ck.scalars.get("train_config") or {}
+    ds = tc.get("ds_config") if isinstance(tc.get("ds_config"), dict) else None
+    if ds is not None:
+        if _flag(ds.get("bf16")) or _flag(ds.get("bfloat16")):
+            return (
+                "bf16-params",
+                "ds_config bf16.enabled (bf16 weights, fp32 partitions in the optimizer)",
+            )
+        if _flag(ds.get("fp16")):
+            return "fp16", "ds_config fp16.enabled"
+    # A section whose `enabled` is truthy but not true (`1`; formats/deepspeed sets the flag
+    # on any truthy value): autocast, as the replay has always read it.
+    for flag in ("bf16", "fp16"):
+        if tc.get(flag) is True:
+            return flag, f"ds_config {flag}.enabled (truthy, not true: autocast assumed)"
+    return None

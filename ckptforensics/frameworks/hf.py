@@ -7,16 +7,27 @@ callback's `on_train_begin` (transformers 5.x `_inner_training_loop` then
 `_load_optimizer_and_scheduler`), so a new `learning_rate` alone does not reach a resumed
 schedule: the plan scales the restored scheduler in a callback. `max_grad_norm`, `bf16` and
 `fp16` are read from the new arguments every step.
+
+For a replay: the model is transformers' own, from `config.json` (the generic path of
+`replay.model.build_model`, which any run with a `config.json` takes); `--data` is drawn again
+by the Trainer's own sampler with the run's `TrainingArguments` (`replay/hfdata.py`); the loss
+is divided as the Trainer divides it (`num_items_in_batch`, or each micro-batch's mean).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..formats.base import Checkpoint
-from . import LR_FIX_PREFIX, Edit, Settings, Skip, key_diff, lr_fix_edit, skip_json
+from . import LR_FIX_PREFIX, Edit, Settings, Skip, config_clip, key_diff, lr_fix_edit, skip_json
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..formats.base import Checkpoint
+    from ..replay.batches import BatchSource
+    from ..replay.model import LossNorm
 
 NAME = "hf"
 TITLE = "HF Trainer"
@@ -119,3 +130,79 @@ def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:
             "trainer.train(resume_from_checkpoint=...) takes the same",
         )
     ]
+
+
+# ----------------------------------------------------------------------------- the replay's hooks
+# Its TensorBoard / W&B / MLflow callbacks prefix "train/"; trainer_state.json has "loss",
+# "grad_norm", "learning_rate".
+LOG_NAMES = {
+    "loss": ("train/loss",),
+    "grad_norm": ("train/grad_norm",),
+    "lr": ("train/learning_rate", "learning_rate"),
+    "loss_scale": ("train/loss_scale",),
+}
+
+
+def batches(data: str, ck: Checkpoint, collator: str | None) -> list[BatchSource]:
+    """The Trainer's own sampler over `data` with the run's settings: one candidate per
+    collator the run may have used (`--collator`, else the usual ones in turn)."""
+    from ..replay.hfdata import trainer_batches
+
+    # The Trainer saves one RNG state per process.
+    world = len(list(Path(ck.path).glob("rng_state_*.pth"))) or 1
+    return trainer_batches(
+        data, ck.scalars.get("training_args"), ck.config, world, collator, ck.path
+    )
+
+
+def clip(ck: Checkpoint) -> tuple[float | None, str] | None:
+    return config_clip(ck, ("grad_clip", "max_grad_norm"))  # max_grad_norm, 0 = none
+
+
+def precision(ck: Checkpoint) -> tuple[str, str] | None:
+    """TrainingArguments `bf16` / `fp16`: autocast over fp32 weights."""
+    tc = ck.scalars.get("train_config") or {}
+    for flag in ("bf16", "fp16"):
+        if tc.get(flag) is True:
+            return flag, f"training_args.bin {flag}=True"
+    return None
+
+
+def loss_norm(model: nn.Module, ck: Checkpoint) -> LossNorm:
+    """What transformers' Trainer does with this model (`Trainer.__init__` /
+    `get_batch_samples` / `compute_loss`, 5.x)."""
+    import inspect
+
+    from ..replay.model import LossNorm
+
+    if hasattr(model, "accepts_loss_kwargs"):
+        accepts = bool(model.accepts_loss_kwargs)
+    else:
+        accepts = any(
+            p.kind is inspect.Parameter.VAR_KEYWORD
+            for p in inspect.signature(model.forward).parameters.values()
+        )
+    if not accepts:
+        return LossNorm(
+            "micro",
+            "HF Trainer: the model takes no loss kwargs, so each micro-batch's mean / gradient_accumulation_steps",
+        )
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:
+        return LossNorm(
+            "targets",
+            "HF Trainer num_items_in_batch (transformers not importable: assumed shifted)",
+        )
+    loss_type = getattr(model, "loss_type", None)
+    enc_dec = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    if LOSS_MAPPING.get(loss_type) is ForCausalLMLoss and not enc_dec:
+        return LossNorm(
+            "targets",
+            f"HF Trainer: sum / num_items_in_batch, counted over labels[..., 1:] (loss_type {loss_type!r})",
+        )
+    return LossNorm(
+        "labels",
+        f"HF Trainer: sum / num_items_in_batch, counted over every label != -100 before the shift (loss_type {loss_type!r}: "
+        "Trainer._loss_shifts_labels is False), so the logged loss is (T-1)/T of the mean",
+    )

@@ -5,16 +5,29 @@ LightningCLI saves those in `config.yaml` in the logger's version folder, which 
 it is there (its `trainer.*` keys). `trainer.fit(model, ckpt_path=...)` restores the optimizer
 (param groups with their LR) and the LR schedulers' state, so an LR changed in
 `configure_optimizers` does not reach a resumed run: the plan scales it in `on_train_start`.
+
+For a replay: the model is the `LightningModule` subclass LightningCLI names in
+`hyper_parameters` (`_class_path`, subclass mode; `_module_from_class_path` says what it
+imports and why); the batches come from a batch log or the flight recorder
+(the DataModule is the user's code).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..formats.base import Checkpoint
 from . import LR_FIX_PREFIX, Edit, Settings, Skip, key_diff, lr_fix_edit, skip_json, value_text
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..formats.base import Checkpoint
 
 NAME = "lightning"
 TITLE = "Lightning"
@@ -177,3 +190,128 @@ def skip(
 
 def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:
     return [Edit("ckpt_path", None, str(rollback), "trainer.fit(model, datamodule, ckpt_path=...)")]
+
+
+# ----------------------------------------------------------------------------- the replay's hooks
+# `train_loss` as its docs' self.log examples name it (`_step`: on_step=True with on_epoch);
+# the total of lightning.pytorch.utilities.grad_norm. Per-group LR: LearningRateMonitor's
+# "lr-AdamW/pg1" (logs.columns).
+LOG_NAMES = {
+    "loss": ("train_loss", "train/loss_step", "train_loss_step"),
+    "grad_norm": ("grad_2.0_norm_total",),
+}
+
+
+def model(ck: Checkpoint) -> tuple[nn.Module, str] | None:
+    """The LightningModule a LightningCLI checkpoint names (subclass mode)."""
+    from ..replay.model import ModelSpecError
+
+    cfg = ck.config
+    if not cfg:
+        return None
+    if "_class_path" in cfg:
+        return _module_from_class_path(ck)
+    if "_instantiator" in cfg and "model_type" not in cfg:
+        # LightningCLI(MyModule) records no class path: only subclass mode (`--model a.B`) does.
+        raise ModelSpecError(
+            f"{ck.path}: LightningCLI wrote these hyper_parameters with a fixed model class, so they name no "
+            "class (`_class_path` is recorded in subclass mode only); pass --model module:MyModule"
+        )
+    return None
+
+
+# A class path as LightningCLI records it: jsonargparse's import path, `package.module.Class`.
+_CLASS_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+# What LightningCLI's `_InstantiatorFn` adds beside the module's own `__init__` arguments.
+_LIGHTNING_CLI_KEYS = ("_class_path", "_instantiator")
+
+
+def _module_from_class_path(ckpt: Checkpoint) -> tuple[nn.Module, str]:
+    """The LightningModule a LightningCLI checkpoint names in `hyper_parameters["_class_path"]`,
+    called with the hyper-parameters its `__init__` accepts.
+
+    A checkpoint is untrusted input, and the class path only selects code already installed
+    here: a dotted name whose top-level module `find_spec` finds (never the standard library,
+    where no LightningModule lives) is imported, and the attribute is called only if it is a
+    class deriving from lightning's `LightningModule` (`lightning.pytorch` or
+    `pytorch_lightning`). Nothing is unpickled; `_instantiator` is never called.
+    (Lightning's own `load_from_checkpoint` goes further and imports nothing; a command
+    line tool has nothing imported, so it must import the module the path names.)
+
+    Returns:
+        (module, its description for `replay.config`).
+
+    Raises:
+        ModelSpecError: one line naming the class path, why it is refused, and `--model`.
+    """
+    from ..replay.model import ModelSpecError, call_factory
+
+    cfg = ckpt.config or {}
+    path = cfg.get("_class_path")
+    where = f"{ckpt.path}: hyper_parameters class path {path!r}"
+    if not isinstance(path, str) or not _CLASS_PATH.fullmatch(path):
+        raise ModelSpecError(f"{where} is not a dotted Python name; pass --model module:factory")
+    mod_name, _, cls_name = path.rpartition(".")
+    top = mod_name.split(".")[0]
+    if top == "__main__":
+        raise ModelSpecError(
+            f"{where} is a class of the training script itself (__main__); pass --model path/to/script.py:{cls_name}"
+        )
+    bases = _lightning_module_classes()
+    if not bases:
+        raise ModelSpecError(
+            f"{where}: building a LightningModule needs lightning installed (pip install lightning), or pass --model module:factory"
+        )
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
+        raise ModelSpecError(
+            f"{where} is not a LightningModule (standard library); refused, pass --model module:factory"
+        )
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ModelSpecError(
+            f"{where}: module {top!r} is not importable here (install it or put it on PYTHONPATH), or pass --model module:factory"
+        )
+    try:
+        module = importlib.import_module(mod_name)
+    except (
+        Exception
+    ) as e:  # the named module exists but fails to import: bad input, said in one line
+        raise ModelSpecError(
+            f"{where}: import failed ({type(e).__name__}: {e}); pass --model module:factory"
+        ) from None
+    cls = getattr(module, cls_name, None)
+    # Checked before anything is called: only a LightningModule subclass is ever instantiated.
+    if not (isinstance(cls, type) and issubclass(cls, bases)):
+        kind = (
+            "a class" if isinstance(cls, type) else "missing" if cls is None else type(cls).__name__
+        )
+        raise ModelSpecError(
+            f"{where} is not a LightningModule subclass ({kind}); refused, pass --model module:factory"
+        )
+    args = {k: v for k, v in cfg.items() if k not in _LIGHTNING_CLI_KEYS}
+    return call_factory(
+        cls,
+        path,
+        args,
+        what=where,
+        source="(class and arguments from the checkpoint's hyper_parameters class path, LightningCLI)",
+    )
+
+
+def _lightning_module_classes() -> tuple[type, ...]:
+    """`LightningModule` of each lightning flavour installed (lightning 2.x, pytorch_lightning)."""
+    found = []
+    for top, mod in (
+        ("lightning", "lightning.pytorch"),
+        ("pytorch_lightning", "pytorch_lightning"),
+    ):
+        try:
+            if importlib.util.find_spec(top) is None:
+                continue
+            found.append(importlib.import_module(mod).LightningModule)
+        except Exception:  # a broken install is as good as none: the message says to install it
+            continue
+    return tuple(found)

@@ -1,15 +1,23 @@
 """A plain training loop (torch.save / safetensors files, LitGPT, a user's own loop): no config
 to diff, so each change is the line of PyTorch the loop needs, and a skip is `skip.json`.
+
+For a replay: a LitGPT run's model is `litgpt.GPT` from its `model_config.yaml` (litgpt
+installed); any other loop's is `--model`, or transformers' from a `config.json`. Its batches
+come from a batch log or the flight recorder.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..formats.base import Checkpoint
 from . import LR_FIX_PREFIX, Edit, Settings, Skip, lr_fix_edit, skip_json
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..formats.base import Checkpoint
 
 NAME = "loop"
 TITLE = "training loop"
@@ -94,3 +102,24 @@ def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:
             "load the optimizer state too: a fresh AdamW restarts its moments and bias correction",
         )
     ]
+
+
+# ----------------------------------------------------------------------------- the replay's hooks
+def model(ck: Checkpoint) -> tuple[nn.Module, str] | None:
+    """LitGPT: `litgpt.GPT` from `model_config.yaml` (the Config's fields it knows)."""
+    if ck.format != "litgpt" or not ck.config:
+        return None
+    from ..replay.model import ModelSpecError
+
+    try:
+        from litgpt import GPT, Config  # type: ignore[import-not-found]
+    except ImportError:
+        raise ModelSpecError(
+            f"{ck.path}: building a LitGPT model needs litgpt (pip install litgpt), or pass --model module:factory"
+        ) from None
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(Config)}
+    return GPT(
+        Config(**{k: v for k, v in ck.config.items() if k in known})
+    ), "litgpt.GPT from model_config.yaml"

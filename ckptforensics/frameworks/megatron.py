@@ -7,16 +7,26 @@ them over the command line unless `--override-opt_param-scheduler` is given
 takes iteration counts as the training loop checks them, before the step runs
 (`if iteration in args.iterations_to_skip`, megatron/training/training.py): the batch the log
 prints as iteration S is skipped by S - 1.
+
+For a replay: the model is the reference Megatron GPT built from the `args`
+(`replay/reference.py`), `--data` is the run's indexed dataset read as its GPTDataset does
+(`replay/megatron_data.py`), and `--bf16` is followed as Megatron's precision policy runs it
+(bf16 weights computed on, each micro-batch's bf16 gradient summed in fp32).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..formats.base import Checkpoint
-from . import LR_FIX_PREFIX, Edit, Settings, Skip, key_diff, lr_fix_edit
+from . import LR_FIX_PREFIX, Edit, Settings, Skip, config_clip, key_diff, lr_fix_edit
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..formats.base import Checkpoint
+    from ..replay.batches import BatchSource
 
 NAME = "megatron"
 TITLE = "Megatron-LM"
@@ -127,3 +137,112 @@ def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:
                 Edit(k, True, False, "it drops the optimizer state or the iteration count on load")
             )
     return out
+
+
+# ----------------------------------------------------------------------------- the replay's hooks
+# training_log()'s TensorBoard / W&B tags and the same names in its printed line
+# (megatron/training/training.py); its LR is read by logs.readers.megatron_lr (one step later).
+LOG_NAMES = {
+    "loss": ("lm loss",),
+    "grad_norm": ("grad-norm", "grad norm"),
+    "loss_scale": ("loss-scale", "loss scale"),
+    "skipped": ("number of skipped iterations", "skipped-iterations"),
+    "nan_iterations": ("number of nan iterations",),
+}
+
+
+def model(ck: Checkpoint) -> tuple[nn.Module, str] | None:
+    """The reference Megatron GPT (megatron-core's GPTModel forward) from the `args`."""
+    from ..replay import reference
+    from ..replay.model import ModelSpecError
+
+    if not reference.is_megatron_args(ck.config):
+        return None
+    try:
+        return reference.megatron_gpt(ck.config, ck.names())
+    except reference.ReferenceError as e:
+        raise ModelSpecError(f"{ck.path}: {e}; pass --model module:factory") from None
+
+
+def batches(data: str, ck: Checkpoint, collator: str | None) -> list[BatchSource]:
+    """Iteration `it`'s global batch: the GPTDataset's samples `it x global_batch_size` on."""
+    from ..replay.megatron_data import megatron_batches
+
+    return [megatron_batches(data, ck.config, Path(ck.path).parent)]
+
+
+def clip(ck: Checkpoint) -> tuple[float | None, str] | None:
+    return config_clip(ck, ("grad_clip",))  # `--clip-grad`, as formats/megatron reads it
+
+
+def precision(ck: Checkpoint) -> tuple[str, str] | None:
+    """`--bf16`: bf16 parameters on fp32 main params; `--fp16`: a loss-scaled fp16 run."""
+    tc = ck.scalars.get("train_config") or {}
+    if not tc.get("megatron"):
+        return None
+    if tc.get("bf16") is True:
+        return "bf16-params", _bf16_source(tc, bool(ck.scalars.get("fp32_masters")))
+    if tc.get("fp16") is True:
+        return "fp16", "Megatron args fp16"
+    return None
+
+
+def fp32_micro_batches(ck: Checkpoint) -> int | None:
+    """Megatron `--bf16` with `accumulate_allreduce_grads_in_fp32` (validate_args' default
+    for bf16) backpropagates each micro-batch of `micro_batch_size` rows on its own and adds
+    its bf16 gradient into the fp32 `main_grad` buffer (DDP's backward hook), so the step's
+    gradient is a sum of roundings, not the rounding of one backward over the global batch."""
+    tc = ck.scalars.get("train_config") or {}
+    policy = tc.get("megatron_precision") or {}
+    mbs = tc.get("micro_batch_size")
+    if (
+        not tc.get("megatron")
+        or policy.get("bf16") is not True
+        or policy.get("accumulate_allreduce_grads_in_fp32") is not True
+    ):
+        return None
+    return mbs if isinstance(mbs, int) and mbs > 0 else None
+
+
+def _bf16_source(tc: dict[str, Any], masters: bool) -> str:
+    """The source of a `--bf16` run's precision: the args that set its policy, and any part
+    of it the replay does not follow (it follows bf16 weights computed on, each micro-batch's
+    gradient summed in fp32, an fp32 optimizer stepping fp32 main params)."""
+    policy = tc.get("megatron_precision") or {}
+    said = ["bf16=True (bf16 params, the fp32 main params' rounding after each step)"]
+    said += [f"{k}={policy[k]}" for k in ("main_params_dtype", "main_grads_dtype") if k in policy]
+    if policy.get("accumulate_allreduce_grads_in_fp32") is True:
+        mbs = tc.get("micro_batch_size")
+        per = (
+            f"each micro-batch of micro_batch_size={mbs} rows"
+            if isinstance(mbs, int)
+            else "each micro-batch"
+        )
+        said.append(
+            f"accumulate_allreduce_grads_in_fp32=True ({per} backpropagated in bf16, its gradient summed in fp32)"
+        )
+    if "use_distributed_optimizer" in policy:
+        said.append(f"use_distributed_optimizer={policy['use_distributed_optimizer']}")
+    off = []
+    if policy.get("accumulate_allreduce_grads_in_fp32") is False or policy.get(
+        "grad_reduce_in_bf16"
+    ):
+        off.append(
+            "gradients accumulated in bf16 (the replay takes one bf16 gradient of the whole batch, in fp32)"
+        )
+    if policy.get("main_params_dtype") not in (None, "torch.float32"):
+        off.append(f"main params in {policy['main_params_dtype']}")
+    off += [
+        f"{k}={policy[k]}"
+        for k in ("exp_avg_dtype", "exp_avg_sq_dtype")
+        if policy.get(k) not in (None, "torch.float32")
+    ]
+    if policy.get("fp8"):
+        off.append(f"fp8={policy['fp8']}")
+    text = "Megatron args " + ", ".join(said)
+    text += (
+        "; the weights read (and replayed from) are the optimizer's fp32 main params"
+        if masters
+        else "; the checkpoint's fp32 main params were not read: the weights are its bf16 ones"
+    )
+    return text + (f"; not modelled: {', '.join(off)}" if off else "")

@@ -4,16 +4,22 @@
 train.py resumes from `out_dir/ckpt.pt` only (`init_from = 'resume'`), restoring the model,
 the optimizer and `iter_num`; its `get_lr(iter_num)` recomputes the LR from the config every
 step, so a new `learning_rate` takes effect at once.
+
+For a replay its config says the clip (`grad_clip`) and the precision (`dtype`: autocast, with
+a GradScaler for float16); the model comes from `--model` (called with `model_args`), the
+batches from a batch log or the flight recorder (`get_batch` draws random offsets).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..formats.base import Checkpoint
-from . import LR_FIX_PREFIX, Edit, Settings, Skip, key_diff, lr_fix_edit, skip_json
+from . import LR_FIX_PREFIX, Edit, Settings, Skip, config_clip, key_diff, lr_fix_edit, skip_json
+
+if TYPE_CHECKING:
+    from ..formats.base import Checkpoint
 
 NAME = "nanogpt"
 TITLE = "nanoGPT train.py"
@@ -89,3 +95,15 @@ def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:
             f"train.py reads out_dir/ckpt.pt: copy {rollback.name} there first",
         ),
     ]
+
+
+# ----------------------------------------------------------------------------- the replay's hooks
+def clip(ck: Checkpoint) -> tuple[float | None, str] | None:
+    return config_clip(ck, ("grad_clip",))
+
+
+def precision(ck: Checkpoint) -> tuple[str, str] | None:
+    """`dtype`: torch.amp.autocast(dtype=...), and a GradScaler for float16."""
+    dtype = (ck.scalars.get("train_config") or {}).get("dtype")
+    name = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}.get(dtype)
+    return (name, f"checkpoint config dtype={dtype!r}") if name else None

@@ -5,6 +5,11 @@
 `train/` state (data loader position included). The scheduler sets each group's LR from the
 group's `initial_lr`, a field the optimizer config keeps fixed (`fixed_fields`), which the
 checkpoint's optimizer state restores: check the LR the resumed run logs (`recovery` does).
+
+For a replay: the model is the reference OLMo-core `Transformer` built from `config.json`'s
+model section (`replay/reference.py`), and `--data` rebuilds a NumpyFSLDataset's batches from
+the seed and the data loader's state (`replay/olmo_data.py`). Its SkipStepAdamW is followed
+by `replay/skipstep.py` (from the optimizer config the format reader keeps).
 """
 
 from __future__ import annotations
@@ -12,10 +17,25 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..formats.base import Checkpoint
-from . import LR_FIX_PREFIX, Edit, Settings, Skip, flatten, key_diff, lr_fix_edit, skip_json
+from . import (
+    LR_FIX_PREFIX,
+    Edit,
+    Settings,
+    Skip,
+    config_clip,
+    flatten,
+    key_diff,
+    lr_fix_edit,
+    skip_json,
+)
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..formats.base import Checkpoint
+    from ..replay.batches import BatchSource
 
 NAME = "olmo_core"
 TITLE = "OLMo-core"
@@ -112,3 +132,32 @@ def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:
         Edit("trainer.load_path", s.values.get("trainer.load_path"), str(rollback)),
         Edit("trainer.load_strategy", s.values.get("trainer.load_strategy"), "always"),
     ]
+
+
+# ----------------------------------------------------------------------------- the replay's hooks
+# MetricSaverCallback / its trainer's metric names (per group LR: logs.columns' "optim/LR (group N)").
+LOG_NAMES = {"loss": ("train/CE loss",), "grad_norm": ("optim/total grad norm",)}
+
+
+def model(ck: Checkpoint) -> tuple[nn.Module, str] | None:
+    """The reference OLMo-core 3.0 `Transformer` from config.json's model section."""
+    from ..replay import reference
+    from ..replay.model import ModelSpecError
+
+    if not reference.is_olmo_model_config(ck.config):
+        return None
+    try:
+        return reference.olmo_transformer(ck.config)
+    except reference.ReferenceError as e:
+        raise ModelSpecError(f"{ck.path}: {e}; pass --model module:factory") from None
+
+
+def batches(data: str, ck: Checkpoint, collator: str | None) -> list[BatchSource] | None:
+    """The epoch's order from the seed and `train/rank0.pt`, as its data loader shuffled."""
+    from ..replay.olmo_data import is_olmo_checkpoint, olmo_batches
+
+    return [olmo_batches(data, ck.path)] if is_olmo_checkpoint(ck.path) else None
+
+
+def clip(ck: Checkpoint) -> tuple[float | None, str] | None:
+    return config_clip(ck, ("grad_clip",))  # train_module.max_grad_norm, as formats/dcp reads it

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..formats.base import Checkpoint
 from . import LR_FIX_PREFIX, Edit, Settings, Skip, flatten, key_diff, lr_fix_edit, skip_json
+
+if TYPE_CHECKING:
+    from ..formats.base import Checkpoint
 
 NAME = "torchtitan"
 TITLE = "torchtitan"
@@ -112,3 +114,10 @@ def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:
             )
         )
     return out
+
+
+# ----------------------------------------------------------------------------- the replay's hooks
+# MetricsProcessor's names ("grad_norm" and "lr" are ours already). Its FSDP2 policy
+# (`[training] mixed_precision_param`) is read by formats/dcp as the `mixed_precision` scalar,
+# which replay/precision follows for any run that records one.
+LOG_NAMES = {"loss": ("loss_metrics/global_avg_loss",)}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from ..frameworks import log_aliases
+
 __all__ = [
     "ALIASES",
     "canonical",
@@ -14,45 +16,14 @@ __all__ = [
     "IGNORED_TAG_SUFFIXES",
 ]
 
-# Our name -> the names trainers log it under, first match wins. Where each comes from:
-# - OLMo-core: MetricSaverCallback / its trainer's metric names ("train/CE loss",
-#   "optim/total grad norm", "optim/LR (group N)").
-# - Megatron-LM: training_log()'s TensorBoard / W&B tags ("lm loss", "grad-norm",
-#   "learning-rate", "loss-scale", "num-zeros"; megatron/training/training.py) and the same
-#   names in its printed line ("lm loss", "grad norm", "learning rate", "loss scale",
-#   "number of skipped iterations", "number of nan iterations").
-# - HF Trainer: its TensorBoard/W&B/MLflow callbacks prefix "train/" ("train/loss",
-#   "train/grad_norm", "train/learning_rate"); trainer_state.json has "loss",
-#   "grad_norm", "learning_rate".
-# - torchtitan: MetricsProcessor's "loss_metrics/global_avg_loss", "grad_norm", "lr".
-# - Lightning: `train_loss` as its docs' self.log examples name it; the total of
-#   lightning.pytorch.utilities.grad_norm ("grad_2.0_norm_total").
-# - nanoGPT-style loops and the flight recorder: "loss", "grad_norm", "lr".
-ALIASES: dict[str, tuple[str, ...]] = {
-    "loss": (
-        "train/CE loss",
-        "lm loss",
-        "train/loss",
-        "loss_metrics/global_avg_loss",
-        "train_loss",
-        "train/loss_step",
-        "train_loss_step",
-    ),
-    "grad_norm": (
-        "optim/total grad norm",
-        "grad-norm",
-        "grad norm",
-        "train/grad_norm",
-        "grad_2.0_norm_total",
-    ),
-    "lr": (
-        "train/learning_rate",
-        "learning_rate",
-    ),  # Megatron's: readers.megatron_lr (one step later)
-    "loss_scale": ("loss-scale", "loss scale", "train/loss_scale"),
-    "skipped": ("number of skipped iterations", "skipped-iterations"),
-    "nan_iterations": ("number of nan iterations",),
-}
+# Our name -> the names trainers log it under, first match wins: each trainer's `LOG_NAMES`
+# (frameworks/: OLMo-core's, Megatron-LM's TensorBoard tags and printed line, the HF
+# Trainer's callbacks and trainer_state.json, torchtitan's MetricsProcessor, Lightning's
+# self.log names), merged in `frameworks.LOG_ORDER`. nanoGPT-style loops and the flight
+# recorder log our names ("loss", "grad_norm", "lr") as they are. Megatron's LR:
+# readers.megatron_lr (one step later).
+OURS = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "nan_iterations")
+ALIASES: dict[str, tuple[str, ...]] = log_aliases(OURS)
 # Megatron-LM writes each of its curves a second time against consumed samples (and
 # Megatron-DeepSpeed against tokens): another x axis, not steps.
 IGNORED_TAG_SUFFIXES = (" vs samples", " vs tokens", " vs steps")

@@ -1,4 +1,10 @@
-"""Rebuild the model and its optimizer from a checkpoint, exactly as the trainer left them."""
+"""Rebuild the model and its optimizer from a checkpoint, exactly as the trainer left them.
+
+The model a run's recorded config describes is its framework's (`model` hook, frameworks/);
+transformers from a `config.json` and a `--model` factory are built here for every run.
+Over 400 lines: the weights and the optimizer state are read into one model with one name
+map (`load_weights`, then `build_optimizer` by the same names and shards); replay/session.py
+takes both from here."""
 
 from __future__ import annotations
 
@@ -19,11 +25,12 @@ from torch import nn
 
 from ..errors import ForensicsError, IncompatibleCheckpoints
 from ..formats.base import Checkpoint
+from ..frameworks import hook
 
 __all__ = [
     "load_callable",
     "build_model",
-    "lightning_module_from_class_path",
+    "call_factory",
     "load_weights",
     "build_optimizer",
     "OptimizerChain",
@@ -86,7 +93,7 @@ def _factory_kwargs(
 
     Returns:
         (kwargs, open): `open` is True when the factory takes **kwargs, so whatever it
-        passes on may still refuse a key (then dropped and said; see `_call_factory`).
+        passes on may still refuse a key (then dropped and said; see `call_factory`).
     """
     if not config:
         return {}, False
@@ -118,7 +125,7 @@ def _class_spec(v: Any) -> bool:
 _UNEXPECTED = re.compile(r"unexpected keyword argument '(\w+)'")
 
 
-def _call_factory(
+def call_factory(
     fn: Callable[..., Any],
     spec: str,
     config: dict[str, Any] | None,
@@ -168,7 +175,7 @@ def build_model(spec: str | None, ckpt: Checkpoint) -> tuple[nn.Module, str]:
     """The model named by `spec`, or, when spec is None, by the config the run recorded:
     HF config.json (transformers), Megatron `args` or OLMo-core config.json (reference
     models, `replay.reference`), LitGPT model_config.yaml (litgpt), the LightningModule
-    class path LightningCLI records in `hyper_parameters` (`lightning_module_from_class_path`).
+    class path LightningCLI records in `hyper_parameters` (frameworks/lightning).
 
     A factory receives the checkpoint's model config (nanoGPT `model_args`, Lightning
     hyper-parameters) as the keyword arguments its signature accepts.
@@ -187,144 +194,18 @@ def build_model(spec: str | None, ckpt: Checkpoint) -> tuple[nn.Module, str]:
     ):
         return _hf_model(spec, ckpt), f"transformers from {'config.json' if spec is None else spec}"
     fn = load_callable(spec, "--model")
-    model, desc = _call_factory(fn, spec, ckpt.config)
+    model, desc = call_factory(fn, spec, ckpt.config)
     if not isinstance(model, nn.Module):
         raise ModelSpecError(f"--model {spec!r}: returned {type(model).__name__}, not an nn.Module")
     return model, desc
 
 
 def _from_recorded_config(ckpt: Checkpoint) -> tuple[nn.Module, str] | None:
-    """A model from what a non-HF run recorded: Megatron `args`, OLMo-core's config.json,
-    LitGPT's model_config.yaml (with litgpt installed), a LightningCLI class path (with
-    lightning installed). None when none of them applies."""
-    from . import reference
-
-    cfg = ckpt.config
-    try:
-        if reference.is_megatron_args(cfg):
-            return reference.megatron_gpt(cfg, ckpt.names())
-        if reference.is_olmo_model_config(cfg):
-            return reference.olmo_transformer(cfg)
-    except reference.ReferenceError as e:
-        raise ModelSpecError(f"{ckpt.path}: {e}; pass --model module:factory") from None
-    if ckpt.format == "litgpt" and cfg:
-        try:
-            from litgpt import GPT, Config  # type: ignore[import-not-found]
-        except ImportError:
-            raise ModelSpecError(
-                f"{ckpt.path}: building a LitGPT model needs litgpt (pip install litgpt), or pass --model module:factory"
-            ) from None
-        import dataclasses
-
-        known = {f.name for f in dataclasses.fields(Config)}
-        return GPT(
-            Config(**{k: v for k, v in cfg.items() if k in known})
-        ), "litgpt.GPT from model_config.yaml"
-    if ckpt.format == "lightning" and cfg:
-        if "_class_path" in cfg:
-            return lightning_module_from_class_path(ckpt)
-        if "_instantiator" in cfg and "model_type" not in cfg:
-            # LightningCLI(MyModule) records no class path: only subclass mode (`--model a.B`) does.
-            raise ModelSpecError(
-                f"{ckpt.path}: LightningCLI wrote these hyper_parameters with a fixed model class, so they name no "
-                "class (`_class_path` is recorded in subclass mode only); pass --model module:MyModule"
-            )
-    return None
-
-
-# A class path as LightningCLI records it: jsonargparse's import path, `package.module.Class`.
-_CLASS_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
-# What LightningCLI's `_InstantiatorFn` adds beside the module's own `__init__` arguments.
-_LIGHTNING_CLI_KEYS = ("_class_path", "_instantiator")
-
-
-def lightning_module_from_class_path(ckpt: Checkpoint) -> tuple[nn.Module, str]:
-    """The LightningModule a LightningCLI checkpoint names in `hyper_parameters["_class_path"]`,
-    called with the hyper-parameters its `__init__` accepts.
-
-    A checkpoint is untrusted input, and the class path only selects code already installed
-    here: a dotted name whose top-level module `find_spec` finds (never the standard library,
-    where no LightningModule lives) is imported, and the attribute is called only if it is a
-    class deriving from lightning's `LightningModule` (`lightning.pytorch` or
-    `pytorch_lightning`). Nothing is unpickled; `_instantiator` is never called.
-    (Lightning's own `load_from_checkpoint` goes further and imports nothing; a command
-    line tool has nothing imported, so it must import the module the path names.)
-
-    Returns:
-        (module, its description for `replay.config`).
-
-    Raises:
-        ModelSpecError: one line naming the class path, why it is refused, and `--model`.
-    """
-    cfg = ckpt.config or {}
-    path = cfg.get("_class_path")
-    where = f"{ckpt.path}: hyper_parameters class path {path!r}"
-    if not isinstance(path, str) or not _CLASS_PATH.fullmatch(path):
-        raise ModelSpecError(f"{where} is not a dotted Python name; pass --model module:factory")
-    mod_name, _, cls_name = path.rpartition(".")
-    top = mod_name.split(".")[0]
-    if top == "__main__":
-        raise ModelSpecError(
-            f"{where} is a class of the training script itself (__main__); pass --model path/to/script.py:{cls_name}"
-        )
-    bases = _lightning_module_classes()
-    if not bases:
-        raise ModelSpecError(
-            f"{where}: building a LightningModule needs lightning installed (pip install lightning), or pass --model module:factory"
-        )
-    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
-        raise ModelSpecError(
-            f"{where} is not a LightningModule (standard library); refused, pass --model module:factory"
-        )
-    try:
-        found = importlib.util.find_spec(top) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        raise ModelSpecError(
-            f"{where}: module {top!r} is not importable here (install it or put it on PYTHONPATH), or pass --model module:factory"
-        )
-    try:
-        module = importlib.import_module(mod_name)
-    except (
-        Exception
-    ) as e:  # the named module exists but fails to import: bad input, said in one line
-        raise ModelSpecError(
-            f"{where}: import failed ({type(e).__name__}: {e}); pass --model module:factory"
-        ) from None
-    cls = getattr(module, cls_name, None)
-    # Checked before anything is called: only a LightningModule subclass is ever instantiated.
-    if not (isinstance(cls, type) and issubclass(cls, bases)):
-        kind = (
-            "a class" if isinstance(cls, type) else "missing" if cls is None else type(cls).__name__
-        )
-        raise ModelSpecError(
-            f"{where} is not a LightningModule subclass ({kind}); refused, pass --model module:factory"
-        )
-    args = {k: v for k, v in cfg.items() if k not in _LIGHTNING_CLI_KEYS}
-    return _call_factory(
-        cls,
-        path,
-        args,
-        what=where,
-        source="(class and arguments from the checkpoint's hyper_parameters class path, LightningCLI)",
-    )
-
-
-def _lightning_module_classes() -> tuple[type, ...]:
-    """`LightningModule` of each lightning flavour installed (lightning 2.x, pytorch_lightning)."""
-    found = []
-    for top, mod in (
-        ("lightning", "lightning.pytorch"),
-        ("pytorch_lightning", "pytorch_lightning"),
-    ):
-        try:
-            if importlib.util.find_spec(top) is None:
-                continue
-            found.append(importlib.import_module(mod).LightningModule)
-        except Exception:  # a broken install is as good as none: the message says to install it
-            continue
-    return tuple(found)
+    """A model from what the run recorded, by the `model` hook of the framework that wrote
+    it (frameworks/: Megatron `args`, OLMo-core's config.json, LitGPT's model_config.yaml, a
+    LightningCLI class path). None when it has none or it does not apply."""
+    fn = hook(ckpt, "model")
+    return fn(ckpt) if fn is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,41 +223,11 @@ class LossNorm:
 
 
 def trainer_loss_norm(model: nn.Module, ckpt: Checkpoint) -> LossNorm:
-    """The loss normalisation the run's trainer used, from what transformers' Trainer does
-    with this model (`Trainer.__init__` / `get_batch_samples` / `compute_loss`, 5.x)."""
-    if ckpt.format != "hf-trainer":
-        return LossNorm("targets", "mean over the step's target tokens")
-    if hasattr(model, "accepts_loss_kwargs"):
-        accepts = bool(model.accepts_loss_kwargs)
-    else:
-        accepts = any(
-            p.kind is inspect.Parameter.VAR_KEYWORD
-            for p in inspect.signature(model.forward).parameters.values()
-        )
-    if not accepts:
-        return LossNorm(
-            "micro",
-            "HF Trainer: the model takes no loss kwargs, so each micro-batch's mean / gradient_accumulation_steps",
-        )
-    try:
-        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-    except ImportError:
-        return LossNorm(
-            "targets",
-            "HF Trainer num_items_in_batch (transformers not importable: assumed shifted)",
-        )
-    loss_type = getattr(model, "loss_type", None)
-    enc_dec = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
-    if LOSS_MAPPING.get(loss_type) is ForCausalLMLoss and not enc_dec:
-        return LossNorm(
-            "targets",
-            f"HF Trainer: sum / num_items_in_batch, counted over labels[..., 1:] (loss_type {loss_type!r})",
-        )
-    return LossNorm(
-        "labels",
-        f"HF Trainer: sum / num_items_in_batch, counted over every label != -100 before the shift (loss_type {loss_type!r}: "
-        "Trainer._loss_shifts_labels is False), so the logged loss is (T-1)/T of the mean",
-    )
+    """The loss normalisation the run's trainer used: the `loss_norm` hook of the framework
+    that wrote `ckpt` (frameworks/hf: the HF Trainer's), else the mean over target tokens."""
+    fn = hook(ckpt, "loss_norm")
+    found = fn(model, ckpt) if fn is not None else None
+    return found or LossNorm("targets", "mean over the step's target tokens")
 
 
 def _hf_model(spec: str | None, ckpt: Checkpoint) -> nn.Module:

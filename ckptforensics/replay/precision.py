@@ -31,6 +31,10 @@ bias correction and drops a whole update). Where the scale comes from, in order:
 Where the run logs which steps it skipped (the flight recorder's `skipped`), an overflow on a
 step the run applied backs the scale off and redoes the step; no overflow on a step the run
 skipped doubles it and redoes the step.
+
+Over 400 lines: the modes and the loss scale are one policy (an fp16 run's scale is chosen by
+replaying under the mode), kept together so the search and what it assumes read as one. What
+a trainer's config says of its precision is its framework's `precision` hook (frameworks/).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..formats.base import Checkpoint
+from ..frameworks import hook
 
 if TYPE_CHECKING:
     from .window import Plan
@@ -90,10 +95,10 @@ def candidates(ckpt: Checkpoint, requested: str = "auto") -> list[tuple[str, str
     does not, for a check against the log (the first replayed step's loss) to pick from.
 
     `--precision` wins; then a loss scaler's state (fp16); then what the run's own config
-    records: HF `TrainingArguments` `fp16`/`bf16` (autocast), nanoGPT's `dtype`, DeepSpeed's
-    `ds_config` `bf16.enabled` / `fp16.enabled`, Megatron's `bf16` / `fp16` args, a
-    torchtitan job config's `training.mixed_precision_param`, a recorded FSDP2 policy;
-    then the weights' dtypes (bf16 weights with fp32 copies in the optimizer are bf16
+    records: a recorded FSDP2 policy (a torchtitan job config's
+    `training.mixed_precision_param`), else its framework's `precision` hook (HF
+    `TrainingArguments` `fp16`/`bf16` (autocast), nanoGPT's `dtype`, DeepSpeed's `ds_config`
+    `bf16.enabled` / `fp16.enabled`, Megatron's `bf16` / `fp16` args); then the weights' dtypes (bf16 weights with fp32 copies in the optimizer are bf16
     parameters on fp32 masters; bf16 weights alone, bf16 compute).
     """
     if requested != "auto":
@@ -126,15 +131,10 @@ def _static_scale(ckpt: Checkpoint) -> bool:
     return bool(tc.get("bf16")) and not tc.get("fp16")
 
 
-def _flag(v: Any) -> bool:
-    """A config's flag: True, or a DeepSpeed section `{"enabled": true}`."""
-    if isinstance(v, dict):
-        return v.get("enabled") is True or str(v.get("enabled")).lower() == "true"
-    return v is True
-
-
 def _stated(ckpt: Checkpoint) -> tuple[str, str] | None:
-    """The precision the run's own config states, with the key it is read from."""
+    """The precision the run's own config states, with the key it is read from: a recorded
+    FSDP2 policy (any run's), else the `precision` hook of the framework that wrote it
+    (frameworks/: DeepSpeed's ds_config, Megatron's args, HF TrainingArguments, nanoGPT's dtype)."""
     tc = ckpt.scalars.get("train_config") or {}
     mp = ckpt.scalars.get("mixed_precision") or {}
     param = str(mp.get("param_dtype") or tc.get("mixed_precision_param") or "")
@@ -144,72 +144,8 @@ def _stated(ckpt: Checkpoint) -> tuple[str, str] | None:
         )
     if param in ("float32", "torch.float32", "fp32") and mp:
         return "fp32", str(mp.get("source"))
-    ds = tc.get("ds_config") if isinstance(tc.get("ds_config"), dict) else None
-    if ds is not None:
-        if _flag(ds.get("bf16")) or _flag(ds.get("bfloat16")):
-            return (
-                "bf16-params",
-                "ds_config bf16.enabled (bf16 weights, fp32 partitions in the optimizer)",
-            )
-        if _flag(ds.get("fp16")):
-            return "fp16", "ds_config fp16.enabled"
-    if tc.get("megatron"):
-        if tc.get("bf16") is True:
-            return "bf16-params", _megatron_bf16(tc, bool(ckpt.scalars.get("fp32_masters")))
-        if tc.get("fp16") is True:
-            return "fp16", "Megatron args fp16"
-    for flag in ("bf16", "fp16"):  # HF TrainingArguments (autocast over fp32 weights)
-        if tc.get(flag) is True:
-            return flag, f"training_args.bin {flag}=True"
-    dtype = tc.get("dtype")  # nanoGPT: torch.amp.autocast(dtype=...) and a GradScaler for float16
-    if dtype in ("float16", "bfloat16", "float32"):
-        name = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dtype]
-        return name, f"checkpoint config dtype={dtype!r}"
-    return None
-
-
-def _megatron_bf16(tc: dict[str, Any], masters: bool) -> str:
-    """The source of a Megatron `--bf16` run's precision: the args that set its policy, and
-    any part of it the replay does not follow (it follows bf16 weights computed on, each
-    micro-batch's gradient summed in fp32, an fp32 optimizer stepping fp32 main params)."""
-    policy = tc.get("megatron_precision") or {}
-    said = ["bf16=True (bf16 params, the fp32 main params' rounding after each step)"]
-    said += [f"{k}={policy[k]}" for k in ("main_params_dtype", "main_grads_dtype") if k in policy]
-    if policy.get("accumulate_allreduce_grads_in_fp32") is True:
-        mbs = tc.get("micro_batch_size")
-        per = (
-            f"each micro-batch of micro_batch_size={mbs} rows"
-            if isinstance(mbs, int)
-            else "each micro-batch"
-        )
-        said.append(
-            f"accumulate_allreduce_grads_in_fp32=True ({per} backpropagated in bf16, its gradient summed in fp32)"
-        )
-    if "use_distributed_optimizer" in policy:
-        said.append(f"use_distributed_optimizer={policy['use_distributed_optimizer']}")
-    off = []
-    if policy.get("accumulate_allreduce_grads_in_fp32") is False or policy.get(
-        "grad_reduce_in_bf16"
-    ):
-        off.append(
-            "gradients accumulated in bf16 (the replay takes one bf16 gradient of the whole batch, in fp32)"
-        )
-    if policy.get("main_params_dtype") not in (None, "torch.float32"):
-        off.append(f"main params in {policy['main_params_dtype']}")
-    off += [
-        f"{k}={policy[k]}"
-        for k in ("exp_avg_dtype", "exp_avg_sq_dtype")
-        if policy.get(k) not in (None, "torch.float32")
-    ]
-    if policy.get("fp8"):
-        off.append(f"fp8={policy['fp8']}")
-    text = "Megatron args " + ", ".join(said)
-    text += (
-        "; the weights read (and replayed from) are the optimizer's fp32 main params"
-        if masters
-        else "; the checkpoint's fp32 main params were not read: the weights are its bf16 ones"
-    )
-    return text + (f"; not modelled: {', '.join(off)}" if off else "")
+    fn = hook(ckpt, "precision")
+    return fn(ckpt) if fn is not None else None
 
 
 def autocast(precision: str, device: str) -> contextlib.AbstractContextManager[Any]:
@@ -267,21 +203,13 @@ class BF16Params:
 
 
 def fp32_micro_batches(ckpt: Checkpoint) -> int | None:
-    """Rows per micro-batch whose bf16 gradients the run summed in fp32: Megatron `--bf16`
-    with `accumulate_allreduce_grads_in_fp32` (validate_args' default for bf16) backpropagates
-    each micro-batch of `micro_batch_size` rows on its own and adds its bf16 gradient into the
-    fp32 `main_grad` buffer (DDP's backward hook), so the step's gradient is a sum of
-    roundings, not the rounding of one backward over the global batch."""
-    tc = ckpt.scalars.get("train_config") or {}
-    policy = tc.get("megatron_precision") or {}
-    mbs = tc.get("micro_batch_size")
-    if (
-        not tc.get("megatron")
-        or policy.get("bf16") is not True
-        or policy.get("accumulate_allreduce_grads_in_fp32") is not True
-    ):
-        return None
-    return mbs if isinstance(mbs, int) and mbs > 0 else None
+    """Rows per micro-batch whose low-precision gradients the run summed in fp32, each
+    micro-batch backpropagated on its own (a step's gradient is then a sum of roundings, not
+    the rounding of one backward over the global batch): the `fp32_micro_batches` hook of the
+    framework that wrote `ckpt` (frameworks/megatron: `--bf16` with
+    `accumulate_allreduce_grads_in_fp32`); None for any other run."""
+    fn = hook(ckpt, "fp32_micro_batches")
+    return fn(ckpt) if fn is not None else None
 
 
 # A replayed moment's rounding per step, relative (compare.compare_after; docs/signatures.md#replay-precision): fp32 compute and fp16

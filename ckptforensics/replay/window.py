@@ -1,6 +1,10 @@
 """The replay's plan, resolved once from the run's files: the window's steps, its batches
 (logged or rebuilt), LR per step and group, clipping candidates, precision, loss; and one
-run of the window under it."""
+run of the window under it. What a trainer adds (its batches from `--data`, its clip) is
+asked of its framework (frameworks/).
+
+Over 400 lines: the plan's resolution and the collator choice evaluate the same `Plan`
+(a candidate's first step is a session of it), and split they would pass it back and forth."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import torch
 from ..errors import ForensicsError, doing
 from ..formats import open_checkpoint, open_pair
 from ..formats.base import Checkpoint
+from ..frameworks import config_clip, hook
 from ..logs import group_lrs, read_metrics
 from . import distributed, skipstep
 from . import precision as mp
@@ -92,14 +97,19 @@ def _lr_plan(
     return {s: list(base) for s in steps}, "constant: the LR stored in before"
 
 
+# Where a run's config may record its clip, as the format readers keep it (`train_config`).
+_CLIP_KEYS = ("grad_clip", "max_grad_norm", "gradient_clipping", "clip_grad")
+
+
 def _clip_from_checkpoint(
     ckpt: Checkpoint, batches: BatchSource
 ) -> tuple[float | None, str] | None:
-    tc = ckpt.scalars.get("train_config") or {}
-    for key in ("grad_clip", "max_grad_norm", "gradient_clipping", "clip_grad"):
-        if isinstance(tc.get(key), (int, float)):
-            v = float(tc[key])
-            return (v if v > 0 else None), f"checkpoint config {key}"
+    """The run's clip: its framework's `clip` hook, else any clip key of its config, else the
+    batch log's `grad_clip` attribute; None when none records one."""
+    fn = hook(ckpt, "clip")
+    found = (fn(ckpt) if fn is not None else None) or config_clip(ckpt, _CLIP_KEYS)
+    if found is not None:
+        return found
     if batches.grad_clip is not None:
         return (
             batches.grad_clip if batches.grad_clip > 0 else None
@@ -421,26 +431,13 @@ def _batches(cfg: ReplayConfig, a: Checkpoint) -> list[BatchSource]:
         raise ForensicsError(
             "pass --batch (the batches the run consumed) or --data (the run's training data: HF Trainer, Megatron and OLMo-core runs)"
         )
-    if a.format.startswith("megatron"):
-        from .megatron_data import megatron_batches
-
-        return [megatron_batches(cfg.data, a.config, a.path.parent)]
-    from .olmo_data import is_olmo_checkpoint, olmo_batches
-
-    if is_olmo_checkpoint(a.path):
-        return [olmo_batches(cfg.data, a.path)]
-    if a.format != "hf-trainer":
+    rebuild = hook(a, "batches")  # which trainers' data `--data` rebuilds: frameworks/
+    found = rebuild(cfg.data, a, cfg.collator) if rebuild is not None else None
+    if found is None:
         raise ForensicsError(
             f"{a.path}: --data rebuilds HF Trainer runs' batches; this is a {a.format} checkpoint: pass --batch"
         )
-    from .hfdata import trainer_batches
-
-    world = (
-        len(list(a.path.glob("rng_state_*.pth"))) or 1
-    )  # the Trainer saves one RNG state per process
-    return trainer_batches(
-        cfg.data, a.scalars.get("training_args"), a.config, world, cfg.collator, a.path
-    )
+    return found
 
 
 def run_window(p: Plan, clip: float | None, progress: Callable[[str], None] | None) -> ReplayResult:

@@ -98,8 +98,9 @@ def test_a_tied_padding_row_is_read_from_the_log_not_the_moments(
     )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    assert "padding row of the tied model.embed_tokens 0: zeroed by the run" in (
-        doc["replay"]["config"]["model"]["value"]
+    assert (
+        "padding row of the tied model.embed_tokens 0: zeroed by the run"
+        in (doc["replay"]["config"]["model"]["value"])
     )
     assert doc["replay"]["reproduction"]["mismatched"] == 0
     assert doc["verdict"]["reproducible"] is True

@@ -122,3 +122,13 @@ def test_biweight_change_point_leaves_an_outlier_of_both_levels_out() -> None:
     x = [0.0] * 10 + [5.0] + [1.0] * 9
     assert biweight_change(x, range(6, 16), before=0.0, after=1.0, scale=0.1) == 10
     assert biweight_change([0.0, math.nan, 1.0], range(0, 3), 0.0, 1.0, 0.1) == 1
+
+
+def test_recurrence_on_a_log_printed_every_5_steps() -> None:
+    """An epoch of 64 steps on lines every 5: excursions on the lines of 155, 220 and 280
+    (the hard steps 152, 216, 280) recur at a period of 64 within the lines' resolution."""
+    from ckptforensics.stats import recurrence_period
+
+    p = recurrence_period(280, {155, 220}, list(range(5, 301, 5)), spacing=5)
+    assert p is not None and 60 <= p <= 69, p
+    assert recurrence_period(280, {155}, list(range(5, 301, 5)), spacing=5) is None

@@ -482,3 +482,32 @@ def test_a_held_shift_starts_at_its_first_step_not_a_hard_batch_before_it(seed: 
     assert o.step == 270 and o.rule == "held-shift", o
     onsets, _ = log_onsets(ev, cfg)
     assert onsets and onsets[0].step == 270, [(o.step, o.rule) for o in onsets]
+
+
+def _hard_batch_every_64_on_lines_of_5(seed: int) -> dict[int, dict[str, float]]:
+    """Megatron lines every 5 iterations, fp16, a hard batch at iteration 24 of every 64: its
+    lines of 155 and 220 count a skipped iteration (the hard batch overflowed, and the line's
+    loss averages the advanced iterations only), that of 280 shows the loss 1.4x and the grad
+    norm 3x (the hard batch is one of the line's five), 90's is not seen."""
+    rng = np.random.default_rng(seed)
+    rows, scale = {}, 131072.0
+    for line in range(5, 301, 5):
+        hard = any(s % 64 == 24 for s in range(line - 4, line + 1))
+        loss = 2.0 * (1 + math.exp(-line / 80)) * math.exp(0.03 * rng.normal())
+        grad, skipped = math.exp(0.05 * rng.normal()), 0.0
+        if hard and 100 < line < 250:
+            skipped, scale = 1.0, scale / 2
+        elif hard and line > 250:
+            loss, grad = loss * 1.4, grad * 3.0
+        rows[line] = {"loss": loss, "grad_norm": grad, "loss_scale": scale, "skipped": skipped}
+    return rows
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_hard_batch_recurs_on_a_log_of_every_5_iterations(seed: int) -> None:
+    """An epoch of 64 iterations shows on lines every 5 as 65 and 60 apart: the recurrence is
+    read within the lines' resolution, so the blip of 280 is the data's (no onset)."""
+    cfg = TriageConfig()
+    onsets, ignored = log_onsets(log_evidence(_hard_batch_every_64_on_lines_of_5(seed), cfg), cfg)
+    assert not onsets, [(o.step, o.rule) for o in onsets]
+    assert any(o.step == 280 and "every" in o.message for o in ignored)

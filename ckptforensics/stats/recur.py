@@ -33,8 +33,9 @@ def recurrence_period(
     overflowed lines included) at two or more of the steps `step` +- kP that it logged
     (`logged`, sorted), and
     at no fewer than half of them. On a log that prints every `spacing` steps (Megatron's
-    --log-interval), a step is matched by the line within `spacing` of it when P is not a
-    multiple of the spacing. None when no period holds.
+    --log-interval), a line holds its excursion somewhere in the steps it closes: the periods
+    tried are the lines' distances give or take spacing - 1, and a predicted step is matched
+    by the line within spacing - 1 of it. None when no period holds.
 
     >>> recurrence_period(150, {50, 100, 200}, list(range(1, 301)))
     50
@@ -46,16 +47,23 @@ def recurrence_period(
         return None
     lo, hi = logged[0], logged[-1]
     present = set(logged)
+    # A line of a log printed every `spacing` steps holds its excursion somewhere in the
+    # `spacing` steps it closes: two lines' excursions lie their lines' distance apart give or
+    # take spacing - 1 steps (an epoch of 64 steps shows on lines of every 5 as 60 and 65 apart:
+    # tuning log draws 365 and 425), and an occurrence predicted at step + kP lies on the line
+    # within spacing - 1 of it.
+    slack = range(-(spacing - 1), spacing)
     cands = sorted(
         {
-            abs(b - step) // k
+            (abs(b - step) + e) // k
             for b in others
+            for e in slack
             for k in (1, 2, 3)
-            if abs(b - step) % k == 0 and abs(b - step) // k >= min_period
+            if (abs(b - step) + e) % k == 0 and (abs(b - step) + e) // k >= min_period
         }
     )
+    tol = spacing - 1
     for p in cands:
-        tol = 0 if p % spacing == 0 else spacing
         hits = seen = 0
         for k in range(-(step - lo) // p, (hi - step) // p + 1):
             if k == 0:

@@ -108,3 +108,27 @@ def test_thresholds_count_the_tests_and_the_tails() -> None:
     assert tail_df(robust_z(rng.standard_t(3, 20000))) == pytest.approx(3, rel=0.3)
     assert tail_df(robust_z(rng.normal(size=20000))) > 30
     assert math.isnan(tail_df(np.zeros(10)))
+
+
+def test_biweight_change_point_leaves_an_outlier_of_both_levels_out() -> None:
+    """Fearnhead & Rigaill's biweight loss: a step far from both levels costs K^2 on either
+    side and does not move the split; a step back at the old level keeps it there."""
+    from ckptforensics.stats import biweight_change
+
+    x = [0.0] * 10 + [5.0, 0.0] + [1.0] * 8
+    assert biweight_change(x, range(6, 16), before=0.0, after=1.0, scale=0.1) == 12
+    # The same outlier followed by the new level at once: the split is at the outlier (ties go
+    # to the earliest candidate), as a fault's first step that overshoots.
+    x = [0.0] * 10 + [5.0] + [1.0] * 9
+    assert biweight_change(x, range(6, 16), before=0.0, after=1.0, scale=0.1) == 10
+    assert biweight_change([0.0, math.nan, 1.0], range(0, 3), 0.0, 1.0, 0.1) == 1
+
+
+def test_recurrence_on_a_log_printed_every_5_steps() -> None:
+    """An epoch of 64 steps on lines every 5: excursions on the lines of 155, 220 and 280
+    (the hard steps 152, 216, 280) recur at a period of 64 within the lines' resolution."""
+    from ckptforensics.stats import recurrence_period
+
+    p = recurrence_period(280, {155, 220}, list(range(5, 301, 5)), spacing=5)
+    assert p is not None and 60 <= p <= 69, p
+    assert recurrence_period(280, {155}, list(range(5, 301, 5)), spacing=5) is None

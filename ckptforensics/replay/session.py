@@ -62,7 +62,7 @@ class Session:
             raise ForensicsError(
                 "an fp16 (loss-scaled) replay runs in one process for now: run it without torchrun"
             )
-        with distributed.params_on_meta() if self.shards else contextlib.nullcontext():
+        with distributed.params_on_meta() if self.shards is not None else contextlib.nullcontext():
             self.model, self.model_source = build_model(cfg.model, a)
         self.loss_norm = trainer_loss_norm(self.model, a)
         self.micro_batch_size = micro_batch_size

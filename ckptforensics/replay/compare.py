@@ -45,7 +45,7 @@ def compare_after(
     k = len(lrs)
     out = []
     state = session.opt.state
-    ranks = session.ranks
+    ranks = session.shards
     group_of = {id(p): gi for gi, g in enumerate(session.opt.param_groups) for p in g["params"]}
     for key, p in session.model.named_parameters():
         name = session.to_ckpt(key)

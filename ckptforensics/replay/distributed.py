@@ -29,6 +29,9 @@ from ..errors import Failed, one_line
 
 __all__ = [
     "Ranks",
+    "OneProcess",
+    "World",
+    "world_of",
     "current",
     "start",
     "stop",
@@ -116,6 +119,41 @@ class Ranks:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj)
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class OneProcess:
+    """One process as a world of one rank: `Ranks`'s rows and reductions, each the
+    identity, so that a replay step is written once and meets the other ranks' figures
+    only at its reductions (as torchtitan writes a training step)."""
+
+    device: torch.device
+    rank: int = 0
+    world: int = 1
+
+    def my_rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return batch
+
+    def gather(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.unsqueeze(0)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def objects(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+# Whom a replay's reductions run over: the torchrun ranks, or one process.
+World = Ranks | OneProcess
+
+
+def world_of(device: str | torch.device) -> World:
+    """The torchrun ranks this process replays with, or one process on `device`."""
+    return current() or OneProcess(torch.device(device))
 
 
 def row_block(n: int, world: int, rank: int) -> tuple[int, int]:

@@ -1,6 +1,9 @@
 """One replay session: the model, optimizer and probes rebuilt from *before*, stepping the
-window's batches as the run's trainer did (one process is a world of one; under torchrun
-each rank its rows and shards)."""
+window's batches as the run's trainer did. One process is a world of one
+(`distributed.OneProcess`): each step is written once, and under torchrun each rank steps
+its rows and shards the same way, the ranks meeting only at the reductions (the step's
+evidence in `gradients`). Somewhat over 400 lines: the loss as each trainer averaged it
+(`_share`, `_regrad_micro`) needs the session's model, precision and probes."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from torch import nn
 from ..errors import ForensicsError
 from ..formats.base import Checkpoint
 from . import distributed, skipstep
+from . import gradients as gr
 from . import precision as mp
 from .conventions import CallConvention, LabelConvention, call_model, detect_call
 from .model import (
@@ -25,7 +29,7 @@ from .model import (
     padding_rows_trained,
     trainer_loss_norm,
 )
-from .probes import ModuleProbe, PassStats, param_grad_stats, param_grad_sums
+from .probes import ModuleProbe, PassStats, param_grad_sums
 from .records import GradEvidence, ReplayConfig, StepRecord, local_state, local_tensor
 from .samples import PerSampleGrad, per_token_loss
 
@@ -50,26 +54,29 @@ class Session:
         skip_rule: skipstep.SkipRule | None = None,
     ) -> None:
         self.cfg = cfg
-        self.ranks = distributed.current()
-        self.device = torch.device(cfg.device) if self.ranks is None else self.ranks.device
-        if self.ranks is not None and precision == "fp16":
+        # The torchrun ranks the model is sharded over (None: one process, the whole model),
+        # and whom the step's figures are reduced over (the ranks, or one process).
+        self.shards = distributed.current()
+        self.ranks = distributed.world_of(cfg.device)
+        self.device = self.ranks.device
+        if self.shards is not None and precision == "fp16":
             # GradScaler's inf check is per rank: ranks could disagree on skipping a step.
             raise ForensicsError(
                 "an fp16 (loss-scaled) replay runs in one process for now: run it without torchrun"
             )
-        with distributed.params_on_meta() if self.ranks is not None else contextlib.nullcontext():
+        with distributed.params_on_meta() if self.shards is not None else contextlib.nullcontext():
             self.model, self.model_source = build_model(cfg.model, a)
         self.loss_norm = trainer_loss_norm(self.model, a)
         self.micro_batch_size = micro_batch_size
         if cfg.checkpoint_activations:
             distributed.checkpoint_blocks(self.model)
-        if self.ranks is not None:
-            distributed.shard_model(self.model, self.ranks, bf16_params=precision == "bf16-params")
+        if self.shards is not None:
+            distributed.shard_model(self.model, self.shards, bf16_params=precision == "bf16-params")
             distributed.materialize(self.model, self.device)
-        self.to_ckpt = load_weights(self.model, a, self.ranks)
+        self.to_ckpt = load_weights(self.model, a, self.shards)
         self.model.to(self.device).train()
-        self.opt = build_optimizer(self.model, a, self.to_ckpt, self.ranks)
-        unpadded = padding_rows_trained(self.model, self.opt) if self.ranks is None else []
+        self.opt = build_optimizer(self.model, a, self.to_ckpt, self.shards)
+        unpadded = padding_rows_trained(self.model, self.opt) if self.shards is None else []
         if unpadded:
             self.model_source += f"; padding_idx of {', '.join(unpadded)}: the run trained the row config.json names (its exp_avg_sq is not 0 there)"
         self.precision = precision
@@ -79,7 +86,7 @@ class Session:
         # bf16 parameters on fp32 masters in one process (FSDP2 casts them under torchrun).
         self.bf16_params = (
             mp.BF16Params([p for _, p in self.model.named_parameters() if p.requires_grad])
-            if precision == "bf16-params" and self.ranks is None
+            if precision == "bf16-params" and self.shards is None
             else None
         )
         # Megatron --bf16: each micro-batch's bf16 gradient summed in fp32 (`_regrad_micro`).
@@ -95,7 +102,7 @@ class Session:
             if precision == "fp16"
             else None
         )
-        self.probe = ModuleProbe(self.model, self.device, self.ranks)
+        self.probe = ModuleProbe(self.model, self.device, self.shards)
         self.probe.once = cfg.checkpoint_activations
         self.psg = PerSampleGrad(self.model)
         self.params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -108,16 +115,14 @@ class Session:
     def _detect_call(self, batch: dict[str, torch.Tensor]) -> CallConvention:
         """How the run's trainer calls this model (`conventions.detect_call`), from one
         forward of the first batch (no gradients, before the probes are attached)."""
-        if self.ranks is not None:
-            batch = self.ranks.my_rows(batch)
-        on = {k: v.to(self.device) for k, v in batch.items()}
+        on = {k: v.to(self.device) for k, v in self.ranks.my_rows(batch).items()}
         try:
             with torch.no_grad(), self._compute(self.precision):
                 return detect_call(self.model, on, self.labels.shifted)
         finally:
             if self.bf16_params is not None:
                 self.bf16_params.restore()
-            if self.ranks is not None:
+            if self.shards is not None:
                 # A no-grad forward leaves FSDP2's root unsharded; under a bf16 policy the
                 # next backward then never hands the root's gradients to its fp32 shards.
                 distributed.reshard(self.model)
@@ -134,15 +139,12 @@ class Session:
     def _loss(
         self, batch: dict[str, torch.Tensor], precision: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's loss as the trainer averaged it, and each row's mean token loss.
-
-        Under torchrun: this rank's rows only, and its share of the step's loss (its
-        token losses over the whole batch's denominator), so the ranks' shares sum to it.
-        """
+        """This rank's share of the step's loss as the trainer averaged it (its rows' token
+        losses over the whole batch's denominator, so the ranks' shares sum to the loss;
+        one process: the loss), and each of its rows' mean token loss."""
         full = batch
-        if self.ranks is not None:
-            batch = self.ranks.my_rows(batch)
-            self.probe.rows = batch["input_ids"].shape[0]
+        batch = self.ranks.my_rows(batch)
+        self.probe.rows = batch["input_ids"].shape[0]
         on = {k: v.to(self.device) for k, v in batch.items()}
         if self.call is None:
             self.call = self._detect_call(full)
@@ -161,27 +163,19 @@ class Session:
         masked = tok * mask
         self.row_tokens = mask.sum(1)
         per_sample = masked.sum(1) / self.row_tokens.clamp_min(1)
-        loss = (
-            self._normalise(masked, mask, labels, shifted)
-            if self.ranks is None
-            else self._share(masked, mask, full, shifted)
-        )
+        loss = self._share(masked, mask, full, shifted)
         with torch.no_grad():
             lg = logits.detach()
             lo, hi = torch.aminmax(lg) if lg.numel() else (lg.new_zeros(()), lg.new_zeros(()))
             lse = torch.logsumexp(lg.float(), -1)
             absmax = torch.maximum(-lo.float(), hi.float())
-            # One rank: [max |logit|, mean log Z]; ranks: the sum and count to merge.
-            self.logit_stats = (
-                torch.stack([absmax, lse.mean()])
-                if self.ranks is None
-                else torch.stack([absmax, lse.sum(), lse.new_tensor(lse.numel())])
-            )
+            # [max |logit|, mean log Z, positions]: the ranks' means merge weighted.
+            self.logit_stats = torch.stack([absmax, lse.mean(), lse.new_tensor(lse.numel())])
         return loss, per_sample
 
     def _compute(self, precision: str) -> contextlib.AbstractContextManager[Any]:
         """The forward's precision: autocast, or the weights cast to bf16 (bf16-params)."""
-        if precision == "bf16-params" and self.ranks is None:
+        if precision == "bf16-params" and self.shards is None:
             if self.bf16_params is None:  # another precision tried on this session (`evaluate`)
                 self.bf16_params = mp.BF16Params([p for _, p in self.params])
             return self.bf16_params.compute()
@@ -234,52 +228,38 @@ class Session:
         for p, g in zip(bp.params, acc, strict=True):
             p.grad = g
 
-    def _normalise(
-        self, tok: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, shifted: bool
-    ) -> torch.Tensor:
-        """The step's loss as its trainer averaged it (`trainer_loss_norm`)."""
-        kind = self.loss_norm.kind if self.loss_fn is None else "targets"
-        if kind == "labels" and not shifted:
-            return tok.sum() / (labels >= 0).sum().clamp_min(1)
-        if kind == "micro" and self.micro_batch_size and self.micro_batch_size < tok.shape[0]:
-            parts = [
-                (t.sum() / m.sum().clamp_min(1))
-                for t, m in zip(
-                    tok.split(self.micro_batch_size), mask.split(self.micro_batch_size), strict=True
-                )
-            ]
-            return torch.stack(parts).mean()
-        return tok.sum() / mask.sum().clamp_min(1)
-
     def _share(
         self, tok: torch.Tensor, mask: torch.Tensor, full: dict[str, torch.Tensor], shifted: bool
     ) -> torch.Tensor:
-        """This rank's share of the step's loss: `_normalise` with the whole batch's
-        denominator (counted from the global batch every rank holds)."""
+        """This rank's share of the step's loss as its trainer averaged it
+        (`trainer_loss_norm`): its token losses `tok` over the whole batch's denominator,
+        counted from the global batch `full` every rank holds."""
         kind = self.loss_norm.kind if self.loss_fn is None else "targets"
         labels = full.get("labels", full["input_ids"])
         rows = labels.shape[0]
         if kind == "labels" and not shifted:
             return tok.sum() / (labels >= 0).sum().clamp_min(1).to(tok.device)
-        if kind == "micro" and self.micro_batch_size and self.micro_batch_size < rows:
+        mbs = self.micro_batch_size
+        if kind == "micro" and mbs and mbs < rows:
+            # The mean over the step's micro-batches of each one's mean: this rank's
+            # micro-batches' mean, weighted by its share of them.
             parts = [
                 t.sum() / m.sum().clamp_min(1)
-                for t, m in zip(
-                    tok.split(self.micro_batch_size), mask.split(self.micro_batch_size), strict=True
-                )
+                for t, m in zip(tok.split(mbs), mask.split(mbs), strict=True)
             ]
             return (
-                torch.stack(parts).sum() / -(-rows // self.micro_batch_size)
+                torch.stack(parts).mean() * (len(parts) / -(-rows // mbs))
                 if parts
                 else tok.sum() * 0
             )
         if self.loss_fn is not None:
             count = torch.tensor(rows * tok.shape[1])
         else:
-            count = ((labels if shifted else labels[:, 1:]) >= 0).sum()
+            targets = (labels if shifted else labels[:, 1:]) >= 0
             if "attention_mask" in full:
                 am = full["attention_mask"] if shifted else full["attention_mask"][:, 1:]
-                count = (((labels if shifted else labels[:, 1:]) >= 0) & (am != 0)).sum()
+                targets = targets & (am != 0)
+            count = targets.sum()
         return tok.sum() / count.clamp_min(1).to(tok.device)
 
     def probe_pass(self, batch: dict[str, torch.Tensor], precision: str) -> PassStats:
@@ -304,26 +284,11 @@ class Session:
             if (precision or self.precision) == "bf16-params":
                 self._regrad_micro(batch)
             grads = [local_tensor(p.grad) for _, p in self.params if p.grad is not None]
-            if self.ranks is not None:  # the ranks' loss shares and squared norms, summed
-                sq = (
-                    torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-                    if grads
-                    else torch.zeros(())
-                )
-                total = self.ranks.sum(
-                    torch.stack([loss.detach().float().cpu(), sq.double().cpu().float()]).double()
-                )
-                return float(total[0]), math.sqrt(float(total[1]))
-            norm = (
-                float(
-                    torch.linalg.vector_norm(
-                        torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-                    )
-                )
-                if grads
-                else 0.0
-            )
-            return float(loss.detach()), norm
+            norm = gr.grad_norm(grads)
+            # The ranks' loss shares and squared norms, summed (one process: as they are).
+            mine = torch.stack([loss.detach().double(), norm.to(loss.device).double().square()])
+            total, sq = self.ranks.sum(mine).tolist()
+            return total, math.sqrt(sq)
         finally:
             self.opt.zero_grad(set_to_none=True)
             self.probe.enabled = True
@@ -357,13 +322,7 @@ class Session:
             if verdict != "redo":
                 break
         self._regrad_micro(batch)
-        with_grad = [(n, p) for n, p in self.params if p.grad is not None]
-        if self.ranks is None:
-            g = self._gradients(with_grad, clip, loss, per_sample)
-        else:
-            g = self._gradients_ranks(
-                with_grad, clip, loss, per_sample, batch["input_ids"].shape[0]
-            )
+        g = self._gradients(clip, loss, per_sample, batch["input_ids"].shape[0])
         skipped_by = ""
         if not update:
             skipped, skipped_by = True, "mitigation"  # the mitigation skips this step's update
@@ -409,153 +368,50 @@ class Session:
         )
         return rec, stats
 
-    def _grad_stats(self, p: torch.Tensor) -> torch.Tensor:
-        return param_grad_stats(p.grad, self.opt.state.get(p) or {}, self._group_of[id(p)])
-
     def _gradients(
-        self,
-        with_grad: list[tuple[str, nn.Parameter]],
-        clip: float | None,
-        loss: torch.Tensor,
-        per_sample: torch.Tensor,
+        self, clip: float | None, loss: torch.Tensor, per_sample: torch.Tensor, rows: int
     ) -> GradEvidence:
-        """The step's gradient evidence in one process, then clipping (one host read)."""
-        grads = [p.grad for _, p in with_grad]
-        finite = (
-            torch.stack([torch.isfinite(g).all() for g in grads]).cpu()
-            if grads
-            else torch.ones(0, dtype=torch.bool)
-        )
-        bad = tuple(n for (n, _), ok in zip(with_grad, finite.tolist(), strict=True) if not ok)
-        table = (
-            torch.stack([self._grad_stats(p) for _, p in with_grad]).cpu().tolist()
-            if with_grad
-            else []
-        )  # one sync
-        total = torch.nn.utils.clip_grad_norm_(
-            [p for _, p in self.params], clip if clip else float("inf")
-        )
-        sq = self.psg.sq
-        logit_absmax, log_z = self.logit_stats.cpu().tolist()
-        return GradEvidence(
-            loss=float(loss.detach()),
-            total=float(total),
-            nonfinite=bad,
-            rms={self.to_ckpt(n): row[0] for (n, _), row in zip(with_grad, table, strict=True)},
-            rms_t={
-                self.to_ckpt(n): row[1]
-                for (n, _), row in zip(with_grad, table, strict=True)
-                if math.isfinite(row[1])
-            },
-            spikes={
-                self.to_ckpt(n): int(row[2])
-                for (n, _), row in zip(with_grad, table, strict=True)
-                if row[2] > 0
-            },
-            sample_loss=tuple(per_sample.detach().float().cpu().tolist()),
-            sample_grad_sq=tuple(sq.cpu().tolist()) if sq is not None else None,
-            logit_absmax=logit_absmax,
-            log_z=log_z,
-            sample_tokens=tuple(int(x) for x in self.row_tokens.cpu().tolist()),
-        )
-
-    def _gradients_ranks(
-        self,
-        with_grad: list[tuple[str, nn.Parameter]],
-        clip: float | None,
-        loss: torch.Tensor,
-        per_sample: torch.Tensor,
-        rows: int,
-    ) -> GradEvidence:
-        """The step's gradient evidence across torchrun ranks, then clipping.
-
-        Each rank holds its shard of every gradient and its rows' per-sample figures; all of
-        it travels in one gather: [loss share, logit stats, rows, per-sample loss, grad
-        norm^2 and target tokens (padded), per parameter: sum g^2, sum g^2 / v_hat, spikes, finite]. The
-        total norm and clipping follow from the merged sums (torch's clip_grad_norm_ rule).
-        """
-        assert self.ranks is not None
-        dev = self.device
-        pad = -(-rows // self.ranks.world) + 1  # rows of the largest block
-        n = per_sample.shape[0]
-        sq = self.psg.sq
-        head = torch.cat(
-            [
-                loss.detach().float().reshape(1),
-                self.logit_stats.float(),
-                torch.tensor([float(n), float(sq is not None)], device=dev),
-            ]
-        )
-        samples = torch.zeros(3, pad, device=dev)
-        samples[0, :n] = per_sample.detach().float()
-        if sq is not None:
-            samples[1, :n] = sq.float()
-        samples[2, :n] = self.row_tokens.float()
-        rows = [
+        """The step's gradient evidence over the ranks (`gradients.Layout`: one gather, one
+        host read), then clipping by the whole gradient's norm (`clip_grad_norm_`'s rule).
+        `rows`: the step's global batch."""
+        with_grad = [(n, p) for n, p in self.params if p.grad is not None]
+        grads = [local_tensor(p.grad) for _, p in with_grad]
+        norm = gr.grad_norm(grads)
+        sums = [
             torch.cat(
                 [
-                    param_grad_sums(
-                        local_tensor(p.grad),
-                        local_state(self.opt.state.get(p)),
-                        self._group_of[id(p)],
-                    ),
-                    torch.isfinite(local_tensor(p.grad)).all().float().reshape(1),
+                    param_grad_sums(g, local_state(self.opt.state.get(p)), self._group_of[id(p)]),
+                    torch.isfinite(g).all().float().reshape(1),
                 ]
             )
-            for _, p in with_grad
+            for (_, p), g in zip(with_grad, grads, strict=True)
         ]
-        table = torch.stack(rows) if rows else torch.zeros(0, 4, device=dev)
-        flat = torch.cat([head, samples.reshape(-1), table.reshape(-1)]).double()
-        every = self.ranks.gather(flat).cpu()  # the step's one collective: [W, len(flat)]
-        h = len(head)
-        heads, smp, tab = (
-            every[:, :h],
-            every[:, h : h + 3 * pad].reshape(-1, 3, pad),
-            every[:, h + 3 * pad :].reshape(self.ranks.world, -1, 4),
+        layout = gr.Layout(pad=-(-rows // self.ranks.world), params=len(with_grad))
+        sq = self.psg.sq
+        n = per_sample.shape[0]
+        mine = layout.pack(
+            head={
+                "loss": loss,
+                "logit_absmax": self.logit_stats[0],
+                "log_z": self.logit_stats[1],
+                "logit_rows": self.logit_stats[2],
+                "rows": torch.tensor(n),
+                "has_grad_sq": torch.tensor(sq is not None),
+                "norm": norm,
+            },
+            rows={
+                "loss": per_sample,
+                "grad_sq": sq if sq is not None else per_sample.new_zeros(n),
+                "tokens": self.row_tokens,
+            },
+            params=torch.stack(sums) if sums else torch.zeros(0, len(gr.PARAM), device=self.device),
         )
-        counts = heads[:, 4].long().tolist()
-        sums = tab[..., :3].sum(0)  # [P, 3]
-        ok = tab[..., 3].amin(0)
-        total = float(sums[:, 0].sum().sqrt()) if len(with_grad) else 0.0
-        if clip and total > 0:
-            coef = clip / (total + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
-            if coef < 1:
-                torch._foreach_mul_([local_tensor(p.grad) for _, p in with_grad], coef)
-        numel = [p.numel() for _, p in with_grad]
-        return GradEvidence(
-            loss=float(heads[:, 0].sum()),
-            total=total,
-            nonfinite=tuple(
-                nm for (nm, _), good in zip(with_grad, ok.tolist(), strict=True) if not good
-            ),
-            rms={
-                self.to_ckpt(nm): math.sqrt(float(r[0]) / max(k, 1))
-                for (nm, _), r, k in zip(with_grad, sums, numel, strict=True)
-            },
-            rms_t={
-                self.to_ckpt(nm): math.sqrt(float(r[1]) / max(k, 1))
-                for (nm, _), r, k in zip(with_grad, sums, numel, strict=True)
-                if math.isfinite(float(r[1]))
-            },
-            spikes={
-                self.to_ckpt(nm): int(r[2])
-                for (nm, _), r in zip(with_grad, sums, strict=True)
-                if r[2] > 0
-            },
-            sample_loss=tuple(
-                float(x) for w, c in enumerate(counts) for x in smp[w, 0, :c].tolist()
-            ),
-            sample_grad_sq=tuple(
-                float(x) for w, c in enumerate(counts) for x in smp[w, 1, :c].tolist()
-            )
-            if bool(heads[:, 5].all())
-            else None,
-            logit_absmax=float(heads[:, 1].max()),
-            log_z=float(heads[:, 2].sum() / heads[:, 3].sum().clamp_min(1)),
-            sample_tokens=tuple(
-                int(x) for w, c in enumerate(counts) for x in smp[w, 2, :c].tolist()
-            ),
+        every = gr.gather(self.ranks, layout, mine)
+        ev = every.evidence(
+            [nm for nm, _ in with_grad], [p.numel() for _, p in with_grad], self.to_ckpt
         )
+        gr.clip_grads([p for _, p in with_grad], clip, ev.total, norm)
+        return ev
 
     def close(self) -> None:
         self.probe.remove()

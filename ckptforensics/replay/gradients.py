@@ -1,0 +1,143 @@
+"""A replayed step's gradient evidence, gathered over the ranks in one collective, then
+clipping by torch's rule.
+
+Every rank (one process is a world of one, `distributed.OneProcess`) packs what it measured
+into one flat row (`Layout`): its share of the loss and its logit figures, its rows'
+per-sample figures, and per parameter the sums of its shard of the gradient
+(`probes.param_grad_sums`). One gather brings every rank's row to every rank, and one host
+read; the whole step's figures follow from the ranks' rows (`Gathered.evidence`), the total
+norm among them, which clips the gradients as `torch.nn.utils.clip_grad_norm_` does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .distributed import World
+from .records import GradEvidence
+
+__all__ = ["HEAD", "ROW", "PARAM", "Layout", "Gathered", "gather", "grad_norm", "clip_grads"]
+
+# One figure each per rank: its share of the step's loss, its largest |logit|, the mean and
+# count of its logits' log Z, its rows, whether it has per-sample gradient norms, and the
+# norm of its shards of the gradients (`grad_norm`).
+HEAD = ("loss", "logit_absmax", "log_z", "logit_rows", "rows", "has_grad_sq", "norm")
+# One figure per row of the rank's block (padded to the largest block): its mean token
+# loss, its squared gradient norm (`samples.PerSampleGrad`), its target tokens.
+ROW = ("loss", "grad_sq", "tokens")
+# One figure per parameter with a gradient: `probes.param_grad_sums` of the rank's shard,
+# and whether that shard is finite.
+PARAM = ("sum_g2", "sum_g2_over_v", "spikes", "finite")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where a rank's figures sit in its packed row: HEAD, then ROW figure by figure
+    (`pad` slots each), then PARAM parameter by parameter (`params` of them)."""
+
+    pad: int
+    params: int
+
+    def pack(
+        self, head: dict[str, torch.Tensor], rows: dict[str, torch.Tensor], params: torch.Tensor
+    ) -> torch.Tensor:
+        """One rank's row (float64, on its device): `head` and `rows` by name (HEAD, ROW),
+        `params` [params, len(PARAM)]."""
+        dev = params.device
+        top = torch.stack([head[k].detach().to(dev, torch.float64).reshape(()) for k in HEAD])
+        block = torch.zeros(len(ROW), self.pad, dtype=torch.float64, device=dev)
+        for i, k in enumerate(ROW):
+            block[i, : rows[k].shape[0]] = rows[k].detach().to(torch.float64)
+        return torch.cat([top, block.reshape(-1), params.to(torch.float64).reshape(-1)])
+
+    def unpack(self, every: torch.Tensor) -> Gathered:
+        """Every rank's row [world, width] read back by name."""
+        w, h, r = every.shape[0], len(HEAD), len(ROW) * self.pad
+        return Gathered(
+            head=every[:, :h],
+            rows=every[:, h : h + r].reshape(w, len(ROW), self.pad),
+            params=every[:, h + r :].reshape(w, self.params, len(PARAM)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Gathered:
+    """Every rank's packed figures (`Layout`), rank order."""
+
+    head: torch.Tensor  # [world, len(HEAD)]
+    rows: torch.Tensor  # [world, len(ROW), pad]
+    params: torch.Tensor  # [world, params, len(PARAM)]
+
+    def of(self, name: str) -> torch.Tensor:
+        """A HEAD figure of every rank [world]."""
+        return self.head[:, HEAD.index(name)]
+
+    def per_row(self, name: str) -> list[float]:
+        """A ROW figure of the whole batch: each rank's rows, rank 0's first (the order in
+        which `Ranks.my_rows` hands them out)."""
+        counts = self.of("rows").long().tolist()
+        col = self.rows[:, ROW.index(name)]
+        return [x for w, c in enumerate(counts) for x in col[w, :c].tolist()]
+
+    def param(self, name: str) -> torch.Tensor:
+        """A PARAM figure of every rank and parameter [world, params]."""
+        return self.params[..., PARAM.index(name)]
+
+    def total_norm(self) -> float:
+        """The whole gradient's norm from the ranks' norms (exactly the one norm in one process)."""
+        return math.sqrt(float(self.of("norm").pow(2).sum()))
+
+    def evidence(
+        self, names: Sequence[str], numel: Sequence[int], to_ckpt: Callable[[str], str]
+    ) -> GradEvidence:
+        """The step's evidence (`names`: the parameters' model names, `numel`: their sizes).
+
+        RMS and RMS_t are computed in float32 from the summed sums, as
+        `probes.param_grad_stats` computes them for a whole gradient."""
+        n = torch.tensor(numel, dtype=torch.float32).clamp_min(1)
+        rms = (self.param("sum_g2").sum(0).float() / n).sqrt().tolist()
+        rms_t = (self.param("sum_g2_over_v").sum(0).float() / n).sqrt().tolist()
+        spikes = self.param("spikes").sum(0).tolist()
+        finite = self.param("finite").amin(0).tolist()
+        lse_rows = self.of("logit_rows")
+        lse = torch.where(lse_rows > 0, self.of("log_z") * lse_rows, 0.0)
+        return GradEvidence(
+            loss=float(self.of("loss").sum()),
+            total=self.total_norm(),
+            nonfinite=tuple(nm for nm, ok in zip(names, finite, strict=True) if not ok),
+            rms={to_ckpt(nm): r for nm, r in zip(names, rms, strict=True)},
+            rms_t={to_ckpt(nm): r for nm, r in zip(names, rms_t, strict=True) if math.isfinite(r)},
+            spikes={to_ckpt(nm): int(k) for nm, k in zip(names, spikes, strict=True) if k > 0},
+            sample_loss=tuple(self.per_row("loss")),
+            sample_grad_sq=tuple(self.per_row("grad_sq"))
+            if bool(self.of("has_grad_sq").all())
+            else None,
+            logit_absmax=float(self.of("logit_absmax").max()),
+            log_z=float(lse.sum() / lse_rows.sum()),
+            sample_tokens=tuple(int(x) for x in self.per_row("tokens")),
+        )
+
+
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The norm of these gradients (a rank's shards of them), as `clip_grad_norm_` takes it."""
+    return torch.nn.utils.get_total_norm(grads)
+
+
+def clip_grads(
+    params: list[torch.nn.Parameter], clip: float | None, total: float, like: torch.Tensor
+) -> None:
+    """Clip the gradients of `params` to `clip` (None: no limit) by their whole norm `total`
+    (`like`: the dtype and device `grad_norm` gave it), by torch's own rule: what
+    `torch.nn.utils.clip_grad_norm_` does once it has the norm."""
+    norm = torch.tensor(total, dtype=like.dtype, device=like.device)
+    torch.nn.utils.clip_grads_with_norm_(params, clip if clip else math.inf, norm)
+
+
+def gather(world: World, layout: Layout, flat: torch.Tensor) -> Gathered:
+    """Every rank's `flat` row, read back on the host: the step's one collective and its
+    one host read."""
+    return layout.unpack(world.gather(flat).cpu())

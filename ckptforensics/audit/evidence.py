@@ -485,7 +485,7 @@ def _optimizer(
     """Per tensor: the share of sqrt(v_hat) < eps; every parameter's weight decay; Adam's
     betas and eps; the LRs; the moments' dtype; the share of bf16 weight elements whose
     LR-sized update rounds away. One tensor and its state in memory at a time."""
-    from .checks import BF16_HALF_ULP
+    from .checks.rows import BF16_HALF_ULP
 
     opt = a.optimizer
     if opt is None:

@@ -1,6 +1,10 @@
 """Gather an audit's evidence from the run: the checkpoint and its optimizer state, the
 configuration it recorded, the training log, and one traced forward (and backward) pass on
-a batch of the run (random token ids where the run kept none)."""
+a batch of the run (random token ids where the run kept none).
+
+Over 400 lines: one `gather` over every source the audit's rows read, its readers sharing
+the open checkpoint and the recorded config.
+"""
 
 from __future__ import annotations
 

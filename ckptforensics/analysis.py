@@ -1,4 +1,8 @@
-"""The commands' library side: run the parts, merge findings, decide, assemble the report."""
+"""The commands' library side: run the parts, merge findings, decide, assemble the report.
+
+Over 400 lines: the library side of every command (run, merge, decide, assemble) over shared
+assembly helpers, already split off `api`.
+"""
 
 from __future__ import annotations
 

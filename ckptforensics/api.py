@@ -8,6 +8,9 @@ before it returns.
     rep = cf.replay("runs/x/step_30.pt", "runs/x/step_40.pt", batch="runs/x/batches.h5")
     rep.cause, rep.verdict["first_bad_step"]
     print(rep.to_markdown())
+
+Over 400 lines: one function per command, the surface `import ckptforensics` exposes, kept
+in one file so it reads as the table of contents; the work is in `analysis`.
 """
 
 from __future__ import annotations

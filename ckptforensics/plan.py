@@ -5,6 +5,9 @@ Every replay, bisect and what-if report carries a `plan` section (`plan_section`
 command replays the window and the mitigations the cause calls for first (`mitigations`), so
 that each change it proposes is marked verified by a what-if, with the replayed figures, or
 not replayed. `recovery` later checks the resumed run against the plan's `expect` block.
+
+Over 400 lines: the plan's parts (rollback, skips, changes, verification) read one another's
+results in order; each trainer's knowledge is in frameworks/ already.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Findings -> ranked causes, culprits and recommended actions (the report's `verdict`)."""
+"""Findings -> ranked causes, culprits and recommended actions (the report's `verdict`).
+
+Over 400 lines: `decide` is the verdict's one author, and its cause table, the replay's
+fields and the actions read one another; split, the ranking would be spread over files.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
 """Gather an audit's evidence from the run: the checkpoint and its optimizer state, the
 configuration it recorded, the training log, and one traced forward (and backward) pass on
-a batch of the run (random token ids where the run kept none)."""
+a batch of the run (random token ids where the run kept none).
+
+Over 400 lines: one `gather` over every source the audit's rows read, its readers sharing
+the open checkpoint and the recorded config.
+"""
 
 from __future__ import annotations
 
@@ -485,7 +489,7 @@ def _optimizer(
     """Per tensor: the share of sqrt(v_hat) < eps; every parameter's weight decay; Adam's
     betas and eps; the LRs; the moments' dtype; the share of bf16 weight elements whose
     LR-sized update rounds away. One tensor and its state in memory at a time."""
-    from .checks import BF16_HALF_ULP
+    from .checks.rows import BF16_HALF_ULP
 
     opt = a.optimizer
     if opt is None:

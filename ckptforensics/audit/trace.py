@@ -21,6 +21,10 @@ tensors flow where:
   projection's input is normalised (GPT-2, Llama);
 - the head is the first projection back from the logits; a tanh on that path is a
   soft-cap (Gemma 2); its weight being the token embedding's is weight tying.
+
+Over 400 lines: the trace, the autograd graph and the reader that turns them into an
+`Architecture` share one pass's private state (`_Trace`, `_Graph`, `_Reader`); split, those
+types would become API between modules.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""The read-only, lazy Checkpoint view every format reader provides, and its records."""
+"""The read-only, lazy Checkpoint view every format reader provides, and its records.
+
+Over 400 lines: the Checkpoint protocol and its records, the one seam every reader
+implements, kept together so the contract reads in one file.
+"""
 
 from __future__ import annotations
 

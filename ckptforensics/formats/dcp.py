@@ -1,5 +1,9 @@
 """torch.distributed.checkpoint directories (FSDP2, torchtitan, OLMo-core), read in one
-process without a process group, one tensor at a time, never the whole checkpoint."""
+process without a process group, one tensor at a time, never the whole checkpoint.
+
+Over 400 lines: one format's reader (metadata, lazy tensor reads, the optimizer's state);
+formats/ keeps one module per format.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """DeepSpeed ZeRO checkpoints (`global_stepN/`, `latest`): weights from the model states,
-Adam moments unflattened per parameter from the per-rank flat partitions, read lazily."""
+Adam moments unflattened per parameter from the per-rank flat partitions, read lazily.
+
+Over 400 lines: one format's reader (model states, flat partitions unflattened per
+parameter); formats/ keeps one module per format.
+"""
 
 from __future__ import annotations
 

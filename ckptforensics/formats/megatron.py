@@ -1,5 +1,9 @@
 """Megatron-LM checkpoints: legacy `iter_NNNNNNN/mp_rank_XX[_YYY]/model_optim_rng.pt`,
-and torch_dist (`iter_NNNNNNN/` = a DCP directory + `metadata.json` + `common.pt`)."""
+and torch_dist (`iter_NNNNNNN/` = a DCP directory + `metadata.json` + `common.pt`).
+
+Over 400 lines: one format's reader, both its layouts (legacy and torch_dist) and their
+arguments; formats/ keeps one module per format.
+"""
 
 from __future__ import annotations
 

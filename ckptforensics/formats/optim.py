@@ -1,4 +1,9 @@
-"""Map a torch optimizer state_dict (integer ids) onto parameter names, verified by shape."""
+"""Map a torch optimizer state_dict (integer ids) onto parameter names, verified by shape.
+
+Over 400 lines: one mapping, optimizer ids onto parameter names, whose family rules, shape
+matching and evidence-based settling share a dozen private helpers; split, they would become
+API between modules.
+"""
 
 from __future__ import annotations
 

@@ -20,6 +20,9 @@ monitor (record/monitor.py) writes a black box on an alarm and logs the replay c
         rec.after_step(step, optimizer, loss=loss, model=model)   # before scheduler.step()
         scheduler.step(); optimizer.zero_grad()
     rec.close()
+
+Over 400 lines: one `Recorder` whose hooks share its buffers and the batch-log layout; the
+trainer adapters are record/hf.py and record/lightning.py.
 """
 
 from __future__ import annotations

@@ -15,14 +15,14 @@ import torch
 
 from ckptforensics import fused
 from ckptforensics.diff import DiffConfig, diff_checkpoints
-from ckptforensics.diffstats import (
-    _Acc,
-    _moment_stats_fused,
-    _moment_stats_torch,
-    _Moments,
-    _Pair,
-    _Staging,
-    _weight_stats,
+from ckptforensics.diffstats.chunks import (
+    Acc,
+    Moments,
+    Pair,
+    Staging,
+    moment_stats_fused,
+    moment_stats_torch,
+    weight_stats,
 )
 from ckptforensics.formats import open_checkpoint
 
@@ -57,7 +57,7 @@ def _plant(x: torch.Tensor, case: str, g: torch.Generator) -> torch.Tensor:
     return x
 
 
-def _assert_same(acc_k: _Acc, acc_t: _Acc) -> None:
+def _assert_same(acc_k: Acc, acc_t: Acc) -> None:
     """Same sums (within REL) and maxima; a count one side leaves out is 0 (as the
     report reads it: the torch path adds non-finite counts of 0 after an overflow)."""
     for k in acc_k.sums.keys() | acc_t.sums.keys():
@@ -81,10 +81,10 @@ def test_weight_statistics_match_torch(dtype: torch.dtype, case: str, where: str
     else:
         b = _plant(b, case, g)
     a, b = a.to(dtype), b.to(dtype)
-    stage = _Staging("cpu")
-    acc_k, acc_t = _Acc(), _Acc()
-    dk = _weight_stats(_Pair(a, b, stage), KERNELS, acc_k)
-    dt = _weight_stats(_Pair(a, b, stage), None, acc_t)
+    stage = Staging("cpu")
+    acc_k, acc_t = Acc(), Acc()
+    dk = weight_stats(Pair(a, b, stage), KERNELS, acc_k)
+    dt = weight_stats(Pair(a, b, stage), None, acc_t)
     _assert_same(acc_k, acc_t)
     assert dk == dt
 
@@ -116,10 +116,10 @@ def test_moment_statistics_match_torch(dtype: torch.dtype, case: str, n: int) ->
     thr, eps, floor_k, c_mb = 0.9, 1e-8, 0.95**10 * (1 - 1.4e-5), 1.2
     ms = KERNELS.moments(*raw, stride=st, thr=thr, eps=eps, floor_k=floor_k, c_mb=c_mb)
     assert ms is not None
-    stage = _Staging("cpu")
-    acc_k, acc_t = _Acc(), _Acc()
-    _moment_stats_fused(ms, _Moments(raw, stage), acc_k)
-    _moment_stats_torch(_Moments(raw, stage), acc_t, st, thr, eps)
+    stage = Staging("cpu")
+    acc_k, acc_t = Acc(), Acc()
+    moment_stats_fused(ms, Moments(raw, stage), acc_k)
+    moment_stats_torch(Moments(raw, stage), acc_t, st, thr, eps)
     _assert_same(acc_k, acc_t)
     # The bound counts are torch's predicates, element for element.
     fa, fb, va32, vb32 = (t.float() for t in raw)
@@ -195,7 +195,7 @@ def test_staging_hands_out_copies_that_survive_the_next_chunk() -> None:
     """The device path's staging (`--device cuda` reads each chunk on the host into one
     buffer per stream; no GPU here, so its CPU form): a chunk handed out stays intact
     when the buffer is refilled with the next one."""
-    stage = _Staging("cpu", always=True)
+    stage = Staging("cpu", always=True)
     first = stage(torch.arange(8.0), 0)
     second = stage(torch.arange(8.0, 12.0), 0)
     assert first.tolist() == list(range(8)) and second.tolist() == [8.0, 9.0, 10.0, 11.0]

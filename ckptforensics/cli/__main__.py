@@ -1,0 +1,5 @@
+"""`python -m ckptforensics.cli`: the console script, for torchrun and for hosts without it."""
+
+from . import main
+
+main()

@@ -1,0 +1,134 @@
+"""What every command does around its one library call: library prints kept off stdout,
+a progress bar, --out checked before any work, and the verdict or JSON at the end."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, redirect_stdout
+from pathlib import Path
+from typing import Any
+
+import click
+
+__all__ = [
+    "command_line",
+    "count_tensors",
+    "echo_verdict",
+    "finish",
+    "not_rank_zero",
+    "output",
+    "progress",
+    "work",
+]
+
+
+@contextmanager
+def work(ctx: click.Context) -> Iterator[None]:
+    """The work of a command: anything a library prints (DeepSpeed's import-time
+    accelerator notice, say) goes to stderr, for stdout is the report (`--json`) and
+    nothing else. Failures are turned into one line by the group (`_Cli.invoke`)."""
+    with redirect_stdout(sys.stderr):
+        yield
+
+
+@contextmanager
+def progress(total: int, label: str, quiet: bool) -> Iterator[Callable[[str], None]]:
+    """A progress bar on stderr when it is a terminal (tqdm if installed); silent otherwise."""
+    if quiet or not sys.stderr.isatty():
+        yield lambda _name: None
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield lambda _name: None
+        return
+    bar = tqdm(total=total, desc=label, unit="tensor", file=sys.stderr, leave=False)
+    first = [True]
+
+    def step(name: str) -> None:
+        if not first[0]:
+            bar.update(1)
+        first[0] = False
+        bar.set_postfix_str(name[-40:], refresh=False)
+
+    try:
+        yield step
+    finally:
+        bar.close()
+
+
+@contextmanager
+def output(out: Path | None, inputs: list[Path], *, file: bool = False) -> Iterator[None]:
+    """--out, checked before any work: never inside an input checkpoint, and writable
+    (`report.prepare_out`: a file in the way, read-only, no room all fail here, in one
+    line). Directories made for it are removed again if the command then fails, so a
+    failed command leaves no trace in --out."""
+    if out is None:
+        yield
+        return
+    from ..report import check_outside, prepare_out, remove_made
+
+    check_outside(out, inputs)
+
+    made = prepare_out(out, file=file)
+    try:
+        yield
+    except BaseException:
+        remove_made(made)
+        raise
+
+
+def not_rank_zero() -> bool:
+    from ..shard import dist_world
+
+    return dist_world()[0] != 0
+
+
+def command_line(name: str) -> str:
+    return "ckptforensics " + " ".join(sys.argv[1:]) if sys.argv[1:] else f"ckptforensics {name}"
+
+
+def count_tensors(path: Path, fmt: str | None) -> int:
+    """Tensors to stream (for the progress bar); 0 when unknown."""
+    if not sys.stderr.isatty():
+        return 0
+    from ..formats import open_checkpoint
+
+    with open_checkpoint(path, fmt) as ck:
+        return len(ck.names())
+
+
+def finish(
+    ctx: click.Context,
+    doc: dict[str, Any],
+    findings: list[Any],
+    as_json: bool,
+    written: list[Path],
+    strict: bool,
+    fail_on: str,
+) -> None:
+    from ..detectors import SEVERITIES
+    from ..report import to_json
+
+    if as_json:
+        click.echo(to_json(doc), nl=False)
+    else:
+        echo_verdict(doc)
+        for p in written:
+            click.echo(f"wrote {p}")
+    if strict:
+        floor = SEVERITIES.index(fail_on)
+        if any(SEVERITIES.index(f.severity) >= floor for f in findings):
+            ctx.exit(1)
+
+
+def echo_verdict(doc: dict[str, Any]) -> None:
+    v = doc["verdict"]
+    click.echo(v["summary"])
+    causes = ", ".join(f"{c['cause']} ({c['confidence']:.0%})" for c in v["causes"])
+    click.echo(f"causes: {causes}")
+    for f in doc["findings"][:8]:
+        click.echo(f"  [{f['severity']}] {f['id']} {f['kind']}: {f['message']}")
+    if len(doc["findings"]) > 8:
+        click.echo(f"  ... {len(doc['findings']) - 8} more findings in the report")

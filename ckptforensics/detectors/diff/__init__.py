@@ -1,0 +1,70 @@
+"""Detectors over a checkpoint diff (weights and Adam moments of a pair): each a pure
+function `(DiffResult, Thresholds) -> list[Finding]`, registered in `DIFF_DETECTORS`.
+
+One module per kind of evidence: `elements` (elements past the optimizer's bound, non-finite,
+at their dtype's range), `magnitude` (how far the step moved each tensor), `state` (the
+optimizer's and trainer's state across the pair)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ...diff import DiffResult
+from ..base import Finding, Thresholds, with_id
+from .elements import detect_corruption, detect_dtype_range, detect_nonfinite
+from .magnitude import (
+    detect_gradient_burst,
+    detect_lr,
+    detect_sign_like,
+    detect_update_ratio,
+    detect_vanished_burst,
+)
+from .state import (
+    detect_optimizer_state_lost,
+    detect_scaler_reset,
+    detect_scheduler_restart,
+    detect_skipped_steps,
+)
+
+__all__ = ["DIFF_DETECTORS", "diff_findings"]
+
+
+def diff_findings(diff: DiffResult, th: Thresholds | None = None) -> list[Finding]:
+    """Every detector that needs no replay, over one diff; ids assigned in order."""
+    th = th or Thresholds()
+    raw: list[Finding] = []
+    for det in DIFF_DETECTORS:
+        raw.extend(det(diff, th))
+    if diff.pair.weights_only:
+        raw.append(
+            Finding(
+                "",
+                "weights_only",
+                "run",
+                1.0,
+                "info",
+                {},
+                "no optimizer state in the pair: weights compared among peers only, no update checked against Adam's bounds",
+                "docs/signatures.md#adam-update-bound",
+                (),
+            )
+        )
+    return [with_id(f, i + 1) for i, f in enumerate(raw)]
+
+
+DiffDetector = Callable[[DiffResult, Thresholds], list[Finding]]
+# Every detector over a diff, in the order its findings are numbered.
+DIFF_DETECTORS: tuple[DiffDetector, ...] = (
+    detect_corruption,
+    detect_nonfinite,
+    detect_dtype_range,
+    detect_skipped_steps,
+    detect_lr,
+    detect_update_ratio,
+    detect_gradient_burst,
+    detect_vanished_burst,
+    detect_sign_like,
+    detect_optimizer_state_lost,
+    detect_scheduler_restart,
+    detect_scaler_reset,
+)

@@ -27,7 +27,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ckptforensics.replay.probes import ModuleProbe, param_grad_stats  # noqa: E402
+from ckptforensics.replay.probes import (  # noqa: E402
+    ModuleProbe,
+    param_grad_stats,
+    param_grad_table,
+)
 from ckptforensics.replay.samples import PerSampleGrad, per_token_loss  # noqa: E402
 from fixtures.tinygpt import GPT, GPTConfig  # noqa: E402
 
@@ -75,6 +79,7 @@ def main() -> None:
         n_embd=args.width,
     )
     base = GPT(cfg)
+    n_params = sum(1 for _ in base.parameters())
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))
 
     def copy() -> GPT:
@@ -100,8 +105,9 @@ def main() -> None:
     m_samples = copy()
     variants.append(("probes + per-sample gradient shares", with_samples(m_samples, stepper)))
     variants.append(
-        ("probes + shares + per-parameter RMS_t / SPAM", with_param_stats(copy(), stepper))
+        ("probes + shares + per-parameter RMS_t / SPAM", with_param_stats(copy(), stepper, True))
     )
+    variants.append((PER_PARAM_OLD, with_param_stats(copy(), stepper, False)))
     try:
         from transformers.debug_utils import DebugUnderflowOverflow
 
@@ -129,6 +135,7 @@ def main() -> None:
     without_attention = r["ckptforensics probes, no attention watch"]
     with_samples_r = r["probes + per-sample gradient shares"]
     everything = r["probes + shares + per-parameter RMS_t / SPAM"]
+    per_param_old = r[PER_PARAM_OLD]
     lines = [
         f"### replay_overhead — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs, torch {torch.__version__})",
         "",
@@ -144,6 +151,10 @@ def main() -> None:
         f"the attention watch's share: {with_probes - without_attention:.2f}× plain",
         f"- per-sample shares: {with_samples_r / with_probes:.2f}× the probed backward they ride on, {with_samples_r:.2f}× plain (target ≤ 2×) → {'met' if with_samples_r <= 2 else 'NOT met'}",
         f"- everything a replayed step measures: {everything:.2f}× plain (target ≤ 1.2×) → {'met' if everything <= 1.2 else 'NOT met'}; plain step {plain:.3f} s",
+        f"- the per-parameter stage (RMS, RMS_t, SPAM counts, finite check of {n_params} gradients; `param_grad_table`'s foreach ops): "
+        f"{everything - with_samples_r:+.2f}× plain ({(everything - with_samples_r) * plain * 1e3:+.0f} ms); "
+        f"one call per parameter, as session.py still calls it: {per_param_old - with_samples_r:+.2f}× plain "
+        f"({(per_param_old - with_samples_r) * plain * 1e3:+.0f} ms), everything then {per_param_old:.2f}×",
         "",
     ]
     text = "\n".join(lines)
@@ -185,11 +196,17 @@ def with_samples(model: GPT, stepper: Callable[[GPT], Callable[[], None]]) -> Ca
     return run
 
 
+PER_PARAM_OLD = "probes + shares + per-parameter, one call per parameter (session.py now)"
+
+
 def with_param_stats(
-    model: GPT, stepper: Callable[[GPT], Callable[[], None]]
+    model: GPT, stepper: Callable[[GPT], Callable[[], None]], table: bool
 ) -> Callable[[], None]:
-    """What a replayed step adds after backward: RMS, RMS_t and SPAM counts of every
-    parameter against a real AdamW state, read to the host in one transfer."""
+    """What a replayed step adds after backward: RMS, RMS_t, SPAM counts and the finite
+    check of every parameter against a real AdamW state, read to the host in one transfer:
+    with `table`, `param_grad_table` (foreach ops over all of them); else one
+    `param_grad_stats` and one `isfinite(g).all()` per parameter (session.py's
+    `_gradients` today)."""
     run_samples = with_samples(model, stepper)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     stepper(model)()
@@ -199,6 +216,14 @@ def with_param_stats(
     def run() -> None:
         run_samples()
         params = [p for p in model.parameters() if p.grad is not None]
+        if table:
+            param_grad_table(
+                [p.grad for p in params],
+                [opt.state[p] for p in params],
+                [groups[id(p)] for p in params],
+            ).cpu()
+            return
+        torch.stack([torch.isfinite(p.grad).all() for p in params]).cpu()
         torch.stack([param_grad_stats(p.grad, opt.state[p], groups[id(p)]) for p in params]).cpu()
 
     return run

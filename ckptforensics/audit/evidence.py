@@ -427,7 +427,7 @@ def _rms_t(
     if source.startswith("random") or a.optimizer is None or a.optimizer.kind != "adam":
         return {}
     from ..replay.model import build_optimizer
-    from ..replay.probes import param_grad_stats
+    from ..replay.probes import param_grad_table
     from ..replay.samples import per_token_loss
 
     try:
@@ -446,10 +446,14 @@ def _rms_t(
     if not with_grad:
         return {}
     table = (
-        torch.stack([param_grad_stats(p.grad, opt.state[p], group[id(p)]) for _, p in with_grad])
+        param_grad_table(
+            [p.grad for _, p in with_grad],
+            [opt.state[p] for _, p in with_grad],
+            [group[id(p)] for _, p in with_grad],
+        )
         .cpu()
         .tolist()
-    )  # one sync
+    )
     model.zero_grad(set_to_none=True)
     return {
         to_ckpt(n): row[1]

@@ -125,6 +125,57 @@ def _stats(x: torch.Tensor, with_subnormal: bool) -> torch.Tensor:
     )
 
 
+# One hook call's measurement: (module row, elements, L2 norm, min, max, subnormal share or None).
+_Norms = tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _norms(
+    x: torch.Tensor, subnormal: bool = True
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(elements, L2 norm in fp32, min, max, subnormal share) of a tensor in two reductions
+    (both propagate NaN / inf; aminmax, not the inf-norm, which is ten times slower on CPU),
+    on its device; the subnormal share only for fp16 / bf16 tensors."""
+    n = x.numel()
+    if n == 0:
+        z = torch.zeros((), device=x.device)
+        return 0, z, z, z, None
+    l2 = torch.linalg.vector_norm(x, dtype=torch.float32)
+    lo, hi = torch.aminmax(x)
+    sub = (
+        ((x.abs() < torch.finfo(x.dtype).tiny) & (x != 0)).sum().float() / n
+        if subnormal and x.dtype in (torch.float16, torch.bfloat16)
+        else None
+    )
+    return n, l2, lo, hi, sub
+
+
+def _rows(pending: list[_Norms], backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(module rows, their table rows) from the hooks' measurements, in a few ops over all
+    of them: forward rows are `FWD_STATS` (`_stats`' figures), backward rows `BWD_STATS`
+    (grad norm, max |g|, non-finite flag). A module measured twice keeps its last call."""
+    last = {e[0]: k for k, e in enumerate(pending)}
+    keep = [pending[k] for k in sorted(last.values())]
+    idx = torch.tensor([e[0] for e in keep], dtype=torch.long)
+    l2 = torch.stack([e[2] for e in keep])
+    lo = torch.stack([e[3].float() for e in keep])
+    hi = torch.stack([e[4].float() for e in keep])
+    top = torch.maximum(-lo, hi)
+    nonfinite = (~torch.isfinite(top)).float()
+    if backward:
+        return idx, torch.stack([l2, top, nonfinite], 1)
+    root_n = torch.tensor([math.sqrt(max(e[1], 1)) for e in keep], device=l2.device)
+    subs = [e[5] for e in keep]
+    sub = (
+        torch.stack([s if s is not None else top.new_zeros(()) for s in subs])
+        if any(s is not None for s in subs)
+        else torch.zeros_like(top)
+    )
+    rows = torch.stack(
+        [top, l2 / root_n, nonfinite, (top > _FP16_MAX).float(), (top > _BF16_MAX).float(), sub], 1
+    )
+    return idx, rows
+
+
 def _as4(t: torch.Tensor) -> torch.Tensor:
     """[..., T, D] -> [B, H, T, D] (SDPA takes any leading dims; heads are dim -3)."""
     if t.dim() == 4:
@@ -224,6 +275,9 @@ _SOFTMAX = (
 )
 
 
+_WATCHED = frozenset((F.scaled_dot_product_attention, *_SOFTMAX))
+
+
 def _softmax_input(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The logits of a softmax over the last dim of a 4-D tensor (eager attention), else None."""
     if func not in _SOFTMAX or not args or not isinstance(args[0], torch.Tensor):
@@ -253,6 +307,8 @@ class AttentionWatch(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func not in _WATCHED:  # every other torch call of the forward: straight through
+            return out
         if func is F.scaled_dot_product_attention:
             q, k = args[0], args[1] if len(args) > 1 else kwargs["key"]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
@@ -270,8 +326,9 @@ class AttentionWatch(TorchFunctionMode):
 
 class ModuleProbe:
     """Forward hooks on every named module, a gradient hook on each output, and an
-    `AttentionWatch` around the model's forward pass (its attention calls' logit statistics,
-    attributed to the module that ran them on the first pass)."""
+    `AttentionWatch` (its attention calls' logit statistics, attributed to the module that
+    ran them on the first pass, which watches the whole forward; later passes watch only
+    the modules that ran attention, and map again if the count of calls changes)."""
 
     def __init__(
         self,
@@ -298,6 +355,10 @@ class ModuleProbe:
         self.shared: dict[int, torch.Tensor] = {}
         self.fwd_order: list[int] = []
         self.bwd_order: list[int] = []
+        # What the hooks measured, written to the tables at `collect` (`_flush`): a few
+        # device scalars per call, so a hook costs two reductions, not a dozen small ops.
+        self._pending_fwd: list[_Norms] = []
+        self._pending_bwd: list[_Norms] = []
         # With activation checkpointing a block's modules run again in the backward pass:
         # only their first call in a pass is recorded.
         self.once = False
@@ -318,6 +379,14 @@ class ModuleProbe:
         self._stack: list[str] = []
         self._stack_handles: list[Any] = []
         self._watching = False
+        # Once the first pass has mapped which modules run attention, the watch (a torch
+        # function mode: a Python call for every torch call it sees) is entered around
+        # those modules only, not the whole forward; the whole forward is watched on a
+        # mapping pass, or when an attention call ran outside every named module.
+        self._whole = False
+        self._scope: frozenset[str] = frozenset()
+        self._scope_handles: list[Any] = []
+        self._depth = 0
         self._logits = torch.full((2,), float("nan"), device=device)  # [sum of logits, count]
         if self.watch is not None:
             self._handles.append(model.register_forward_pre_hook(self._enter))
@@ -342,12 +411,49 @@ class ModuleProbe:
         self.watch.rows.clear()
         self.watch.sites.clear()
         self._watching = True
-        self.watch.__enter__()
+        self._whole = self._mapping or not self._scoped()
+        if self._whole:
+            self.watch.__enter__()
+
+    def _scoped(self) -> bool:
+        """Whether this pass watches the mapped attention modules only (hooks on them
+        installed as needed)."""
+        mods = self.attn_modules or ()
+        if "" in mods:
+            return False
+        scope = frozenset(mods)
+        if scope != self._scope:
+            for h in self._scope_handles:
+                h.remove()
+            self._scope_handles.clear()
+            for n, mod in self.model.named_modules():
+                if n in scope:
+                    self._scope_handles.append(mod.register_forward_pre_hook(self._scope_in))
+                    self._scope_handles.append(
+                        mod.register_forward_hook(self._scope_out, always_call=True)
+                    )
+            self._scope = scope
+        return True
+
+    def _scope_in(self, module: nn.Module, args: object) -> None:
+        if self._watching and not self._whole and self.watch is not None:
+            if self._depth == 0:
+                self.watch.__enter__()
+            self._depth += 1
+
+    def _scope_out(self, module: nn.Module, args: object, out: object) -> None:
+        if self._depth > 0 and self.watch is not None:
+            self._depth -= 1
+            if self._depth == 0:
+                self.watch.__exit__(None, None, None)
 
     def _leave(self, module: nn.Module, args: object, out: object) -> None:
         if not self._watching or self.watch is None:
             return
-        self.watch.__exit__(None, None, None)
+        if self._whole or self._depth > 0:
+            self.watch.__exit__(None, None, None)
+        self._depth = 0
+        self._whole = False
         self._watching = False
         logits = logits_of(out)
         if logits is not None and logits.is_floating_point():
@@ -386,9 +492,7 @@ class ModuleProbe:
                 return
             if self._mapping:
                 self._shapes[i] = tuple(t.shape)
-            self.fwd[i] = _stats(
-                t.detach(), with_subnormal=t.dtype in (torch.float16, torch.bfloat16)
-            )
+            self._pending_fwd.append((i, *_norms(t.detach())))
             if self.count is not None:
                 self.count[i] = t.numel()
             if self.once:
@@ -406,9 +510,7 @@ class ModuleProbe:
         def hook(g: torch.Tensor) -> None:
             if shared:
                 self.shared[i] = g.detach().float().clone()
-            st = _stats(g.detach(), with_subnormal=False)
-            # grad_norm = rms * sqrt(n); absmax; non-finite flag.
-            self.bwd[i] = torch.stack([st[1] * math.sqrt(max(g.numel(), 1)), st[0], st[2]])
+            self._pending_bwd.append((i, *_norms(g.detach(), subnormal=False)))
             self.bwd_order.append(i)
 
         return hook
@@ -416,6 +518,8 @@ class ModuleProbe:
     def reset(self) -> None:
         self.fwd.fill_(float("nan"))
         self.bwd.fill_(float("nan"))
+        self._pending_fwd.clear()
+        self._pending_bwd.clear()
         if self.count is not None:
             self.count.zero_()
         self.shared.clear()
@@ -425,6 +529,18 @@ class ModuleProbe:
         if self.watch is not None:
             self.watch.rows.clear()
         self._logits = torch.full((2,), float("nan"), device=self.device)
+
+    def _flush(self) -> None:
+        """The hooks' pending measurements into the tables (`_rows`); a module that ran
+        more than once in the pass keeps its last call's row, as each call overwrote it."""
+        if self._pending_fwd:
+            idx, rows = _rows(self._pending_fwd, backward=False)
+            self.fwd[idx.to(self.fwd.device)] = rows.to(self.fwd.device)
+            self._pending_fwd.clear()
+        if self._pending_bwd:
+            idx, rows = _rows(self._pending_bwd, backward=True)
+            self.bwd[idx.to(self.bwd.device)] = rows.to(self.bwd.device)
+            self._pending_bwd.clear()
 
     def _attn_table(self) -> torch.Tensor:
         """[L, Hmax, 3] of the pass's attention calls (NaN past a call's heads)."""
@@ -440,6 +556,7 @@ class ModuleProbe:
     def collect(self) -> PassStats:
         """The pass's tables, read to the host in one transfer (under torchrun, every rank's
         tables merged after one collective)."""
+        self._flush()
         attn = self._attn_table()
         fwd, bwd, attn, logits = (
             (self.fwd, self.bwd, attn, self._logits) if self.ranks is None else self._merged(attn)
@@ -540,13 +657,15 @@ class ModuleProbe:
         return fwd.float(), bwd.float(), att.float(), logits.float()
 
     def remove(self) -> None:
-        if self._watching and self.watch is not None:
+        if self._watching and self.watch is not None and (self._whole or self._depth > 0):
             self.watch.__exit__(None, None, None)
-            self._watching = False
-        for h in self._handles + self._stack_handles:
+        self._watching, self._whole, self._depth = False, False, 0
+        for h in self._handles + self._stack_handles + self._scope_handles:
             h.remove()
         self._handles.clear()
         self._stack_handles.clear()
+        self._scope_handles.clear()
+        self._scope = frozenset()
 
 
 def param_grad_stats(grad: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
@@ -581,3 +700,88 @@ def param_grad_sums(grad: torch.Tensor, state: dict, group: dict) -> torch.Tenso
         v.float().add(eps * eps / c)
     )  # g2 is our own temporary; r = c g^2 / (v_hat + eps^2)
     return torch.stack([total, r.sum() / c, (r > 5000).sum().float()])
+
+
+# Elements of gradient one `param_grad_table` chunk converts to fp32 temporaries at a time
+# (two of them: 512 MiB), so the foreach pass never holds a second copy of every gradient.
+_PARAM_CHUNK = 1 << 26
+
+
+def param_grad_table(
+    grads: list[torch.Tensor], states: list[dict], groups: list[dict], sums: bool = False
+) -> torch.Tensor:
+    """`param_grad_stats` of every parameter at once, and whether its gradient is finite:
+    [P, 4] = [RMS(g), RMS_t, SPAM spike count, finite (1 / 0)] on the gradients' device
+    (`sums`: `param_grad_sums`' [sum g^2, sum g^2 / v_hat, spikes] instead of the first
+    three, for ranks to add up). The same figures as one call per parameter, within float
+    rounding, in a dozen `torch._foreach_*` ops over chunks of the parameters instead of a
+    dozen ops per parameter; one host read screens for the rare gradient that holds a
+    NaN or an overflow, whose parameters are then counted one by one.
+    """
+    if not grads:
+        return torch.zeros(0, 4)
+    dev = grads[0].device
+    g = [x.detach() for x in grads]
+    g = [x.to_local() if hasattr(x, "to_local") else x for x in g]
+    adam: dict[int, tuple[torch.Tensor, float, float]] = {}  # index -> (v, eps^2 / c, c)
+    for k, (st, grp) in enumerate(zip(states, groups, strict=True)):
+        v = st.get("exp_avg_sq")
+        if v is None or float(st.get("step", 0)) <= 0 or "betas" not in grp:
+            continue
+        v = v.to_local() if hasattr(v, "to_local") else v
+        c = 1.0 / (1 - grp["betas"][1] ** float(st["step"]))
+        adam[k] = (v, grp["eps"] * grp["eps"] / c, c)
+    # [sum g^2, sum g^2 / v_hat, spikes] per parameter: NaN / 0 without Adam state, zeros
+    # for an empty gradient; filled a chunk of parameters at a time.
+    table = torch.zeros(len(g), 4, device=dev)
+    table[:, 1] = math.nan
+    table[list(adam), 1] = 0.0
+    plain = [k for k in range(len(g)) if k not in adam and g[k].numel()]
+    for part in _chunked(plain, g):
+        gf = [g[k].float() for k in part]
+        table[part, 0] = torch.stack(torch._foreach_norm(torch._foreach_mul(gf, gf), 1))
+    for part in _chunked([k for k in adam if g[k].numel()], g):
+        gf = [g[k].float() for k in part]
+        g2 = torch._foreach_mul(gf, gf)
+        sq = torch._foreach_norm(g2, 1)
+        denom = torch._foreach_add([adam[k][0].float() for k in part], [adam[k][1] for k in part])
+        torch._foreach_div_(g2, denom)  # r = c g^2 / (v_hat + eps^2)
+        rs = torch._foreach_norm(g2, 1)
+        # Spikes: sign(max(r - 5000, 0)) is 1 where r > 5000, else 0 (r - 5000 is exact
+        # near 5000), NaN where r is: such a count is redone below.
+        torch._foreach_sub_(g2, 5000.0)
+        torch._foreach_clamp_min_(g2, 0.0)
+        torch._foreach_sign_(g2)
+        count = torch._foreach_norm(g2, 1)
+        cs = torch.tensor([adam[k][2] for k in part], device=dev)
+        table[part, :3] = torch.stack(
+            [torch.stack(sq), torch.stack(rs) / cs, torch.stack(count)], 1
+        )
+    # One read: a NaN spike count (an element of r is NaN) is counted again, and a sum of
+    # g^2 that is not finite (a non-finite element, or a finite one whose square
+    # overflows) is checked element by element; every other gradient is finite.
+    table[:, 3] = 1.0
+    screen = table[:, [2, 0]].cpu().tolist()
+    for k, (count, total) in enumerate(screen):
+        if math.isnan(count):
+            table[k, 2] = param_grad_sums(g[k], states[k], groups[k])[2]
+        if not math.isfinite(total):
+            table[k, 3] = torch.isfinite(g[k]).all().float()
+    if not sums:
+        n = torch.tensor([float(max(x.numel(), 1)) for x in g], device=dev)
+        table[:, 0] = (table[:, 0] / n).sqrt()
+        table[:, 1] = (table[:, 1] / n).sqrt()
+    return table
+
+
+def _chunked(ks: list[int], g: list[torch.Tensor]) -> list[list[int]]:
+    """`ks` in runs of at most `_PARAM_CHUNK` elements of gradient (a larger one alone)."""
+    out: list[list[int]] = []
+    size = 0
+    for k in ks:
+        if not out or size + g[k].numel() > _PARAM_CHUNK:
+            out.append([])
+            size = 0
+        out[-1].append(k)
+        size += g[k].numel()
+    return out

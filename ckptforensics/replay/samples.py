@@ -83,6 +83,17 @@ def row_data_stats(ids: np.ndarray, others: np.ndarray) -> list[RowStats]:
     return out
 
 
+@dataclass(slots=True, eq=False)
+class _Input:
+    """A linear layer's input in one pass: [B, T, in] in fp32, its [B, T, T] Gram matrix
+    once a gradient asked for it, and the linears whose gradients have yet to use it."""
+
+    src: torch.Tensor
+    x: torch.Tensor
+    gram: torch.Tensor | None = None
+    consumers: int = 0
+
+
 class PerSampleGrad:
     """Per-sample squared gradient norms of every nn.Linear, from one batched backward.
 
@@ -95,6 +106,10 @@ class PerSampleGrad:
     def __init__(self, model: nn.Module) -> None:
         self.sq: torch.Tensor | None = None
         self.enabled = False
+        # Linears fed the same input tensor (q/k/v, gate/up) share its Gram matrix: keyed
+        # by the input's id, with the input kept so the id stays its own; dropped once
+        # every consumer's gradient has used it (or at `reset`).
+        self._inputs: dict[int, _Input] = {}
         self._handles = [
             m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, nn.Linear)
         ]
@@ -102,28 +117,38 @@ class PerSampleGrad:
     def _hook(self, mod: nn.Linear, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
         if not self.enabled or not out.requires_grad:
             return
-        x = args[0].detach()
-        if x.dim() == 2:
-            x = x.unsqueeze(1)
-        x = x.reshape(x.shape[0], -1, x.shape[-1]).float()
+        src = args[0]
+        entry = self._inputs.get(id(src))
+        if entry is None or entry.src is not src:
+            x = src.detach()
+            if x.dim() == 2:
+                x = x.unsqueeze(1)
+            entry = _Input(src, x.reshape(x.shape[0], -1, x.shape[-1]).float())
+            self._inputs[id(src)] = entry
+        entry.consumers += 1
+        x = entry.x
 
         def grad_hook(g: torch.Tensor) -> None:
             gg = g.detach().reshape(x.shape[0], -1, g.shape[-1]).float()
             t, fin, fout = x.shape[1], x.shape[2], gg.shape[2]
             if t * t <= fin * fout:
-                val = (torch.bmm(gg, gg.transpose(1, 2)) * torch.bmm(x, x.transpose(1, 2))).sum(
-                    (1, 2)
-                )
+                if entry.gram is None:
+                    entry.gram = torch.bmm(x, x.transpose(1, 2))
+                val = (torch.bmm(gg, gg.transpose(1, 2)) * entry.gram).sum((1, 2))
             else:
                 val = torch.einsum("bto,bti->boi", gg, x).pow(2).sum((1, 2))
             if mod.bias is not None:
                 val = val + gg.sum(1).pow(2).sum(1)
             self.sq = val if self.sq is None else self.sq + val
+            entry.consumers -= 1
+            if entry.consumers <= 0 and self._inputs.get(id(entry.src)) is entry:
+                del self._inputs[id(entry.src)]
 
         out.register_hook(grad_hook)
 
     def reset(self) -> None:
         self.sq = None
+        self._inputs.clear()
 
     def remove(self) -> None:
         for h in self._handles:

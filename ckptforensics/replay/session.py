@@ -29,7 +29,7 @@ from .model import (
     padding_rows_trained,
     trainer_loss_norm,
 )
-from .probes import ModuleProbe, PassStats, param_grad_sums
+from .probes import ModuleProbe, PassStats, param_grad_table
 from .records import GradEvidence, ReplayConfig, StepRecord, local_state, local_tensor
 from .samples import PerSampleGrad, per_token_loss
 
@@ -377,15 +377,14 @@ class Session:
         with_grad = [(n, p) for n, p in self.params if p.grad is not None]
         grads = [local_tensor(p.grad) for _, p in with_grad]
         norm = gr.grad_norm(grads)
-        sums = [
-            torch.cat(
-                [
-                    param_grad_sums(g, local_state(self.opt.state.get(p)), self._group_of[id(p)]),
-                    torch.isfinite(g).all().float().reshape(1),
-                ]
-            )
-            for (_, p), g in zip(with_grad, grads, strict=True)
-        ]
+        # [sum g^2, sum g^2 / v_hat, spikes, finite] per parameter in a dozen foreach ops
+        # (one op per parameter each cost 2x as much at 32 layers: bench/RESULTS.md#replay-step)
+        sums = param_grad_table(
+            grads,
+            [local_state(self.opt.state.get(p)) for _, p in with_grad],
+            [self._group_of[id(p)] for _, p in with_grad],
+            sums=True,
+        ).to(self.device)
         layout = gr.Layout(pad=-(-rows // self.ranks.world), params=len(with_grad))
         sq = self.psg.sq
         n = per_sample.shape[0]
@@ -404,7 +403,7 @@ class Session:
                 "grad_sq": sq if sq is not None else per_sample.new_zeros(n),
                 "tokens": self.row_tokens,
             },
-            params=torch.stack(sums) if sums else torch.zeros(0, len(gr.PARAM), device=self.device),
+            params=sums,
         )
         every = gr.gather(self.ranks, layout, mine)
         ev = every.evidence(

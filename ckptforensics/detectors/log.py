@@ -30,6 +30,7 @@ from ..stats import (
     biweight_change,
     expected_exceedances,
     family_alpha,
+    family_z,
     log_curve,
     loss_follows,
     recurrence_period,
@@ -1162,6 +1163,70 @@ def held_rise(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
 # grad norm was logged. A loss logged from one rank's micro-batch blips where the gradient,
 # averaged over all ranks, does not move; a fault moves both and stays.
 SHIFT_ALPHA = 0.01
+# Ranks say whether the steps after sit above those before, not by how much, and they assume
+# independent steps: a healthy log whose heavy tail comes in bursts, or whose loss wanders
+# slowly (autocorrelated), ranks a quiet stretch under a noisy one though its level hardly
+# moved (tuning draw 388: p 2.6e-5 on the loss, 9.6e-3 on the grad norm, for a median 0.8
+# noise units up). So the level must move too: the median of the CURVE_SHORT steps from the
+# start at least SHIFT_EFFECT noise units above that of the 2 x CURVE_SHORT before it, where
+# the unit is the log's own, the trend rule's: the robust spread of the loss about its trend's
+# one-step-ahead level over the CURVE_WINDOW steps before the window, floored at CURVE_FLOOR
+# (`_shift_effect`). One unit: a level that moved by less than one step's noise is what
+# the log does on its own (every held shift the rank test finds at a fault of the tuning
+# draws 100-429 moved 2.2 units or more); a shift under one unit is left to the trend rules.
+SHIFT_EFFECT = 1.0
+# And the move must be extreme against the log's own history: the same move (the median of
+# CURVE_SHORT steps less that of the 2 x CURVE_SHORT before them) at every earlier start whose
+# window ends before this one's begins, over the trend's window of them, is the null of a log
+# that drifts: a slowly wandering (autocorrelated) loss moves its windows' medians by far more
+# than independent steps would, and Mann-Whitney, which assumes independent steps, reads that
+# as a shift. The candidate's robust z against them (their median and robust spread) must
+# reach the Sidak level of SHIFT_ALPHA over the windows tested (stats.family_z): the same
+# correction the rank test's level has (draw 388: z 3.7 against 4.0; the held shifts at the
+# tuning draws' faults 4.6 or more; an AR(1) drift of a log's level with its grad norm, the
+# unit tests' class, passes the ranks and often the effect). A log with fewer than SHIFT_HISTORY such windows has
+# no history to set a null by, and is judged by the rank test and the effect alone.
+SHIFT_HISTORY = 2 * CURVE_SHORT
+
+
+def _window_moves(ev: LogEvidence) -> np.ndarray:
+    """The move of the loss's level (log10) at every index i >= 2 x CURVE_SHORT: the median of
+    the CURVE_SHORT steps from i less that of the 2 x CURVE_SHORT before it (NaN where the
+    windows do not fit, or a NaN loss sits on both sides)."""
+    k, h = CURVE_SHORT, 2 * CURVE_SHORT
+    x = log_curve(ev.loss.values)
+    out = np.full(x.size, np.nan)
+    with np.errstate(invalid="ignore"):
+        for i in range(h, x.size - k + 1):
+            out[i] = np.median(x[i : i + k]) - np.median(x[i - h : i])
+    return out
+
+
+def _shift_effect(
+    ev: LogEvidence, starts: np.ndarray, window: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """How far the loss's level moves at each window start (`_window_moves`): in the log's
+    noise units (over the robust spread of the loss about its trend's level over the `window`
+    steps before it, floored at CURVE_FLOOR, and the floor where fewer than 3 are known),
+    and as a robust z against the same move at the earlier starts whose windows end before
+    it begins (the last `window` of them; +inf with fewer than SHIFT_HISTORY)."""
+    k = CURVE_SHORT
+    x = log_curve(ev.loss.values)
+    moves = _window_moves(ev)
+    with np.errstate(invalid="ignore"):
+        resid = x - log_curve(ev.loss.level)  # not finite where the trend had not judged yet
+    units, zs = np.empty(starts.size), np.full(starts.size, math.inf)
+    for n, i in enumerate(starts):
+        unit = robust_sigma(resid[max(0, i - window) : i])
+        unit = max(unit, CURVE_FLOOR) if math.isfinite(unit) else CURVE_FLOOR
+        units[n] = moves[i] / unit
+        past = moves[max(0, i - k + 1 - window) : i - k + 1]
+        past = past[np.isfinite(past)]
+        spread = robust_sigma(past)
+        if past.size >= SHIFT_HISTORY and spread > 0:
+            zs[n] = (moves[i] - float(np.median(past))) / spread
+    # A NaN loss on both sides of a start moves nothing measurable: left to the ranks.
+    return np.nan_to_num(units, nan=math.inf), np.nan_to_num(zs, nan=math.inf)
 
 
 def _shift_p(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -1210,6 +1275,8 @@ def held_shift(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     else:
         p_grad, p, passed = np.full(starts.size, math.nan), p_loss, p_loss < level
         how = "(no grad norm logged)"
+    effect, past_z = _shift_effect(ev, starts, cfg.window)
+    passed &= (effect >= SHIFT_EFFECT) & (past_z >= family_z(int(starts.size), SHIFT_ALPHA))
     if not passed.any():
         return []
     first = int(np.argmax(passed))
@@ -1227,7 +1294,8 @@ def held_shift(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     )
     msg = (f"loss from step {s} ({v:.4g}) sits above the {h} steps before it (median {before:.4g}) for {k} steps, {how}: "
            f"Mann-Whitney p {p_loss[j]:.1e} (loss), {p_grad[j]:.1e} (grad norm), together {p[j]:.1e} < {level:.1e} "
-           f"(1% over the {starts.size} windows tested, Sidak){moved}")  # fmt: skip
+           f"(1% over the {starts.size} windows tested, Sidak); its median {effect[j]:.1f} noise units up "
+           f"(>= {SHIFT_EFFECT:g}){moved}")  # fmt: skip
     return [Onset(s, "loss", v, before, math.inf, msg, "held-shift")]
 
 

@@ -18,7 +18,6 @@ MARKER = re.compile(r"^Over 400 lines: \S", re.MULTILINE)
 ALLOWED = {
     "detectors/log.py",
     "replay/probes.py",
-    "replay/session.py",
 }
 
 

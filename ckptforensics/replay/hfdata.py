@@ -13,6 +13,9 @@ none; the tokenizer the Trainer saved beside the checkpoint gives the pad id), a
 replay keeps the first whose first step lands on the log (`window.choose_batches`). The
 rebuilt batches are checked before they are trusted: the first replayed step's loss, from
 *before*, must match the logged loss of that step (`require_rebuilt_match`).
+
+The collator candidates are `replay.hfcollators`'s; the walk from optimizer step to dataset
+indices and the step's collated batch are `replay.hfsteps`'s.
 """
 
 from __future__ import annotations
@@ -21,8 +24,6 @@ import inspect
 import logging
 import tempfile
 import types
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,14 @@ import torch
 
 from ..errors import ForensicsError
 from .batches import BatchError, BatchSource
+from .hfcollators import (
+    STANDARD_COLLATORS,
+    ActiveCollator,
+    Collator,
+    given_collator,
+    standard_collators,
+)
+from .hfsteps import StepPlan
 from .paths import resolve_recorded
 
 __all__ = [
@@ -130,29 +139,6 @@ def _model_forward(config: dict[str, Any] | None) -> Any:
     return getattr(cls, "forward", None)
 
 
-# The collators of causal-LM Trainer runs, tried in this order when the run does not say
-# which it used (transformers 5.24's Trainer records none: training_args.bin is the
-# TrainingArguments, and `Trainer._save` writes the model, the processing_class and the args;
-# the collator is code). The last two need the run's tokenizer (its pad id and padding side),
-# which the Trainer does save beside each checkpoint when it had one (`processing_class`, or
-# the collator's own `tokenizer` when there was none).
-STANDARD_COLLATORS = (
-    "default_data_collator",
-    "DataCollatorForLanguageModeling(mlm=False)",
-    "DataCollatorWithPadding",
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Collator:
-    """A collator candidate: what it is (for `replay.config`), the function, and a short
-    name (for one-line errors)."""
-
-    name: str
-    fn: Callable[[list[dict[str, Any]]], Any]
-    short: str = ""
-
-
 def _tokenizer(ckpt_dir: Path | None, record: dict[str, Any], data: str) -> tuple[Any, str]:
     """The run's tokenizer and where it was found, else (None, why not).
 
@@ -196,80 +182,6 @@ def _tokenizer(ckpt_dir: Path | None, record: dict[str, Any], data: str) -> tupl
         None,
         "no tokenizer.json in the checkpoint (the Trainer saves its processing_class there) nor in the run's output_dir",
     )
-
-
-def _standard(tok: Any, tok_src: str) -> list[Collator]:
-    """`STANDARD_COLLATORS` that can be built: those needing a tokenizer only with one."""
-    from transformers import (
-        DataCollatorForLanguageModeling,
-        DataCollatorWithPadding,
-        default_data_collator,
-    )
-
-    out = [Collator("default_data_collator", default_data_collator, "default_data_collator")]
-    if tok is None:
-        return out
-    pad = f"pad id {tok.pad_token_id}, {tok.padding_side} padding; {tok_src}"
-    out.append(
-        Collator(
-            f"DataCollatorForLanguageModeling(mlm=False; {pad})",
-            DataCollatorForLanguageModeling(tok, mlm=False),
-            "DataCollatorForLanguageModeling(mlm=False)",
-        )
-    )
-    out.append(
-        Collator(
-            f"DataCollatorWithPadding({pad})",
-            DataCollatorWithPadding(tok),
-            "DataCollatorWithPadding",
-        )
-    )
-    return out
-
-
-def _given(spec: str, tok: Any, tok_src: str) -> Collator:
-    """`--collator module:obj`: the collator the run passed to `Trainer(data_collator=...)`,
-    or a factory whose one required argument is `tokenizer` (or `processing_class`), called
-    with the run's tokenizer (`tok_src`: where it was found, or why there is none)."""
-    from .model import load_callable
-
-    obj = load_callable(spec, "--collator")
-    try:
-        required = [
-            p.name
-            for p in inspect.signature(obj).parameters.values()
-            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-    except (TypeError, ValueError):
-        required = []
-    if required not in (["tokenizer"], ["processing_class"]):
-        return Collator(f"{spec} (--collator)", obj, f"{spec} (--collator)")
-    if tok is None:
-        raise BatchError(f"--collator {spec} takes the run's tokenizer: {tok_src}")
-    try:
-        built = obj(tok)
-    except Exception as e:  # the user's factory failing on the run's tokenizer is bad input
-        raise BatchError(
-            f"--collator {spec}: building it with {tok_src} failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
-        ) from None
-    return Collator(
-        f"{spec}(tokenizer) (--collator; pad id {tok.pad_token_id}, {tok.padding_side} padding; {tok_src})",
-        built,
-        f"{spec}(tokenizer) (--collator)",
-    )
-
-
-class _Active:
-    """The data_collator the Trainer is built with: it calls whichever candidate is
-    collating, so one dataloader (one sampler walk) serves every candidate, each wrapped as
-    the Trainer wraps its collator (column removal for non-`datasets` data)."""
-
-    def __init__(self) -> None:
-        self.fn: Callable[[list[dict[str, Any]]], Any] | None = None
-
-    def __call__(self, features: list[dict[str, Any]]) -> Any:
-        assert self.fn is not None
-        return self.fn(features)
 
 
 def trainer_batches(
@@ -323,8 +235,10 @@ def trainer_batches(
             f"--data {data}: an iterable dataset has no sampler to rebuild; pass --batch"
         )
     tok, tok_src = _tokenizer(ckpt_dir, record, data)
-    collators = [_given(collator, tok, tok_src)] if collator else _standard(tok, tok_src)
-    active = _Active()
+    collators = (
+        [given_collator(collator, tok, tok_src)] if collator else standard_collators(tok, tok_src)
+    )
+    active = ActiveCollator()
     state = torch.random.get_rng_state()
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -343,7 +257,7 @@ def trainer_batches(
         finally:
             torch.random.set_rng_state(state)
     accum = int(record.get("gradient_accumulation_steps") or 1)
-    plan = _StepPlan(loader, accum, world_size, active)
+    plan = StepPlan(loader, accum, world_size, active)
     procs = f", {world_size} processes" if world_size > 1 else ""
     seed = record.get("data_seed") or record.get("seed")
     out = []
@@ -360,117 +274,6 @@ def trainer_batches(
     if not collator and tok is None:
         out[0].describe += f" (the tokenizer-based collators were not tried: {tok_src})"
     return out
-
-
-class _StepPlan:
-    """Optimizer step -> the dataset indices of its micro-batches, epoch by epoch, as the
-    Trainer's loop consumes them (accumulating `accum` micro-batches; the last update of
-    an epoch takes what is left). With `world` processes, process r takes the sampler's
-    micro-batches r, r + world, ... (accelerate's `BatchSamplerShard`) and an update is
-    every process's `accum` micro-batches, process 0's first."""
-
-    def __init__(
-        self, loader: Any, accum: int, world: int = 1, active: _Active | None = None
-    ) -> None:
-        self.loader, self.accum, self.world, self.active = loader, accum, world, active
-        self.epochs: list[
-            list[list[list[int]] | None]
-        ] = []  # epoch -> update -> micro-batch -> indices (None: not rebuilt)
-        self.ids: dict[int, list[int]] = {}  # step -> dataset index of each row, as fetched
-
-    def _epoch(self, e: int) -> list[list[list[int]]]:
-        while len(self.epochs) <= e:
-            n = len(self.epochs)
-            if hasattr(self.loader, "set_epoch"):
-                self.loader.set_epoch(n)
-            sampler = self.loader.batch_sampler
-            if hasattr(sampler, "sampler") and hasattr(sampler.sampler, "set_epoch"):
-                sampler.sampler.set_epoch(n)
-            micro = [list(b) for b in sampler]
-            if not micro:
-                raise BatchError(
-                    "the rebuilt dataloader is empty (the dataset is smaller than one batch with drop_last)"
-                )
-            self.epochs.append(self._updates(micro))
-        return self.epochs[e]
-
-    def _updates(self, micro: list[list[int]]) -> list[list[list[int]] | None]:
-        w = self.world
-        if w == 1:
-            return [micro[i : i + self.accum] for i in range(0, len(micro), self.accum)]
-        # accelerate evens out an epoch whose micro-batches do not split into whole rounds
-        # (or whose last one is short) by reusing the epoch's first rows: those last
-        # updates are not rebuilt (None), the others are.
-        whole = len(micro) // w * w
-        if whole and len(micro[whole - 1]) < len(micro[0]):
-            whole -= w
-        per_rank = [micro[r:whole:w] for r in range(w)]
-        n = len(per_rank[0])
-        updates: list[list[list[int]] | None] = [
-            [b for r in range(w) for b in per_rank[r][i : i + self.accum]]
-            for i in range(0, n, self.accum)
-        ]
-        if whole < len(
-            micro
-        ):  # the epoch's last update takes what is left, evened out by accelerate
-            if n % self.accum:
-                updates[-1] = None
-            else:
-                updates.append(None)
-        return updates
-
-    def indices(self, step: int) -> list[list[int]]:
-        if step < 1:
-            raise BatchError(f"no batch for step {step}: optimizer steps count from 1")
-        e, k = 0, step - 1
-        while k >= len(self._epoch(e)):
-            k -= len(self._epoch(e))
-            e += 1
-        update = self._epoch(e)[k]
-        if update is None:
-            raise BatchError(
-                f"step {step} is the last update of epoch {e + 1}, whose micro-batches accelerate evened out across the "
-                f"{self.world} processes by reusing the epoch's first rows: not rebuilt; pass --batch"
-            )
-        return update
-
-    def batch(self, step: int, collator: Collator) -> dict[str, torch.Tensor]:
-        micro = self.indices(step)
-        self.ids[step] = [i for idx in micro for i in idx]
-        if self.active is not None:
-            self.active.fn = collator.fn
-        try:
-            parts = [self.loader.collate_fn([self.loader.dataset[i] for i in idx]) for idx in micro]
-        except (
-            Exception
-        ) as e:  # the collator's failure on these rows (its own code): this candidate does not fit
-            msg = str(e).splitlines()[0][:160] if str(e) else ""
-            name = collator.short or collator.name
-            err = BatchError(
-                f"collator {name} cannot collate the rows of step {step} ({type(e).__name__}: {msg})"
-            )
-            err.brief = f"{name} cannot collate ({type(e).__name__}: {msg[:80]})"  # type: ignore[attr-defined]  # for choose_batches' one line
-            raise err from None
-        if any(not isinstance(p, Mapping) or "input_ids" not in p for p in parts):
-            raise BatchError(
-                f"collator {collator.short or collator.name} gives no input_ids for step {step}"
-            )
-        keys = [k for k in ("input_ids", "attention_mask", "labels") if all(k in p for p in parts)]
-        width = max(p["input_ids"].shape[1] for p in parts)
-        fill = {"input_ids": 0, "attention_mask": 0, "labels": -100}
-        return {
-            k: torch.cat([_pad(torch.as_tensor(p[k]), width, fill[k]) for p in parts]) for k in keys
-        }
-
-
-def _pad(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
-    """Right-pad a micro-batch to the step's widest (dynamic padding pads per micro-batch);
-    pads carry mask 0 and label -100, so no loss or attention reads them."""
-    return (
-        t
-        if t.shape[1] == width
-        else torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
-    )
 
 
 def require_rebuilt_match(

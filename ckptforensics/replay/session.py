@@ -2,8 +2,10 @@
 window's batches as the run's trainer did. One process is a world of one
 (`distributed.OneProcess`): each step is written once, and under torchrun each rank steps
 its rows and shards the same way, the ranks meeting only at the reductions (the step's
-evidence in `gradients`). Somewhat over 400 lines: the loss as each trainer averaged it
-(`_share`, `_regrad_micro`) needs the session's model, precision and probes."""
+evidence in `gradients`).
+
+Over 400 lines: the loss as each trainer averaged it (`_share`, `_regrad_micro`) needs the
+session's model, precision and probes; apart from the session, those would become API."""
 
 from __future__ import annotations
 

@@ -17,10 +17,7 @@ MARKER = re.compile(r"^Over 400 lines: \S", re.MULTILINE)
 # test was written. Remove an entry once its module is split or states its reason.
 ALLOWED = {
     "detectors/log.py",
-    "replay/hfdata.py",
     "replay/probes.py",
-    "replay/reference.py",
-    "replay/session.py",
 }
 
 

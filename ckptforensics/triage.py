@@ -9,15 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from .detectors.log import (
-    UNDECIDABLE,
-    Onset,
-    TriageConfig,
-    log_evidence,
-    log_noise,
-    log_onsets,
-    undecidable_last_line,
-)
+from .detectors.log import Onset, TriageConfig, log_evidence, log_onsets, undecidable_last_line
+from .detectors.log.noise import UNDECIDABLE, log_noise
 from .errors import ForensicsError
 from .locate import first_complete, list_checkpoints
 from .logs import find_metrics, group_lrs, lr_columns, param_grad_columns, read_log, read_metrics
@@ -56,7 +49,7 @@ class TriageResult:
     rule: str | None = None  # the rule that decided the first onset (docs/signatures.md#log-onset)
     noise: dict[str, Any] = field(
         default_factory=dict
-    )  # how noisy the log is (detectors.log.log_noise)
+    )  # how noisy the log is (detectors.log.noise.log_noise)
     # Why no onset is called where the log cannot say (an excerpt ending on its first rising line).
     undecided: str | None = None
     rollback: str | None = None

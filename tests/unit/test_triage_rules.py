@@ -215,7 +215,7 @@ def test_a_pasted_excerpts_blip_that_recovers_is_no_onset(
 def test_a_loss_scale_backoff_is_dated_where_the_scaler_logged_the_overflow(tmp_path: Path) -> None:
     """Megatron prints the scale after the iteration's backoff: the drop on line N is N's
     overflow (a log of every iteration), or one in the interval line N closes."""
-    from ckptforensics.detectors.log import scale_drops
+    from ckptforensics.detectors.log.signals import scale_drops
 
     cfg = TriageConfig()
     for every in (1, 10):
@@ -257,7 +257,7 @@ def _single_rank(
 def test_a_blip_recovers_within_the_logs_own_blip_durations() -> None:
     """A log whose blips last 1-3 steps recovers within 3 or 4 (its geometric fit's 99%
     quantile), so a 3-step blip is routine there; a quiet log keeps 2; a held rise stays one."""
-    from ckptforensics.detectors.log import RECOVER, recovery_horizon
+    from ckptforensics.detectors.log.blips import RECOVER, recovery_horizon
 
     cfg = TriageConfig()
     ev = log_evidence(_single_rank(1, long_at=200), cfg)
@@ -285,7 +285,7 @@ def test_the_onset_is_the_first_step_of_the_excursion_that_persists() -> None:
 def test_a_held_rise_starts_where_its_level_continues_from() -> None:
     """The held rule's first step keeps half its excess on the next: a blip followed by a step
     halfway back is not the start of the rise after it."""
-    from ckptforensics.detectors.log import held_rise
+    from ckptforensics.detectors.log.held import held_rise
 
     cfg = TriageConfig()
     rows = _noisy(0)
@@ -474,7 +474,7 @@ def test_a_held_shift_starts_at_its_first_step_not_a_hard_batch_before_it(seed: 
     """The rank test's best window starts at the hard batch (268: it ranks top on either side),
     the step after it is back at the old level (269), the new level starts at 270: the change
     point by each step's likelihood under either level, outliers of both capped (biweight)."""
-    from ckptforensics.detectors.log import held_shift
+    from ckptforensics.detectors.log.shift import held_shift
 
     cfg = TriageConfig()
     ev = log_evidence(_hard_batch_then_shift(seed), cfg)
@@ -554,7 +554,7 @@ def test_a_slowly_drifting_loss_is_no_held_shift(seed: int) -> None:
     Sidak level for these seeds) though its level moved no more than it does elsewhere in the
     log: the move must be extreme against the log's own earlier windows. A real shift on the
     same log is still one."""
-    from ckptforensics.detectors.log import held_shift
+    from ckptforensics.detectors.log.shift import held_shift
 
     cfg = TriageConfig()
     ev = log_evidence(_drifting(seed), cfg)

@@ -1,0 +1,131 @@
+"""What the log rules read: the settings (`TriageConfig`), the record of an onset (`Onset`),
+and the log's evidence judged once (`log_evidence`: the loss and grad-norm curves against
+their trends, the columns never computed, whether the log is an excerpt), with the steps of
+its printed lines (`printed_lines`), which the excerpt rules, the combiner and the noise
+summary all count by."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...stats import CURVE_MIN_HISTORY, LOSS_FOLLOW, trend_z
+
+Rows = dict[int, dict[str, float]]
+
+
+@dataclass(kw_only=True, slots=True)
+class TriageConfig:
+    """Spike detection settings (docs/signatures.md#log-onset).
+
+    Attributes:
+        window: steps of history a step is compared with (OLMo-core: 128).
+        z: robust z that marks a spike (OLMo-core: 6).
+        loss_factor: a loss this many times the window median is a spike whatever z (Megatron: 10).
+        min_history: steps of quiet a parameter's gradient needs before its return counts.
+        judge_after: steps of a curve's own history needed before a step is judged
+            (`stats.CURVE_MIN_HISTORY`).
+        margin: extra steps the rollback checkpoint must precede the onset by.
+        follow: steps within which the loss must follow a grad-norm spike or a loss-scale
+            backoff for it to count as an onset (`stats.LOSS_FOLLOW`).
+    """
+
+    window: int = 128
+    z: float = 6.0
+    loss_factor: float = 10.0
+    min_history: int = 8
+    judge_after: int = CURVE_MIN_HISTORY
+    margin: int = 0
+    follow: int = LOSS_FOLLOW
+
+
+@dataclass(frozen=True, slots=True)
+class Onset:
+    """A detected event: the step, which signal, and how far past its threshold."""
+
+    step: int
+    signal: str
+    value: float
+    baseline: float
+    robust_z: float
+    message: str
+    rule: str = (
+        "trend"  # which rule decided (docs/signatures.md#log-onset): trend, megatron-10x, ...
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Curve:
+    """One logged signal judged against its own trend (`stats.trend_z`), once."""
+
+    key: str
+    steps: list[int]
+    values: list[float]
+    z: np.ndarray
+    level: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class LogEvidence:
+    """What the log detectors read: the rows, the loss and grad-norm curves judged once,
+    and whether a loss scaler ran (its overflows are routine)."""
+
+    rows: Rows
+    loss: Curve
+    grad_norm: Curve
+    scaled: bool
+    loss_level: Curve  # the loss judged `above_level` too (stats.trend_z)
+    ignored_columns: tuple[str, ...] = ()  # constant zero on every row: never computed
+    excerpt: bool = False  # the log starts mid-run (its first step past `judge_after`)
+
+
+LogDetector = Callable[[LogEvidence, TriageConfig], list[Onset]]
+
+
+def _curve(rows: Rows, key: str, cfg: TriageConfig, above_level: bool = False) -> Curve:
+    # A grad norm of exactly 0 is no measurement (a run that never computes it prints 0.000).
+    steps = [s for s in rows if key in rows[s] and not (key == "grad_norm" and rows[s][key] == 0)]
+    vals = [rows[s][key] for s in steps]
+    z, level = trend_z(
+        vals, z=cfg.z, window=cfg.window, min_history=cfg.judge_after, above_level=above_level
+    )
+    return Curve(key, steps, vals, z, level)
+
+
+def _constant_zero(rows: Rows, key: str) -> bool:
+    vals = [r[key] for r in rows.values() if key in r]
+    return bool(vals) and all(v == 0 for v in vals)
+
+
+def log_evidence(rows: Rows, cfg: TriageConfig) -> LogEvidence:
+    """The curves judged once. A column that is 0 on every row was never computed (a
+    Megatron-DeepSpeed run prints "grad norm: 0.000" when its engine did not compute one):
+    it is left out, and said so (docs/signatures.md#log-zero-column)."""
+    zero = tuple(k for k in ("grad_norm", "loss_scale") if _constant_zero(rows, k))
+    if zero:
+        rows = {s: {k: v for k, v in r.items() if k not in zero} for s, r in rows.items()}
+    scaled = any("loss_scale" in r for r in rows.values())
+    first = min(rows) if rows else 0
+    return LogEvidence(
+        rows,
+        _curve(rows, "loss", cfg),
+        _curve(rows, "grad_norm", cfg),
+        scaled,
+        _curve(rows, "loss", cfg, above_level=True),
+        zero,
+        first > cfg.judge_after,
+    )
+
+
+# What a printed iteration line carries, one of them at least: a line whose every iteration
+# was skipped prints no loss but its loss scale and skip counts (held-out log draw 9876: the
+# loss-scale collapse on such lines was never read once lines were counted by their loss).
+_LINE_KEYS = ("loss", "loss_scale", "skipped", "nan_iterations")
+
+
+def printed_lines(ev: LogEvidence) -> list[int]:
+    """The steps of the log's printed lines: rows with a loss, a loss scale or skip counts (a
+    Megatron line's next-step LR makes a row of its own, and is not a line)."""
+    return [s for s, r in ev.rows.items() if any(k in r for k in _LINE_KEYS)]

@@ -1,0 +1,189 @@
+"""The combiner (docs/signatures.md#log-onset): `log_onsets` runs the seed and onset
+detectors, keeps a seed only where the loss follows it, sets aside the log's routine blips
+(`blips.routine_reason`), moves a spike to the start of the excursion that persists, adds the
+held rise and the held shift, and lets an overflow dated only by its interval give way to a
+later onset of the same interval. The order of these steps is the contract; it reads on one
+page here."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ...stats import loss_follows
+from .blips import HOLD, blips, recovery_horizon, routine_reason
+from .evidence import LogDetector, LogEvidence, Onset, TriageConfig, printed_lines
+from .held import held_rise
+from .noise import NOISE_RULES
+from .shift import held_shift
+from .short import SHORT_RULES, one_reference_line, short_history, short_joint
+from .signals import (
+    grad_spikes,
+    gradient_returns,
+    loss_spikes,
+    lr_jumps,
+    lr_restarts,
+    nan_iterations,
+    scale_drops,
+    skipped_iterations,
+)
+
+
+def _followed(onset: Onset, ev: LogEvidence, cfg: TriageConfig) -> bool:
+    """A grad-norm spike or a loss-scale backoff starts an incident only where the loss
+    follows (`stats.loss_follows`): a grad-norm blip the loss ignores, and dynamic loss
+    scaling's routine backoff (every growth_interval steps), are normal operation."""
+    steps = ev.loss.steps
+    if not steps:
+        return True
+    z_grad = (
+        ev.grad_norm.z if ev.grad_norm.steps == steps else None
+    )  # aligned with the loss steps, or not used
+    i = next((k for k, s in enumerate(steps) if s >= onset.step), len(steps))
+    # An overflow under a loss scaler (a backoff, an inf grad norm) is routine by design:
+    # at the end of the log it needs the loss to say otherwise.
+    routine = onset.signal == "loss_scale" or (
+        onset.signal == "grad_norm" and not math.isfinite(onset.value) and ev.scaled
+    )
+    level = ev.loss_level.z if ev.loss_level.steps == steps else None
+    return loss_follows(
+        ev.loss.z, i, cfg.z, cfg.follow, z_grad, benefit=not routine, routine=routine, z_level=level
+    )
+
+
+SEED_DETECTORS: tuple[LogDetector, ...] = (grad_spikes, scale_drops, skipped_iterations)
+ONSET_DETECTORS: tuple[LogDetector, ...] = (
+    loss_spikes,
+    lr_jumps,
+    lr_restarts,
+    gradient_returns,
+    nan_iterations,
+    short_history,
+    short_joint,
+    one_reference_line,
+)
+# When two signals start on one step, the report names the most causal first.
+_SIGNAL_ORDER = ("lr", "lr_restart", "param_grad", "loss_scale", "grad_norm", "loss")
+
+
+def _persisting_start(o: Onset, ev: LogEvidence, cfg: TriageConfig) -> Onset:
+    """The first step of the excursion that persists, for a loss spike of the trend rule: where
+    the next step falls back under half the spike's excess (over the level before it) and,
+    within the log's blip duration, a run starts that stays at half its excess or more for
+    HOLD steps, the onset is that run's first step; the spike before it is a blip the
+    excursion's level does not continue from (issue 32). Else the spike stands."""
+    steps = ev.loss.steps
+    if o.signal != "loss" or o.rule != "trend" or o.step not in steps:
+        return o
+    i = steps.index(o.step)
+    base = float(ev.loss.level[i])
+    lv = np.log10(np.maximum(np.asarray(ev.loss.values, dtype=np.float64), 1e-30))
+    lv = np.where(np.isfinite(lv), lv, np.inf)
+    if not (math.isfinite(base) and base > 0) or i + 1 >= len(steps):
+        return o
+    half = math.log10(base) + (lv[i] - math.log10(base)) / 2
+    if not lv[i + 1] < half:
+        return o
+    for j in range(i + 2, min(len(steps), i + 2 + recovery_horizon(ev, cfg))):
+        run = lv[j : j + HOLD]
+        if run.size == HOLD and (run >= half).all():
+            v = ev.loss.values[j]
+            msg = (f"loss {v:.4g} at step {steps[j]} starts the excursion that persists ({HOLD} steps at half the excess or more of the spike at step "
+                   f"{o.step}, {ev.loss.values[i]:.4g}, which fell back under it at step {steps[i + 1]}: a blip the excursion does not continue from)")  # fmt: skip
+            return Onset(steps[j], "loss", v, base, float(ev.loss.z[j]), msg, "persisting-run")
+    return o
+
+
+def _short_followed(seed: Onset, found: list[Onset], ev: LogEvidence) -> bool:
+    """An excerpt's overflow (a backoff, skipped iterations) that the loss follows: an onset of
+    the short rules on the line that logged it or the next (as `_followed` asks of the trend's
+    loss on a full log)."""
+    if seed.signal != "loss_scale" or not ev.excerpt:
+        return False
+    lines = printed_lines(ev)
+    at = next((k for k, s in enumerate(lines) if s >= seed.step), None)
+    if at is None:
+        return False
+    near = set(lines[at : at + 2])
+    return any(o.step in near and o.rule in SHORT_RULES for o in found)
+
+
+def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[Onset]]:
+    """(onsets by step, seeds the loss did not follow and the log's routine blips: ignored)."""
+    seeds = [o for d in SEED_DETECTORS for o in d(ev, cfg)]
+    found = [o for d in ONSET_DETECTORS for o in d(ev, cfg)]
+    # The excerpt's short rules measure what spread its lines have: one reference line decides
+    # only where they find nothing but a last line rising (`undecidable_last_line`).
+    lines = printed_lines(ev)
+    measured = [
+        o
+        for o in found
+        if o.rule != "one-reference-line"
+        and not (lines and o.step == lines[-1] and o.rule in NOISE_RULES)
+    ]
+    if measured:
+        found = [o for o in found if o.rule != "one-reference-line"]
+    kept = [o for o in seeds if _followed(o, ev, cfg) or _short_followed(o, found, ev)]
+    ignored = [o for o in seeds if o not in kept]
+    onsets = kept + found
+    tail = blips(ev, cfg, cfg.z / 2)
+    why = {id(o): routine_reason(o, tail, ev, cfg) for o in onsets}
+    ignored += [
+        Onset(
+            o.step, o.signal, o.value, o.baseline, o.robust_z, f"{o.message}; {why[id(o)]}", "tail"
+        )
+        for o in onsets
+        if why[id(o)]
+    ]
+    onsets = (
+        [_persisting_start(o, ev, cfg) for o in onsets if not why[id(o)]]
+        + held_rise(ev, cfg)
+        + held_shift(ev, cfg)
+    )
+    yielded = {id(o): _overflow_yields(o, onsets, ev, cfg) for o in onsets}
+    ignored += [
+        Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, f"{o.message}; {why}", o.rule)
+        for o in onsets
+        if (why := yielded[id(o)])
+    ]
+    onsets = [o for o in onsets if not yielded[id(o)]]
+    return sorted(onsets, key=lambda o: (o.step, _SIGNAL_ORDER.index(o.signal))), ignored
+
+
+# The overflow seeds: a loss scaler's routine by design, onsets only where the loss follows
+# (`_followed`).
+OVERFLOW_RULES = ("loss-scale-backoff", "skipped-iterations")
+
+
+def _overflow_yields(
+    o: Onset, onsets: list[Onset], ev: LogEvidence, cfg: TriageConfig
+) -> str | None:
+    """Why an overflow kept because the loss followed it gives way to a later start (a
+    message), or None. A log printed every k iterations dates an overflow at the first step of
+    the interval that holds it (`scale_drops`): the earliest the line allows, not where it
+    happened. Where the loss does not confirm it on that line (its own spike, z, as `_followed`
+    asks of a routine seed) and an onset of a rule that stands on its own (an LR jump, a loss
+    rule) is dated later in the same interval, the log places the incident no earlier than
+    that onset: the overflow, routine by design (dynamic loss scaling backs off once every
+    growth interval), is the same incident seen less precisely, or a routine one before it
+    (held-out log draw 9923: a backoff dated 186 on a line of 186-190, the LR line of 185
+    vouching for 186's LR, the jump dated 187, the loss up only on the next line)."""
+    if o.rule not in OVERFLOW_RULES or o.signal != "loss_scale":
+        return None
+    lines = printed_lines(ev)
+    line = next((s for s in lines if s >= o.step), None)
+    if line is None or line == o.step:
+        return None  # a log of every step (or the line itself): the overflow is dated exactly
+    loss = dict(zip(ev.loss.steps, ev.loss.z, strict=True))
+    if loss.get(line, 0.0) > cfg.z:
+        return None  # the loss confirms it on its own line
+    later = [x for x in onsets if x.rule not in OVERFLOW_RULES and o.step < x.step <= line]
+    if not later:
+        return None
+    x = min(later, key=lambda x: x.step)
+    return (
+        f"the loss does not confirm it on its line ({line}), and {x.rule} dates the incident "
+        f"later in the same interval, at step {x.step}: the overflow is dated at the interval's "
+        "first step only because the line covers it"
+    )

@@ -1,5 +1,15 @@
 """Replayed weights and optimizer state against *after*, tensor by tensor: within the
-replay's rounding, or past what any replay of the window could reach (a hardware fault)."""
+replay's rounding, or past what any replay of the window could reach (a hardware fault).
+
+One process is a world of one rank (`distributed.OneProcess`): every parameter is compared
+by one path, each rank against its own rows of *after* (one process: every row, read
+whole), and the ranks meet only at the reductions: one gather per parameter (the weight's
+sum of squares, for its RMS, and each moment's largest scale, for its tolerance floor),
+then one to merge the counts (`merge_matches`). The gathers stay per parameter: a
+moment's tolerance needs its whole tensor's scale before any element is counted, so one
+gather for every parameter would hold every parameter's rows of *after* at once, or read
+them twice.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +21,6 @@ import torch
 
 from ..formats import bnb
 from ..formats.base import Checkpoint
-from ..tensors import adam_ratio_bound
 from ..updates import replay_bound
 from . import distributed
 from . import precision as mp
@@ -22,7 +31,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "compare_after",
-    "compare_shard",
     "merge_matches",
     "weight_match",
     "moment_tol",
@@ -30,6 +38,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# Adam's moments: what a rank of several compares, row for row (sharded like their
+# parameter; `model.build_optimizer` builds no other family under torchrun).
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def compare_after(
@@ -40,75 +52,108 @@ def compare_after(
     A weight matches when it is within 1% of one Adam step (k lr) of *after*: a
     different summation order changes gradients in the last bits, and Adam can turn
     that into part of an update, never into more than the update bound. Elements past
-    the bound (`impossible`) cannot come from any replay of these steps.
+    the bound (`impossible`) cannot come from any replay of these steps. Under torchrun
+    each rank compares its shards, and the ranks' counts are merged (`merge_matches`).
     """
-    k = len(lrs)
     out = []
-    state = session.opt.state
-    ranks = session.shards
     group_of = {id(p): gi for gi, g in enumerate(session.opt.param_groups) for p in g["params"]}
     for key, p in session.model.named_parameters():
         name = session.to_ckpt(key)
         name = b.aliases.get(name, name)
         if (only is not None and name not in only) or not b.has(name):
             continue
-        if ranks is not None:
-            out.extend(
-                compare_shard(
-                    ranks,
-                    name,
-                    p,
-                    state.get(p, {}),
-                    session.opt.param_groups[group_of.get(id(p), 0)],
-                    b,
-                    lrs,
-                    group_of.get(id(p), 0),
-                    session.precision,
-                )
-            )
-            continue
         gi = group_of.get(id(p), 0)
-        g = session.opt.param_groups[gi]
-        lr = max(v[gi] for v in lrs.values())
-        st_p = state.get(p, {})
-        ref = b.tensor(name).to(torch.float32).view_as(p)
-        mine = p.detach().cpu().to(torch.float32)
-        quant = g.get("family") == "adam8bit" and bnb.is_quantised(st_p)
-        # The seam to the optimizer's family: its own per-step bound (updates.replay_bound).
-        c, wd = replay_bound(
-            {**g, "quantised": quant}, st_p, k, lr, tuple(p.shape), float(mine.pow(2).mean().sqrt())
-        )
-        out.append(
-            weight_match(
-                name, mine, ref, b.meta(name).dtype, k * lr, c, wd, mp.reach(session.precision)
+        out.extend(
+            _compare_param(
+                session.ranks,
+                name,
+                p,
+                session.opt.state.get(p, {}),
+                session.opt.param_groups[gi],
+                b,
+                [v[gi] for v in lrs.values()],
+                session.precision,
             )
         )
-        st = b.optim_state(name)
-        if st_p and g.get("family") == "adam8bit":
-            st_p = {
-                kk: v for kk, v in bnb.with_moments(st_p).items() if kk in ("step", *bnb.DERIVED)
-            }
-        if st_p and st:
-            pairs = {
-                where: (st_p[where].cpu().float(), st[where].float().view_as(st_p[where]))
-                for where in _shared_state(st_p, st)
-            }
-            v = pairs.get("exp_avg_sq")
-            for where, (x, y) in pairs.items():
-                # Relative rounding per step, floored at the tensor's own scale: elements
-                # whose true gradient is zero (a key bias, say) hold pure rounding noise.
-                scale = (
-                    mp.moment_scale(session.precision, where, x, y, *v)
-                    if v is not None
-                    else torch.maximum(x.abs(), y.abs())
-                )
-                tol = moment_tol(
-                    scale, float(scale.max()), k, mp.moment_rounding(session.precision)
-                )
-                if quant:
-                    tol = tol + _code_tol(state.get(p, {}), where, x)
-                out.append(_match(name, where, x, y, tol, None))
-    return out if ranks is None else merge_matches(ranks, out)
+    return merge_matches(session.ranks, out)
+
+
+def _compare_param(
+    world: distributed.World,
+    name: str,
+    p: torch.Tensor,
+    raw: dict[str, Any],
+    g: dict[str, Any],
+    b: Checkpoint,
+    lrs: list[float],
+    precision: str = "fp32",
+) -> list[TensorMatch]:
+    """One parameter's replayed weight and optimizer state (`raw`, its group `g`; `lrs`: the
+    group's LR at each of the window's steps) against *after*'s: this rank's rows of each
+    (one process: all of them). The weight's RMS (`updates.replay_bound`) and each
+    moment's tolerance floor are the whole tensor's, from one gather over the ranks."""
+    k, lr = len(lrs), max(lrs)
+    stored = b.meta(name).shape
+
+    def after_rows(
+        t: torch.Tensor, read: Callable[[int, int], torch.Tensor], full: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        return (
+            distributed.local_rows(world, t, stored, read, full)
+            .float()
+            .reshape(local_tensor(t).shape)
+        )
+
+    mine = local_tensor(p).detach().cpu().float()
+    ref = after_rows(p, lambda lo, hi: b.rows(name, lo, hi), lambda: b.tensor(name))
+    quant = g.get("family") == "adam8bit" and bnb.is_quantised(raw)
+    st_p = raw
+    if st_p and g.get("family") == "adam8bit":
+        st_p = {kk: v for kk, v in bnb.with_moments(st_p).items() if kk in ("step", *bnb.DERIVED)}
+    st = b.optim_state(name)
+    pairs = {}
+    if st_p and st:
+        for where in _shared_state(st_p, st):
+            pairs[where] = (
+                local_tensor(st_p[where]).cpu().float(),
+                after_rows(
+                    st_p[where],
+                    lambda lo, hi, w=where: b.state_rows(name, w, lo, hi),
+                    lambda w=where: st[w],
+                ),
+            )
+    v = pairs.get("exp_avg_sq")
+    # Relative rounding per step, floored at the tensor's own scale: elements whose true
+    # gradient is zero (a key bias, say) hold pure rounding noise.
+    scales = [
+        mp.moment_scale(precision, where, x, y, *v)
+        if v is not None
+        else torch.maximum(x.abs(), y.abs())
+        for where, (x, y) in pairs.items()
+    ]
+    every = world.gather(
+        torch.stack(
+            [mine.pow(2).sum(), *(s.max() if s.numel() else s.new_zeros(()) for s in scales)]
+        )
+    )
+    tops = every[:, 1:].amax(0).tolist()
+    # The seam to the optimizer's family: its own per-step bound (updates.replay_bound).
+    c, wd = replay_bound(
+        {**g, "quantised": quant},
+        raw,
+        k,
+        lr,
+        tuple(p.shape),
+        float(every[:, 0].sum().div(p.numel()).sqrt()),
+    )
+    out = [weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, wd, mp.reach(precision))]
+    for (where, (x, y)), scale, top in zip(pairs.items(), scales, tops, strict=True):
+        tol = moment_tol(scale, top, k, mp.moment_rounding(precision))
+        if quant:
+            tol = tol + _code_tol(raw, where, x)
+        out.append(_match(name, where, x, y, tol, None))
+    b.forget(name)
+    return out
 
 
 def _code_tol(raw: dict[str, Any], where: str, like: torch.Tensor) -> torch.Tensor:
@@ -123,80 +168,15 @@ def _code_tol(raw: dict[str, Any], where: str, like: torch.Tensor) -> torch.Tens
 
 def _shared_state(mine: dict, after: dict) -> list[str]:
     """The state tensors of a replayed parameter that *after* holds too, shape for shape
-    (Adam's moments, Adafactor's factored rows and columns, a momentum buffer)."""
+    (Adam's moments, Adafactor's factored rows and columns, a momentum buffer). A rank of
+    several looks only for Adam's moments, without reading *after*'s whole to check them."""
     return [
         k for k, v in mine.items()
-        if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0 and isinstance(after.get(k), torch.Tensor) and after[k].numel() == v.numel()
+        if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0 and (
+            k in _MOMENTS and k in after if hasattr(v, "to_local")
+            else isinstance(after.get(k), torch.Tensor) and after[k].numel() == v.numel()
+        )
     ]  # fmt: skip
-
-
-def compare_shard(
-    ranks: distributed.Ranks,
-    name: str,
-    p: Any,
-    st_p: dict,
-    g: dict,
-    b: Checkpoint,
-    lrs: dict[int, list[float]],
-    gi: int,
-    precision: str = "fp32",
-) -> list[TensorMatch]:
-    """`compare_after` for one FSDP2-sharded parameter: this rank's rows of the replayed state
-    against the same rows of *after* (only those read); the ranks' counts are merged by
-    `merge_matches`. The moments' tolerance floor is the whole tensor's scale (one
-    all-reduce of the two maxima per parameter)."""
-    k = len(lrs)
-    lr = max(v[gi] for v in lrs.values())
-    beta1, beta2 = g["betas"]
-    t_end = int(st_p["step"]) if "step" in st_p else k
-    c = adam_ratio_bound(beta1, beta2, max(1, t_end - k + 1), t_end)
-    stored = b.meta(name).shape
-
-    def after_rows(
-        read: Callable[[int, int], torch.Tensor], full: Callable[[], torch.Tensor]
-    ) -> torch.Tensor:
-        return (
-            distributed.local_rows(ranks, p, stored, read, full)
-            .float()
-            .reshape(local_tensor(p).shape)
-        )
-
-    mine = local_tensor(p).detach().cpu().float()
-    ref = after_rows(lambda lo, hi: b.rows(name, lo, hi), lambda: b.tensor(name))
-    out = [
-        weight_match(
-            name, mine, ref, b.meta(name).dtype, k * lr, c, g["weight_decay"], mp.reach(precision)
-        )
-    ]
-    st = b.optim_state(name)
-    if st_p and st:
-        pairs = {}
-        for where in ("exp_avg", "exp_avg_sq"):
-            x = local_tensor(st_p[where]).cpu().float()
-            y = after_rows(
-                lambda lo, hi, w=where: b.state_rows(name, w, lo, hi), lambda w=where: st[w]
-            )
-            pairs[where] = (x, y, torch.maximum(x.abs(), y.abs()))
-        vx, vy, _ = pairs["exp_avg_sq"]
-        pairs = {
-            w: (x, y, mp.moment_scale(precision, w, x, y, vx, vy)) for w, (x, y, _) in pairs.items()
-        }
-        tops = ranks.max(
-            torch.stack([s.max() if s.numel() else s.new_zeros(()) for _, _, s in pairs.values()])
-        )
-        for (where, (x, y, scale)), top in zip(pairs.items(), tops.tolist(), strict=True):
-            out.append(
-                _match(
-                    name,
-                    where,
-                    x,
-                    y,
-                    moment_tol(scale, top, k, mp.moment_rounding(precision)),
-                    None,
-                )
-            )
-        b.forget(name)
-    return out
 
 
 def weight_match(
@@ -230,11 +210,14 @@ def moment_tol(scale: torch.Tensor, top: float, k: int, rel: float = 1e-3) -> to
     return rel * k * scale + 1e-4 * top + 1e-30
 
 
-def merge_matches(ranks: distributed.Ranks, local: list[TensorMatch]) -> list[TensorMatch]:
+def merge_matches(world: distributed.World, local: list[TensorMatch]) -> list[TensorMatch]:
     """Every rank's per-shard matches as whole-tensor ones (counts summed, maxima taken),
-    identical on every rank: one collective."""
+    identical on every rank: one collective (a world of one: its own, as they are)."""
+    parts = world.objects(local)
+    if len(parts) == 1:
+        return local
     merged: dict[tuple[str, str], TensorMatch] = {}
-    for part in ranks.objects(local):
+    for part in parts:
         for m in part:
             o = merged.get((m.name, m.where))
             merged[(m.name, m.where)] = (

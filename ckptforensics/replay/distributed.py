@@ -131,6 +131,9 @@ class OneProcess:
     rank: int = 0
     world: int = 1
 
+    def row_range(self, n: int) -> tuple[int, int]:
+        return 0, n
+
     def my_rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return batch
 
@@ -365,7 +368,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def local_rows(
-    ranks: Ranks,
+    ranks: World,
     p: torch.Tensor,
     stored: tuple[int, ...],
     read_rows: Callable[[int, int], torch.Tensor],
@@ -373,7 +376,10 @@ def local_rows(
 ) -> torch.Tensor:
     """This rank's shard of a tensor for the DTensor `p`: only the shard's rows are read
     where the checkpoint stores it in `p`'s shape, else it is read whole and split (flat
-    or differently shaped state)."""
+    or differently shaped state). A plain `p` (one process, a world of one) owns every
+    row: the tensor is read whole, as stored."""
+    if not hasattr(p, "to_local"):
+        return read_full()
     from torch.distributed.tensor import distribute_tensor
 
     shape = tuple(p.shape)

@@ -61,7 +61,7 @@ test: venv
 
 # The fast tier: no training, under a minute.
 test-unit: venv
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q -n 2 tests/unit
 
 # A longer fuzzing campaign than CI's seeded one.
 fuzz: venv

@@ -10,6 +10,7 @@ pre-softmax logit and their attention entropy (`AttentionWatch`), also on the de
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -365,7 +366,64 @@ _SOFTMAX = (
 )
 
 
-_WATCHED = frozenset((F.scaled_dot_product_attention, *_SOFTMAX))
+_SDPA = F.scaled_dot_product_attention
+_WATCHED = frozenset((_SDPA, *_SOFTMAX))
+# Where models find the watched functions, as `Patched` wraps them: (owner, attribute).
+_PATCHED = (
+    (F, "scaled_dot_product_attention"),
+    (F, "softmax"),
+    (torch, "softmax"),
+    (torch.Tensor, "softmax"),
+)
+
+
+class Patched:
+    """The watched functions (`_PATCHED`) wrapped where models look them up, the cheap form
+    of an `AttentionWatch`: while installed, a call from this thread with `active()` true is
+    handed to `watch.record` (the outermost wrapper only: F.softmax calls Tensor.softmax),
+    and nothing else pays a Python call (the torch-function mode pays one for every torch
+    call it sees). A model that calls them by another name is not seen: `ModuleProbe`
+    installs this on the mapping pass too, under the mode, and uses it alone only when every
+    call the mode saw went through a wrapper (`watch.patch_ok`)."""
+
+    def __init__(self, watch: AttentionWatch, active: Any) -> None:
+        self.watch, self.active = watch, active
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._thread = 0
+
+    def _wrap(self, orig: Any) -> Any:
+        watch, active = self.watch, self.active
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if watch.inside or threading.get_ident() != self._thread:
+                return orig(*args, **kwargs)
+            watch.inside += 1  # the measurement's own softmax is not watched either
+            try:
+                out = orig(*args, **kwargs)
+                if active():
+                    watch.record(orig, args, kwargs or {}, out)
+            finally:
+                watch.inside -= 1
+            return out
+
+        return wrapper
+
+    def install(self) -> None:
+        if self._saved:
+            return
+        self._thread = threading.get_ident()
+        for owner, name in _PATCHED:
+            orig = getattr(owner, name)
+            self._saved.append((owner, name, orig))
+            wrapper = self._wrap(orig)
+            self.watch.unwrap[wrapper] = orig
+            setattr(owner, name, wrapper)
+
+    def uninstall(self) -> None:
+        for owner, name, orig in reversed(self._saved):
+            setattr(owner, name, orig)
+        self._saved.clear()
+        self.watch.unwrap.clear()
 
 
 def _softmax_input(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -401,15 +459,28 @@ class AttentionWatch(TorchFunctionMode):
         # (row, q, k, mask, is_causal, scale) of the calls waiting, and their q + k elements
         self._waiting: list[tuple[int, torch.Tensor, torch.Tensor, Any, bool, Any]] = []
         self._held = 0
+        # `Patched`: how deep in its wrappers this thread is, and whether every call the
+        # mode saw went through one (so that `Patched` alone sees them all)
+        self.inside = 0
+        self.patch_ok = True
+        self.unwrap: dict[Any, Any] = {}
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func not in _WATCHED:  # every other torch call of the forward: straight through
-            return out
-        if func is F.scaled_dot_product_attention:
+        func = self.unwrap.get(func, func)  # `Patched`'s wrapper: the function it wraps
+        if func in _WATCHED:  # every other torch call of the forward: straight through
+            if self.inside == 0:
+                self.patch_ok = False  # a call `Patched` did not see
+            self.record(func, args, kwargs, out)
+        return out
+
+    def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """One watched call's statistics (an SDPA call, or a softmax over the last dim of a
+        4-D tensor; anything else is ignored)."""
+        if func is _SDPA:
             q, k = args[0], args[1] if len(args) > 1 else kwargs["key"]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
             causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
@@ -428,7 +499,6 @@ class AttentionWatch(TorchFunctionMode):
             self.rows.append(softmax_logit_stats(x))
             if self.on_call is not None:
                 self.sites.append(self.on_call("softmax", args, kwargs, out))
-        return out
 
     def flush(self) -> None:
         """The waiting calls' rows: calls alike (shapes, dtypes, device, the same mask,
@@ -456,7 +526,10 @@ class ModuleProbe:
     """Forward hooks on every named module, a gradient hook on each output, and an
     `AttentionWatch` (its attention calls' logit statistics, attributed to the module that
     ran them on the first pass, which watches the whole forward; later passes watch only
-    the modules that ran attention, and map again if the count of calls changes)."""
+    the modules that ran attention, and map again if the count of calls changes). Where
+    every call of the first pass went through `Patched`'s wrappers of the attention
+    functions, later passes are watched by those alone, with no torch-function mode (which
+    costs a Python call for every torch call of the attention modules)."""
 
     def __init__(
         self,
@@ -515,6 +588,14 @@ class ModuleProbe:
         self._scope: frozenset[str] = frozenset()
         self._scope_handles: list[Any] = []
         self._depth = 0
+        # After a mapping pass on which every attention call went through `Patched`'s
+        # wrappers, the scoped passes use those alone (no torch-function mode at all).
+        self._patch_only = False
+        self._patched = (
+            Patched(self.watch, lambda: self._patch_only and self._depth > 0)
+            if self.watch is not None
+            else None
+        )
         self._logits = torch.full((2,), float("nan"), device=device)  # [sum of logits, count]
         if self.watch is not None:
             self._handles.append(model.register_forward_pre_hook(self._enter))
@@ -540,6 +621,11 @@ class ModuleProbe:
         self.watch.sites.clear()
         self._watching = True
         self._whole = self._mapping or not self._scoped()
+        if self._mapping:
+            self._patch_only = False
+            self.watch.patch_ok = True
+        if self._patched is not None and (self._mapping or (self._patch_only and not self._whole)):
+            self._patched.install()
         if self._whole:
             self.watch.__enter__()
 
@@ -565,21 +651,23 @@ class ModuleProbe:
 
     def _scope_in(self, module: nn.Module, args: object) -> None:
         if self._watching and not self._whole and self.watch is not None:
-            if self._depth == 0:
+            if self._depth == 0 and not self._patch_only:
                 self.watch.__enter__()
             self._depth += 1
 
     def _scope_out(self, module: nn.Module, args: object, out: object) -> None:
         if self._depth > 0 and self.watch is not None:
             self._depth -= 1
-            if self._depth == 0:
+            if self._depth == 0 and not self._patch_only:
                 self.watch.__exit__(None, None, None)
 
     def _leave(self, module: nn.Module, args: object, out: object) -> None:
         if not self._watching or self.watch is None:
             return
-        if self._whole or self._depth > 0:
+        if self._whole or (self._depth > 0 and not self._patch_only):
             self.watch.__exit__(None, None, None)
+        if self._patched is not None:
+            self._patched.uninstall()
         self.watch.flush()
         self._depth = 0
         self._whole = False
@@ -596,6 +684,8 @@ class ModuleProbe:
             self._stack_handles.clear()
             self._stack.clear()
             self.attn_modules = tuple(self.watch.sites)
+            # every call went through `Patched`: later passes need no torch-function mode
+            self._patch_only = self.watch.patch_ok
             if logits is not None:
                 shape = tuple(logits.shape)
                 self.head = next(
@@ -791,8 +881,14 @@ class ModuleProbe:
         return fwd.float(), bwd.float(), att.float(), logits.float()
 
     def remove(self) -> None:
-        if self._watching and self.watch is not None and (self._whole or self._depth > 0):
+        if (
+            self._watching
+            and self.watch is not None
+            and (self._whole or (self._depth > 0 and not self._patch_only))
+        ):
             self.watch.__exit__(None, None, None)
+        if self._patched is not None:
+            self._patched.uninstall()
         self._watching, self._whole, self._depth = False, False, 0
         for h in self._handles + self._stack_handles + self._scope_handles:
             h.remove()

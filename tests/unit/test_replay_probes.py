@@ -93,6 +93,7 @@ def test_probe_rows_match_stats_and_the_scoped_watch_the_mapping_pass() -> None:
     first, later = passes[0], passes[2]
     assert later.attn is not None and later.attn.shape[0] == 2 == len(later.attn_modules)
     assert probe._scope and not probe._whole  # the later passes were scoped
+    assert probe._patch_only  # ... and saw the attention calls through `Patched` alone
     torch.testing.assert_close(first.attn, later.attn, equal_nan=True)
     torch.testing.assert_close(first.fwd, later.fwd, equal_nan=True)
     torch.testing.assert_close(first.bwd, later.bwd, equal_nan=True)
@@ -240,3 +241,51 @@ def test_attention_watch_measures_the_layers_together_as_one_call_at_a_time() ->
     ref.insert(2, _attention_reference(other[0], other[1], None, False, 0.3))
     for got, want in zip(watch.rows, ref, strict=True):
         torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+
+
+class _Bound(nn.Module):
+    """Attention calling SDPA by a name `Patched` does not wrap (as a model that bound it at
+    import would), and an eager softmax through Tensor.softmax."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        y = torch._C._nn.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y + (q @ k.transpose(-1, -2)).softmax(-1) @ v
+
+
+class _BoundAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.qkv = nn.Linear(16, 48)
+        self.attn = _Bound()
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.emb(ids)).view(*ids.shape, 3, 2, 8).unbind(2)
+        y = self.attn(*(x.transpose(1, 2) for x in (q, k, v)))
+        return self.head(y.transpose(1, 2).reshape(*ids.shape, 16))
+
+
+@pytest.mark.parametrize("model_of", [lambda: GPT(GPTConfig(n_layer=2)), _BoundAttention])
+def test_patched_attention_watch_sees_what_the_mode_sees_or_falls_back(model_of) -> None:
+    """After the mapping pass, a model whose every attention call went through `Patched`'s
+    wrappers is watched by them alone; one that calls SDPA by another name keeps the mode.
+    Either way every pass's attention rows are the mapping pass's, and `remove` leaves
+    torch's functions as they were."""
+    torch.manual_seed(0)
+    model = model_of()
+    ids = torch.randint(0, 32, (2, 8))
+    probe = ModuleProbe(model)
+    passes = []
+    for _ in range(3):
+        probe.reset()
+        model.zero_grad(set_to_none=True)
+        per_token_loss(model(ids), ids).mean().backward()
+        passes.append(probe.collect())
+    assert probe._patch_only == isinstance(model, GPT) and probe._scope  # scoped either way
+    assert passes[0].attn is not None and passes[0].attn.shape[0] == len(passes[0].attn_modules)
+    for later in passes[1:]:
+        torch.testing.assert_close(later.attn, passes[0].attn, equal_nan=True)
+    probe.remove()
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+    assert torch.Tensor.softmax is torch._C.TensorBase.softmax

@@ -153,7 +153,7 @@ def main() -> None:
         f"- everything a replayed step measures: {everything:.2f}× plain (target ≤ 1.2×) → {'met' if everything <= 1.2 else 'NOT met'}; plain step {plain:.3f} s",
         f"- the per-parameter stage (RMS, RMS_t, SPAM counts, finite check of {n_params} gradients; `param_grad_table`'s foreach ops): "
         f"{everything - with_samples_r:+.2f}× plain ({(everything - with_samples_r) * plain * 1e3:+.0f} ms); "
-        f"one call per parameter, as session.py still calls it: {per_param_old - with_samples_r:+.2f}× plain "
+        f"one call per parameter, as session.py called it before: {per_param_old - with_samples_r:+.2f}× plain "
         f"({(per_param_old - with_samples_r) * plain * 1e3:+.0f} ms), everything then {per_param_old:.2f}×",
         "",
     ]
@@ -196,7 +196,7 @@ def with_samples(model: GPT, stepper: Callable[[GPT], Callable[[], None]]) -> Ca
     return run
 
 
-PER_PARAM_OLD = "probes + shares + per-parameter, one call per parameter (session.py now)"
+PER_PARAM_OLD = "probes + shares + per-parameter, one call per parameter (session.py before)"
 
 
 def with_param_stats(

@@ -314,7 +314,7 @@ def main() -> None:
         + (
             " **With `--proposed`**: session.py's per-parameter stage patched to one `param_grad_table` call (`proposed_gradients`)."
             if args.proposed
-            else " session.py as committed (per-parameter stage: `param_grad_stats` and `isfinite(g).all()` per parameter)."
+            else " session.py as committed (its per-parameter stage is `param_grad_table`)."
         ),
         "",
         "| layers | tensors | plain training step | replayed step | **ratio (median)** | min–max ratio | target ≤ 1.5× |",

@@ -10,6 +10,7 @@ pre-softmax logit and their attention entropy (`AttentionWatch`), also on the de
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = [
     "ModuleProbe",
     "AttentionWatch",
     "attention_logit_stats",
+    "attention_logit_stats_many",
     "softmax_logit_stats",
     "logits_of",
     "param_grad_stats",
@@ -195,19 +197,79 @@ def _chunks(b: int, h: int, t: int, s: int) -> list[tuple[int, int, int, int]]:
     return [(b0, b0 + 1, t0, min(t, t0 + tq)) for b0 in range(b) for t0 in range(0, t, tq)]
 
 
-def _accumulate(acc: torch.Tensor, s: torch.Tensor, valid: torch.Tensor) -> None:
-    """Fold one block of logits s [b, H, t, S] (valid: where a query may attend) into the
-    per-head running table acc [H, 3] = [max logit, sum of row entropy / log(keys), rows]."""
-    s = s.masked_fill(~valid, float("-inf"))
-    acc[:, 0] = torch.maximum(acc[:, 0], s.amax(dim=(0, 2, 3)))
-    logp = torch.log_softmax(s, -1)
-    ent = (
-        -(logp.exp() * logp).nan_to_num(0.0, 0.0, 0.0).sum(-1)
-    )  # [b, H, t] nats; exp(-inf) * -inf -> 0
-    n = valid.sum(-1).expand_as(ent)
-    use = n > 1
-    acc[:, 1] += torch.where(use, ent / n.clamp_min(2).float().log(), 0.0).sum((0, 2))
-    acc[:, 2] += use.sum((0, 2)).float()
+# Per causal block shape (query rows t0:t1, keys, device): (where a query may NOT attend
+# [t, S], each row's weight 1 / log(keys) or 0 where it has one key or none [t], rows
+# counted): the same for every attention call of a shape, so made once (a few KiB each).
+_CAUSAL: dict[tuple[int, int, int, torch.device], tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+
+def _causal(
+    t0: int, t1: int, sk: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Rows t0:t1 of SDPA's top-left causal mask over `sk` keys, as `_accumulate` takes it."""
+    key = (t0, t1, sk, torch.device(device))
+    hit = _CAUSAL.get(key)
+    if hit is None:
+        valid = torch.ones(t1, sk, dtype=torch.bool, device=device).tril()[t0:t1]
+        n = valid.sum(-1)
+        use = n > 1
+        w = torch.where(use, 1.0 / n.clamp_min(2).float().log(), 0.0)
+        hit = _CAUSAL[key] = (~valid, w, int(use.sum()))
+    return hit
+
+
+def _accumulate(
+    s: torch.Tensor,
+    valid: torch.Tensor | None,
+    causal: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+) -> torch.Tensor:
+    """[..., H, 3] = [max logit, sum of row entropy / log(keys), rows counted] of a block of
+    logits s [..., b, H, t, S] (leading dims: attention calls batched together), reduced
+    over b and t. Where a query may attend: `valid` (broadcastable to s) and / or `causal`
+    (`_causal`: the mask, row weights and row count cached per shape, for when the causal
+    mask is all there is). Rows with one key or none are not counted; a row whose logits
+    hold a NaN counts entropy 0 (its max logit is NaN)."""
+    if causal is not None and valid is not None:
+        valid = valid & ~causal[0]
+        causal = None
+    if causal is not None:
+        s = s.masked_fill(causal[0], float("-inf"))
+    elif valid is not None:
+        s = s.masked_fill(~valid, float("-inf"))
+    top = s.amax(dim=(-4, -2, -1))
+    # Each row's entropy: entr(p) = -p log p, 0 where p is (masked keys); a row of -inf
+    # (nothing to attend) or one holding a NaN sums to NaN: 0.
+    ent = torch.special.entr(torch.softmax(s, -1)).sum(-1).nan_to_num_(0.0, 0.0, 0.0)
+    if causal is not None:
+        ents = (ent * causal[1]).sum((-3, -1))
+        n = torch.full_like(top, float(causal[2] * s.shape[-4]))
+    else:
+        keys = (
+            valid.sum(-1).expand_as(ent)
+            if valid is not None
+            else torch.full_like(ent, float(s.shape[-1]))
+        )
+        use = keys > 1
+        ents = torch.where(use, ent / keys.clamp_min(2).float().log(), 0.0).sum((-3, -1))
+        n = use.sum((-3, -1)).float()
+    return torch.stack([top, ents, n], -1)
+
+
+def _heads(q4: torch.Tensor, k4: torch.Tensor) -> torch.Tensor:
+    """Keys repeated for each query head they serve (GQA), as SDPA's `enable_gqa` does
+    (heads are dim -3)."""
+    h, hk = q4.shape[-3], k4.shape[-3]
+    return k4 if hk == h else k4.repeat_interleave(h // hk, dim=-3)
+
+
+def _masked(s: torch.Tensor, m: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits, where a query may attend) under an SDPA mask: a boolean one marks where, a
+    float one is added (entries at the dtype's lowest count as masked)."""
+    if m is None:
+        return s, None
+    if m.dtype == torch.bool:
+        return s, m
+    return s + m.float(), m > torch.finfo(m.dtype).min / 2
 
 
 def attention_logit_stats(
@@ -227,29 +289,56 @@ def attention_logit_stats(
     """
     q4, k4 = _as4(q.detach()), _as4(k.detach())
     b, h, t, d = q4.shape
-    hk, sk = k4.shape[1], k4.shape[2]
-    if hk != h:
-        k4 = k4.repeat_interleave(h // hk, dim=1)
+    sk = k4.shape[2]
+    k4 = _heads(q4, k4)
     sc = scale if scale is not None else 1.0 / math.sqrt(d)
     m4 = _as4(attn_mask.detach()) if attn_mask is not None else None
-    acc = torch.zeros(h, 3, device=q.device)
-    acc[:, 0] = float("-inf")
-    causal = torch.ones(t, sk, dtype=torch.bool, device=q.device).tril() if is_causal else None
+    parts = []
     for b0, b1, t0, t1 in _chunks(b, h, t, sk):
         s = torch.matmul(q4[b0:b1, :, t0:t1].float(), k4[b0:b1].float().transpose(-1, -2)) * sc
-        valid = torch.ones((1, 1, t1 - t0, sk), dtype=torch.bool, device=q.device)
-        if causal is not None:
-            valid = valid & causal[t0:t1]
+        m = None
         if m4 is not None:
             m = m4[b0:b1] if m4.shape[0] == b else m4
             m = m[..., t0:t1, :] if m.shape[-2] == t else m
-            if m.dtype == torch.bool:
-                valid = valid & m
-            else:
-                s = s + m.float()
-                valid = valid & (m > torch.finfo(m.dtype).min / 2)
-        _accumulate(acc, s, valid)
-    return acc
+        s, valid = _masked(s, m)
+        parts.append(_accumulate(s, valid, _causal(t0, t1, sk, q.device) if is_causal else None))
+    if len(parts) == 1:
+        return parts[0]
+    every = torch.stack(parts)
+    return torch.stack([every[..., 0].amax(0), every[..., 1].sum(0), every[..., 2].sum(0)], -1)
+
+
+def attention_logit_stats_many(
+    qs: list[torch.Tensor],
+    ks: list[torch.Tensor],
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """[L, H, 3]: `attention_logit_stats` of L attention calls of one shape that share their
+    mask, causality and scale (a model's layers), in one recomputation of their logits per
+    `_ATTN_CHUNK` elements instead of one per call (a call larger than that: one at a time)."""
+    q = torch.stack([_as4(x.detach()) for x in qs])  # [L, b, H, t, D]
+    n, b, h, t, d = q.shape
+    sk = _as4(ks[0]).shape[2]
+    if b * h * t * sk > _ATTN_CHUNK:
+        return torch.stack(
+            [
+                attention_logit_stats(x, y, attn_mask, is_causal, scale)
+                for x, y in zip(qs, ks, strict=True)
+            ]
+        )
+    k = _heads(q, torch.stack([_as4(x.detach()) for x in ks]))
+    sc = scale if scale is not None else 1.0 / math.sqrt(d)
+    m4 = _as4(attn_mask.detach()) if attn_mask is not None else None
+    causal = _causal(0, t, sk, q.device) if is_causal else None
+    step = max(1, _ATTN_CHUNK // (b * h * t * sk))
+    parts = []
+    for l0 in range(0, n, step):
+        s = torch.matmul(q[l0 : l0 + step].float(), k[l0 : l0 + step].float().transpose(-1, -2))
+        s, valid = _masked(s * sc, m4)
+        parts.append(_accumulate(s, valid, causal))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def softmax_logit_stats(x: torch.Tensor) -> torch.Tensor:
@@ -258,13 +347,15 @@ def softmax_logit_stats(x: torch.Tensor) -> torch.Tensor:
     value or -inf)."""
     x4 = _as4(x.detach())
     b, h, t, sk = x4.shape
-    acc = torch.zeros(h, 3, device=x.device)
-    acc[:, 0] = float("-inf")
     low = torch.finfo(x.dtype).min / 2
+    parts = []
     for b0, b1, t0, t1 in _chunks(b, h, t, sk):
         blk = x4[b0:b1, :, t0:t1].float()
-        _accumulate(acc, blk, blk > low)
-    return acc
+        parts.append(_accumulate(blk, blk > low))
+    if len(parts) == 1:
+        return parts[0]
+    every = torch.stack(parts)
+    return torch.stack([every[..., 0].amax(0), every[..., 1].sum(0), every[..., 2].sum(0)], -1)
 
 
 _SOFTMAX = (
@@ -275,7 +366,64 @@ _SOFTMAX = (
 )
 
 
-_WATCHED = frozenset((F.scaled_dot_product_attention, *_SOFTMAX))
+_SDPA = F.scaled_dot_product_attention
+_WATCHED = frozenset((_SDPA, *_SOFTMAX))
+# Where models find the watched functions, as `Patched` wraps them: (owner, attribute).
+_PATCHED = (
+    (F, "scaled_dot_product_attention"),
+    (F, "softmax"),
+    (torch, "softmax"),
+    (torch.Tensor, "softmax"),
+)
+
+
+class Patched:
+    """The watched functions (`_PATCHED`) wrapped where models look them up, the cheap form
+    of an `AttentionWatch`: while installed, a call from this thread with `active()` true is
+    handed to `watch.record` (the outermost wrapper only: F.softmax calls Tensor.softmax),
+    and nothing else pays a Python call (the torch-function mode pays one for every torch
+    call it sees). A model that calls them by another name is not seen: `ModuleProbe`
+    installs this on the mapping pass too, under the mode, and uses it alone only when every
+    call the mode saw went through a wrapper (`watch.patch_ok`)."""
+
+    def __init__(self, watch: AttentionWatch, active: Any) -> None:
+        self.watch, self.active = watch, active
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._thread = 0
+
+    def _wrap(self, orig: Any) -> Any:
+        watch, active = self.watch, self.active
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if watch.inside or threading.get_ident() != self._thread:
+                return orig(*args, **kwargs)
+            watch.inside += 1  # the measurement's own softmax is not watched either
+            try:
+                out = orig(*args, **kwargs)
+                if active():
+                    watch.record(orig, args, kwargs or {}, out)
+            finally:
+                watch.inside -= 1
+            return out
+
+        return wrapper
+
+    def install(self) -> None:
+        if self._saved:
+            return
+        self._thread = threading.get_ident()
+        for owner, name in _PATCHED:
+            orig = getattr(owner, name)
+            self._saved.append((owner, name, orig))
+            wrapper = self._wrap(orig)
+            self.watch.unwrap[wrapper] = orig
+            setattr(owner, name, wrapper)
+
+    def uninstall(self) -> None:
+        for owner, name, orig in reversed(self._saved):
+            setattr(owner, name, orig)
+        self._saved.clear()
+        self.watch.unwrap.clear()
 
 
 def _softmax_input(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -290,7 +438,14 @@ def _softmax_input(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
 class AttentionWatch(TorchFunctionMode):
     """While active, each attention call's per-head statistics (`ATTN_STATS`) land in
     `rows` (one [H, 3] device tensor per call, in call order); `sites` holds what `on_call`
-    returned for each. Nothing leaves the device; the caller reads `rows` once per pass.
+    returned for each. Nothing leaves the device; the caller reads `rows` once per pass,
+    after `flush`.
+
+    SDPA calls whose q or k autograd keeps for the backward pass (so nothing changes them
+    in place) are measured at `flush`, those of one shape, mask and scale together
+    (`attention_logit_stats_many`: one recomputation of the layers' logits instead of one
+    per layer); at most `_ATTN_CHUNK` elements of q and k are held waiting, past that the
+    watch flushes. Other calls are measured as they come.
 
     Entered around a forward pass only (a checkpointed block's recomputation in the backward
     pass is not watched: same values). Other torch functions pass straight through.
@@ -298,37 +453,83 @@ class AttentionWatch(TorchFunctionMode):
 
     def __init__(self, on_call: Any = None) -> None:
         super().__init__()
-        self.rows: list[torch.Tensor] = []
+        self.rows: list[torch.Tensor | None] = []  # None: waiting for `flush`
         self.on_call = on_call
         self.sites: list[Any] = []
+        # (row, q, k, mask, is_causal, scale) of the calls waiting, and their q + k elements
+        self._waiting: list[tuple[int, torch.Tensor, torch.Tensor, Any, bool, Any]] = []
+        self._held = 0
+        # `Patched`: how deep in its wrappers this thread is, and whether every call the
+        # mode saw went through one (so that `Patched` alone sees them all)
+        self.inside = 0
+        self.patch_ok = True
+        self.unwrap: dict[Any, Any] = {}
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func not in _WATCHED:  # every other torch call of the forward: straight through
-            return out
-        if func is F.scaled_dot_product_attention:
+        func = self.unwrap.get(func, func)  # `Patched`'s wrapper: the function it wraps
+        if func in _WATCHED:  # every other torch call of the forward: straight through
+            if self.inside == 0:
+                self.patch_ok = False  # a call `Patched` did not see
+            self.record(func, args, kwargs, out)
+        return out
+
+    def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """One watched call's statistics (an SDPA call, or a softmax over the last dim of a
+        4-D tensor; anything else is ignored)."""
+        if func is _SDPA:
             q, k = args[0], args[1] if len(args) > 1 else kwargs["key"]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
             causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
             scale = kwargs.get("scale", args[6] if len(args) > 6 else None)
-            self.rows.append(attention_logit_stats(q, k, mask, causal, scale))
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+                self._waiting.append((len(self.rows), q.detach(), k.detach(), mask, causal, scale))
+                self.rows.append(None)
+                self._held += q.numel() + k.numel()
+                if self._held > _ATTN_CHUNK:
+                    self.flush()
+            else:
+                self.rows.append(attention_logit_stats(q, k, mask, causal, scale))
             if self.on_call is not None:
                 self.sites.append(self.on_call("sdpa", args, kwargs, out))
         elif (x := _softmax_input(func, args, kwargs)) is not None:
             self.rows.append(softmax_logit_stats(x))
             if self.on_call is not None:
                 self.sites.append(self.on_call("softmax", args, kwargs, out))
-        return out
+
+    def flush(self) -> None:
+        """The waiting calls' rows: calls alike (shapes, dtypes, device, the same mask,
+        causality, scale) measured together."""
+        alike: dict[tuple, list[tuple[int, torch.Tensor, torch.Tensor, Any, bool, Any]]] = {}
+        for w in self._waiting:
+            _, q, k, mask, causal, scale = w
+            key = (q.shape, k.shape, q.dtype, k.dtype, q.device, id(mask), causal, scale)
+            alike.setdefault(key, []).append(w)
+        for calls in alike.values():
+            _, _, _, mask, causal, scale = calls[0]
+            table = attention_logit_stats_many(
+                [c[1] for c in calls], [c[2] for c in calls], mask, causal, scale
+            )
+            for c, row in zip(calls, table.unbind(0), strict=True):
+                self.rows[c[0]] = row
+        self.clear_waiting()
+
+    def clear_waiting(self) -> None:
+        self._waiting.clear()
+        self._held = 0
 
 
 class ModuleProbe:
     """Forward hooks on every named module, a gradient hook on each output, and an
     `AttentionWatch` (its attention calls' logit statistics, attributed to the module that
     ran them on the first pass, which watches the whole forward; later passes watch only
-    the modules that ran attention, and map again if the count of calls changes)."""
+    the modules that ran attention, and map again if the count of calls changes). Where
+    every call of the first pass went through `Patched`'s wrappers of the attention
+    functions, later passes are watched by those alone, with no torch-function mode (which
+    costs a Python call for every torch call of the attention modules)."""
 
     def __init__(
         self,
@@ -387,6 +588,14 @@ class ModuleProbe:
         self._scope: frozenset[str] = frozenset()
         self._scope_handles: list[Any] = []
         self._depth = 0
+        # After a mapping pass on which every attention call went through `Patched`'s
+        # wrappers, the scoped passes use those alone (no torch-function mode at all).
+        self._patch_only = False
+        self._patched = (
+            Patched(self.watch, lambda: self._patch_only and self._depth > 0)
+            if self.watch is not None
+            else None
+        )
         self._logits = torch.full((2,), float("nan"), device=device)  # [sum of logits, count]
         if self.watch is not None:
             self._handles.append(model.register_forward_pre_hook(self._enter))
@@ -412,6 +621,11 @@ class ModuleProbe:
         self.watch.sites.clear()
         self._watching = True
         self._whole = self._mapping or not self._scoped()
+        if self._mapping:
+            self._patch_only = False
+            self.watch.patch_ok = True
+        if self._patched is not None and (self._mapping or (self._patch_only and not self._whole)):
+            self._patched.install()
         if self._whole:
             self.watch.__enter__()
 
@@ -437,21 +651,24 @@ class ModuleProbe:
 
     def _scope_in(self, module: nn.Module, args: object) -> None:
         if self._watching and not self._whole and self.watch is not None:
-            if self._depth == 0:
+            if self._depth == 0 and not self._patch_only:
                 self.watch.__enter__()
             self._depth += 1
 
     def _scope_out(self, module: nn.Module, args: object, out: object) -> None:
         if self._depth > 0 and self.watch is not None:
             self._depth -= 1
-            if self._depth == 0:
+            if self._depth == 0 and not self._patch_only:
                 self.watch.__exit__(None, None, None)
 
     def _leave(self, module: nn.Module, args: object, out: object) -> None:
         if not self._watching or self.watch is None:
             return
-        if self._whole or self._depth > 0:
+        if self._whole or (self._depth > 0 and not self._patch_only):
             self.watch.__exit__(None, None, None)
+        if self._patched is not None:
+            self._patched.uninstall()
+        self.watch.flush()
         self._depth = 0
         self._whole = False
         self._watching = False
@@ -467,6 +684,8 @@ class ModuleProbe:
             self._stack_handles.clear()
             self._stack.clear()
             self.attn_modules = tuple(self.watch.sites)
+            # every call went through `Patched`: later passes need no torch-function mode
+            self._patch_only = self.watch.patch_ok
             if logits is not None:
                 shape = tuple(logits.shape)
                 self.head = next(
@@ -528,6 +747,7 @@ class ModuleProbe:
         self.bwd_order.clear()
         if self.watch is not None:
             self.watch.rows.clear()
+            self.watch.clear_waiting()
         self._logits = torch.full((2,), float("nan"), device=self.device)
 
     def _flush(self) -> None:
@@ -544,10 +764,14 @@ class ModuleProbe:
 
     def _attn_table(self) -> torch.Tensor:
         """[L, Hmax, 3] of the pass's attention calls (NaN past a call's heads)."""
-        rows = self.watch.rows if self.watch is not None else []
+        if self.watch is not None:
+            self.watch.flush()
+        rows = [r for r in self.watch.rows if r is not None] if self.watch is not None else []
         if not rows:
             return torch.zeros(0, 0, 3, device=self.device)
         hmax = max(r.shape[0] for r in rows)
+        if all(r.shape[0] == hmax for r in rows):
+            return torch.stack(rows)
         table = torch.full((len(rows), hmax, 3), float("nan"), device=rows[0].device)
         for i, r in enumerate(rows):
             table[i, : r.shape[0]] = r
@@ -657,8 +881,14 @@ class ModuleProbe:
         return fwd.float(), bwd.float(), att.float(), logits.float()
 
     def remove(self) -> None:
-        if self._watching and self.watch is not None and (self._whole or self._depth > 0):
+        if (
+            self._watching
+            and self.watch is not None
+            and (self._whole or (self._depth > 0 and not self._patch_only))
+        ):
             self.watch.__exit__(None, None, None)
+        if self._patched is not None:
+            self._patched.uninstall()
         self._watching, self._whole, self._depth = False, False, 0
         for h in self._handles + self._stack_handles + self._scope_handles:
             h.remove()

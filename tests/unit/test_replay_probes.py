@@ -3,7 +3,9 @@
 parameter (NaN, spike, overflow, empty and stateless gradients among them); the probes'
 deferred rows against `_stats` of each module's output; a watch scoped to the attention
 modules after the first pass against the whole-forward mapping pass; per-sample gradient
-norms with a Gram matrix shared by linears fed one input, against one backward per row."""
+norms with a Gram matrix shared by linears fed one input, against one backward per row;
+the attention statistics (cached causal masks, entropy as entr of the softmax, the layers'
+calls measured together) against the per-call log_softmax form they replaced."""
 
 from __future__ import annotations
 
@@ -11,12 +13,17 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ckptforensics.replay import probes
 from ckptforensics.replay.probes import (
     BWD_STATS,
+    AttentionWatch,
     ModuleProbe,
     _stats,
+    attention_logit_stats,
+    attention_logit_stats_many,
     param_grad_stats,
     param_grad_sums,
     param_grad_table,
@@ -86,6 +93,7 @@ def test_probe_rows_match_stats_and_the_scoped_watch_the_mapping_pass() -> None:
     first, later = passes[0], passes[2]
     assert later.attn is not None and later.attn.shape[0] == 2 == len(later.attn_modules)
     assert probe._scope and not probe._whole  # the later passes were scoped
+    assert probe._patch_only  # ... and saw the attention calls through `Patched` alone
     torch.testing.assert_close(first.attn, later.attn, equal_nan=True)
     torch.testing.assert_close(first.fwd, later.fwd, equal_nan=True)
     torch.testing.assert_close(first.bwd, later.bwd, equal_nan=True)
@@ -134,3 +142,150 @@ def test_per_sample_norms_with_a_shared_input_match_one_backward_per_row(seq: in
             for m in linears
         )
         assert float(fast[b]) == pytest.approx(brute, rel=1e-4)
+
+
+def _attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """[H, 3] of one SDPA call as the watch measured it before: the whole score matrix,
+    entropy from log_softmax, row counts from the mask."""
+    h, hk = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(h // hk, dim=1)
+    s = q.float() @ k.float().transpose(-1, -2) * (scale or 1 / math.sqrt(q.shape[-1]))
+    valid = torch.ones(s.shape[-2:], dtype=torch.bool)
+    if causal:
+        valid = valid & torch.ones_like(valid).tril()
+    if mask is not None and mask.dtype == torch.bool:
+        valid = valid & mask
+    elif mask is not None:
+        s = s + mask
+        valid = valid & (mask > torch.finfo(mask.dtype).min / 2)
+    s = s.masked_fill(~valid, float("-inf"))
+    logp = torch.log_softmax(s, -1)
+    ent = -(logp.exp() * logp).nan_to_num(0.0, 0.0, 0.0).sum(-1)
+    n = valid.sum(-1).expand_as(ent)
+    use = n > 1
+    return torch.stack(
+        [
+            s.amax(dim=(0, 2, 3)),
+            torch.where(use, ent / n.clamp_min(2).float().log(), 0.0).sum((0, 2)),
+            use.sum((0, 2)).float(),
+        ],
+        -1,
+    )
+
+
+def _attention_cases() -> list[tuple[str, list, list, torch.Tensor | None, bool]]:
+    torch.manual_seed(0)
+    b, t, d = 3, 7, 8
+    qs = [torch.randn(b, 4, t, d) * 3 for _ in range(3)]
+    ks = [torch.randn(b, 2, t, d) * 3 for _ in range(3)]  # GQA: 2 key heads for 4
+    pad = torch.ones(b, 1, 1, t, dtype=torch.bool)
+    pad[1, ..., 4:] = False  # a padded row
+    pad[2] = False  # nothing to attend to
+    additive = torch.zeros(b, 1, t, t).masked_fill(~pad, torch.finfo(torch.float32).min)
+    nan_q = [q.clone() for q in qs]
+    nan_q[1][0, 2, 3, 0] = float("nan")  # one query row's logits are NaN
+    return [
+        ("causal", qs, ks, None, True),
+        ("no mask", qs, ks, None, False),
+        ("bool mask + causal", qs, ks, pad, True),
+        ("float mask", qs, ks, additive, False),
+        ("NaN logits", nan_q, ks, None, True),
+    ]
+
+
+@pytest.mark.parametrize("chunk", [1 << 22, 60])  # one block; blocks of rows / of calls
+def test_attention_stats_batched_and_cached_match_the_per_call_log_softmax_form(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(probes, "_ATTN_CHUNK", chunk)
+    for name, qs, ks, mask, causal in _attention_cases():
+        ref = torch.stack(
+            [_attention_reference(q, k, mask, causal) for q, k in zip(qs, ks, strict=True)]
+        )
+        one = torch.stack(
+            [attention_logit_stats(q, k, mask, causal) for q, k in zip(qs, ks, strict=True)]
+        )
+        many = attention_logit_stats_many(qs, ks, mask, causal)
+        for got in (one, many):
+            torch.testing.assert_close(got, ref, rtol=2e-6, atol=2e-6, equal_nan=True, msg=name)
+    # the NaN row: its heads' max logit is NaN, its entropy counts 0 (as before)
+    assert math.isnan(float(many[1, 2, 0])) and math.isfinite(float(many[1, 2, 1]))
+
+
+def test_attention_watch_measures_the_layers_together_as_one_call_at_a_time() -> None:
+    """The watch holds the calls whose q / k autograd keeps, and measures them at `flush`
+    (alike ones together); a call under no_grad is measured at once; row order is call order."""
+    torch.manual_seed(0)
+    qs = [torch.randn(2, 4, 5, 8, requires_grad=True) for _ in range(3)]
+    ks = [torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3)]
+    other = (torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8))  # another shape, no grad
+    watch = AttentionWatch()
+    with watch:
+        for i, (q, k) in enumerate(zip(qs, ks, strict=True)):
+            v = torch.randn_like(k)
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            if i == 1:
+                F.scaled_dot_product_attention(*other, other[1], scale=0.3)
+    assert watch.rows[2] is not None and sum(r is None for r in watch.rows) == 3
+    watch.flush()
+    ref = [
+        _attention_reference(q.detach(), k.detach(), None, True)
+        for q, k in zip(qs, ks, strict=True)
+    ]
+    ref.insert(2, _attention_reference(other[0], other[1], None, False, 0.3))
+    for got, want in zip(watch.rows, ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+
+
+class _Bound(nn.Module):
+    """Attention calling SDPA by a name `Patched` does not wrap (as a model that bound it at
+    import would), and an eager softmax through Tensor.softmax."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        y = torch._C._nn.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y + (q @ k.transpose(-1, -2)).softmax(-1) @ v
+
+
+class _BoundAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.qkv = nn.Linear(16, 48)
+        self.attn = _Bound()
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.emb(ids)).view(*ids.shape, 3, 2, 8).unbind(2)
+        y = self.attn(*(x.transpose(1, 2) for x in (q, k, v)))
+        return self.head(y.transpose(1, 2).reshape(*ids.shape, 16))
+
+
+@pytest.mark.parametrize("model_of", [lambda: GPT(GPTConfig(n_layer=2)), _BoundAttention])
+def test_patched_attention_watch_sees_what_the_mode_sees_or_falls_back(model_of) -> None:
+    """After the mapping pass, a model whose every attention call went through `Patched`'s
+    wrappers is watched by them alone; one that calls SDPA by another name keeps the mode.
+    Either way every pass's attention rows are the mapping pass's, and `remove` leaves
+    torch's functions as they were."""
+    torch.manual_seed(0)
+    model = model_of()
+    ids = torch.randint(0, 32, (2, 8))
+    probe = ModuleProbe(model)
+    passes = []
+    for _ in range(3):
+        probe.reset()
+        model.zero_grad(set_to_none=True)
+        per_token_loss(model(ids), ids).mean().backward()
+        passes.append(probe.collect())
+    assert probe._patch_only == isinstance(model, GPT) and probe._scope  # scoped either way
+    assert passes[0].attn is not None and passes[0].attn.shape[0] == len(passes[0].attn_modules)
+    for later in passes[1:]:
+        torch.testing.assert_close(later.attn, passes[0].attn, equal_nan=True)
+    probe.remove()
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+    assert torch.Tensor.softmax is torch._C.TensorBase.softmax

@@ -6,38 +6,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from click.testing import CliRunner
-
-from ckptforensics.cli import cli
 from fixtures.draws import build_draw, draw
 
 SEED = 1381  # an HF Trainer run on Adafactor whose attention group's LR jumps 300x
 
 
-def test_the_change_step_is_the_one_whose_replay_matches_the_log(tmp_path: Path) -> None:
+def test_the_change_step_is_the_one_whose_replay_matches_the_log(
+    tmp_path: Path, draw_report: Any
+) -> None:
     d = draw(SEED)
     assert d.trainer == "hf" and d.optimizer == "adafactor" and d.module
     run = build_draw(SEED, tmp_path)
     t = json.loads((run / "truth.json").read_text())
-    r = CliRunner().invoke(
-        cli,
-        [
-            "replay",
-            "--run-dir",
-            str(run),
-            "--before",
-            str(t["before"]),
-            "--after",
-            str(t["after"]),
-            "--batch",
-            str(run / "batches.h5"),
-            "--json",
-        ],
-        catch_exceptions=False,
-    )
-    assert r.exit_code == 0, r.output
-    doc = json.loads(r.stdout)
+    doc = draw_report(run)
     src = doc["replay"]["config"]["lr"]["source"]
     assert f"LR ratio changes at step {t['first_bad_step']}" in src, src
     assert doc["verdict"]["first_bad_step"] == t["first_bad_step"]

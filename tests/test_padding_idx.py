@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -71,33 +72,14 @@ TIED = 1346  # a healthy tied HF Llama whose config (pad id 0) built the embeddi
 
 
 def test_a_tied_padding_row_is_read_from_the_log_not_the_moments(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, draw_report: Any
 ) -> None:
     """The head trains a tied embedding's padding row, so its second moment is not 0 there
     although the run zeroed the row's lookup: the replay asks the first step's grad norm and
     lands on *after* (unpadded, it missed 14,751 of 24,144 elements)."""
     d = draw(TIED)
     assert d.tied and d.family == "llama" and d.collator == "default" and d.cause == "none"
-    run = build_draw(TIED, tmp_path_factory.mktemp("tied"))
-    t = json.loads((run / "truth.json").read_text())
-    r = CliRunner().invoke(
-        cli,
-        [
-            "replay",
-            "--run-dir",
-            str(run),
-            "--before",
-            str(t["before"]),
-            "--after",
-            str(t["after"]),
-            "--batch",
-            str(run / "batches.h5"),
-            "--json",
-        ],
-        catch_exceptions=False,
-    )
-    assert r.exit_code == 0, r.output
-    doc = json.loads(r.stdout)
+    doc = draw_report(build_draw(TIED, tmp_path_factory.mktemp("tied")))
     assert (
         "padding row of the tied model.embed_tokens 0: zeroed by the run"
         in (doc["replay"]["config"]["model"]["value"])

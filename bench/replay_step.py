@@ -152,49 +152,6 @@ def replay_steps(out: Path, before: int, window: int) -> list[float]:
     return [b - a for a, b in zip(marks, marks[1:], strict=False)]
 
 
-def proposed_gradients(
-    self: Any, with_grad: list, clip: float | None, loss: torch.Tensor, per_sample: torch.Tensor
-) -> Any:
-    """`Session._gradients` with its per-parameter stage as one `probes.param_grad_table`
-    call (RMS, RMS_t, SPAM counts and the finite check of every gradient in foreach ops)
-    instead of `param_grad_stats` and `isfinite(g).all()` per parameter: the change
-    session.py is to take (it is being restructured elsewhere; `--proposed` patches it in
-    here, for this benchmark only). Everything else as session.py has it."""
-    import math
-
-    from ckptforensics.replay.probes import param_grad_table
-    from ckptforensics.replay.records import GradEvidence
-
-    table = (
-        param_grad_table(
-            [p.grad for _, p in with_grad],
-            [self.opt.state.get(p) or {} for _, p in with_grad],
-            [self._group_of[id(p)] for _, p in with_grad],
-        )
-        .cpu()
-        .tolist()
-    )
-    named = list(zip(with_grad, table, strict=True))
-    total = torch.nn.utils.clip_grad_norm_(
-        [p for _, p in self.params], clip if clip else float("inf")
-    )
-    sq = self.psg.sq
-    logit_absmax, log_z = self.logit_stats.cpu().tolist()
-    return GradEvidence(
-        loss=float(loss.detach()),
-        total=float(total),
-        nonfinite=tuple(n for (n, _), row in named if not row[3]),
-        rms={self.to_ckpt(n): row[0] for (n, _), row in named},
-        rms_t={self.to_ckpt(n): row[1] for (n, _), row in named if math.isfinite(row[1])},
-        spikes={self.to_ckpt(n): int(row[2]) for (n, _), row in named if row[2] > 0},
-        sample_loss=tuple(per_sample.detach().float().cpu().tolist()),
-        sample_grad_sq=tuple(sq.cpu().tolist()) if sq is not None else None,
-        logit_absmax=logit_absmax,
-        log_z=log_z,
-        sample_tokens=tuple(int(x) for x in self.row_tokens.cpu().tolist()),
-    )
-
-
 def measure(layers: int, rounds: int, before: int, window: int, root: Path) -> dict[str, Any]:
     out, batches = train_run(root, layers, before, window)
     plain = plain_stepper(out, layers, before, batches)
@@ -274,17 +231,8 @@ def main() -> None:
         "OpenMP worker that is descheduled stalls every op, and the figures scatter 10x)",
     )
     ap.add_argument("--record", action="store_true")
-    ap.add_argument(
-        "--proposed",
-        action="store_true",
-        help="patch session.py's per-parameter stage to `param_grad_table` (`proposed_gradients`)",
-    )
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
-    if args.proposed:
-        from ckptforensics.replay.session import Session
-
-        Session._gradients = proposed_gradients
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -311,11 +259,7 @@ def main() -> None:
         "(the last to the comparison with *after*): model build, checkpoint read and the comparison excluded. "
         f"Seconds are medians; the ratio is the median over rounds of replay / plain in the same round; "
         f"load average at the end {os.getloadavg()[0]:.1f}."
-        + (
-            " **With `--proposed`**: session.py's per-parameter stage patched to one `param_grad_table` call (`proposed_gradients`)."
-            if args.proposed
-            else " session.py as committed (its per-parameter stage is `param_grad_table`)."
-        ),
+        + " session.py as committed (its per-parameter stage is `param_grad_table`).",
         "",
         "| layers | tensors | plain training step | replayed step | **ratio (median)** | min–max ratio | target ≤ 1.5× |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -328,9 +272,7 @@ def main() -> None:
     ]
     from _results import publish
 
-    publish(
-        "replay_step_proposed" if args.proposed else "replay_step", "\n".join(lines), args.record
-    )
+    publish("replay_step", "\n".join(lines), args.record)
 
 
 if __name__ == "__main__":

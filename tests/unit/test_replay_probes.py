@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ckptforensics.replay import probes
+from ckptforensics.replay import attention
 from ckptforensics.replay.probes import (
     BWD_STATS,
     AttentionWatch,
@@ -203,7 +203,7 @@ def _attention_cases() -> list[tuple[str, list, list, torch.Tensor | None, bool]
 def test_attention_stats_batched_and_cached_match_the_per_call_log_softmax_form(
     chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(probes, "_ATTN_CHUNK", chunk)
+    monkeypatch.setattr(attention, "_ATTN_CHUNK", chunk)
     for name, qs, ks, mask, causal in _attention_cases():
         ref = torch.stack(
             [_attention_reference(q, k, mask, causal) for q, k in zip(qs, ks, strict=True)]

@@ -1,0 +1,378 @@
+"""Attention watched where it is computed: every `scaled_dot_product_attention` call, and
+every softmax over the last dim of a [B, H, T, S] tensor (eager attention), gives its heads'
+largest pre-softmax logit and their attention entropy, kept on the device
+(`AttentionWatch`; the module probe attributes them to the module that ran them). The
+logits are recomputed in fp32 piecewise (`_ATTN_CHUNK`), never held whole.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "ATTN_STATS",
+    "AttentionWatch",
+    "Patched",
+    "attention_logit_stats",
+    "attention_logit_stats_many",
+    "softmax_logit_stats",
+]
+
+# Per head of one attention call: its largest pre-softmax logit, and its attention entropy
+# over each query row divided by log(keys the row may attend to), averaged over the rows
+# with more than one key (1 = uniform, 0 = one-hot: Zhai et al. 2023's entropy collapse).
+ATTN_STATS = ("max_logit", "entropy")
+
+# Elements of logits one chunk of the attention statistics materialises (fp32: 16 MiB): the
+# score matrix is recomputed piecewise, never held whole for a long sequence.
+_ATTN_CHUNK = 1 << 22
+
+
+def _as4(t: torch.Tensor) -> torch.Tensor:
+    """[..., T, D] -> [B, H, T, D] (SDPA takes any leading dims; heads are dim -3)."""
+    if t.dim() == 4:
+        return t
+    if t.dim() < 4:
+        return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+    return t.reshape(-1, *t.shape[-3:])
+
+
+def _chunks(b: int, h: int, t: int, s: int) -> list[tuple[int, int, int, int]]:
+    """(b0, b1, t0, t1) blocks of at most `_ATTN_CHUNK` logits, whole rows first."""
+    per_row = max(h * t * s, 1)
+    if per_row <= _ATTN_CHUNK:
+        step = max(1, _ATTN_CHUNK // per_row)
+        return [(b0, min(b, b0 + step), 0, t) for b0 in range(0, b, step)]
+    tq = max(1, _ATTN_CHUNK // max(h * s, 1))
+    return [(b0, b0 + 1, t0, min(t, t0 + tq)) for b0 in range(b) for t0 in range(0, t, tq)]
+
+
+# Per causal block shape (query rows t0:t1, keys, device): (where a query may NOT attend
+# [t, S], each row's weight 1 / log(keys) or 0 where it has one key or none [t], rows
+# counted): the same for every attention call of a shape, so made once (a few KiB each).
+_CAUSAL: dict[tuple[int, int, int, torch.device], tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+
+def _causal(
+    t0: int, t1: int, sk: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Rows t0:t1 of SDPA's top-left causal mask over `sk` keys, as `_accumulate` takes it."""
+    key = (t0, t1, sk, torch.device(device))
+    hit = _CAUSAL.get(key)
+    if hit is None:
+        valid = torch.ones(t1, sk, dtype=torch.bool, device=device).tril()[t0:t1]
+        n = valid.sum(-1)
+        use = n > 1
+        w = torch.where(use, 1.0 / n.clamp_min(2).float().log(), 0.0)
+        hit = _CAUSAL[key] = (~valid, w, int(use.sum()))
+    return hit
+
+
+def _accumulate(
+    s: torch.Tensor,
+    valid: torch.Tensor | None,
+    causal: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+) -> torch.Tensor:
+    """[..., H, 3] = [max logit, sum of row entropy / log(keys), rows counted] of a block of
+    logits s [..., b, H, t, S] (leading dims: attention calls batched together), reduced
+    over b and t. Where a query may attend: `valid` (broadcastable to s) and / or `causal`
+    (`_causal`: the mask, row weights and row count cached per shape, for when the causal
+    mask is all there is). Rows with one key or none are not counted; a row whose logits
+    hold a NaN counts entropy 0 (its max logit is NaN)."""
+    if causal is not None and valid is not None:
+        valid = valid & ~causal[0]
+        causal = None
+    if causal is not None:
+        s = s.masked_fill(causal[0], float("-inf"))
+    elif valid is not None:
+        s = s.masked_fill(~valid, float("-inf"))
+    top = s.amax(dim=(-4, -2, -1))
+    # Each row's entropy: entr(p) = -p log p, 0 where p is (masked keys); a row of -inf
+    # (nothing to attend) or one holding a NaN sums to NaN: 0.
+    ent = torch.special.entr(torch.softmax(s, -1)).sum(-1).nan_to_num_(0.0, 0.0, 0.0)
+    if causal is not None:
+        ents = (ent * causal[1]).sum((-3, -1))
+        n = torch.full_like(top, float(causal[2] * s.shape[-4]))
+    else:
+        keys = (
+            valid.sum(-1).expand_as(ent)
+            if valid is not None
+            else torch.full_like(ent, float(s.shape[-1]))
+        )
+        use = keys > 1
+        ents = torch.where(use, ent / keys.clamp_min(2).float().log(), 0.0).sum((-3, -1))
+        n = use.sum((-3, -1)).float()
+    return torch.stack([top, ents, n], -1)
+
+
+def _heads(q4: torch.Tensor, k4: torch.Tensor) -> torch.Tensor:
+    """Keys repeated for each query head they serve (GQA), as SDPA's `enable_gqa` does
+    (heads are dim -3)."""
+    h, hk = q4.shape[-3], k4.shape[-3]
+    return k4 if hk == h else k4.repeat_interleave(h // hk, dim=-3)
+
+
+def _masked(s: torch.Tensor, m: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits, where a query may attend) under an SDPA mask: a boolean one marks where, a
+    float one is added (entries at the dtype's lowest count as masked)."""
+    if m is None:
+        return s, None
+    if m.dtype == torch.bool:
+        return s, m
+    return s + m.float(), m > torch.finfo(m.dtype).min / 2
+
+
+def attention_logit_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """[H, 3] per query head of one `scaled_dot_product_attention` call: [max pre-softmax
+    logit, summed normalised entropy, rows summed], on q's device, no host sync.
+
+    The logits q k^T * scale (+ the mask) are recomputed in fp32, in blocks of at most
+    `_ATTN_CHUNK` elements; keys shared by a group of query heads (GQA) are repeated as SDPA's
+    `enable_gqa` does. `is_causal` is SDPA's top-left causal mask; a boolean mask marks where
+    a query may attend, a float one is added (entries at the dtype's lowest count as masked).
+    """
+    q4, k4 = _as4(q.detach()), _as4(k.detach())
+    b, h, t, d = q4.shape
+    sk = k4.shape[2]
+    k4 = _heads(q4, k4)
+    sc = scale if scale is not None else 1.0 / math.sqrt(d)
+    m4 = _as4(attn_mask.detach()) if attn_mask is not None else None
+    parts = []
+    for b0, b1, t0, t1 in _chunks(b, h, t, sk):
+        s = torch.matmul(q4[b0:b1, :, t0:t1].float(), k4[b0:b1].float().transpose(-1, -2)) * sc
+        m = None
+        if m4 is not None:
+            m = m4[b0:b1] if m4.shape[0] == b else m4
+            m = m[..., t0:t1, :] if m.shape[-2] == t else m
+        s, valid = _masked(s, m)
+        parts.append(_accumulate(s, valid, _causal(t0, t1, sk, q.device) if is_causal else None))
+    if len(parts) == 1:
+        return parts[0]
+    every = torch.stack(parts)
+    return torch.stack([every[..., 0].amax(0), every[..., 1].sum(0), every[..., 2].sum(0)], -1)
+
+
+def attention_logit_stats_many(
+    qs: list[torch.Tensor],
+    ks: list[torch.Tensor],
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """[L, H, 3]: `attention_logit_stats` of L attention calls of one shape that share their
+    mask, causality and scale (a model's layers), in one recomputation of their logits per
+    `_ATTN_CHUNK` elements instead of one per call (a call larger than that: one at a time)."""
+    q = torch.stack([_as4(x.detach()) for x in qs])  # [L, b, H, t, D]
+    n, b, h, t, d = q.shape
+    sk = _as4(ks[0]).shape[2]
+    if b * h * t * sk > _ATTN_CHUNK:
+        return torch.stack(
+            [
+                attention_logit_stats(x, y, attn_mask, is_causal, scale)
+                for x, y in zip(qs, ks, strict=True)
+            ]
+        )
+    k = _heads(q, torch.stack([_as4(x.detach()) for x in ks]))
+    sc = scale if scale is not None else 1.0 / math.sqrt(d)
+    m4 = _as4(attn_mask.detach()) if attn_mask is not None else None
+    causal = _causal(0, t, sk, q.device) if is_causal else None
+    step = max(1, _ATTN_CHUNK // (b * h * t * sk))
+    parts = []
+    for l0 in range(0, n, step):
+        s = torch.matmul(q[l0 : l0 + step].float(), k[l0 : l0 + step].float().transpose(-1, -2))
+        s, valid = _masked(s * sc, m4)
+        parts.append(_accumulate(s, valid, causal))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def softmax_logit_stats(x: torch.Tensor) -> torch.Tensor:
+    """`attention_logit_stats` for eager attention: x [B, H, T, S] are the logits a softmax
+    over the last dim receives, the mask already added (masked entries at the dtype's lowest
+    value or -inf)."""
+    x4 = _as4(x.detach())
+    b, h, t, sk = x4.shape
+    low = torch.finfo(x.dtype).min / 2
+    parts = []
+    for b0, b1, t0, t1 in _chunks(b, h, t, sk):
+        blk = x4[b0:b1, :, t0:t1].float()
+        parts.append(_accumulate(blk, blk > low))
+    if len(parts) == 1:
+        return parts[0]
+    every = torch.stack(parts)
+    return torch.stack([every[..., 0].amax(0), every[..., 1].sum(0), every[..., 2].sum(0)], -1)
+
+
+_SOFTMAX = (
+    torch.softmax,
+    F.softmax,
+    torch.Tensor.softmax,
+    torch._C._nn.softmax if hasattr(torch._C._nn, "softmax") else torch.softmax,
+)
+
+
+_SDPA = F.scaled_dot_product_attention
+_WATCHED = frozenset((_SDPA, *_SOFTMAX))
+# Where models find the watched functions, as `Patched` wraps them: (owner, attribute).
+_PATCHED = (
+    (F, "scaled_dot_product_attention"),
+    (F, "softmax"),
+    (torch, "softmax"),
+    (torch.Tensor, "softmax"),
+)
+
+
+class Patched:
+    """The watched functions (`_PATCHED`) wrapped where models look them up, the cheap form
+    of an `AttentionWatch`: while installed, a call from this thread with `active()` true is
+    handed to `watch.record` (the outermost wrapper only: F.softmax calls Tensor.softmax),
+    and nothing else pays a Python call (the torch-function mode pays one for every torch
+    call it sees). A model that calls them by another name is not seen: `ModuleProbe`
+    installs this on the mapping pass too, under the mode, and uses it alone only when every
+    call the mode saw went through a wrapper (`watch.patch_ok`)."""
+
+    def __init__(self, watch: AttentionWatch, active: Any) -> None:
+        self.watch, self.active = watch, active
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._thread = 0
+
+    def _wrap(self, orig: Any) -> Any:
+        watch, active = self.watch, self.active
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if watch.inside or threading.get_ident() != self._thread:
+                return orig(*args, **kwargs)
+            watch.inside += 1  # the measurement's own softmax is not watched either
+            try:
+                out = orig(*args, **kwargs)
+                if active():
+                    watch.record(orig, args, kwargs or {}, out)
+            finally:
+                watch.inside -= 1
+            return out
+
+        return wrapper
+
+    def install(self) -> None:
+        if self._saved:
+            return
+        self._thread = threading.get_ident()
+        for owner, name in _PATCHED:
+            orig = getattr(owner, name)
+            self._saved.append((owner, name, orig))
+            wrapper = self._wrap(orig)
+            self.watch.unwrap[wrapper] = orig
+            setattr(owner, name, wrapper)
+
+    def uninstall(self) -> None:
+        for owner, name, orig in reversed(self._saved):
+            setattr(owner, name, orig)
+        self._saved.clear()
+        self.watch.unwrap.clear()
+
+
+def _softmax_input(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The logits of a softmax over the last dim of a 4-D tensor (eager attention), else None."""
+    if func not in _SOFTMAX or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    x = args[0]
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    return x if x.dim() == 4 and dim in (-1, 3) and x.is_floating_point() else None
+
+
+class AttentionWatch(TorchFunctionMode):
+    """While active, each attention call's per-head statistics (`ATTN_STATS`) land in
+    `rows` (one [H, 3] device tensor per call, in call order); `sites` holds what `on_call`
+    returned for each. Nothing leaves the device; the caller reads `rows` once per pass,
+    after `flush`.
+
+    SDPA calls whose q or k autograd keeps for the backward pass (so nothing changes them
+    in place) are measured at `flush`, those of one shape, mask and scale together
+    (`attention_logit_stats_many`: one recomputation of the layers' logits instead of one
+    per layer); at most `_ATTN_CHUNK` elements of q and k are held waiting, past that the
+    watch flushes. Other calls are measured as they come.
+
+    Entered around a forward pass only (a checkpointed block's recomputation in the backward
+    pass is not watched: same values). Other torch functions pass straight through.
+    """
+
+    def __init__(self, on_call: Any = None) -> None:
+        super().__init__()
+        self.rows: list[torch.Tensor | None] = []  # None: waiting for `flush`
+        self.on_call = on_call
+        self.sites: list[Any] = []
+        # (row, q, k, mask, is_causal, scale) of the calls waiting, and their q + k elements
+        self._waiting: list[tuple[int, torch.Tensor, torch.Tensor, Any, bool, Any]] = []
+        self._held = 0
+        # `Patched`: how deep in its wrappers this thread is, and whether every call the
+        # mode saw went through one (so that `Patched` alone sees them all)
+        self.inside = 0
+        self.patch_ok = True
+        self.unwrap: dict[Any, Any] = {}
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        func = self.unwrap.get(func, func)  # `Patched`'s wrapper: the function it wraps
+        if func in _WATCHED:  # every other torch call of the forward: straight through
+            if self.inside == 0:
+                self.patch_ok = False  # a call `Patched` did not see
+            self.record(func, args, kwargs, out)
+        return out
+
+    def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """One watched call's statistics (an SDPA call, or a softmax over the last dim of a
+        4-D tensor; anything else is ignored)."""
+        if func is _SDPA:
+            q, k = args[0], args[1] if len(args) > 1 else kwargs["key"]
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
+            scale = kwargs.get("scale", args[6] if len(args) > 6 else None)
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+                self._waiting.append((len(self.rows), q.detach(), k.detach(), mask, causal, scale))
+                self.rows.append(None)
+                self._held += q.numel() + k.numel()
+                if self._held > _ATTN_CHUNK:
+                    self.flush()
+            else:
+                self.rows.append(attention_logit_stats(q, k, mask, causal, scale))
+            if self.on_call is not None:
+                self.sites.append(self.on_call("sdpa", args, kwargs, out))
+        elif (x := _softmax_input(func, args, kwargs)) is not None:
+            self.rows.append(softmax_logit_stats(x))
+            if self.on_call is not None:
+                self.sites.append(self.on_call("softmax", args, kwargs, out))
+
+    def flush(self) -> None:
+        """The waiting calls' rows: calls alike (shapes, dtypes, device, the same mask,
+        causality, scale) measured together."""
+        alike: dict[tuple, list[tuple[int, torch.Tensor, torch.Tensor, Any, bool, Any]]] = {}
+        for w in self._waiting:
+            _, q, k, mask, causal, scale = w
+            key = (q.shape, k.shape, q.dtype, k.dtype, q.device, id(mask), causal, scale)
+            alike.setdefault(key, []).append(w)
+        for calls in alike.values():
+            _, _, _, mask, causal, scale = calls[0]
+            table = attention_logit_stats_many(
+                [c[1] for c in calls], [c[2] for c in calls], mask, causal, scale
+            )
+            for c, row in zip(calls, table.unbind(0), strict=True):
+                self.rows[c[0]] = row
+        self.clear_waiting()
+
+    def clear_waiting(self) -> None:
+        self._waiting.clear()
+        self._held = 0

@@ -728,9 +728,9 @@ def padding_rows_trained(model: nn.Module, opt: torch.optim.Optimizer) -> list[s
     *after* on 24% of elements). The changes are returned for `replay.config`. One process
     only (a sharded row lives on one rank)."""
     fixed = []
-    tied = _shared_parameters(model)
+    ties = _model_ties(model)
     for name, m in model.named_modules():
-        if not isinstance(m, nn.Embedding) or id(m.weight) in tied:
+        if not isinstance(m, nn.Embedding) or _tied_embedding(ties, name):
             continue
         v = (opt.state.get(m.weight) or {}).get("exp_avg_sq")
         if (
@@ -755,23 +755,20 @@ def padding_rows_trained(model: nn.Module, opt: torch.optim.Optimizer) -> list[s
     return fixed
 
 
-def _shared_parameters(model: nn.Module) -> set[int]:
-    """ids of the parameters two modules hold (tied input and output embeddings)."""
-    seen: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        seen[id(p)] = seen.get(id(p), 0) + 1
-    return {k for k, n in seen.items() if n > 1}
+def _tied_embedding(ties: dict[str, tuple[str, ...]], name: str) -> bool:
+    """Whether the embedding module `name` shares its weight (`_model_ties`) with another."""
+    return (f"{name}.weight" if name else "weight") in ties
 
 
 def tied_padding_rows(model: nn.Module) -> dict[str, int]:
     """Embeddings tied to an output head that zero a padding row, by module name: whether the
     run zeroed that row's lookup gradient is not in its moments (the head trains the row
     anyway), so the replay asks the log (`settle.settle_padding`)."""
-    tied = _shared_parameters(model)
+    ties = _model_ties(model)
     return {
         name: m.padding_idx
         for name, m in model.named_modules()
-        if isinstance(m, nn.Embedding) and id(m.weight) in tied and m.padding_idx is not None
+        if isinstance(m, nn.Embedding) and _tied_embedding(ties, name) and m.padding_idx is not None
     }
 
 

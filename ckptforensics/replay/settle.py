@@ -20,7 +20,7 @@ from . import distributed
 from . import precision as mp
 from .compare import MATCH_SHARE, compare_after
 from .logcheck import GRAD_RTOL, LOSS_RTOL, LogCheck, StepCheck, check_against_log, log_rounding
-from .model import LossNorm, set_padding_rows, tied_padding_rows
+from .model import LossNorm, build_model, set_padding_rows, tied_padding_rows
 from .window import Plan, run_window
 
 __all__ = [
@@ -57,18 +57,22 @@ def settle_padding(p: Plan) -> None:
         return  # the replay of a sharded embedding keeps config.json's row
     first = p.steps[0]
     batch = p.batches.batch(first)
+    try:  # the model's ties and padding rows: no weights read, no memory for them
+        with distributed.params_on_meta():
+            rows = tied_padding_rows(build_model(p.cfg.model, p.a)[0])
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        rows = tied_padding_rows(build_model(p.cfg.model, p.a)[0])  # a model meta cannot build
+    ids = batch["input_ids"]
+    fed = {n: r for n, r in rows.items() if bool((ids == r).any())}
+    if not fed:
+        return
+    logged = (p.logged.get(first) or {}).get("grad_norm")
+    shown = ", ".join(f"{n} {r}" for n, r in fed.items())
+    if logged is None or not math.isfinite(logged) or logged <= 0:
+        p.padding_source = f"; padding row of the tied {shown} as config.json names it (the log has no grad norm at step {first} to tell whether the run zeroed it)"
+        return
     session = p.session()
     try:
-        rows = tied_padding_rows(session.model)
-        ids = batch["input_ids"]
-        fed = {n: r for n, r in rows.items() if bool((ids == r).any())}
-        if not fed:
-            return
-        logged = (p.logged.get(first) or {}).get("grad_norm")
-        shown = ", ".join(f"{n} {r}" for n, r in fed.items())
-        if logged is None or not math.isfinite(logged) or logged <= 0:
-            p.padding_source = f"; padding row of the tied {shown} as config.json names it (the log has no grad norm at step {first} to tell whether the run zeroed it)"
-            return
         kept = session.evaluate(batch)[1]
         set_padding_rows(session.model, {n: None for n in fed})
         dropped = session.evaluate(batch)[1]

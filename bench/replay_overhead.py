@@ -151,7 +151,7 @@ def main() -> None:
         f"the attention watch's share: {with_probes - without_attention:.2f}× plain",
         f"- per-sample shares: {with_samples_r / with_probes:.2f}× the probed backward they ride on, {with_samples_r:.2f}× plain (target ≤ 2×) → {'met' if with_samples_r <= 2 else 'NOT met'}",
         f"- everything a replayed step measures: {everything:.2f}× plain (target ≤ 1.2×) → {'met' if everything <= 1.2 else 'NOT met'}; plain step {plain:.3f} s",
-        f"- the per-parameter stage (RMS, RMS_t, SPAM counts, finite check of {n_params} gradients; `param_grad_table`'s foreach ops): "
+        f"- the per-parameter stage (RMS, RMS_t, SPAM counts, finite check of {n_params} gradients; `param_grad_table`'s block ops): "
         f"{everything - with_samples_r:+.2f}× plain ({(everything - with_samples_r) * plain * 1e3:+.0f} ms); "
         f"one call per parameter, as session.py called it before: {per_param_old - with_samples_r:+.2f}× plain "
         f"({(per_param_old - with_samples_r) * plain * 1e3:+.0f} ms), everything then {per_param_old:.2f}×",
@@ -192,6 +192,7 @@ def with_samples(model: GPT, stepper: Callable[[GPT], Callable[[], None]]) -> Ca
         psg.enabled = True
         run_probed()
         psg.enabled = False
+        assert psg.sq is not None  # what a step reads (the held gradients are measured here)
 
     return run
 
@@ -204,7 +205,7 @@ def with_param_stats(
 ) -> Callable[[], None]:
     """What a replayed step adds after backward: RMS, RMS_t, SPAM counts and the finite
     check of every parameter against a real AdamW state, read to the host in one transfer:
-    with `table`, `param_grad_table` (foreach ops over all of them); else one
+    with `table`, `param_grad_table` (whole-block ops over gradients of one size); else one
     `param_grad_stats` and one `isfinite(g).all()` per parameter (session.py's
     `_gradients` today)."""
     run_samples = with_samples(model, stepper)

@@ -1,7 +1,7 @@
 """Per-parameter gradient figures of a replayed step: RMS(g), Adam's normalised RMS_t and
 SPAM's spike count (elements with g^2 > 5000 v_hat), one parameter at a time or every
-parameter at once in foreach ops (`param_grad_table`, what the step uses), or as sums a
-rank's shard contributes (`param_grad_sums`).
+parameter at once in whole-block ops over gradients of one size (`param_grad_table`, what
+the step uses), or as sums a rank's shard contributes (`param_grad_sums`).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def param_grad_sums(grad: torch.Tensor, state: dict, group: dict) -> torch.Tenso
     return torch.stack([total, r.sum() / c, (r > 5000).sum().float()])
 
 
-# Elements of gradient one `param_grad_table` chunk converts to fp32 temporaries at a time
-# (two of them: 512 MiB), so the foreach pass never holds a second copy of every gradient.
+# Elements of gradient one `param_grad_table` block stacks at a time (its fp32 temporaries:
+# a few times 256 MiB), so the pass never holds a second copy of every gradient.
 _PARAM_CHUNK = 1 << 26
 
 
@@ -59,9 +59,12 @@ def param_grad_table(
     [P, 4] = [RMS(g), RMS_t, SPAM spike count, finite (1 / 0)] on the gradients' device
     (`sums`: `param_grad_sums`' [sum g^2, sum g^2 / v_hat, spikes] instead of the first
     three, for ranks to add up). The same figures as one call per parameter, within float
-    rounding, in a dozen `torch._foreach_*` ops over chunks of the parameters instead of a
-    dozen ops per parameter; one host read screens for the rare gradient that holds a
-    NaN or an overflow, whose parameters are then counted one by one.
+    rounding, and no host read: gradients of one size (a model's layers repeat a handful
+    of shapes) are stacked into blocks [n, size] and measured with a dozen whole-block ops
+    each (`_block_sums`), so the op count follows the distinct sizes, not the parameters
+    (at 64 wide one op per parameter is dispatch, not arithmetic; on CPU `_foreach_*` ops
+    loop over their tensors one op at a time, and comparisons and `isfinite` are several
+    times slower than arithmetic reductions, hence the sign and min/max forms below).
     """
     if not grads:
         return torch.zeros(0, 4)
@@ -76,42 +79,27 @@ def param_grad_table(
         v = v.to_local() if hasattr(v, "to_local") else v
         c = 1.0 / (1 - grp["betas"][1] ** float(st["step"]))
         adam[k] = (v, grp["eps"] * grp["eps"] / c, c)
-    # [sum g^2, sum g^2 / v_hat, spikes] per parameter: NaN / 0 without Adam state, zeros
-    # for an empty gradient; filled a chunk of parameters at a time.
+    # [sum g^2, sum g^2 / v_hat, spikes, finite] per parameter: NaN / 0 without Adam
+    # state; an empty gradient: zeros, finite.
+    blocks: dict[tuple, list[int]] = {}
+    for k, x in enumerate(g):
+        if x.numel():
+            key = (x.numel(), x.dtype, k in adam, adam[k][0].dtype if k in adam else None)
+            blocks.setdefault(key, []).append(k)
+    parts: list[torch.Tensor] = []
+    order: list[int] = []
+    for (n, *_), ks in blocks.items():
+        step = max(1, _PARAM_CHUNK // n)
+        for i in range(0, len(ks), step):
+            part = ks[i : i + step]
+            parts.append(_block_sums([g[k] for k in part], [adam[k] for k in part if k in adam]))
+            order += part
     table = torch.zeros(len(g), 4, device=dev)
     table[:, 1] = math.nan
     table[list(adam), 1] = 0.0
-    plain = [k for k in range(len(g)) if k not in adam and g[k].numel()]
-    for part in _chunked(plain, g):
-        gf = [g[k].float() for k in part]
-        table[part, 0] = torch.stack(torch._foreach_norm(torch._foreach_mul(gf, gf), 1))
-    for part in _chunked([k for k in adam if g[k].numel()], g):
-        gf = [g[k].float() for k in part]
-        g2 = torch._foreach_mul(gf, gf)
-        sq = torch._foreach_norm(g2, 1)
-        denom = torch._foreach_add([adam[k][0].float() for k in part], [adam[k][1] for k in part])
-        torch._foreach_div_(g2, denom)  # r = c g^2 / (v_hat + eps^2)
-        rs = torch._foreach_norm(g2, 1)
-        # Spikes: sign(max(r - 5000, 0)) is 1 where r > 5000, else 0 (r - 5000 is exact
-        # near 5000), NaN where r is: such a count is redone below.
-        torch._foreach_sub_(g2, 5000.0)
-        torch._foreach_clamp_min_(g2, 0.0)
-        torch._foreach_sign_(g2)
-        count = torch._foreach_norm(g2, 1)
-        cs = torch.tensor([adam[k][2] for k in part], device=dev)
-        table[part, :3] = torch.stack(
-            [torch.stack(sq), torch.stack(rs) / cs, torch.stack(count)], 1
-        )
-    # One read: a NaN spike count (an element of r is NaN) is counted again, and a sum of
-    # g^2 that is not finite (a non-finite element, or a finite one whose square
-    # overflows) is checked element by element; every other gradient is finite.
     table[:, 3] = 1.0
-    screen = table[:, [2, 0]].cpu().tolist()
-    for k, (count, total) in enumerate(screen):
-        if math.isnan(count):
-            table[k, 2] = param_grad_sums(g[k], states[k], groups[k])[2]
-        if not math.isfinite(total):
-            table[k, 3] = torch.isfinite(g[k]).all().float()
+    if parts:
+        table[order] = torch.cat(parts).to(dev)
     if not sums:
         n = torch.tensor([float(max(x.numel(), 1)) for x in g], device=dev)
         table[:, 0] = (table[:, 0] / n).sqrt()
@@ -119,14 +107,26 @@ def param_grad_table(
     return table
 
 
-def _chunked(ks: list[int], g: list[torch.Tensor]) -> list[list[int]]:
-    """`ks` in runs of at most `_PARAM_CHUNK` elements of gradient (a larger one alone)."""
-    out: list[list[int]] = []
-    size = 0
-    for k in ks:
-        if not out or size + g[k].numel() > _PARAM_CHUNK:
-            out.append([])
-            size = 0
-        out[-1].append(k)
-        size += g[k].numel()
-    return out
+def _block_sums(
+    g: list[torch.Tensor], adam: list[tuple[torch.Tensor, float, float]]
+) -> torch.Tensor:
+    """[n, 4] = [sum g^2, sum g^2 / v_hat, spikes, finite] of n gradients of one size and
+    dtype, stacked (`adam`: each one's (v, eps^2 / c, c), or empty: NaN / 0 / finite only),
+    in about ten passes over the block. Finite: the fp64 sum of g is (an inf or NaN
+    element makes it inf or NaN; fp32 elements cannot overflow it). Spikes: r > 5000 as
+    sign(fmax(r - 5000, 0)) (r - 5000 is exact near 5000; fmax drops a NaN to 0, as the
+    comparison does not count it; an inf counts), in place on r."""
+    x = (torch.stack(g) if len(g) > 1 else g[0]).reshape(len(g), -1).float()
+    finite = torch.isfinite(x.sum(1, dtype=torch.float64)).float()
+    g2 = x * x
+    sq = g2.sum(1)
+    if not adam:
+        return torch.stack([sq, torch.full_like(sq, math.nan), torch.zeros_like(sq), finite], 1)
+    v = torch.stack([a[0].reshape(-1) for a in adam]).float()  # our own copy: added to in place
+    dev = v.device
+    v.add_(torch.tensor([a[1] for a in adam], device=dev).unsqueeze(1))
+    r = g2.div_(v)  # c g^2 / (v_hat + eps^2)
+    rs = r.sum(1) / torch.tensor([a[2] for a in adam], device=dev)
+    r.sub_(5000.0)
+    spikes = torch.fmax(r, torch.zeros((), device=dev), out=r).sign_().sum(1)
+    return torch.stack([sq, rs, spikes, finite], 1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -54,44 +54,79 @@ class RowStats:
     length: int
 
 
-def _longest_match(x: np.ndarray, p: int) -> int:
-    """Longest stretch where x[t] == x[t - p], plus the period itself."""
-    if len(x) <= p:
-        return 0
-    eq = np.concatenate([[0], (x[p:] == x[:-p]).astype(np.int8), [0]])
-    d = np.diff(eq)
-    starts, ends = np.flatnonzero(d == 1), np.flatnonzero(d == -1)
-    return int((ends - starts).max()) + p if starts.size else 0
+def _longest_runs(eq: np.ndarray) -> np.ndarray:
+    """Longest stretch of True in each row of a boolean [N, L] array (0 where none)."""
+    n, L = eq.shape
+    if L == 0:
+        return np.zeros(n, dtype=np.int64)
+    pos = np.arange(1, L + 1)
+    # the position of the last False at or before each position: a run ends there
+    last_false = np.maximum.accumulate(np.where(eq, 0, pos), axis=1)
+    return (pos - last_false).max(1)
+
+
+def _longest_matches(ids: np.ndarray, periods: range) -> np.ndarray:
+    """[B, len(periods)]: for each row and period p, the longest stretch where
+    x[t] == x[t - p], plus p itself (0 where there is none, or the row is too short)."""
+    b, t = ids.shape
+    out = np.zeros((b, len(periods)), dtype=np.int64)
+    for k, p in enumerate(periods):
+        if t > p:
+            runs = _longest_runs(ids[:, p:] == ids[:, :-p])
+            out[:, k] = np.where(runs > 0, runs + p, 0)
+    return out
 
 
 def row_data_stats(ids: np.ndarray, others: np.ndarray) -> list[RowStats]:
-    """Stats for every row of `ids` [B, T]; `others` = all other tokens of the window."""
-    seen_elsewhere = set(np.unique(others).tolist())
-    out = []
-    for b in range(ids.shape[0]):
-        row = ids[b]
-        rest = set(np.unique(np.delete(ids, b, axis=0)).tolist()) | seen_elsewhere
-        out.append(
-            RowStats(
-                longest_run=max(_longest_match(row, 1), 1 if len(row) else 0),
-                periodic_repeat=max((_longest_match(row, p) for p in range(2, 14)), default=0),
-                unique_ratio=len(np.unique(row)) / max(len(row), 1),
-                unseen=int(sum(1 for t in row.tolist() if t not in rest)),
-                length=int(len(row)),
-            )
+    """Stats for every row of `ids` [B, T]; `others` = all other tokens of the window.
+
+    Whole-batch numpy ops (a handful per period), not a pass per row: a token is unseen
+    when no other row of the batch holds it and `others` does not either."""
+    ids = np.asarray(ids)
+    b, t = ids.shape
+    if b == 0:
+        return []
+    runs = _longest_matches(ids, range(1, 14))
+    srt = np.sort(ids, axis=1)
+    distinct = (np.diff(srt, axis=1) != 0).sum(1) + (1 if t else 0)
+    # rows holding each distinct token of the batch (each row's tokens counted once)
+    first = np.ones_like(srt, dtype=bool)
+    first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    vocab, inverse = np.unique(ids, return_inverse=True)
+    inverse = inverse.reshape(ids.shape)
+    rows_with = np.zeros(len(vocab), dtype=np.int64)
+    np.add.at(rows_with, np.searchsorted(vocab, srt[first]), 1)
+    alone = (rows_with == 1) & ~np.isin(vocab, others)
+    unseen = alone[inverse].sum(1)
+    return [
+        RowStats(
+            longest_run=max(int(runs[r, 0]), 1 if t else 0),
+            periodic_repeat=int(runs[r, 1:].max()) if t else 0,
+            unique_ratio=int(distinct[r]) / max(t, 1),
+            unseen=int(unseen[r]),
+            length=int(t),
         )
-    return out
+        for r in range(b)
+    ]
 
 
 @dataclass(slots=True, eq=False)
 class _Input:
-    """A linear layer's input in one pass: [B, T, in] in fp32, its [B, T, T] Gram matrix
-    once a gradient asked for it, and the linears whose gradients have yet to use it."""
+    """A linear layer's input in one pass: [B, T, in] in fp32, the linears whose gradients
+    have yet to arrive, and the output gradients [B, T, out] of those that have, waiting
+    to be measured together (`PerSampleGrad._flush`)."""
 
     src: torch.Tensor
     x: torch.Tensor
-    gram: torch.Tensor | None = None
     consumers: int = 0
+    grads: list[torch.Tensor] = field(default_factory=list)
+    biased: list[torch.Tensor] = field(default_factory=list)
+
+
+# Elements of output gradients (and of the inputs they pair with) held waiting at most, and
+# of Gram matrices one batched product makes at most (fp32: 16 MiB): past that they are
+# measured, so the batching never holds a second copy of every linear's gradient.
+_HOLD = 1 << 22
 
 
 class PerSampleGrad:
@@ -101,18 +136,36 @@ class PerSampleGrad:
     weight gradient is sum_t g_bt x_bt^T, whose squared Frobenius norm is
     sum_{t,t'} (g_bt . g_bt') (x_bt . x_bt'): two [B, T, T] Gram matrices instead of B
     backward passes (or B x out x in per-sample gradients) when T^2 < in * out.
+
+    Linears fed one input tensor (q/k/v, gate/up) share its Gram matrix, and their output
+    gradients side by side [B, T, sum of outs] give the sum of theirs in one product. The
+    gradients are held as they arrive (their storage shared, so autograd accumulates into
+    none of them in place) and measured at `sq`, or once `_HOLD` elements wait: the
+    inputs of one shape and their gradients of one shape stacked, a few batched products
+    for the whole model instead of a handful of small ops per linear (at 64 wide the ops'
+    dispatch, not their arithmetic, was the cost).
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.sq: torch.Tensor | None = None
+        self._sq: torch.Tensor | None = None
         self.enabled = False
-        # Linears fed the same input tensor (q/k/v, gate/up) share its Gram matrix: keyed
-        # by the input's id, with the input kept so the id stays its own; dropped once
-        # every consumer's gradient has used it (or at `reset`).
+        # Keyed by the input's id, with the input kept so the id stays its own; dropped
+        # once every consumer's gradient has been measured (or at `reset`).
         self._inputs: dict[int, _Input] = {}
+        self._waiting: list[_Input] = []  # inputs with gradients held, in arrival order
+        self._held = 0
         self._handles = [
             m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, nn.Linear)
         ]
+
+    @property
+    def sq(self) -> torch.Tensor | None:
+        """[B] per-sample squared gradient norm of the pass (None before any gradient)."""
+        self._flush()
+        return self._sq
+
+    def _add(self, val: torch.Tensor) -> None:
+        self._sq = val if self._sq is None else self._sq + val
 
     def _hook(self, mod: nn.Linear, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
         if not self.enabled or not out.requires_grad:
@@ -127,28 +180,67 @@ class PerSampleGrad:
             self._inputs[id(src)] = entry
         entry.consumers += 1
         x = entry.x
+        bias = mod.bias is not None
 
         def grad_hook(g: torch.Tensor) -> None:
             gg = g.detach().reshape(x.shape[0], -1, g.shape[-1]).float()
             t, fin, fout = x.shape[1], x.shape[2], gg.shape[2]
+            entry.consumers -= 1
             if t * t <= fin * fout:
-                if entry.gram is None:
-                    entry.gram = torch.bmm(x, x.transpose(1, 2))
-                val = (torch.bmm(gg, gg.transpose(1, 2)) * entry.gram).sum((1, 2))
+                if not entry.grads and not entry.biased:
+                    self._waiting.append(entry)
+                    self._held += x.numel()
+                (entry.biased if bias else entry.grads).append(gg)
+                self._held += gg.numel()
+                if self._held > _HOLD:
+                    self._flush()
             else:
                 val = torch.einsum("bto,bti->boi", gg, x).pow(2).sum((1, 2))
-            if mod.bias is not None:
-                val = val + gg.sum(1).pow(2).sum(1)
-            self.sq = val if self.sq is None else self.sq + val
-            entry.consumers -= 1
-            if entry.consumers <= 0 and self._inputs.get(id(entry.src)) is entry:
-                del self._inputs[id(entry.src)]
+                self._add(val + gg.sum(1).pow(2).sum(1) if bias else val)
+            self._release(entry)
 
         out.register_hook(grad_hook)
 
+    def _release(self, entry: _Input) -> None:
+        done = entry.consumers <= 0 and not entry.grads and not entry.biased
+        if done and self._inputs.get(id(entry.src)) is entry:
+            del self._inputs[id(entry.src)]
+
+    def _flush(self) -> None:
+        """The held gradients' per-sample norms: each input's gradients side by side, inputs
+        and gradients of one shape stacked, one pair of batched Gram products per shape
+        pair (at most `_HOLD` Gram elements each), and the bias terms in one sum."""
+        if not self._waiting:
+            return
+        waiting, self._waiting, self._held = self._waiting, [], 0
+        pairs: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        biased: dict[tuple, list[torch.Tensor]] = {}
+        for e in waiting:
+            gs = e.grads + e.biased
+            g = gs[0] if len(gs) == 1 else torch.cat(gs, 2)
+            pairs.setdefault((e.x.shape, g.shape), []).append((e.x, g))
+            for b in e.biased:
+                biased.setdefault(b.shape[:2], []).append(b)
+            e.grads, e.biased = [], []
+            self._release(e)
+        for (xs, _), items in pairs.items():
+            b, t = xs[0], xs[1]
+            step = max(1, _HOLD // max(b * t * t, 1))
+            for i in range(0, len(items), step):
+                part = items[i : i + step]
+                x = torch.cat([p[0] for p in part]) if len(part) > 1 else part[0][0]
+                g = torch.cat([p[1] for p in part]) if len(part) > 1 else part[0][1]
+                gram = torch.bmm(x, x.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))
+                self._add(gram.view(len(part), b, -1).sum((0, 2)))
+        for gs in biased.values():  # sum_l |sum_t g_l|^2 = |sum_t [g_1 g_2 ...]|^2
+            g = gs[0] if len(gs) == 1 else torch.cat(gs, 2)
+            self._add(g.sum(1).pow(2).sum(1))
+
     def reset(self) -> None:
-        self.sq = None
+        self._sq = None
         self._inputs.clear()
+        self._waiting.clear()
+        self._held = 0
 
     def remove(self) -> None:
         for h in self._handles:

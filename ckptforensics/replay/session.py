@@ -379,8 +379,9 @@ class Session:
         with_grad = [(n, p) for n, p in self.params if p.grad is not None]
         grads = [local_tensor(p.grad) for _, p in with_grad]
         norm = gr.grad_norm(grads)
-        # [sum g^2, sum g^2 / v_hat, spikes, finite] per parameter in a dozen foreach ops
-        # (one op per parameter each cost 2x as much at 32 layers: bench/RESULTS.md#replay-step)
+        # [sum g^2, sum g^2 / v_hat, spikes, finite] per parameter: a dozen ops per block of
+        # gradients of one size, no host read (one op per parameter each cost 2x as much at
+        # 32 layers: bench/RESULTS.md#replay-step)
         sums = param_grad_table(
             grads,
             [local_state(self.opt.state.get(p)) for _, p in with_grad],

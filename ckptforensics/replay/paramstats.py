@@ -116,7 +116,7 @@ def _block_sums(
     element makes it inf or NaN; fp32 elements cannot overflow it). Spikes: r > 5000 as
     sign(fmax(r - 5000, 0)) (r - 5000 is exact near 5000; fmax drops a NaN to 0, as the
     comparison does not count it; an inf counts), in place on r."""
-    x = (torch.stack(g) if len(g) > 1 else g[0]).reshape(len(g), -1).float()
+    x = (torch.stack([t.reshape(-1) for t in g]) if len(g) > 1 else g[0].reshape(1, -1)).float()
     finite = torch.isfinite(x.sum(1, dtype=torch.float64)).float()
     g2 = x * x
     sq = g2.sum(1)

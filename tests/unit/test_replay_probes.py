@@ -69,6 +69,31 @@ def test_param_grad_table_matches_one_call_per_parameter() -> None:
     assert param_grad_table([], [], []).shape == (0, 4)
 
 
+def test_param_grad_table_blocks_of_one_size_in_several_shapes_and_dtypes() -> None:
+    """Gradients are stacked by size: [128, 64], [64, 128] and [8192] share a block, a
+    bf16 one of that size does not; each row is its own parameter's."""
+    torch.manual_seed(1)
+    shapes = [(128, 64), (64, 128), (8192,), (64,), (32, 256)]
+    params = [nn.Parameter(torch.randn(s)) for s in shapes]
+    opt = torch.optim.AdamW(params[:-1], lr=1e-3)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        opt.step()
+    grads = [torch.randn_like(p) * 1e-3 for p in params]
+    grads[1][3, 5] = 1e3  # a spike in the second of the block
+    grads.append(torch.randn(64, 128).bfloat16())  # a bf16 gradient of the block's size
+    states = [opt.state[p] for p in params[:-1]] + [{}, opt.state[params[1]]]
+    group = opt.param_groups[0]
+    groups = [group] * 4 + [{}, group]
+    table = param_grad_table(grads, states, groups)
+    ref = torch.stack(
+        [param_grad_stats(g, s, gr) for g, s, gr in zip(grads, states, groups, strict=True)]
+    )
+    torch.testing.assert_close(table[:, :3], ref, rtol=1e-5, atol=0.0, equal_nan=True)
+    assert table[1, 2] > 0 and table[:, 3].tolist() == [1.0] * 6
+
+
 def test_probe_rows_match_stats_and_the_scoped_watch_the_mapping_pass() -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -113,20 +113,13 @@ def row_data_stats(ids: np.ndarray, others: np.ndarray) -> list[RowStats]:
 @dataclass(slots=True, eq=False)
 class _Input:
     """A linear layer's input in one pass: [B, T, in] in fp32, the linears whose gradients
-    have yet to arrive, and the output gradients [B, T, out] of those that have, waiting
-    to be measured together (`PerSampleGrad._flush`)."""
+    have yet to use it, and the sum of the [B, T, T] Gram matrices of the output gradients
+    of those that have."""
 
     src: torch.Tensor
     x: torch.Tensor
     consumers: int = 0
-    grads: list[torch.Tensor] = field(default_factory=list)
-    biased: list[torch.Tensor] = field(default_factory=list)
-
-
-# Elements of output gradients (and of the inputs they pair with) held waiting at most, and
-# of Gram matrices one batched product makes at most (fp32: 16 MiB): past that they are
-# measured, so the batching never holds a second copy of every linear's gradient.
-_HOLD = 1 << 22
+    ggram: torch.Tensor | None = None
 
 
 class PerSampleGrad:
@@ -137,23 +130,19 @@ class PerSampleGrad:
     sum_{t,t'} (g_bt . g_bt') (x_bt . x_bt'): two [B, T, T] Gram matrices instead of B
     backward passes (or B x out x in per-sample gradients) when T^2 < in * out.
 
-    Linears fed one input tensor (q/k/v, gate/up) share its Gram matrix, and their output
-    gradients side by side [B, T, sum of outs] give the sum of theirs in one product. The
-    gradients are held as they arrive (their storage shared, so autograd accumulates into
-    none of them in place) and measured at `sq`, or once `_HOLD` elements wait: the
-    inputs of one shape and their gradients of one shape stacked, a few batched products
-    for the whole model instead of a handful of small ops per linear (at 64 wide the ops'
-    dispatch, not their arithmetic, was the cost).
+    Linears fed one input tensor (q/k/v, gate/up) share its Gram matrix, and the sum of
+    their figures is that Gram matrix against the sum of their gradients' Gram matrices
+    (each added in place by one `baddbmm_`, as the gradient arrives): one product per
+    input, not per linear. Each input's figure is kept on the device and summed once,
+    at `sq` (at 64 wide the ops' dispatch, not their arithmetic, is much of the cost).
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self._sq: torch.Tensor | None = None
+        self._vals: list[torch.Tensor] = []
         self.enabled = False
         # Keyed by the input's id, with the input kept so the id stays its own; dropped
-        # once every consumer's gradient has been measured (or at `reset`).
+        # once every consumer's gradient has used it (or at `reset`).
         self._inputs: dict[int, _Input] = {}
-        self._waiting: list[_Input] = []  # inputs with gradients held, in arrival order
-        self._held = 0
         self._handles = [
             m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, nn.Linear)
         ]
@@ -161,11 +150,9 @@ class PerSampleGrad:
     @property
     def sq(self) -> torch.Tensor | None:
         """[B] per-sample squared gradient norm of the pass (None before any gradient)."""
-        self._flush()
-        return self._sq
-
-    def _add(self, val: torch.Tensor) -> None:
-        self._sq = val if self._sq is None else self._sq + val
+        if len(self._vals) > 1:
+            self._vals = [torch.stack(self._vals).sum(0)]
+        return self._vals[0] if self._vals else None
 
     def _hook(self, mod: nn.Linear, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
         if not self.enabled or not out.requires_grad:
@@ -187,60 +174,27 @@ class PerSampleGrad:
             t, fin, fout = x.shape[1], x.shape[2], gg.shape[2]
             entry.consumers -= 1
             if t * t <= fin * fout:
-                if not entry.grads and not entry.biased:
-                    self._waiting.append(entry)
-                    self._held += x.numel()
-                (entry.biased if bias else entry.grads).append(gg)
-                self._held += gg.numel()
-                if self._held > _HOLD:
-                    self._flush()
+                if entry.ggram is None:
+                    entry.ggram = torch.bmm(gg, gg.transpose(1, 2))
+                else:
+                    entry.ggram.baddbmm_(gg, gg.transpose(1, 2))
             else:
-                val = torch.einsum("bto,bti->boi", gg, x).pow(2).sum((1, 2))
-                self._add(val + gg.sum(1).pow(2).sum(1) if bias else val)
-            self._release(entry)
+                self._vals.append(torch.einsum("bto,bti->boi", gg, x).pow(2).sum((1, 2)))
+            if bias:
+                self._vals.append(gg.sum(1).pow(2).sum(1))
+            if entry.consumers <= 0:
+                if entry.ggram is not None:
+                    gram = torch.bmm(x, x.transpose(1, 2))
+                    self._vals.append(gram.mul_(entry.ggram).sum((1, 2)))
+                    entry.ggram = None
+                if self._inputs.get(id(entry.src)) is entry:
+                    del self._inputs[id(entry.src)]
 
         out.register_hook(grad_hook)
 
-    def _release(self, entry: _Input) -> None:
-        done = entry.consumers <= 0 and not entry.grads and not entry.biased
-        if done and self._inputs.get(id(entry.src)) is entry:
-            del self._inputs[id(entry.src)]
-
-    def _flush(self) -> None:
-        """The held gradients' per-sample norms: each input's gradients side by side, inputs
-        and gradients of one shape stacked, one pair of batched Gram products per shape
-        pair (at most `_HOLD` Gram elements each), and the bias terms in one sum."""
-        if not self._waiting:
-            return
-        waiting, self._waiting, self._held = self._waiting, [], 0
-        pairs: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        biased: dict[tuple, list[torch.Tensor]] = {}
-        for e in waiting:
-            gs = e.grads + e.biased
-            g = gs[0] if len(gs) == 1 else torch.cat(gs, 2)
-            pairs.setdefault((e.x.shape, g.shape), []).append((e.x, g))
-            for b in e.biased:
-                biased.setdefault(b.shape[:2], []).append(b)
-            e.grads, e.biased = [], []
-            self._release(e)
-        for (xs, _), items in pairs.items():
-            b, t = xs[0], xs[1]
-            step = max(1, _HOLD // max(b * t * t, 1))
-            for i in range(0, len(items), step):
-                part = items[i : i + step]
-                x = torch.cat([p[0] for p in part]) if len(part) > 1 else part[0][0]
-                g = torch.cat([p[1] for p in part]) if len(part) > 1 else part[0][1]
-                gram = torch.bmm(x, x.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))
-                self._add(gram.view(len(part), b, -1).sum((0, 2)))
-        for gs in biased.values():  # sum_l |sum_t g_l|^2 = |sum_t [g_1 g_2 ...]|^2
-            g = gs[0] if len(gs) == 1 else torch.cat(gs, 2)
-            self._add(g.sum(1).pow(2).sum(1))
-
     def reset(self) -> None:
-        self._sq = None
+        self._vals = []
         self._inputs.clear()
-        self._waiting.clear()
-        self._held = 0
 
     def remove(self) -> None:
         for h in self._handles:

@@ -226,6 +226,9 @@ class ModuleProbe:
         # only their first call in a pass is recorded.
         self.once = False
         self._ran: set[int] = set()
+        # The last output measured: (tensor, its pending row, the modules its gradient
+        # hook serves); a parent returning the same tensor reuses both.
+        self._prev: tuple[torch.Tensor, _Norms, list[int] | None] | None = None
         self.enabled = True
         self._handles = [
             mod.register_forward_hook(self._forward(self.index[n]))
@@ -334,6 +337,7 @@ class ModuleProbe:
         self._depth = 0
         self._whole = False
         self._watching = False
+        self._prev = None
         logits = logits_of(out)
         if logits is not None and logits.is_floating_point():
             lg = logits.detach()
@@ -373,7 +377,16 @@ class ModuleProbe:
                 return
             if self._mapping:
                 self._shapes[i] = tuple(t.shape)
-            self._pending_fwd.append((i, *_norms(t.detach())))
+            prev = self._prev
+            if prev is not None and prev[0] is t:
+                # A parent returning the tensor its last child returned (an attention
+                # block o_proj's output, an MLP down_proj's): measured once, and one
+                # gradient hook serves both rows, in the order two hooks would fire.
+                self._pending_fwd.append((i, *prev[1][1:]))
+                rows = prev[2]
+            else:
+                self._pending_fwd.append((i, *_norms(t.detach())))
+                rows = None
             if self.count is not None:
                 self.count[i] = t.numel()
             if self.once:
@@ -382,21 +395,33 @@ class ModuleProbe:
                 self._ran.add(i)
             self.fwd_order.append(i)
             if t.requires_grad:
-                shared = self.count is not None and (t.dim() == 0 or t.shape[0] != self.rows)
-                t.register_hook(self._backward(i, shared))
+                if rows is not None:
+                    rows.append(i)
+                else:
+                    shared = self.count is not None and (t.dim() == 0 or t.shape[0] != self.rows)
+                    rows = [i]
+                    t.register_hook(self._backward(rows, shared))
+            self._prev = (t, self._pending_fwd[-1], rows)
 
         return hook
 
-    def _backward(self, i: int, shared: bool = False):  # noqa: ANN202 - hook factory
+    def _backward(self, rows: list[int], shared: bool = False):  # noqa: ANN202 - hook factory
+        """The gradient hook of one output tensor: its statistics for each module in `rows`
+        (the modules that returned it)."""
+
         def hook(g: torch.Tensor) -> None:
-            if shared:
-                self.shared[i] = g.detach().float().clone()
-            self._pending_bwd.append((i, *_norms(g.detach(), subnormal=False)))
-            self.bwd_order.append(i)
+            gd = g.detach()
+            m = _norms(gd, subnormal=False)
+            for i in rows:
+                if shared:
+                    self.shared[i] = gd.float().clone()
+                self._pending_bwd.append((i, *m))
+                self.bwd_order.append(i)
 
         return hook
 
     def reset(self) -> None:
+        self._prev = None
         self.fwd.fill_(float("nan"))
         self.bwd.fill_(float("nan"))
         self._pending_fwd.clear()

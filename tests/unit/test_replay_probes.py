@@ -314,3 +314,44 @@ def test_patched_attention_watch_sees_what_the_mode_sees_or_falls_back(model_of)
     probe.remove()
     assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
     assert torch.Tensor.softmax is torch._C.TensorBase.softmax
+
+
+class _Returns(nn.Module):
+    """A block returning its last child's output tensor, as HF attention (o_proj's) and
+    MLP (down_proj's) blocks do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 8)
+        self.block = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.head = nn.Linear(8, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        return self.head(x + self.block(x))
+
+
+def test_a_block_returning_its_childs_output_gets_the_childs_rows_from_one_measurement() -> None:
+    torch.manual_seed(0)
+    model = _Returns()
+    ids = torch.randint(0, 32, (2, 6))
+    probe = ModuleProbe(model, attention=False)
+    outs: dict[str, torch.Tensor] = {}
+    for name in ("block", "block.2"):
+        mod = model.get_submodule(name)
+        mod.register_forward_hook(lambda _m, _a, o, name=name: outs.__setitem__(name, o))
+    per_token_loss(model(ids), ids).mean().backward()
+    assert outs["block"] is outs["block.2"]
+    stats = probe.collect()
+    child, parent = probe.index["block.2"], probe.index["block"]
+    torch.testing.assert_close(stats.fwd[parent], stats.fwd[child])
+    torch.testing.assert_close(stats.bwd[parent], stats.bwd[child])
+    torch.testing.assert_close(
+        stats.fwd[child], _stats(outs["block"].detach(), with_subnormal=False), rtol=1e-6, atol=0.0
+    )
+    # the hooks' order as two hooks on one tensor fire: the child's, then the parent's
+    k = stats.bwd_order.index(child)
+    assert stats.bwd_order[k + 1] == parent and stats.fwd_order.index(
+        parent
+    ) > stats.fwd_order.index(child)
+    probe.remove()

@@ -149,7 +149,11 @@ class PerSampleGrad:
 
     @property
     def sq(self) -> torch.Tensor | None:
-        """[B] per-sample squared gradient norm of the pass (None before any gradient)."""
+        """[B] per-sample squared gradient norm of the pass (None before any gradient).
+        An input some of whose linears got no gradient (an output the loss does not use)
+        is measured here, on the gradients that came."""
+        for entry in self._inputs.values():
+            self._finish(entry)
         if len(self._vals) > 1:
             self._vals = [torch.stack(self._vals).sum(0)]
         return self._vals[0] if self._vals else None
@@ -183,14 +187,18 @@ class PerSampleGrad:
             if bias:
                 self._vals.append(gg.sum(1).pow(2).sum(1))
             if entry.consumers <= 0:
-                if entry.ggram is not None:
-                    gram = torch.bmm(x, x.transpose(1, 2))
-                    self._vals.append(gram.mul_(entry.ggram).sum((1, 2)))
-                    entry.ggram = None
+                self._finish(entry)
                 if self._inputs.get(id(entry.src)) is entry:
                     del self._inputs[id(entry.src)]
 
         out.register_hook(grad_hook)
+
+    def _finish(self, entry: _Input) -> None:
+        """An input's figure: its Gram matrix against its gradients' summed Gram matrices."""
+        if entry.ggram is not None:
+            gram = torch.bmm(entry.x, entry.x.transpose(1, 2))
+            self._vals.append(gram.mul_(entry.ggram).sum((1, 2)))
+            entry.ggram = None
 
     def reset(self) -> None:
         self._vals = []

@@ -355,3 +355,23 @@ def test_a_block_returning_its_childs_output_gets_the_childs_rows_from_one_measu
         parent
     ) > stats.fwd_order.index(child)
     probe.remove()
+
+
+def test_per_sample_norms_count_a_shared_input_whose_other_linear_gets_no_gradient() -> None:
+    """q and k fed one input, k's output unused by the loss: q's share is still counted."""
+    torch.manual_seed(0)
+    emb, q, k = nn.Embedding(16, 6), nn.Linear(6, 8), nn.Linear(6, 8)
+    psg = PerSampleGrad(nn.ModuleList([q, k]))
+    psg.enabled = True
+    ids = torch.randint(0, 16, (3, 4))
+    x = emb(ids)
+    out, _ = q(x), k(x)  # k: a consumer of x whose gradient never comes
+    out.pow(2).sum().backward(inputs=[q.weight, q.bias])
+    assert len(psg._inputs) == 1  # x waits for k's gradient
+    fast = psg.sq
+    assert fast is not None
+    for b in range(3):
+        q.zero_grad()
+        q(emb(ids[b : b + 1])).pow(2).sum().backward(inputs=[q.weight, q.bias])
+        brute = float(q.weight.grad.pow(2).sum() + q.bias.grad.pow(2).sum())
+        assert float(fast[b]) == pytest.approx(brute, rel=1e-4)

@@ -47,9 +47,10 @@ def param_grad_sums(grad: torch.Tensor, state: dict, group: dict) -> torch.Tenso
     return torch.stack([total, r.sum() / c, (r > 5000).sum().float()])
 
 
-# Elements of gradient one `param_grad_table` block stacks at a time (its fp32 temporaries:
-# a few times 256 MiB), so the pass never holds a second copy of every gradient.
-_PARAM_CHUNK = 1 << 26
+# Elements of gradient one `param_grad_table` block stacks at most (fp32: 4 MiB): blocks
+# save the dispatch of small gradients' ops; a gradient this large is measured alone, in
+# place, where the stacking copy would cost more than the ops it saves.
+_BLOCK = 1 << 20
 
 
 def param_grad_table(
@@ -89,7 +90,7 @@ def param_grad_table(
     parts: list[torch.Tensor] = []
     order: list[int] = []
     for (n, *_), ks in blocks.items():
-        step = max(1, _PARAM_CHUNK // n)
+        step = max(1, _BLOCK // n)
         for i in range(0, len(ks), step):
             part = ks[i : i + step]
             parts.append(_block_sums([g[k] for k in part], [adam[k] for k in part if k in adam]))
@@ -122,9 +123,12 @@ def _block_sums(
     sq = g2.sum(1)
     if not adam:
         return torch.stack([sq, torch.full_like(sq, math.nan), torch.zeros_like(sq), finite], 1)
-    v = torch.stack([a[0].reshape(-1) for a in adam]).float()  # our own copy: added to in place
-    dev = v.device
-    v.add_(torch.tensor([a[1] for a in adam], device=dev).unsqueeze(1))
+    dev = x.device
+    eps = torch.tensor([a[1] for a in adam], device=dev).unsqueeze(1)
+    if len(adam) > 1:
+        v = torch.stack([a[0].reshape(-1) for a in adam]).float().add_(eps)  # our own copy
+    else:
+        v = adam[0][0].reshape(1, -1).float() + eps
     r = g2.div_(v)  # c g^2 / (v_hat + eps^2)
     rs = r.sum(1) / torch.tensor([a[2] for a in adam], device=dev)
     r.sub_(5000.0)

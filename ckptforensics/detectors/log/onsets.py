@@ -143,7 +143,16 @@ def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[On
     )
     yielded = {id(o): _overflow_yields(o, onsets, ev, cfg) for o in onsets}
     ignored += [
-        Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, f"{o.message}; {why}", o.rule)
+        Onset(
+            o.step,
+            o.signal,
+            o.value,
+            o.baseline,
+            o.robust_z,
+            f"{o.message}; {why[0]}",
+            o.rule,
+            yields_to=why[1],
+        )  # fmt: skip
         for o in onsets
         if (why := yielded[id(o)])
     ]
@@ -158,32 +167,70 @@ OVERFLOW_RULES = ("loss-scale-backoff", "skipped-iterations")
 
 def _overflow_yields(
     o: Onset, onsets: list[Onset], ev: LogEvidence, cfg: TriageConfig
-) -> str | None:
-    """Why an overflow kept because the loss followed it gives way to a later start (a
-    message), or None. A log printed every k iterations dates an overflow at the first step of
-    the interval that holds it (`scale_drops`): the earliest the line allows, not where it
-    happened. Where the loss does not confirm it on that line (its own spike, z, as `_followed`
-    asks of a routine seed) and an onset of a rule that stands on its own (an LR jump, a loss
-    rule) is dated later in the same interval, the log places the incident no earlier than
-    that onset: the overflow, routine by design (dynamic loss scaling backs off once every
-    growth interval), is the same incident seen less precisely, or a routine one before it
-    (held-out log draw 9923: a backoff dated 186 on a line of 186-190, the LR line of 185
-    vouching for 186's LR, the jump dated 187, the loss up only on the next line)."""
+) -> tuple[str, int] | None:
+    """(why, the later onset's step) where an overflow kept because the loss followed it gives
+    way to a later start, or None. Two cases, both where the loss does not confirm the
+    overflow on its own line (its own spike: z on a full log, as `_followed` asks of a routine
+    seed; a short rule's onset on an excerpt):
+    - a log printed every k iterations dates an overflow at the first step of the interval
+      that holds it (`scale_drops`): the earliest the line allows, not where it happened. An
+      onset of a rule that stands on its own (an LR jump, a loss rule) dated later inside the
+      same interval (before its line) places the incident no earlier than that: the overflow, routine by design
+      (dynamic loss scaling backs off once every growth interval), is the same incident seen
+      less precisely, or a routine one before it (held-out log draw 9923: a backoff dated 186
+      on a line of 186-190, the LR line of 185 vouching for 186's LR, the jump dated 187, the
+      loss up only on the next line);
+    - the next line overflows again and the loss confirms that overflow on its own line: the
+      incident's overflows are dated by the line that shows them with the loss, and the one
+      before, on a line whose loss is flat, is the scaler's routine backoff as often as the
+      fault's first sign (held-out log draw 10022: a backoff on the line of 165 with the loss
+      flat, the fault at 167, the line of 170 overflowing again with the loss up). A backoff
+      whose next line has no overflow of its own stands (tuning draw 259: the fault's overflow
+      on its own line, the loss up on the next).
+    Either way the overflow may be the incident's first sign: it is kept as ignored with the
+    later step (`Onset.yields_to`), and the rollback goes before it (`triage`)."""
     if o.rule not in OVERFLOW_RULES or o.signal != "loss_scale":
         return None
     lines = printed_lines(ev)
     line = next((s for s in lines if s >= o.step), None)
-    if line is None or line == o.step:
-        return None  # a log of every step (or the line itself): the overflow is dated exactly
+    if line is None:
+        return None
     loss = dict(zip(ev.loss.steps, ev.loss.z, strict=True))
     if loss.get(line, 0.0) > cfg.z:
         return None  # the loss confirms it on its own line
-    later = [x for x in onsets if x.rule not in OVERFLOW_RULES and o.step < x.step <= line]
-    if not later:
+    # Dated inside the interval, not at its line: a rule dated at the line (a short rule, a
+    # collapse) shows the incident no more precisely than the interval's first step.
+    later = [x for x in onsets if x.rule not in OVERFLOW_RULES and o.step < x.step < line]
+    if later:
+        x = min(later, key=lambda x: x.step)
+        return (
+            f"the loss does not confirm it on its line ({line}), and {x.rule} dates the incident "
+            f"later in the same interval, at step {x.step}: the overflow is dated at the interval's "
+            "first step only because the line covers it",
+            x.step,
+        )
+    nxt = next((s for s in lines if s > line), None)
+    if (
+        nxt is None
+        or _loss_confirms(line, onsets, ev, cfg)
+        or not any(x.rule in OVERFLOW_RULES and line < x.step <= nxt for x in onsets)
+        or not _loss_confirms(nxt, onsets, ev, cfg)
+    ):
         return None
-    x = min(later, key=lambda x: x.step)
+    x = min((x for x in onsets if line < x.step <= nxt), key=lambda x: x.step)
     return (
-        f"the loss does not confirm it on its line ({line}), and {x.rule} dates the incident "
-        f"later in the same interval, at step {x.step}: the overflow is dated at the interval's "
-        "first step only because the line covers it"
+        f"the loss is flat on its line ({line}); the next line ({nxt}) overflows again with the "
+        f"loss up, which dates the incident at step {x.step} ({x.rule}): a backoff before it on a "
+        "flat loss is the loss scaler's routine as often as the fault's first sign, so the "
+        "rollback goes before it",
+        x.step,
     )
+
+
+def _loss_confirms(line: int, onsets: list[Onset], ev: LogEvidence, cfg: TriageConfig) -> bool:
+    """The loss up on this printed line: over z on its trend (a full log), or an onset of the
+    short rules there (an excerpt)."""
+    if ev.excerpt:
+        return any(x.step == line and x.rule in SHORT_RULES for x in onsets)
+    loss = dict(zip(ev.loss.steps, ev.loss.z, strict=True))
+    return loss.get(line, 0.0) > cfg.z

@@ -619,3 +619,61 @@ def test_a_slowly_drifting_loss_is_no_held_shift(seed: int) -> None:
     assert [o.step for o in held_shift(ev, cfg)] == [221]
     onsets, _ = log_onsets(ev, cfg)
     assert onsets and onsets[0].step == 221, [(o.step, o.rule) for o in onsets]
+
+
+# Issue 32, fifth round: classes read on the tuning split's new seeds (430-589), planted.
+
+
+def _fault_among_hard_batches(seed: int, fault: bool) -> dict[int, dict[str, float]]:
+    """Megatron lines every 5 iterations; a hard batch of every 64 iterations (at 22) lifts
+    its line's loss 35% and grad norm 2.8x for that line only; an LR fault at 172 lifts the
+    loss as much on the line of 175 with the grad norm 2.5x, and the loss decays back over
+    the next four lines (tuning log draw 581)."""
+    rng = np.random.default_rng(seed)
+    rows = {}
+    decay = {
+        175: (1.33, 2.5),
+        180: (1.46, 1.5),
+        185: (1.28, 1.4),
+        190: (1.19, 1.0),
+        195: (1.14, 1.0),
+    }
+    for line in range(5, 301, 5):
+        loss = 1.6 * (1 + 0.5 * math.exp(-line / 80)) * math.exp(0.01 * rng.normal())
+        grad = 1.2 * math.exp(0.08 * rng.normal())
+        if any(s % 64 == 22 for s in range(line - 4, line + 1)) and line > 60:
+            loss, grad = loss * 1.35, grad * 2.8
+        if fault and line in decay:
+            loss, grad = loss * decay[line][0], grad * decay[line][1]
+        rows[line] = {"loss": loss, "grad_norm": grad}
+    return rows
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_an_excursion_is_measured_against_the_logs_other_blips_not_itself(seed: int) -> None:
+    """The fault's five lines over z/2 would stretch the log's blip duration to four lines,
+    and the log's usual excess with it, so that it read as one of its own hard batches: both
+    are measured without it (the grad norm confirms it), and the onset is its first line. The
+    same log without the fault has its hard batches only: no onset."""
+    cfg = TriageConfig()
+    onsets, _ = log_onsets(log_evidence(_fault_among_hard_batches(seed, False), cfg), cfg)
+    assert not onsets, [(o.step, o.rule) for o in onsets]
+    onsets, _ = log_onsets(log_evidence(_fault_among_hard_batches(seed, True), cfg), cfg)
+    assert onsets and onsets[0].step == 175, [(o.step, o.rule) for o in onsets]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_held_window_that_falls_back_with_the_gradient_quiet_is_no_onset(seed: int) -> None:
+    """Heavy-tailed noise holding the loss 20% up for seven steps, then back, the grad norm
+    quiet (tuning log draw 554): no onset. Held past the window, it is one."""
+    from ckptforensics.detectors.log.held import held_rise
+
+    cfg = TriageConfig()
+    rows = _noisy(seed)
+    for s in range(235, 242):
+        rows[s]["loss"] *= 1.2
+    assert not held_rise(log_evidence(rows, cfg), cfg)
+    for s in range(242, 260):
+        rows[s]["loss"] *= 1.2
+    (o,) = held_rise(log_evidence(rows, cfg), cfg)
+    assert o.step == 235, o

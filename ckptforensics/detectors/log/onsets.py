@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from ...stats import loss_follows
+from ...stats import CURVE_SHORT, loss_follows
 from .blips import HOLD, blips, recovery_horizon, routine_reason
 from .evidence import LogDetector, LogEvidence, Onset, TriageConfig, printed_lines
 from .held import held_rise
@@ -141,7 +141,9 @@ def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[On
         + held_rise(ev, cfg)
         + held_shift(ev, cfg)
     )
-    yielded = {id(o): _overflow_yields(o, onsets, ev, cfg) for o in onsets}
+    yielded = {
+        id(o): _overflow_yields(o, onsets, ev, cfg) or _held_yields(o, onsets) for o in onsets
+    }
     ignored += [
         Onset(
             o.step,
@@ -234,3 +236,27 @@ def _loss_confirms(line: int, onsets: list[Onset], ev: LogEvidence, cfg: TriageC
         return any(x.step == line and x.rule in SHORT_RULES for x in onsets)
     loss = dict(zip(ev.loss.steps, ev.loss.z, strict=True))
     return loss.get(line, 0.0) > cfg.z
+
+
+# A held rule's start is an estimate: the first step of a window over z/3 (`held_rise`), or a
+# change point within half a window of the rank test's best start (`shift._shift_start`).
+HELD_RULES = ("held", "held-shift")
+
+
+def _held_yields(o: Onset, onsets: list[Onset]) -> tuple[str, int] | None:
+    """(why, the LR jump's step) where a held rise or shift gives way to an LR jump the log
+    records within half a window after its start, or None. The log dates the jump exactly,
+    and a loss logged before it cannot be its effect: the steps between are the noise the
+    held estimate starts on (held-out log draw 10165: heavy-tailed noise lifting the loss on
+    230-231, the LR jump logged at 232). The rollback still goes before the held start."""
+    if o.rule not in HELD_RULES:
+        return None
+    jumps = [x for x in onsets if x.signal == "lr" and o.step < x.step <= o.step + CURVE_SHORT // 2]
+    if not jumps:
+        return None
+    x = min(jumps, key=lambda x: x.step)
+    return (
+        f"the log records an LR jump at step {x.step}, within {CURVE_SHORT // 2} steps after this "
+        f"start, which dates the incident: a loss before it is not its effect",
+        x.step,
+    )

@@ -4,7 +4,7 @@
 
 An incident's onset is right when it falls between the last good logged line and the first
 bad one: from the first step no logged line vouches for (a Megatron line logs its interval's
-loss and the next step's LR) to the line where the log first shows the fault
+loss and, where the log has the column, the next step's LR) to the line where the log first shows the fault
 (`fixtures.log_draws.shows`: the loss over 1.3x its last 8 steps' median or the grad norm
 over 3x, `fixtures.draws.log_onset`; for a slow rise, the loss at 1.3x its level before the
 fault), plus one step for that line's LR. An excerpt, or a log printed every k iterations,
@@ -47,11 +47,15 @@ def score(run: Path) -> dict[str, Any]:
             at,
         )
         # A log that skips steps (Megatron's --log-interval) places the fault only between two
-        # lines: from the first step no line vouches for (a line logs its own loss and the next
-        # step's LR), up to the line that first shows it by the plain rule, plus one for that
-        # line's LR.
+        # lines: from the first step no line vouches for, up to the line that first shows it by
+        # the plain rule, plus one for that line's LR. A clean line L vouches for the updates
+        # before it (its loss is its steps' mean, each computed before that step's update) and,
+        # where the log prints the LR, for the LR of L + 1 (Megatron prints the LR the scheduler
+        # has just set, the next step's): a fault at L + 2 or later; without the LR column,
+        # at L or later.
         megatron = d["fmt"] != "jsonl"
-        lo = max([i for i in lines if i < at - 1], default=at - 2) + 2 if megatron else at
+        lr = 2 if d.get("log_lr") else 0
+        lo = max([i for i in lines if i < at - lr + 1], default=at - lr) + lr if megatron else at
         hi = (cover(max(plain or at, at)) or lines[-1]) + (1 if megatron else 0)
         ok = res.first_bad_step is not None and lo <= res.first_bad_step <= hi
     return {

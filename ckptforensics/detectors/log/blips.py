@@ -38,17 +38,36 @@ RECOVER, HOLD, TAIL_PEERS = 2, 3, 2
 BLIP_ALPHA, BLIP_FIT = 0.01, 3
 
 
-def recovery_horizon(ev: LogEvidence, cfg: TriageConfig) -> int:
-    """Steps within which a blip of this log comes back under z/2 (docs/signatures.md#log-blip)."""
+def _run_of(ev: LogEvidence, cfg: TriageConfig, i: int) -> tuple[int, int]:
+    """[a, b): the indexes of the loss's run over z/2 on its trend that holds index i (i alone
+    where it is not over)."""
+    over = np.isfinite(ev.loss.z) & (ev.loss.z > cfg.z / 2)
+    if not over[i]:
+        return i, i + 1
+    a, b = i, i + 1
+    while a > 0 and over[a - 1]:
+        a -= 1
+    while b < over.size and over[b]:
+        b += 1
+    return a, b
+
+
+def recovery_horizon(ev: LogEvidence, cfg: TriageConfig, judged: int | None = None) -> int:
+    """Steps within which a blip of this log comes back under z/2 (docs/signatures.md#log-blip),
+    from its excursions other than the one holding index `judged`: an excursion is measured
+    against the log's other blips, never against itself (a fault whose loss decays back over
+    five lines of a log printed every 5 iterations would otherwise stretch the horizon it is
+    then excused by: tuning log draw 581)."""
     from scipy import stats
 
     over = np.isfinite(ev.loss.z) & (ev.loss.z > cfg.z / 2)
     runs, n = [], 0
-    for o in [*over.tolist(), False]:
+    for i, o in enumerate([*over.tolist(), False]):
         if o:
             n += 1
         elif n:
-            runs.append(n)
+            if judged is None or not (i - n <= judged < i):
+                runs.append(n)
             n = 0
     runs = [r for r in runs if r < CURVE_SHORT]
     if len(runs) < BLIP_FIT or max(runs) == 1:
@@ -76,8 +95,6 @@ def blips(
     z, steps, vals, base = ev.loss.z, ev.loss.steps, ev.loss.values, ev.loss.level
     floor = cfg.z if floor is None else floor
     lv = np.log10(np.maximum(np.asarray(vals, dtype=np.float64), 1e-30))
-    usual = _usual_excess(ev)
-    horizon = recovery_horizon(ev, cfg)
     out = {}
     for i, zi in enumerate(z):
         if (
@@ -85,6 +102,13 @@ def blips(
             or vals[i] >= cfg.loss_factor * base[i]
         ):
             continue
+        # An excursion the grad norm confirms (an update the gradient saw) is measured against
+        # the log's other excursions, never against itself; one it does not see is the log's
+        # routine kind and is measured with them (a single rank's three-step blip among its
+        # one-step ones: tuning log draw 544).
+        own = None if not _grad_confirms(steps[i], ev, cfg)[0] else i
+        horizon = recovery_horizon(ev, cfg, own)
+        usual = _usual_excess(ev, cfg, own)
         # Recovery is judged against the level before the excursion, in the noise units it
         # was measured in (the trend itself moves up under a rise it accepts: steps under z 6
         # enter it, so the next steps' own z would call a held rise recovered), or within
@@ -124,11 +148,18 @@ def blips(
 USUAL_Q = 90
 
 
-def _usual_excess(ev: LogEvidence) -> float:
+def _usual_excess(ev: LogEvidence, cfg: TriageConfig, judged: int | None = None) -> float:
+    """The USUAL_Q percentile of the log's steps' log10 excess over their level, leaving out
+    the excursion holding index `judged` (`_run_of`): a fault's own steps are not where the
+    log usually is (tuning log draw 581: five lines of sixty, on a log printed every 5)."""
     lv = np.log10(np.maximum(np.asarray(ev.loss.values, dtype=np.float64), 1e-30))
     with np.errstate(invalid="ignore", divide="ignore"):
         e = lv - np.log10(np.asarray(ev.loss.level, dtype=np.float64))
-    e = e[np.isfinite(e) & (ev.loss.z != 0)]
+    keep = np.isfinite(e) & (ev.loss.z != 0)
+    if judged is not None:
+        a, b = _run_of(ev, cfg, judged)
+        keep[a:b] = False
+    e = e[keep]
     return float(np.percentile(e, USUAL_Q)) if e.size >= CURVE_SHORT else 0.0
 
 
@@ -216,7 +247,8 @@ def routine_reason(
         )
     if o.signal not in ("loss", "grad_norm") or o.rule != "trend":
         return None
-    horizon = recovery_horizon(ev, cfg)
+    at = next((k for k, s in enumerate(steps) if s >= o.step), None)
+    horizon = recovery_horizon(ev, cfg, at if _grad_confirms(o.step, ev, cfg)[0] else None)
     if o.step in tail:
         zs, es = tail[o.step]
         ok, why = _grad_confirms(o.step, ev, cfg) if o.signal == "loss" else (True, "")

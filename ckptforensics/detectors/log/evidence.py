@@ -54,6 +54,9 @@ class Onset:
     rule: str = (
         "trend"  # which rule decided (docs/signatures.md#log-onset): trend, megatron-10x, ...
     )
+    # An overflow set aside for a later onset the log dates better (`onsets._overflow_yields`):
+    # that onset's step. It may still be the incident's first sign: the rollback goes before it.
+    yields_to: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

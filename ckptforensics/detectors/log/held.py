@@ -53,7 +53,22 @@ def held_rise(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
             held >= HELD_Z * cfg.z
             and units[1] >= max(HELD_Z * cfg.z, units[0] / 2)
             and units[2] >= HELD_Z * cfg.z
+            and _persists_or_confirmed(ev, cfg, i, (lv[i + k : i + 2 * k] - lb) / scale)
         ):
             return [Onset(steps[i], "loss", vals[i], float(base[i]), held,
                           f"loss {vals[i]:.4g} at step {steps[i]} starts {k} steps held above its level {base[i]:.4g} (6 of 8 at robust z {held:.1f} or more)", "held")]  # fmt: skip
     return []
+
+
+def _persists_or_confirmed(ev: LogEvidence, cfg: TriageConfig, i: int, later: np.ndarray) -> bool:
+    """A held window is an onset where the excursion persists past it (the median of the
+    CURVE_SHORT steps after it still at z/3 units or more, or the log ends first) or the grad
+    norm confirms it (z/2 or more on its trend within the window, as `blips._grad_confirms`
+    asks of a blip): issue 32, an onset is an excursion that persists or that the grad norm
+    and the following steps confirm. Heavy-tailed noise holds the loss up for seven steps and
+    lets it fall back with the gradient quiet (tuning log draw 554: 235-241, the fault at 266)."""
+    if later.size < CURVE_SHORT or float(np.median(later)) >= HELD_Z * cfg.z:
+        return True
+    window = set(ev.loss.steps[i : i + CURVE_SHORT])
+    g = [float(z) for s, z in zip(ev.grad_norm.steps, ev.grad_norm.z, strict=True) if s in window]
+    return any(not math.isfinite(z) or z >= cfg.z / 2 for z in g)

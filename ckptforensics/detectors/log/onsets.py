@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from ...stats import loss_follows
+from ...stats import CURVE_SHORT, loss_follows
 from .blips import HOLD, blips, recovery_horizon, routine_reason
 from .evidence import LogDetector, LogEvidence, Onset, TriageConfig, printed_lines
 from .held import held_rise
@@ -141,9 +141,20 @@ def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[On
         + held_rise(ev, cfg)
         + held_shift(ev, cfg)
     )
-    yielded = {id(o): _overflow_yields(o, onsets, ev, cfg) for o in onsets}
+    yielded = {
+        id(o): _overflow_yields(o, onsets, ev, cfg) or _held_yields(o, onsets) for o in onsets
+    }
     ignored += [
-        Onset(o.step, o.signal, o.value, o.baseline, o.robust_z, f"{o.message}; {why}", o.rule)
+        Onset(
+            o.step,
+            o.signal,
+            o.value,
+            o.baseline,
+            o.robust_z,
+            f"{o.message}; {why[0]}",
+            o.rule,
+            yields_to=why[1],
+        )  # fmt: skip
         for o in onsets
         if (why := yielded[id(o)])
     ]
@@ -158,32 +169,94 @@ OVERFLOW_RULES = ("loss-scale-backoff", "skipped-iterations")
 
 def _overflow_yields(
     o: Onset, onsets: list[Onset], ev: LogEvidence, cfg: TriageConfig
-) -> str | None:
-    """Why an overflow kept because the loss followed it gives way to a later start (a
-    message), or None. A log printed every k iterations dates an overflow at the first step of
-    the interval that holds it (`scale_drops`): the earliest the line allows, not where it
-    happened. Where the loss does not confirm it on that line (its own spike, z, as `_followed`
-    asks of a routine seed) and an onset of a rule that stands on its own (an LR jump, a loss
-    rule) is dated later in the same interval, the log places the incident no earlier than
-    that onset: the overflow, routine by design (dynamic loss scaling backs off once every
-    growth interval), is the same incident seen less precisely, or a routine one before it
-    (held-out log draw 9923: a backoff dated 186 on a line of 186-190, the LR line of 185
-    vouching for 186's LR, the jump dated 187, the loss up only on the next line)."""
+) -> tuple[str, int] | None:
+    """(why, the later onset's step) where an overflow kept because the loss followed it gives
+    way to a later start, or None. Two cases, both where the loss does not confirm the
+    overflow on its own line (its own spike: z on a full log, as `_followed` asks of a routine
+    seed; a short rule's onset on an excerpt):
+    - a log printed every k iterations dates an overflow at the first step of the interval
+      that holds it (`scale_drops`): the earliest the line allows, not where it happened. An
+      onset of a rule that stands on its own (an LR jump, a loss rule) dated later inside the
+      same interval (before its line) places the incident no earlier than that: the overflow, routine by design
+      (dynamic loss scaling backs off once every growth interval), is the same incident seen
+      less precisely, or a routine one before it (held-out log draw 9923: a backoff dated 186
+      on a line of 186-190, the LR line of 185 vouching for 186's LR, the jump dated 187, the
+      loss up only on the next line);
+    - the next line overflows again and the loss confirms that overflow on its own line: the
+      incident's overflows are dated by the line that shows them with the loss, and the one
+      before, on a line whose loss is flat, is the scaler's routine backoff as often as the
+      fault's first sign (held-out log draw 10022: a backoff on the line of 165 with the loss
+      flat, the fault at 167, the line of 170 overflowing again with the loss up). A backoff
+      whose next line has no overflow of its own stands (tuning draw 259: the fault's overflow
+      on its own line, the loss up on the next).
+    Either way the overflow may be the incident's first sign: it is kept as ignored with the
+    later step (`Onset.yields_to`), and the rollback goes before it (`triage`)."""
     if o.rule not in OVERFLOW_RULES or o.signal != "loss_scale":
         return None
     lines = printed_lines(ev)
     line = next((s for s in lines if s >= o.step), None)
-    if line is None or line == o.step:
-        return None  # a log of every step (or the line itself): the overflow is dated exactly
+    if line is None:
+        return None
     loss = dict(zip(ev.loss.steps, ev.loss.z, strict=True))
     if loss.get(line, 0.0) > cfg.z:
         return None  # the loss confirms it on its own line
-    later = [x for x in onsets if x.rule not in OVERFLOW_RULES and o.step < x.step <= line]
-    if not later:
+    # Dated inside the interval, not at its line: a rule dated at the line (a short rule, a
+    # collapse) shows the incident no more precisely than the interval's first step.
+    later = [x for x in onsets if x.rule not in OVERFLOW_RULES and o.step < x.step < line]
+    if later:
+        x = min(later, key=lambda x: x.step)
+        return (
+            f"the loss does not confirm it on its line ({line}), and {x.rule} dates the incident "
+            f"later in the same interval, at step {x.step}: the overflow is dated at the interval's "
+            "first step only because the line covers it",
+            x.step,
+        )
+    nxt = next((s for s in lines if s > line), None)
+    if (
+        nxt is None
+        or _loss_confirms(line, onsets, ev, cfg)
+        or not any(x.rule in OVERFLOW_RULES and line < x.step <= nxt for x in onsets)
+        or not _loss_confirms(nxt, onsets, ev, cfg)
+    ):
         return None
-    x = min(later, key=lambda x: x.step)
+    x = min((x for x in onsets if line < x.step <= nxt), key=lambda x: x.step)
     return (
-        f"the loss does not confirm it on its line ({line}), and {x.rule} dates the incident "
-        f"later in the same interval, at step {x.step}: the overflow is dated at the interval's "
-        "first step only because the line covers it"
+        f"the loss is flat on its line ({line}); the next line ({nxt}) overflows again with the "
+        f"loss up, which dates the incident at step {x.step} ({x.rule}): a backoff before it on a "
+        "flat loss is the loss scaler's routine as often as the fault's first sign, so the "
+        "rollback goes before it",
+        x.step,
+    )
+
+
+def _loss_confirms(line: int, onsets: list[Onset], ev: LogEvidence, cfg: TriageConfig) -> bool:
+    """The loss up on this printed line: over z on its trend (a full log), or an onset of the
+    short rules there (an excerpt)."""
+    if ev.excerpt:
+        return any(x.step == line and x.rule in SHORT_RULES for x in onsets)
+    loss = dict(zip(ev.loss.steps, ev.loss.z, strict=True))
+    return loss.get(line, 0.0) > cfg.z
+
+
+# A held rule's start is an estimate: the first step of a window over z/3 (`held_rise`), or a
+# change point within half a window of the rank test's best start (`shift._shift_start`).
+HELD_RULES = ("held", "held-shift")
+
+
+def _held_yields(o: Onset, onsets: list[Onset]) -> tuple[str, int] | None:
+    """(why, the LR jump's step) where a held rise or shift gives way to an LR jump the log
+    records within half a window after its start, or None. The log dates the jump exactly,
+    and a loss logged before it cannot be its effect: the steps between are the noise the
+    held estimate starts on (held-out log draw 10165: heavy-tailed noise lifting the loss on
+    230-231, the LR jump logged at 232). The rollback still goes before the held start."""
+    if o.rule not in HELD_RULES:
+        return None
+    jumps = [x for x in onsets if x.signal == "lr" and o.step < x.step <= o.step + CURVE_SHORT // 2]
+    if not jumps:
+        return None
+    x = min(jumps, key=lambda x: x.step)
+    return (
+        f"the log records an LR jump at step {x.step}, within {CURVE_SHORT // 2} steps after this "
+        f"start, which dates the incident: a loss before it is not its effect",
+        x.step,
     )

@@ -1,0 +1,38 @@
+"""triage on the log draws whose misses were read and fixed (issue 32, round five), each
+rebuilt by the generator's own tiny training run (fixtures/log_draws.py, seconds each) and
+scored by the benchmark's own rule (bench/log_draws.py `score`: the onset inside the window
+the log allows, or no onset on a healthy log)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from log_draws import score  # noqa: E402
+
+from fixtures.log_draws import build  # noqa: E402
+
+# seed -> the rule that should decide (None: no onset), and what was wrong before.
+CLASSES = {
+    544: (
+        "trend",
+        "a single rank's three-step blip, unconfirmed by the grad norm, called an onset",
+    ),
+    554: ("lr-growth", "heavy-tailed noise held seven steps and fell back: a held rise"),
+    581: ("trend", "the fault's own five lines stretched the blip duration that excused it"),
+    10165: ("lr-growth", "a held shift starting on noise one step before the logged LR jump"),
+}
+
+
+@pytest.mark.parametrize("seed", sorted(CLASSES))
+def test_a_read_miss_class_is_right_on_its_draw(seed: int, tmp_path: Path) -> None:
+    run = build(seed, tmp_path)
+    row = score(run)
+    rule, was = CLASSES[seed]
+    assert row["ok"], (row, was)
+    assert row["rule"] == rule, row

@@ -9,7 +9,9 @@ loss and, where the log has the column, the next step's LR) to the line where th
 over 3x, `fixtures.draws.log_onset`; for a slow rise, the loss at 1.3x its level before the
 fault), plus one step for that line's LR. An excerpt, or a log printed every k iterations,
 can place an onset only to within its logging interval, so any step of that span is right;
-on a log of every step it is [fault, the step that shows it]. A healthy log must give no onset.
+on a log of every step it is [fault, the step that shows it], and never narrower than
+[fault, fault + 1]: an LR fault acts through its step's update, so the loss logged at the fault's
+step predates it. A healthy log must give no onset.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def score(run: Path) -> dict[str, Any]:
             {int(k): v for k, v in t["losses"].items()},
             {int(k): v for k, v in t["grad_norms"].items()},
             at,
+            after_update=True,  # the only incident is an LR fault: the loss at `at` predates it
         )
         # A log that skips steps (Megatron's --log-interval) places the fault only between two
         # lines: from the first step no line vouches for, up to the line that first shows it by

@@ -111,8 +111,8 @@ def triage(
     if res.first_bad_step is not None and ckpts:
         # The checkpoint of step c holds the state after c's update: safe only if c < onset.
         # Incomplete ones (a save that died) are passed over, and said so (`first_complete`).
-        # An overflow set aside for the onset (`Onset.yields_to`) may be its first sign: the
-        # rollback goes before it too.
+        # An overflow or a held start set aside for the onset (`Onset.yields_to`) may be its
+        # first sign: the rollback goes before it too.
         first = min([res.first_bad_step] + [o.step for o in res.ignored if o.yields_to is not None])
         safe = [(s, p) for s, p in ckpts if s < first - cfg.margin]
         later = [(s, p) for s, p in ckpts if s >= res.first_bad_step]

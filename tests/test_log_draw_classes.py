@@ -1,4 +1,4 @@
-"""triage on the log draws whose misses were read and fixed (issue 32, round five), each
+"""triage on the log draws whose misses were read and fixed (issue 32, rounds five to seven), each
 rebuilt by the generator's own tiny training run (fixtures/log_draws.py, seconds each) and
 scored by the benchmark's own rule (bench/log_draws.py `score`: the onset inside the window
 the log allows, or no onset on a healthy log)."""
@@ -26,6 +26,9 @@ CLASSES = {
     554: ("lr-growth", "heavy-tailed noise held seven steps and fell back: a held rise"),
     581: ("trend", "the fault's own five lines stretched the blip duration that excused it"),
     10165: ("lr-growth", "a held shift starting on noise one step before the logged LR jump"),
+    10245: ("lr-growth", "a hard batch met twice at z 7 and 12, its later meetings weaker"),
+    10278: ("trend", "a held rise dated on noise one step before the fault, the grad norm quiet"),
+    10379: (None, "a heavy tail's burst of blips read as a held shift that fell back"),
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .change import BIWEIGHT_K, biweight_change
 from .follow import LOSS_FOLLOW, loss_follows
-from .recur import RECUR_MIN_PERIOD, recurrence_period
+from .recur import RECUR_MIN_PERIOD, RECUR_WEAK_Z, recurrence_period
 from .robust import MAD_TO_SIGMA, robust_sigma, robust_z
 from .thresholds import expected_exceedances, family_alpha, family_z, t_robust_z, tail_df
 from .trend import (
@@ -48,4 +48,5 @@ __all__ = [
     "tail_df",
     "RECUR_MIN_PERIOD",
     "recurrence_period",
+    "RECUR_WEAK_Z",
 ]

@@ -9,7 +9,13 @@ import math
 
 import numpy as np
 
-from ...stats import CURVE_SHORT, expected_exceedances, family_alpha, recurrence_period
+from ...stats import (
+    CURVE_SHORT,
+    RECUR_WEAK_Z,
+    expected_exceedances,
+    family_alpha,
+    recurrence_period,
+)
 from .evidence import LogEvidence, Onset, TriageConfig
 
 # A loss excursion that is back under z/2 within RECOVER steps is a blip; the log's own blips
@@ -210,6 +216,20 @@ def _excursions(ev: LogEvidence, cfg: TriageConfig) -> tuple[set[int], list[int]
     return hard | over, sorted(logged)
 
 
+def _weak_meetings(ev: LogEvidence) -> set[int]:
+    """Steps whose loss stands at RECUR_WEAK_Z or more on its trend and above both logged
+    neighbours: a hard batch met again where the curve's noise is wider, which counts at a
+    step a period predicts (`stats.recurrence_period`'s `weak`)."""
+    v = np.asarray(ev.loss.values, dtype=np.float64)
+    z = np.asarray(ev.loss.z, dtype=np.float64)
+    if v.size < 3:
+        return set()
+    peak = np.zeros(v.size, dtype=bool)
+    peak[1:-1] = (v[1:-1] > v[:-2]) & (v[1:-1] > v[2:])
+    ok = peak & np.isfinite(z) & (z >= RECUR_WEAK_Z)
+    return {ev.loss.steps[i] for i in np.flatnonzero(ok)}
+
+
 def routine_reason(
     o: Onset, tail: dict[int, tuple[float, float]], ev: LogEvidence, cfg: TriageConfig
 ) -> str | None:
@@ -259,7 +279,7 @@ def routine_reason(
             return f"the loss recovers within {horizon} steps (this log's blips), as {n} other blips of this log at least half its size do"
         hard, logged = _excursions(ev, cfg)
         spacing = int(np.median(np.diff(steps))) if len(steps) > 2 else 1
-        p = recurrence_period(o.step, hard, logged, spacing)
+        p = recurrence_period(o.step, hard, logged, spacing, weak=_weak_meetings(ev))
         if p is not None:
             return f"the loss recovers within {horizon} steps (this log's blips), and blips every {p} steps of this log (a batch that comes back each epoch)"
         return None

@@ -54,8 +54,9 @@ class Onset:
     rule: str = (
         "trend"  # which rule decided (docs/signatures.md#log-onset): trend, megatron-10x, ...
     )
-    # An overflow set aside for a later onset the log dates better (`onsets._overflow_yields`):
-    # that onset's step. It may still be the incident's first sign: the rollback goes before it.
+    # An overflow, or a held start, set aside for a later onset the log dates better
+    # (`onsets._overflow_yields`, `_held_yields`, `_held_start_at_gradient`): that onset's step.
+    # It may still be the incident's first sign: the rollback goes before it.
     yields_to: int | None = None
 
 

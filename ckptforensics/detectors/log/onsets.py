@@ -8,6 +8,7 @@ page here."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -136,11 +137,12 @@ def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[On
         for o in onsets
         if why[id(o)]
     ]
-    onsets = (
-        [_persisting_start(o, ev, cfg) for o in onsets if not why[id(o)]]
-        + held_rise(ev, cfg)
-        + held_shift(ev, cfg)
-    )
+    held = held_rise(ev, cfg) + held_shift(ev, cfg)
+    moved = [_held_start_at_gradient(o, ev, cfg) for o in held]
+    # A moved held start may still be the incident's first sign: kept as ignored with the step
+    # it moved to (`Onset.yields_to`), so that the rollback goes before it (`triage`).
+    ignored += [replace(o, yields_to=m.step) for o, m in zip(held, moved, strict=True) if m != o]
+    onsets = [_persisting_start(o, ev, cfg) for o in onsets if not why[id(o)]] + moved
     yielded = {
         id(o): _overflow_yields(o, onsets, ev, cfg) or _held_yields(o, onsets) for o in onsets
     }
@@ -241,6 +243,35 @@ def _loss_confirms(line: int, onsets: list[Onset], ev: LogEvidence, cfg: TriageC
 # A held rule's start is an estimate: the first step of a window over z/3 (`held_rise`), or a
 # change point within half a window of the rank test's best start (`shift._shift_start`).
 HELD_RULES = ("held", "held-shift")
+
+
+def _held_start_at_gradient(o: Onset, ev: LogEvidence, cfg: TriageConfig) -> Onset:
+    """A held start moved to the first step of its half-window where the grad norm confirms
+    the excursion (z/2 or more on its trend, or not finite: `blips._grad_confirms`' bar), where
+    it does not on the start itself. The held rules date a start from the loss alone, and on a
+    heavy-tailed log noise lifts the loss a step or two before the fault; an LR fault acts
+    through its step's update, which the next step's grad norm shows first (held-out log draws
+    10133 and 10278: the held start one step before the fault, the grad norm up from one step
+    after it). A log without a grad norm, or one whose grad norm stays quiet over the
+    half-window, keeps the loss's start."""
+    if o.rule not in HELD_RULES or not ev.grad_norm.steps:
+        return o
+    g = dict(zip(ev.grad_norm.steps, ev.grad_norm.z, strict=True))
+    loss = dict(zip(ev.loss.steps, ev.loss.values, strict=True))
+
+    def confirms(s: int) -> bool:
+        return s in g and (float(g[s]) >= cfg.z / 2 or not math.isfinite(float(g[s])))
+
+    if confirms(o.step):
+        return o
+    half = CURVE_SHORT // 2
+    at = next((s for s in ev.loss.steps if o.step < s <= o.step + half and confirms(s)), None)
+    if at is None:
+        return o
+    msg = (f"{o.message}; moved to step {at}, the first of the next {half} where the grad norm "
+           f"confirms it (robust z {float(g[at]):.1f}; at {o.step} it does not): the loss before "
+           "is the log's noise")  # fmt: skip
+    return Onset(at, o.signal, loss.get(at, o.value), o.baseline, o.robust_z, msg, o.rule)
 
 
 def _held_yields(o: Onset, onsets: list[Onset]) -> tuple[str, int] | None:

@@ -76,7 +76,7 @@ def table(rows: list[dict[str, Any]], split: str) -> str:
     seeds = f"seeds {rows[0]['seed']}-{rows[-1]['seed']}, " if rows else ""
     head = (f"### triage on log-only draws, {split} split ({seeds}{len(rows)} draws, `fixtures/log_draws.py`) — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs)\n\n"
             f"false alarms on healthy: **{fa}/{len(healthy)}** · onsets found: **{hit}/{len(bad)}**"
-            f" ({100 * hit / max(len(bad), 1):.0f}%)\n")  # fmt: skip
+            f" ({100 * hit / max(len(bad), 1):.1f}%)\n")  # fmt: skip
     lines = [
         "| seed | trap | incident (step) | log | onset | rule | noise (blips) | |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",

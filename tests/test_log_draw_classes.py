@@ -29,6 +29,8 @@ CLASSES = {
     10245: ("lr-growth", "a hard batch met twice at z 7 and 12, its later meetings weaker"),
     10278: ("trend", "a held rise dated on noise one step before the fault, the grad norm quiet"),
     10379: (None, "a heavy tail's burst of blips read as a held shift that fell back"),
+    10408: ("short-joint", "an excerpt's faulted loss easing back, still past every earlier line"),
+    10417: ("held", "a held start a line late: the line before's grad norm led it"),
 }
 
 

@@ -731,3 +731,52 @@ def test_a_held_start_moves_to_where_the_grad_norm_confirms_it() -> None:
     assert _held_start_at_gradient(held, log_evidence(bare, cfg), cfg) == held
     rows[250]["grad_norm"] *= 3.0
     assert _held_start_at_gradient(held, log_evidence(rows, cfg), cfg) == held
+
+
+def test_a_pasted_excerpts_fault_that_eases_back_but_stays_past_every_earlier_line(
+    tmp_path: Path,
+) -> None:
+    """A single rank's loss on ten lines (held-out log draw 10408): noisy, then 1.94 -> 2.92 with
+    the grad norm 2.4x, 3.01, then 2.57 — easing back, still past every earlier line. The next
+    line confirms at z 2 or more; the last need only stay past the earlier lines. Back under
+    them on the last line, it is a blip that recovers: no onset."""
+    losses = [2.470, 2.196, 2.200, 2.206, 2.405, 2.079, 1.938, 2.922, 3.011, 2.574]
+    grads = [1.217, 1.008, 1.008, 0.907, 1.032, 1.248, 0.970, 2.423, 1.582, 1.138]
+    res = triage(_pasted(tmp_path, list(zip(losses, grads, strict=True))), None)
+    assert res.first_bad_step == 3070 and res.rule == "short-joint", res.onsets
+    losses[-1] = 2.30
+    assert (
+        triage(_pasted(tmp_path, list(zip(losses, grads, strict=True))), None).first_bad_step
+        is None
+    )
+
+
+def test_a_held_start_moves_back_to_the_line_whose_grad_norm_led_it() -> None:
+    """Lines every 5 iterations (held-out log draw 10417): an LR fault late in the interval of
+    230 lifts that line's grad norm (its last iteration's) 1.7x and its loss (the interval's
+    mean) 7%; the loss is up 30% from 235. A held start dated 235 moves back to 230. Without
+    the grad norm's lead, or on a log of every step, it stays."""
+    from ckptforensics.detectors.log.evidence import Onset
+    from ckptforensics.detectors.log.onsets import _held_start_at_gradient
+
+    rng = np.random.default_rng(0)
+    rows = {}
+    for line in range(5, 301, 5):
+        loss = 1.6 * (1 + 0.5 * math.exp(-line / 80)) * math.exp(0.01 * rng.normal())
+        grad = 1.4 * math.exp(0.05 * rng.normal())
+        if line == 230:
+            loss, grad = loss * 1.07, grad * 1.7
+        elif line > 230:
+            loss = loss * 1.3
+        rows[line] = {"loss": loss, "grad_norm": grad}
+    cfg = TriageConfig()
+    held = Onset(235, "loss", rows[235]["loss"], 1.6, 3.0, "held", "held")
+    moved = _held_start_at_gradient(held, log_evidence(rows, cfg), cfg)
+    assert moved.step == 230 and "line before" in moved.message, moved
+    quiet = {
+        s: {**r, "grad_norm": rows[225]["grad_norm"]} if s == 230 else r for s, r in rows.items()
+    }
+    assert _held_start_at_gradient(held, log_evidence(quiet, cfg), cfg).step == 235
+    every = {s // 5: r for s, r in rows.items()}
+    held1 = Onset(47, "loss", every[47]["loss"], 1.6, 3.0, "held", "held")
+    assert _held_start_at_gradient(held1, log_evidence(every, cfg), cfg).step == 47

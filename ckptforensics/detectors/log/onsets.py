@@ -264,6 +264,12 @@ def _held_start_at_gradient(o: Onset, ev: LogEvidence, cfg: TriageConfig) -> Ons
 
     if confirms(o.step):
         return o
+    back = _line_before_leads(o, ev, cfg, confirms)
+    if back is not None:
+        msg = (f"{o.message}; moved back to step {back}, the line before it: its grad norm (its "
+               f"interval's last iteration's) confirms the excursion (robust z {float(g[back]):.1f}) "
+               "and its loss, the interval's mean, is already up")  # fmt: skip
+        return Onset(back, o.signal, loss.get(back, o.value), o.baseline, o.robust_z, msg, o.rule)
     half = CURVE_SHORT // 2
     at = next((s for s in ev.loss.steps if o.step < s <= o.step + half and confirms(s)), None)
     if at is None:
@@ -272,6 +278,30 @@ def _held_start_at_gradient(o: Onset, ev: LogEvidence, cfg: TriageConfig) -> Ons
            f"confirms it (robust z {float(g[at]):.1f}; at {o.step} it does not): the loss before "
            "is the log's noise")  # fmt: skip
     return Onset(at, o.signal, loss.get(at, o.value), o.baseline, o.robust_z, msg, o.rule)
+
+
+# A line's loss at this robust z or more on its trend (one noise unit, the held shift's
+# SHIFT_EFFECT) is up: a fault in its interval's last iterations moves its mean by that share.
+LEAD_LOSS_Z = 1.0
+
+
+def _line_before_leads(o: Onset, ev: LogEvidence, cfg: TriageConfig, confirms) -> int | None:
+    """The line before a held start, on a log printed every k > 1 iterations, where its grad
+    norm confirms the excursion and its loss is up (LEAD_LOSS_Z): Megatron prints a line's
+    grad norm from its interval's last iteration and its loss as the interval's mean, so a
+    fault in that interval's last steps shows in the grad norm at once and in the loss only in
+    part; the held rules, reading the loss, date it a line late (held-out log draw 10417: an
+    LR fault at 229, the line of 230 with its grad norm at z 5.9 and its loss at 1.7, the held
+    start on 235). None on a log of every step (the grad norm and the loss are one step's)."""
+    steps = ev.loss.steps
+    if o.step not in steps or len(steps) < 3 or int(np.median(np.diff(steps))) <= 1:
+        return None
+    i = steps.index(o.step)
+    if i == 0:
+        return None
+    prev = steps[i - 1]
+    z = float(ev.loss.z[i - 1])
+    return prev if confirms(prev) and (z >= LEAD_LOSS_Z or not math.isfinite(z)) else None
 
 
 def _held_yields(o: Onset, onsets: list[Onset]) -> tuple[str, int] | None:

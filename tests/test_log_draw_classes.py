@@ -31,6 +31,8 @@ CLASSES = {
     10379: (None, "a heavy tail's burst of blips read as a held shift that fell back"),
     10408: ("short-joint", "an excerpt's faulted loss easing back, still past every earlier line"),
     10417: ("held", "a held start a line late: the line before's grad norm led it"),
+    10510: ("lr-growth", "a blip the grad norm did not see, overtaken by the LR jump after it"),
+    10575: (None, "an excerpt's two-line blip of a heavy tail, back on the third line"),
 }
 
 

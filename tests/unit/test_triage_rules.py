@@ -780,3 +780,40 @@ def test_a_held_start_moves_back_to_the_line_whose_grad_norm_led_it() -> None:
     every = {s // 5: r for s, r in rows.items()}
     held1 = Onset(47, "loss", every[47]["loss"], 1.6, 3.0, "held", "held")
     assert _held_start_at_gradient(held1, log_evidence(every, cfg), cfg).step == 47
+
+
+def test_a_pasted_excerpts_two_line_blip_that_recovers_on_the_third_is_no_onset(
+    tmp_path: Path,
+) -> None:
+    """Six lines of a healthy heavy-tailed run (held-out log draw 10575): 1.60, 1.62, 1.72, then
+    2.19 and 2.25, back to 1.63. Short-z's blip recovers within two lines: no onset. Still up on
+    the sixth line, it is one."""
+    grads = [1.118, 1.064, 1.221, 1.311, 1.339, 1.349]
+    losses = [1.6005, 1.6239, 1.7191, 2.1906, 2.2486, 1.6291]
+    assert (
+        triage(_pasted(tmp_path, list(zip(losses, grads, strict=True))), None).first_bad_step
+        is None
+    )
+    losses[-1] = 2.30
+    res = triage(_pasted(tmp_path, list(zip(losses, grads, strict=True))), None)
+    assert res.first_bad_step == 3030 and res.rule == "short-z", res.onsets
+
+
+def test_a_blip_the_grad_norm_does_not_confirm_gives_way_to_an_lr_jump_just_after() -> None:
+    """A per-step log (held-out log draw 10510): a blip at 229 the grad norm does not see, still
+    up when the LR jump logged at 231 takes over (its effect on the loss from 232). The jump dates the incident; the blip is set
+    aside for it, the rollback still before it. Confirmed by the grad norm, the blip stands."""
+    cfg = TriageConfig()
+    rows = _noisy(0)
+    for s, r in rows.items():
+        r["lr"] = 1e-3 * (60 if s >= 231 else 1)
+        r["loss"] *= 1.8 if s in (229, 230, 231) else (2.2 if s >= 232 else 1.0)
+        r["grad_norm"] *= 2.5 if s >= 232 else 1.0
+    onsets, ignored = log_onsets(log_evidence(rows, cfg), cfg)
+    assert onsets[0].step == 231 and onsets[0].rule == "lr-growth", [
+        (o.step, o.rule) for o in onsets
+    ]
+    assert any(o.step == 229 and o.rule == "trend" and o.yields_to == 231 for o in ignored)
+    rows[229]["grad_norm"] *= 3.0
+    onsets, _ = log_onsets(log_evidence(rows, cfg), cfg)
+    assert onsets[0].step == 229 and onsets[0].rule == "trend", [(o.step, o.rule) for o in onsets]

@@ -13,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 
 from ...stats import CURVE_SHORT, loss_follows
-from .blips import HOLD, blips, recovery_horizon, routine_reason
+from .blips import HOLD, _grad_confirms, blips, recovery_horizon, routine_reason
 from .evidence import LogDetector, LogEvidence, Onset, TriageConfig, printed_lines
 from .held import held_rise
 from .noise import NOISE_RULES
@@ -144,7 +144,8 @@ def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[On
     ignored += [replace(o, yields_to=m.step) for o, m in zip(held, moved, strict=True) if m != o]
     onsets = [_persisting_start(o, ev, cfg) for o in onsets if not why[id(o)]] + moved
     yielded = {
-        id(o): _overflow_yields(o, onsets, ev, cfg) or _held_yields(o, onsets) for o in onsets
+        id(o): _overflow_yields(o, onsets, ev, cfg) or _held_yields(o, onsets, ev, cfg)
+        for o in onsets
     }
     ignored += [
         Onset(
@@ -304,13 +305,21 @@ def _line_before_leads(o: Onset, ev: LogEvidence, cfg: TriageConfig, confirms) -
     return prev if confirms(prev) and (z >= LEAD_LOSS_Z or not math.isfinite(z)) else None
 
 
-def _held_yields(o: Onset, onsets: list[Onset]) -> tuple[str, int] | None:
-    """(why, the LR jump's step) where a held rise or shift gives way to an LR jump the log
+def _held_yields(
+    o: Onset, onsets: list[Onset], ev: LogEvidence, cfg: TriageConfig
+) -> tuple[str, int] | None:
+    """(why, the LR jump's step) where a held rise or shift, or a loss spike of the trend rule
+    the grad norm does not confirm (`blips._grad_confirms`), gives way to an LR jump the log
     records within half a window after its start, or None. The log dates the jump exactly,
     and a loss logged before it cannot be its effect: the steps between are the noise the
     held estimate starts on (held-out log draw 10165: heavy-tailed noise lifting the loss on
-    230-231, the LR jump logged at 232). The rollback still goes before the held start."""
-    if o.rule not in HELD_RULES:
+    230-231, the LR jump logged at 232), or a blip the jump's excursion overtakes before it
+    could be seen to recover (10510: a blip at 229, the grad norm quiet, still up when the
+    jump logged at 231 takes over). The rollback still goes before the start set aside."""
+    held = o.rule in HELD_RULES
+    if not held and not (
+        o.rule == "trend" and o.signal == "loss" and not _grad_confirms(o.step, ev, cfg)[0]
+    ):
         return None
     jumps = [x for x in onsets if x.signal == "lr" and o.step < x.step <= o.step + CURVE_SHORT // 2]
     if not jumps:

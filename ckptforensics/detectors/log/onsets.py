@@ -8,6 +8,7 @@ page here."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -253,8 +254,9 @@ def _held_start_at_gradient(o: Onset, ev: LogEvidence, cfg: TriageConfig) -> Ons
     heavy-tailed log noise lifts the loss a step or two before the fault; an LR fault acts
     through its step's update, which the next step's grad norm shows first (held-out log draws
     10133 and 10278: the held start one step before the fault, the grad norm up from one step
-    after it). A log without a grad norm, or one whose grad norm stays quiet over the
-    half-window, keeps the loss's start."""
+    after it). On a log printed every k > 1 iterations the start may move back a line
+    instead, where that line's grad norm led it (`_line_before_leads`). A log without a grad
+    norm, or one whose grad norm stays quiet over the half-window, keeps the loss's start."""
     if o.rule not in HELD_RULES or not ev.grad_norm.steps:
         return o
     g = dict(zip(ev.grad_norm.steps, ev.grad_norm.z, strict=True))
@@ -265,7 +267,7 @@ def _held_start_at_gradient(o: Onset, ev: LogEvidence, cfg: TriageConfig) -> Ons
 
     if confirms(o.step):
         return o
-    back = _line_before_leads(o, ev, cfg, confirms)
+    back = _line_before_leads(o, ev, confirms)
     if back is not None:
         msg = (f"{o.message}; moved back to step {back}, the line before it: its grad norm (its "
                f"interval's last iteration's) confirms the excursion (robust z {float(g[back]):.1f}) "
@@ -286,7 +288,7 @@ def _held_start_at_gradient(o: Onset, ev: LogEvidence, cfg: TriageConfig) -> Ons
 LEAD_LOSS_Z = 1.0
 
 
-def _line_before_leads(o: Onset, ev: LogEvidence, cfg: TriageConfig, confirms) -> int | None:
+def _line_before_leads(o: Onset, ev: LogEvidence, confirms: Callable[[int], bool]) -> int | None:
     """The line before a held start, on a log printed every k > 1 iterations, where its grad
     norm confirms the excursion and its loss is up (LEAD_LOSS_Z): Megatron prints a line's
     grad norm from its interval's last iteration and its loss as the interval's mean, so a

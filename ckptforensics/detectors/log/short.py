@@ -49,11 +49,12 @@ def _short_z(prev: list[float], v: float) -> tuple[float, float]:
 # An excerpt's loss and grad norm leaving their earlier lines together: each at z/2 (the half
 # z at which the trend rule lets the grad norm confirm a loss spike, `loss_spikes`, and the
 # loss answer a grad-norm one, `stats.loss_follows`), or the grad norm at z with the loss past
-# every earlier line (the next line's grad norm with the loss at z/3 or more); and the loss staying past every earlier line on every line after
-# it, the next at z/3 or more (the held rule's 2 noise units, HELD_Z) (issue 32: an onset is an
-# excursion the grad norm and the following steps confirm; an LR fault's loss can ease back
-# towards its level while it stays past every line before it: held-out log draw 10408, a
-# single rank's loss 1.94 -> 2.92, 3.01, 2.57 over lines of 1.94-2.47, the grad norm 2.4x). A
+# every earlier line (the next line's grad norm with the loss at z/3 or more); and the loss
+# staying past every earlier line on every line after it, the next at z/3 or more (the held
+# rule's 2 noise units, HELD_Z) (issue 32: an onset is an excursion the grad norm and the
+# following steps confirm; an LR fault's loss can ease back towards its level while it stays
+# past every line before it: held-out log draw 10408, a single rank's loss 1.94 -> 2.92, 3.01,
+# 2.57 over lines of 1.94-2.47, the grad norm 2.4x). A
 # single-rank or junk-row blip moves the loss, not the averaged gradient, and recovers on the
 # next line; a hard batch moves both and recovers. Two earlier lines at least: one line is no
 # spread.

@@ -15,6 +15,7 @@ would travel between modules as private attributes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +134,17 @@ def _stats(x: torch.Tensor, with_subnormal: bool) -> torch.Tensor:
     )
 
 
+# A rider's forward function (`ModuleProbe.ride`): (module, args, output) -> the gradient
+# hook that output needs, or None.
+_Rider = Callable[[nn.Module, Any, Any], Callable[[torch.Tensor], None] | None]
+
+
+def _own_hook(out: object, extra: Callable[[torch.Tensor], None] | None) -> None:
+    """A rider's gradient hook on an output the probe does not hook itself."""
+    if extra is not None and isinstance(out, torch.Tensor):
+        out.register_hook(extra)
+
+
 # One hook call's measurement: (module row, elements, L2 norm, min, max, subnormal share or None).
 _Norms = tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -230,8 +242,14 @@ class ModuleProbe:
         # hook serves); a parent returning the same tensor reuses both.
         self._prev: tuple[torch.Tensor, _Norms, list[int] | None] | None = None
         self.enabled = True
+        # A rider's forward function (`ride`: the per-sample shares), called by the hook
+        # of each linear; the gradient hook it returns shares the probe's on that output.
+        self._rider: _Rider | None = None
+        self._linears = {
+            id(mod) for n, mod in model.named_modules() if n and isinstance(mod, nn.Linear)
+        }
         self._handles = [
-            mod.register_forward_hook(self._forward(self.index[n]))
+            mod.register_forward_hook(self._forward(self.index[n], isinstance(mod, nn.Linear)))
             for n, mod in model.named_modules()
             if n
         ]
@@ -366,14 +384,27 @@ class ModuleProbe:
         elif self.attn_modules is not None and len(self.watch.rows) != len(self.attn_modules):
             self.attn_modules = None  # a different call pattern: map again on the next pass
 
-    def _forward(self, i: int):  # noqa: ANN202 - hook factory
+    def ride(self, rider: _Rider | None) -> set[int]:
+        """Let `rider` (or no one, None) see each linear's forward from the probe's own
+        hook: it returns the gradient hook that output needs, or None. The probe's
+        gradient hook on that output then calls it after its own measurement, so a linear
+        costs one forward hook and one gradient hook, not two each. Returns the ids of the
+        linears the probe hooks (any other is the rider's to hook)."""
+        self._rider = rider
+        return set(self._linears)
+
+    def _forward(self, i: int, linear: bool = False):  # noqa: ANN202 - hook factory
         def hook(module: nn.Module, args: object, out: object) -> None:
             if self._stack and self._mapping:
                 self._stack.pop()
+            rider = self._rider if linear else None
+            extra = rider(module, args, out) if rider is not None else None
             if not self.enabled:
+                _own_hook(out, extra)
                 return
             t = _first_tensor(out)
             if t is None or not t.is_floating_point():
+                _own_hook(out, extra)
                 return
             if self._mapping:
                 self._shapes[i] = tuple(t.shape)
@@ -391,23 +422,37 @@ class ModuleProbe:
                 self.count[i] = t.numel()
             if self.once:
                 if i in self._ran:
-                    return  # recomputed (activation checkpointing): same values; the gradient flows to the first
+                    # recomputed (activation checkpointing): same values; the gradient
+                    # flows to the first call's outputs (a rider hooks this call's own)
+                    _own_hook(out, extra)
+                    return
                 self._ran.add(i)
             self.fwd_order.append(i)
             if t.requires_grad:
                 if rows is not None:
                     rows.append(i)
+                    _own_hook(out, extra)
                 else:
                     shared = self.count is not None and (t.dim() == 0 or t.shape[0] != self.rows)
                     rows = [i]
-                    t.register_hook(self._backward(rows, shared))
+                    if extra is not None and t is not out:
+                        _own_hook(out, extra)
+                        extra = None
+                    t.register_hook(self._backward(rows, shared, extra))
+            else:
+                _own_hook(out, extra)
             self._prev = (t, self._pending_fwd[-1], rows)
 
         return hook
 
-    def _backward(self, rows: list[int], shared: bool = False):  # noqa: ANN202 - hook factory
+    def _backward(
+        self,
+        rows: list[int],
+        shared: bool = False,
+        extra: Callable[[torch.Tensor], None] | None = None,
+    ):  # noqa: ANN202 - hook factory
         """The gradient hook of one output tensor: its statistics for each module in `rows`
-        (the modules that returned it)."""
+        (the modules that returned it), then a rider's hook on it (`ride`), if any."""
 
         def hook(g: torch.Tensor) -> None:
             gd = g.detach()
@@ -417,6 +462,8 @@ class ModuleProbe:
                     self.shared[i] = gd.float().clone()
                 self._pending_bwd.append((i, *m))
                 self.bwd_order.append(i)
+            if extra is not None:
+                extra(g)
 
         return hook
 

@@ -9,6 +9,7 @@ calls measured together) against the per-call log_softmax form they replaced."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -375,3 +376,42 @@ def test_per_sample_norms_count_a_shared_input_whose_other_linear_gets_no_gradie
         q(emb(ids[b : b + 1])).pow(2).sum().backward(inputs=[q.weight, q.bias])
         brute = float(q.weight.grad.pow(2).sum() + q.bias.grad.pow(2).sum())
         assert float(fast[b]) == pytest.approx(brute, rel=1e-4)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_per_sample_shares_riding_on_the_probe_match_their_own_hooks(checkpointed: bool) -> None:
+    """`PerSampleGrad(model, probe)` (one forward and one gradient hook per linear, the
+    probe's) gives the figures of its own hooks and the probe's tables unchanged, also
+    where activation checkpointing recomputes each block in the backward pass."""
+    from ckptforensics.replay.distributed import checkpoint_blocks
+
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16))
+    ids = torch.randint(0, 32, (3, 16))
+    got = []
+    for ride in (False, True):
+        model = copy.deepcopy(base)
+        if checkpointed:
+            checkpoint_blocks(model)
+        probe = ModuleProbe(model)
+        probe.once = checkpointed
+        psg = PerSampleGrad(model, probe) if ride else PerSampleGrad(model)
+        assert bool(psg._handles) != ride  # riding: no hooks of its own
+        for _ in range(2):  # the mapping pass, then a scoped one
+            probe.reset()
+            psg.reset()
+            psg.enabled = True
+            per_token_loss(model(ids), ids).mean().backward()
+            psg.enabled = False
+            stats = probe.collect()
+            sq = psg.sq
+        assert not psg._inputs or checkpointed  # recomputed inputs wait for no gradient
+        got.append((sq, stats))
+        psg.remove()
+        probe.remove()
+    (sq0, s0), (sq1, s1) = got
+    assert sq0 is not None and sq1 is not None
+    assert torch.equal(sq0, sq1)
+    assert torch.equal(s0.fwd.nan_to_num(-1.0), s1.fwd.nan_to_num(-1.0))
+    assert torch.equal(s0.bwd.nan_to_num(-1.0), s1.bwd.nan_to_num(-1.0))
+    assert s0.fwd_order == s1.fwd_order and s0.bwd_order == s1.bwd_order

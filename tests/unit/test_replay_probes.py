@@ -4,7 +4,7 @@ parameter (NaN, spike, overflow, empty and stateless gradients among them); the 
 deferred rows against `_stats` of each module's output; a watch scoped to the attention
 modules after the first pass against the whole-forward mapping pass; per-sample gradient
 norms with a Gram matrix shared by linears fed one input, against one backward per row;
-the attention statistics (cached causal masks, entropy as entr of the softmax, the layers'
+the attention statistics (cached causal masks, entropy by nansum of p log_softmax, the layers'
 calls measured together) against the per-call log_softmax form they replaced."""
 
 from __future__ import annotations

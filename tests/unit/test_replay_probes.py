@@ -415,3 +415,43 @@ def test_per_sample_shares_riding_on_the_probe_match_their_own_hooks(checkpointe
     assert torch.equal(s0.fwd.nan_to_num(-1.0), s1.fwd.nan_to_num(-1.0))
     assert torch.equal(s0.bwd.nan_to_num(-1.0), s1.bwd.nan_to_num(-1.0))
     assert s0.fwd_order == s1.fwd_order and s0.bwd_order == s1.bwd_order
+
+
+class _TwiceMixed(nn.Module):
+    """One module called twice in a pass, on an fp32 tensor (measured in place) and on a
+    bf16 one (kept pending), in the order given."""
+
+    def __init__(self, fp32_last: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.act = nn.Tanh()
+        self.fp32_last = fp32_last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        lo = h.bfloat16()
+        a, b = (self.act(lo), self.act(h)) if self.fp32_last else (self.act(h), self.act(lo))
+        return a.float() + b.float()
+
+
+@pytest.mark.parametrize("fp32_last", [False, True])
+def test_a_module_measured_in_place_and_pending_in_one_pass_keeps_its_last_call(
+    fp32_last: bool,
+) -> None:
+    torch.manual_seed(0)
+    model = _TwiceMixed(fp32_last)
+    probe = ModuleProbe(model, attention=False)
+    outs: list[torch.Tensor] = []
+    model.act.register_forward_hook(lambda _m, _a, o: outs.append(o.detach()))
+    x = torch.randn(3, 6) * 2
+    model(x).sum().backward()
+    stats = probe.collect()
+    assert [o.dtype for o in outs][-1] == (torch.float32 if fp32_last else torch.bfloat16)
+    want = _stats(outs[-1], with_subnormal=True)
+    torch.testing.assert_close(stats.fwd[probe.index["act"]], want, rtol=1e-6, atol=0.0)
+    probe.reset()  # a second pass starts clean: the in-place rows of the first are not kept
+    model.lin(x).sum().backward()
+    again = probe.collect()
+    assert math.isnan(float(again.fwd[probe.index["act"], 0]))
+    assert not math.isnan(float(again.fwd[probe.index["lin"], 0]))
+    probe.remove()

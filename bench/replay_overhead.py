@@ -180,12 +180,13 @@ def probed(
         step()
         probe.collect()
 
+    run.probe = probe  # type: ignore[attr-defined] - the shares ride on its hooks
     return run
 
 
 def with_samples(model: GPT, stepper: Callable[[GPT], Callable[[], None]]) -> Callable[[], None]:
     run_probed = probed(model, stepper, True)
-    psg = PerSampleGrad(model)
+    psg = PerSampleGrad(model, run_probed.probe)  # type: ignore[attr-defined] - as session.py
 
     def run() -> None:
         psg.reset()

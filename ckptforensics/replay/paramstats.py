@@ -115,8 +115,9 @@ def _block_sums(
     dtype, stacked (`adam`: each one's (v, eps^2 / c, c), or empty: NaN / 0 / finite only),
     in about ten passes over the block. Finite: the fp64 sum of g is (an inf or NaN
     element makes it inf or NaN; fp32 elements cannot overflow it). Spikes: r > 5000 as
-    sign(fmax(r - 5000, 0)) (r - 5000 is exact near 5000; fmax drops a NaN to 0, as the
-    comparison does not count it; an inf counts), in place on r."""
+    sign(clamp(r - 5000, min=0)) summed by `nansum` (r - 5000 is exact near 5000; clamp keeps
+    a NaN, which nansum skips, as the comparison does not count it; an inf counts), in
+    place on r: `fmax`, which drops the NaN itself, is several times slower on CPU."""
     x = (torch.stack([t.reshape(-1) for t in g]) if len(g) > 1 else g[0].reshape(1, -1)).float()
     finite = torch.isfinite(x.sum(1, dtype=torch.float64)).float()
     g2 = x * x
@@ -132,5 +133,5 @@ def _block_sums(
     r = g2.div_(v)  # c g^2 / (v_hat + eps^2)
     rs = r.sum(1) / torch.tensor([a[2] for a in adam], device=dev)
     r.sub_(5000.0)
-    spikes = torch.fmax(r, torch.zeros((), device=dev), out=r).sign_().sum(1)
+    spikes = r.clamp_(min=0.0).sign_().nansum(1)
     return torch.stack([sq, rs, spikes, finite], 1)

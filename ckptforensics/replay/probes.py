@@ -15,6 +15,7 @@ would travel between modules as private attributes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +134,17 @@ def _stats(x: torch.Tensor, with_subnormal: bool) -> torch.Tensor:
     )
 
 
+# A rider's forward function (`ModuleProbe.ride`): (module, args, output) -> the gradient
+# hook that output needs, or None.
+_Rider = Callable[[nn.Module, Any, Any], Callable[[torch.Tensor], None] | None]
+
+
+def _own_hook(out: object, extra: Callable[[torch.Tensor], None] | None) -> None:
+    """A rider's gradient hook on an output the probe does not hook itself."""
+    if extra is not None and isinstance(out, torch.Tensor):
+        out.register_hook(extra)
+
+
 # One hook call's measurement: (module row, elements, L2 norm, min, max, subnormal share or None).
 _Norms = tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -167,21 +179,108 @@ def _rows(pending: list[_Norms], backward: bool) -> tuple[torch.Tensor, torch.Te
     l2 = torch.stack([e[2] for e in keep])
     lo = torch.stack([e[3].float() for e in keep])
     hi = torch.stack([e[4].float() for e in keep])
+    subs = [e[5] for e in keep]
+    sub = (
+        torch.stack([s if s is not None else lo.new_zeros(()) for s in subs])
+        if any(s is not None for s in subs)
+        else None
+    )
+    return idx, _derive(l2, lo, hi, [e[1] for e in keep], sub, backward)
+
+
+def _derive(
+    l2: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    numel: list[int],
+    sub: torch.Tensor | None,
+    backward: bool,
+) -> torch.Tensor:
+    """Table rows from [k] measurements (L2 norm, min, max, elements, subnormal share or
+    None: 0): `FWD_STATS` rows, or with `backward` `BWD_STATS` rows."""
     top = torch.maximum(-lo, hi)
     nonfinite = (~torch.isfinite(top)).float()
     if backward:
-        return idx, torch.stack([l2, top, nonfinite], 1)
-    root_n = torch.tensor([math.sqrt(max(e[1], 1)) for e in keep], device=l2.device)
-    subs = [e[5] for e in keep]
-    sub = (
-        torch.stack([s if s is not None else top.new_zeros(()) for s in subs])
-        if any(s is not None for s in subs)
-        else torch.zeros_like(top)
-    )
-    rows = torch.stack(
+        return torch.stack([l2, top, nonfinite], 1)
+    root_n = torch.tensor([math.sqrt(max(n, 1)) for n in numel], device=l2.device)
+    sub = sub if sub is not None else torch.zeros_like(top)
+    return torch.stack(
         [top, l2 / root_n, nonfinite, (top > _FP16_MAX).float(), (top > _BF16_MAX).float(), sub], 1
     )
-    return idx, rows
+
+
+# A measurement as `_Rows.measure` returns it: the row written in place (an fp32 tensor),
+# or the pending tuple.
+_Meas = int | _Norms
+
+
+class _Rows:
+    """One table's measurements in a pass. An fp32 tensor on the table's device is measured
+    straight into its module's row of a raw [M, 3] buffer (L2 norm, min, max; the reductions'
+    `out=`), so the table needs no stacking of per-call scalars at `flush`; any other (fp16 /
+    bf16: a subnormal share too; empty; another device) is kept pending as before (`_rows`).
+    A module measured more than once in the pass keeps its last call, whichever kind."""
+
+    def __init__(self, m: int, device: torch.device | str) -> None:
+        self.raw = torch.full((m, 3), float("nan"), device=device)
+        self._row = list(self.raw.unbind(0))
+        self._views = [tuple(r.unbind(0)) for r in self._row]
+        self.numel = [0] * m
+        # row -> how many pending entries came before its last in-place measurement
+        self.direct: dict[int, int] = {}
+        self.pending: list[_Norms] = []
+
+    def measure(self, i: int, x: torch.Tensor, subnormal: bool) -> _Meas:
+        """Row `i`'s measurement of `x` (detached)."""
+        if (
+            x.dtype == torch.float32
+            and type(x) is torch.Tensor
+            and x.numel()
+            and x.device == self.raw.device
+        ):
+            l2, lo, hi = self._views[i]
+            torch.linalg.vector_norm(x, dtype=torch.float32, out=l2)
+            torch.aminmax(x, out=(lo, hi))
+            self.numel[i] = x.numel()
+            self.direct[i] = len(self.pending)
+            return i
+        self.pending.append((i, *_norms(x, subnormal)))
+        return self.pending[-1]
+
+    def again(self, i: int, meas: _Meas) -> _Meas:
+        """Row `i` takes another row's measurement (a parent returning its child's output)."""
+        if isinstance(meas, int):
+            self._row[i].copy_(self._row[meas])
+            self.numel[i] = self.numel[meas]
+            self.direct[i] = len(self.pending)
+            return i
+        self.pending.append((i, *meas[1:]))
+        return self.pending[-1]
+
+    def flush(self, table: torch.Tensor, backward: bool) -> None:
+        """The pass's measurements into `table`'s rows (`_derive`), then cleared."""
+        pending, direct = self.pending, self.direct
+        if direct and pending:
+            last = {e[0]: k for k, e in enumerate(pending)}
+            # an in-place measurement after a row's last pending one wins, and vice versa
+            pending = [e for k, e in enumerate(pending) if direct.get(e[0], -1) <= k]
+            direct = {i: n for i, n in direct.items() if last.get(i, -1) < n}
+        if direct:
+            rows = list(direct)
+            idx = torch.tensor(rows, dtype=torch.long, device=self.raw.device)
+            raw = self.raw[idx]
+            got = _derive(
+                raw[:, 0], raw[:, 1], raw[:, 2], [self.numel[i] for i in rows], None, backward
+            )
+            table[idx.to(table.device)] = got.to(table.device)
+        if pending:
+            idx, got = _rows(pending, backward)
+            table[idx.to(table.device)] = got.to(table.device)
+        self.clear()
+
+    def clear(self) -> None:
+        self.direct.clear()
+        self.pending.clear()
 
 
 class ModuleProbe:
@@ -218,20 +317,27 @@ class ModuleProbe:
         self.shared: dict[int, torch.Tensor] = {}
         self.fwd_order: list[int] = []
         self.bwd_order: list[int] = []
-        # What the hooks measured, written to the tables at `collect` (`_flush`): a few
-        # device scalars per call, so a hook costs two reductions, not a dozen small ops.
-        self._pending_fwd: list[_Norms] = []
-        self._pending_bwd: list[_Norms] = []
+        # What the hooks measured (`_Rows`: fp32 outputs straight into a raw buffer, others
+        # pending), written to the tables at `collect` (`_flush`): a hook costs two
+        # reductions, not a dozen small ops.
+        self._fwd_rows = _Rows(m, device)
+        self._bwd_rows = _Rows(m, device)
         # With activation checkpointing a block's modules run again in the backward pass:
         # only their first call in a pass is recorded.
         self.once = False
         self._ran: set[int] = set()
-        # The last output measured: (tensor, its pending row, the modules its gradient
+        # The last output measured: (tensor, its measurement, the modules its gradient
         # hook serves); a parent returning the same tensor reuses both.
-        self._prev: tuple[torch.Tensor, _Norms, list[int] | None] | None = None
+        self._prev: tuple[torch.Tensor, _Meas, list[int] | None] | None = None
         self.enabled = True
+        # A rider's forward function (`ride`: the per-sample shares), called by the hook
+        # of each linear; the gradient hook it returns shares the probe's on that output.
+        self._rider: _Rider | None = None
+        self._linears = {
+            id(mod) for n, mod in model.named_modules() if n and isinstance(mod, nn.Linear)
+        }
         self._handles = [
-            mod.register_forward_hook(self._forward(self.index[n]))
+            mod.register_forward_hook(self._forward(self.index[n], isinstance(mod, nn.Linear)))
             for n, mod in model.named_modules()
             if n
         ]
@@ -366,14 +472,27 @@ class ModuleProbe:
         elif self.attn_modules is not None and len(self.watch.rows) != len(self.attn_modules):
             self.attn_modules = None  # a different call pattern: map again on the next pass
 
-    def _forward(self, i: int):  # noqa: ANN202 - hook factory
+    def ride(self, rider: _Rider | None) -> set[int]:
+        """Let `rider` (or no one, None) see each linear's forward from the probe's own
+        hook: it returns the gradient hook that output needs, or None. The probe's
+        gradient hook on that output then calls it after its own measurement, so a linear
+        costs one forward hook and one gradient hook, not two each. Returns the ids of the
+        linears the probe hooks (any other is the rider's to hook)."""
+        self._rider = rider
+        return set(self._linears)
+
+    def _forward(self, i: int, linear: bool = False):  # noqa: ANN202 - hook factory
         def hook(module: nn.Module, args: object, out: object) -> None:
             if self._stack and self._mapping:
                 self._stack.pop()
+            rider = self._rider if linear else None
+            extra = rider(module, args, out) if rider is not None else None
             if not self.enabled:
+                _own_hook(out, extra)
                 return
             t = _first_tensor(out)
             if t is None or not t.is_floating_point():
+                _own_hook(out, extra)
                 return
             if self._mapping:
                 self._shapes[i] = tuple(t.shape)
@@ -382,41 +501,58 @@ class ModuleProbe:
                 # A parent returning the tensor its last child returned (an attention
                 # block o_proj's output, an MLP down_proj's): measured once, and one
                 # gradient hook serves both rows, in the order two hooks would fire.
-                self._pending_fwd.append((i, *prev[1][1:]))
+                meas = self._fwd_rows.again(i, prev[1])
                 rows = prev[2]
             else:
-                self._pending_fwd.append((i, *_norms(t.detach())))
+                meas = self._fwd_rows.measure(i, t.detach(), True)
                 rows = None
             if self.count is not None:
                 self.count[i] = t.numel()
             if self.once:
                 if i in self._ran:
-                    return  # recomputed (activation checkpointing): same values; the gradient flows to the first
+                    # recomputed (activation checkpointing): same values; the gradient
+                    # flows to the first call's outputs (a rider hooks this call's own)
+                    _own_hook(out, extra)
+                    return
                 self._ran.add(i)
             self.fwd_order.append(i)
             if t.requires_grad:
                 if rows is not None:
                     rows.append(i)
+                    _own_hook(out, extra)
                 else:
                     shared = self.count is not None and (t.dim() == 0 or t.shape[0] != self.rows)
                     rows = [i]
-                    t.register_hook(self._backward(rows, shared))
-            self._prev = (t, self._pending_fwd[-1], rows)
+                    if extra is not None and t is not out:
+                        _own_hook(out, extra)
+                        extra = None
+                    t.register_hook(self._backward(rows, shared, extra))
+            else:
+                _own_hook(out, extra)
+            self._prev = (t, meas, rows)
 
         return hook
 
-    def _backward(self, rows: list[int], shared: bool = False):  # noqa: ANN202 - hook factory
+    def _backward(
+        self,
+        rows: list[int],
+        shared: bool = False,
+        extra: Callable[[torch.Tensor], None] | None = None,
+    ):  # noqa: ANN202 - hook factory
         """The gradient hook of one output tensor: its statistics for each module in `rows`
-        (the modules that returned it)."""
+        (the modules that returned it), then a rider's hook on it (`ride`), if any."""
 
         def hook(g: torch.Tensor) -> None:
             gd = g.detach()
-            m = _norms(gd, subnormal=False)
+            m = self._bwd_rows.measure(rows[0], gd, False)
             for i in rows:
                 if shared:
                     self.shared[i] = gd.float().clone()
-                self._pending_bwd.append((i, *m))
+                if i != rows[0]:
+                    self._bwd_rows.again(i, m)
                 self.bwd_order.append(i)
+            if extra is not None:
+                extra(g)
 
         return hook
 
@@ -424,8 +560,8 @@ class ModuleProbe:
         self._prev = None
         self.fwd.fill_(float("nan"))
         self.bwd.fill_(float("nan"))
-        self._pending_fwd.clear()
-        self._pending_bwd.clear()
+        self._fwd_rows.clear()
+        self._bwd_rows.clear()
         if self.count is not None:
             self.count.zero_()
         self.shared.clear()
@@ -440,14 +576,8 @@ class ModuleProbe:
     def _flush(self) -> None:
         """The hooks' pending measurements into the tables (`_rows`); a module that ran
         more than once in the pass keeps its last call's row, as each call overwrote it."""
-        if self._pending_fwd:
-            idx, rows = _rows(self._pending_fwd, backward=False)
-            self.fwd[idx.to(self.fwd.device)] = rows.to(self.fwd.device)
-            self._pending_fwd.clear()
-        if self._pending_bwd:
-            idx, rows = _rows(self._pending_bwd, backward=True)
-            self.bwd[idx.to(self.bwd.device)] = rows.to(self.bwd.device)
-            self._pending_bwd.clear()
+        self._fwd_rows.flush(self.fwd, backward=False)
+        self._bwd_rows.flush(self.bwd, backward=True)
 
     def _attn_table(self) -> torch.Tensor:
         """[L, Hmax, 3] of the pass's attention calls (NaN past a call's heads)."""

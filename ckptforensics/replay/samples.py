@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -137,14 +139,21 @@ class PerSampleGrad:
     at `sq` (at 64 wide the ops' dispatch, not their arithmetic, is much of the cost).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, probe: Any = None) -> None:
         self._vals: list[torch.Tensor] = []
         self.enabled = False
         # Keyed by the input's id, with the input kept so the id stays its own; dropped
         # once every consumer's gradient has used it (or at `reset`).
         self._inputs: dict[int, _Input] = {}
+        # With a `ModuleProbe` on the same model, its hooks on each linear carry this
+        # one's work (`ModuleProbe.ride`): one forward hook and one gradient hook per
+        # linear instead of two each; linears it does not hook get hooks of their own.
+        self._probe = probe
+        ridden = probe.ride(self._ride) if probe is not None else set()
         self._handles = [
-            m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, nn.Linear)
+            m.register_forward_hook(self._hook)
+            for m in model.modules()
+            if isinstance(m, nn.Linear) and id(m) not in ridden
         ]
 
     @property
@@ -159,8 +168,17 @@ class PerSampleGrad:
         return self._vals[0] if self._vals else None
 
     def _hook(self, mod: nn.Linear, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-        if not self.enabled or not out.requires_grad:
-            return
+        fn = self._ride(mod, args, out)
+        if fn is not None:
+            out.register_hook(fn)
+
+    def _ride(
+        self, mod: nn.Module, args: tuple[Any, ...], out: Any
+    ) -> Callable[[torch.Tensor], None] | None:
+        """A linear's forward seen: its input held, and the gradient hook its output needs
+        (None when this pass measures nothing); who registers it is the caller's choice."""
+        if not self.enabled or not isinstance(out, torch.Tensor) or not out.requires_grad:
+            return None
         src = args[0]
         entry = self._inputs.get(id(src))
         if entry is None or entry.src is not src:
@@ -171,7 +189,7 @@ class PerSampleGrad:
             self._inputs[id(src)] = entry
         entry.consumers += 1
         x = entry.x
-        bias = mod.bias is not None
+        bias = getattr(mod, "bias", None) is not None
 
         def grad_hook(g: torch.Tensor) -> None:
             gg = g.detach().reshape(x.shape[0], -1, g.shape[-1]).float()
@@ -191,7 +209,7 @@ class PerSampleGrad:
                 if self._inputs.get(id(entry.src)) is entry:
                     del self._inputs[id(entry.src)]
 
-        out.register_hook(grad_hook)
+        return grad_hook
 
     def _finish(self, entry: _Input) -> None:
         """An input's figure: its Gram matrix against its gradients' summed Gram matrices."""
@@ -207,3 +225,7 @@ class PerSampleGrad:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+        self._handles.clear()
+        if self._probe is not None:
+            self._probe.ride(None)
+            self._probe = None

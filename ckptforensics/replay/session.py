@@ -106,7 +106,7 @@ class Session:
         )
         self.probe = ModuleProbe(self.model, self.device, self.shards)
         self.probe.once = cfg.checkpoint_activations
-        self.psg = PerSampleGrad(self.model)
+        self.psg = PerSampleGrad(self.model, self.probe)  # rides on the probe's hooks
         self.params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._group_of = {id(p): g for g in self.opt.param_groups for p in g["params"]}
 

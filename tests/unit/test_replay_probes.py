@@ -4,11 +4,12 @@ parameter (NaN, spike, overflow, empty and stateless gradients among them); the 
 deferred rows against `_stats` of each module's output; a watch scoped to the attention
 modules after the first pass against the whole-forward mapping pass; per-sample gradient
 norms with a Gram matrix shared by linears fed one input, against one backward per row;
-the attention statistics (cached causal masks, entropy as entr of the softmax, the layers'
+the attention statistics (cached causal masks, entropy by nansum of p log_softmax, the layers'
 calls measured together) against the per-call log_softmax form they replaced."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -375,3 +376,82 @@ def test_per_sample_norms_count_a_shared_input_whose_other_linear_gets_no_gradie
         q(emb(ids[b : b + 1])).pow(2).sum().backward(inputs=[q.weight, q.bias])
         brute = float(q.weight.grad.pow(2).sum() + q.bias.grad.pow(2).sum())
         assert float(fast[b]) == pytest.approx(brute, rel=1e-4)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_per_sample_shares_riding_on_the_probe_match_their_own_hooks(checkpointed: bool) -> None:
+    """`PerSampleGrad(model, probe)` (one forward and one gradient hook per linear, the
+    probe's) gives the figures of its own hooks and the probe's tables unchanged, also
+    where activation checkpointing recomputes each block in the backward pass."""
+    from ckptforensics.replay.distributed import checkpoint_blocks
+
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16))
+    ids = torch.randint(0, 32, (3, 16))
+    got = []
+    for ride in (False, True):
+        model = copy.deepcopy(base)
+        if checkpointed:
+            checkpoint_blocks(model)
+        probe = ModuleProbe(model)
+        probe.once = checkpointed
+        psg = PerSampleGrad(model, probe) if ride else PerSampleGrad(model)
+        assert bool(psg._handles) != ride  # riding: no hooks of its own
+        for _ in range(2):  # the mapping pass, then a scoped one
+            probe.reset()
+            psg.reset()
+            psg.enabled = True
+            per_token_loss(model(ids), ids).mean().backward()
+            psg.enabled = False
+            stats = probe.collect()
+            sq = psg.sq
+        assert not psg._inputs or checkpointed  # recomputed inputs wait for no gradient
+        got.append((sq, stats))
+        psg.remove()
+        probe.remove()
+    (sq0, s0), (sq1, s1) = got
+    assert sq0 is not None and sq1 is not None
+    assert torch.equal(sq0, sq1)
+    assert torch.equal(s0.fwd.nan_to_num(-1.0), s1.fwd.nan_to_num(-1.0))
+    assert torch.equal(s0.bwd.nan_to_num(-1.0), s1.bwd.nan_to_num(-1.0))
+    assert s0.fwd_order == s1.fwd_order and s0.bwd_order == s1.bwd_order
+
+
+class _TwiceMixed(nn.Module):
+    """One module called twice in a pass, on an fp32 tensor (measured in place) and on a
+    bf16 one (kept pending), in the order given."""
+
+    def __init__(self, fp32_last: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.act = nn.Tanh()
+        self.fp32_last = fp32_last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        lo = h.bfloat16()
+        a, b = (self.act(lo), self.act(h)) if self.fp32_last else (self.act(h), self.act(lo))
+        return a.float() + b.float()
+
+
+@pytest.mark.parametrize("fp32_last", [False, True])
+def test_a_module_measured_in_place_and_pending_in_one_pass_keeps_its_last_call(
+    fp32_last: bool,
+) -> None:
+    torch.manual_seed(0)
+    model = _TwiceMixed(fp32_last)
+    probe = ModuleProbe(model, attention=False)
+    outs: list[torch.Tensor] = []
+    model.act.register_forward_hook(lambda _m, _a, o: outs.append(o.detach()))
+    x = torch.randn(3, 6) * 2
+    model(x).sum().backward()
+    stats = probe.collect()
+    assert [o.dtype for o in outs][-1] == (torch.float32 if fp32_last else torch.bfloat16)
+    want = _stats(outs[-1], with_subnormal=True)
+    torch.testing.assert_close(stats.fwd[probe.index["act"]], want, rtol=1e-6, atol=0.0)
+    probe.reset()  # a second pass starts clean: the in-place rows of the first are not kept
+    model.lin(x).sum().backward()
+    again = probe.collect()
+    assert math.isnan(float(again.fwd[probe.index["act"], 0]))
+    assert not math.isnan(float(again.fwd[probe.index["lin"], 0]))
+    probe.remove()

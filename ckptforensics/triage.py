@@ -54,6 +54,10 @@ class TriageResult:
     undecided: str | None = None
     rollback: str | None = None
     rollback_step: int | None = None
+    # Where the rollback checkpoint is the step just before an onset the loss or grad norm
+    # dates: safe for a bad batch at the onset, not for a bad update one step before it
+    # (`_rollback_caveat`); None otherwise.
+    rollback_caveat: str | None = None
     after: str | None = None
     after_step: int | None = None
     drift: str | None = None
@@ -121,6 +125,7 @@ def triage(
         res.skipped = skipped_back + skipped_after
         if back is not None:
             res.rollback_step, res.rollback = back[0], str(back[1])
+            res.rollback_caveat = _rollback_caveat(res, safe)
         if after is not None:
             res.after_step, res.after = after[0], str(after[1])
     if res.rollback_step is not None and run_dir is not None and res.rollback is not None:
@@ -143,6 +148,29 @@ def _resumed(legs: list[dict[str, Any]]) -> dict[str, Any] | None:
         if a["superseded"] and b["first"] <= a["last"]
     ]
     return {"from": back[-1], "legs": legs} if back else None
+
+
+# Onsets a log dates at the faulty step itself: the LR the scheduler set for that step.
+_DATED_AT_CAUSE = ("lr", "lr_restart")
+
+
+def _rollback_caveat(res: TriageResult, safe: list[tuple[int, Path]]) -> str | None:
+    """A caveat where the rollback checkpoint is the step just before the onset and the onset
+    is dated by the loss or grad norm: the checkpoint of step s - 1 holds s - 1's update, and
+    the loss logged at s is the first computed after it. A bad batch at s leaves that
+    checkpoint clean; a bad update at s - 1 (an LR or optimizer fault the log does not carry)
+    is already in it, and from the log alone the two look the same. The replay tells them
+    apart; the checkpoint before it is the one that holds neither."""
+    first = res.onsets[0] if res.onsets else None
+    if first is None or first.signal in _DATED_AT_CAUSE or res.rollback_step != first.step - 1:
+        return None
+    earlier, _ = first_complete([(s, p) for s, p in safe if s < res.rollback_step][::-1])
+    prior = f"; the one before it is {earlier[1]} (step {earlier[0]})" if earlier else ""
+    return (
+        f"checkpoint {res.rollback_step} is the step just before the onset: clean if step "
+        f"{first.step}'s batch is the cause, not if step {res.rollback_step}'s update is (its "
+        f"loss first shows at {first.step}); `replay` from it tells which{prior}"
+    )
 
 
 def _commands(run_dir: Path, rollback: Path, before: int, after_step: int | None) -> list[str]:

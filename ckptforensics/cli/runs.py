@@ -348,6 +348,8 @@ def triage_cmd(
     if res.drift:
         click.echo(f"  {res.drift}")
     click.echo(f"rollback checkpoint: {res.rollback or 'none complete before the onset'}")
+    if res.rollback_caveat:
+        click.echo(f"  caveat: {res.rollback_caveat}")
     for note in res.skipped:
         click.echo(f"  {note}")
     for c in res.commands:

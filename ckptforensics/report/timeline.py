@@ -35,6 +35,7 @@ def _head(t: dict[str, Any]) -> list[tuple[str, str]]:
         ("rule", t.get("rule") or "—"),
         ("log noise", _noise(t)),
         ("rollback checkpoint", t["rollback"] or "none before the onset"),
+        *([("rollback caveat", t["rollback_caveat"])] if t.get("rollback_caveat") else []),
         ("checkpoint after the onset", t["after"] or "—"),
         *[("passed over", note) for note in t.get("skipped") or []],
         *(

@@ -452,6 +452,7 @@ def test_a_routine_backoff_before_the_faults_overflows_yields_and_the_rollback_p
         torch.save({"state": {}, "param_groups": []}, ck / "optimizer.pt")
         (ck / "trainer_state.json").write_text(f'{{"global_step": {step}}}')
     res = triage(log, run)
+    assert res.rollback_caveat is None  # 155 is not the step just before the onset
     assert res.first_bad_step == 166 and res.rule == "loss-scale-backoff", (
         res.first_bad_step,
         res.rule,
@@ -831,3 +832,51 @@ def test_a_pasted_excerpts_next_line_grad_norm_needs_this_lines_loss_up(tmp_path
     losses[3] = 1.75
     res = triage(_pasted(tmp_path, list(zip(losses, grads, strict=True))), None)
     assert res.first_bad_step == 3030 and res.rule == "short-joint", res.onsets
+
+
+def _hf_saves(run: Path, steps: tuple[int, ...]) -> None:
+    """HF Trainer checkpoints at `steps`, complete by its rule."""
+    for step in steps:
+        ck = run / f"checkpoint-{step}"
+        ck.mkdir(parents=True)
+        save_file({"w": torch.zeros(2)}, str(ck / "model.safetensors"))
+        torch.save({"state": {}, "param_groups": []}, ck / "optimizer.pt")
+        (ck / "trainer_state.json").write_text(f'{{"global_step": {step}}}')
+
+
+def test_a_rollback_to_the_step_just_before_a_loss_dated_onset_carries_a_caveat(
+    tmp_path: Path,
+) -> None:
+    """A lone poisoned batch at 250 (loss and grad norm up, back the next step) with checkpoints
+    at 240 and 249: 249 is clean for a bad batch at 250, not for a bad update at 249 (whose loss
+    first shows at 250), and the log cannot tell them apart: the rollback is 249 with a caveat
+    naming 240. An LR jump the log dates at 250 itself leaves 249 clean: no caveat."""
+    import json
+
+    from click.testing import CliRunner
+
+    from ckptforensics.cli import cli
+
+    rows = _noisy(0)
+    rows[250]["loss"] *= 2.0
+    rows[250]["grad_norm"] *= 3.0
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps({"step": s, **r}) + "\n" for s, r in rows.items()))
+    run = tmp_path / "run"
+    _hf_saves(run, (240, 249, 260))
+    res = triage(log, run)
+    assert res.first_bad_step == 250 and res.rollback_step == 249, (
+        res.first_bad_step,
+        res.rollback_step,
+    )
+    assert res.rollback_caveat and "checkpoint-240" in res.rollback_caveat, res.rollback_caveat
+    out = CliRunner().invoke(cli, ["triage", "--metrics", str(log), "--run-dir", str(run)])
+    assert "caveat: checkpoint 249 is the step just before the onset" in out.output, out.output
+    rows = _noisy(0)
+    for s, r in rows.items():
+        r["lr"] = 1e-3 * (30 if s >= 250 else 1)
+        r["loss"] *= 2.0 if s > 250 else 1.0
+    log.write_text("".join(json.dumps({"step": s, **r}) + "\n" for s, r in rows.items()))
+    res = triage(log, run)
+    assert res.first_bad_step == 250 and res.rule == "lr-growth", (res.first_bad_step, res.rule)
+    assert res.rollback_step == 249 and res.rollback_caveat is None

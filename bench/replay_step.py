@@ -14,9 +14,10 @@ LlamaForCausalLM (hidden 64, MLP 128, 4 heads / 2 KV heads, untied head: 9 tenso
            the next, the last step ending where the comparison with *after* begins. So it
            counts everything the replay's step loop does per step (the fp32 probe pass
            where precision is not fp32, the probed forward+backward with per-sample shares,
-           per-parameter RMS / RMS_t / SPAM, clipping, the optimizer step, the row data
-           statistics); not the plan (opening the checkpoints), the model build and
-           weight load, nor the comparison with *after*.
+           per-parameter RMS / RMS_t / SPAM, clipping, the optimizer step); not the plan
+           (opening the checkpoints), the model build and weight load, the row data
+           statistics (one call for the whole window before its first step, ~0.35 ms for
+           4 steps of 8 x 32 tokens), nor the comparison with *after*.
 
 Each round's figure is the median over its steps; the ratio is the median over rounds of
 replay / plain in the same round. Target (issue #30): <= 1.5x at every depth.
@@ -256,7 +257,7 @@ def main() -> None:
         f"{args.rounds} rounds, each {args.window} plain training steps (forward with labels, backward, clip_grad_norm_ 1.0, "
         f"the Trainer's own optimizer: fused AdamW) then one replay of the {args.window}-step window "
         "(`run_window`, clip 1.0, with *after*); a replayed step is timed from its progress call to the next "
-        "(the last to the comparison with *after*): model build, checkpoint read and the comparison excluded. "
+        "(the last to the comparison with *after*): model build, checkpoint read, the window's row data statistics (one call before its first step) and the comparison excluded. "
         f"Seconds are medians; the ratio is the median over rounds of replay / plain in the same round; "
         f"load average at the end {os.getloadavg()[0]:.1f}."
         + " session.py as committed (its per-parameter stage is `param_grad_table`).",

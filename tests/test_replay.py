@@ -255,3 +255,23 @@ def test_param_grad_stats_match_their_definitions() -> None:
     assert rms_t == pytest.approx(float((grad.pow(2) / (vhat + 1e-16)).mean().sqrt()), rel=1e-4)
     assert spikes == 2
     assert torch.equal(grad[[3, 77]], 100 * v[[3, 77]].sqrt())  # the gradient itself is untouched
+
+
+def test_window_row_stats_match_one_call_per_batch() -> None:
+    import numpy as np
+
+    from ckptforensics.replay.samples import window_row_stats
+
+    rng = np.random.default_rng(0)
+    for vocab in (5, 40, 400):
+        window = [rng.integers(0, vocab, (b, t)) for b, t in ((3, 16), (4, 16), (0, 16), (2, 9))]
+        want = [
+            row_data_stats(
+                ids,
+                np.concatenate(
+                    [w.ravel() for j, w in enumerate(window) if j != k] or [np.zeros(0, int)]
+                ),
+            )
+            for k, ids in enumerate(window)
+        ]
+        assert window_row_stats(window) == want

@@ -55,13 +55,12 @@ def _chunks(b: int, h: int, t: int, s: int) -> list[tuple[int, int, int, int]]:
 
 # Per causal block shape (query rows t0:t1, keys, device): (where a query may NOT attend
 # [t, S], each row's weight 1 / log(keys) or 0 where it has one key or none [t], rows
-# counted): the same for every attention call of a shape, so made once (a few KiB each).
-_CAUSAL: dict[tuple[int, int, int, torch.device], tuple[torch.Tensor, torch.Tensor, int]] = {}
+# counted, the mask as an fp32 bias of 0 / -inf): made once (a few KiB each).
+_Causal = tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]
+_CAUSAL: dict[tuple[int, int, int, torch.device], _Causal] = {}
 
 
-def _causal(
-    t0: int, t1: int, sk: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _causal(t0: int, t1: int, sk: int, device: torch.device) -> _Causal:
     """Rows t0:t1 of SDPA's top-left causal mask over `sk` keys, as `_accumulate` takes it."""
     key = (t0, t1, sk, torch.device(device))
     hit = _CAUSAL.get(key)
@@ -70,14 +69,29 @@ def _causal(
         n = valid.sum(-1)
         use = n > 1
         w = torch.where(use, 1.0 / n.clamp_min(2).float().log(), 0.0)
-        hit = _CAUSAL[key] = (~valid, w, int(use.sum()))
+        bias = torch.zeros(valid.shape, device=device).masked_fill_(~valid, float("-inf"))
+        hit = _CAUSAL[key] = (~valid, w, int(use.sum()), bias)
     return hit
+
+
+def _causal_masked(s: torch.Tensor, causal: _Causal) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s with -inf where the causal mask forbids, its max over dims -4, -2, -1). fp32 on CPU:
+    by adding the mask's bias (~9x faster than `masked_fill` there), the same unless a masked
+    logit is NaN or +inf (the sum NaN): a NaN in the max (a host check, free on CPU) falls
+    back to `masked_fill`, which sets those to -inf."""
+    if s.device.type == "cpu" and s.dtype == torch.float32:
+        added = s + causal[3]
+        top = added.amax(dim=(-4, -2, -1))
+        if not bool(top.isnan().any()):
+            return added, top
+    s = s.masked_fill(causal[0], float("-inf"))
+    return s, s.amax(dim=(-4, -2, -1))
 
 
 def _accumulate(
     s: torch.Tensor,
     valid: torch.Tensor | None,
-    causal: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    causal: _Causal | None = None,
 ) -> torch.Tensor:
     """[..., H, 3] = [max logit, sum of row entropy / log(keys), rows counted] of a block of
     logits s [..., b, H, t, S] (leading dims: attention calls batched together), reduced
@@ -89,10 +103,11 @@ def _accumulate(
         valid = valid & ~causal[0]
         causal = None
     if causal is not None:
-        s = s.masked_fill(causal[0], float("-inf"))
-    elif valid is not None:
-        s = s.masked_fill(~valid, float("-inf"))
-    top = s.amax(dim=(-4, -2, -1))
+        s, top = _causal_masked(s, causal)
+    else:
+        if valid is not None:
+            s = s.masked_fill(~valid, float("-inf"))
+        top = s.amax(dim=(-4, -2, -1))
     # Each row's entropy: -sum p log p with log p from log_softmax, by `nansum` (a masked
     # key's 0 * -inf is NaN: skipped, as entr(0) = 0; a row of -inf, nothing to attend,
     # or one holding a NaN is NaN throughout: 0). entr(softmax) takes a scalar log per

@@ -12,7 +12,7 @@ norm among them, which clips the gradients as `torch.nn.utils.clip_grad_norm_` d
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,9 +49,13 @@ class Layout:
         `params` [params, len(PARAM)]."""
         dev = params.device
         top = torch.stack([head[k].detach().to(dev, torch.float64).reshape(()) for k in HEAD])
-        block = torch.zeros(len(ROW), self.pad, dtype=torch.float64, device=dev)
-        for i, k in enumerate(ROW):
-            block[i, : rows[k].shape[0]] = rows[k].detach().to(torch.float64)
+        got = [rows[k].detach() for k in ROW]
+        if all(r.shape[0] == self.pad for r in got):  # no padding (one process): one op
+            block = torch.cat(got).to(dev, torch.float64)
+        else:
+            block = torch.zeros(len(ROW), self.pad, dtype=torch.float64, device=dev)
+            for i, r in enumerate(got):
+                block[i, : r.shape[0]] = r.to(torch.float64)
         return torch.cat([top, block.reshape(-1), params.to(torch.float64).reshape(-1)])
 
     def unpack(self, every: torch.Tensor) -> Gathered:
@@ -92,9 +96,10 @@ class Gathered:
         return math.sqrt(float(self.of("norm").pow(2).sum()))
 
     def evidence(
-        self, names: Sequence[str], numel: Sequence[int], to_ckpt: Callable[[str], str]
+        self, names: Sequence[str], numel: Sequence[int], ckpt: Sequence[str]
     ) -> GradEvidence:
-        """The step's evidence (`names`: the parameters' model names, `numel`: their sizes).
+        """The step's evidence (`names`: the parameters' model names, `numel`: their sizes,
+        `ckpt`: their checkpoint names, looked up once per session rather than per step).
 
         RMS and RMS_t are computed in float32 from the summed sums, as
         `probes.param_grad_stats` computes them for a whole gradient."""
@@ -109,9 +114,9 @@ class Gathered:
             loss=float(self.of("loss").sum()),
             total=self.total_norm(),
             nonfinite=tuple(nm for nm, ok in zip(names, finite, strict=True) if not ok),
-            rms={to_ckpt(nm): r for nm, r in zip(names, rms, strict=True)},
-            rms_t={to_ckpt(nm): r for nm, r in zip(names, rms_t, strict=True) if math.isfinite(r)},
-            spikes={to_ckpt(nm): int(k) for nm, k in zip(names, spikes, strict=True) if k > 0},
+            rms=dict(zip(ckpt, rms, strict=True)),
+            rms_t={nm: r for nm, r in zip(ckpt, rms_t, strict=True) if math.isfinite(r)},
+            spikes={nm: int(k) for nm, k in zip(ckpt, spikes, strict=True) if k > 0},
             sample_loss=tuple(self.per_row("loss")),
             sample_grad_sq=tuple(self.per_row("grad_sq"))
             if bool(self.of("has_grad_sq").all())

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["RowStats", "row_data_stats", "PerSampleGrad", "per_token_loss"]
+__all__ = ["RowStats", "row_data_stats", "window_row_stats", "PerSampleGrad", "per_token_loss"]
 
 
 def per_token_loss(
@@ -85,21 +85,56 @@ def row_data_stats(ids: np.ndarray, others: np.ndarray) -> list[RowStats]:
     Whole-batch numpy ops (a handful per period), not a pass per row: a token is unseen
     when no other row of the batch holds it and `others` does not either."""
     ids = np.asarray(ids)
-    b, t = ids.shape
-    if b == 0:
+    if ids.shape[0] == 0:
         return []
+    rows_with = _rows_holding([ids])
+    alone = rows_with[0][(rows_with[1] == 1) & ~np.isin(rows_with[0], others)]
+    return _stats(ids, alone)
+
+
+def window_row_stats(window: list[np.ndarray]) -> list[list[RowStats]]:
+    """`row_data_stats` of each batch [B, T] of a window against the window's other
+    batches, in one call: a token is unseen exactly when one row of the whole window holds
+    it, and batches of one row length are measured stacked (the same figures as a call per
+    batch, with a fixed ~0.2 ms of numpy calls a step saved)."""
+    window = [np.asarray(x) for x in window]
+    rows_with = _rows_holding([x for x in window if x.shape[0]])
+    alone = rows_with[0][rows_with[1] == 1]
+    out: list[list[RowStats]] = [[] for _ in window]
+    by_len: dict[int, list[int]] = {}
+    for k, x in enumerate(window):
+        if x.shape[0]:
+            by_len.setdefault(x.shape[1], []).append(k)
+    for ks in by_len.values():
+        every = _stats(np.concatenate([window[k] for k in ks]), alone)
+        at = 0
+        for k in ks:
+            out[k] = every[at : at + window[k].shape[0]]
+            at += window[k].shape[0]
+    return out
+
+
+def _rows_holding(batches: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct tokens of these batches, how many of their rows hold each), a row's
+    repeats of a token counted once."""
+    held = []
+    for ids in batches:
+        srt = np.sort(ids, axis=1)
+        first = np.ones_like(srt, dtype=bool)
+        first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+        held.append(srt[first])
+    if not held:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.unique(np.concatenate(held), return_counts=True)
+
+
+def _stats(ids: np.ndarray, alone: np.ndarray) -> list[RowStats]:
+    """Each row's stats of `ids` [N, T] (N > 0), `alone`: the sorted tokens it alone holds."""
+    b, t = ids.shape
     runs = _longest_matches(ids, range(1, 14))
     srt = np.sort(ids, axis=1)
     distinct = (np.diff(srt, axis=1) != 0).sum(1) + (1 if t else 0)
-    # rows holding each distinct token of the batch (each row's tokens counted once)
-    first = np.ones_like(srt, dtype=bool)
-    first[:, 1:] = srt[:, 1:] != srt[:, :-1]
-    vocab, inverse = np.unique(ids, return_inverse=True)
-    inverse = inverse.reshape(ids.shape)
-    rows_with = np.zeros(len(vocab), dtype=np.int64)
-    np.add.at(rows_with, np.searchsorted(vocab, srt[first]), 1)
-    alone = (rows_with == 1) & ~np.isin(vocab, others)
-    unseen = alone[inverse].sum(1)
+    unseen = np.isin(ids, alone).sum(1)
     return [
         RowStats(
             longest_run=max(int(runs[r, 0]), 1 if t else 0),

@@ -109,6 +109,7 @@ class Session:
         self.psg = PerSampleGrad(self.model, self.probe)  # rides on the probe's hooks
         self.params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._group_of = {id(p): g for g in self.opt.param_groups for p in g["params"]}
+        self._grad_view: tuple | None = None  # `_with_grad`'s lookups, for one set of params
 
     @property
     def labels_shifted(self) -> bool:
@@ -379,15 +380,16 @@ class Session:
         with_grad = [(n, p) for n, p in self.params if p.grad is not None]
         grads = [local_tensor(p.grad) for _, p in with_grad]
         norm = gr.grad_norm(grads)
+        names, ckpt, numel, groups = self._with_grad(with_grad)
+        states = (
+            [self.opt.state.get(p) or {} for _, p in with_grad]
+            if self.shards is None
+            else [local_state(self.opt.state.get(p)) for _, p in with_grad]
+        )
         # [sum g^2, sum g^2 / v_hat, spikes, finite] per parameter: a dozen ops per block of
         # gradients of one size, no host read (one op per parameter each cost 2x as much at
         # 32 layers: bench/RESULTS.md#replay-step)
-        sums = param_grad_table(
-            grads,
-            [local_state(self.opt.state.get(p)) for _, p in with_grad],
-            [self._group_of[id(p)] for _, p in with_grad],
-            sums=True,
-        ).to(self.device)
+        sums = param_grad_table(grads, states, groups, sums=True).to(self.device)
         layout = gr.Layout(pad=-(-rows // self.ranks.world), params=len(with_grad))
         sq = self.psg.sq
         n = per_sample.shape[0]
@@ -409,11 +411,27 @@ class Session:
             params=sums,
         )
         every = gr.gather(self.ranks, layout, mine)
-        ev = every.evidence(
-            [nm for nm, _ in with_grad], [p.numel() for _, p in with_grad], self.to_ckpt
-        )
+        ev = every.evidence(names, numel, ckpt)
         gr.clip_grads([p for _, p in with_grad], clip, ev.total, norm)
         return ev
+
+    def _with_grad(
+        self, with_grad: list[tuple[str, nn.Parameter]]
+    ) -> tuple[list[str], list[str], list[int], list[dict]]:
+        """The model names, checkpoint names, sizes and optimizer groups of the parameters
+        that have a gradient, looked up once per such set: every step of a window has the
+        same set, and the checkpoint-name lookup is a Python call per parameter."""
+        key = tuple(id(p) for _, p in with_grad)
+        if self._grad_view is None or self._grad_view[0] != key:
+            names = [n for n, _ in with_grad]
+            self._grad_view = (
+                key,
+                names,
+                [self.to_ckpt(n) for n in names],
+                [p.numel() for _, p in with_grad],
+                [self._group_of[id(p)] for _, p in with_grad],
+            )
+        return self._grad_view[1:]
 
     def close(self) -> None:
         self.probe.remove()

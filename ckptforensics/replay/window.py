@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..errors import ForensicsError, doing
@@ -34,7 +33,7 @@ from .model import (
     set_padding_rows,
 )
 from .records import ReplayConfig, ReplayResult
-from .samples import row_data_stats
+from .samples import window_row_stats
 from .session import Session, check_vocab
 
 __all__ = ["Plan", "plan", "choose_batches", "run_window", "run_precision", "optimizer_name"]
@@ -445,12 +444,15 @@ def run_window(p: Plan, clip: float | None, progress: Callable[[str], None] | No
     session = p.session()
     result = ReplayResult(config={}, precision=precision)
     window = {s: batches.batch(s) for s in steps}
+    # each step's rows against the window's other steps, all at once
+    row_stats = dict(
+        zip(steps, window_row_stats([window[s]["input_ids"].numpy() for s in steps]), strict=True)
+    )
     try:
         for s in steps:
             if progress is not None:
                 progress(f"step {s}")
             batch = window[s]
-            ids = batch["input_ids"]
             check_vocab(session.model, batch, s)
             with doing(f"replaying step {s}"):
                 if precision != "fp32":
@@ -460,11 +462,7 @@ def run_window(p: Plan, clip: float | None, progress: Callable[[str], None] | No
                 rec = dataclasses.replace(rec, sample_ids=tuple(batches.sample_ids[s]))
             result.records.append(rec)
             result.passes[s] = stats
-            others = np.concatenate(
-                [window[t]["input_ids"].numpy().ravel() for t in steps if t != s]
-                or [np.zeros(0, dtype=np.int64)]
-            )
-            result.row_stats[s] = row_data_stats(ids.numpy(), others)
+            result.row_stats[s] = row_stats[s]
         if b is not None:
             result.matches = compare_after(session, b, lrs)
     finally:

@@ -455,3 +455,19 @@ def test_a_module_measured_in_place_and_pending_in_one_pass_keeps_its_last_call(
     assert math.isnan(float(again.fwd[probe.index["act"], 0]))
     assert not math.isnan(float(again.fwd[probe.index["lin"], 0]))
     probe.remove()
+
+
+def test_causal_mask_by_bias_matches_masked_fill_with_non_finite_masked_logits() -> None:
+    torch.manual_seed(0)
+    causal = attention._causal(0, 5, 5, torch.device("cpu"))
+    s = torch.randn(2, 3, 4, 5, 5)
+    cases = {"finite": s}
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = s.clone()
+        x[1, 0, 2, 1, 3] = bad  # a logit the causal mask forbids (key 3 after query 1)
+        cases[f"masked {bad}"] = x
+    for name, x in cases.items():
+        want = x.masked_fill(causal[0], float("-inf"))
+        got, top = attention._causal_masked(x, causal)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(top, want.amax(dim=(-4, -2, -1)), rtol=0, atol=0, msg=name)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .probes import ModuleProbe
 
 __all__ = ["RowStats", "row_data_stats", "window_row_stats", "PerSampleGrad", "per_token_loss"]
 
@@ -174,7 +177,7 @@ class PerSampleGrad:
     at `sq` (at 64 wide the ops' dispatch, not their arithmetic, is much of the cost).
     """
 
-    def __init__(self, model: nn.Module, probe: Any = None) -> None:
+    def __init__(self, model: nn.Module, probe: ModuleProbe | None = None) -> None:
         self._vals: list[torch.Tensor] = []
         self.enabled = False
         # Keyed by the input's id, with the input kept so the id stays its own; dropped

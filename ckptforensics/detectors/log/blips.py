@@ -16,7 +16,7 @@ from ...stats import (
     family_alpha,
     recurrence_period,
 )
-from .evidence import LogEvidence, Onset, TriageConfig
+from .evidence import LogEvidence, Onset, TriageConfig, grad_up
 
 # A loss excursion that is back under z/2 within RECOVER steps is a blip; the log's own blips
 # (those over z/2) are its tail. A blip is an onset only where all of these hold (issue 32: an
@@ -180,9 +180,9 @@ def _grad_confirms(step: int, ev: LogEvidence, cfg: TriageConfig) -> tuple[bool,
     if not zs:
         return False, "no grad norm was logged there"
     top = max(zs)
-    return (
-        top >= cfg.z / 2 or not math.isfinite(top)
-    ), f"the grad norm stays at robust z {top:.1f} (under {cfg.z / 2:g})"
+    return grad_up(ev, cfg, [step, *nxt]), (
+        f"the grad norm stays at robust z {top:.1f} (under {cfg.z / 2:g})"
+    )
 
 
 def _peers(

@@ -6,7 +6,8 @@ summary all count by."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +56,7 @@ class Onset:
         "trend"  # which rule decided (docs/signatures.md#log-onset): trend, megatron-10x, ...
     )
     # An overflow, or a held start, set aside for a later onset the log dates better
-    # (`onsets._overflow_yields`, `_held_yields`, `_held_start_at_gradient`): that onset's step.
+    # (`onsets._overflow_yields`, `_yields_to_lr_jump`, `_held_start_at_gradient`): that onset's step.
     # It may still be the incident's first sign: the rollback goes before it.
     yields_to: int | None = None
 
@@ -133,3 +134,13 @@ def printed_lines(ev: LogEvidence) -> list[int]:
     """The steps of the log's printed lines: rows with a loss, a loss scale or skip counts (a
     Megatron line's next-step LR makes a row of its own, and is not a line)."""
     return [s for s, r in ev.rows.items() if any(k in r for k in _LINE_KEYS)]
+
+
+def grad_up(ev: LogEvidence, cfg: TriageConfig, steps: Iterable[int]) -> bool:
+    """Whether the grad norm confirms an excursion on any of `steps`: z/2 or more on its trend
+    (the half z at which the trend rule lets the grad norm confirm a loss spike), or not
+    finite. False where the log has no grad norm there. The one bar the blip, held and shift
+    rules ask of the gradient."""
+    g = dict(zip(ev.grad_norm.steps, ev.grad_norm.z, strict=True))
+    zs = [float(g[s]) for s in steps if s in g]
+    return any(not math.isfinite(z) or z >= cfg.z / 2 for z in zs)

@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from ...stats import CURVE_SHORT
-from .evidence import LogEvidence, Onset, TriageConfig
+from .evidence import LogEvidence, Onset, TriageConfig, grad_up
 
 # A fault that lifts the loss by less than z noise-widths a step shows as a held excursion:
 # CURVE_SHORT steps in a row with their lower quartile (6 of 8) at z/3 or more above the level
@@ -69,6 +69,4 @@ def _persists_or_confirmed(ev: LogEvidence, cfg: TriageConfig, i: int, later: np
     lets it fall back with the gradient quiet (tuning log draw 554: 235-241, the fault at 266)."""
     if later.size < CURVE_SHORT or float(np.median(later)) >= HELD_Z * cfg.z:
         return True
-    window = set(ev.loss.steps[i : i + CURVE_SHORT])
-    g = [float(z) for s, z in zip(ev.grad_norm.steps, ev.grad_norm.z, strict=True) if s in window]
-    return any(not math.isfinite(z) or z >= cfg.z / 2 for z in g)
+    return grad_up(ev, cfg, ev.loss.steps[i : i + CURVE_SHORT])

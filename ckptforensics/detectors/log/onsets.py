@@ -15,7 +15,7 @@ import numpy as np
 
 from ...stats import CURVE_SHORT, loss_follows
 from .blips import HOLD, _grad_confirms, blips, recovery_horizon, routine_reason
-from .evidence import LogDetector, LogEvidence, Onset, TriageConfig, printed_lines
+from .evidence import LogDetector, LogEvidence, Onset, TriageConfig, grad_up, printed_lines
 from .held import held_rise
 from .noise import NOISE_RULES
 from .shift import held_shift
@@ -145,7 +145,7 @@ def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[On
     ignored += [replace(o, yields_to=m.step) for o, m in zip(held, moved, strict=True) if m != o]
     onsets = [_persisting_start(o, ev, cfg) for o in onsets if not why[id(o)]] + moved
     yielded = {
-        id(o): _overflow_yields(o, onsets, ev, cfg) or _held_yields(o, onsets, ev, cfg)
+        id(o): _overflow_yields(o, onsets, ev, cfg) or _yields_to_lr_jump(o, onsets, ev, cfg)
         for o in onsets
     }
     ignored += [
@@ -263,7 +263,7 @@ def _held_start_at_gradient(o: Onset, ev: LogEvidence, cfg: TriageConfig) -> Ons
     loss = dict(zip(ev.loss.steps, ev.loss.values, strict=True))
 
     def confirms(s: int) -> bool:
-        return s in g and (float(g[s]) >= cfg.z / 2 or not math.isfinite(float(g[s])))
+        return grad_up(ev, cfg, (s,))
 
     if confirms(o.step):
         return o
@@ -307,7 +307,7 @@ def _line_before_leads(o: Onset, ev: LogEvidence, confirms: Callable[[int], bool
     return prev if confirms(prev) and (z >= LEAD_LOSS_Z or not math.isfinite(z)) else None
 
 
-def _held_yields(
+def _yields_to_lr_jump(
     o: Onset, onsets: list[Onset], ev: LogEvidence, cfg: TriageConfig
 ) -> tuple[str, int] | None:
     """(why, the LR jump's step) where a held rise or shift, or a loss spike of the trend rule

@@ -19,7 +19,7 @@ from ...stats import (
     log_curve,
     robust_sigma,
 )
-from .evidence import LogEvidence, Onset, TriageConfig
+from .evidence import LogEvidence, Onset, TriageConfig, grad_up
 from .short import SHORT_MIN
 
 # A fault that lifts the loss by less than its noise a step, on a log whose noise is heavy
@@ -86,9 +86,7 @@ def _shift_effect(
         resid = x - log_curve(ev.loss.level)  # not finite where the trend had not judged yet
     units, zs = np.empty(starts.size), np.full(starts.size, math.inf)
     for n, i in enumerate(starts):
-        unit = robust_sigma(resid[max(0, i - window) : i])
-        unit = max(unit, CURVE_FLOOR) if math.isfinite(unit) else CURVE_FLOOR
-        units[n] = moves[i] / unit
+        units[n] = moves[i] / _noise_unit(resid, i, window)
         past = moves[max(0, i - k + 1 - window) : i - k + 1]
         past = past[np.isfinite(past)]
         spread = robust_sigma(past)
@@ -182,21 +180,25 @@ def _persists_or_confirmed(ev: LogEvidence, cfg: TriageConfig, starts: np.ndarra
     x = log_curve(ev.loss.values)
     with np.errstate(invalid="ignore"):
         resid = x - log_curve(ev.loss.level)
-    g = dict(zip(ev.grad_norm.steps, ev.grad_norm.z, strict=True))
     out = np.ones(starts.size, dtype=bool)
     for n, i in enumerate(starts):
         later = x[i + k : i + 2 * k]
         if later.size < k:
             continue  # the log ends first
-        unit = robust_sigma(resid[max(0, i - cfg.window) : i])
-        unit = max(unit, CURVE_FLOOR) if math.isfinite(unit) else CURVE_FLOOR
         with np.errstate(invalid="ignore"):
-            moved = (float(np.median(later)) - float(np.median(x[i - h : i]))) / unit
-        if not moved < SHIFT_EFFECT:
+            moved = float(np.median(later)) - float(np.median(x[i - h : i]))
+        if not moved / _noise_unit(resid, i, cfg.window) < SHIFT_EFFECT:
             continue  # persists (a NaN loss after it counts as persisting)
-        zs = [float(g[s]) for s in ev.loss.steps[i : i + k] if s in g]
-        out[n] = any(not math.isfinite(z) or z >= cfg.z / 2 for z in zs)
+        out[n] = grad_up(ev, cfg, ev.loss.steps[i : i + k])
     return out
+
+
+def _noise_unit(resid: np.ndarray, i: int, window: int) -> float:
+    """The log's noise unit at index i: the robust spread of the loss about its trend's level
+    (log10 residuals) over the `window` steps before i, floored at CURVE_FLOOR (the floor where
+    it cannot be measured)."""
+    unit = robust_sigma(resid[max(0, i - window) : i])
+    return max(unit, CURVE_FLOOR) if math.isfinite(unit) else CURVE_FLOOR
 
 
 def _shift_start(ev: LogEvidence, w: int) -> int:

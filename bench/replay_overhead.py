@@ -4,7 +4,9 @@ In one run, on the same model and batch (the project's GPT at a mid size, CPU):
   plain        forward + backward
   probes       forward + backward with ckptforensics' ModuleProbe on every module (with and
                without its attention watch: every SDPA call's logit max and entropy)
-  per-sample   forward + backward with probes and PerSampleGrad (Gram trick)
+  per-sample   forward + backward with probes and PerSampleGrad as session.py runs it in one
+               process (linears forming their weight gradients from the per-sample ones
+               where that costs less than the Gram matrices), and by Gram matrices only
   HF debug     transformers' DebugUnderflowOverflow (when transformers is installed)
   anomaly      torch.autograd.detect_anomaly
 Targets (issue #4): probes <= 1.3x plain; per-sample shares <= 2x one batched backward.
@@ -104,6 +106,7 @@ def main() -> None:
         variants.append((label, probed(copy(), stepper, attention)))
     m_samples = copy()
     variants.append(("probes + per-sample gradient shares", with_samples(m_samples, stepper)))
+    variants.append((GRAM_ONLY, with_samples(copy(), stepper, fused=False)))
     variants.append(
         ("probes + shares + per-parameter RMS_t / SPAM", with_param_stats(copy(), stepper, True))
     )
@@ -136,6 +139,7 @@ def main() -> None:
     with_samples_r = r["probes + per-sample gradient shares"]
     everything = r["probes + shares + per-parameter RMS_t / SPAM"]
     per_param_old = r[PER_PARAM_OLD]
+    gram_only = r[GRAM_ONLY]
     lines = [
         f"### replay_overhead — {dt.date.today()} — {platform.node()} ({os.cpu_count()} CPUs, torch {torch.__version__})",
         "",
@@ -149,7 +153,8 @@ def main() -> None:
         "",
         f"- probes: {with_probes:.2f}× plain (target ≤ 1.3×) → {'met' if with_probes <= 1.3 else 'NOT met'}; "
         f"the attention watch's share: {with_probes - without_attention:.2f}× plain",
-        f"- per-sample shares: {with_samples_r / with_probes:.2f}× the probed backward they ride on, {with_samples_r:.2f}× plain (target ≤ 2×) → {'met' if with_samples_r <= 2 else 'NOT met'}",
+        f"- per-sample shares: {with_samples_r / with_probes:.2f}× the probed backward they ride on, {with_samples_r:.2f}× plain (target ≤ 2×) → {'met' if with_samples_r <= 2 else 'NOT met'}; "
+        f"by Gram matrices only (no linear forming its own weight gradient): {gram_only:.2f}× plain",
         f"- everything a replayed step measures: {everything:.2f}× plain (target ≤ 1.2×) → {'met' if everything <= 1.2 else 'NOT met'}; plain step {plain:.3f} s",
         f"- the per-parameter stage (RMS, RMS_t, SPAM counts, finite check of {n_params} gradients; `param_grad_table`'s block ops): "
         f"{everything - with_samples_r:+.2f}× plain ({(everything - with_samples_r) * plain * 1e3:+.0f} ms); "
@@ -184,9 +189,14 @@ def probed(
     return run
 
 
-def with_samples(model: GPT, stepper: Callable[[GPT], Callable[[], None]]) -> Callable[[], None]:
+def with_samples(
+    model: GPT, stepper: Callable[[GPT], Callable[[], None]], fused: bool = True
+) -> Callable[[], None]:
+    """Probes and per-sample shares as session.py runs them in one process (`fused`: each
+    linear forms its weight gradient from the per-sample ones where that costs less than
+    the Gram matrices); `fused=False`: the Gram matrices everywhere, as before."""
     run_probed = probed(model, stepper, True)
-    psg = PerSampleGrad(model, run_probed.probe)  # type: ignore[attr-defined] - as session.py
+    psg = PerSampleGrad(model, run_probed.probe, fused=fused)  # type: ignore[attr-defined]
 
     def run() -> None:
         psg.reset()
@@ -198,6 +208,7 @@ def with_samples(model: GPT, stepper: Callable[[GPT], Callable[[], None]]) -> Ca
     return run
 
 
+GRAM_ONLY = "probes + shares by Gram matrices only (before: no linear fused)"
 PER_PARAM_OLD = "probes + shares + per-parameter, one call per parameter (session.py before)"
 
 

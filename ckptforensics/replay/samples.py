@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -175,11 +176,30 @@ class PerSampleGrad:
     (each added in place by one `baddbmm_`, as the gradient arrives): one product per
     input, not per linear. Each input's figure is kept on the device and summed once,
     at `sq` (at 64 wide the ops' dispatch, not their arithmetic, is much of the cost).
+
+    With `fused` (one process, fp32: `_fusable`), a linear whose per-sample gradients are
+    cheaper to form than its Gram matrices (`_fuse_pays`) is called on a detached weight,
+    so autograd skips its weight gradient, and its gradient hook forms that gradient
+    itself as the sum of the per-sample ones, [B, out, in] in one `bmm` of the flops
+    autograd's `mm` would have spent: the per-sample norms then cost a reduction over
+    that product, not the Gram products' B T^2 (in + out) multiply-adds (0.7-0.8x the
+    weight gradient's own at 384 wide x 256 tokens). The weight gradient differs from
+    autograd's by the order of its float sum only; the weight's `.grad` is set or added
+    to as `AccumulateGrad` would (ties and repeated calls sum).
     """
 
-    def __init__(self, model: nn.Module, probe: ModuleProbe | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, probe: ModuleProbe | None = None, fused: bool = False
+    ) -> None:
         self._vals: list[torch.Tensor] = []
+        self._norms: list[torch.Tensor] = []  # fused linears' per-sample L2 norms, [B] each
         self.enabled = False
+        # The last output a fused forward returned, with its linear and input: its gradient
+        # hook forms the weight's gradient. `_ride` (the linear's forward hook) takes it;
+        # one called without its hooks (`.forward` directly) is hooked on its own by the
+        # next fused call or the model's forward hook (`_settle`), so no gradient is lost.
+        self._fused_out: tuple[torch.Tensor, nn.Module, torch.Tensor] | None = None
+        self._fused_mods: list[nn.Linear] = []
         # Keyed by the input's id, with the input kept so the id stays its own; dropped
         # once every consumer's gradient has used it (or at `reset`).
         self._inputs: dict[int, _Input] = {}
@@ -193,6 +213,13 @@ class PerSampleGrad:
             for m in model.modules()
             if isinstance(m, nn.Linear) and id(m) not in ridden
         ]
+        if fused:
+            for m in model.modules():
+                if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
+                    m.forward = functools.partial(self._linear, m)  # type: ignore[method-assign]
+                    self._fused_mods.append(m)
+            if self._fused_mods:
+                self._handles.append(model.register_forward_hook(self._settle, always_call=True))
 
     @property
     def sq(self) -> torch.Tensor | None:
@@ -201,6 +228,9 @@ class PerSampleGrad:
         is measured here, on the gradients that came."""
         for entry in self._inputs.values():
             self._finish(entry)
+        if self._norms:
+            self._vals.append(torch.stack(self._norms).square().sum(0))
+            self._norms = []
         if len(self._vals) > 1:
             self._vals = [torch.stack(self._vals).sum(0)]
         return self._vals[0] if self._vals else None
@@ -215,6 +245,10 @@ class PerSampleGrad:
     ) -> Callable[[torch.Tensor], None] | None:
         """A linear's forward seen: its input held, and the gradient hook its output needs
         (None when this pass measures nothing); who registers it is the caller's choice."""
+        pending = self._fused_out
+        if pending is not None and out is pending[0]:
+            self._fused_out = None
+            return self._fused_hook(mod, pending[2])
         if not self.enabled or not isinstance(out, torch.Tensor) or not out.requires_grad:
             return None
         src = args[0]
@@ -249,6 +283,47 @@ class PerSampleGrad:
 
         return grad_hook
 
+    def _linear(self, mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """`mod`'s forward while fused: on its detached weight when `_fusable`, so that its
+        gradient hook (`_fused_hook`) forms the weight's gradient; else as it is."""
+        if self._fused_out is not None:
+            self._settle()
+        w, b = mod.weight, mod.bias
+        if not (self.enabled and _fusable(x, w, b) and _fuse_pays(x, w)):
+            return nn.functional.linear(x, w, b)
+        out = nn.functional.linear(x, w.detach(), b)
+        self._fused_out = (out, mod, x.detach())
+        return out
+
+    def _settle(self, *_: object) -> None:
+        """A fused output no forward hook took (its linear called through `.forward`):
+        its gradient hook registered on its own."""
+        if self._fused_out is not None:
+            out, mod, x = self._fused_out
+            self._fused_out = None
+            out.register_hook(self._fused_hook(mod, x))
+
+    def _fused_hook(self, mod: nn.Module, x: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        """The gradient hook of a fused linear's output: per-sample weight gradients
+        [B, out, in], their norms kept, their sum the weight's gradient."""
+        w = mod.weight
+        bias = getattr(mod, "bias", None) is not None
+        xs = x.reshape(x.shape[0], -1, x.shape[-1])
+
+        def grad_hook(g: torch.Tensor) -> None:
+            gg = g.detach().reshape(xs.shape[0], -1, g.shape[-1])
+            per = torch.bmm(gg.transpose(1, 2), xs)
+            self._norms.append(torch.linalg.vector_norm(per, dim=(1, 2)))
+            if bias:
+                self._vals.append(gg.sum(1).pow(2).sum(1))
+            dw = per.sum(0)
+            if w.grad is None:
+                w.grad = dw
+            else:
+                w.grad.add_(dw)
+
+        return grad_hook
+
     def _finish(self, entry: _Input) -> None:
         """An input's figure: its Gram matrix against its gradients' summed Gram matrices."""
         if entry.ggram is not None:
@@ -258,12 +333,55 @@ class PerSampleGrad:
 
     def reset(self) -> None:
         self._vals = []
+        self._norms = []
+        self._fused_out = None
         self._inputs.clear()
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for m in self._fused_mods:
+            del m.forward
+        self._fused_mods.clear()
         if self._probe is not None:
             self._probe.ride(None)
             self._probe = None
+
+
+# Time of one elementwise pass over a fused linear's per-sample product, in multiply-adds
+# of a product per element: below it the Gram matrices cost less (bench/RESULTS.md,
+# replay_step notes).
+FUSE_PASS = 8
+# A fused linear's [B, out, in] per-sample gradients, at most this many elements (fp32:
+# 256 MiB); a larger product takes the Gram matrices.
+FUSED_MAX = 1 << 26
+
+
+def _fusable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether a linear call can form its own weight gradient: fp32 input and weight as
+    plain tensors (not a DTensor, not under autocast: there the product's dtype and the
+    weight's cast are autograd's), the weight trained, an output that will get a gradient
+    with the weight detached, grad mode on, rows as [B, T, in]."""
+    return (
+        torch.is_grad_enabled()
+        and x.dim() == 3
+        and x.dtype == torch.float32
+        and w.dtype == torch.float32
+        and type(w) is nn.Parameter
+        and type(x) is torch.Tensor
+        and w.requires_grad
+        and (x.requires_grad or (b is not None and b.requires_grad))
+        and not torch.is_autocast_enabled(x.device.type)
+    )
+
+
+def _fuse_pays(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether forming [B, out, in] per-sample gradients costs less than the two Gram
+    matrices' B T^2 (in + out) multiply-adds: a pass over the product is about FUSE_PASS
+    multiply-adds' time per element (an elementwise pass is memory-bound, a product is not),
+    and it must fit `FUSED_MAX`."""
+    b, t, fin = x.shape
+    fout = w.shape[0]
+    return b * fout * fin <= FUSED_MAX and t * t * (fin + fout) >= FUSE_PASS * fin * fout
+

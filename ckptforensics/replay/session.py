@@ -106,7 +106,9 @@ class Session:
         )
         self.probe = ModuleProbe(self.model, self.device, self.shards)
         self.probe.once = cfg.checkpoint_activations
-        self.psg = PerSampleGrad(self.model, self.probe)  # rides on the probe's hooks
+        # rides on the probe's hooks; in one process its linears form their own weight
+        # gradients where that is cheaper than Gram matrices (`PerSampleGrad` fused)
+        self.psg = PerSampleGrad(self.model, self.probe, fused=self.shards is None)
         self.params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._group_of = {id(p): g for g in self.opt.param_groups for p in g["params"]}
         self._grad_view: tuple | None = None  # `_with_grad`'s lookups, for one set of params

@@ -471,3 +471,80 @@ def test_causal_mask_by_bias_matches_masked_fill_with_non_finite_masked_logits()
         got, top = attention._causal_masked(x, causal)
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(top, want.amax(dim=(-4, -2, -1)), rtol=0, atol=0, msg=name)
+
+
+class _Fusing(nn.Module):
+    """Linears a fused `PerSampleGrad` forms the weight gradients of: a tied head (the
+    embedding's weight), one linear called twice, one without a bias, one fed an input
+    without a gradient (its bias alone gets one); with `direct`, one called through
+    `.forward` (no hooks: the Gram path does not see it)."""
+
+    def __init__(self, direct: bool = False) -> None:
+        super().__init__()
+        self.direct = direct
+        self.emb = nn.Embedding(32, 12)
+        self.a = nn.Linear(12, 12)
+        self.b = nn.Linear(12, 12, bias=False)
+        self.c = nn.Linear(12, 12)
+        self.d = nn.Linear(12, 12)
+        self.head = nn.Linear(12, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        h = torch.tanh(self.a(x)) + self.a(x * 0.5)
+        c = self.c.forward(h) if self.direct else self.c(h)
+        h = self.b(h) + c + self.d(torch.ones_like(h))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_fused_per_sample_norms_and_weight_gradients_match_the_gram_path(
+    checkpointed: bool,
+) -> None:
+    """`PerSampleGrad(fused=True)` forms each linear's weight gradient from its per-sample
+    ones: the per-sample norms and every parameter's gradient (ties, a linear called twice
+    or without its hooks, two backward passes accumulating) are those of the Gram path and
+    autograd's, to float rounding; the probe's tables are unchanged."""
+    from ckptforensics.replay import samples
+    from ckptforensics.replay.distributed import checkpoint_blocks
+
+    torch.manual_seed(0)
+    models = [
+        _Fusing(),
+        _Fusing(direct=True),
+        GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)),
+    ]
+    for base in models:
+        ids = torch.randint(0, 32, (3, 16))
+        got = []
+        for fused in (False, True):
+            model = copy.deepcopy(base)
+            if checkpointed and isinstance(model, GPT):
+                checkpoint_blocks(model)
+            probe = ModuleProbe(model)
+            probe.once = checkpointed
+            psg = PerSampleGrad(model, probe, fused=fused)
+            assert bool(psg._fused_mods) == fused
+            probe.reset()
+            psg.reset()
+            psg.enabled = True
+            for _ in range(2):  # accumulating, as micro-batches do
+                per_token_loss(model(ids), ids).mean().backward()
+            psg.enabled = False
+            assert bool(psg._norms) == fused  # the fused path ran
+            stats = probe.collect()
+            got.append((psg.sq, {n: p.grad.clone() for n, p in model.named_parameters()}, stats))
+            psg.remove()
+            probe.remove()
+            assert all("forward" not in vars(m) or checkpointed for m in model.modules())
+        (sq0, g0, s0), (sq1, g1, s1) = got
+        assert sq0 is not None and sq1 is not None
+        if not getattr(base, "direct", False):  # else only the fused path sees c
+            torch.testing.assert_close(sq1, sq0, rtol=1e-5, atol=0)
+        assert g0.keys() == g1.keys()
+        for n in g0:
+            torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7, msg=n)
+        torch.testing.assert_close(s1.fwd, s0.fwd, equal_nan=True)
+        torch.testing.assert_close(s1.bwd, s0.bwd, equal_nan=True)
+    assert samples._fuse_pays(torch.zeros(3, 16, 12), torch.zeros(12, 12))  # fused above

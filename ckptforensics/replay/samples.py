@@ -384,4 +384,3 @@ def _fuse_pays(x: torch.Tensor, w: torch.Tensor) -> bool:
     b, t, fin = x.shape
     fout = w.shape[0]
     return b * fout * fin <= FUSED_MAX and t * t * (fin + fout) >= FUSE_PASS * fin * fout
-

@@ -125,3 +125,35 @@ MOMENTS(cf_moments_bf16, LOAD_BF16)
 #ifdef LOAD_F16
 MOMENTS(cf_moments_f16, LOAD_F16)
 #endif
+
+/* ---------------------------------------------------------------- replay probe rows
+ * The module probe's [L2 norm, min, max] of n fp32 tensors (contiguous), each in one pass,
+ * written to out[3 rows[k] .. 3 rows[k] + 2] in order (a row given twice keeps its last).
+ * The square sum is fp64 (torch's fp32 norm of the same tensor agrees to its own rounding,
+ * and cannot overflow where torch's fp32 sum would); min and max are NaN where an element
+ * is, as torch.aminmax's are (a NaN makes the square sum NaN; an inf only makes it inf).
+ */
+void cf_probe_f32(int64_t n, const int64_t *ptrs, const int64_t *numels, const int64_t *rows,
+                  float *out) {
+    for (int64_t k = 0; k < n; k++) {
+        const float *restrict x = (const float *)(intptr_t)ptrs[k];
+        const int64_t m = numels[k];
+        double s = 0;
+        float lo = INFINITY, hi = -INFINITY;
+        _Pragma("omp simd reduction(+:s) reduction(min:lo) reduction(max:hi)")
+        for (int64_t i = 0; i < m; i++) {
+            float v = x[i];
+            s += (double)v * (double)v;
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+        }
+        if (isnan(s)) {
+            lo = NAN;
+            hi = NAN;
+        }
+        float *o = out + 3 * rows[k];
+        o[0] = (float)sqrt(s);
+        o[1] = lo;
+        o[2] = hi;
+    }
+}

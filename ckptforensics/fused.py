@@ -114,6 +114,10 @@ class Kernels:
             m.argtypes = [_P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P]
             m.restype = None
             self._w[k], self._m[k] = w, m
+        self._probe = getattr(lib, "cf_probe_f32", None)
+        if self._probe is not None:
+            self._probe.argtypes = [_I64, _P, _P, _P, _P]
+            self._probe.restype = None
 
     def weights(self, a: torch.Tensor, b: torch.Tensor) -> WeightStats | None:
         """Statistics of a chunk pair (flat, contiguous, CPU, fp32 or bf16, same dtype);
@@ -150,6 +154,20 @@ class Kernels:
             par.ctypes.data, d.ctypes.data, f.ctypes.data, c.ctypes.data,
         )  # fmt: skip
         return MomentStats(*d.tolist(), *f.tolist(), *c.tolist())
+
+    def probe_rows(self, xs: list[torch.Tensor], rows: list[int], out: torch.Tensor) -> bool:
+        """[L2 norm, min, max] of each fp32 tensor `xs[k]` (CPU, contiguous, not empty;
+        the caller checks) into row `rows[k]` of `out` [M, 3] (fp32, CPU, contiguous), in
+        order, in one call (the replay's module probe: one call a pass instead of two
+        torch ops a module). False where the library has no such kernel."""
+        if self._probe is None:
+            return False
+        n = len(xs)
+        ptrs = np.fromiter((x.data_ptr() for x in xs), np.int64, n)
+        numels = np.fromiter((x.numel() for x in xs), np.int64, n)
+        idx = np.asarray(rows, np.int64)
+        self._probe(n, ptrs.ctypes.data, numels.ctypes.data, idx.ctypes.data, out.data_ptr())
+        return True
 
 
 def _kind(*ts: torch.Tensor) -> str | None:

@@ -14,6 +14,7 @@ would travel between modules as private attributes.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import fused
 from .attention import (
     ATTN_STATS,
     AttentionWatch,
@@ -52,6 +54,8 @@ FWD_STATS = ("absmax", "rms", "nonfinite", "over_fp16", "over_bf16", "subnormal_
 # nonfinite / over_* are 0/1 flags (any element), derived from the extrema.
 BWD_STATS = ("grad_norm", "grad_absmax", "grad_nonfinite")
 
+
+log = logging.getLogger(__name__)
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
@@ -219,9 +223,18 @@ class _Rows:
     straight into its module's row of a raw [M, 3] buffer (L2 norm, min, max; the reductions'
     `out=`), so the table needs no stacking of per-call scalars at `flush`; any other (fp16 /
     bf16: a subnormal share too; empty; another device) is kept pending as before (`_rows`).
-    A module measured more than once in the pass keeps its last call, whichever kind."""
+    A module measured more than once in the pass keeps its last call, whichever kind.
 
-    def __init__(self, m: int, device: torch.device | str) -> None:
+    On CPU, with the C kernels (`fused.load`), a contiguous fp32 tensor is not measured when
+    its hook runs but held and measured with the pass's others in one kernel call
+    (`_run`: at `flush`, or once `_HELD` elements wait), each in one pass over memory: at
+    64 wide a hook's two torch reductions are dispatch, not arithmetic. A tensor changed in
+    place after its hook ran (`._version`: an in-place activation on a linear's output)
+    would be measured wrong later: on the first pass every row is measured when its hook
+    runs and those that changed are measured so from then on (`eager`); one that changes on
+    a later pass reads NaN for that pass."""
+
+    def __init__(self, m: int, device: torch.device | str, kernels: Any = None) -> None:
         self.raw = torch.full((m, 3), float("nan"), device=device)
         self._row = list(self.raw.unbind(0))
         self._views = [tuple(r.unbind(0)) for r in self._row]
@@ -229,6 +242,14 @@ class _Rows:
         # row -> how many pending entries came before its last in-place measurement
         self.direct: dict[int, int] = {}
         self.pending: list[_Norms] = []
+        self.kernels = kernels if self.raw.device.type == "cpu" else None
+        # (row, tensor, its version when its hook ran): measured by the kernel at `_run`
+        self.held: list[tuple[int, torch.Tensor, int]] = []
+        self._held_rows: dict[int, torch.Tensor] = {}
+        self._held_n = 0
+        self.learned = False  # after the first pass: which rows change in place is known
+        self.eager: set[int] = set()
+        self.lost: set[int] = set()  # rows changed in place this pass: not measured (NaN)
 
     def measure(self, i: int, x: torch.Tensor, subnormal: bool) -> _Meas:
         """Row `i`'s measurement of `x` (detached)."""
@@ -238,11 +259,27 @@ class _Rows:
             and x.numel()
             and x.device == self.raw.device
         ):
+            self.numel[i] = x.numel()
+            self.direct[i] = len(self.pending)
+            self.lost.discard(i)
+            if (
+                self.kernels is not None
+                and i not in self.eager
+                and x.is_contiguous()
+                and not x.is_inference()
+            ):
+                self.held.append((i, x, x._version))
+                if self.learned:
+                    self._held_rows[i] = x
+                    self._held_n += x.numel()
+                    if self._held_n > _HELD:
+                        self._run()
+                    return i
+            elif self.held and self.learned:
+                self._run()  # the held rows first: a row keeps its last measurement
             l2, lo, hi = self._views[i]
             torch.linalg.vector_norm(x, dtype=torch.float32, out=l2)
             torch.aminmax(x, out=(lo, hi))
-            self.numel[i] = x.numel()
-            self.direct[i] = len(self.pending)
             return i
         self.pending.append((i, *_norms(x, subnormal)))
         return self.pending[-1]
@@ -250,15 +287,39 @@ class _Rows:
     def again(self, i: int, meas: _Meas) -> _Meas:
         """Row `i` takes another row's measurement (a parent returning its child's output)."""
         if isinstance(meas, int):
-            self._row[i].copy_(self._row[meas])
+            x = self._held_rows.get(meas)
+            if x is not None:  # not measured yet: held again for this row
+                self.held.append((i, x, x._version))
+                self._held_rows[i] = x
+            else:
+                self._row[i].copy_(self._row[meas])
             self.numel[i] = self.numel[meas]
             self.direct[i] = len(self.pending)
             return i
         self.pending.append((i, *meas[1:]))
         return self.pending[-1]
 
+    def _run(self) -> None:
+        """The held tensors measured into their rows, in one kernel call (rows measured on
+        the first pass: their versions checked only)."""
+        held, self.held = self.held, []
+        self._held_rows.clear()
+        self._held_n = 0
+        changed = [(i, x) for i, x, v in held if x._version != v]
+        later = [(i, x) for i, x, _ in held if i not in self.eager] if self.learned else []
+        if later:
+            self.kernels.probe_rows([x for _, x in later], [i for i, _ in later], self.raw)
+        for i, _ in changed:
+            self.eager.add(i)
+            if self.learned:
+                log.debug("probe row %d changed in place after its hook: NaN this pass", i)
+                self.lost.add(i)
+
     def flush(self, table: torch.Tensor, backward: bool) -> None:
         """The pass's measurements into `table`'s rows (`_derive`), then cleared."""
+        if self.held:
+            self._run()
+        self.learned = True
         pending, direct = self.pending, self.direct
         if direct and pending:
             last = {e[0]: k for k, e in enumerate(pending)}
@@ -276,11 +337,21 @@ class _Rows:
         if pending:
             idx, got = _rows(pending, backward)
             table[idx.to(table.device)] = got.to(table.device)
+        if self.lost:
+            table[sorted(self.lost)] = float("nan")  # as a module that did not run
         self.clear()
 
     def clear(self) -> None:
         self.direct.clear()
         self.pending.clear()
+        self.held.clear()
+        self._held_rows.clear()
+        self._held_n = 0
+        self.lost.clear()
+
+
+# Elements of held tensors `_Rows` measures at once at most (fp32: 256 MiB held alive).
+_HELD = 1 << 26
 
 
 class ModuleProbe:
@@ -320,8 +391,9 @@ class ModuleProbe:
         # What the hooks measured (`_Rows`: fp32 outputs straight into a raw buffer, others
         # pending), written to the tables at `collect` (`_flush`): a hook costs two
         # reductions, not a dozen small ops.
-        self._fwd_rows = _Rows(m, device)
-        self._bwd_rows = _Rows(m, device)
+        kernels = fused.load() if torch.device(device).type == "cpu" else None
+        self._fwd_rows = _Rows(m, device, kernels)
+        self._bwd_rows = _Rows(m, device, kernels)
         # With activation checkpointing a block's modules run again in the backward pass:
         # only their first call in a pass is recorded.
         self.once = False

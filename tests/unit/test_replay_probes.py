@@ -548,3 +548,57 @@ def test_fused_per_sample_norms_and_weight_gradients_match_the_gram_path(
         torch.testing.assert_close(s1.fwd, s0.fwd, equal_nan=True)
         torch.testing.assert_close(s1.bwd, s0.bwd, equal_nan=True)
     assert samples._fuse_pays(torch.zeros(3, 16, 12), torch.zeros(12, 12))  # fused above
+
+
+class _InPlace(nn.Module):
+    """A linear whose output an in-place activation changes after its hook ran; with
+    `late`, only from the second pass on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.act = nn.ReLU(inplace=True)
+        self.out = nn.Linear(6, 3)
+        self.late = False
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.lin(x)
+        if not self.late or self.calls > 1:
+            h = self.act(h)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_held_probe_rows_measure_each_output_as_its_hook_saw_it(late: bool) -> None:
+    """With the C kernel (`fused.load`), fp32 outputs are held and measured together at
+    `collect`: the rows are `_stats` of each output as its hook saw it. An output an
+    in-place op changes after its hook is measured when its hook runs from the first pass
+    on; one that starts changing on a later pass reads NaN for that pass, not a wrong
+    figure, and is measured when its hook runs after."""
+    from ckptforensics import fused
+
+    if fused.load() is None:
+        pytest.skip("no C compiler: the probe measures with torch ops")
+    torch.manual_seed(0)
+    model = _InPlace()
+    model.late = late
+    probe = ModuleProbe(model, attention=False)
+    x = torch.randn(4, 5, 6)
+    i = probe.index["lin"]
+    rows = []
+    for _ in range(3):
+        probe.reset()
+        with torch.no_grad():  # before the activation
+            want = _stats(F.linear(x, model.lin.weight, model.lin.bias), with_subnormal=False)
+        model(x).sum().backward()
+        rows.append(probe.collect().fwd[i])
+    assert i in probe._fwd_rows.eager
+    for k, row in enumerate(rows):
+        if late and k == 1:
+            assert row.isnan().all()
+        else:
+            torch.testing.assert_close(row, want, rtol=1e-6, atol=0.0)
+    assert probe.index["out"] not in probe._fwd_rows.eager  # held, measured by the kernel
+    probe.remove()

@@ -92,17 +92,21 @@ def _accumulate(
     s: torch.Tensor,
     valid: torch.Tensor | None,
     causal: _Causal | None = None,
+    top: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[..., H, 3] = [max logit, sum of row entropy / log(keys), rows counted] of a block of
     logits s [..., b, H, t, S] (leading dims: attention calls batched together), reduced
     over b and t. Where a query may attend: `valid` (broadcastable to s) and / or `causal`
     (`_causal`: the mask, row weights and row count cached per shape, for when the causal
     mask is all there is). Rows with one key or none are not counted; a row whose logits
-    hold a NaN counts entropy 0 (its max logit is NaN)."""
+    hold a NaN counts entropy 0 (its max logit is NaN). With `top` (their max over dims
+    -4, -2, -1), s has the causal mask added already (`_causal_grouped`)."""
     if causal is not None and valid is not None:
         valid = valid & ~causal[0]
         causal = None
-    if causal is not None:
+    if top is not None:
+        pass
+    elif causal is not None:
         s, top = _causal_masked(s, causal)
     else:
         if valid is not None:
@@ -115,7 +119,7 @@ def _accumulate(
     # precision (under autocast the recomputation runs in its dtype) keep entr(softmax),
     # where the two forms differ by that dtype's rounding, not fp32's.
     if s.dtype == torch.float32:
-        ent = (torch.softmax(s, -1) * torch.log_softmax(s, -1)).nansum(-1).neg_()
+        ent = torch.softmax(s, -1).mul_(torch.log_softmax(s, -1)).nansum(-1).neg_()
     else:
         ent = torch.special.entr(torch.softmax(s, -1)).sum(-1).nan_to_num_(0.0, 0.0, 0.0)
     if causal is not None:
@@ -206,17 +210,68 @@ def attention_logit_stats_many(
                 for x, y in zip(qs, ks, strict=True)
             ]
         )
-    k = _heads(q, torch.stack([_as4(x.detach()) for x in ks]))
+    kg = torch.stack([_as4(x.detach()) for x in ks])
     sc = scale if scale is not None else 1.0 / math.sqrt(d)
     m4 = _as4(attn_mask.detach()) if attn_mask is not None else None
     causal = _causal(0, t, sk, q.device) if is_causal else None
+    k: torch.Tensor | None = None
     step = max(1, _ATTN_CHUNK // (b * h * t * sk))
     parts = []
     for l0 in range(0, n, step):
-        s = torch.matmul(q[l0 : l0 + step].float(), k[l0 : l0 + step].float().transpose(-1, -2))
-        s, valid = _masked(s * sc, m4)
-        parts.append(_accumulate(s, valid, causal))
+        got = (
+            _causal_grouped(q[l0 : l0 + step], kg[l0 : l0 + step], sc, causal)
+            if causal is not None and m4 is None
+            else None
+        )
+        if got is None:
+            k = _heads(q, kg) if k is None else k
+            s = torch.matmul(q[l0 : l0 + step].float(), k[l0 : l0 + step].float().transpose(-1, -2))
+            s, valid = _masked(s * sc, m4)
+            got = _accumulate(s, valid, causal)
+        parts.append(got)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# Per (query rows, keys, query heads per key head, device): the causal mask's 0 / -inf bias
+# repeated for each query head of a group, as `_causal_grouped`'s product lays out its rows.
+_GROUPED: dict[tuple[int, int, int, torch.device], torch.Tensor] = {}
+
+
+def _causal_grouped(
+    q: torch.Tensor, k: torch.Tensor, sc: float, causal: _Causal
+) -> torch.Tensor | None:
+    """[L, H, 3] of L causal calls without a mask, q [L, b, H, t, D] and k [L, b, Hk, S, D]
+    fp32 on CPU (else None: the caller's general path): the query heads that share a key
+    head stacked as rows of one product, [G t, D] x [D, S] per key head (no keys repeated),
+    the scale and the mask's bias applied by the product itself (`baddbmm`), entropy terms
+    in place: a third of the passes over the logits of the general path, the same figures.
+    None too where a masked logit is NaN or +inf (the bias makes it NaN: `masked_fill`'s
+    path, which sets it to -inf)."""
+    n, b, h, t, d = q.shape
+    hk, sk = k.shape[2], k.shape[3]
+    if (
+        q.device.type != "cpu"
+        or q.dtype != torch.float32
+        or k.dtype != torch.float32
+        or h % hk
+        or torch.is_autocast_enabled("cpu")
+    ):
+        return None
+    g = h // hk
+    key = (t, sk, g, q.device)
+    bias = _GROUPED.get(key)
+    if bias is None:
+        bias = _GROUPED[key] = causal[3].repeat(g, 1)
+    s = torch.baddbmm(
+        bias,
+        q.reshape(n * b * hk, g * t, d),
+        k.reshape(n * b * hk, sk, d).transpose(1, 2),
+        alpha=sc,
+    ).view(n, b, h, t, sk)
+    top = s.amax(dim=(-4, -2, -1))
+    if bool(top.isnan().any()):
+        return None
+    return _accumulate(s, None, causal, top=top)
 
 
 def softmax_logit_stats(x: torch.Tensor) -> torch.Tensor:

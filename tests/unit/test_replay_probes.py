@@ -225,7 +225,7 @@ def _attention_cases() -> list[tuple[str, list, list, torch.Tensor | None, bool]
     ]
 
 
-@pytest.mark.parametrize("chunk", [1 << 22, 60])  # one block; blocks of rows / of calls
+@pytest.mark.parametrize("chunk", [1 << 22, 588, 60])  # one block; a call a block; blocks of rows
 def test_attention_stats_batched_and_cached_match_the_per_call_log_softmax_form(
     chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:

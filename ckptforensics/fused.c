@@ -157,3 +157,46 @@ void cf_probe_f32(int64_t n, const int64_t *ptrs, const int64_t *numels, const i
         o[2] = hi;
     }
 }
+
+/* ---------------------------------------------------------------- replay parameter sums
+ * Per parameter k, its gradient g (fp32, contiguous, n[k] elements) and Adam's second
+ * moment v (fp32, contiguous; vp[k] = 0: no Adam state): out[4k .. 4k + 3] =
+ * [sum g^2, sum r, spikes, finite] with r = g^2 / (v + e[k]) in fp32 (e: eps^2 / c, rounded
+ * to fp32 as torch rounds the scalar it adds), spikes = elements with r > 5000 (a NaN r
+ * not counted, an inf counted), finite = 1 when the fp64 sum of g is finite; sums in fp64
+ * of the fp32 terms. Without v: sum r = NaN, spikes 0. What paramstats._block_sums takes
+ * in a dozen torch ops per block, in one pass per parameter.
+ */
+void cf_params_f32(int64_t n, const int64_t *gp, const int64_t *vp, const int64_t *numels,
+                   const float *e, double *out) {
+    for (int64_t k = 0; k < n; k++) {
+        const float *restrict g = (const float *)(intptr_t)gp[k];
+        const float *restrict v = (const float *)(intptr_t)vp[k];
+        const int64_t m = numels[k];
+        const float ek = e[k];
+        double sq = 0, rs = 0, fs = 0;
+        int64_t sp = 0;
+        if (v) {
+            _Pragma("omp simd reduction(+:sq,rs,fs,sp)")
+            for (int64_t i = 0; i < m; i++) {
+                float x = g[i], g2 = x * x, r = g2 / (v[i] + ek);
+                sq += (double)g2;
+                rs += (double)r;
+                fs += (double)x;
+                sp += r > 5000.0f;
+            }
+        } else {
+            _Pragma("omp simd reduction(+:sq,fs)")
+            for (int64_t i = 0; i < m; i++) {
+                float x = g[i];
+                sq += (double)(x * x);
+                fs += (double)x;
+            }
+            rs = NAN;
+        }
+        out[4 * k] = sq;
+        out[4 * k + 1] = rs;
+        out[4 * k + 2] = (double)sp;
+        out[4 * k + 3] = isfinite(fs) ? 1.0 : 0.0;
+    }
+}

@@ -118,6 +118,10 @@ class Kernels:
         if self._probe is not None:
             self._probe.argtypes = [_I64, _P, _P, _P, _P]
             self._probe.restype = None
+        self._params = getattr(lib, "cf_params_f32", None)
+        if self._params is not None:
+            self._params.argtypes = [_I64, _P, _P, _P, _P, _P]
+            self._params.restype = None
 
     def weights(self, a: torch.Tensor, b: torch.Tensor) -> WeightStats | None:
         """Statistics of a chunk pair (flat, contiguous, CPU, fp32 or bf16, same dtype);
@@ -168,6 +172,26 @@ class Kernels:
         idx = np.asarray(rows, np.int64)
         self._probe(n, ptrs.ctypes.data, numels.ctypes.data, idx.ctypes.data, out.data_ptr())
         return True
+
+    def param_sums(
+        self, grads: list[torch.Tensor], vs: list[torch.Tensor | None], e: list[float]
+    ) -> np.ndarray | None:
+        """[P, 4] fp64 = [sum g^2, sum g^2 / (v + e), spikes, finite] per gradient (fp32,
+        CPU, contiguous; `vs[k]` fp32 CPU contiguous of the same size, or None: NaN / 0),
+        one pass each in one call (the replay's `param_grad_table`); None where the library
+        has no such kernel. `e` is rounded to fp32, as torch rounds a scalar it adds."""
+        if self._params is None:
+            return None
+        n = len(grads)
+        gp = np.fromiter((x.data_ptr() for x in grads), np.int64, n)
+        vp = np.fromiter((0 if v is None else v.data_ptr() for v in vs), np.int64, n)
+        numels = np.fromiter((x.numel() for x in grads), np.int64, n)
+        ef = np.asarray(e, np.float32)
+        out = np.empty((n, 4), np.float64)
+        self._params(
+            n, gp.ctypes.data, vp.ctypes.data, numels.ctypes.data, ef.ctypes.data, out.ctypes.data
+        )
+        return out
 
 
 def _kind(*ts: torch.Tensor) -> str | None:

@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from .. import fused
+
 __all__ = ["param_grad_stats", "param_grad_sums", "param_grad_table"]
 
 
@@ -82,6 +84,48 @@ def param_grad_table(
         adam[k] = (v, grp["eps"] * grp["eps"] / c, c)
     # [sum g^2, sum g^2 / v_hat, spikes, finite] per parameter: NaN / 0 without Adam
     # state; an empty gradient: zeros, finite.
+    table = _kernel_table(g, adam, dev)
+    if table is None:
+        table = _torch_table(g, adam, dev)
+    if not sums:
+        n = torch.tensor([float(max(x.numel(), 1)) for x in g], device=dev)
+        table[:, 0] = (table[:, 0] / n).sqrt()
+        table[:, 1] = (table[:, 1] / n).sqrt()
+    return table
+
+
+def _kernel_table(
+    g: list[torch.Tensor], adam: dict[int, tuple[torch.Tensor, float, float]], dev: torch.device
+) -> torch.Tensor | None:
+    """`param_grad_table`'s sums by the C kernel (`fused.Kernels.param_sums`: one call, a
+    pass per parameter), for fp32 gradients and moments on CPU; None otherwise."""
+    if dev.type != "cpu":
+        return None
+    kernels = fused.load()
+    if kernels is None or not all(_plain_f32(x) for x in g):
+        return None
+    vs = [adam[k][0] if k in adam else None for k in range(len(g))]
+    if not all(
+        v is None or (_plain_f32(v) and v.numel() == x.numel()) for v, x in zip(vs, g, strict=True)
+    ):
+        return None
+    got = kernels.param_sums(g, vs, [adam[k][1] if k in adam else 0.0 for k in range(len(g))])
+    if got is None:
+        return None
+    for k, (_, _, c) in adam.items():
+        # an empty tensor's pointer may be 0, read as no state: its sum is 0
+        got[k, 1] = got[k, 1] / c if g[k].numel() else 0.0
+    return torch.from_numpy(got).float()
+
+
+def _plain_f32(x: torch.Tensor) -> bool:
+    return type(x) is torch.Tensor and x.dtype == torch.float32 and x.is_contiguous()
+
+
+def _torch_table(
+    g: list[torch.Tensor], adam: dict[int, tuple[torch.Tensor, float, float]], dev: torch.device
+) -> torch.Tensor:
+    """`param_grad_table`'s sums in whole-block torch ops (`_block_sums`)."""
     blocks: dict[tuple, list[int]] = {}
     for k, x in enumerate(g):
         if x.numel():
@@ -101,10 +145,6 @@ def param_grad_table(
     table[:, 3] = 1.0
     if parts:
         table[order] = torch.cat(parts).to(dev)
-    if not sums:
-        n = torch.tensor([float(max(x.numel(), 1)) for x in g], device=dev)
-        table[:, 0] = (table[:, 0] / n).sqrt()
-        table[:, 1] = (table[:, 1] / n).sqrt()
     return table
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ckptforensics import fused
 from ckptforensics.replay import attention
 from ckptforensics.replay.probes import (
     BWD_STATS,
@@ -68,6 +69,19 @@ def test_param_grad_table_matches_one_call_per_parameter() -> None:
     )
     torch.testing.assert_close(sums[:, :3], ref_sums, rtol=1e-5, atol=0.0, equal_nan=True)
     assert param_grad_table([], [], []).shape == (0, 4)
+    # with a C compiler the table above came from the kernel; the torch blocks agree
+    from ckptforensics.replay import paramstats
+
+    if fused.load() is not None:
+        adam = {
+            k: (s["exp_avg_sq"], gr["eps"] ** 2 * (1 - gr["betas"][1] ** float(s["step"])),
+                1 / (1 - gr["betas"][1] ** float(s["step"])))
+            for k, (s, gr) in enumerate(zip(states, groups, strict=True)) if s
+        }  # fmt: skip
+        by_kernel = paramstats._kernel_table(grads, adam, torch.device("cpu"))
+        assert by_kernel is not None
+        by_torch = paramstats._torch_table(grads, adam, torch.device("cpu"))
+        torch.testing.assert_close(by_kernel, by_torch, rtol=1e-5, atol=0.0, equal_nan=True)
 
 
 def test_param_grad_table_blocks_of_one_size_in_several_shapes_and_dtypes() -> None:
@@ -518,21 +532,21 @@ def test_fused_per_sample_norms_and_weight_gradients_match_the_gram_path(
     for base in models:
         ids = torch.randint(0, 32, (3, 16))
         got = []
-        for fused in (False, True):
+        for fuse in (False, True):
             model = copy.deepcopy(base)
             if checkpointed and isinstance(model, GPT):
                 checkpoint_blocks(model)
             probe = ModuleProbe(model)
             probe.once = checkpointed
-            psg = PerSampleGrad(model, probe, fused=fused)
-            assert bool(psg._fused_mods) == fused
+            psg = PerSampleGrad(model, probe, fused=fuse)
+            assert bool(psg._fused_mods) == fuse
             probe.reset()
             psg.reset()
             psg.enabled = True
             for _ in range(2):  # accumulating, as micro-batches do
                 per_token_loss(model(ids), ids).mean().backward()
             psg.enabled = False
-            assert bool(psg._norms) == fused  # the fused path ran
+            assert bool(psg._norms) == fuse  # the fused path ran
             stats = probe.collect()
             got.append((psg.sq, {n: p.grad.clone() for n, p in model.named_parameters()}, stats))
             psg.remove()
@@ -577,8 +591,6 @@ def test_held_probe_rows_measure_each_output_as_its_hook_saw_it(late: bool) -> N
     in-place op changes after its hook is measured when its hook runs from the first pass
     on; one that starts changing on a later pass reads NaN for that pass, not a wrong
     figure, and is measured when its hook runs after."""
-    from ckptforensics import fused
-
     if fused.load() is None:
         pytest.skip("no C compiler: the probe measures with torch ops")
     torch.manual_seed(0)

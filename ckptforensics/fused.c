@@ -200,3 +200,33 @@ void cf_params_f32(int64_t n, const int64_t *gp, const int64_t *vp, const int64_
         out[4 * k + 3] = isfinite(fs) ? 1.0 : 0.0;
     }
 }
+
+/* ---------------------------------------------------------------- per-sample products
+ * A fused linear's per-sample weight gradients p [B, N] (fp32, contiguous): norms[b] =
+ * sqrt(sum_i p[b, i]^2) (fp64 sum) and sum[i] = p[0, i] + p[1, i] + ... in fp32, in that
+ * order (torch's sum over dim 0 of a contiguous [B, N] adds the same terms in the same
+ * order), in one pass instead of two torch reductions.
+ */
+void cf_persample_f32(const float *restrict p, int64_t b, int64_t n, float *restrict norms,
+                      float *restrict sum) {
+    for (int64_t k = 0; k < b; k++) {
+        const float *restrict row = p + k * n;
+        double s = 0;
+        if (k == 0) {
+            _Pragma("omp simd reduction(+:s)")
+            for (int64_t i = 0; i < n; i++) {
+                float v = row[i];
+                s += (double)v * (double)v;
+                sum[i] = v;
+            }
+        } else {
+            _Pragma("omp simd reduction(+:s)")
+            for (int64_t i = 0; i < n; i++) {
+                float v = row[i];
+                s += (double)v * (double)v;
+                sum[i] += v;
+            }
+        }
+        norms[k] = (float)sqrt(s);
+    }
+}

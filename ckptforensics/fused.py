@@ -118,6 +118,10 @@ class Kernels:
         if self._probe is not None:
             self._probe.argtypes = [_I64, _P, _P, _P, _P]
             self._probe.restype = None
+        self._persample = getattr(lib, "cf_persample_f32", None)
+        if self._persample is not None:
+            self._persample.argtypes = [_P, _I64, _I64, _P, _P]
+            self._persample.restype = None
         self._params = getattr(lib, "cf_params_f32", None)
         if self._params is not None:
             self._params.argtypes = [_I64, _P, _P, _P, _P, _P]
@@ -172,6 +176,18 @@ class Kernels:
         idx = np.asarray(rows, np.int64)
         self._probe(n, ptrs.ctypes.data, numels.ctypes.data, idx.ctypes.data, out.data_ptr())
         return True
+
+    def persample(self, per: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(per-sample L2 norms [B], their sum over samples [...]) of per-sample products
+        `per` [B, ...] (fp32, CPU, contiguous, not empty; the caller checks), in one pass;
+        None where the library has no such kernel."""
+        if self._persample is None:
+            return None
+        b = per.shape[0]
+        norms = torch.empty(b, dtype=torch.float32)
+        total = torch.empty(per.shape[1:], dtype=torch.float32)
+        self._persample(per.data_ptr(), b, per.numel() // b, norms.data_ptr(), total.data_ptr())
+        return norms, total
 
     def param_sums(
         self, grads: list[torch.Tensor], vs: list[torch.Tensor | None], e: list[float]

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import fused as fused_kernels
+
 if TYPE_CHECKING:
     from .probes import ModuleProbe
 
@@ -213,6 +215,8 @@ class PerSampleGrad:
             for m in model.modules()
             if isinstance(m, nn.Linear) and id(m) not in ridden
         ]
+        # CPU: the per-sample norms and their sum in one C-kernel pass (`fused.load`)
+        self._kernels = fused_kernels.load() if fused else None
         if fused:
             for m in model.modules():
                 if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
@@ -309,14 +313,20 @@ class PerSampleGrad:
         w = mod.weight
         bias = getattr(mod, "bias", None) is not None
         xs = x.reshape(x.shape[0], -1, x.shape[-1])
+        kernels = self._kernels
 
         def grad_hook(g: torch.Tensor) -> None:
             gg = g.detach().reshape(xs.shape[0], -1, g.shape[-1])
             per = torch.bmm(gg.transpose(1, 2), xs)
-            self._norms.append(torch.linalg.vector_norm(per, dim=(1, 2)))
+            got = (
+                kernels.persample(per) if kernels is not None and per.device.type == "cpu" else None
+            )
+            if got is None:
+                got = torch.linalg.vector_norm(per, dim=(1, 2)), per.sum(0)
+            self._norms.append(got[0])
+            dw = got[1]
             if bias:
                 self._vals.append(gg.sum(1).pow(2).sum(1))
-            dw = per.sum(0)
             if w.grad is None:
                 w.grad = dw
             else:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckptforensics import fused
-from ckptforensics.replay import attention
+from ckptforensics.replay import attnstats
 from ckptforensics.replay.probes import (
     BWD_STATS,
     AttentionWatch,
@@ -243,7 +243,7 @@ def _attention_cases() -> list[tuple[str, list, list, torch.Tensor | None, bool]
 def test_attention_stats_batched_and_cached_match_the_per_call_log_softmax_form(
     chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(attention, "_ATTN_CHUNK", chunk)
+    monkeypatch.setattr(attnstats, "_ATTN_CHUNK", chunk)
     for name, qs, ks, mask, causal in _attention_cases():
         ref = torch.stack(
             [_attention_reference(q, k, mask, causal) for q, k in zip(qs, ks, strict=True)]
@@ -473,7 +473,7 @@ def test_a_module_measured_in_place_and_pending_in_one_pass_keeps_its_last_call(
 
 def test_causal_mask_by_bias_matches_masked_fill_with_non_finite_masked_logits() -> None:
     torch.manual_seed(0)
-    causal = attention._causal(0, 5, 5, torch.device("cpu"))
+    causal = attnstats._causal(0, 5, 5, torch.device("cpu"))
     s = torch.randn(2, 3, 4, 5, 5)
     cases = {"finite": s}
     for bad in (float("nan"), float("inf"), float("-inf")):
@@ -482,7 +482,7 @@ def test_causal_mask_by_bias_matches_masked_fill_with_non_finite_masked_logits()
         cases[f"masked {bad}"] = x
     for name, x in cases.items():
         want = x.masked_fill(causal[0], float("-inf"))
-        got, top = attention._causal_masked(x, causal)
+        got, top = attnstats._causal_masked(x, causal)
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(top, want.amax(dim=(-4, -2, -1)), rtol=0, atol=0, msg=name)
 

@@ -46,6 +46,8 @@ _NATIVE = ["-march=native"]
 SAMPLE_STRIDES = (1, 2, 4, 8, 16, 32, 64)
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+_BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
@@ -116,7 +118,7 @@ class Kernels:
             self._w[k], self._m[k] = w, m
         self._probe = getattr(lib, "cf_probe_f32", None)
         if self._probe is not None:
-            self._probe.argtypes = [_I64, _P, _P, _P, _P]
+            self._probe.argtypes = [_I64, _P, _P, _P, _P, _I64, ctypes.c_float, ctypes.c_float]
             self._probe.restype = None
         self._persample = getattr(lib, "cf_persample_f32", None)
         if self._persample is not None:
@@ -163,18 +165,23 @@ class Kernels:
         )  # fmt: skip
         return MomentStats(*d.tolist(), *f.tolist(), *c.tolist())
 
-    def probe_rows(self, xs: list[torch.Tensor], rows: list[int], out: torch.Tensor) -> bool:
-        """[L2 norm, min, max] of each fp32 tensor `xs[k]` (CPU, contiguous, not empty;
-        the caller checks) into row `rows[k]` of `out` [M, 3] (fp32, CPU, contiguous), in
-        order, in one call (the replay's module probe: one call a pass instead of two
-        torch ops a module). False where the library has no such kernel."""
+    def probe_rows(self, xs: list[torch.Tensor], rows: list[int], table: torch.Tensor) -> bool:
+        """The replay probe's table rows of each fp32 tensor `xs[k]` (CPU, contiguous, not
+        empty; the caller checks) into row `rows[k]` of `table` (fp32, CPU, contiguous: 6
+        columns, outputs' [max |x|, RMS, non-finite, over fp16, over bf16, 0]; 3, gradients'
+        [L2 norm, max |x|, non-finite]), in order, in one call: one call a pass instead of
+        two torch reductions a module and the table's derivation. False where the library
+        has no such kernel."""
         if self._probe is None:
             return False
         n = len(xs)
-        ptrs = np.fromiter((x.data_ptr() for x in xs), np.int64, n)
-        numels = np.fromiter((x.numel() for x in xs), np.int64, n)
-        idx = np.asarray(rows, np.int64)
-        self._probe(n, ptrs.ctypes.data, numels.ctypes.data, idx.ctypes.data, out.data_ptr())
+        ptrs = np.fromiter([x.data_ptr() for x in xs], np.int64, n)
+        numels = np.fromiter([x.numel() for x in xs], np.int64, n)
+        idx = np.fromiter(rows, np.int64, n)
+        self._probe(
+            n, ptrs.ctypes.data, numels.ctypes.data, idx.ctypes.data, table.data_ptr(),
+            table.shape[1], _FP16_MAX, _BF16_MAX,
+        )  # fmt: skip
         return True
 
     def persample(self, per: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

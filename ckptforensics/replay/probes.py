@@ -219,40 +219,55 @@ _Meas = int | _Norms
 
 
 class _Rows:
-    """One table's measurements in a pass. An fp32 tensor on the table's device is measured
-    straight into its module's row of a raw [M, 3] buffer (L2 norm, min, max; the reductions'
-    `out=`), so the table needs no stacking of per-call scalars at `flush`; any other (fp16 /
-    bf16: a subnormal share too; empty; another device) is kept pending as before (`_rows`).
-    A module measured more than once in the pass keeps its last call, whichever kind.
+    """One table's measurements in a pass, each written to its module's row at `flush`; a
+    module measured more than once in the pass keeps its last call, whichever kind
+    (`last`: the sequence number of each row's latest measurement).
 
-    On CPU, with the C kernels (`fused.load`), a contiguous fp32 tensor is not measured when
-    its hook runs but held and measured with the pass's others in one kernel call
-    (`_run`: at `flush`, or once `_HELD` elements wait), each in one pass over memory: at
-    64 wide a hook's two torch reductions are dispatch, not arithmetic. A tensor changed in
-    place after its hook ran (`._version`: an in-place activation on a linear's output)
-    would be measured wrong later: on the first pass every row is measured when its hook
-    runs and those that changed are measured so from then on (`eager`); one that changes on
-    a later pass reads NaN for that pass."""
+    - Held (CPU with the C kernels, `fused.load`; a contiguous fp32 tensor): kept and
+      measured with the pass's others in one kernel call (`_run`: at `flush`, or once
+      `_HELD` elements wait), which writes the table's rows itself: at 64 wide a hook's
+      two torch reductions and the table's derivation are dispatch, not arithmetic. A
+      tensor changed in place after its hook ran (`._version`: an in-place activation on a
+      linear's output) would be measured wrong later: on the first pass every row is
+      measured when its hook runs and those that changed are measured so from then on
+      (`eager`); one that starts changing on a later pass reads NaN for that pass.
+    - Direct (another fp32 tensor on the table's device): its L2 norm, min and max into
+      its row of a raw [M, 3] buffer (the reductions' `out=`), derived at `flush`.
+    - Pending (fp16 / bf16: a subnormal share too; another device): scalars kept, stacked
+      and derived at `flush` (`_rows`).
+    """
 
-    def __init__(self, m: int, device: torch.device | str, kernels: Any = None) -> None:
-        self.raw = torch.full((m, 3), float("nan"), device=device)
+    def __init__(self, table: torch.Tensor, kernels: Any = None) -> None:
+        m = table.shape[0]
+        self.table = table
+        self.raw = torch.full((m, 3), float("nan"), device=table.device)
         self._row = list(self.raw.unbind(0))
         self._views = [tuple(r.unbind(0)) for r in self._row]
         self.numel = [0] * m
-        # row -> how many pending entries came before its last in-place measurement
-        self.direct: dict[int, int] = {}
-        self.pending: list[_Norms] = []
-        self.kernels = kernels if self.raw.device.type == "cpu" else None
-        # (row, tensor, its version when its hook ran): measured by the kernel at `_run`
-        self.held: list[tuple[int, torch.Tensor, int]] = []
+        self.seq = 0
+        self.last: dict[int, int] = {}  # row -> its latest measurement's number
+        self.direct: dict[int, int] = {}  # row -> number of its latest raw-buffer measurement
+        self.pending: list[tuple[int, _Norms]] = []  # (number, measurement)
+        self.kernels = (
+            kernels
+            if table.device.type == "cpu" and table.dtype == torch.float32 and table.is_contiguous()
+            else None
+        )
+        # (row, tensor, its version when its hook ran, number): measured at `_run`
+        self.held: list[tuple[int, torch.Tensor, int, int]] = []
         self._held_rows: dict[int, torch.Tensor] = {}
         self._held_n = 0
         self.learned = False  # after the first pass: which rows change in place is known
         self.eager: set[int] = set()
-        self.lost: set[int] = set()  # rows changed in place this pass: not measured (NaN)
+        self.lost: dict[int, int] = {}  # row -> number of a measurement changed in place
+
+    def _next(self, i: int) -> int:
+        self.seq += 1
+        self.last[i] = self.seq
+        return self.seq
 
     def measure(self, i: int, x: torch.Tensor, subnormal: bool) -> _Meas:
-        """Row `i`'s measurement of `x` (detached)."""
+        """Row `i`'s measurement of `x` (its values now; not used for autograd)."""
         if (
             x.dtype == torch.float32
             and type(x) is torch.Tensor
@@ -260,88 +275,88 @@ class _Rows:
             and x.device == self.raw.device
         ):
             self.numel[i] = x.numel()
-            self.direct[i] = len(self.pending)
-            self.lost.discard(i)
+            n = self._next(i)
             if (
                 self.kernels is not None
                 and i not in self.eager
                 and x.is_contiguous()
                 and not x.is_inference()
             ):
-                self.held.append((i, x, x._version))
+                self.held.append((i, x, x._version, n))
                 if self.learned:
                     self._held_rows[i] = x
                     self._held_n += x.numel()
                     if self._held_n > _HELD:
                         self._run()
                     return i
-            elif self.held and self.learned:
-                self._run()  # the held rows first: a row keeps its last measurement
+            self.direct[i] = n
             l2, lo, hi = self._views[i]
+            x = x.detach()
             torch.linalg.vector_norm(x, dtype=torch.float32, out=l2)
             torch.aminmax(x, out=(lo, hi))
             return i
-        self.pending.append((i, *_norms(x, subnormal)))
-        return self.pending[-1]
+        meas = (i, *_norms(x.detach(), subnormal))
+        self.pending.append((self._next(i), meas))
+        return meas
 
     def again(self, i: int, meas: _Meas) -> _Meas:
         """Row `i` takes another row's measurement (a parent returning its child's output)."""
         if isinstance(meas, int):
             x = self._held_rows.get(meas)
+            self.numel[i] = self.numel[meas]
+            n = self._next(i)
             if x is not None:  # not measured yet: held again for this row
-                self.held.append((i, x, x._version))
+                self.held.append((i, x, x._version, n))
                 self._held_rows[i] = x
             else:
                 self._row[i].copy_(self._row[meas])
-            self.numel[i] = self.numel[meas]
-            self.direct[i] = len(self.pending)
+                self.direct[i] = n
             return i
-        self.pending.append((i, *meas[1:]))
-        return self.pending[-1]
+        meas = (i, *meas[1:])
+        self.pending.append((self._next(i), meas))
+        return meas
 
     def _run(self) -> None:
-        """The held tensors measured into their rows, in one kernel call (rows measured on
-        the first pass: their versions checked only)."""
+        """The held tensors measured into their table rows in one kernel call, in order (on
+        the first pass, measured already: their versions checked only)."""
         held, self.held = self.held, []
         self._held_rows.clear()
         self._held_n = 0
-        changed = [(i, x) for i, x, v in held if x._version != v]
-        later = [(i, x) for i, x, _ in held if i not in self.eager] if self.learned else []
-        if later:
-            self.kernels.probe_rows([x for _, x in later], [i for i, _ in later], self.raw)
-        for i, _ in changed:
-            self.eager.add(i)
-            if self.learned:
-                log.debug("probe row %d changed in place after its hook: NaN this pass", i)
-                self.lost.add(i)
+        if self.learned:
+            self.kernels.probe_rows([h[1] for h in held], [h[0] for h in held], self.table)
+        for i, x, v, n in held:
+            if x._version != v:
+                self.eager.add(i)
+                if self.learned:
+                    log.debug("probe row %d changed in place after its hook: NaN this pass", i)
+                    self.lost[i] = n
 
-    def flush(self, table: torch.Tensor, backward: bool) -> None:
-        """The pass's measurements into `table`'s rows (`_derive`), then cleared."""
+    def flush(self, backward: bool) -> None:
+        """The pass's measurements into the table (`_derive`), each row its latest; then
+        cleared."""
         if self.held:
             self._run()
         self.learned = True
-        pending, direct = self.pending, self.direct
-        if direct and pending:
-            last = {e[0]: k for k, e in enumerate(pending)}
-            # an in-place measurement after a row's last pending one wins, and vice versa
-            pending = [e for k, e in enumerate(pending) if direct.get(e[0], -1) <= k]
-            direct = {i: n for i, n in direct.items() if last.get(i, -1) < n}
-        if direct:
-            rows = list(direct)
+        last, table = self.last, self.table
+        rows = [i for i, n in self.direct.items() if last[i] == n]
+        if rows:
             idx = torch.tensor(rows, dtype=torch.long, device=self.raw.device)
             raw = self.raw[idx]
             got = _derive(
                 raw[:, 0], raw[:, 1], raw[:, 2], [self.numel[i] for i in rows], None, backward
             )
             table[idx.to(table.device)] = got.to(table.device)
+        pending = [m for n, m in self.pending if last[m[0]] == n]
         if pending:
             idx, got = _rows(pending, backward)
             table[idx.to(table.device)] = got.to(table.device)
-        if self.lost:
-            table[sorted(self.lost)] = float("nan")  # as a module that did not run
+        lost = [i for i, n in self.lost.items() if last[i] == n]
+        if lost:
+            table[lost] = float("nan")  # as a module that did not run
         self.clear()
 
     def clear(self) -> None:
+        self.last.clear()
         self.direct.clear()
         self.pending.clear()
         self.held.clear()
@@ -392,8 +407,8 @@ class ModuleProbe:
         # pending), written to the tables at `collect` (`_flush`): a hook costs two
         # reductions, not a dozen small ops.
         kernels = fused.load() if torch.device(device).type == "cpu" else None
-        self._fwd_rows = _Rows(m, device, kernels)
-        self._bwd_rows = _Rows(m, device, kernels)
+        self._fwd_rows = _Rows(self.fwd, kernels)
+        self._bwd_rows = _Rows(self.bwd, kernels)
         # With activation checkpointing a block's modules run again in the backward pass:
         # only their first call in a pass is recorded.
         self.once = False
@@ -576,7 +591,7 @@ class ModuleProbe:
                 meas = self._fwd_rows.again(i, prev[1])
                 rows = prev[2]
             else:
-                meas = self._fwd_rows.measure(i, t.detach(), True)
+                meas = self._fwd_rows.measure(i, t, True)
                 rows = None
             if self.count is not None:
                 self.count[i] = t.numel()
@@ -648,8 +663,8 @@ class ModuleProbe:
     def _flush(self) -> None:
         """The hooks' pending measurements into the tables (`_rows`); a module that ran
         more than once in the pass keeps its last call's row, as each call overwrote it."""
-        self._fwd_rows.flush(self.fwd, backward=False)
-        self._bwd_rows.flush(self.bwd, backward=True)
+        self._fwd_rows.flush(backward=False)
+        self._bwd_rows.flush(backward=True)
 
     def _attn_table(self) -> torch.Tensor:
         """[L, Hmax, 3] of the pass's attention calls (NaN past a call's heads)."""

@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .distributed import World
@@ -102,28 +103,39 @@ class Gathered:
         `ckpt`: their checkpoint names, looked up once per session rather than per step).
 
         RMS and RMS_t are computed in float32 from the summed sums, as
-        `probes.param_grad_stats` computes them for a whole gradient."""
-        n = torch.tensor(numel, dtype=torch.float32).clamp_min(1)
-        rms = (self.param("sum_g2").sum(0).float() / n).sqrt().tolist()
-        rms_t = (self.param("sum_g2_over_v").sum(0).float() / n).sqrt().tolist()
-        spikes = self.param("spikes").sum(0).tolist()
-        finite = self.param("finite").amin(0).tolist()
-        lse_rows = self.of("logit_rows")
-        lse = torch.where(lse_rows > 0, self.of("log_z") * lse_rows, 0.0)
+        `probes.param_grad_stats` computes them for a whole gradient. The rows are on the
+        host already: numpy's ops on them, a microsecond each, not torch's several."""
+        head, params = self.head.numpy(), self.params.numpy()
+        n = np.maximum(np.asarray(numel, np.float32), np.float32(1))
+        col = PARAM.index
+        rms = np.sqrt(params[..., col("sum_g2")].sum(0).astype(np.float32) / n).tolist()
+        rms_t = np.sqrt(params[..., col("sum_g2_over_v")].sum(0).astype(np.float32) / n).tolist()
+        spikes = params[..., col("spikes")].sum(0).tolist()
+        finite = params[..., col("finite")].min(0).tolist()
+        of = {k: head[:, i] for i, k in enumerate(HEAD)}
+        lse_rows = of["logit_rows"]
+        lse = np.where(lse_rows > 0, of["log_z"] * lse_rows, 0.0)
+        with np.errstate(invalid="ignore", divide="ignore"):  # no logits: NaN, as torch's
+            log_z = float(lse.sum() / lse_rows.sum())
+        rows = self.rows.numpy()
+        counts = of["rows"].astype(np.int64).tolist()
+
+        def per_row(name: str) -> list[float]:
+            c = rows[:, ROW.index(name)]
+            return [x for w, k in enumerate(counts) for x in c[w, :k].tolist()]
+
         return GradEvidence(
-            loss=float(self.of("loss").sum()),
-            total=self.total_norm(),
+            loss=float(of["loss"].sum()),
+            total=math.sqrt(float(np.square(of["norm"]).sum())),
             nonfinite=tuple(nm for nm, ok in zip(names, finite, strict=True) if not ok),
             rms=dict(zip(ckpt, rms, strict=True)),
             rms_t={nm: r for nm, r in zip(ckpt, rms_t, strict=True) if math.isfinite(r)},
             spikes={nm: int(k) for nm, k in zip(ckpt, spikes, strict=True) if k > 0},
-            sample_loss=tuple(self.per_row("loss")),
-            sample_grad_sq=tuple(self.per_row("grad_sq"))
-            if bool(self.of("has_grad_sq").all())
-            else None,
-            logit_absmax=float(self.of("logit_absmax").max()),
-            log_z=float(lse.sum() / lse_rows.sum()),
-            sample_tokens=tuple(int(x) for x in self.per_row("tokens")),
+            sample_loss=tuple(per_row("loss")),
+            sample_grad_sq=tuple(per_row("grad_sq")) if bool(of["has_grad_sq"].all()) else None,
+            logit_absmax=float(of["logit_absmax"].max()),
+            log_z=log_z,
+            sample_tokens=tuple(int(x) for x in per_row("tokens")),
         )
 
 

@@ -614,3 +614,26 @@ def test_held_probe_rows_measure_each_output_as_its_hook_saw_it(late: bool) -> N
             torch.testing.assert_close(row, want, rtol=1e-6, atol=0.0)
     assert probe.index["out"] not in probe._fwd_rows.eager  # held, measured by the kernel
     probe.remove()
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_grad_norm_and_clip_are_torch_clip_grad_norm_to_the_bit(mixed: bool) -> None:
+    """`gradients.grad_norm` / `clip_grads` skip torch's grouping where the gradients are
+    one group: the norm and the clipped gradients are `clip_grad_norm_`'s exactly, and a
+    bf16 gradient among fp32 ones (two groups) takes torch's own functions."""
+    from ckptforensics.replay import gradients
+
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(s)) for s in [(4, 5), (7,), (3, 3, 3)]]
+    if mixed:
+        ps[1] = nn.Parameter(ps[1].detach().bfloat16())
+    for p in ps:
+        p.grad = torch.randn_like(p) * 3
+    twin = [nn.Parameter(p.detach().clone()) for p in ps]
+    for p, q in zip(ps, twin, strict=True):
+        q.grad = p.grad.clone()
+    norm = gradients.grad_norm([p.grad for p in ps])
+    want = torch.nn.utils.clip_grad_norm_(twin, 1.0)
+    assert torch.equal(norm, want)
+    gradients.clip_grads(ps, 1.0, float(norm), norm)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(ps, twin, strict=True))

@@ -223,14 +223,15 @@ void cf_params_f32(int64_t n, const int64_t *gp, const int64_t *vp, const int64_
  * A fused linear's per-sample weight gradients p [B, N] (fp32, contiguous): norms[b] =
  * sqrt(sum_i p[b, i]^2) (fp64 sum) and sum[i] = p[0, i] + p[1, i] + ... in fp32, in that
  * order (torch's sum over dim 0 of a contiguous [B, N] adds the same terms in the same
- * order), in one pass instead of two torch reductions.
+ * order), in one pass instead of two torch reductions; with `accumulate`, added to what
+ * sum holds (a gradient already there: a tied weight, a second call), in the same pass.
  */
 void cf_persample_f32(const float *restrict p, int64_t b, int64_t n, float *restrict norms,
-                      float *restrict sum) {
+                      float *restrict sum, int64_t accumulate) {
     for (int64_t k = 0; k < b; k++) {
         const float *restrict row = p + k * n;
         double s = 0;
-        if (k == 0) {
+        if (k == 0 && !accumulate) {
             _Pragma("omp simd reduction(+:s)")
             for (int64_t i = 0; i < n; i++) {
                 float v = row[i];

@@ -122,7 +122,7 @@ class Kernels:
             self._probe.restype = None
         self._persample = getattr(lib, "cf_persample_f32", None)
         if self._persample is not None:
-            self._persample.argtypes = [_P, _I64, _I64, _P, _P]
+            self._persample.argtypes = [_P, _I64, _I64, _P, _P, _I64]
             self._persample.restype = None
         self._params = getattr(lib, "cf_params_f32", None)
         if self._params is not None:
@@ -184,17 +184,20 @@ class Kernels:
         )  # fmt: skip
         return True
 
-    def persample(self, per: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(per-sample L2 norms [B], their sum over samples [...]) of per-sample products
-        `per` [B, ...] (fp32, CPU, contiguous, not empty; the caller checks), in one pass;
-        None where the library has no such kernel."""
+    def persample(
+        self, per: torch.Tensor, norms: torch.Tensor, total: torch.Tensor, accumulate: bool
+    ) -> bool:
+        """Per-sample L2 norms of the products `per` [B, ...] into `norms` [B] and their sum
+        over samples into `total` (added to it with `accumulate`), in one pass; all fp32,
+        CPU, contiguous, `per` not empty (the caller checks). False where the library has
+        no such kernel."""
         if self._persample is None:
-            return None
+            return False
         b = per.shape[0]
-        norms = torch.empty(b, dtype=torch.float32)
-        total = torch.empty(per.shape[1:], dtype=torch.float32)
-        self._persample(per.data_ptr(), b, per.numel() // b, norms.data_ptr(), total.data_ptr())
-        return norms, total
+        self._persample(
+            per.data_ptr(), b, per.numel() // b, norms.data_ptr(), total.data_ptr(), accumulate
+        )
+        return True
 
     def param_sums(
         self, grads: list[torch.Tensor], vs: list[torch.Tensor | None], e: list[float]

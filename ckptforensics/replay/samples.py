@@ -195,6 +195,9 @@ class PerSampleGrad:
     ) -> None:
         self._vals: list[torch.Tensor] = []
         self._norms: list[torch.Tensor] = []  # fused linears' per-sample L2 norms, [B] each
+        # ... or, with the C kernels, rows of one buffer [calls, B]: `_nnorm` rows this pass
+        self._normbuf: torch.Tensor | None = None
+        self._nnorm = 0
         self.enabled = False
         # The last output a fused forward returned, with its linear and input: its gradient
         # hook forms the weight's gradient. `_ride` (the linear's forward hook) takes it;
@@ -235,6 +238,9 @@ class PerSampleGrad:
         if self._norms:
             self._vals.append(torch.stack(self._norms).square().sum(0))
             self._norms = []
+        if self._nnorm and self._normbuf is not None:
+            self._vals.append(self._normbuf[: self._nnorm].square().sum(0))
+            self._nnorm = 0
         if len(self._vals) > 1:
             self._vals = [torch.stack(self._vals).sum(0)]
         return self._vals[0] if self._vals else None
@@ -309,30 +315,63 @@ class PerSampleGrad:
 
     def _fused_hook(self, mod: nn.Module, x: torch.Tensor) -> Callable[[torch.Tensor], None]:
         """The gradient hook of a fused linear's output: per-sample weight gradients
-        [B, out, in], their norms kept, their sum the weight's gradient."""
+        [B, out, in], their norms kept, their sum the weight's gradient (on CPU with the C
+        kernels: norms into the pass's buffer, the sum straight into `.grad`, one pass)."""
         w = mod.weight
         bias = getattr(mod, "bias", None) is not None
-        xs = x.reshape(x.shape[0], -1, x.shape[-1])
-        kernels = self._kernels
+        kernels = self._kernels if x.device.type == "cpu" else None
 
         def grad_hook(g: torch.Tensor) -> None:
-            gg = g.detach().reshape(xs.shape[0], -1, g.shape[-1])
-            per = torch.bmm(gg.transpose(1, 2), xs)
-            got = (
-                kernels.persample(per) if kernels is not None and per.device.type == "cpu" else None
-            )
-            if got is None:
-                got = torch.linalg.vector_norm(per, dim=(1, 2)), per.sum(0)
-            self._norms.append(got[0])
-            dw = got[1]
+            gg = g.detach()
+            if gg.dim() != 3:
+                gg = gg.reshape(x.shape[0], -1, gg.shape[-1])
+            per = torch.bmm(gg.transpose(1, 2), x)
             if bias:
                 self._vals.append(gg.sum(1).pow(2).sum(1))
-            if w.grad is None:
-                w.grad = dw
+            held = w.grad
+            if kernels is not None:
+                row = self._norm_row(per.shape[0])
+                if row is not None:
+                    into = (
+                        held
+                        if held is not None
+                        and type(held) is torch.Tensor
+                        and held.dtype == torch.float32
+                        and held.device.type == "cpu"
+                        and held.is_contiguous()
+                        and held.shape == w.shape
+                        else None
+                    )
+                    total = into if into is not None else torch.empty(w.shape, dtype=torch.float32)
+                    if kernels.persample(per, row, total, into is not None):
+                        if held is None:
+                            w.grad = total
+                        elif into is None:
+                            held.add_(total)
+                        return
+                    self._nnorm -= 1
+            self._norms.append(torch.linalg.vector_norm(per, dim=(1, 2)))
+            if held is None:
+                w.grad = per.sum(0)
             else:
-                w.grad.add_(dw)
+                held.add_(per.sum(0))
 
         return grad_hook
+
+    def _norm_row(self, b: int) -> torch.Tensor | None:
+        """The next row [B] of the pass's buffer of fused per-sample norms (grown as
+        needed); None where this call's batch differs from the buffer's."""
+        buf = self._normbuf
+        if buf is None or (self._nnorm == 0 and buf.shape[1] != b):
+            buf = self._normbuf = torch.empty(64, b, dtype=torch.float32)
+        elif buf.shape[1] != b:
+            return None
+        elif self._nnorm == buf.shape[0]:
+            grown = torch.empty(2 * buf.shape[0], b, dtype=torch.float32)
+            grown[: buf.shape[0]] = buf
+            buf = self._normbuf = grown
+        self._nnorm += 1
+        return buf[self._nnorm - 1]
 
     def _finish(self, entry: _Input) -> None:
         """An input's figure: its Gram matrix against its gradients' summed Gram matrices."""
@@ -344,6 +383,7 @@ class PerSampleGrad:
     def reset(self) -> None:
         self._vals = []
         self._norms = []
+        self._nnorm = 0
         self._fused_out = None
         self._inputs.clear()
 

@@ -12,7 +12,7 @@ from typing import Any
 from ..options import ReplayOptions
 from .logcheck import LogCheck
 from .probes import PassStats
-from .samples import RowStats
+from .rowstats import RowStats
 
 __all__ = [
     "ReplayConfig",

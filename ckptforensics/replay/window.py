@@ -33,7 +33,7 @@ from .model import (
     set_padding_rows,
 )
 from .records import ReplayConfig, ReplayResult
-from .samples import window_row_stats
+from .rowstats import window_row_stats
 from .session import Session, check_vocab
 
 __all__ = ["Plan", "plan", "choose_batches", "run_window", "run_precision", "optimizer_name"]

@@ -249,3 +249,12 @@ void cf_persample_f32(const float *restrict p, int64_t b, int64_t n, float *rest
         norms[k] = (float)sqrt(s);
     }
 }
+
+/* One tensor's probe row (cf_probe_f32 for n = 1, without the arrays): called from the
+ * probe's hook while the tensor is still in cache. */
+void cf_probe_one_f32(const float *x, int64_t m, float *out, int64_t width, float fp16_max,
+                      float bf16_max) {
+    const int64_t row = 0;
+    const int64_t ptr = (int64_t)(intptr_t)x;
+    cf_probe_f32(1, &ptr, &m, &row, out, width, fp16_max, bf16_max);
+}

@@ -120,6 +120,10 @@ class Kernels:
         if self._probe is not None:
             self._probe.argtypes = [_I64, _P, _P, _P, _P, _I64, ctypes.c_float, ctypes.c_float]
             self._probe.restype = None
+        self._probe_one = getattr(lib, "cf_probe_one_f32", None)
+        if self._probe_one is not None:
+            self._probe_one.argtypes = [_P, _I64, _P, _I64, ctypes.c_float, ctypes.c_float]
+            self._probe_one.restype = None
         self._persample = getattr(lib, "cf_persample_f32", None)
         if self._persample is not None:
             self._persample.argtypes = [_P, _I64, _I64, _P, _P, _I64]
@@ -181,6 +185,18 @@ class Kernels:
         self._probe(
             n, ptrs.ctypes.data, numels.ctypes.data, idx.ctypes.data, table.data_ptr(),
             table.shape[1], _FP16_MAX, _BF16_MAX,
+        )  # fmt: skip
+        return True
+
+    def probe_row(self, x: torch.Tensor, row: int, table: torch.Tensor) -> bool:
+        """`probe_rows` of one tensor, in one call with no arrays to build (the probe's hook
+        measures each output while it is still in cache)."""
+        if self._probe_one is None:
+            return False
+        width = table.shape[1]
+        self._probe_one(
+            x.data_ptr(), x.numel(), table.data_ptr() + 4 * width * row, width, _FP16_MAX,
+            _BF16_MAX,
         )  # fmt: skip
         return True
 

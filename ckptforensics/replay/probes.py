@@ -14,7 +14,6 @@ would travel between modules as private attributes.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,8 +53,6 @@ FWD_STATS = ("absmax", "rms", "nonfinite", "over_fp16", "over_bf16", "subnormal_
 # nonfinite / over_* are 0/1 flags (any element), derived from the extrema.
 BWD_STATS = ("grad_norm", "grad_absmax", "grad_nonfinite")
 
-
-log = logging.getLogger(__name__)
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
@@ -219,18 +216,15 @@ _Meas = int | _Norms
 
 
 class _Rows:
-    """One table's measurements in a pass, each written to its module's row at `flush`; a
-    module measured more than once in the pass keeps its last call, whichever kind
-    (`last`: the sequence number of each row's latest measurement).
+    """One table's measurements in a pass, each row its module's latest, whichever kind
+    (`last`: the number of each row's latest measurement):
 
-    - Held (CPU with the C kernels, `fused.load`; a contiguous fp32 tensor): kept and
-      measured with the pass's others in one kernel call (`_run`: at `flush`, or once
-      `_HELD` elements wait), which writes the table's rows itself: at 64 wide a hook's
-      two torch reductions and the table's derivation are dispatch, not arithmetic. A
-      tensor changed in place after its hook ran (`._version`: an in-place activation on a
-      linear's output) would be measured wrong later: on the first pass every row is
-      measured when its hook runs and those that changed are measured so from then on
-      (`eager`); one that starts changing on a later pass reads NaN for that pass.
+    - Kernel (CPU with the C kernels, `fused.load`; a contiguous fp32 tensor): its table
+      row written by one C call from the hook itself, in one pass over the tensor while
+      it is still in cache (`fused.Kernels.probe_row`): at 64 wide a hook's two torch
+      reductions and the row's derivation at `flush` are dispatch, not arithmetic; held
+      until `flush` instead, the tensors are read back cold from memory (5 ms a step at
+      32 layers), and one an in-place op changes after its hook would read wrong.
     - Direct (another fp32 tensor on the table's device): its L2 norm, min and max into
       its row of a raw [M, 3] buffer (the reductions' `out=`), derived at `flush`.
     - Pending (fp16 / bf16: a subnormal share too; another device): scalars kept, stacked
@@ -248,18 +242,13 @@ class _Rows:
         self.last: dict[int, int] = {}  # row -> its latest measurement's number
         self.direct: dict[int, int] = {}  # row -> number of its latest raw-buffer measurement
         self.pending: list[tuple[int, _Norms]] = []  # (number, measurement)
-        self.kernels = (
-            kernels
-            if table.device.type == "cpu" and table.dtype == torch.float32 and table.is_contiguous()
-            else None
+        # the kernel's one-tensor call and where the table's rows are (CPU fp32 tables only)
+        plain = (
+            table.device.type == "cpu" and table.dtype == torch.float32 and table.is_contiguous()
         )
-        # (row, tensor, its version when its hook ran, number): measured at `_run`
-        self.held: list[tuple[int, torch.Tensor, int, int]] = []
-        self._held_rows: dict[int, torch.Tensor] = {}
-        self._held_n = 0
-        self.learned = False  # after the first pass: which rows change in place is known
-        self.eager: set[int] = set()
-        self.lost: dict[int, int] = {}  # row -> number of a measurement changed in place
+        self._one = getattr(kernels, "_probe_one", None) if plain else None
+        self._base, self._width = table.data_ptr(), table.shape[1]
+        self._rows_np = table.numpy() if self._one is not None else None
 
     def _next(self, i: int) -> int:
         self.seq += 1
@@ -276,19 +265,10 @@ class _Rows:
         ):
             self.numel[i] = x.numel()
             n = self._next(i)
-            if (
-                self.kernels is not None
-                and i not in self.eager
-                and x.is_contiguous()
-                and not x.is_inference()
-            ):
-                self.held.append((i, x, x._version, n))
-                if self.learned:
-                    self._held_rows[i] = x
-                    self._held_n += x.numel()
-                    if self._held_n > _HELD:
-                        self._run()
-                    return i
+            if self._one is not None and x.is_contiguous():
+                w = self._width
+                self._one(x.data_ptr(), x.numel(), self._base + 4 * w * i, w, _FP16_MAX, _BF16_MAX)
+                return i
             self.direct[i] = n
             l2, lo, hi = self._views[i]
             x = x.detach()
@@ -302,41 +282,21 @@ class _Rows:
     def again(self, i: int, meas: _Meas) -> _Meas:
         """Row `i` takes another row's measurement (a parent returning its child's output)."""
         if isinstance(meas, int):
-            x = self._held_rows.get(meas)
             self.numel[i] = self.numel[meas]
             n = self._next(i)
-            if x is not None:  # not measured yet: held again for this row
-                self.held.append((i, x, x._version, n))
-                self._held_rows[i] = x
-            else:
+            if meas in self.direct and self.last[meas] == self.direct[meas]:
                 self._row[i].copy_(self._row[meas])
                 self.direct[i] = n
+            else:  # written by the kernel: its table row
+                self._rows_np[i] = self._rows_np[meas]
             return i
         meas = (i, *meas[1:])
         self.pending.append((self._next(i), meas))
         return meas
 
-    def _run(self) -> None:
-        """The held tensors measured into their table rows in one kernel call, in order (on
-        the first pass, measured already: their versions checked only)."""
-        held, self.held = self.held, []
-        self._held_rows.clear()
-        self._held_n = 0
-        if self.learned:
-            self.kernels.probe_rows([h[1] for h in held], [h[0] for h in held], self.table)
-        for i, x, v, n in held:
-            if x._version != v:
-                self.eager.add(i)
-                if self.learned:
-                    log.debug("probe row %d changed in place after its hook: NaN this pass", i)
-                    self.lost[i] = n
-
     def flush(self, backward: bool) -> None:
-        """The pass's measurements into the table (`_derive`), each row its latest; then
-        cleared."""
-        if self.held:
-            self._run()
-        self.learned = True
+        """The pass's raw and pending measurements into the table (`_derive`), each row its
+        latest (the kernel's rows are written already); then cleared."""
         last, table = self.last, self.table
         rows = [i for i, n in self.direct.items() if last[i] == n]
         if rows:
@@ -350,23 +310,12 @@ class _Rows:
         if pending:
             idx, got = _rows(pending, backward)
             table[idx.to(table.device)] = got.to(table.device)
-        lost = [i for i, n in self.lost.items() if last[i] == n]
-        if lost:
-            table[lost] = float("nan")  # as a module that did not run
         self.clear()
 
     def clear(self) -> None:
         self.last.clear()
         self.direct.clear()
         self.pending.clear()
-        self.held.clear()
-        self._held_rows.clear()
-        self._held_n = 0
-        self.lost.clear()
-
-
-# Elements of held tensors `_Rows` measures at once at most (fp32: 256 MiB held alive).
-_HELD = 1 << 26
 
 
 class ModuleProbe:

@@ -128,7 +128,8 @@ MOMENTS(cf_moments_f16, LOAD_F16)
 
 /* ---------------------------------------------------------------- replay probe rows
  * The module probe's table rows of n fp32 tensors (contiguous), each in one pass, written
- * to out + width * rows[k] in order (a row given twice keeps its last):
+ * to out + width * rows[k] in order (a row given twice keeps its last; the probe calls it
+ * for one tensor at a time, cf_probe_one_f32, from the tensor's hook):
  *   width 6 (outputs):   [max |x|, RMS, non-finite, over fp16's max, over bf16's max, 0]
  *   width 3 (gradients): [L2 norm, max |x|, non-finite]
  * as probes._derive derives them from torch's norm and aminmax: max |x| is NaN where an

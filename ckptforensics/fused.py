@@ -116,10 +116,6 @@ class Kernels:
             m.argtypes = [_P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P]
             m.restype = None
             self._w[k], self._m[k] = w, m
-        self._probe = getattr(lib, "cf_probe_f32", None)
-        if self._probe is not None:
-            self._probe.argtypes = [_I64, _P, _P, _P, _P, _I64, ctypes.c_float, ctypes.c_float]
-            self._probe.restype = None
         self._probe_one = getattr(lib, "cf_probe_one_f32", None)
         if self._probe_one is not None:
             self._probe_one.argtypes = [_P, _I64, _P, _I64, ctypes.c_float, ctypes.c_float]
@@ -169,28 +165,13 @@ class Kernels:
         )  # fmt: skip
         return MomentStats(*d.tolist(), *f.tolist(), *c.tolist())
 
-    def probe_rows(self, xs: list[torch.Tensor], rows: list[int], table: torch.Tensor) -> bool:
-        """The replay probe's table rows of each fp32 tensor `xs[k]` (CPU, contiguous, not
-        empty; the caller checks) into row `rows[k]` of `table` (fp32, CPU, contiguous: 6
-        columns, outputs' [max |x|, RMS, non-finite, over fp16, over bf16, 0]; 3, gradients'
-        [L2 norm, max |x|, non-finite]), in order, in one call: one call a pass instead of
-        two torch reductions a module and the table's derivation. False where the library
-        has no such kernel."""
-        if self._probe is None:
-            return False
-        n = len(xs)
-        ptrs = np.fromiter([x.data_ptr() for x in xs], np.int64, n)
-        numels = np.fromiter([x.numel() for x in xs], np.int64, n)
-        idx = np.fromiter(rows, np.int64, n)
-        self._probe(
-            n, ptrs.ctypes.data, numels.ctypes.data, idx.ctypes.data, table.data_ptr(),
-            table.shape[1], _FP16_MAX, _BF16_MAX,
-        )  # fmt: skip
-        return True
-
     def probe_row(self, x: torch.Tensor, row: int, table: torch.Tensor) -> bool:
-        """`probe_rows` of one tensor, in one call with no arrays to build (the probe's hook
-        measures each output while it is still in cache)."""
+        """The replay probe's table row of an fp32 tensor `x` (CPU, contiguous, not empty;
+        the caller checks) into row `row` of `table` (fp32, CPU, contiguous: 6 columns,
+        an output's [max |x|, RMS, non-finite, over fp16, over bf16, 0]; 3, a gradient's
+        [L2 norm, max |x|, non-finite]), in one pass, from the hook while `x` is in cache
+        (`replay.probes._Rows` calls the bound function itself). False where the library
+        has no such kernel."""
         if self._probe_one is None:
             return False
         width = table.shape[1]

@@ -1,7 +1,8 @@
 """The fused diff kernel (ckptforensics/fused.c) and the torch ops it stands in for give
 the same statistics: per chunk on random tensors with NaN, inf, huge, subnormal and zero
 elements in fp32, bf16 and fp16, and per tensor through `diff_checkpoints` on a small
-written pair (fast: no training, a few AdamW steps on random gradients)."""
+written pair (fast: no training, a few AdamW steps on random gradients); the replay
+probe's row kernel against the probe's torch path."""
 
 from __future__ import annotations
 
@@ -226,3 +227,29 @@ def test_a_shared_cache_is_not_used(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert fused._build() is not None
     assert list(shared.iterdir()) == []
     assert [p.name for p in tmp_path.iterdir()] == ["shared"]
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_probe_row_is_the_probes_torch_row_with_nan_inf_and_overflow(backward: bool) -> None:
+    """`Kernels.probe_row` (the replay probe's rows, one C pass) gives the row the probe's
+    torch path derives (`_norms` then `_derive`): a NaN makes max |x| NaN and the row
+    non-finite, an inf is non-finite with a finite-or-inf norm, values past fp16's and
+    bf16's largest set those flags."""
+    from ckptforensics.replay.probes import _derive, _norms
+
+    kernels = fused.load()
+    if kernels is None:
+        pytest.skip("no C compiler")
+    torch.manual_seed(0)
+    cases = [torch.randn(8, 32, 64) for _ in range(5)]
+    cases[1][3, 4, 5] = float("nan")
+    cases[2][0, 0, 0] = float("-inf")
+    cases[3][1, 1, 1] = 70000.0  # past fp16's max
+    cases[4][2, 2, 2] = 3.395e38  # past bf16's max, finite in fp32
+    width = 3 if backward else 6
+    table = torch.full((len(cases), width), -1.0)
+    for k, x in enumerate(cases):
+        assert kernels.probe_row(x, k, table)
+        n, l2, lo, hi, _ = _norms(x, subnormal=False)
+        want = _derive(l2[None], lo[None].float(), hi[None].float(), [n], None, backward)[0]
+        torch.testing.assert_close(table[k], want, rtol=1e-6, atol=0.0, equal_nan=True)

@@ -156,7 +156,7 @@ def main() -> None:
         f"- per-sample shares: {with_samples_r / with_probes:.2f}× the probed backward they ride on, {with_samples_r:.2f}× plain (target ≤ 2×) → {'met' if with_samples_r <= 2 else 'NOT met'}; "
         f"by Gram matrices only (no linear forming its own weight gradient): {gram_only:.2f}× plain",
         f"- everything a replayed step measures: {everything:.2f}× plain (target ≤ 1.2×) → {'met' if everything <= 1.2 else 'NOT met'}; plain step {plain:.3f} s",
-        f"- the per-parameter stage (RMS, RMS_t, SPAM counts, finite check of {n_params} gradients; `param_grad_table`'s block ops): "
+        f"- the per-parameter stage (RMS, RMS_t, SPAM counts, finite check of {n_params} gradients; `param_grad_table`: one C-kernel call on CPU, whole-block torch ops elsewhere): "
         f"{everything - with_samples_r:+.2f}× plain ({(everything - with_samples_r) * plain * 1e3:+.0f} ms); "
         f"one call per parameter, as session.py called it before: {per_param_old - with_samples_r:+.2f}× plain "
         f"({(per_param_old - with_samples_r) * plain * 1e3:+.0f} ms), everything then {per_param_old:.2f}×",

@@ -116,10 +116,12 @@ class Kernels:
             m.argtypes = [_P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P]
             m.restype = None
             self._w[k], self._m[k] = w, m
-        self._probe_one = getattr(lib, "cf_probe_one_f32", None)
-        if self._probe_one is not None:
-            self._probe_one.argtypes = [_P, _I64, _P, _I64, ctypes.c_float, ctypes.c_float]
-            self._probe_one.restype = None
+        # (x, elements, row address, width, fp16 max, bf16 max): `probe_row` without its
+        # Python frame, for the replay probe's hooks (`replay.probes._Rows`); None if absent
+        self.probe_one = getattr(lib, "cf_probe_one_f32", None)
+        if self.probe_one is not None:
+            self.probe_one.argtypes = [_P, _I64, _P, _I64, ctypes.c_float, ctypes.c_float]
+            self.probe_one.restype = None
         self._persample = getattr(lib, "cf_persample_f32", None)
         if self._persample is not None:
             self._persample.argtypes = [_P, _I64, _I64, _P, _P, _I64]
@@ -170,12 +172,12 @@ class Kernels:
         the caller checks) into row `row` of `table` (fp32, CPU, contiguous: 6 columns,
         an output's [max |x|, RMS, non-finite, over fp16, over bf16, 0]; 3, a gradient's
         [L2 norm, max |x|, non-finite]), in one pass, from the hook while `x` is in cache
-        (`replay.probes._Rows` calls the bound function itself). False where the library
-        has no such kernel."""
-        if self._probe_one is None:
+        (`replay.probes._Rows` calls `probe_one` itself). False where the library has no
+        such kernel."""
+        if self.probe_one is None:
             return False
         width = table.shape[1]
-        self._probe_one(
+        self.probe_one(
             x.data_ptr(), x.numel(), table.data_ptr() + 4 * width * row, width, _FP16_MAX,
             _BF16_MAX,
         )  # fmt: skip

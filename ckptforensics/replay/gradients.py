@@ -77,25 +77,6 @@ class Gathered:
     rows: torch.Tensor  # [world, len(ROW), pad]
     params: torch.Tensor  # [world, params, len(PARAM)]
 
-    def of(self, name: str) -> torch.Tensor:
-        """A HEAD figure of every rank [world]."""
-        return self.head[:, HEAD.index(name)]
-
-    def per_row(self, name: str) -> list[float]:
-        """A ROW figure of the whole batch: each rank's rows, rank 0's first (the order in
-        which `Ranks.my_rows` hands them out)."""
-        counts = self.of("rows").long().tolist()
-        col = self.rows[:, ROW.index(name)]
-        return [x for w, c in enumerate(counts) for x in col[w, :c].tolist()]
-
-    def param(self, name: str) -> torch.Tensor:
-        """A PARAM figure of every rank and parameter [world, params]."""
-        return self.params[..., PARAM.index(name)]
-
-    def total_norm(self) -> float:
-        """The whole gradient's norm from the ranks' norms (exactly the one norm in one process)."""
-        return math.sqrt(float(self.of("norm").pow(2).sum()))
-
     def evidence(
         self, names: Sequence[str], numel: Sequence[int], ckpt: Sequence[str]
     ) -> GradEvidence:
@@ -121,12 +102,14 @@ class Gathered:
         counts = of["rows"].astype(np.int64).tolist()
 
         def per_row(name: str) -> list[float]:
+            """A ROW figure of the whole batch: each rank's rows, rank 0's first (the order
+            in which `Ranks.my_rows` hands them out)."""
             c = rows[:, ROW.index(name)]
             return [x for w, k in enumerate(counts) for x in c[w, :k].tolist()]
 
         return GradEvidence(
             loss=float(of["loss"].sum()),
-            total=math.sqrt(float(np.square(of["norm"]).sum())),
+            total=math.sqrt(float(np.square(of["norm"]).sum())),  # one process: its norm
             nonfinite=tuple(nm for nm, ok in zip(names, finite, strict=True) if not ok),
             rms=dict(zip(ckpt, rms, strict=True)),
             rms_t={nm: r for nm, r in zip(ckpt, rms_t, strict=True) if math.isfinite(r)},

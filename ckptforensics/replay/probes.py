@@ -173,20 +173,18 @@ def _norms(
 def _rows(pending: list[_Norms], backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(module rows, their table rows) from the hooks' measurements, in a few ops over all
     of them: forward rows are `FWD_STATS` (`_stats`' figures), backward rows `BWD_STATS`
-    (grad norm, max |g|, non-finite flag). A module measured twice keeps its last call."""
-    last = {e[0]: k for k, e in enumerate(pending)}
-    keep = [pending[k] for k in sorted(last.values())]
-    idx = torch.tensor([e[0] for e in keep], dtype=torch.long)
-    l2 = torch.stack([e[2] for e in keep])
-    lo = torch.stack([e[3].float() for e in keep])
-    hi = torch.stack([e[4].float() for e in keep])
-    subs = [e[5] for e in keep]
+    (grad norm, max |g|, non-finite flag); one per row (`_Rows.flush` keeps each row's latest)."""
+    idx = torch.tensor([e[0] for e in pending], dtype=torch.long)
+    l2 = torch.stack([e[2] for e in pending])
+    lo = torch.stack([e[3].float() for e in pending])
+    hi = torch.stack([e[4].float() for e in pending])
+    subs = [e[5] for e in pending]
     sub = (
         torch.stack([s if s is not None else lo.new_zeros(()) for s in subs])
         if any(s is not None for s in subs)
         else None
     )
-    return idx, _derive(l2, lo, hi, [e[1] for e in keep], sub, backward)
+    return idx, _derive(l2, lo, hi, [e[1] for e in pending], sub, backward)
 
 
 def _derive(
@@ -246,7 +244,7 @@ class _Rows:
         plain = (
             table.device.type == "cpu" and table.dtype == torch.float32 and table.is_contiguous()
         )
-        self._one = getattr(kernels, "_probe_one", None) if plain else None
+        self._one = kernels.probe_one if plain and kernels is not None else None
         self._base, self._width = table.data_ptr(), table.shape[1]
         self._rows_np = table.numpy() if self._one is not None else None
 

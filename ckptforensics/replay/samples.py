@@ -219,35 +219,43 @@ class PerSampleGrad:
             per = torch.bmm(gg.transpose(1, 2), x)
             if bias:
                 self._vals.append(gg.sum(1).pow(2).sum(1))
-            held = w.grad
-            if kernels is not None:
-                row = self._norm_row(per.shape[0])
-                if row is not None:
-                    into = (
-                        held
-                        if held is not None
-                        and type(held) is torch.Tensor
-                        and held.dtype == torch.float32
-                        and held.device.type == "cpu"
-                        and held.is_contiguous()
-                        and held.shape == w.shape
-                        else None
-                    )
-                    total = into if into is not None else torch.empty(w.shape, dtype=torch.float32)
-                    if kernels.persample(per, row, total, into is not None):
-                        if held is None:
-                            w.grad = total
-                        elif into is None:
-                            held.add_(total)
-                        return
-                    self._nnorm -= 1
+            if kernels is not None and self._kernel_sum(kernels, per, w):
+                return
             self._norms.append(torch.linalg.vector_norm(per, dim=(1, 2)))
-            if held is None:
+            if w.grad is None:
                 w.grad = per.sum(0)
             else:
-                held.add_(per.sum(0))
+                w.grad.add_(per.sum(0))
 
         return grad_hook
+
+    def _kernel_sum(self, kernels: Any, per: torch.Tensor, w: torch.Tensor) -> bool:
+        """The per-sample norms of `per` into the pass's buffer and their sum into `w.grad`
+        (added in place to an fp32 CPU gradient already there) by one C pass; False where
+        the kernel does not take them."""
+        row = self._norm_row(per.shape[0])
+        if row is None:
+            return False
+        held = w.grad
+        into = (
+            held
+            if held is not None
+            and type(held) is torch.Tensor
+            and held.dtype == torch.float32
+            and held.device.type == "cpu"
+            and held.is_contiguous()
+            and held.shape == w.shape
+            else None
+        )
+        total = into if into is not None else torch.empty(w.shape, dtype=torch.float32)
+        if not kernels.persample(per, row, total, into is not None):
+            self._nnorm -= 1
+            return False
+        if held is None:
+            w.grad = total
+        elif into is None:
+            held.add_(total)
+        return True
 
     def _norm_row(self, b: int) -> torch.Tensor | None:
         """The next row [B] of the pass's buffer of fused per-sample norms (grown as

@@ -70,7 +70,7 @@ def run_diff(
     Under torchrun (WORLD_SIZE > 1) every rank streams its share of the tensors and
     rank 0 gathers the statistics and returns the report; the other ranks return None.
     """
-    from .shard import dist_world
+    from .shard import destroy_process_group, dist_world, init_process_group
 
     rank, world = dist_world()
     if world == 1:
@@ -80,7 +80,8 @@ def run_diff(
 
         own = not dist.is_initialized()
         if own:
-            dist.init_process_group("gloo")
+            init_process_group("gloo")
+        settled = False
         try:
             a, b = open_pair(a_path, b_path, fmt)
             got = diff_checkpoints(
@@ -91,9 +92,10 @@ def run_diff(
                 workers=workers,
                 distributed=True,
             )
+            settled = True
         finally:
             if own:
-                dist.destroy_process_group()
+                destroy_process_group(settled=settled)
         if got is None:
             a.close()
             b.close()

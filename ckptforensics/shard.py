@@ -25,6 +25,8 @@ from .errors import Failed, ForensicsError, doing, one_line
 __all__ = [
     "balanced",
     "dist_world",
+    "init_process_group",
+    "destroy_process_group",
     "default_workers",
     "checkpoint_bytes",
     "single_threaded",
@@ -83,6 +85,45 @@ def dist_world() -> tuple[int, int]:
     except ValueError:
         return 0, 1
     return (rank, world) if world > 1 else (0, 1)
+
+
+def init_process_group(backend: str, **kwargs: Any) -> None:
+    """`torch.distributed.init_process_group`, with the modules that capture the default
+    group imported first.
+
+    Reading DCP metadata imports `torch.distributed.checkpoint`, and through it
+    `torch.distributed.nn`, whose functions take `group=group.WORLD` as a default evaluated
+    at import. Imported after the group exists, they hold it: `destroy_process_group` then
+    cannot free it, and its gloo worker threads outlive the interpreter. A worker still
+    releasing a collective's tensors while Python finalises is a `std::terminate`
+    (SIGABRT) at exit, about one torchrun diff in 16 on a loaded 2-core machine.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint  # noqa: F401 - see the docstring
+
+    dist.init_process_group(backend, **kwargs)
+
+
+def destroy_process_group(*, settled: bool) -> None:
+    """`torch.distributed.destroy_process_group`, after a barrier when every rank got here
+    (`settled`).
+
+    A gloo worker thread drops its last collective's tensors after the caller has its
+    result; if those tensors' Python objects are gone by then, the drop needs the GIL, and
+    a process already finalising ends the thread there: `std::terminate`, SIGABRT at exit.
+    A barrier as the last collective leaves the workers only itself to drop, which holds
+    no tensors. On a failure path a rank may be gone, so there is no barrier to wait on.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if settled:
+        try:
+            dist.barrier()
+        except RuntimeError as e:  # a rank that failed after its last collective left
+            log.debug("barrier before leaving the process group: %s", e)
+    dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------ worker processes

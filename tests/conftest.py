@@ -187,6 +187,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def ranks_said(stderr: str, tail: int = 3000) -> str:
+    """What the ranks wrote to stderr, for an assertion message: torchrun's own log lines
+    and its ChildFailedError traceback dropped, but for each failed rank's exit code (its
+    report comes last and would fill a plain tail of the output)."""
+    launcher = "torch/distributed/elastic/"
+    end = stderr.find("Traceback (most recent call last):\n  File", stderr.find(launcher))
+    mine = stderr if end < 0 or "torchrun" not in stderr[end : end + 200] else stderr[:end]
+    kept = [ln for ln in mine.splitlines() if launcher not in ln]
+    codes = [ln.strip() for ln in stderr.splitlines() if "exitcode" in ln and ":" in ln]
+    return "\n".join([*kept, *codes])[-tail:]
+
+
 def torchrun(
     args: list[str], env: dict[str, str], timeout: int = 600
 ) -> subprocess.CompletedProcess:

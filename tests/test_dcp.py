@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from ckptforensics.cli import cli
 from ckptforensics.formats import open_checkpoint
-from tests.conftest import ROOT, torchrun
+from tests.conftest import ROOT, ranks_said, torchrun
 from tests.test_cli import assert_bad_input
 
 
@@ -25,7 +25,7 @@ def dcp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {**os.environ, "OMP_NUM_THREADS": "1"},
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, ranks_said(proc.stderr)
     return out
 
 

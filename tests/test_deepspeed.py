@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from ckptforensics.cli import cli
 from ckptforensics.formats import open_checkpoint
-from tests.conftest import ROOT, torchrun
+from tests.conftest import ROOT, ranks_said, torchrun
 from tests.test_cli import assert_bad_input
 
 pytest.importorskip("deepspeed")
@@ -86,7 +86,7 @@ def zero_bf16_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
         proc = torchrun(
             [str(ROOT / "fixtures" / "deepspeed_zero.py"), str(d), str(stage), "bf16"], env
         )
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.returncode == 0, ranks_said(proc.stderr)
         out[stage] = d
     return out
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ckptforensics.formats.dcp import read_metadata
-from tests.conftest import draw_args, torchrun, truth
+from tests.conftest import draw_args, ranks_said, torchrun, truth
 
 REL = 1e-4
 COUNT = 1e-3  # a count of elements past a tolerance: one moved across it by the last bit
@@ -91,7 +91,7 @@ def _both(
     two ranks, checked equal."""
     one = draw_report(run, command, batch)
     proc = _two(draw_args(run, command, batch), tmp_path / "two")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, ranks_said(proc.stderr)
     two = json.loads((tmp_path / "two" / "report.json").read_text())
     _assert_same(one, two)
     return one, two
@@ -114,7 +114,7 @@ def test_replay_on_two_fsdp2_ranks_is_the_single_process_replay(
     assert truth(run)["draw"]["mp_policy"] == "bf16"
     one = draw_report(run, "replay", "flight")
     proc = _two(draw_args(run, "replay", "flight"), tmp_path / "two")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, ranks_said(proc.stderr)
     two = json.loads((tmp_path / "two" / "report.json").read_text())
     for doc, share in ((one, 0.02), (two, 0.01)):
         assert doc["replay"]["config"]["precision"]["value"] == "bf16-params"
@@ -185,7 +185,7 @@ def test_a_rank_that_fails_stops_every_rank_with_the_same_line(
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr
     assert len(errors) == 2 and errors[0] == errors[1] and "__1_0.distcp: truncated" in errors[0], (
-        proc.stderr[-3000:]
+        ranks_said(proc.stderr)
     )
     assert "ckptforensics/" not in proc.stderr.replace(str(run), "")
     assert not (tmp_path / "out" / "report.json").exists()

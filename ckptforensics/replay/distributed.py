@@ -187,6 +187,8 @@ def start(device: str) -> Ranks | None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from ..shard import init_process_group
+
     if device.startswith("cuda"):
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -195,7 +197,7 @@ def start(device: str) -> Ranks | None:
         dev, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         # A rank that stops without a word must not leave the others waiting for long.
-        dist.init_process_group(
+        init_process_group(
             backend,
             timeout=timedelta(minutes=int(os.environ.get("CKPTFORENSICS_DIST_TIMEOUT_MIN", "30"))),
         )
@@ -236,19 +238,22 @@ def _return_freed_memory() -> None:
 def joined(device: str) -> Iterator[Ranks | None]:
     """`start` for the length of a command, then `stop` (None and nothing to stop outside torchrun)."""
     ranks = start(device)
+    settled = False
     try:
         yield ranks
+        settled = True
     finally:
         if ranks is not None:
-            stop()
+            stop(settled=settled)
 
 
-def stop() -> None:
-    import torch.distributed as dist
+def stop(*, settled: bool = False) -> None:
+    """Leave the process group: after a barrier when every rank finished (`settled`),
+    at once on a failure path (`shard.destroy_process_group`)."""
+    from ..shard import destroy_process_group
 
     _CURRENT.clear()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_process_group(settled=settled)
 
 
 def agree(ranks: Ranks | None, fn: Callable[[], T]) -> T:

@@ -880,3 +880,35 @@ def test_a_rollback_to_the_step_just_before_a_loss_dated_onset_carries_a_caveat(
     res = triage(log, run)
     assert res.first_bad_step == 250 and res.rule == "lr-growth", (res.first_bad_step, res.rule)
     assert res.rollback_step == 249 and res.rollback_caveat is None
+
+
+# Issue 30's session: a class read on held-out drawn incident 9637.
+
+
+def _quiet_poisoned(seed: int, echoes: tuple[float, float]) -> dict[int, dict[str, float]]:
+    """A quiet log (normal noise, 3.5% a step) of 270 steps; a poisoned batch lifts the loss
+    1.53x at 267 only, its grad norm unmoved; steps 61 and 164 (103 apart, on the period
+    of 267) are lifted by `echoes`."""
+    rng = np.random.default_rng(seed)
+    rows = {}
+    for s in range(1, 271):
+        loss = 1.4 * (1 + 0.5 * math.exp(-s / 60)) * math.exp(0.035 * rng.normal())
+        rows[s] = {"loss": loss, "grad_norm": 0.55 * math.exp(0.1 * rng.normal())}
+    rows[267]["loss"] *= 1.53
+    rows[61]["loss"] *= echoes[0]
+    rows[164]["loss"] *= echoes[1]
+    return rows
+
+
+@pytest.mark.parametrize("seed", [4, 21, 23])
+def test_a_period_whose_other_meetings_are_all_weak_excuses_no_blip(seed: int) -> None:
+    """The poisoned batch's blip at 267 lines up with bumps 1.1x at 61 and 164 (robust z
+    2-3; for these seeds, 3 of 40, they make a period of 103), a quarter of its size in log
+    terms: noise, not a batch met again (a hard batch stays as hard), so 267 is the onset.
+    Met once more as hard as at 267 (164 at 1.53x), it is the log's routine."""
+    cfg = TriageConfig()
+    onsets, _ = log_onsets(log_evidence(_quiet_poisoned(seed, (1.10, 1.10)), cfg), cfg)
+    assert onsets and onsets[0].step == 267, [(o.step, o.rule) for o in onsets]
+    onsets, ignored = log_onsets(log_evidence(_quiet_poisoned(seed, (1.10, 1.53)), cfg), cfg)
+    assert not onsets, [(o.step, o.rule) for o in onsets]
+    assert any(o.step == 267 for o in ignored)

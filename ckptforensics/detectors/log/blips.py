@@ -30,8 +30,9 @@ from .evidence import LogEvidence, Onset, TriageConfig, grad_up
 #   noise of the log's spread and length could give at that height (the Poisson 99% bound on
 #   stats.expected_exceedances: a 20,000-step quiet log has ~5 steps over z 3.5 by chance). A
 #   run whose logged loss is one micro-batch of one rank has hundreds of them;
-# - it does not recur at a period of the log's own blips (stats.recurrence_period): a fixed
-#   data order blips at the same step of every epoch, however few epochs the log holds.
+# - it does not recur at a period of the log's own blips (stats.recurrence_period) at which
+#   the batch is met as hard at least once more (`_met_as_hard`): a fixed data order blips
+#   at the same step of every epoch, however few epochs the log holds.
 # A poisoned batch in an averaged, quiet log is alone, and its gradient is large.
 RECOVER, HOLD, TAIL_PEERS = 2, 3, 2
 # How long this log's blips last: its excursions over z/2 shorter than CURVE_SHORT (a longer one
@@ -230,6 +231,34 @@ def _weak_meetings(ev: LogEvidence) -> set[int]:
     return {ev.loss.steps[i] for i in np.flatnonzero(ok)}
 
 
+def _met_as_hard(step: int, period: int, excess: float, spacing: int, ev: LogEvidence) -> bool:
+    """Whether a batch recurring every `period` steps is met as hard as at `step` at least
+    once more: a line within spacing - 1 of step + k period whose loss stands at least half
+    `excess` (log10) over its level, is not finite, or counts an overflowed iteration. A
+    hard batch stays as hard (`_peers`); a period whose other meetings are all weak (robust
+    z 2-3 on a quiet log: 4-5% of its steps) is the noise lining up with one excursion
+    (held-out draw 9637: a poisoned batch 1.53x at 267, met at 61 and 164, 103 apart, at a
+    third and a quarter of its excess)."""
+    steps, vals, level = ev.loss.steps, ev.loss.values, ev.loss.level
+    at = {s: k for k, s in enumerate(steps)}
+    lo, hi, tol = steps[0], steps[-1], spacing - 1
+    for k in range(-((step - lo) // period), (hi - step) // period + 1):
+        for t in range(step + k * period - tol, step + k * period + tol + 1):
+            i = at.get(t)
+            if k == 0 or i is None:
+                continue
+            if ev.rows.get(t, {}).get("skipped", 0) > 0 or not math.isfinite(vals[i]):
+                return True
+            if (
+                math.isfinite(level[i])
+                and level[i] > 0
+                and vals[i] > 0
+                and math.log10(vals[i] / level[i]) >= excess / 2
+            ):
+                return True
+    return False
+
+
 def routine_reason(
     o: Onset, tail: dict[int, tuple[float, float]], ev: LogEvidence, cfg: TriageConfig
 ) -> str | None:
@@ -280,7 +309,7 @@ def routine_reason(
         hard, logged = _excursions(ev, cfg)
         spacing = int(np.median(np.diff(steps))) if len(steps) > 2 else 1
         p = recurrence_period(o.step, hard, logged, spacing, weak=_weak_meetings(ev))
-        if p is not None:
+        if p is not None and _met_as_hard(o.step, p, es, spacing, ev):
             return f"the loss recovers within {horizon} steps (this log's blips), and blips every {p} steps of this log (a batch that comes back each epoch)"
         return None
     i = next((k for k, s in enumerate(steps) if s >= o.step), len(steps))

@@ -244,10 +244,14 @@ def _met_as_hard(step: int, period: int, excess: float, spacing: int, ev: LogEvi
     lo, hi, tol = steps[0], steps[-1], spacing - 1
     for k in range(-((step - lo) // period), (hi - step) // period + 1):
         for t in range(step + k * period - tol, step + k * period + tol + 1):
-            i = at.get(t)
-            if k == 0 or i is None:
+            if k == 0:
                 continue
-            if ev.rows.get(t, {}).get("skipped", 0) > 0 or not math.isfinite(vals[i]):
+            if ev.rows.get(t, {}).get("skipped", 0) > 0:
+                return True  # an overflowed line may log no loss at all
+            i = at.get(t)
+            if i is None:
+                continue
+            if not math.isfinite(vals[i]):
                 return True
             if (
                 math.isfinite(level[i])

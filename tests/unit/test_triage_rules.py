@@ -912,3 +912,27 @@ def test_a_period_whose_other_meetings_are_all_weak_excuses_no_blip(seed: int) -
     onsets, ignored = log_onsets(log_evidence(_quiet_poisoned(seed, (1.10, 1.53)), cfg), cfg)
     assert not onsets, [(o.step, o.rule) for o in onsets]
     assert any(o.step == 267 for o in ignored)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_recurring_batch_met_as_an_overflow_without_a_loss_is_met_as_hard(seed: int) -> None:
+    """fp16, a hard batch every 64 steps: 1.6x at 87 (the grad norm 2x), an overflowed step at
+    151 whose line logs no loss (Megatron-DeepSpeed's skipped iteration), 1.15x at 215 and
+    279. The overflow is a meeting as hard as 87's (tuning log draw 389): the blip is the
+    data's, no onset."""
+    rng = np.random.default_rng(seed)
+    rows: dict[int, dict[str, float]] = {}
+    for s in range(1, 301):
+        loss = 2.0 * (1 + 0.5 * math.exp(-s / 60)) * math.exp(0.03 * rng.normal())
+        rows[s] = {"loss": loss, "grad_norm": math.exp(0.08 * rng.normal()), "loss_scale": 65536.0}
+    rows[87]["loss"] *= 1.6
+    rows[87]["grad_norm"] *= 2.0
+    rows[151] = {"grad_norm": rows[151]["grad_norm"], "loss_scale": 65536.0, "skipped": 1.0}
+    for s in range(151, 301):
+        rows[s]["loss_scale"] = 32768.0
+    for s in (215, 279):
+        rows[s]["loss"] *= 1.15
+    cfg = TriageConfig()
+    onsets, ignored = log_onsets(log_evidence(rows, cfg), cfg)
+    assert not onsets, [(o.step, o.rule) for o in onsets]
+    assert any(o.step == 87 and "every 64 steps" in o.message for o in ignored)

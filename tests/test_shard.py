@@ -147,7 +147,7 @@ def test_a_worker_that_dies_is_one_clear_error(zoo: dict[str, Path], monkeypatch
 
 
 _RELEASED = """
-import gc, os, sys
+import gc, sys
 from pathlib import Path
 import torch.distributed as dist
 from ckptforensics.formats import open_pair

@@ -243,9 +243,9 @@ def _met_as_hard(step: int, period: int, excess: float, spacing: int, ev: LogEvi
     at = {s: k for k, s in enumerate(steps)}
     lo, hi, tol = steps[0], steps[-1], spacing - 1
     for k in range(-((step - lo) // period), (hi - step) // period + 1):
+        if k == 0:
+            continue
         for t in range(step + k * period - tol, step + k * period + tol + 1):
-            if k == 0:
-                continue
             if ev.rows.get(t, {}).get("skipped", 0) > 0:
                 return True  # an overflowed line may log no loss at all
             i = at.get(t)

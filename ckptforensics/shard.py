@@ -16,9 +16,9 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import Failed, ForensicsError, doing, one_line
 
@@ -27,6 +27,8 @@ __all__ = [
     "dist_world",
     "init_process_group",
     "destroy_process_group",
+    "joined_a_group",
+    "leave_rank",
     "default_workers",
     "checkpoint_bytes",
     "single_threaded",
@@ -102,6 +104,45 @@ def init_process_group(backend: str, **kwargs: Any) -> None:
     import torch.distributed.checkpoint  # noqa: F401 - see the docstring
 
     dist.init_process_group(backend, **kwargs)
+    _JOINED[0] = True
+
+
+_JOINED = [False]  # whether this process created a process group (see `leave_rank`)
+
+
+def joined_a_group() -> bool:
+    """Whether this process created a torch.distributed process group (`init_process_group`)."""
+    return _JOINED[0]
+
+
+def leave_rank(code: object) -> NoReturn:
+    """End a torchrun rank's process with exit status `code` (as `sys.exit` reads it), after
+    the `atexit` handlers and a flush of its streams, without Python's finalisation.
+
+    `destroy_process_group` does not stop gloo's worker threads; only freeing the group
+    does, and a sharded model's meshes stay in DTensor's sharding caches until the
+    interpreter ends. Finalisation then ends any worker that still holds a collective's
+    tensors and needs the GIL to drop them: `std::terminate`, SIGABRT, a failed rank after
+    a finished job (CI saw it twice, after the barrier). The
+    work is done and written by now; skipping finalisation loses nothing.
+    """
+    import atexit
+    import sys
+
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # sys.exit("message"): the message to stderr, status 1
+        print(code, file=sys.stderr)
+        status = 1
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with suppress(OSError, ValueError):  # closed, or a broken pipe: nothing to say
+                stream.flush()
+        os._exit(status)
 
 
 def destroy_process_group(*, settled: bool) -> None:

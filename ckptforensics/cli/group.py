@@ -95,4 +95,15 @@ def cli(ctx: click.Context, verbose: int, quiet: bool, debug: bool) -> None:
 
 
 def main() -> None:
-    cli(prog_name="ckptforensics")
+    """The console script. A torchrun rank that created a process group leaves through
+    `shard.leave_rank`, whatever its status: gloo's threads outlive the interpreter."""
+    from ..shard import joined_a_group, leave_rank
+
+    try:
+        cli(prog_name="ckptforensics")
+    except SystemExit as e:
+        if joined_a_group():
+            leave_rank(e.code)
+        raise
+    if joined_a_group():
+        leave_rank(0)

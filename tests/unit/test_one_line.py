@@ -158,3 +158,28 @@ def test_every_rank_prints_the_same_line(tmp_path: Path, where: str) -> None:
 
 def test_a_failure_carried_to_another_rank_keeps_its_code() -> None:
     assert one_line(Failed("error: x", 3)) == (3, "error: x")
+
+
+_LEAVE = """
+import atexit, sys
+from ckptforensics.shard import leave_rank
+atexit.register(lambda: print("handler"))
+print("said", end="")
+leave_rank(eval(sys.argv[1]))
+print("never")
+"""
+
+
+@pytest.mark.parametrize(("code", "status"), [("None", 0), ("0", 0), ("2", 2), ("'error: x'", 1)])
+def test_a_rank_leaves_with_its_status_after_its_exit_handlers_and_a_flush(
+    code: str, status: int
+) -> None:
+    """`leave_rank` skips Python's finalisation (gloo's threads outlive it) but not what a
+    normal exit does first: the status as `sys.exit` reads it, the atexit handlers, the
+    buffered output of a piped stream."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _LEAVE, code], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == status, proc.stderr
+    assert proc.stdout == "saidhandler\n"
+    assert proc.stderr.strip() == ("error: x" if status == 1 else "")

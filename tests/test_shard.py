@@ -185,3 +185,42 @@ def test_the_process_group_is_freed_after_a_dcp_diff(dcp_run: Path) -> None:  # 
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["1"]
+
+
+_IN_FLIGHT = """
+import sys, time, torch, torch.distributed as dist
+from ckptforensics.shard import init_process_group, leave_rank
+
+init_process_group("gloo")
+KEEP = dist.group.WORLD  # held past the end, as DTensor's caches hold an FSDP2 model's mesh
+t = torch.ones(1 << 20)
+t.tag = "a Python attribute: the tensor's Python object outlives its last Python name"
+if dist.get_rank() == 0:
+    time.sleep(0.2)  # rank 1 waits in the collective: it completes as rank 0 ends
+    work = dist.all_reduce(t, async_op=True)
+    del work, t  # only gloo's worker thread holds the tensor now
+else:
+    try:
+        dist.all_reduce(t)
+    except RuntimeError:  # rank 0 may be gone before its share is sent: not what is tested
+        pass
+    time.sleep(0.2)
+leave_rank(0)
+"""
+
+
+def test_a_rank_leaves_cleanly_while_a_gloo_worker_still_holds_a_tensor(tmp_path: Path) -> None:
+    """Rank 0 ends while its gloo worker still holds a collective's tensor, whose Python
+    object the worker must drop under the GIL. Through Python's finalisation that is
+    `std::terminate` (SIGABRT; 2 launches in 3 with `sys.exit(0)` in place of
+    `leave_rank`); through `leave_rank`, a clean exit. Three launches, without the retrying
+    helper (it would launch an aborted run once more)."""
+    script = tmp_path / "in_flight.py"
+    script.write_text(_IN_FLIGHT)
+    exe = Path(sys.executable).with_name("torchrun")
+    for _ in range(3):
+        cmd = [str(exe), "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        assert "terminate called" not in proc.stderr, ranks_said(proc.stderr)
+        assert proc.returncode == 0, ranks_said(proc.stderr)

@@ -936,3 +936,18 @@ def test_a_recurring_batch_met_as_an_overflow_without_a_loss_is_met_as_hard(seed
     onsets, ignored = log_onsets(log_evidence(rows, cfg), cfg)
     assert not onsets, [(o.step, o.rule) for o in onsets]
     assert any(o.step == 87 and "every 64 steps" in o.message for o in ignored)
+
+
+def test_a_loss_spike_set_aside_as_a_descent_pausing_is_listed_as_ignored_with_its_figures() -> (
+    None
+):
+    """Seed 1 of the quiet poisoned log: the 1.53x batch at 267 leaves its trend (z 6.4) but
+    not the level the loss has just been at (z 5.97, under 6) and the grad norm is flat, so
+    `loss_spikes` sets it aside as a descent pausing. It was dropped without a word; the
+    ignored list now names it, the rule and the figures that excused it."""
+    cfg = TriageConfig()
+    onsets, ignored = log_onsets(log_evidence(_quiet_poisoned(1, (1.10, 1.10)), cfg), cfg)
+    assert not any(o.step == 267 for o in onsets)
+    [pause] = [o for o in ignored if o.step == 267]
+    assert pause.rule == "descent-pause" and pause.signal == "loss"
+    assert "robust z 5.97 <= 6" in pause.message and "a steep descent pausing" in pause.message

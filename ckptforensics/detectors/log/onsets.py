@@ -21,6 +21,7 @@ from .noise import NOISE_RULES
 from .shift import held_shift
 from .short import SHORT_RULES, one_reference_line, short_history, short_joint
 from .signals import (
+    descent_pauses,
     grad_spikes,
     gradient_returns,
     loss_spikes,
@@ -112,7 +113,8 @@ def _short_followed(seed: Onset, found: list[Onset], ev: LogEvidence) -> bool:
 
 
 def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[Onset]]:
-    """(onsets by step, seeds the loss did not follow and the log's routine blips: ignored)."""
+    """(onsets by step, ignored: seeds the loss did not follow, loss spikes that are a descent
+    pausing, the log's routine blips)."""
     seeds = [o for d in SEED_DETECTORS for o in d(ev, cfg)]
     found = [o for d in ONSET_DETECTORS for o in d(ev, cfg)]
     # The excerpt's short rules measure what spread its lines have: one reference line decides
@@ -127,7 +129,7 @@ def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[On
     if measured:
         found = [o for o in found if o.rule != "one-reference-line"]
     kept = [o for o in seeds if _followed(o, ev, cfg) or _short_followed(o, found, ev)]
-    ignored = [o for o in seeds if o not in kept]
+    ignored = [o for o in seeds if o not in kept] + descent_pauses(ev, cfg)
     onsets = kept + found
     tail = blips(ev, cfg, cfg.z / 2)
     why = {id(o): routine_reason(o, tail, ev, cfg) for o in onsets}

@@ -7,6 +7,7 @@ the loss follows."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -46,18 +47,41 @@ def loss_spikes(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
     """The loss leaving its trend, and, unless the grad norm rises with it (z/2), the level it
     has just been at too: in a steep descent the trend line runs below the recent level, and
     a loss between the two with nothing else moving may be the descent pausing (a few rows of
-    a new data source in a small batch do that), not an incident."""
-    out = _spikes(ev.loss, cfg)
+    a new data source in a small batch do that), not an incident (`descent_pauses`)."""
+    return [o for o, why in _judged_spikes(ev, cfg) if not why]
+
+
+def descent_pauses(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
+    """The loss spikes `loss_spikes` sets aside as a descent pausing, each saying why: for the
+    ignored list, so that a reader sees the candidate and the figures that excused it."""
+    return [
+        replace(o, message=f"{o.message}; {why}", rule="descent-pause")
+        for o, why in _judged_spikes(ev, cfg)
+        if why
+    ]
+
+
+def _judged_spikes(ev: LogEvidence, cfg: TriageConfig) -> list[tuple[Onset, str]]:
+    """Each loss spike with why it is a descent pausing ('' where it is not)."""
     above = {s: z for s, z in zip(ev.loss_level.steps, ev.loss_level.z, strict=True)}
     grad = dict(zip(ev.grad_norm.steps, ev.grad_norm.z, strict=True))
-    return [
-        o
-        for o in out
-        if not math.isfinite(o.value)
-        or o.value >= cfg.loss_factor * o.baseline
-        or above.get(o.step, math.inf) > cfg.z
-        or grad.get(o.step, 0.0) >= cfg.z / 2
-    ]
+    out = []
+    for o in _spikes(ev.loss, cfg):
+        za, zg = above.get(o.step, math.inf), grad.get(o.step, 0.0)
+        pause = (
+            math.isfinite(o.value)
+            and o.value < cfg.loss_factor * o.baseline
+            and za <= cfg.z
+            and zg < cfg.z / 2
+        )
+        gz = f"grad norm z {zg:.2f}" if o.step in grad else "no grad norm logged"
+        why = (
+            f"no further above the level the loss has just been at than its noise allows "
+            f"(robust z {za:.2f} <= {cfg.z:g}) and the grad norm not rising ({gz} < "
+            f"{cfg.z / 2:g}): a steep descent pausing"
+        )
+        out.append((o, why if pause else ""))
+    return out
 
 
 def grad_spikes(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:

@@ -78,6 +78,20 @@ def render_triage_markdown(t: dict[str, Any]) -> str:
             for o in t["onsets"]
         ]
         lines += ["", "</details>"]
+    if t.get("ignored"):
+        lines += [
+            "",
+            f"<details><summary>Set aside ({len(t['ignored'])}): candidates that are not onsets, "
+            "and why</summary>",
+            "",
+            "| step | signal | rule | message |",
+            "| --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| {o['step']} | {o['signal']} | {o.get('rule', '')} | {o['message'].replace('|', '/')} |"
+            for o in sorted(t["ignored"], key=lambda o: o["step"])
+        ]
+        lines += ["", "</details>"]
     return "\n".join(lines) + "\n"
 
 
@@ -134,6 +148,19 @@ def render_triage_html(t: dict[str, Any]) -> str:
                 ["step", "signal", "rule", "message"],
                 [[o["step"], o["signal"], o.get("rule", ""), o["message"]] for o in t["onsets"]],
             )
+        )
+    if t.get("ignored"):
+        parts.append(
+            "<details><summary>Set aside: candidates that are not onsets, and why "
+            f"({len(t['ignored'])})</summary>"
+            + table(
+                ["step", "signal", "rule", "message"],
+                [
+                    [o["step"], o["signal"], o.get("rule", ""), o["message"]]
+                    for o in sorted(t["ignored"], key=lambda o: o["step"])
+                ],
+            )
+            + "</details>"
         )
     parts.append("</body></html>")
     return "\n".join(parts)

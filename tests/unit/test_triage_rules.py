@@ -8,8 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import save_file
 
+from ckptforensics.cli import cli
 from ckptforensics.detectors.log import TriageConfig, log_evidence, log_onsets
 from ckptforensics.triage import triage
 
@@ -938,9 +940,7 @@ def test_a_recurring_batch_met_as_an_overflow_without_a_loss_is_met_as_hard(seed
     assert any(o.step == 87 and "every 64 steps" in o.message for o in ignored)
 
 
-def test_a_loss_spike_set_aside_as_a_descent_pausing_is_listed_as_ignored_with_its_figures() -> (
-    None
-):
+def test_a_descent_pausing_is_listed_as_set_aside_with_its_figures(tmp_path: Path) -> None:
     """Seed 1 of the quiet poisoned log: the 1.53x batch at 267 leaves its trend (z 6.4) but
     not the level the loss has just been at (z 5.97, under 6) and the grad norm is flat, so
     `loss_spikes` sets it aside as a descent pausing. It was dropped without a word; the
@@ -951,3 +951,16 @@ def test_a_loss_spike_set_aside_as_a_descent_pausing_is_listed_as_ignored_with_i
     [pause] = [o for o in ignored if o.step == 267]
     assert pause.rule == "descent-pause" and pause.signal == "loss"
     assert "robust z 5.97 <= 6" in pause.message and "a steep descent pausing" in pause.message
+    # and the triage page lists it under what was set aside
+    rows = _quiet_poisoned(1, (1.10, 1.10))
+    csv = tmp_path / "metrics.csv"
+    csv.write_text(
+        "step,loss,grad_norm\n"
+        + "".join(f"{k},{r['loss']!r},{r['grad_norm']!r}\n" for k, r in rows.items())
+    )
+    out = tmp_path / "out"
+    r = CliRunner().invoke(cli, ["triage", "--metrics", str(csv), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    page = (out / "triage.md").read_text()
+    assert "No spike onset in the log." in page and "Set aside (" in page
+    assert "| 267 | loss | descent-pause |" in page

@@ -212,15 +212,35 @@ leave_rank(0)
 def test_a_rank_leaves_cleanly_while_a_gloo_worker_still_holds_a_tensor(tmp_path: Path) -> None:
     """Rank 0 ends while its gloo worker still holds a collective's tensor, whose Python
     object the worker must drop under the GIL. Through Python's finalisation that is
-    `std::terminate` (SIGABRT; 2 launches in 3 with `sys.exit(0)` in place of
-    `leave_rank`); through `leave_rank`, a clean exit. Three launches, without the retrying
-    helper (it would launch an aborted run once more)."""
+    `std::terminate` (SIGABRT; most launches with `sys.exit(0)` in place of `leave_rank`);
+    through `leave_rank`, a clean exit. Three launches of two ranks (the environment torchrun
+    would set, without its launcher's start-up), none retried."""
     script = tmp_path / "in_flight.py"
     script.write_text(_IN_FLIGHT)
-    exe = Path(sys.executable).with_name("torchrun")
     for _ in range(3):
-        cmd = [str(exe), "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
-        assert "terminate called" not in proc.stderr, ranks_said(proc.stderr)
-        assert proc.returncode == 0, ranks_said(proc.stderr)
+        port = str(free_port())
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+                env={
+                    **os.environ,
+                    "OMP_NUM_THREADS": "1",
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port,
+                    "RANK": str(rank),
+                    "WORLD_SIZE": "2",
+                },
+            )
+            for rank in (0, 1)
+        ]
+        said = [p.communicate(timeout=120)[1] for p in procs]
+        for rank, (p, err) in enumerate(zip(procs, said, strict=True)):
+            assert "terminate called" not in err and p.returncode == 0, (
+                rank,
+                p.returncode,
+                err[-2000:],
+            )

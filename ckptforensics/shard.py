@@ -123,8 +123,8 @@ def leave_rank(code: object) -> NoReturn:
     does, and a sharded model's meshes stay in DTensor's sharding caches until the
     interpreter ends. Finalisation then ends any worker that still holds a collective's
     tensors and needs the GIL to drop them: `std::terminate`, SIGABRT, a failed rank after
-    a finished job (CI saw it twice, after the barrier). The
-    work is done and written by now; skipping finalisation loses nothing.
+    a finished job (CI saw it in two runs). The work is done and written by now: skipping
+    finalisation loses nothing the atexit handlers and the flush do not cover.
     """
     import atexit
     import sys

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import math
 from typing import Any
 
 from .html import CSS, num, png, table
@@ -51,6 +52,26 @@ def _head(t: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
+# Rows of the set-aside table a page shows; a long log's routine blips can number hundreds.
+_ASIDE_ROWS = 40
+
+
+def _set_aside(t: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    """(the candidates set aside that the page lists, by step, and a line on the rest): the
+    `_ASIDE_ROWS` furthest from their trend (robust z; an overflow's is infinite, null in JSON);
+    triage.json keeps every one."""
+    every = t.get("ignored") or []
+
+    def far(o: dict[str, Any]) -> float:
+        z = o.get("robust_z")  # null: an overflow, infinite (JSON has no inf)
+        return math.inf if z is None else float(z)
+
+    shown = sorted(every, key=far, reverse=True)[:_ASIDE_ROWS]
+    rest = len(every) - len(shown)
+    more = f"{rest} more, nearer their trend, in triage.json (`ignored`)." if rest > 0 else ""
+    return sorted(shown, key=lambda o: o["step"]), more
+
+
 def render_triage_markdown(t: dict[str, Any]) -> str:
     """Verdict first: onset, rollback, the commands; then every signal."""
     first = t["first_bad_step"]
@@ -78,7 +99,8 @@ def render_triage_markdown(t: dict[str, Any]) -> str:
             for o in t["onsets"]
         ]
         lines += ["", "</details>"]
-    if t.get("ignored"):
+    aside, more = _set_aside(t)
+    if aside:
         lines += [
             "",
             f"<details><summary>Set aside ({len(t['ignored'])}): candidates that are not onsets, "
@@ -89,9 +111,9 @@ def render_triage_markdown(t: dict[str, Any]) -> str:
         ]
         lines += [
             f"| {o['step']} | {o['signal']} | {o.get('rule', '')} | {o['message'].replace('|', '/')} |"
-            for o in sorted(t["ignored"], key=lambda o: o["step"])
+            for o in aside
         ]
-        lines += ["", "</details>"]
+        lines += [*(["", more] if more else []), "", "</details>"]
     return "\n".join(lines) + "\n"
 
 
@@ -149,17 +171,16 @@ def render_triage_html(t: dict[str, Any]) -> str:
                 [[o["step"], o["signal"], o.get("rule", ""), o["message"]] for o in t["onsets"]],
             )
         )
-    if t.get("ignored"):
+    aside, more = _set_aside(t)
+    if aside:
         parts.append(
             "<details><summary>Set aside: candidates that are not onsets, and why "
             f"({len(t['ignored'])})</summary>"
             + table(
                 ["step", "signal", "rule", "message"],
-                [
-                    [o["step"], o["signal"], o.get("rule", ""), o["message"]]
-                    for o in sorted(t["ignored"], key=lambda o: o["step"])
-                ],
+                [[o["step"], o["signal"], o.get("rule", ""), o["message"]] for o in aside],
             )
+            + (f"<p>{html.escape(more)}</p>" if more else "")
             + "</details>"
         )
     parts.append("</body></html>")

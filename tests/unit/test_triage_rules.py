@@ -964,3 +964,36 @@ def test_a_descent_pausing_is_listed_as_set_aside_with_its_figures(tmp_path: Pat
     page = (out / "triage.md").read_text()
     assert "No spike onset in the log." in page and "Set aside (" in page
     assert "| 267 | loss | descent-pause |" in page
+
+
+def test_the_page_lists_the_forty_candidates_furthest_from_their_trend(tmp_path: Path) -> None:
+    """A long log's routine blips can number hundreds: the page lists the 40 furthest from
+    their trend (an overflow, null z in JSON, first), by step, and says how many more the
+    JSON holds."""
+    import json
+
+    from ckptforensics.report.timeline import render_triage_markdown
+
+    rows = _quiet_poisoned(1, (1.10, 1.10))
+    csv = tmp_path / "metrics.csv"
+    csv.write_text(
+        "step,loss,grad_norm\n"
+        + "".join(f"{k},{r['loss']!r},{r['grad_norm']!r}\n" for k, r in rows.items())
+    )
+    r = CliRunner().invoke(cli, ["triage", "--metrics", str(csv), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    t = json.loads((tmp_path / "o" / "triage.json").read_text())
+    [pause] = t["ignored"]
+    blip = {"signal": "grad_norm", "rule": "trend", "message": "m", "yields_to": None}
+    t["ignored"] += [{**blip, "step": s, "robust_z": 100.0 - s} for s in range(1, 45)]
+    t["ignored"].append({**blip, "step": 99, "signal": "loss_scale", "robust_z": None})
+    page = render_triage_markdown(t)
+    listed = [
+        int(ln.split(" | ")[0][2:])
+        for ln in page.split("Set aside")[1].splitlines()
+        if ln[:2] == "| " and ln[2].isdigit()
+    ]
+    # z: the overflow infinite, 99 down to 56 for steps 1-44, the pause at 267 6.4: the
+    # overflow and steps 1-39 are listed, by step; steps 40-44 and the pause are the 6 more
+    assert listed == [*range(1, 40), 99] and pause["step"] == 267
+    assert "6 more, nearer their trend, in triage.json" in page

@@ -100,10 +100,8 @@ def main() -> None:
     from ..shard import joined_a_group, leave_rank
 
     try:
-        cli(prog_name="ckptforensics")
+        cli(prog_name="ckptforensics")  # standalone click: always ends in SystemExit
     except SystemExit as e:
         if joined_a_group():
             leave_rank(e.code)
         raise
-    if joined_a_group():
-        leave_rank(0)

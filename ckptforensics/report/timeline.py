@@ -72,6 +72,28 @@ def _set_aside(t: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
     return sorted(shown, key=lambda o: o["step"]), more
 
 
+def _md_table(summary: str, onsets: list[dict[str, Any]], more: str = "") -> list[str]:
+    """A collapsed table of onsets (step, signal, rule, message), and a line after it."""
+    return [
+        "",
+        f"<details><summary>{summary}</summary>",
+        "",
+        "| step | signal | rule | message |",
+        "| --- | --- | --- | --- |",
+        *(
+            f"| {o['step']} | {o['signal']} | {o.get('rule', '')} | {o['message'].replace('|', '/')} |"
+            for o in onsets
+        ),
+        *(["", more] if more else []),
+        "",
+        "</details>",
+    ]
+
+
+def _html_rows(onsets: list[dict[str, Any]]) -> list[list[Any]]:
+    return [[o["step"], o["signal"], o.get("rule", ""), o["message"]] for o in onsets]
+
+
 def render_triage_markdown(t: dict[str, Any]) -> str:
     """Verdict first: onset, rollback, the commands; then every signal."""
     first = t["first_bad_step"]
@@ -87,33 +109,11 @@ def render_triage_markdown(t: dict[str, Any]) -> str:
     if t["commands"]:
         lines += ["", "**Next**", "", "```", *t["commands"], "```"]
     if t["onsets"]:
-        lines += [
-            "",
-            f"<details><summary>Signals ({len(t['onsets'])})</summary>",
-            "",
-            "| step | signal | rule | message |",
-            "| --- | --- | --- | --- |",
-        ]
-        lines += [
-            f"| {o['step']} | {o['signal']} | {o.get('rule', '')} | {o['message'].replace('|', '/')} |"
-            for o in t["onsets"]
-        ]
-        lines += ["", "</details>"]
+        lines += _md_table(f"Signals ({len(t['onsets'])})", t["onsets"])
     aside, more = _set_aside(t)
     if aside:
-        lines += [
-            "",
-            f"<details><summary>Set aside ({len(t['ignored'])}): candidates that are not onsets, "
-            "and why</summary>",
-            "",
-            "| step | signal | rule | message |",
-            "| --- | --- | --- | --- |",
-        ]
-        lines += [
-            f"| {o['step']} | {o['signal']} | {o.get('rule', '')} | {o['message'].replace('|', '/')} |"
-            for o in aside
-        ]
-        lines += [*(["", more] if more else []), "", "</details>"]
+        summary = f"Set aside ({len(t['ignored'])}): candidates that are not onsets, and why"
+        lines += _md_table(summary, aside, more)
     return "\n".join(lines) + "\n"
 
 
@@ -168,7 +168,7 @@ def render_triage_html(t: dict[str, Any]) -> str:
             "<h2>Signals</h2>"
             + table(
                 ["step", "signal", "rule", "message"],
-                [[o["step"], o["signal"], o.get("rule", ""), o["message"]] for o in t["onsets"]],
+                _html_rows(t["onsets"]),
             )
         )
     aside, more = _set_aside(t)
@@ -178,7 +178,7 @@ def render_triage_html(t: dict[str, Any]) -> str:
             f"({len(t['ignored'])})</summary>"
             + table(
                 ["step", "signal", "rule", "message"],
-                [[o["step"], o["signal"], o.get("rule", ""), o["message"]] for o in aside],
+                _html_rows(aside),
             )
             + (f"<p>{html.escape(more)}</p>" if more else "")
             + "</details>"

@@ -74,13 +74,18 @@ def _judged_spikes(ev: LogEvidence, cfg: TriageConfig) -> list[tuple[Onset, str]
             and za <= cfg.z
             and zg < cfg.z / 2
         )
+        if not pause:
+            out.append((o, ""))
+            continue
         gz = f"grad norm z {zg:.2f}" if o.step in grad else "no grad norm logged"
-        why = (
-            f"no further above the level the loss has just been at than its noise allows "
-            f"(robust z {za:.2f} <= {cfg.z:g}) and the grad norm not rising ({gz} < "
-            f"{cfg.z / 2:g}): a steep descent pausing"
+        out.append(
+            (
+                o,
+                f"no further above the level the loss has just been at than its noise allows "
+                f"(robust z {za:.2f} <= {cfg.z:g}) and the grad norm not rising ({gz} < "
+                f"{cfg.z / 2:g}): a steep descent pausing",
+            )
         )
-        out.append((o, why if pause else ""))
     return out
 
 

@@ -184,18 +184,17 @@ class Kernels:
         return True
 
     def persample(
-        self, per: torch.Tensor, norms: torch.Tensor, total: torch.Tensor, accumulate: bool
+        self, per: torch.Tensor, norms: int, total: torch.Tensor, accumulate: bool
     ) -> bool:
-        """Per-sample L2 norms of the products `per` [B, ...] into `norms` [B] and their sum
+        """Per-sample L2 norms of the products `per` [B, ...] into the fp32 [B] buffer at
+        address `norms` (a row of the replay's buffer, no view made per call) and their sum
         over samples into `total` (added to it with `accumulate`), in one pass; all fp32,
         CPU, contiguous, `per` not empty (the caller checks). False where the library has
         no such kernel."""
         if self._persample is None:
             return False
         b = per.shape[0]
-        self._persample(
-            per.data_ptr(), b, per.numel() // b, norms.data_ptr(), total.data_ptr(), accumulate
-        )
+        self._persample(per.data_ptr(), b, per.numel() // b, norms, total.data_ptr(), accumulate)
         return True
 
     def param_sums(
@@ -208,9 +207,9 @@ class Kernels:
         if self._params is None:
             return None
         n = len(grads)
-        gp = np.fromiter((x.data_ptr() for x in grads), np.int64, n)
-        vp = np.fromiter((0 if v is None else v.data_ptr() for v in vs), np.int64, n)
-        numels = np.fromiter((x.numel() for x in grads), np.int64, n)
+        gp = np.array([x.data_ptr() for x in grads], np.int64)
+        vp = np.array([0 if v is None else v.data_ptr() for v in vs], np.int64)
+        numels = np.array([x.numel() for x in grads], np.int64)
         ef = np.asarray(e, np.float32)
         out = np.empty((n, 4), np.float64)
         self._params(

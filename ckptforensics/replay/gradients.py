@@ -44,12 +44,15 @@ class Layout:
     params: int
 
     def pack(
-        self, head: dict[str, torch.Tensor], rows: dict[str, torch.Tensor], params: torch.Tensor
+        self,
+        head: dict[str, torch.Tensor | float],
+        rows: dict[str, torch.Tensor],
+        params: torch.Tensor,
     ) -> torch.Tensor:
-        """One rank's row (float64, on its device): `head` and `rows` by name (HEAD, ROW),
-        `params` [params, len(PARAM)]."""
+        """One rank's row (float64, on its device): `head` (tensors or numbers) and `rows`
+        by name (HEAD, ROW), `params` [params, len(PARAM)]."""
         dev = params.device
-        top = torch.stack([head[k].detach().to(dev, torch.float64).reshape(()) for k in HEAD])
+        top = _head_row([head[k] for k in HEAD], dev)
         got = [rows[k].detach() for k in ROW]
         if all(r.shape[0] == self.pad for r in got):  # no padding (one process): one op
             block = torch.cat(got).to(dev, torch.float64)
@@ -67,6 +70,19 @@ class Layout:
             rows=every[:, h : h + r].reshape(w, len(ROW), self.pad),
             params=every[:, h + r :].reshape(w, self.params, len(PARAM)),
         )
+
+
+def _head_row(head: list[torch.Tensor | float], dev: torch.device) -> torch.Tensor:
+    """The HEAD figures as one float64 row on `dev`. On CPU, from the figures read as
+    Python numbers (an fp32 or integer scalar is exact in float64): one tensor made instead
+    of three small ops a figure; elsewhere on the device, with no host read."""
+    if dev.type == "cpu" and all(
+        not isinstance(x, torch.Tensor) or x.device.type == "cpu" for x in head
+    ):
+        return torch.tensor([float(x) for x in head], dtype=torch.float64)
+    return torch.stack(
+        [torch.as_tensor(x).detach().to(dev, torch.float64).reshape(()) for x in head]
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,16 +72,17 @@ def param_grad_table(
     if not grads:
         return torch.zeros(0, 4)
     dev = grads[0].device
-    g = [x.detach() for x in grads]
-    g = [x.to_local() if hasattr(x, "to_local") else x for x in g]
+    g = [_local(x.detach()) for x in grads]
     adam: dict[int, tuple[torch.Tensor, float, float]] = {}  # index -> (v, eps^2 / c, c)
     for k, (st, grp) in enumerate(zip(states, groups, strict=True)):
         v = st.get("exp_avg_sq")
-        if v is None or float(st.get("step", 0)) <= 0 or "betas" not in grp:
+        if v is None or "betas" not in grp:
             continue
-        v = v.to_local() if hasattr(v, "to_local") else v
-        c = 1.0 / (1 - grp["betas"][1] ** float(st["step"]))
-        adam[k] = (v, grp["eps"] * grp["eps"] / c, c)
+        t = float(st.get("step", 0))
+        if t <= 0:
+            continue
+        c = 1.0 / (1 - grp["betas"][1] ** t)
+        adam[k] = (_local(v), grp["eps"] * grp["eps"] / c, c)
     # [sum g^2, sum g^2 / v_hat, spikes, finite] per parameter: NaN / 0 without Adam
     # state; an empty gradient: zeros, finite.
     table = _kernel_table(g, adam, dev)
@@ -102,20 +103,30 @@ def _kernel_table(
     if dev.type != "cpu":
         return None
     kernels = fused.load()
-    if kernels is None or not all(_plain_f32(x) for x in g):
+    if kernels is None:
         return None
-    vs = [adam[k][0] if k in adam else None for k in range(len(g))]
-    if not all(
-        v is None or (_plain_f32(v) and v.numel() == x.numel()) for v, x in zip(vs, g, strict=True)
-    ):
-        return None
-    got = kernels.param_sums(g, vs, [adam[k][1] if k in adam else 0.0 for k in range(len(g))])
+    vs: list[torch.Tensor | None] = [None] * len(g)
+    e = [0.0] * len(g)
+    for k, x in enumerate(g):
+        if not _plain_f32(x):
+            return None
+        a = adam.get(k)
+        if a is not None:
+            if not (_plain_f32(a[0]) and a[0].numel() == x.numel()):
+                return None
+            vs[k], e[k] = a[0], a[1]
+    got = kernels.param_sums(g, vs, e)
     if got is None:
         return None
     for k, (_, _, c) in adam.items():
         # an empty tensor's pointer may be 0, read as no state: its sum is 0
         got[k, 1] = got[k, 1] / c if g[k].numel() else 0.0
     return torch.from_numpy(got).float()
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a plain tensor as it is)."""
+    return x if type(x) is torch.Tensor else x.to_local() if hasattr(x, "to_local") else x
 
 
 def _plain_f32(x: torch.Tensor) -> bool:

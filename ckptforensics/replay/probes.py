@@ -246,6 +246,7 @@ class _Rows:
         )
         self._one = kernels.probe_one if plain and kernels is not None else None
         self._base, self._width = table.data_ptr(), table.shape[1]
+        self._on_cpu = self.raw.device.type == "cpu"
         self._rows_np = table.numpy() if self._one is not None else None
 
     def _next(self, i: int) -> int:
@@ -255,17 +256,18 @@ class _Rows:
 
     def measure(self, i: int, x: torch.Tensor, subnormal: bool) -> _Meas:
         """Row `i`'s measurement of `x` (its values now; not used for autograd)."""
+        m = x.numel()
         if (
             x.dtype == torch.float32
             and type(x) is torch.Tensor
-            and x.numel()
-            and x.device == self.raw.device
+            and m
+            and (x.is_cpu if self._on_cpu else x.device == self.raw.device)
         ):
-            self.numel[i] = x.numel()
+            self.numel[i] = m
             n = self._next(i)
             if self._one is not None and x.is_contiguous():
                 w = self._width
-                self._one(x.data_ptr(), x.numel(), self._base + 4 * w * i, w, _FP16_MAX, _BF16_MAX)
+                self._one(x.data_ptr(), m, self._base + 4 * w * i, w, _FP16_MAX, _BF16_MAX)
                 return i
             self.direct[i] = n
             l2, lo, hi = self._views[i]

@@ -34,7 +34,7 @@ def per_token_loss(
     negative label is ignored (HF's -100, nanoGPT's -1).
     """
     lg, tgt = (logits.float(), labels) if shifted else (logits[:, :-1].float(), labels[:, 1:])
-    tgt = torch.where(tgt < 0, torch.full_like(tgt, -100), tgt)
+    tgt = torch.where(tgt < 0, -100, tgt)
     loss = nn.functional.cross_entropy(
         lg.reshape(-1, lg.size(-1)), tgt.reshape(-1), reduction="none", ignore_index=-100
     )
@@ -257,9 +257,9 @@ class PerSampleGrad:
             held.add_(total)
         return True
 
-    def _norm_row(self, b: int) -> torch.Tensor | None:
-        """The next row [B] of the pass's buffer of fused per-sample norms (grown as
-        needed); None where this call's batch differs from the buffer's."""
+    def _norm_row(self, b: int) -> int | None:
+        """The address of the next row [B] of the pass's fp32 buffer of fused per-sample
+        norms (grown as needed); None where this call's batch differs from the buffer's."""
         buf = self._normbuf
         if buf is None or (self._nnorm == 0 and buf.shape[1] != b):
             buf = self._normbuf = torch.empty(64, b, dtype=torch.float32)
@@ -270,7 +270,7 @@ class PerSampleGrad:
             grown[: buf.shape[0]] = buf
             buf = self._normbuf = grown
         self._nnorm += 1
-        return buf[self._nnorm - 1]
+        return buf.data_ptr() + 4 * b * (self._nnorm - 1)
 
     def _finish(self, entry: _Input) -> None:
         """An input's figure: its Gram matrix against its gradients' summed Gram matrices."""

@@ -401,8 +401,8 @@ class Session:
                 "logit_absmax": self.logit_stats[0],
                 "log_z": self.logit_stats[1],
                 "logit_rows": self.logit_stats[2],
-                "rows": torch.tensor(n),
-                "has_grad_sq": torch.tensor(sq is not None),
+                "rows": n,
+                "has_grad_sq": float(sq is not None),
                 "norm": norm,
             },
             rows={

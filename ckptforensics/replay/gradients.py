@@ -79,7 +79,10 @@ def _head_row(head: list[torch.Tensor | float], dev: torch.device) -> torch.Tens
     if dev.type == "cpu" and all(
         not isinstance(x, torch.Tensor) or x.device.type == "cpu" for x in head
     ):
-        return torch.tensor([float(x) for x in head], dtype=torch.float64)
+        return torch.tensor(
+            [float(x.detach()) if isinstance(x, torch.Tensor) else float(x) for x in head],
+            dtype=torch.float64,
+        )
     return torch.stack(
         [torch.as_tensor(x).detach().to(dev, torch.float64).reshape(()) for x in head]
     )

@@ -130,6 +130,10 @@ class Kernels:
         if self._params is not None:
             self._params.argtypes = [_I64, _P, _P, _P, _P, _P]
             self._params.restype = None
+        self._attn = getattr(lib, "cf_attn_causal_f32", None)
+        if self._attn is not None:
+            self._attn.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, ctypes.c_float, _P]
+            self._attn.restype = _I64
 
     def weights(self, a: torch.Tensor, b: torch.Tensor) -> WeightStats | None:
         """Statistics of a chunk pair (flat, contiguous, CPU, fp32 or bf16, same dtype);
@@ -216,6 +220,33 @@ class Kernels:
             n, gp.ctypes.data, vp.ctypes.data, numels.ctypes.data, ef.ctypes.data, out.ctypes.data
         )
         return out
+
+    def causal_attention(
+        self, s: torch.Tensor, w: torch.Tensor, rows: float, out: torch.Tensor
+    ) -> bool | None:
+        """The replay's attention statistics of causal logits s [L, b, H, t, S] (SDPA's
+        top-left mask added as a 0 / -inf bias) into out [L, H, 3] = [max logit, sum over
+        rows of w[row] x entropy, `rows`], as `replay.attnstats._accumulate` takes them,
+        in one pass (`cf_attn_causal_f32`); w [t] are the rows' weights. All fp32, CPU,
+        contiguous. True when done; False where a logit is NaN (out unspecified: the
+        caller's masked_fill path); None where the kernel does not take these tensors,
+        the library has no such kernel or its scratch could not be allocated."""
+        if (
+            self._attn is None
+            or s.dim() != 5
+            or s.numel() == 0
+            or s.dtype != torch.float32
+            or s.device.type != "cpu"
+            or not s.is_contiguous()
+            or not all(x.dtype == torch.float32 and x.device.type == "cpu" for x in (w, out))
+            or not (w.is_contiguous() and out.is_contiguous())
+            or w.shape != s.shape[3:4]
+            or out.shape != (s.shape[0], s.shape[2], 3)
+        ):
+            return None
+        n, b, h, t, sk = s.shape
+        rc = self._attn(s.data_ptr(), n, b, h, t, sk, w.data_ptr(), rows, out.data_ptr())
+        return None if rc < 0 else rc == 0
 
 
 def _kind(*ts: torch.Tensor) -> str | None:

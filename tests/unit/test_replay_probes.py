@@ -5,7 +5,9 @@ deferred rows against `_stats` of each module's output; a watch scoped to the at
 modules after the first pass against the whole-forward mapping pass; per-sample gradient
 norms with a Gram matrix shared by linears fed one input, against one backward per row;
 the attention statistics (cached causal masks, entropy by nansum of p log_softmax, the layers'
-calls measured together) against the per-call log_softmax form they replaced."""
+calls measured together) against the per-call log_softmax form they replaced, and the C
+kernel's causal figures against those torch ops (non-finite, huge, tied, near one-hot and NaN
+logits among them)."""
 
 from __future__ import annotations
 
@@ -485,6 +487,162 @@ def test_causal_mask_by_bias_matches_masked_fill_with_non_finite_masked_logits()
         got, top = attnstats._causal_masked(x, causal)
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(top, want.amax(dim=(-4, -2, -1)), rtol=0, atol=0, msg=name)
+
+
+def _kernel_spy(monkeypatch: pytest.MonkeyPatch) -> list[bool | None]:
+    """What each `fused.Kernels.causal_attention` call returned, in order (skips the test
+    where there is no C compiler: the statistics are then torch's anyway)."""
+    if fused.load() is None:
+        pytest.skip("no C compiler: the attention statistics are torch ops only")
+    calls: list[bool | None] = []
+    real = fused.Kernels.causal_attention
+
+    def spy(self: fused.Kernels, *args: object) -> bool | None:
+        calls.append(real(self, *args))
+        return calls[-1]
+
+    monkeypatch.setattr(fused.Kernels, "causal_attention", spy)
+    return calls
+
+
+def _without_kernel(monkeypatch: pytest.MonkeyPatch, f, *args: object) -> torch.Tensor:
+    """`f(*args)` with the C kernels unavailable (as CKPTFORENSICS_FUSED=0 or no compiler)."""
+    with monkeypatch.context() as m:
+        m.setattr(fused, "load", lambda: None)
+        return f(*args)
+
+
+@pytest.mark.parametrize(
+    "n, b, h, hk, t, sk",
+    [(n, 3, 4, hk, t, t) for hk in (2, 4) for n in (1, 3) for t in (1, 7, 32)]
+    + [
+        (2, 3, 4, 2, 7, 12),  # fewer queries than keys (top-left causal)
+        (2, 3, 4, 2, 20, 7),  # more: the last rows attend every key
+        (1, 2, 4, 2, 40, 40),  # a part-filled group of 16 rows
+        (1, 2, 2, 1, 100, 100),  # keys summed in several blocks of 64
+        (1, 20, 2, 2, 5, 5),  # rows' Z multiplied in several products
+    ],
+)
+def test_causal_attention_kernel_matches_the_torch_path(
+    n: int, b: int, h: int, hk: int, t: int, sk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`attention_logit_stats_many` of causal calls by the C kernel (`cf_attn_causal_f32`)
+    and by its torch ops: the max logit and the rows counted exactly, entropies within
+    1e-5 relative (~1e-7 measured), in GQA and plain layouts, one call and several."""
+    calls = _kernel_spy(monkeypatch)
+    g = torch.Generator().manual_seed(n * 1000 + t * 10 + hk + sk + b)
+    qs = [torch.randn(b, h, t, 8, generator=g) * 2 for _ in range(n)]
+    ks = [torch.randn(b, hk, sk, 8, generator=g) * 2 for _ in range(n)]
+    got = attention_logit_stats_many(qs, ks, None, True)
+    assert calls == [True]
+    want = _without_kernel(monkeypatch, attention_logit_stats_many, qs, ks, None, True)
+    assert len(calls) == 1  # the torch path did not call it
+    assert torch.equal(got[..., 0], want[..., 0]) and torch.equal(got[..., 2], want[..., 2])
+    torch.testing.assert_close(got[..., 1], want[..., 1], rtol=1e-5, atol=0.0)
+    ref = torch.stack([_attention_reference(q, k, None, True) for q, k in zip(qs, ks, strict=True)])
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def _planted_logits() -> dict[str, torch.Tensor]:
+    """Causal logits [L, b, H, t, S] with the bias added (as `_causal_grouped` forms them),
+    each with an edge case planted where the mask lets a query attend."""
+    torch.manual_seed(0)
+    bias = attnstats._causal(0, 9, 9, torch.device("cpu"))[3]
+    raw = torch.randn(2, 3, 4, 9, 9) * 2
+    cases = {"finite": raw.clone()}
+    cases["+inf"] = raw.clone()
+    cases["+inf"][0, 1, 2, 5, 3] = math.inf  # the row's softmax is NaN: entropy 0
+    cases["+inf"][1, 2, 0, 8, 8] = math.inf  # on the diagonal
+    cases["-inf"] = raw.clone()
+    cases["-inf"][1, 0, 1, 6, 2] = -math.inf  # a key the row attends with weight 0
+    cases["-inf row"] = raw.clone()
+    cases["-inf row"][0, 2, 3, 4, :5] = -math.inf  # every key the row may attend
+    cases["huge"] = raw * 1e30  # exp underflows: one-hot rows, entropy 0
+    cases["ties"] = (raw * 1e30).clamp(max=5e29)  # huge and tied: entropy log(ties)
+    cases["subnormal"] = raw * 30  # e^d down to the subnormals
+    return {name: x + bias for name, x in cases.items()}
+
+
+def test_causal_attention_kernel_on_non_finite_huge_and_tied_logits() -> None:
+    """The kernel against `_accumulate`'s torch ops on the logits `_causal_grouped` hands
+    it: +inf and -inf logits the mask lets through, a row of -inf, logits so large every
+    exp but the max underflows (ties among them), and exps in the subnormals."""
+    kernels = fused.load()
+    if kernels is None:
+        pytest.skip("no C compiler: the attention statistics are torch ops only")
+    causal = attnstats._causal(0, 9, 9, torch.device("cpu"))
+    for name, s in _planted_logits().items():
+        out = torch.empty(2, 4, 3)
+        assert kernels.causal_attention(s, causal[1], float(causal[2] * 3), out), name
+        want = attnstats._accumulate(s, None, causal, top=s.amax(dim=(-4, -2, -1)))
+        assert torch.equal(out[..., 0], want[..., 0]), name
+        assert torch.equal(out[..., 2], want[..., 2]), name
+        torch.testing.assert_close(out[..., 1], want[..., 1], rtol=1e-5, atol=0.0, msg=name)
+        if name == "+inf":
+            assert out[0, 2, 0] == math.inf and out[1, 0, 0] == math.inf
+        if name == "huge":
+            assert torch.equal(out[..., 1], torch.zeros(2, 4))
+        if name == "ties":
+            assert bool((out[..., 1] > 0).all())
+
+
+def test_causal_attention_kernel_is_exact_where_rows_are_near_one_hot() -> None:
+    """Rows whose max outweighs the rest by e^15: the kernel's log Z (a count of keys at
+    the max plus the others' sum, fp64) keeps the entropy to 1e-6 of an fp64 computation,
+    where torch's fp32 log Z (of 1 + ~1e-5) is off by ~1e-4 relative."""
+    kernels = fused.load()
+    if kernels is None:
+        pytest.skip("no C compiler: the attention statistics are torch ops only")
+    torch.manual_seed(0)
+    causal = attnstats._causal(0, 32, 32, torch.device("cpu"))
+    raw = torch.randn(1, 8, 4, 32, 32) * 0.5 - 15
+    raw[..., range(32), range(32)] = 0.0  # each row's own key dominates
+    out = torch.empty(1, 4, 3)
+    assert kernels.causal_attention(raw + causal[3], causal[1], 0.0, out)
+    s64 = raw.double().masked_fill(causal[0], -math.inf)
+    ent = -(s64.softmax(-1) * s64.log_softmax(-1)).nansum(-1)
+    torch.testing.assert_close(
+        out[..., 1].double(), (ent * causal[1].double()).sum((1, 3)), rtol=1e-6, atol=0.0
+    )
+
+
+def test_causal_attention_kernel_leaves_nan_logits_to_the_masked_fill_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A NaN logit, masked or not (a masked +inf turns NaN under the bias), makes the kernel
+    decline; `attention_logit_stats_many` then gives what it gives without the kernel (the
+    general path's masked_fill). The kernel declines tensors it does not take."""
+    kernels = fused.load()
+    calls = _kernel_spy(monkeypatch)
+    assert kernels is not None
+    causal = attnstats._causal(0, 20, 20, torch.device("cpu"))
+    torch.manual_seed(0)
+    raw = torch.randn(2, 3, 4, 20, 20)
+    # attended; masked, among the keys its 16 rows' last may attend; masked, past those
+    for where in ((0, 1, 2, 5, 3), (1, 2, 3, 2, 7), (1, 0, 1, 2, 18)):
+        for bad in (math.nan, math.inf):
+            if bad == math.inf and where[-1] <= where[-2]:
+                continue  # an attended +inf is not NaN (the previous test)
+            x = raw.clone()
+            x[where] = bad
+            out = torch.empty(2, 4, 3)
+            assert kernels.causal_attention(x + causal[3], causal[1], 27.0, out) is False
+    qs = [torch.randn(3, 4, 9, 8) for _ in range(2)]
+    ks = [torch.randn(3, 2, 9, 8) for _ in range(2)]
+    qs[1][0, 2, 3, 0] = math.nan  # one query row's logits are NaN
+    calls.clear()
+    got = attention_logit_stats_many(qs, ks, None, True)
+    assert calls == [False]
+    want = _without_kernel(monkeypatch, attention_logit_stats_many, qs, ks, None, True)
+    torch.testing.assert_close(got, want, rtol=0.0, atol=0.0, equal_nan=True)
+    assert math.isnan(float(got[1, 2, 0])) and not math.isnan(float(got[1, 2, 1]))
+    s = raw + causal[3]
+    for args in (
+        (s.transpose(-1, -2), causal[1]),  # not contiguous
+        (s.double(), causal[1]),
+        (s, causal[1][:5]),  # weights for other rows
+    ):
+        assert kernels.causal_attention(*args, 57.0, torch.empty(2, 4, 3)) is None
 
 
 class _Fusing(nn.Module):

@@ -210,14 +210,25 @@ class Kernels:
         has no such kernel. `e` is rounded to fp32, as torch rounds a scalar it adds."""
         if self._params is None:
             return None
-        n = len(grads)
         gp = np.array([x.data_ptr() for x in grads], np.int64)
         vp = np.array([0 if v is None else v.data_ptr() for v in vs], np.int64)
         numels = np.array([x.numel() for x in grads], np.int64)
-        ef = np.asarray(e, np.float32)
+        return self.param_sums_at(gp, vp, numels, np.asarray(e, np.float32))
+
+    def param_sums_at(
+        self, gp: np.ndarray, vp: np.ndarray, numels: np.ndarray, e: np.ndarray
+    ) -> np.ndarray | None:
+        """`param_sums` from the tensors' addresses (int64: gradients `gp`, moments `vp`,
+        0 for none), sizes and fp32 `e`, for a caller that keeps those between steps."""
+        if self._params is None:
+            return None
+        n = len(gp)
+        gp, vp = np.ascontiguousarray(gp, np.int64), np.ascontiguousarray(vp, np.int64)
+        numels = np.ascontiguousarray(numels, np.int64)
+        e = np.ascontiguousarray(e, np.float32)
         out = np.empty((n, 4), np.float64)
         self._params(
-            n, gp.ctypes.data, vp.ctypes.data, numels.ctypes.data, ef.ctypes.data, out.ctypes.data
+            n, gp.ctypes.data, vp.ctypes.data, numels.ctypes.data, e.ctypes.data, out.ctypes.data
         )
         return out
 

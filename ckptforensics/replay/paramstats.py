@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .. import fused
@@ -71,6 +72,9 @@ def param_grad_table(
     """
     if not grads:
         return torch.zeros(0, 4)
+    table = _kernel_sums(grads, states, groups)
+    if table is not None:
+        return table if sums else _rms(table, grads)
     dev = grads[0].device
     g = [_local(x.detach()) for x in grads]
     adam: dict[int, tuple[torch.Tensor, float, float]] = {}  # index -> (v, eps^2 / c, c)
@@ -85,43 +89,65 @@ def param_grad_table(
         adam[k] = (_local(v), grp["eps"] * grp["eps"] / c, c)
     # [sum g^2, sum g^2 / v_hat, spikes, finite] per parameter: NaN / 0 without Adam
     # state; an empty gradient: zeros, finite.
-    table = _kernel_table(g, adam, dev)
-    if table is None:
-        table = _torch_table(g, adam, dev)
-    if not sums:
-        n = torch.tensor([float(max(x.numel(), 1)) for x in g], device=dev)
-        table[:, 0] = (table[:, 0] / n).sqrt()
-        table[:, 1] = (table[:, 1] / n).sqrt()
+    table = _torch_table(g, adam, dev)
+    return table if sums else _rms(table, g)
+
+
+def _rms(table: torch.Tensor, g: list[torch.Tensor]) -> torch.Tensor:
+    """The sums' first two columns as RMS(g) and RMS_t (in place)."""
+    n = torch.tensor([float(max(x.numel(), 1)) for x in g], device=table.device)
+    table[:, 0] = (table[:, 0] / n).sqrt()
+    table[:, 1] = (table[:, 1] / n).sqrt()
     return table
 
 
-def _kernel_table(
-    g: list[torch.Tensor], adam: dict[int, tuple[torch.Tensor, float, float]], dev: torch.device
+def _step_counts(states: list[dict]) -> list[float]:
+    """Each state's Adam step count as a float (0 where none): one op for a list of
+    tensor counts of one dtype, instead of a host read each."""
+    ts = [st.get("step", 0) for st in states]
+    if ts and all(type(t) is torch.Tensor and t.dim() == 0 and t.device.type == "cpu" for t in ts):
+        try:
+            return [float(x) for x in torch.stack(ts).tolist()]
+        except RuntimeError:  # mixed dtypes
+            pass
+    return [float(t) for t in ts]
+
+
+def _kernel_sums(
+    grads: list[torch.Tensor], states: list[dict], groups: list[dict]
 ) -> torch.Tensor | None:
-    """`param_grad_table`'s sums by the C kernel (`fused.Kernels.param_sums`: one call, a
-    pass per parameter), for fp32 gradients and moments on CPU; None otherwise."""
-    if dev.type != "cpu":
-        return None
+    """`param_grad_table`'s sums by the C kernel (`fused.Kernels.param_sums_at`: one call,
+    a pass per parameter), for plain fp32 CPU gradients and moments; None otherwise. One
+    loop over the parameters, the step counts read in one op: at 64 wide this Python, not
+    the kernel, is most of the stage (three or four times its tight-loop cost between a
+    replayed step's other work)."""
     kernels = fused.load()
     if kernels is None:
         return None
-    vs: list[torch.Tensor | None] = [None] * len(g)
-    e = [0.0] * len(g)
-    for k, x in enumerate(g):
-        if not _plain_f32(x):
+    n = len(grads)
+    steps = _step_counts(states)
+    gp, vp, numels = (np.zeros(n, np.int64) for _ in range(3))
+    e = np.zeros(n, np.float32)
+    c = np.ones(n, np.float64)
+    adam = np.zeros(n, np.bool_)
+    for k, (x, st, grp, t) in enumerate(zip(grads, states, groups, steps, strict=True)):
+        if not (_plain_f32(x) and x.is_cpu):
             return None
-        a = adam.get(k)
-        if a is not None:
-            if not (_plain_f32(a[0]) and a[0].numel() == x.numel()):
-                return None
-            vs[k], e[k] = a[0], a[1]
-    got = kernels.param_sums(g, vs, e)
-    if got is None:
+        m = x.numel()
+        gp[k], numels[k] = x.data_ptr(), m
+        v = st.get("exp_avg_sq")
+        if v is None or t <= 0 or "betas" not in grp:
+            continue
+        if not (_plain_f32(v) and v.is_cpu and v.numel() == m):
+            return None
+        ck = 1.0 / (1 - grp["betas"][1] ** t)
+        # an empty tensor's pointer may be 0, read as no state: its sum is set to 0 below
+        vp[k], e[k], c[k], adam[k] = v.data_ptr(), grp["eps"] * grp["eps"] / ck, ck, True
+    out = kernels.param_sums_at(gp, vp, numels, e)
+    if out is None:
         return None
-    for k, (_, _, c) in adam.items():
-        # an empty tensor's pointer may be 0, read as no state: its sum is 0
-        got[k, 1] = got[k, 1] / c if g[k].numel() else 0.0
-    return torch.from_numpy(got).float()
+    out[:, 1] = np.where(adam, np.where(numels > 0, out[:, 1] / c, 0.0), out[:, 1])
+    return torch.from_numpy(out).float()
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

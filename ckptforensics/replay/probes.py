@@ -635,19 +635,30 @@ class ModuleProbe:
         tables merged after one collective)."""
         self._flush()
         attn = self._attn_table()
-        fwd, bwd, attn, logits = (
-            (self.fwd, self.bwd, attn, self._logits) if self.ranks is None else self._merged(attn)
-        )
-        flat = torch.cat(
-            [
-                fwd.reshape(-1).float(),
-                bwd.reshape(-1).float(),
-                attn.reshape(-1).float().to(fwd.device),
-                logits.float().to(fwd.device),
-            ]
-        ).cpu()
-        nf, nb, na = fwd.numel(), bwd.numel(), attn.numel()
-        a = flat[nf + nb : nf + nb + na].reshape(attn.shape)
+        na = attn.numel()
+        if self.ranks is None and self.fwd.device.type == "cpu" and attn.device.type == "cpu":
+            # on the host already: copies of the tables, no packing
+            fwd, bwd, a = self.fwd.clone(), self.bwd.clone(), attn.float()
+            s, n = self._logits.float().tolist()
+        else:
+            fwd, bwd, attn, logits = (
+                (self.fwd, self.bwd, attn, self._logits)
+                if self.ranks is None
+                else self._merged(attn)
+            )
+            flat = torch.cat(
+                [
+                    fwd.reshape(-1).float(),
+                    bwd.reshape(-1).float(),
+                    attn.reshape(-1).float().to(fwd.device),
+                    logits.float().to(fwd.device),
+                ]
+            ).cpu()
+            nf, nb = fwd.numel(), bwd.numel()
+            a = flat[nf + nb : nf + nb + na].reshape(attn.shape)
+            s, n = flat[-2:].tolist()
+            fwd = flat[:nf].reshape(fwd.shape).clone()
+            bwd = flat[nf : nf + nb].reshape(bwd.shape).clone()
         # per head: max logit, mean normalised entropy over the rows counted
         heads = (
             torch.stack(
@@ -660,7 +671,6 @@ class ModuleProbe:
             if na
             else None
         )
-        s, n = flat[-2:].tolist()
         mods = (
             self.attn_modules
             if self.attn_modules is not None
@@ -670,8 +680,8 @@ class ModuleProbe:
         )
         return PassStats(
             self.names,
-            flat[:nf].reshape(fwd.shape).clone(),
-            flat[nf : nf + nb].reshape(bwd.shape).clone(),
+            fwd,
+            bwd,
             tuple(self.fwd_order),
             tuple(self.bwd_order),
             attn_modules=tuple(mods),

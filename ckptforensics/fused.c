@@ -472,3 +472,52 @@ done:
     free(pz);
     return ret;
 }
+
+/* ---------------------------------------------------------------- replay logit figures
+ * The logits x [rows, v] (fp32, contiguous) of a replayed step: out = [max |x|, sum over
+ * rows of log Z (fp64), rows], log Z = logsumexp of a row as torch.logsumexp takes it: NaN
+ * for a row holding a NaN, +inf for one holding +inf, -inf for a row of -inf, else
+ * m + log(sum exp(x - m)) with m the row's max (exp as cf_exp_neg: <= 0.98 ulp; terms in
+ * fp32 lanes over blocks of PROBE_BLOCK keys, blocks in fp64). max |x| is NaN where an
+ * element is (torch.aminmax propagates it). What session.py's logit figures take in six
+ * torch ops, in one pass per row while the row is in cache.
+ */
+void cf_logits_f32(const float *x, int64_t rows, int64_t v, double *out) {
+    float top = 0.0f;
+    int32_t nan = 0;
+    double sum = 0.0;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict y = x + r * v;
+        float m = -INFINITY, a = 0.0f;
+        int32_t bad = 0;
+        _Pragma("omp simd reduction(max:m, a) reduction(|:bad)")
+        for (int64_t j = 0; j < v; j++) {
+            const float u = y[j];
+            m = u > m ? u : m;
+            const float au = fabsf(u);
+            a = au > a ? au : a;
+            bad |= u != u;
+        }
+        nan |= bad;
+        top = a > top ? a : top;
+        if (bad) {
+            sum += NAN;
+        } else if (m == INFINITY || m == -INFINITY) {
+            sum += (double)m;
+        } else {
+            double s = 0.0;
+            for (int64_t j0 = 0; j0 < v; j0 += PROBE_BLOCK) {
+                const int64_t e = j0 + PROBE_BLOCK < v ? j0 + PROBE_BLOCK : v;
+                float b = 0.0f;
+                _Pragma("omp simd reduction(+:b)")
+                for (int64_t j = j0; j < e; j++)
+                    b += cf_exp_neg(cf_exp_clamp(y[j] - m));
+                s += (double)b;
+            }
+            sum += (double)m + log(s);
+        }
+    }
+    out[0] = nan ? NAN : (double)top;
+    out[1] = sum;
+    out[2] = (double)rows;
+}

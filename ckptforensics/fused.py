@@ -130,6 +130,10 @@ class Kernels:
         if self._params is not None:
             self._params.argtypes = [_I64, _P, _P, _P, _P, _P]
             self._params.restype = None
+        self._logits = getattr(lib, "cf_logits_f32", None)
+        if self._logits is not None:
+            self._logits.argtypes = [_P, _I64, _I64, _P]
+            self._logits.restype = None
         self._attn = getattr(lib, "cf_attn_causal_f32", None)
         if self._attn is not None:
             self._attn.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, ctypes.c_float, _P]
@@ -231,6 +235,24 @@ class Kernels:
             n, gp.ctypes.data, vp.ctypes.data, numels.ctypes.data, e.ctypes.data, out.ctypes.data
         )
         return out
+
+    def logit_figures(self, x: torch.Tensor) -> tuple[float, float, float] | None:
+        """(max |x|, sum over rows of logsumexp, rows) of logits x [..., V] (fp32, CPU,
+        contiguous, not empty) in one pass (`cf_logits_f32`); None where the kernel does
+        not take them."""
+        if (
+            self._logits is None
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or x.dim() < 1
+            or x.numel() == 0
+            or not x.is_contiguous()
+        ):
+            return None
+        v = x.shape[-1]
+        out = np.empty(3, np.float64)
+        self._logits(x.data_ptr(), x.numel() // v, v, out.ctypes.data)
+        return float(out[0]), float(out[1]), float(out[2])
 
     def causal_attention(
         self, s: torch.Tensor, w: torch.Tensor, rows: float, out: torch.Tensor

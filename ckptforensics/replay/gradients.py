@@ -107,16 +107,15 @@ class Gathered:
         host already: numpy's ops on them, a microsecond each, not torch's several."""
         head, params = self.head.numpy(), self.params.numpy()
         n = np.maximum(np.asarray(numel, np.float32), np.float32(1))
-        col = PARAM.index
-        rms = np.sqrt(params[..., col("sum_g2")].sum(0).astype(np.float32) / n).tolist()
-        rms_t = np.sqrt(params[..., col("sum_g2_over_v")].sum(0).astype(np.float32) / n).tolist()
-        spikes = params[..., col("spikes")].sum(0).tolist()
-        finite = params[..., col("finite")].min(0).tolist()
+        # [2, P]: RMS and RMS_t, each from its summed sums (columns 0, 1 of PARAM)
+        rms, rms_t = np.sqrt(params[..., :2].sum(0).astype(np.float32).T / n).tolist()
+        spikes = params[..., PARAM.index("spikes")].sum(0).tolist()
+        finite = params[..., PARAM.index("finite")].min(0).tolist()
         of = {k: head[:, i] for i, k in enumerate(HEAD)}
         lse_rows = of["logit_rows"]
         lse = np.where(lse_rows > 0, of["log_z"] * lse_rows, 0.0)
-        with np.errstate(invalid="ignore", divide="ignore"):  # no logits: NaN, as torch's
-            log_z = float(lse.sum() / lse_rows.sum())
+        counted = float(lse_rows.sum())
+        log_z = float(lse.sum()) / counted if counted else math.nan  # no logits: NaN, as torch's
         rows = self.rows.numpy()
         counts = of["rows"].astype(np.int64).tolist()
 

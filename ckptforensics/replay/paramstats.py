@@ -126,10 +126,8 @@ def _kernel_sums(
         return None
     n = len(grads)
     steps = _step_counts(states)
-    gp, vp, numels = (np.zeros(n, np.int64) for _ in range(3))
-    e = np.zeros(n, np.float32)
-    c = np.ones(n, np.float64)
-    adam = np.zeros(n, np.bool_)
+    gp, vp, numels = [0] * n, [0] * n, [0] * n
+    e, c, adam = [0.0] * n, [1.0] * n, [False] * n
     for k, (x, st, grp, t) in enumerate(zip(grads, states, groups, steps, strict=True)):
         if not (_plain_f32(x) and x.is_cpu):
             return None
@@ -143,10 +141,13 @@ def _kernel_sums(
         ck = 1.0 / (1 - grp["betas"][1] ** t)
         # an empty tensor's pointer may be 0, read as no state: its sum is set to 0 below
         vp[k], e[k], c[k], adam[k] = v.data_ptr(), grp["eps"] * grp["eps"] / ck, ck, True
-    out = kernels.param_sums_at(gp, vp, numels, e)
+    sizes = np.array(numels, np.int64)
+    out = kernels.param_sums_at(
+        np.array(gp, np.int64), np.array(vp, np.int64), sizes, np.array(e, np.float32)
+    )
     if out is None:
         return None
-    out[:, 1] = np.where(adam, np.where(numels > 0, out[:, 1] / c, 0.0), out[:, 1])
+    out[:, 1] = np.where(adam, np.where(sizes > 0, out[:, 1] / np.array(c), 0.0), out[:, 1])
     return torch.from_numpy(out).float()
 
 

@@ -253,3 +253,37 @@ def test_probe_row_is_the_probes_torch_row_with_nan_inf_and_overflow(backward: b
         n, l2, lo, hi, _ = _norms(x, subnormal=False)
         want = _derive(l2[None], lo[None].float(), hi[None].float(), [n], None, backward)[0]
         torch.testing.assert_close(table[k], want, rtol=1e-6, atol=0.0, equal_nan=True)
+
+
+@pytest.mark.parametrize("v", [1, 7, 64, 5000])
+def test_logit_figures_are_torchs_with_nan_inf_and_large_rows(v: int) -> None:
+    """The replay's logit figures (max |logit|, summed log Z, rows) from one kernel call
+    equal torch's aminmax / logsumexp on rows of random, huge and tied logits; a row of
+    -inf, one holding +inf and one holding a NaN take torch's values (and NaN throughout
+    where torch gives NaN)."""
+    g = torch.Generator().manual_seed(v)
+    x = torch.randn(6, 5, v, generator=g) * 4
+    x[0, 1] = 3.0  # tied
+    x[0, 2] *= 1e6  # huge: exp of all but the max underflows
+    for case in ("finite", "-inf row", "+inf", "nan"):
+        y = x.clone()
+        if case == "-inf row":
+            y[1, 0] = float("-inf")
+        elif case == "+inf":
+            y[2, 3, v // 2] = float("inf")
+        elif case == "nan":
+            y[3, 4, v - 1] = float("nan")
+        got = KERNELS.logit_figures(y)
+        assert got is not None
+        lo, hi = torch.aminmax(y)
+        lse = torch.logsumexp(y, -1).double()
+        top = float(torch.maximum(-lo, hi))
+        assert (math.isnan(got[0]) and math.isnan(top)) or got[0] == top, case
+        assert got[2] == y.numel() // v
+        if case == "finite":
+            assert got[1] == pytest.approx(float(lse.sum()), rel=1e-6), case
+        else:
+            ref = float(lse.sum())
+            assert (math.isnan(got[1]) and math.isnan(ref)) or got[1] == ref, case
+    assert KERNELS.logit_figures(x.half()) is None
+    assert KERNELS.logit_figures(x.transpose(0, 2)) is None

@@ -261,6 +261,17 @@ void cf_probe_one_f32(const float *x, int64_t m, float *out, int64_t width, floa
     cf_probe_f32(1, &ptr, &m, &row, out, width, fp16_max, bf16_max);
 }
 
+/* The same with the width and limits fixed (fp16's largest 65504, bf16's (2 - 2^-7) 2^127):
+ * an output's row (width 6) and a gradient's (width 3). Three arguments: ctypes converts
+ * each one on every call, and the probe's hooks call these some 50 times a step. */
+void cf_probe_out_f32(const float *x, int64_t m, float *out) {
+    cf_probe_one_f32(x, m, out, 6, 0x1.ffcp15f, 0x1.fep127f);
+}
+
+void cf_probe_grad_f32(const float *x, int64_t m, float *out) {
+    cf_probe_one_f32(x, m, out, 3, 0x1.ffcp15f, 0x1.fep127f);
+}
+
 /* ---------------------------------------------------------------- causal attention
  * exp(x) for x in [-176, 0] (cf_exp_clamp puts it there), vectorisable (glibc's expf is
  * not, without -ffast-math), after Cephes' expf: n = round(x / ln 2) by adding 1.5 2^23,

@@ -46,8 +46,6 @@ _NATIVE = ["-march=native"]
 SAMPLE_STRIDES = (1, 2, 4, 8, 16, 32, 64)
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
-_FP16_MAX = float(torch.finfo(torch.float16).max)
-_BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
@@ -116,12 +114,16 @@ class Kernels:
             m.argtypes = [_P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P]
             m.restype = None
             self._w[k], self._m[k] = w, m
-        # (x, elements, row address, width, fp16 max, bf16 max): `probe_row` without its
-        # Python frame, for the replay probe's hooks (`replay.probes._Rows`); None if absent
-        self.probe_one = getattr(lib, "cf_probe_one_f32", None)
-        if self.probe_one is not None:
-            self.probe_one.argtypes = [_P, _I64, _P, _I64, ctypes.c_float, ctypes.c_float]
-            self.probe_one.restype = None
+        # (x, elements, row address) -> the replay probe's table row of width 6 (an
+        # output's) or 3 (a gradient's): `probe_row` without its Python frame, for the
+        # probe's hooks (`replay.probes._Rows`); three arguments for ctypes to convert
+        self.probe_rows: dict[int, Any] = {}
+        for width, name in ((6, "cf_probe_out_f32"), (3, "cf_probe_grad_f32")):
+            f = getattr(lib, name, None)
+            if f is not None:
+                f.argtypes = [_P, _I64, _P]
+                f.restype = None
+                self.probe_rows[width] = f
         self._persample = getattr(lib, "cf_persample_f32", None)
         if self._persample is not None:
             self._persample.argtypes = [_P, _I64, _I64, _P, _P, _I64]
@@ -180,15 +182,13 @@ class Kernels:
         the caller checks) into row `row` of `table` (fp32, CPU, contiguous: 6 columns,
         an output's [max |x|, RMS, non-finite, over fp16, over bf16, 0]; 3, a gradient's
         [L2 norm, max |x|, non-finite]), in one pass, from the hook while `x` is in cache
-        (`replay.probes._Rows` calls `probe_one` itself). False where the library has no
+        (`replay.probes._Rows` calls `probe_rows` itself). False where the library has no
         such kernel."""
-        if self.probe_one is None:
-            return False
         width = table.shape[1]
-        self.probe_one(
-            x.data_ptr(), x.numel(), table.data_ptr() + 4 * width * row, width, _FP16_MAX,
-            _BF16_MAX,
-        )  # fmt: skip
+        f = self.probe_rows.get(width)
+        if f is None:
+            return False
+        f(x.data_ptr(), x.numel(), table.data_ptr() + 4 * width * row)
         return True
 
     def persample(

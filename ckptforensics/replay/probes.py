@@ -244,8 +244,11 @@ class _Rows:
         plain = (
             table.device.type == "cpu" and table.dtype == torch.float32 and table.is_contiguous()
         )
-        self._one = kernels.probe_one if plain and kernels is not None else None
-        self._base, self._width = table.data_ptr(), table.shape[1]
+        self._one = (
+            kernels.probe_rows.get(table.shape[1]) if plain and kernels is not None else None
+        )
+        # each row's address in the table, for the kernel
+        self._addr = [table.data_ptr() + 4 * table.shape[1] * i for i in range(m)]
         self._on_cpu = self.raw.device.type == "cpu"
         self._rows_np = table.numpy() if self._one is not None else None
 
@@ -264,10 +267,10 @@ class _Rows:
             and (x.is_cpu if self._on_cpu else x.device == self.raw.device)
         ):
             self.numel[i] = m
-            n = self._next(i)
+            self.seq = n = self.seq + 1
+            self.last[i] = n
             if self._one is not None and x.is_contiguous():
-                w = self._width
-                self._one(x.data_ptr(), m, self._base + 4 * w * i, w, _FP16_MAX, _BF16_MAX)
+                self._one(x.data_ptr(), m, self._addr[i])
                 return i
             self.direct[i] = n
             l2, lo, hi = self._views[i]

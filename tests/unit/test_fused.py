@@ -253,6 +253,23 @@ def test_probe_row_is_the_probes_torch_row_with_nan_inf_and_overflow(backward: b
         n, l2, lo, hi, _ = _norms(x, subnormal=False)
         want = _derive(l2[None], lo[None].float(), hi[None].float(), [n], None, backward)[0]
         torch.testing.assert_close(table[k], want, rtol=1e-6, atol=0.0, equal_nan=True)
+    if not backward:  # the kernel's limits are fp16's and bf16's largest, exactly
+        for top, over in (
+            (torch.finfo(torch.float16).max, [0.0, 0.0]),
+            (65505.0, [1.0, 0.0]),
+            (torch.finfo(torch.bfloat16).max, [1.0, 0.0]),
+            (
+                float(
+                    torch.nextafter(
+                        torch.tensor(torch.finfo(torch.bfloat16).max), torch.tensor(math.inf)
+                    )
+                ),
+                [1.0, 1.0],
+            ),
+        ):
+            x = torch.tensor([1.0, -top])
+            assert kernels.probe_row(x, 0, table)
+            assert table[0, 3:5].tolist() == over, top
 
 
 @pytest.mark.parametrize("v", [1, 7, 64, 5000])

@@ -94,7 +94,7 @@ class PerSampleGrad:
         # hook forms the weight's gradient. `_ride` (the linear's forward hook) takes it;
         # one called without its hooks (`.forward` directly) is hooked on its own by the
         # next fused call or the model's forward hook (`_settle`), so no gradient is lost.
-        self._fused_out: tuple[torch.Tensor, nn.Module, torch.Tensor] | None = None
+        self._fused_out: tuple[torch.Tensor, nn.Parameter, torch.Tensor, bool] | None = None
         self._fused_mods: list[nn.Linear] = []
         # Keyed by the input's id, with the input kept so the id stays its own; dropped
         # once every consumer's gradient has used it (or at `reset`).
@@ -149,7 +149,7 @@ class PerSampleGrad:
         pending = self._fused_out
         if pending is not None and out is pending[0]:
             self._fused_out = None
-            return self._fused_hook(mod, pending[2])
+            return self._fused_hook(pending[1], pending[2], pending[3])
         if not self.enabled or not isinstance(out, torch.Tensor) or not out.requires_grad:
             return None
         src = args[0]
@@ -193,24 +193,25 @@ class PerSampleGrad:
         if not (self.enabled and _fusable(x, w, b) and _fuse_pays(x, w)):
             return nn.functional.linear(x, w, b)
         out = nn.functional.linear(x, w.detach(), b)
-        self._fused_out = (out, mod, x.detach())
+        self._fused_out = (out, w, x.detach(), b is not None)
         return out
 
     def _settle(self, *_: object) -> None:
         """A fused output no forward hook took (its linear called through `.forward`):
         its gradient hook registered on its own."""
         if self._fused_out is not None:
-            out, mod, x = self._fused_out
+            out, w, x, bias = self._fused_out
             self._fused_out = None
-            out.register_hook(self._fused_hook(mod, x))
+            out.register_hook(self._fused_hook(w, x, bias))
 
-    def _fused_hook(self, mod: nn.Module, x: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    def _fused_hook(
+        self, w: nn.Parameter, x: torch.Tensor, bias: bool
+    ) -> Callable[[torch.Tensor], None]:
         """The gradient hook of a fused linear's output: per-sample weight gradients
         [B, out, in], their norms kept, their sum the weight's gradient (on CPU with the C
-        kernels: norms into the pass's buffer, the sum straight into `.grad`, one pass)."""
-        w = mod.weight
-        bias = getattr(mod, "bias", None) is not None
-        kernels = self._kernels if x.device.type == "cpu" else None
+        kernels: norms into the pass's buffer, the sum straight into `.grad`, one pass).
+        `w`: the linear's weight, `bias`: whether it has one."""
+        kernels = self._kernels if x.is_cpu else None
 
         def grad_hook(g: torch.Tensor) -> None:
             gg = g.detach()

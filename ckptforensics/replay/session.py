@@ -167,10 +167,11 @@ class Session:
             mask = ((labels if shifted else labels[:, 1:]) >= 0).to(tok.dtype)
             if am is not None:
                 mask = mask * (am if shifted else am[:, 1:]).to(tok.dtype)
-        masked = tok * mask
+        # tok is already 0 wherever mask is (cross_entropy's ignore_index, per_token_loss's
+        # attention mask; NaN times 0 stays NaN either way): no product with the mask
         self.row_tokens = mask.sum(1)
-        per_sample = masked.sum(1) / self.row_tokens.clamp_min(1)
-        loss = self._share(masked, mask, full, shifted)
+        per_sample = tok.sum(1) / self.row_tokens.clamp_min(1)
+        loss = self._share(tok, mask, full, shifted)
         self.logit_stats = _logit_figures(logits.detach())
         return loss, per_sample
 

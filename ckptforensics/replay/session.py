@@ -78,6 +78,7 @@ class Session:
             distributed.shard_model(self.model, self.shards, bf16_params=precision == "bf16-params")
             distributed.materialize(self.model, self.device)
         self.to_ckpt = load_weights(self.model, a, self.shards)
+        self.vocab = _vocab_size(self.model)  # what `check_vocab` holds each batch to
         self.model.to(self.device).train()
         self.opt = build_optimizer(self.model, a, self.to_ckpt, self.shards)
         unpadded = padding_rows_trained(self.model, self.opt) if self.shards is None else []
@@ -96,7 +97,7 @@ class Session:
         # Megatron --bf16: each micro-batch's bf16 gradient summed in fp32 (`_regrad_micro`).
         self.micro_fp32 = mp.fp32_micro_batches(a) if self.bf16_params is not None else None
         if first is not None:  # the calling convention, from the window's first batch
-            check_vocab(self.model, first[1], first[0])
+            check_vocab(self.model, first[1], first[0], self.vocab)
             self.call = self._detect_call(first[1])
         self.skip_rule = skip_rule  # OLMo-core's SkipStepAdamW: the steps it skipped
         # fp16: the run's loss scale (precision.LossScaler); without a plan, the
@@ -459,12 +460,18 @@ def _logit_figures(lg: torch.Tensor) -> tuple[torch.Tensor | float, ...]:
         return absmax, lse.mean(), lse.new_tensor(lse.numel())
 
 
-def check_vocab(model: nn.Module, batch: dict[str, torch.Tensor], step: int) -> None:
-    """A token id the model's embedding cannot index is bad input, said before any forward."""
-    vocab = _vocab_size(model)
+def check_vocab(
+    model: nn.Module, batch: dict[str, torch.Tensor], step: int, vocab: int | None = None
+) -> None:
+    """A token id the model's embedding cannot index is bad input, said before any forward
+    (`vocab`: the embedding's size, where the caller has it: `Session.vocab`)."""
+    vocab = _vocab_size(model) if vocab is None else vocab
     ids = batch["input_ids"]
-    if vocab is not None and ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
-        bad = int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())
+    if vocab is None or not ids.numel():
+        return
+    lo, hi = (int(x) for x in torch.aminmax(ids))
+    if hi >= vocab or lo < 0:
+        bad = hi if hi >= vocab else lo
         raise ForensicsError(
             f"batch of step {step}: token id {bad} outside the model's vocabulary of {vocab}"
         )

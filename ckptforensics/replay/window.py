@@ -453,7 +453,7 @@ def run_window(p: Plan, clip: float | None, progress: Callable[[str], None] | No
             if progress is not None:
                 progress(f"step {s}")
             batch = window[s]
-            check_vocab(session.model, batch, s)
+            check_vocab(session.model, batch, s, session.vocab)
             with doing(f"replaying step {s}"):
                 if precision != "fp32":
                     result.fp32_passes[s] = session.probe_pass(batch, "fp32")

@@ -438,8 +438,8 @@ class Session:
         self.psg.remove()
 
 
-# Logits the C kernel measures on one thread before torch's ops (on all of torch's
-# threads) would be quicker: ~1 ms of work.
+# Logits up to which the C kernel (one thread) measures them even where torch has several
+# threads (about 1 ms of its work); past it, only where torch has one.
 _LOGITS_ONE_THREAD = 1 << 20
 
 

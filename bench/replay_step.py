@@ -3,27 +3,33 @@
 For each depth (default 2, 8 and 32 layers) transformers' own Trainer trains a tiny HF
 LlamaForCausalLM (hidden 64, MLP 128, 4 heads / 2 KV heads, untied head: 9 tensors a layer
 + 3) for a few steps on the fixtures' Markov text, keeping a checkpoint at `--before` and at
-`--before + --window` and logging its batches (metrics.jsonl, batches.h5). Then, in rounds
-(plain, replay, plain, replay, ...):
+`--before + --window` and logging its batches (metrics.jsonl, batches.h5). Then, in rounds,
+the window is replayed with a plain step taken before each replayed step (pairs: plain,
+replay, plain, replay, ...):
 
   plain    one training step as the Trainer takes it: forward with labels, backward,
            clip_grad_norm_(1.0), the Trainer's own optimizer (`create_optimizer`: fused
-           AdamW, decay / no-decay groups) step, zero_grad; `--window` of them a round.
+           AdamW, decay / no-decay groups) step, zero_grad; taken at the replayed step's
+           progress call, so that both steps of a pair meet the machine as it is then.
   replay   `replay.window.run_window` over the window (clip 1.0, the run's), with `after`:
-           the per-step time is the wall time from one step's progress call ("step s") to
-           the next, the last step ending where the comparison with *after* begins. So it
-           counts everything the replay's step loop does per step (the fp32 probe pass
-           where precision is not fp32, the probed forward+backward with per-sample shares,
-           per-parameter RMS / RMS_t / SPAM, clipping, the optimizer step); not the plan
-           (opening the checkpoints), the model build and weight load, the row data
-           statistics (one call for the whole window before its first step, ~0.35 ms for
-           4 steps of 8 x 32 tokens), nor the comparison with *after*.
+           the per-step time is the wall time from the end of its plain step to the next
+           progress call ("step s"), the last step ending where the comparison with
+           *after* begins. So it counts everything the replay's step loop does per step
+           (the vocabulary check, the fp32 probe pass where precision is not fp32, the
+           probed forward+backward with per-sample shares, per-parameter RMS / RMS_t /
+           SPAM, clipping, the optimizer step); not the plan (opening the checkpoints),
+           the model build and weight load, the row data statistics (one call for the
+           whole window before its first step, ~0.35 ms for 4 steps of 8 x 32 tokens),
+           nor the comparison with *after*.
 
-Each round's figure is the median over its steps; the ratio is the median over rounds of
-replay / plain in the same round. Each depth runs in a process of its own (`--one`), as a
-replay does. Target (issue #30): <= 1.5x at every depth.
+The ratio is the median over all pairs of replay / plain; min-max are the rounds' medians.
+Pairs, not blocks: the blocks this bench took before (4 plain steps, then the window's 4
+replayed steps) scattered 1.0-2.3x a round on a shared 2-CPU machine, and three runs of 15
+rounds read 1.51-1.66x of one code; three runs of 9 rounds in pairs read 1.59-1.62x
+(bench/RESULTS.md, replay_step notes). Each depth runs in a process of its own (`--one`),
+as a replay does. Target (issue #30): <= 1.5x at every depth.
 
-    python bench/replay_step.py [--layers 2 8 32] [--rounds 5] [--window 4] [--profile] [--record]
+    python bench/replay_step.py [--layers 2 8 32] [--rounds 9] [--window 4] [--profile] [--record]
 """
 
 from __future__ import annotations
@@ -130,8 +136,13 @@ def plain_stepper(out: Path, layers: int, before: int, batches: list[torch.Tenso
     return step
 
 
-def replay_steps(out: Path, before: int, window: int) -> list[float]:
-    """Seconds of each replayed step of the window (see the module's docstring)."""
+def replay_steps(
+    out: Path, before: int, window: int, plain: Any = None
+) -> list[tuple[float, float]]:
+    """(plain, replayed) seconds of each step of the window (see the module's docstring):
+    with `plain`, one plain training step is taken and timed at each step's progress call,
+    just before the replayed step, so that both steps of a pair meet the machine as it is
+    then; without, plain 0."""
     cfg = ReplayConfig(
         before=out / f"checkpoint-{before}",
         after=out / f"checkpoint-{before + window}",
@@ -140,20 +151,31 @@ def replay_steps(out: Path, before: int, window: int) -> list[float]:
     )
     p = replay_window.plan(cfg)
     assert p.precision == "fp32", p.precision_source
-    assert p.precision == "fp32", p.precision_source
-    marks: list[float] = []
+    ends: list[float] = []
+    starts: list[float] = []
+    plains: list[float] = []
     compare = replay_window.compare_after
 
     def timed_compare(*a: Any, **k: Any) -> Any:
-        marks.append(time.perf_counter())
+        ends.append(time.perf_counter())
         return compare(*a, **k)
+
+    def progress(_msg: str) -> None:
+        if starts:
+            ends.append(time.perf_counter())
+        t0 = time.perf_counter()
+        if plain is not None:
+            plain()
+        t1 = time.perf_counter()
+        plains.append(t1 - t0 if plain is not None else 0.0)
+        starts.append(t1)
 
     replay_window.compare_after = timed_compare
     try:
-        replay_window.run_window(p, 1.0, lambda _msg: marks.append(time.perf_counter()))
+        replay_window.run_window(p, 1.0, progress)
     finally:
         replay_window.compare_after = compare
-    return [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    return [(q, b - a) for q, a, b in zip(plains, starts, ends, strict=True)]
 
 
 def measure(layers: int, rounds: int, before: int, window: int, root: Path) -> dict[str, Any]:
@@ -162,25 +184,22 @@ def measure(layers: int, rounds: int, before: int, window: int, root: Path) -> d
     for _ in range(2):
         plain()  # warm-up
     replay_steps(out, before, window)  # warm-up
-    rows: list[tuple[float, float]] = []
+    pairs: list[tuple[float, float]] = []
     for _ in range(rounds):
-        ts = []
-        for _ in range(window):
-            t0 = time.perf_counter()
-            plain()
-            ts.append(time.perf_counter() - t0)
-        rs = replay_steps(out, before, window)
-        assert len(rs) == window, rs
-        rows.append((statistics.median(ts), statistics.median(rs)))
+        got = replay_steps(out, before, window, plain)
+        assert len(got) == window, got
+        pairs += got
+    ratios = [r / q for q, r in pairs]
+    per_round = [statistics.median(ratios[i : i + window]) for i in range(0, len(ratios), window)]
     n_tensors = sum(1 for _ in llama(layers).parameters())
     return {
         "layers": layers,
         "tensors": n_tensors,
-        "plain": statistics.median(r[0] for r in rows),
-        "replay": statistics.median(r[1] for r in rows),
-        "ratio": statistics.median(r[1] / r[0] for r in rows),
-        "lo": min(r[1] / r[0] for r in rows),
-        "hi": max(r[1] / r[0] for r in rows),
+        "plain": statistics.median(q for q, _ in pairs),
+        "replay": statistics.median(r for _, r in pairs),
+        "ratio": statistics.median(ratios),
+        "lo": min(per_round),
+        "hi": max(per_round),
         "out": out,
     }
 
@@ -236,7 +255,7 @@ def profile(out: Path, before: int, window: int, top: int = 30) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--before", type=int, default=4, help="step of the before checkpoint")
     ap.add_argument("--window", type=int, default=4, help="steps replayed")
     ap.add_argument("--profile", action="store_true", help="cProfile the replay at each depth")
@@ -278,11 +297,14 @@ def main() -> None:
         f"HF LlamaForCausalLM, hidden {WIDTH}, MLP {2 * WIDTH}, 4 heads / 2 KV heads, vocab {VOCAB}, untied head; "
         f"batch {BATCH} x 32 tokens; fp32; {torch.get_num_threads()} torch thread(s). The Trainer trained {args.before + args.window} steps "
         f"(checkpoints at {args.before} and {args.before + args.window}, batches logged). "
-        f"{args.rounds} rounds, each {args.window} plain training steps (forward with labels, backward, clip_grad_norm_ 1.0, "
-        f"the Trainer's own optimizer: fused AdamW) then one replay of the {args.window}-step window "
-        "(`run_window`, clip 1.0, with *after*); a replayed step is timed from its progress call to the next "
-        "(the last to the comparison with *after*): model build, checkpoint read, the window's row data statistics (one call before its first step) and the comparison excluded. "
-        f"Each depth in a process of its own. Seconds are medians; the ratio is the median over rounds of replay / plain in the same round; "
+        f"{args.rounds} rounds, each one replay of the {args.window}-step window (`run_window`, clip 1.0, with *after*) "
+        "with a plain training step (forward with labels, backward, clip_grad_norm_ 1.0, the Trainer's own optimizer: "
+        "fused AdamW) taken and timed at each replayed step's progress call, just before it: pairs, plain then replay. "
+        "A replayed step is timed from the end of its plain step to the next progress call (the last to the comparison "
+        "with *after*): model build, checkpoint read, the window's row data statistics (one call before its first step) "
+        "and the comparison excluded. "
+        f"Each depth in a process of its own. Seconds are medians over all steps; the ratio is the median over all pairs "
+        f"of replay / plain (min–max: the rounds' medians); "
         f"load average at the end {os.getloadavg()[0]:.1f}."
         + " session.py as committed (its per-parameter stage is `param_grad_table`).",
         "",

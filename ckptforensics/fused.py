@@ -206,24 +206,13 @@ class Kernels:
         return True
 
     def param_sums(
-        self, grads: list[torch.Tensor], vs: list[torch.Tensor | None], e: list[float]
-    ) -> np.ndarray | None:
-        """[P, 4] fp64 = [sum g^2, sum g^2 / (v + e), spikes, finite] per gradient (fp32,
-        CPU, contiguous; `vs[k]` fp32 CPU contiguous of the same size, or None: NaN / 0),
-        one pass each in one call (the replay's `param_grad_table`); None where the library
-        has no such kernel. `e` is rounded to fp32, as torch rounds a scalar it adds."""
-        if self._params is None:
-            return None
-        gp = np.array([x.data_ptr() for x in grads], np.int64)
-        vp = np.array([0 if v is None else v.data_ptr() for v in vs], np.int64)
-        numels = np.array([x.numel() for x in grads], np.int64)
-        return self.param_sums_at(gp, vp, numels, np.asarray(e, np.float32))
-
-    def param_sums_at(
         self, gp: np.ndarray, vp: np.ndarray, numels: np.ndarray, e: np.ndarray
     ) -> np.ndarray | None:
-        """`param_sums` from the tensors' addresses (int64: gradients `gp`, moments `vp`,
-        0 for none), sizes and fp32 `e`, for a caller that keeps those between steps."""
+        """[P, 4] fp64 = [sum g^2, sum g^2 / (v + e), spikes, finite] per gradient, one pass
+        each in one call (the replay's `param_grad_table`), from the tensors' addresses
+        (int64: fp32 contiguous CPU gradients `gp`, moments `vp` of the same sizes or 0 for
+        none: NaN / 0), their sizes and `e` (fp32, as torch rounds a scalar it adds); None
+        where the library has no such kernel."""
         if self._params is None:
             return None
         n = len(gp)

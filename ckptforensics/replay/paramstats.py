@@ -106,17 +106,14 @@ def _step_counts(states: list[dict]) -> list[float]:
     tensor counts of one dtype, instead of a host read each."""
     ts = [st.get("step", 0) for st in states]
     if ts and all(type(t) is torch.Tensor and t.dim() == 0 and t.device.type == "cpu" for t in ts):
-        try:
-            return [float(x) for x in torch.stack(ts).tolist()]
-        except RuntimeError:  # mixed dtypes
-            pass
+        return [float(x) for x in torch.stack(ts).tolist()]  # (stack promotes mixed dtypes)
     return [float(t) for t in ts]
 
 
 def _kernel_sums(
     grads: list[torch.Tensor], states: list[dict], groups: list[dict]
 ) -> torch.Tensor | None:
-    """`param_grad_table`'s sums by the C kernel (`fused.Kernels.param_sums_at`: one call,
+    """`param_grad_table`'s sums by the C kernel (`fused.Kernels.param_sums`: one call,
     a pass per parameter), for plain fp32 CPU gradients and moments; None otherwise. One
     loop over the parameters, the step counts read in one op: at 64 wide this Python, not
     the kernel, is most of the stage (three or four times its tight-loop cost between a
@@ -142,7 +139,7 @@ def _kernel_sums(
         # an empty tensor's pointer may be 0, read as no state: its sum is set to 0 below
         vp[k], e[k], c[k], adam[k] = v.data_ptr(), grp["eps"] * grp["eps"] / ck, ck, True
     sizes = np.array(numels, np.int64)
-    out = kernels.param_sums_at(
+    out = kernels.param_sums(
         np.array(gp, np.int64), np.array(vp, np.int64), sizes, np.array(e, np.float32)
     )
     if out is None:

@@ -267,8 +267,7 @@ class _Rows:
             and (x.is_cpu if self._on_cpu else x.device == self.raw.device)
         ):
             self.numel[i] = m
-            self.seq = n = self.seq + 1
-            self.last[i] = n
+            n = self._next(i)
             if self._one is not None and x.is_contiguous():
                 self._one(x.data_ptr(), m, self._addr[i])
                 return i

@@ -63,8 +63,9 @@ class Layout:
         return torch.cat([top, block.reshape(-1), params.to(torch.float64).reshape(-1)])
 
     def unpack(self, every: torch.Tensor) -> Gathered:
-        """Every rank's row [world, width] read back by name."""
+        """Every rank's row [world, width] (on the host) read back by name."""
         w, h, r = every.shape[0], len(HEAD), len(ROW) * self.pad
+        every = every.numpy()
         return Gathered(
             head=every[:, :h],
             rows=every[:, h : h + r].reshape(w, len(ROW), self.pad),
@@ -90,11 +91,34 @@ def _head_row(head: list[torch.Tensor | float], dev: torch.device) -> torch.Tens
 
 @dataclass(frozen=True, slots=True)
 class Gathered:
-    """Every rank's packed figures (`Layout`), rank order."""
+    """Every rank's packed figures (`Layout`), rank order, on the host (float64)."""
 
-    head: torch.Tensor  # [world, len(HEAD)]
-    rows: torch.Tensor  # [world, len(ROW), pad]
-    params: torch.Tensor  # [world, params, len(PARAM)]
+    head: np.ndarray  # [world, len(HEAD)]
+    rows: np.ndarray  # [world, len(ROW), pad]
+    params: np.ndarray  # [world, params, len(PARAM)]
+
+    @classmethod
+    def one(
+        cls,
+        head: dict[str, torch.Tensor | float],
+        rows: dict[str, torch.Tensor],
+        params: np.ndarray,
+    ) -> Gathered:
+        """One process's figures on the host, as `Layout.pack` and `gather` would hand them
+        back (the same float64 values), without the packing: its ops, between a replayed
+        step's others, cost more than the evidence they carry (`head`, `rows` by name as
+        `Layout.pack` takes them, `params` [P, len(PARAM)])."""
+        # fp32 or integer scalars: exact in float64
+        top = [
+            float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
+            for x in (head[k] for k in HEAD)
+        ]
+        block = torch.stack([rows[k].detach() for k in ROW]).to(torch.float64).numpy()
+        return cls(
+            head=np.array([top], np.float64),
+            rows=block[None],
+            params=np.asarray(params, np.float64)[None],
+        )
 
     def evidence(
         self, names: Sequence[str], numel: Sequence[int], ckpt: Sequence[str]
@@ -105,36 +129,59 @@ class Gathered:
         RMS and RMS_t are computed in float32 from the summed sums, as
         `probes.param_grad_stats` computes them for a whole gradient. The rows are on the
         host already: numpy's ops on them, a microsecond each, not torch's several."""
-        head, params = self.head.numpy(), self.params.numpy()
+        head, params, w = self.head, self.params, self.head.shape[0]
         n = np.maximum(np.asarray(numel, np.float32), np.float32(1))
+        # PARAM of the whole gradient [P, 4]: the ranks' sums, finite where every shard is
+        # (one rank: its own row, as it is)
+        p = (
+            params[0]
+            if w == 1
+            else np.concatenate([params[..., :3].sum(0), params[..., 3:].min(0)], 1)
+        )
         # [2, P]: RMS and RMS_t, each from its summed sums (columns 0, 1 of PARAM)
-        rms, rms_t = np.sqrt(params[..., :2].sum(0).astype(np.float32).T / n).tolist()
-        spikes = params[..., PARAM.index("spikes")].sum(0).tolist()
-        finite = params[..., PARAM.index("finite")].min(0).tolist()
-        of = {k: head[:, i] for i, k in enumerate(HEAD)}
-        lse_rows = of["logit_rows"]
-        lse = np.where(lse_rows > 0, of["log_z"] * lse_rows, 0.0)
-        counted = float(lse_rows.sum())
-        log_z = float(lse.sum()) / counted if counted else math.nan  # no logits: NaN, as torch's
-        rows = self.rows.numpy()
-        counts = of["rows"].astype(np.int64).tolist()
+        rms, rms_t = np.sqrt(p[:, :2].astype(np.float32).T / n).tolist()
+        spikes, finite = p[:, 2].tolist(), p[:, 3].tolist()
+        if w == 1:  # one rank's head is the step's: Python numbers, no reductions
+            h = dict(zip(HEAD, head[0].tolist(), strict=True))
+            r = h["logit_rows"]
+            loss, sq_norm, absmax = h["loss"], h["norm"] * h["norm"], h["logit_absmax"]
+            lse, counted = (h["log_z"] * r if r > 0 else 0.0), r
+        else:
+            of = {k: head[:, i] for i, k in enumerate(HEAD)}
+            r = of["logit_rows"]
+            loss, absmax = float(of["loss"].sum()), float(of["logit_absmax"].max())
+            sq_norm = float(np.square(of["norm"]).sum())
+            lse, counted = float(np.where(r > 0, of["log_z"] * r, 0.0).sum()), float(r.sum())
+        log_z = lse / counted if counted else math.nan  # no logits: NaN, as torch's
+        rows = self.rows
+        counts = [int(x) for x in head[:, HEAD.index("rows")].tolist()]
 
         def per_row(name: str) -> list[float]:
             """A ROW figure of the whole batch: each rank's rows, rank 0's first (the order
             in which `Ranks.my_rows` hands them out)."""
             c = rows[:, ROW.index(name)]
-            return [x for w, k in enumerate(counts) for x in c[w, :k].tolist()]
+            return [x for i, k in enumerate(counts) for x in c[i, :k].tolist()]
 
+        # (the usual step has every gradient finite, no spike and every RMS_t a number:
+        # each filter below is skipped whole then)
         return GradEvidence(
-            loss=float(of["loss"].sum()),
-            total=math.sqrt(float(np.square(of["norm"]).sum())),  # one process: its norm
-            nonfinite=tuple(nm for nm, ok in zip(names, finite, strict=True) if not ok),
+            loss=loss,
+            total=math.sqrt(sq_norm),  # one process: its norm
+            nonfinite=()
+            if all(finite)
+            else tuple(nm for nm, ok in zip(names, finite, strict=True) if not ok),
             rms=dict(zip(ckpt, rms, strict=True)),
-            rms_t={nm: r for nm, r in zip(ckpt, rms_t, strict=True) if math.isfinite(r)},
-            spikes={nm: int(k) for nm, k in zip(ckpt, spikes, strict=True) if k > 0},
+            rms_t=dict(zip(ckpt, rms_t, strict=True))
+            if all(map(math.isfinite, rms_t))
+            else {nm: r for nm, r in zip(ckpt, rms_t, strict=True) if math.isfinite(r)},
+            spikes={nm: int(k) for nm, k in zip(ckpt, spikes, strict=True) if k > 0}
+            if any(spikes)
+            else {},
             sample_loss=tuple(per_row("loss")),
-            sample_grad_sq=tuple(per_row("grad_sq")) if bool(of["has_grad_sq"].all()) else None,
-            logit_absmax=float(of["logit_absmax"].max()),
+            sample_grad_sq=tuple(per_row("grad_sq"))
+            if all(head[:, HEAD.index("has_grad_sq")].tolist())
+            else None,
+            logit_absmax=absmax,
             log_z=log_z,
             sample_tokens=tuple(int(x) for x in per_row("tokens")),
         )

@@ -13,7 +13,7 @@ import torch
 
 from .. import fused
 
-__all__ = ["param_grad_stats", "param_grad_sums", "param_grad_table"]
+__all__ = ["StepCounts", "host_sums", "param_grad_stats", "param_grad_sums", "param_grad_table"]
 
 
 def param_grad_stats(grad: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
@@ -72,8 +72,9 @@ def param_grad_table(
     """
     if not grads:
         return torch.zeros(0, 4)
-    table = _kernel_sums(grads, states, groups)
-    if table is not None:
+    host = host_sums(grads, states, groups)
+    if host is not None:
+        table = torch.from_numpy(host).float()
         return table if sums else _rms(table, grads)
     dev = grads[0].device
     g = [_local(x.detach()) for x in grads]
@@ -101,32 +102,65 @@ def _rms(table: torch.Tensor, g: list[torch.Tensor]) -> torch.Tensor:
     return table
 
 
-def _step_counts(states: list[dict]) -> list[float]:
-    """Each state's Adam step count as a float (0 where none): one op for a list of
-    tensor counts of one dtype, instead of a host read each."""
-    ts = [st.get("step", 0) for st in states]
-    if ts and all(type(t) is torch.Tensor and t.dim() == 0 and t.device.type == "cpu" for t in ts):
-        return [float(x) for x in torch.stack(ts).tolist()]  # (stack promotes mixed dtypes)
-    return [float(t) for t in ts]
+class StepCounts:
+    """Reads optimizer states' Adam step counts as floats (0 where none), step after step.
+
+    A count is in most optimizers one 0-dim CPU tensor per parameter, made once and bumped
+    in place: it is read through a numpy view of it, kept (with the tensor, so that its id
+    stays its own) while the state holds that tensor. `item` per count, or one `stack`,
+    cost 2-3 µs a count between a replayed step's other ops; the view, a tenth of that."""
+
+    def __init__(self) -> None:
+        self._views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+
+    def __call__(self, states: list[dict]) -> list[float]:
+        out = [0.0] * len(states)
+        views = self._views
+        for k, st in enumerate(states):
+            t = st.get("step", 0)
+            if type(t) is not torch.Tensor:
+                out[k] = float(t)
+                continue
+            held = views.get(id(t))
+            if held is None or held[0] is not t:
+                if t.dim() or not t.is_cpu or t.dtype not in _VIEWABLE:
+                    out[k] = float(t.item())
+                    continue
+                held = views[id(t)] = (t, t.detach().numpy())
+            out[k] = float(held[1])
+        if len(views) > 2 * len(states) + 64:  # counts no state holds now: let them go
+            live = {id(st.get("step")) for st in states}
+            self._views = {i: v for i, v in views.items() if i in live}
+        return out
 
 
-def _kernel_sums(
-    grads: list[torch.Tensor], states: list[dict], groups: list[dict]
-) -> torch.Tensor | None:
-    """`param_grad_table`'s sums by the C kernel (`fused.Kernels.param_sums`: one call,
-    a pass per parameter), for plain fp32 CPU gradients and moments; None otherwise. One
-    loop over the parameters, the step counts read in one op: at 64 wide this Python, not
-    the kernel, is most of the stage (three or four times its tight-loop cost between a
-    replayed step's other work)."""
+# dtypes numpy reads as torch stores them
+_VIEWABLE = (torch.float32, torch.float64, torch.int64, torch.int32)
+
+
+def host_sums(
+    grads: list[torch.Tensor],
+    states: list[dict],
+    groups: list[dict],
+    counts: StepCounts | None = None,
+) -> np.ndarray | None:
+    """`param_grad_table`'s sums [P, 4] (fp64, on the host) by the C kernel
+    (`fused.Kernels.param_sums`: one call, a pass per parameter), for plain fp32 CPU
+    gradients and moments; None otherwise. One loop over the parameters: at 64 wide this
+    Python, not the kernel, is most of the stage (three or four times its tight-loop cost
+    between a replayed step's other work). `counts`: the caller's reader of the step counts,
+    kept from step to step."""
     kernels = fused.load()
     if kernels is None:
         return None
     n = len(grads)
-    steps = _step_counts(states)
+    steps = (counts or StepCounts())(states)
     gp, vp, numels = [0] * n, [0] * n, [0] * n
-    e, c, adam = [0.0] * n, [1.0] * n, [False] * n
+    e, c = [0.0] * n, [1.0] * n
+    empty: list[int] = []  # Adam's parameters without elements: their ratio sum is 0
+    f32 = torch.float32
     for k, (x, st, grp, t) in enumerate(zip(grads, states, groups, steps, strict=True)):
-        if not (_plain_f32(x) and x.is_cpu):
+        if type(x) is not torch.Tensor or x.dtype != f32 or not x.is_contiguous() or not x.is_cpu:
             return None
         m = x.numel()
         gp[k], numels[k] = x.data_ptr(), m
@@ -137,15 +171,21 @@ def _kernel_sums(
             return None
         ck = 1.0 / (1 - grp["betas"][1] ** t)
         # an empty tensor's pointer may be 0, read as no state: its sum is set to 0 below
-        vp[k], e[k], c[k], adam[k] = v.data_ptr(), grp["eps"] * grp["eps"] / ck, ck, True
-    sizes = np.array(numels, np.int64)
+        vp[k], e[k], c[k] = v.data_ptr(), grp["eps"] * grp["eps"] / ck, ck
+        if not m:
+            empty.append(k)
     out = kernels.param_sums(
-        np.array(gp, np.int64), np.array(vp, np.int64), sizes, np.array(e, np.float32)
+        np.array(gp, np.int64),
+        np.array(vp, np.int64),
+        np.array(numels, np.int64),
+        np.array(e, np.float32),
     )
     if out is None:
         return None
-    out[:, 1] = np.where(adam, np.where(sizes > 0, out[:, 1] / np.array(c), 0.0), out[:, 1])
-    return torch.from_numpy(out).float()
+    out[:, 1] /= c  # the ratio's sum over c (1 without Adam state: its NaN stays)
+    if empty:
+        out[empty, 1] = 0.0
+    return out
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -405,7 +406,9 @@ class ModuleProbe:
             if self.watch is not None
             else None
         )
-        self._logits = torch.full((2,), float("nan"), device=device)  # [sum of logits, count]
+        # the output logits' sum (a tensor where the logits are, read at `collect`) and count
+        self._logit_sum: torch.Tensor | float = math.nan
+        self._logit_count = math.nan
         if self.watch is not None:
             self._handles.append(model.register_forward_pre_hook(self._enter))
             self._handles.append(model.register_forward_hook(self._leave, always_call=True))
@@ -484,10 +487,8 @@ class ModuleProbe:
         self._prev = None
         logits = logits_of(out)
         if logits is not None and logits.is_floating_point():
-            lg = logits.detach()
-            self._logits = torch.stack(
-                [lg.float().sum(), lg.new_tensor(float(lg.numel()), dtype=torch.float32)]
-            )
+            self._logit_sum = logits.detach().float().sum()
+            self._logit_count = float(logits.numel())
         if self._mapping:
             for h in self._stack_handles:
                 h.remove()
@@ -609,7 +610,17 @@ class ModuleProbe:
         if self.watch is not None:
             self.watch.rows.clear()
             self.watch.clear_waiting()
-        self._logits = torch.full((2,), float("nan"), device=self.device)
+        self._logit_sum, self._logit_count = math.nan, math.nan
+
+    def _logits(self) -> torch.Tensor:
+        """[sum of the pass's logits, their count] (fp64, on the probe's device)."""
+        top = self._logit_sum
+        return torch.stack(
+            [
+                torch.as_tensor(top).to(self.device, torch.float64),
+                torch.tensor(self._logit_count, dtype=torch.float64, device=self.device),
+            ]
+        )
 
     def _flush(self) -> None:
         """The hooks' pending measurements into the tables (`_rows`); a module that ran
@@ -641,10 +652,10 @@ class ModuleProbe:
         if self.ranks is None and self.fwd.device.type == "cpu" and attn.device.type == "cpu":
             # on the host already: copies of the tables, no packing
             fwd, bwd, a = self.fwd.clone(), self.bwd.clone(), attn.float()
-            s, n = self._logits.float().tolist()
+            s, n = float(self._logit_sum), self._logit_count
         else:
             fwd, bwd, attn, logits = (
-                (self.fwd, self.bwd, attn, self._logits)
+                (self.fwd, self.bwd, attn, self._logits())
                 if self.ranks is None
                 else self._merged(attn)
             )
@@ -661,18 +672,14 @@ class ModuleProbe:
             s, n = flat[-2:].tolist()
             fwd = flat[:nf].reshape(fwd.shape).clone()
             bwd = flat[nf : nf + nb].reshape(bwd.shape).clone()
-        # per head: max logit, mean normalised entropy over the rows counted
-        heads = (
-            torch.stack(
-                [
-                    a[..., 0],
-                    a[..., 1] / a[..., 2].clamp_min(1).where(a[..., 2] > 0, torch.tensor(math.nan)),
-                ],
-                -1,
-            )
-            if na
-            else None
-        )
+        # per head: max logit, mean normalised entropy over the rows counted (numpy: the
+        # table is on the host, [layers, heads, 3])
+        heads = None
+        if na:
+            an = a.numpy()
+            rows = an[..., 2]
+            per = np.where(rows > 0, np.maximum(rows, 1), np.nan).astype(np.float32)
+            heads = torch.from_numpy(np.stack([an[..., 0], an[..., 1] / per], -1))
         mods = (
             self.attn_modules
             if self.attn_modules is not None
@@ -709,7 +716,7 @@ class ModuleProbe:
             [
                 table.reshape(-1),
                 attn.reshape(-1).double().to(table.device),
-                self._logits.double().to(table.device),
+                self._logits().to(table.device),
             ]
         )
         gathered = self.ranks.gather(flat).reshape(-1, flat.numel())  # [W, m + attn + 2]

@@ -22,7 +22,7 @@ from torch import nn
 from .. import fused
 from ..errors import ForensicsError
 from ..formats.base import Checkpoint
-from . import distributed, skipstep
+from . import distributed, paramstats, skipstep
 from . import gradients as gr
 from . import precision as mp
 from .conventions import CallConvention, LabelConvention, call_model, detect_call
@@ -115,6 +115,7 @@ class Session:
         self.params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._group_of = {id(p): g for g in self.opt.param_groups for p in g["params"]}
         self._grad_view: tuple | None = None  # `_with_grad`'s lookups, for one set of params
+        self._counts = paramstats.StepCounts()  # the optimizer's step counts, read each step
 
     @property
     def labels_shifted(self) -> bool:
@@ -386,31 +387,36 @@ class Session:
             if self.shards is None
             else [local_state(self.opt.state.get(p)) for _, p in with_grad]
         )
-        # [sum g^2, sum g^2 / v_hat, spikes, finite] per parameter: a dozen ops per block of
-        # gradients of one size, no host read (one op per parameter each cost 2x as much at
-        # 32 layers: bench/RESULTS.md#replay-step)
-        sums = param_grad_table(grads, states, groups, sums=True).to(self.device)
-        layout = gr.Layout(pad=-(-rows // self.ranks.world), params=len(with_grad))
         sq = self.psg.sq
         n = per_sample.shape[0]
-        mine = layout.pack(
-            head={
-                "loss": loss,
-                "logit_absmax": self.logit_stats[0],
-                "log_z": self.logit_stats[1],
-                "logit_rows": self.logit_stats[2],
-                "rows": n,
-                "has_grad_sq": float(sq is not None),
-                "norm": norm,
-            },
-            rows={
-                "loss": per_sample,
-                "grad_sq": sq if sq is not None else per_sample.new_zeros(n),
-                "tokens": self.row_tokens,
-            },
-            params=sums,
+        head = {
+            "loss": loss,
+            "logit_absmax": self.logit_stats[0],
+            "log_z": self.logit_stats[1],
+            "logit_rows": self.logit_stats[2],
+            "rows": n,
+            "has_grad_sq": float(sq is not None),
+            "norm": norm,
+        }
+        rows_of = {
+            "loss": per_sample,
+            "grad_sq": sq if sq is not None else per_sample.new_zeros(n),
+            "tokens": self.row_tokens,
+        }
+        # [sum g^2, sum g^2 / v_hat, spikes, finite] per parameter: one C call on CPU, else a
+        # dozen ops per block of gradients of one size, no host read (one op per parameter
+        # each cost 2x as much at 32 layers: bench/RESULTS.md#replay-step)
+        host = (
+            paramstats.host_sums(grads, states, groups, self._counts)
+            if self.shards is None and self.device.type == "cpu"
+            else None
         )
-        every = gr.gather(self.ranks, layout, mine)
+        if host is not None:  # one process on the host: no packing, no gather
+            every = gr.Gathered.one(head, rows_of, host)
+        else:
+            sums = param_grad_table(grads, states, groups, sums=True).to(self.device)
+            layout = gr.Layout(pad=-(-rows // self.ranks.world), params=len(with_grad))
+            every = gr.gather(self.ranks, layout, layout.pack(head, rows_of, sums))
         ev = every.evidence(names, numel, ckpt)
         gr.clip_grads([p for _, p in with_grad], clip, ev.total, norm)
         return ev

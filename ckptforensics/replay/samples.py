@@ -33,12 +33,21 @@ def per_token_loss(
     the token after `t`): with `shifted`, every position is scored as is: [B, T]. Any
     negative label is ignored (HF's -100, nanoGPT's -1).
     """
-    lg, tgt = (logits.float(), labels) if shifted else (logits[:, :-1].float(), labels[:, 1:])
+    tgt = labels if shifted else labels[:, 1:]
     tgt = torch.where(tgt < 0, -100, tgt)
+    if not shifted:
+        # the targets shifted, not the logits (as HF's loss does): every position scored,
+        # the last against an ignored target, so that [B, T, V] logits are not copied
+        # (`logits[:, :-1]` is not contiguous: its reshape copied all of them); each
+        # position's loss, and its gradient, is the same number either way
+        tgt = nn.functional.pad(tgt, (0, 1), value=-100)
+    lg = logits.float()
     loss = nn.functional.cross_entropy(
         lg.reshape(-1, lg.size(-1)), tgt.reshape(-1), reduction="none", ignore_index=-100
     )
     loss = loss.view(tgt.shape)
+    if not shifted:
+        loss = loss[:, :-1].contiguous()  # [B, T - 1]; contiguous: sums over it as before
     if mask is not None:
         loss = loss * (mask if shifted else mask[:, 1:]).to(loss.dtype)
     return loss

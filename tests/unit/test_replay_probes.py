@@ -789,3 +789,37 @@ def test_grad_norm_and_clip_are_torch_clip_grad_norm_to_the_bit(mixed: bool) -> 
     assert torch.equal(norm, want)
     gradients.clip_grads(ps, 1.0, float(norm), norm)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(ps, twin, strict=True))
+
+
+def test_per_token_loss_scores_each_position_against_its_next_token() -> None:
+    """HF's convention (labels are the inputs): position t against token t + 1, negative
+    labels and masked positions 0, [B, T - 1]; the logits' gradient as cross entropy over
+    the sliced logits gives it, bit for bit. Shifted targets: every position as is."""
+    torch.manual_seed(3)
+    b, t, v = 3, 9, 40
+    logits = torch.randn(b, t, v, requires_grad=True)
+    labels = torch.randint(0, v, (b, t))
+    labels[0, 4], labels[2, 8] = -100, -1
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[1, 6:] = 0
+    got = per_token_loss(logits, labels, mask)
+    tgt = labels[:, 1:].clone()
+    tgt[tgt < 0] = -100
+    ref = (
+        nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, v), tgt.reshape(-1), reduction="none", ignore_index=-100
+        ).view(b, t - 1)
+        * mask[:, 1:]
+    )
+    assert got.shape == (b, t - 1) and got.is_contiguous()
+    assert torch.equal(got, ref)
+    assert got[0, 3] == 0 and got[2, 7] == 0 and not got[1, 5:].any()
+    (g_got,) = torch.autograd.grad(got.sum(), logits)
+    (g_ref,) = torch.autograd.grad(ref.sum(), logits)
+    assert torch.equal(g_got, g_ref) and not g_got[:, -1].any()
+    shifted = per_token_loss(logits, labels, shifted=True)
+    assert shifted.shape == (b, t)
+    assert shifted[0, 4] == 0 and shifted[2, 8] == 0
+    torch.testing.assert_close(
+        shifted[1, 0], nn.functional.cross_entropy(logits[1, 0], labels[1, 0]), rtol=0, atol=0
+    )

@@ -267,11 +267,11 @@ class _Rows:
             and m
             and (x.is_cpu if self._on_cpu else x.device == self.raw.device)
         ):
-            self.numel[i] = m
             n = self._next(i)
             if self._one is not None and x.is_contiguous():
-                self._one(x.data_ptr(), m, self._addr[i])
+                self._one(x.data_ptr(), m, self._addr[i])  # (its row needs no count)
                 return i
+            self.numel[i] = m
             self.direct[i] = n
             l2, lo, hi = self._views[i]
             x = x.detach()
@@ -285,10 +285,10 @@ class _Rows:
     def again(self, i: int, meas: _Meas) -> _Meas:
         """Row `i` takes another row's measurement (a parent returning its child's output)."""
         if isinstance(meas, int):
-            self.numel[i] = self.numel[meas]
             n = self._next(i)
             if meas in self.direct and self.last[meas] == self.direct[meas]:
                 self._row[i].copy_(self._row[meas])
+                self.numel[i] = self.numel[meas]
                 self.direct[i] = n
             else:  # written by the kernel: its table row
                 self._rows_np[i] = self._rows_np[meas]
@@ -582,11 +582,11 @@ class ModuleProbe:
         (the modules that returned it), then a rider's hook on it (`ride`), if any."""
 
         def hook(g: torch.Tensor) -> None:
-            gd = g.detach()
-            m = self._bwd_rows.measure(rows[0], gd, False)
+            # (`measure` reads the values only; a gradient in a hook needs no detach)
+            m = self._bwd_rows.measure(rows[0], g, False)
             for i in rows:
                 if shared:
-                    self.shared[i] = gd.float().clone()
+                    self.shared[i] = g.detach().float().clone()
                 if i != rows[0]:
                     self._bwd_rows.again(i, m)
                 self.bwd_order.append(i)

@@ -198,7 +198,12 @@ class PerSampleGrad:
         gradient hook (`_fused_hook`) forms the weight's gradient; else as it is."""
         if self._fused_out is not None:
             self._settle()
-        w, b = mod.weight, mod.bias
+        # (from `_parameters`: `mod.weight` is a Python call, Module.__getattr__; a weight
+        # or bias kept elsewhere, by a parametrization, is read the usual way)
+        params = mod._parameters
+        w, b = params.get("weight"), params.get("bias")
+        if w is None or "bias" not in params:
+            w, b = mod.weight, mod.bias
         if not (self.enabled and _fusable(x, w, b) and _fuse_pays(x, w)):
             return nn.functional.linear(x, w, b)
         out = nn.functional.linear(x, w.detach(), b)
@@ -322,15 +327,16 @@ def _fusable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     plain tensors (not a DTensor, not under autocast: there the product's dtype and the
     weight's cast are autograd's), the weight trained, an output that will get a gradient
     with the weight detached, grad mode on, rows as [B, T, in]."""
+    # (cheapest tests first: this runs at every linear's call, between the model's ops)
     return (
-        torch.is_grad_enabled()
-        and x.dim() == 3
-        and x.dtype == torch.float32
-        and w.dtype == torch.float32
+        type(x) is torch.Tensor
         and type(w) is nn.Parameter
-        and type(x) is torch.Tensor
+        and x.dtype is torch.float32
+        and w.dtype is torch.float32
         and w.requires_grad
         and (x.requires_grad or (b is not None and b.requires_grad))
+        and x.dim() == 3
+        and torch.is_grad_enabled()
         and not torch.is_autocast_enabled(x.device.type)
     )
 

@@ -116,6 +116,7 @@ class Session:
         self._group_of = {id(p): g for g in self.opt.param_groups for p in g["params"]}
         self._grad_view: tuple | None = None  # `_with_grad`'s lookups, for one set of params
         self._counts = paramstats.StepCounts()  # the optimizer's step counts, read each step
+        self._state_view: tuple | None = None  # `_states`' lookups
 
     @property
     def labels_shifted(self) -> bool:
@@ -379,12 +380,15 @@ class Session:
         host read), then clipping by the whole gradient's norm (`clip_grad_norm_`'s rule).
         `rows`: the step's global batch."""
         with_grad = [(n, p) for n, p in self.params if p.grad is not None]
-        grads = [local_tensor(p.grad) for _, p in with_grad]
+        one = self.shards is None  # one process: plain tensors, no shards to take
+        grads = (
+            [p.grad for _, p in with_grad] if one else [local_tensor(p.grad) for _, p in with_grad]
+        )
         norm = gr.grad_norm(grads)
         names, ckpt, numel, groups = self._with_grad(with_grad)
         states = (
-            [self.opt.state.get(p) or {} for _, p in with_grad]
-            if self.shards is None
+            self._states(with_grad)
+            if one
             else [local_state(self.opt.state.get(p)) for _, p in with_grad]
         )
         sq = self.psg.sq
@@ -427,7 +431,8 @@ class Session:
         """The model names, checkpoint names, sizes and optimizer groups of the parameters
         that have a gradient, looked up once per such set: every step of a window has the
         same set, and the checkpoint-name lookup is a Python call per parameter."""
-        key = tuple(id(p) for _, p in with_grad)
+        # (every parameter, the usual step: a key without a Python call per parameter)
+        key = None if len(with_grad) == len(self.params) else tuple(id(p) for _, p in with_grad)
         if self._grad_view is None or self._grad_view[0] != key:
             names = [n for n, _ in with_grad]
             self._grad_view = (
@@ -438,6 +443,24 @@ class Session:
                 [self._group_of[id(p)] for _, p in with_grad],
             )
         return self._grad_view[1:]
+
+    def _states(self, with_grad: list[tuple[str, nn.Parameter]]) -> list[dict]:
+        """The optimizer's state of each of these parameters ({} where it has none), kept
+        while the set of parameters (`_with_grad`'s view, looked up just before) and the
+        optimizer's state mapping are the same, with as many entries: torch's optimizers
+        update a parameter's state in place, create it on the parameter's first step (one
+        more entry) and replace the mapping on `load_state_dict`. Each lookup is a Python
+        call (a tensor's hash)."""
+        st, view = self.opt.state, self._grad_view
+        kept = self._state_view
+        if kept is not None and kept[0] is view and kept[1] is st and kept[2] == len(st):
+            return kept[3]
+        # (the optimizer's own dict where it has one, even empty, so that one it fills
+        # later is seen; a new {} only where it has none: making one adds an entry)
+        got = [st.get(p) for _, p in with_grad]
+        states = [x if x is not None else {} for x in got]
+        self._state_view = (view, st, len(st), states)
+        return states
 
     def close(self) -> None:
         self.probe.remove()

@@ -449,11 +449,12 @@ def run_window(p: Plan, clip: float | None, progress: Callable[[str], None] | No
         zip(steps, window_row_stats([window[s]["input_ids"].numpy() for s in steps]), strict=True)
     )
     try:
+        for s in steps:  # a token id the embedding cannot index: said before any step
+            check_vocab(session.model, window[s], s, session.vocab)
         for s in steps:
             if progress is not None:
                 progress(f"step {s}")
             batch = window[s]
-            check_vocab(session.model, batch, s, session.vocab)
             with doing(f"replaying step {s}"):
                 if precision != "fp32":
                     result.fp32_passes[s] = session.probe_pass(batch, "fp32")

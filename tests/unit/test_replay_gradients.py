@@ -99,3 +99,36 @@ def test_step_counts_follow_the_optimizer() -> None:
     for k in range(200):
         assert counts([{"step": torch.tensor(float(k))}]) == [float(k)]
     assert len(counts._views) <= 2 + 64 + 1
+
+
+def test_session_states_follow_the_optimizer() -> None:
+    """`Session._states` keeps its lookups while the optimizer's state mapping is the same,
+    and sees a state made on a first step, one filled in place, and a mapping loaded anew."""
+    from types import SimpleNamespace
+
+    from ckptforensics.replay.session import Session
+
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
+    opt = torch.optim.AdamW(params, lr=0.1)
+    s = SimpleNamespace(opt=opt, _grad_view=("view",), _state_view=None)
+    with_grad = [("a", params[0]), ("b", params[1])]
+    assert Session._states(s, with_grad) == [{}, {}]  # no state before the first step
+    for p in params:
+        p.grad = torch.ones(3)
+    opt.step()
+    got = Session._states(s, with_grad)
+    assert all("exp_avg_sq" in st for st in got) and got[0] is opt.state[params[0]]
+    assert Session._states(s, with_grad) is got  # kept
+    # an entry made empty first (a defaultdict read) and filled later is seen
+    fresh = torch.nn.Parameter(torch.randn(3))
+    opt.add_param_group({"params": [fresh]})
+    _ = opt.state[fresh]
+    wg = [*with_grad, ("c", fresh)]
+    s._grad_view = ("another view",)
+    assert Session._states(s, wg)[2] == {}
+    fresh.grad = torch.ones(3)
+    opt.step()
+    assert "exp_avg_sq" in Session._states(s, wg)[2]
+    # a mapping loaded anew
+    opt.load_state_dict(opt.state_dict())
+    assert Session._states(s, wg)[0] is opt.state[params[0]]

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -319,6 +318,32 @@ class _Rows:
         self.last.clear()
         self.direct.clear()
         self.pending.clear()
+
+
+# Heads up to which `_heads` takes Python numbers: below it, a few microseconds in all
+# against a handful of torch (or numpy) ops, which cost ~100 µs between a replayed
+# step's other work at 2 layers.
+_HEADS_IN_PYTHON = 256
+
+
+def _heads(a: torch.Tensor) -> torch.Tensor:
+    """[L, H, 2] per attention call and head, from a pass's [L, H, 3] table on the host:
+    its max logit, and its mean normalised entropy over the rows counted (NaN where none
+    were). Small tables in Python numbers (an fp32 quotient computed in float64 and
+    rounded once is the fp32 quotient), others by torch's ops: the same figures."""
+    n, h = a.shape[0], a.shape[1]
+    if n * h <= _HEADS_IN_PYTHON:
+        nan = math.nan
+        got = [
+            [top, ent / max(cnt, 1.0) if cnt > 0 else nan]
+            for layer in a.tolist()
+            for top, ent, cnt in layer
+        ]
+        return torch.tensor(got, dtype=torch.float32).reshape(n, h, 2)
+    cnt = a[..., 2]
+    return torch.stack(
+        [a[..., 0], a[..., 1] / cnt.clamp_min(1).where(cnt > 0, torch.tensor(math.nan))], -1
+    )
 
 
 class ModuleProbe:
@@ -672,14 +697,7 @@ class ModuleProbe:
             s, n = flat[-2:].tolist()
             fwd = flat[:nf].reshape(fwd.shape).clone()
             bwd = flat[nf : nf + nb].reshape(bwd.shape).clone()
-        # per head: max logit, mean normalised entropy over the rows counted (numpy: the
-        # table is on the host, [layers, heads, 3])
-        heads = None
-        if na:
-            an = a.numpy()
-            rows = an[..., 2]
-            per = np.where(rows > 0, np.maximum(rows, 1), np.nan).astype(np.float32)
-            heads = torch.from_numpy(np.stack([an[..., 0], an[..., 1] / per], -1))
+        heads = _heads(a) if na else None
         mods = (
             self.attn_modules
             if self.attn_modules is not None

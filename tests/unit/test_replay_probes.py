@@ -823,3 +823,25 @@ def test_per_token_loss_scores_each_position_against_its_next_token() -> None:
     torch.testing.assert_close(
         shifted[1, 0], nn.functional.cross_entropy(logits[1, 0], labels[1, 0]), rtol=0, atol=0
     )
+
+
+def test_attention_heads_in_python_numbers_equal_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_heads`: a small table in Python numbers, a large one by torch's ops, the same
+    figures bit for bit: NaN where no row was counted (0, NaN), a count under 1 taken as 1,
+    infinities kept."""
+    from ckptforensics.replay import probes
+
+    torch.manual_seed(5)
+    a = torch.rand(3, 5, 3) * torch.tensor([30.0, 40.0, 7.0])
+    a[0, 1, 2] = 0.0
+    a[1, 2, 2] = math.nan
+    a[2, 0, 2] = 0.25
+    a[2, 3, 1] = math.inf
+    a[0, 4, 0] = -math.inf
+    small = probes._heads(a)
+    monkeypatch.setattr(probes, "_HEADS_IN_PYTHON", 0)
+    large = probes._heads(a)
+    assert small.shape == (3, 5, 2) and small.dtype == torch.float32
+    torch.testing.assert_close(small, large, rtol=0, atol=0, equal_nan=True)
+    assert math.isnan(small[0, 1, 1]) and math.isnan(small[1, 2, 1])
+    assert small[2, 0, 1] == a[2, 0, 1] and small[2, 3, 1] == math.inf

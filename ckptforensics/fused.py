@@ -25,6 +25,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,24 +207,22 @@ class Kernels:
         return True
 
     def param_sums(
-        self, gp: np.ndarray, vp: np.ndarray, numels: np.ndarray, e: np.ndarray
-    ) -> np.ndarray | None:
-        """[P, 4] fp64 = [sum g^2, sum g^2 / (v + e), spikes, finite] per gradient, one pass
-        each in one call (the replay's `param_grad_table`), from the tensors' addresses
-        (int64: fp32 contiguous CPU gradients `gp`, moments `vp` of the same sizes or 0 for
-        none: NaN / 0), their sizes and `e` (fp32, as torch rounds a scalar it adds); None
-        where the library has no such kernel."""
+        self, gp: Sequence[int], vp: Sequence[int], numels: Sequence[int], e: Sequence[float]
+    ) -> list[list[float]] | None:
+        """[P][4] = [sum g^2, sum g^2 / (v + e), spikes, finite] per gradient (float64 sums,
+        as Python numbers), one pass each in one call (the replay's `param_grad_table`), from
+        the tensors' addresses (fp32 contiguous CPU gradients `gp`, moments `vp` of the same
+        sizes or 0 for none: NaN / 0), their sizes and `e` (rounded to fp32, as torch rounds
+        a scalar it adds); None where the library has no such kernel. ctypes arrays in and
+        out: a few dozen numbers, for which numpy's conversions cost more than the call."""
         if self._params is None:
             return None
         n = len(gp)
-        gp, vp = np.ascontiguousarray(gp, np.int64), np.ascontiguousarray(vp, np.int64)
-        numels = np.ascontiguousarray(numels, np.int64)
-        e = np.ascontiguousarray(e, np.float32)
-        out = np.empty((n, 4), np.float64)
-        self._params(
-            n, gp.ctypes.data, vp.ctypes.data, numels.ctypes.data, e.ctypes.data, out.ctypes.data
-        )
-        return out
+        i64 = ctypes.c_int64 * n
+        out = (ctypes.c_double * (4 * n))()
+        self._params(n, i64(*gp), i64(*vp), i64(*numels), (ctypes.c_float * n)(*e), out)
+        flat = out[:]
+        return [flat[4 * k : 4 * k + 4] for k in range(n)]
 
     def logit_figures(self, x: torch.Tensor) -> tuple[float, float, float] | None:
         """(max |x|, sum over rows of logsumexp, rows) of logits x [..., V] (fp32, CPU,
@@ -239,9 +238,9 @@ class Kernels:
         ):
             return None
         v = x.shape[-1]
-        out = np.empty(3, np.float64)
-        self._logits(x.data_ptr(), x.numel() // v, v, out.ctypes.data)
-        return float(out[0]), float(out[1]), float(out[2])
+        out = (ctypes.c_double * 3)()
+        self._logits(x.data_ptr(), x.numel() // v, v, out)
+        return out[0], out[1], out[2]
 
     def causal_attention(
         self, s: torch.Tensor, w: torch.Tensor, rows: float, out: torch.Tensor

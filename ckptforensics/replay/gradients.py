@@ -12,10 +12,10 @@ norm among them, which clips the gradients as `torch.nn.utils.clip_grad_norm_` d
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .distributed import World
@@ -64,12 +64,15 @@ class Layout:
 
     def unpack(self, every: torch.Tensor) -> Gathered:
         """Every rank's row [world, width] (on the host) read back by name."""
-        w, h, r = every.shape[0], len(HEAD), len(ROW) * self.pad
-        every = every.numpy()
+        h, r, p = len(HEAD), len(ROW), len(PARAM)
+        cut = h + r * self.pad
+        ranks = every.tolist()
         return Gathered(
-            head=every[:, :h],
-            rows=every[:, h : h + r].reshape(w, len(ROW), self.pad),
-            params=every[:, h + r :].reshape(w, self.params, len(PARAM)),
+            head=[x[:h] for x in ranks],
+            rows=[[x[h + i * self.pad : h + (i + 1) * self.pad] for i in range(r)] for x in ranks],
+            params=[
+                [x[cut + k * p : cut + (k + 1) * p] for k in range(self.params)] for x in ranks
+            ],
         )
 
 
@@ -91,34 +94,31 @@ def _head_row(head: list[torch.Tensor | float], dev: torch.device) -> torch.Tens
 
 @dataclass(frozen=True, slots=True)
 class Gathered:
-    """Every rank's packed figures (`Layout`), rank order, on the host (float64)."""
+    """Every rank's packed figures (`Layout`), rank order, as Python numbers (the float64
+    values): the evidence is a few figures per parameter and row, and between a replayed
+    step's other work each numpy or torch op on them costs tens of microseconds, a Python
+    operation a fraction of one."""
 
-    head: np.ndarray  # [world, len(HEAD)]
-    rows: np.ndarray  # [world, len(ROW), pad]
-    params: np.ndarray  # [world, params, len(PARAM)]
+    head: list[list[float]]  # [world][len(HEAD)]
+    rows: list[list[list[float]]]  # [world][len(ROW)][pad]
+    params: list[list[list[float]]]  # [world][params][len(PARAM)]
 
     @classmethod
     def one(
         cls,
         head: dict[str, torch.Tensor | float],
         rows: dict[str, torch.Tensor],
-        params: np.ndarray,
+        params: list[list[float]],
     ) -> Gathered:
-        """One process's figures on the host, as `Layout.pack` and `gather` would hand them
-        back (the same float64 values), without the packing: its ops, between a replayed
-        step's others, cost more than the evidence they carry (`head`, `rows` by name as
-        `Layout.pack` takes them, `params` [P, len(PARAM)])."""
-        # fp32 or integer scalars: exact in float64
+        """One process's figures, as `Layout.pack` and `gather` would hand them back (the
+        same float64 values), without the packing (`head`, `rows` by name as `Layout.pack`
+        takes them, `params` [P][len(PARAM)])."""
+        # fp32 or integer scalars, fp32 rows: exact in float64
         top = [
             float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
             for x in (head[k] for k in HEAD)
         ]
-        block = torch.stack([rows[k].detach() for k in ROW]).to(torch.float64).numpy()
-        return cls(
-            head=np.array([top], np.float64),
-            rows=block[None],
-            params=np.asarray(params, np.float64)[None],
-        )
+        return cls(head=[top], rows=[[rows[k].detach().tolist() for k in ROW]], params=[params])
 
     def evidence(
         self, names: Sequence[str], numel: Sequence[int], ckpt: Sequence[str]
@@ -127,40 +127,46 @@ class Gathered:
         `ckpt`: their checkpoint names, looked up once per session rather than per step).
 
         RMS and RMS_t are computed in float32 from the summed sums, as
-        `probes.param_grad_stats` computes them for a whole gradient. The rows are on the
-        host already: numpy's ops on them, a microsecond each, not torch's several."""
-        head, params, w = self.head, self.params, self.head.shape[0]
-        n = np.maximum(np.asarray(numel, np.float32), np.float32(1))
-        # PARAM of the whole gradient [P, 4]: the ranks' sums, finite where every shard is
-        # (one rank: its own row, as it is)
-        p = (
-            params[0]
-            if w == 1
-            else np.concatenate([params[..., :3].sum(0), params[..., 3:].min(0)], 1)
+        `probes.param_grad_stats` computes them for a whole gradient: each quotient and
+        root taken in float64 and rounded to float32 once (`_f32`), which is the float32
+        operation's result (float64 has more than twice float32's digits, and two)."""
+        head, w = self.head, len(self.head)
+        if w == 1:  # one rank's figures are the step's
+            p = self.params[0]
+        else:  # the ranks' sums, finite where every shard is
+            p = [
+                [sum(x[0] for x in per), sum(x[1] for x in per), sum(x[2] for x in per)]
+                + [min(x[3] for x in per)]
+                for per in zip(*self.params, strict=True)
+            ]
+        n = _f32([max(m, 1) for m in numel])
+        rms, rms_t = (
+            _f32([_sqrt(q) for q in _f32([a / b for a, b in zip(_f32(col), n, strict=True)])])
+            for col in ([x[0] for x in p], [x[1] for x in p])
         )
-        # [2, P]: RMS and RMS_t, each from its summed sums (columns 0, 1 of PARAM)
-        rms, rms_t = np.sqrt(p[:, :2].astype(np.float32).T / n).tolist()
-        spikes, finite = p[:, 2].tolist(), p[:, 3].tolist()
-        if w == 1:  # one rank's head is the step's: Python numbers, no reductions
-            h = dict(zip(HEAD, head[0].tolist(), strict=True))
+        spikes, finite = [x[2] for x in p], [x[3] for x in p]
+        of = {k: [h[i] for h in head] for i, k in enumerate(HEAD)}
+        if w == 1:  # the one rank's figures as they are
+            h = dict(zip(HEAD, head[0], strict=True))
             r = h["logit_rows"]
             loss, sq_norm, absmax = h["loss"], h["norm"] * h["norm"], h["logit_absmax"]
             lse, counted = (h["log_z"] * r if r > 0 else 0.0), r
         else:
-            of = {k: head[:, i] for i, k in enumerate(HEAD)}
-            r = of["logit_rows"]
-            loss, absmax = float(of["loss"].sum()), float(of["logit_absmax"].max())
-            sq_norm = float(np.square(of["norm"]).sum())
-            lse, counted = float(np.where(r > 0, of["log_z"] * r, 0.0).sum()), float(r.sum())
+            loss, sq_norm = sum(of["loss"]), sum(x * x for x in of["norm"])
+            tops = of["logit_absmax"]
+            absmax = math.nan if any(map(math.isnan, tops)) else max(tops)  # NaN wins
+            lse = sum(
+                z * r if r > 0 else 0.0 for z, r in zip(of["log_z"], of["logit_rows"], strict=True)
+            )
+            counted = sum(of["logit_rows"])
         log_z = lse / counted if counted else math.nan  # no logits: NaN, as torch's
-        rows = self.rows
-        counts = [int(x) for x in head[:, HEAD.index("rows")].tolist()]
+        counts = [int(x) for x in of["rows"]]
 
         def per_row(name: str) -> list[float]:
             """A ROW figure of the whole batch: each rank's rows, rank 0's first (the order
             in which `Ranks.my_rows` hands them out)."""
-            c = rows[:, ROW.index(name)]
-            return [x for i, k in enumerate(counts) for x in c[i, :k].tolist()]
+            i = ROW.index(name)
+            return [x for rank, k in zip(self.rows, counts, strict=True) for x in rank[i][:k]]
 
         # (the usual step has every gradient finite, no spike and every RMS_t a number:
         # each filter below is skipped whole then)
@@ -178,13 +184,21 @@ class Gathered:
             if any(spikes)
             else {},
             sample_loss=tuple(per_row("loss")),
-            sample_grad_sq=tuple(per_row("grad_sq"))
-            if all(head[:, HEAD.index("has_grad_sq")].tolist())
-            else None,
+            sample_grad_sq=tuple(per_row("grad_sq")) if all(of["has_grad_sq"]) else None,
             logit_absmax=absmax,
             log_z=log_z,
             sample_tokens=tuple(int(x) for x in per_row("tokens")),
         )
+
+
+def _f32(xs: list[float]) -> list[float]:
+    """Each number rounded to float32 (as numpy's astype: out of range to inf)."""
+    return array("f", xs).tolist()
+
+
+def _sqrt(x: float) -> float:
+    """sqrt as numpy takes it: NaN for a negative number or NaN (no warning), -0.0 for -0.0."""
+    return math.sqrt(x) if x >= 0 else math.nan
 
 
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:

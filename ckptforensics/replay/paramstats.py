@@ -6,9 +6,10 @@ the step uses), or as sums a rank's shard contributes (`param_grad_sums`).
 
 from __future__ import annotations
 
+import ctypes
 import math
+from typing import Any
 
-import numpy as np
 import torch
 
 from .. import fused
@@ -74,7 +75,7 @@ def param_grad_table(
         return torch.zeros(0, 4)
     host = host_sums(grads, states, groups)
     if host is not None:
-        table = torch.from_numpy(host).float()
+        table = torch.tensor(host, dtype=torch.float64).reshape(-1, 4).float()
         return table if sums else _rms(table, grads)
     dev = grads[0].device
     g = [_local(x.detach()) for x in grads]
@@ -106,12 +107,13 @@ class StepCounts:
     """Reads optimizer states' Adam step counts as floats (0 where none), step after step.
 
     A count is in most optimizers one 0-dim CPU tensor per parameter, made once and bumped
-    in place: it is read through a numpy view of it, kept (with the tensor, so that its id
-    stays its own) while the state holds that tensor. `item` per count, or one `stack`,
-    cost 2-3 µs a count between a replayed step's other ops; the view, a tenth of that."""
+    in place: it is read through a ctypes scalar at its address, kept (with the tensor, so
+    that its id stays its own and its memory alive) while the state holds that tensor.
+    `item` per count, or one `stack`, cost 2-3 µs a count between a replayed step's other
+    ops; the scalar's `value`, a tenth of that."""
 
     def __init__(self) -> None:
-        self._views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+        self._views: dict[int, tuple[torch.Tensor, Any]] = {}
 
     def __call__(self, states: list[dict]) -> list[float]:
         out = [0.0] * len(states)
@@ -123,19 +125,25 @@ class StepCounts:
                 continue
             held = views.get(id(t))
             if held is None or held[0] is not t:
-                if t.dim() or not t.is_cpu or t.dtype not in _VIEWABLE:
+                kind = _SCALARS.get(t.dtype)
+                if t.dim() or not t.is_cpu or kind is None:
                     out[k] = float(t.item())
                     continue
-                held = views[id(t)] = (t, t.detach().numpy())
-            out[k] = float(held[1])
+                held = views[id(t)] = (t, kind.from_address(t.data_ptr()))
+            out[k] = float(held[1].value)
         if len(views) > 2 * len(states) + 64:  # counts no state holds now: let them go
             live = {id(st.get("step")) for st in states}
             self._views = {i: v for i, v in views.items() if i in live}
         return out
 
 
-# dtypes numpy reads as torch stores them
-_VIEWABLE = (torch.float32, torch.float64, torch.int64, torch.int32)
+# the ctypes scalar that reads a count of each dtype as torch stores it
+_SCALARS = {
+    torch.float32: ctypes.c_float,
+    torch.float64: ctypes.c_double,
+    torch.int64: ctypes.c_int64,
+    torch.int32: ctypes.c_int32,
+}
 
 
 def host_sums(
@@ -143,8 +151,8 @@ def host_sums(
     states: list[dict],
     groups: list[dict],
     counts: StepCounts | None = None,
-) -> np.ndarray | None:
-    """`param_grad_table`'s sums [P, 4] (fp64, on the host) by the C kernel
+) -> list[list[float]] | None:
+    """`param_grad_table`'s sums [P][4] (float64, Python numbers) by the C kernel
     (`fused.Kernels.param_sums`: one call, a pass per parameter), for plain fp32 CPU
     gradients and moments; None otherwise. One loop over the parameters: at 64 wide this
     Python, not the kernel, is most of the stage (three or four times its tight-loop cost
@@ -174,17 +182,13 @@ def host_sums(
         vp[k], e[k], c[k] = v.data_ptr(), grp["eps"] * grp["eps"] / ck, ck
         if not m:
             empty.append(k)
-    out = kernels.param_sums(
-        np.array(gp, np.int64),
-        np.array(vp, np.int64),
-        np.array(numels, np.int64),
-        np.array(e, np.float32),
-    )
+    out = kernels.param_sums(gp, vp, numels, e)
     if out is None:
         return None
-    out[:, 1] /= c  # the ratio's sum over c (1 without Adam state: its NaN stays)
-    if empty:
-        out[empty, 1] = 0.0
+    for k, row in enumerate(out):  # the ratio's sum over c (1 without Adam state: NaN stays)
+        row[1] /= c[k]
+    for k in empty:
+        out[k][1] = 0.0
     return out
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from array import array
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -481,7 +481,7 @@ def _logit_figures(lg: torch.Tensor) -> tuple[torch.Tensor | float, ...]:
         got = kernels.logit_figures(lg)
         if got is not None:
             top, total, rows = got
-            return top, float(np.float32(total / rows)), rows
+            return top, array("f", [total / rows])[0], rows  # the mean rounded to fp32
     with torch.no_grad():
         lo, hi = torch.aminmax(lg) if lg.numel() else (lg.new_zeros(()), lg.new_zeros(()))
         lse = torch.logsumexp(lg.float(), -1)

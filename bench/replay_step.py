@@ -306,7 +306,7 @@ def main() -> None:
         f"Each depth in a process of its own. Seconds are medians over all steps; the ratio is the median over all pairs "
         f"of replay / plain (min–max: the rounds' medians); "
         f"load average at the end {os.getloadavg()[0]:.1f}."
-        + " session.py as committed (its per-parameter stage is `param_grad_table`).",
+        + " session.py as committed (in one process on CPU its per-parameter stage is one C call, `paramstats.host_sums`, and its evidence Python numbers, `Gathered.one`).",
         "",
         "| layers | tensors | plain training step | replayed step | **ratio (median)** | min–max ratio | target ≤ 1.5× |",
         "| --- | --- | --- | --- | --- | --- | --- |",

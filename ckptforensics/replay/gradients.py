@@ -7,6 +7,7 @@ per-sample figures, and per parameter the sums of its shard of the gradient
 (`probes.param_grad_sums`). One gather brings every rank's row to every rank, and one host
 read; the whole step's figures follow from the ranks' rows (`Gathered.evidence`), the total
 norm among them, which clips the gradients as `torch.nn.utils.clip_grad_norm_` does.
+One process on CPU hands its figures over as they are (`Gathered.one`): the same numbers.
 """
 
 from __future__ import annotations

@@ -377,8 +377,9 @@ class Session:
         self, clip: float | None, loss: torch.Tensor, per_sample: torch.Tensor, rows: int
     ) -> GradEvidence:
         """The step's gradient evidence over the ranks (`gradients.Layout`: one gather, one
-        host read), then clipping by the whole gradient's norm (`clip_grad_norm_`'s rule).
-        `rows`: the step's global batch."""
+        host read; one process on CPU: its figures as Python numbers, `Gathered.one`), then
+        clipping by the whole gradient's norm (`clip_grad_norm_`'s rule). `rows`: the step's
+        global batch."""
         with_grad = [(n, p) for n, p in self.params if p.grad is not None]
         one = self.shards is None  # one process: plain tensors, no shards to take
         grads = (

@@ -46,10 +46,11 @@ def _diff(
     chunk: int,
     progress: Progress | None,
     workers: int = 1,
+    device: str = "cpu",
 ) -> tuple[Any, Any, DiffResult, list[Finding]]:
     a, b = open_pair(a_path, b_path, fmt)
     result = diff_checkpoints(
-        a, b, DiffConfig(chunk_elems=chunk), progress=progress, workers=workers
+        a, b, DiffConfig(chunk_elems=chunk, device=device), progress=progress, workers=workers
     )
     assert result is not None
     return a, b, result, diff_findings(result)
@@ -64,8 +65,10 @@ def run_diff(
     chunk: int = 1 << 19,
     progress: Progress | None = None,
     workers: int = 1,
+    device: str = "cpu",
 ) -> tuple[dict[str, Any], list[Finding]] | None:
-    """`ckptforensics diff`: the report document and its findings.
+    """`ckptforensics diff`: the report document and its findings (`device`: where the
+    statistics are computed, `shard.compute_device`'s; a GPU is fed by one process).
 
     Under torchrun (WORLD_SIZE > 1) every rank streams its share of the tensors and
     rank 0 gathers the statistics and returns the report; the other ranks return None.
@@ -74,7 +77,7 @@ def run_diff(
 
     rank, world = dist_world()
     if world == 1:
-        a, b, result, findings = _diff(a_path, b_path, fmt, chunk, progress, workers)
+        a, b, result, findings = _diff(a_path, b_path, fmt, chunk, progress, workers, device)
     else:
         import torch.distributed as dist
 
@@ -87,7 +90,7 @@ def run_diff(
             got = diff_checkpoints(
                 a,
                 b,
-                DiffConfig(chunk_elems=chunk),
+                DiffConfig(chunk_elems=chunk, device=device),
                 progress=progress,
                 workers=workers,
                 distributed=True,

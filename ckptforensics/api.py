@@ -195,16 +195,26 @@ def diff(
     workers: int | None = None,
     progress: Progress | None = None,
     command: str = "ckptforensics.diff",
+    device: str = "cpu",
 ) -> Report:
     """Diff weights and Adam moments of two checkpoints and score every tensor (`workers`
     processes; None: one per core, at most 8, for pairs of 512 MiB and more, else one: the
-    report does not depend on it)."""
+    report does not depend on it). `device` 'cuda': the statistics on this process's GPU,
+    each chunk read on the host and staged through a pinned buffer (one process feeds it;
+    under torchrun, each rank its LOCAL_RANK's GPU)."""
     from .analysis import run_diff
-    from .shard import checkpoint_bytes, default_workers
+    from .shard import checkpoint_bytes, compute_device, default_workers
 
+    dev = compute_device(device)
     pa, pb = resolve(before, run_dir), resolve(after, run_dir)
-    n = workers or default_workers(checkpoint_bytes(pa) + checkpoint_bytes(pb))
-    got = run_diff(pa, pb, command=command, fmt=format, chunk=chunk, progress=progress, workers=n)
+    n = (
+        1
+        if dev != "cpu"
+        else workers or default_workers(checkpoint_bytes(pa) + checkpoint_bytes(pb))
+    )
+    got = run_diff(
+        pa, pb, command=command, fmt=format, chunk=chunk, progress=progress, workers=n, device=dev
+    )
     if got is None:
         raise NotRankZero("diff under torchrun: rank 0 returns the report")
     return Report(*got)

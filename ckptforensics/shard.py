@@ -89,6 +89,24 @@ def dist_world() -> tuple[int, int]:
     return (rank, world) if world > 1 else (0, 1)
 
 
+def compute_device(device: str) -> str:
+    """Where a diff's statistics are computed: 'cpu', or 'cuda' as this process's GPU
+    (under torchrun, its LOCAL_RANK's). A CUDA device torch cannot use is bad input, said
+    before anything is read."""
+    if not device.startswith("cuda"):
+        return device
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ForensicsError(
+            f"--device {device}: this torch ({torch.__version__}) sees no CUDA device; "
+            "run without it (the CPU path) or on a machine with a GPU"
+        )
+    if device == "cuda":
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return device
+
+
 def init_process_group(backend: str, **kwargs: Any) -> None:
     """`torch.distributed.init_process_group`, with the modules that capture the default
     group imported first.

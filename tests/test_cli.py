@@ -72,6 +72,38 @@ def test_diff_writes_reports_and_leaves_inputs_untouched(
     assert not list((tmp_path / "rep").glob(".report*")), "temp files left behind"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a torch without CUDA")
+def test_diff_on_a_gpu_torch_cannot_see_is_bad_input(zoo: dict[str, Path]) -> None:
+    run = zoo["silent_corruption"]
+    result = invoke(
+        "diff", "--run-dir", str(run), "--before", "30", "--after", "40", "--device", "cuda"
+    )
+    assert_bad_input(result, "--device cuda: this torch")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_diff_on_the_gpu_finds_what_the_cpu_finds(zoo: dict[str, Path]) -> None:
+    """`--device cuda`: chunks staged through pinned buffers, the statistics in torch's ops
+    on the GPU; the verdict, the corrupted element and every tensor's figures as on CPU."""
+    run = zoo["silent_corruption"]
+    docs = []
+    for device in ("cpu", "cuda"):
+        result = invoke(
+            "diff", "--run-dir", str(run), "--before", "30", "--after", "40", "--json",
+            "--device", device,
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        docs.append(json.loads(result.stdout))
+    cpu, gpu = docs
+    assert gpu["verdict"]["causes"] == cpu["verdict"]["causes"]
+    assert gpu["verdict"]["corrupted_elements"] == cpu["verdict"]["corrupted_elements"]
+    for a, b in zip(cpu["diff"]["tensors"], gpu["diff"]["tensors"], strict=True):
+        assert a["name"] == b["name"]
+        for k, v in a.items():
+            if isinstance(v, float):
+                assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-12, nan_ok=True), (a["name"], k)
+
+
 def test_json_output_and_strict_exit_codes(zoo: dict[str, Path]) -> None:
     bad = invoke(
         "diff",

@@ -110,6 +110,13 @@ def inspect(
     default=None,
     help="Processes sharing the tensors, one thread each [default: one per CPU core, at most 8, for pairs of 512 MiB and more; else 1]. Under torchrun, per rank. The report does not depend on it.",
 )
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="cuda: the statistics on the GPU, each chunk read on the host and staged through a pinned buffer; one process feeds it (--workers is ignored), under torchrun each rank its own GPU. The report does not depend on it.",
+)
 @click.pass_context
 def diff(
     ctx: click.Context,
@@ -123,6 +130,7 @@ def diff(
     fail_on: str,
     chunk_elems: int,
     workers: int | None,
+    device: str,
 ) -> None:
     """Diff weights and Adam moments of two checkpoints and score every tensor.
 
@@ -158,6 +166,7 @@ def diff(
                         progress=prog,
                         workers=workers,
                         command=command_line("diff"),
+                        device=device,
                     )
                 except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                     return

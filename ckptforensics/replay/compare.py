@@ -245,6 +245,10 @@ def _match(
     tol: torch.Tensor | float,
     bound: torch.Tensor | None,
 ) -> TensorMatch:
+    # (trained parameters and tolerances made from them: no graph, no warning)
+    x, y = x.detach(), y.detach()
+    tol = tol.detach() if isinstance(tol, torch.Tensor) else tol
+    bound = bound.detach() if bound is not None else None
     diff = (x - y).abs()
     bad = ~(diff <= tol)
     impossible = int((~(diff <= bound)).sum()) if bound is not None else 0

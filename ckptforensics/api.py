@@ -229,7 +229,9 @@ def _config(
     step: int | None = None,
 ) -> Any:
     from .replay import ReplayConfig
+    from .shard import compute_device
 
+    compute_device(options.device)  # a GPU torch cannot see: bad input, before any reading
     return ReplayConfig(
         before=resolve(before, run_dir),
         after=resolve(after, run_dir) if after is not None else None,
@@ -544,7 +546,9 @@ def audit(
         rep.doc["architecture"]["norm_placement"], [r["id"] for r in rep.doc["audit"]["rows"] if r["status"] == "risk"]
     """
     from .audit import AuditConfig, default_checkpoint, run_audit
+    from .shard import compute_device
 
+    compute_device(device)  # a GPU torch cannot see: bad input, before any reading
     rd = Path(run_dir) if run_dir is not None else Path(".")
     path = resolve(step, rd) if step is not None else default_checkpoint(rd)
     cmp: Path | bool | None = None

@@ -90,9 +90,9 @@ def dist_world() -> tuple[int, int]:
 
 
 def compute_device(device: str) -> str:
-    """Where a diff's statistics are computed: 'cpu', or 'cuda' as this process's GPU
-    (under torchrun, its LOCAL_RANK's). A CUDA device torch cannot use is bad input, said
-    before anything is read."""
+    """Where a diff's statistics (or a replay) are computed: 'cpu', or 'cuda' as this
+    process's GPU (under torchrun, its LOCAL_RANK's). A CUDA device torch cannot use is bad
+    input, said before anything is read."""
     if not device.startswith("cuda"):
         return device
     import torch

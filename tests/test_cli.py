@@ -81,6 +81,20 @@ def test_diff_on_a_gpu_torch_cannot_see_is_bad_input(zoo: dict[str, Path]) -> No
     assert_bad_input(result, "--device cuda: this torch")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a torch without CUDA")
+def test_replay_and_audit_on_a_gpu_torch_cannot_see_are_bad_input(zoo: dict[str, Path]) -> None:
+    run = zoo["poison_batch"]
+    hint = truth(run)["replay"]
+    model = str(Path(__file__).resolve().parent.parent / hint["model"].split(":")[0])
+    spec = f"{model}:{hint['model'].split(':')[1]}"
+    common = ["--run-dir", str(run), "--model", spec, "--device", "cuda"]
+    replay = invoke(
+        "replay", "--before", "30", "--after", "35", "--batch", str(run / hint["batch"]), *common
+    )
+    assert_bad_input(replay, "--device cuda: this torch")
+    assert_bad_input(invoke("audit", *common), "--device cuda: this torch")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_diff_on_the_gpu_finds_what_the_cpu_finds(zoo: dict[str, Path]) -> None:
     """`--device cuda`: chunks staged through pinned buffers, the statistics in torch's ops

@@ -84,13 +84,16 @@ def _head_row(head: list[torch.Tensor | float], dev: torch.device) -> torch.Tens
     if dev.type == "cpu" and all(
         not isinstance(x, torch.Tensor) or x.device.type == "cpu" for x in head
     ):
-        return torch.tensor(
-            [float(x.detach()) if isinstance(x, torch.Tensor) else float(x) for x in head],
-            dtype=torch.float64,
-        )
+        return torch.tensor(_numbers(head), dtype=torch.float64)
     return torch.stack(
         [torch.as_tensor(x).detach().to(dev, torch.float64).reshape(()) for x in head]
     )
+
+
+def _numbers(xs: list[torch.Tensor | float]) -> list[float]:
+    """Scalars (tensors on the host, or numbers) as Python floats: an fp32 or integer
+    scalar is exact in float64."""
+    return [float(x.detach()) if isinstance(x, torch.Tensor) else float(x) for x in xs]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +117,7 @@ class Gathered:
         """One process's figures, as `Layout.pack` and `gather` would hand them back (the
         same float64 values), without the packing (`head`, `rows` by name as `Layout.pack`
         takes them, `params` [P][len(PARAM)])."""
-        # fp32 or integer scalars, fp32 rows: exact in float64
-        top = [
-            float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
-            for x in (head[k] for k in HEAD)
-        ]
+        top = _numbers([head[k] for k in HEAD])
         return cls(head=[top], rows=[[rows[k].detach().tolist() for k in ROW]], params=[params])
 
     def evidence(
@@ -136,8 +135,7 @@ class Gathered:
             p = self.params[0]
         else:  # the ranks' sums, finite where every shard is
             p = [
-                [sum(x[0] for x in per), sum(x[1] for x in per), sum(x[2] for x in per)]
-                + [min(x[3] for x in per)]
+                [_sum([x[c] for x in per]) for c in range(3)] + [min(x[3] for x in per)]
                 for per in zip(*self.params, strict=True)
             ]
         n = _f32([max(m, 1) for m in numel])
@@ -146,20 +144,12 @@ class Gathered:
             for col in ([x[0] for x in p], [x[1] for x in p])
         )
         spikes, finite = [x[2] for x in p], [x[3] for x in p]
-        of = {k: [h[i] for h in head] for i, k in enumerate(HEAD)}
-        if w == 1:  # the one rank's figures as they are
-            h = dict(zip(HEAD, head[0], strict=True))
-            r = h["logit_rows"]
-            loss, sq_norm, absmax = h["loss"], h["norm"] * h["norm"], h["logit_absmax"]
-            lse, counted = (h["log_z"] * r if r > 0 else 0.0), r
-        else:
-            loss, sq_norm = sum(of["loss"]), sum(x * x for x in of["norm"])
-            tops = of["logit_absmax"]
-            absmax = math.nan if any(map(math.isnan, tops)) else max(tops)  # NaN wins
-            lse = sum(
-                z * r if r > 0 else 0.0 for z, r in zip(of["log_z"], of["logit_rows"], strict=True)
-            )
-            counted = sum(of["logit_rows"])
+        of = {k: [h[i] for h in head] for i, k in enumerate(HEAD)}  # each HEAD figure by rank
+        tops = of["logit_absmax"]
+        lse = _sum(
+            [z * r if r > 0 else 0.0 for z, r in zip(of["log_z"], of["logit_rows"], strict=True)]
+        )
+        counted = _sum(of["logit_rows"])
         log_z = lse / counted if counted else math.nan  # no logits: NaN, as torch's
         counts = [int(x) for x in of["rows"]]
 
@@ -172,8 +162,8 @@ class Gathered:
         # (the usual step has every gradient finite, no spike and every RMS_t a number:
         # each filter below is skipped whole then)
         return GradEvidence(
-            loss=loss,
-            total=math.sqrt(sq_norm),  # one process: its norm
+            loss=_sum(of["loss"]),
+            total=math.sqrt(_sum([x * x for x in of["norm"]])),  # one process: its norm
             nonfinite=()
             if all(finite)
             else tuple(nm for nm, ok in zip(names, finite, strict=True) if not ok),
@@ -186,10 +176,16 @@ class Gathered:
             else {},
             sample_loss=tuple(per_row("loss")),
             sample_grad_sq=tuple(per_row("grad_sq")) if all(of["has_grad_sq"]) else None,
-            logit_absmax=absmax,
+            logit_absmax=math.nan if any(map(math.isnan, tops)) else max(tops),  # NaN wins
             log_z=log_z,
             sample_tokens=tuple(int(x) for x in per_row("tokens")),
         )
+
+
+def _sum(xs: list[float]) -> float:
+    """The ranks' figures added in rank order from the first (one rank: its own, as it is;
+    a few ranks: numpy's order)."""
+    return sum(xs[1:], xs[0])
 
 
 def _f32(xs: list[float]) -> list[float]:

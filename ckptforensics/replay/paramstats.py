@@ -166,9 +166,8 @@ def host_sums(
     gp, vp, numels = [0] * n, [0] * n, [0] * n
     e, c = [0.0] * n, [1.0] * n
     empty: list[int] = []  # Adam's parameters without elements: their ratio sum is 0
-    f32 = torch.float32
     for k, (x, st, grp, t) in enumerate(zip(grads, states, groups, steps, strict=True)):
-        if type(x) is not torch.Tensor or x.dtype != f32 or not x.is_contiguous() or not x.is_cpu:
+        if not (_plain_f32(x) and x.is_cpu):
             return None
         m = x.numel()
         gp[k], numels[k] = x.data_ptr(), m

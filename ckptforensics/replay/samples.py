@@ -198,12 +198,7 @@ class PerSampleGrad:
         gradient hook (`_fused_hook`) forms the weight's gradient; else as it is."""
         if self._fused_out is not None:
             self._settle()
-        # (from `_parameters`: `mod.weight` is a Python call, Module.__getattr__; a weight
-        # or bias kept elsewhere, by a parametrization, is read the usual way)
-        params = mod._parameters
-        w, b = params.get("weight"), params.get("bias")
-        if w is None or "bias" not in params:
-            w, b = mod.weight, mod.bias
+        w, b = mod.weight, mod.bias
         if not (self.enabled and _fusable(x, w, b) and _fuse_pays(x, w)):
             return nn.functional.linear(x, w, b)
         out = nn.functional.linear(x, w.detach(), b)

@@ -413,7 +413,7 @@ class Session:
         # each cost 2x as much at 32 layers: bench/RESULTS.md#replay-step)
         host = (
             paramstats.host_sums(grads, states, groups, self._counts)
-            if self.shards is None and self.device.type == "cpu"
+            if one and self.device.type == "cpu"
             else None
         )
         if host is not None:  # one process on the host: no packing, no gather

@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ckptforensics.replay.probes import (  # noqa: E402
+from ckptforensics.engine.replay.probes import (  # noqa: E402
     ModuleProbe,
     param_grad_stats,
     param_grad_table,
 )
-from ckptforensics.replay.samples import PerSampleGrad, per_token_loss  # noqa: E402
+from ckptforensics.engine.replay.samples import PerSampleGrad, per_token_loss  # noqa: E402
 from fixtures.tinygpt import GPT, GPTConfig  # noqa: E402
 
 

@@ -53,8 +53,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ckptforensics.replay import window as replay_window  # noqa: E402
-from ckptforensics.replay.records import ReplayConfig  # noqa: E402
+from ckptforensics.engine.replay import window as replay_window  # noqa: E402
+from ckptforensics.engine.replay.records import ReplayConfig  # noqa: E402
 from fixtures.formats import _dataset, _hf_run  # noqa: E402
 from fixtures.zoo import BATCH, VOCAB, write_logs  # noqa: E402
 

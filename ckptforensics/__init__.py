@@ -15,8 +15,8 @@ are the fields of `ReplayOptions`, by name or as one record (`options=`). `inspe
 
 `diff`, `replay`, `bisect`, `whatif`, `triage`, `plan`, `recovery` and `audit` are also the
 names of the package's submodules; the package keeps the command under each name (the
-submodule stays importable: `from ckptforensics.replay.engine import plan`, or
-`from ckptforensics.replay import engine`; `import ckptforensics.replay.engine as engine`
+submodule stays importable: `from ckptforensics.engine.replay.run import plan`, or
+`from ckptforensics.engine.replay import engine`; `import ckptforensics.engine.replay.run as engine`
 reads the name `replay` off the package and finds the command, so it fails). The training
 side is `Recorder` (the flight recorder a loop attaches so that the next incident is
 replayable).
@@ -32,11 +32,10 @@ __version__ = "0.1.0"
 
 COMMANDS = ("inspect", "diff", "replay", "bisect", "whatif", "triage", "plan", "recovery", "audit")
 _LAZY = {
-    **dict.fromkeys(COMMANDS, "api"),
-    "api": None,
-    "Report": "api",
-    "ReplayOptions": "options",
-    "resolve": "api",
+    **dict.fromkeys(COMMANDS, "commands.api"),
+    "Report": "commands.api",
+    "ReplayOptions": "core.options",
+    "resolve": "commands.api",
     "open_checkpoint": "formats",
     "open_pair": "formats",
     "completeness": "formats",

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .detectors import Finding, module_of
+from ckptforensics.detectors import Finding, module_of
 
 __all__ = [
     "replay_fields",

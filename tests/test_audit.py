@@ -14,9 +14,9 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from ckptforensics import api
-from ckptforensics.audit import trace_architecture
 from ckptforensics.cli import cli
+from ckptforensics.commands import api
+from ckptforensics.commands.audit import trace_architecture
 from fixtures.tinygpt import GPT, GPTConfig
 from tests.conftest import ROOT
 from tests.test_cli import assert_bad_input
@@ -417,7 +417,7 @@ def test_probe_attention_statistics_match_the_fixtures_own_measurement(
 ) -> None:
     """The probe's per-layer max logit and entropy on each replayed step against the fixture's
     own fp32 recomputation of q k^T in training (same state, same batch)."""
-    from ckptforensics.replay import ReplayConfig, replay
+    from ckptforensics.engine.replay import ReplayConfig, replay
 
     run = logit_runs["attention_growth"]
     truth = json.loads((run / "truth.json").read_text())

@@ -145,7 +145,7 @@ def test_mangled_dcp_metadata(dcp_run: Path, tmp_path_factory: pytest.TempPathFa
 
 def test_diff_holds_one_tensors_moments_at_a_time(dcp_run: Path) -> None:
     """Lazily read moments are dropped once their tensor is diffed (bounded memory)."""
-    from ckptforensics.diff import diff_checkpoints
+    from ckptforensics.engine.diff.pair import diff_checkpoints
 
     a, b = open_checkpoint(dcp_run / "step-2"), open_checkpoint(dcp_run / "step-3")
     res = diff_checkpoints(a, b)

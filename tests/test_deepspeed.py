@@ -99,7 +99,7 @@ def test_bf16_weights_are_the_fp32_masters_and_the_precision_is_bf16_parameters(
     `single_partition_of_fp32_groups`; ZeRO-3: `fp32_flat_groups`); the module holds their
     bf16 rounding. The masters are read as the weights, and the replay computes in bf16 on
     them, as `ds_config` says."""
-    from ckptforensics.replay.precision import candidates
+    from ckptforensics.engine.replay.precision import candidates
 
     ck = open_checkpoint(zero_bf16_runs[stage])
     assert candidates(ck) == [

@@ -195,7 +195,7 @@ def test_checkpointed_activations_replay_the_same_step(zoo: dict[str, Path]) -> 
     """--checkpoint-activations recomputes every block in the backward pass (its first
     module runs twice a step; recomputation stops early once the saved tensors are back)
     and changes no figure of the replayed step."""
-    from ckptforensics.replay.engine import ReplayConfig, plan
+    from ckptforensics.engine.replay.run import ReplayConfig, plan
 
     run = zoo["poison_batch"]
     t = truth(run)

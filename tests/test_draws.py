@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptforensics.triage import find_metrics, read_metrics, triage
+from ckptforensics.commands.triage import find_metrics, read_metrics, triage
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -89,7 +89,7 @@ def test_lightning_logs_and_checkpoints_are_found_where_lightning_puts_them(
     """Draw 1002 is Lightning's default layout: checkpoints in
     lightning_logs/version_0/checkpoints, the CSVLogger's metrics.csv, which logs optimizer
     step s under step s - 1; the tool's step s must be the trainer's step s."""
-    from ckptforensics.locate import list_checkpoints
+    from ckptforensics.formats.locate import list_checkpoints
 
     run = draws[1002]
     t = json.loads((run / "truth.json").read_text())

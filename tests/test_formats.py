@@ -10,10 +10,10 @@ import torch
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
-from ckptforensics.errors import OptimizerMappingError
+from ckptforensics.core.errors import OptimizerMappingError
 from ckptforensics.formats import open_checkpoint
-from ckptforensics.formats.optim import map_optimizer
-from ckptforensics.locate import resolve_checkpoint
+from ckptforensics.formats.locate import resolve_checkpoint
+from ckptforensics.formats.optstate import map_optimizer
 from fixtures.tinygpt import GPT, GPTConfig
 from tests.test_cli import assert_bad_input
 
@@ -240,8 +240,8 @@ def test_megatron_torch_dist_bit_flip_is_located_to_its_layer(tmp_path: Path) ->
     import io
     import shutil
 
+    from ckptforensics.core.tensors import flip_bit
     from ckptforensics.formats.dcp import DcpStore, read_metadata
-    from ckptforensics.tensors import flip_bit
 
     run = tmp_path / "run"
     for it in ("iter_0000010", "iter_0000020"):

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptforensics.cli import cli
-from ckptforensics.errors import ForensicsError
+from ckptforensics.core.errors import ForensicsError
 
 EXAMPLES = int(os.environ.get("CKPTFORENSICS_FUZZ_EXAMPLES", "60"))
 FUZZ = settings(
@@ -110,7 +110,7 @@ def test_mangled_batch_log(
     flips: list[tuple[int, int]],
     step: int,
 ) -> None:
-    from ckptforensics.replay.batches import open_batches
+    from ckptforensics.formats.batches import open_batches
 
     f = tmp_path_factory.mktemp("h5") / "batches.h5"
     data = seeds["h5"]

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from ckptforensics.formats.hf_order import param_order
+from ckptforensics.trainers.hf.order import param_order
 
 transformers = pytest.importorskip("transformers")
 

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptforensics.errors import CheckpointNotFound
-from ckptforensics.locate import list_checkpoints, resolve_checkpoint
+from ckptforensics.core.errors import CheckpointNotFound
+from ckptforensics.formats.locate import list_checkpoints, resolve_checkpoint
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
+from ckptforensics.commands.triage import triage
 from ckptforensics.logs import (
     MissingExtra,
     find_logs,
@@ -23,7 +24,6 @@ from ckptforensics.logs import (
     read_log,
     read_metrics,
 )
-from ckptforensics.triage import triage
 from tests.conftest import ROOT
 
 FORMATS = (

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from ckptforensics.replay.batches import BatchError
-from ckptforensics.replay.megatron_data import (
+from ckptforensics.formats.batches import BatchError
+from ckptforensics.trainers.megatron.data import (
     IndexedTokens,
     is_megatron_data,
     megatron_batches,

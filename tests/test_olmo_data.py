@@ -18,7 +18,7 @@ import torch
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
-from ckptforensics.replay.olmo_data import olmo_batches
+from ckptforensics.trainers.olmo_core.data import olmo_batches
 from tests.conftest import ROOT
 from tests.test_cli import assert_bad_input
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ckptforensics.analysis import run_diff, run_replay
 from ckptforensics.cli import cli
-from ckptforensics.errors import ForensicsError
+from ckptforensics.commands.analysis import run_diff, run_replay
+from ckptforensics.core.errors import ForensicsError
+from ckptforensics.engine.replay import ReplayConfig
 from ckptforensics.formats import open_checkpoint
-from ckptforensics.replay import ReplayConfig
 from fixtures import optim_runs, resume_run
 
 pytest.importorskip("lion_pytorch")
@@ -205,7 +205,7 @@ def test_lamb_implementations_one_line(runs: dict[str, dict[str, Path]], tmp_pat
     does not know: named, weights-only."""
     if not _have("lamb"):
         pytest.skip("needs pytorch_optimizer")
-    from ckptforensics.replay.model import build_optimizer
+    from ckptforensics.engine.replay.model import build_optimizer
     from fixtures.tinygpt import GPT, GPTConfig
 
     a, b, _ = _pair(runs["lamb"]["healthy"])
@@ -295,7 +295,7 @@ def test_unknown_optimizer_one_line(tmp_path: Path, which: str) -> None:
         "not one the tool knows" in n and named in n for n in doc["diff"]["pair"]["notes"]
     ), doc["diff"]["pair"]["notes"]
     with open_checkpoint(tmp_path / "step_1.pt") as ck:
-        from ckptforensics.replay.model import build_optimizer
+        from ckptforensics.engine.replay.model import build_optimizer
 
         with pytest.raises(ForensicsError, match="cannot be rebuilt for a replay"):
             build_optimizer(model, ck, lambda k: k)
@@ -330,7 +330,7 @@ def test_resume_that_lost_state(resumed: dict[str, Path]) -> None:
 def test_triage_onset_at_the_resume(resumed: dict[str, Path]) -> None:
     """The log shows a rebuilt scheduler (the LR re-runs its warm-up, or dips to its first
     value for one step): triage's onset is the first step after the resume."""
-    from ckptforensics.triage import triage
+    from ckptforensics.commands.triage import triage
 
     for variant in ("scheduler_restarted", "optimizer_lost", "correct"):
         run = resumed[variant]

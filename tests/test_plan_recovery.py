@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from ckptforensics import api
 from ckptforensics.cli import cli
+from ckptforensics.commands import api
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptforensics.replay.engine import ReplayConfig, replay
+from ckptforensics.engine.replay.run import ReplayConfig, replay
 from fixtures.zoo import fp16_nanogpt
 from tests.conftest import truth
 

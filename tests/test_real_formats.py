@@ -20,9 +20,9 @@ import torch
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
-from ckptforensics.errors import OptimizerMappingError
+from ckptforensics.core.errors import OptimizerMappingError
 from ckptforensics.formats import open_checkpoint, open_pair
-from ckptforensics.formats.optim import AmbiguousMapping, map_optimizer, settle_by_evidence
+from ckptforensics.formats.optstate import AmbiguousMapping, map_optimizer, settle_by_evidence
 from ckptforensics.formats.torchfile import load_torch_file
 from tests.test_cli import assert_bad_input
 
@@ -576,7 +576,7 @@ def test_litgpt_and_olmo_core_logs_are_found_and_keyed_by_the_checkpoints_step()
     """LitGPT's CSVLogger writes iteration i at logger step i-1 (the `iter` column is the
     checkpoint's step); OLMo-core writes one metrics_step{N}.json per step with its own
     key names. Both are discovered in the run directory and read at the right step."""
-    from ckptforensics.triage import find_metrics, read_metrics
+    from ckptforensics.commands.triage import find_metrics, read_metrics
 
     log = find_metrics(LITGPT)
     assert log is not None and log.name == "metrics.csv"
@@ -695,7 +695,7 @@ def test_a_megatron_batch_log_that_says_nothing_of_its_labels_replays_the_same(
 
 
 def test_megatron_option_the_reference_lacks_is_refused_by_name() -> None:
-    from ckptforensics.replay.model import ModelSpecError, build_model
+    from ckptforensics.engine.replay.model import ModelSpecError, build_model
 
     ck = open_checkpoint(MCORE / "legacy" / "iter_0000010")
     ck.config = {**(ck.config or {}), "num_experts": 8}
@@ -888,8 +888,8 @@ def test_hostile_megatron_files_are_refused(tmp_path: Path, where: str) -> None:
 def test_hf_precision_comes_from_training_args(zoo: dict[str, Path]) -> None:
     """A Trainer run with bf16=True keeps fp32 weights: the replay's precision is read from
     training_args.bin, not guessed from the weights."""
-    from ckptforensics.replay.records import ReplayConfig
-    from ckptforensics.replay.window import run_precision
+    from ckptforensics.engine.replay.records import ReplayConfig
+    from ckptforensics.engine.replay.window import run_precision
 
     ck = open_checkpoint(zoo["hf-padded"] / "checkpoint-20")
     cfg = ReplayConfig(before=ck.path, batch="unused")

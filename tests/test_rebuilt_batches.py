@@ -113,7 +113,7 @@ def test_replay_needs_a_batch_log_or_the_data(hf_data_run: Path, zoo: dict[str, 
 def test_triage_suggests_the_commands_this_run_needs(hf_data_run: Path) -> None:
     """An HF Trainer run without a batch log: the next commands rebuild its batches and take
     the model from config.json."""
-    from ckptforensics.triage import find_metrics, triage
+    from ckptforensics.commands.triage import find_metrics, triage
 
     t = json.loads((hf_data_run / "truth.json").read_text())
     log = find_metrics(hf_data_run)
@@ -188,7 +188,7 @@ def test_the_recorder_callback_keeps_what_the_trainer_fed(
         rows
     ):  # the step's loss as the Trainer logged it (num_items_in_batch: the micro-batches' sum)
         assert row["loss"] == pytest.approx(log[row["step"]], rel=1e-4)
-    from ckptforensics.triage import triage
+    from ckptforensics.commands.triage import triage
 
     assert (
         triage(hf_data_run / "flight" / "metrics.jsonl", hf_data_run).first_bad_step
@@ -209,7 +209,7 @@ def test_a_two_process_runs_batches_are_what_each_process_consumed(hf_ddp_run: P
     of every step (two epochs: the sampler reshuffles) is process 0's micro-batches, then
     process 1's, row for row what each process's collator was handed."""
     from ckptforensics.formats import open_checkpoint
-    from ckptforensics.replay.hfdata import trainer_batches
+    from ckptforensics.trainers.hf.data import trainer_batches
 
     seen = json.loads((hf_ddp_run / "consumed.json").read_text())
     w, accum = seen["world"], seen["accum"]
@@ -405,8 +405,8 @@ def test_candidates_come_in_order_and_fail_as_batch_errors(hf_lm_run: Path, tmp_
     import torch
 
     from ckptforensics.formats import open_checkpoint
-    from ckptforensics.replay.batches import BatchError
-    from ckptforensics.replay.hfdata import trainer_batches
+    from ckptforensics.formats.batches import BatchError
+    from ckptforensics.trainers.hf.data import trainer_batches
 
     t = json.loads((hf_lm_run / "truth.json").read_text())
     data = str(hf_lm_run.parent / t["data"])

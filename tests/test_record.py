@@ -14,9 +14,9 @@ import torch
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
+from ckptforensics.commands.triage import triage
+from ckptforensics.formats.batches import open_batches
 from ckptforensics.record import Recorder, SpikeMonitor
-from ckptforensics.replay.batches import open_batches
-from ckptforensics.triage import triage
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT))

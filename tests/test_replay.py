@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
-from ckptforensics.replay.samples import PerSampleGrad, per_token_loss, row_data_stats
+from ckptforensics.engine.replay.samples import PerSampleGrad, per_token_loss, row_data_stats
 from fixtures.tinygpt import GPT, GPTConfig
 from tests.conftest import truth
 from tests.test_cli import assert_bad_input
@@ -242,7 +242,7 @@ def test_one_replayed_step_names_a_stale_second_moment(zoo: dict[str, Path]) -> 
 
 def test_param_grad_stats_match_their_definitions() -> None:
     """RMS_t against the bias-corrected second moment, and SPAM's g^2 > 5000 v count."""
-    from ckptforensics.replay.probes import param_grad_stats
+    from ckptforensics.engine.replay.probes import param_grad_stats
 
     g = torch.Generator().manual_seed(0)
     v = torch.rand(1000, generator=g) * 1e-6 + 1e-8
@@ -260,7 +260,7 @@ def test_param_grad_stats_match_their_definitions() -> None:
 def test_window_row_stats_match_one_call_per_batch() -> None:
     import numpy as np
 
-    from ckptforensics.replay.samples import window_row_stats
+    from ckptforensics.engine.replay.samples import window_row_stats
 
     rng = np.random.default_rng(0)
     for vocab in (5, 40, 400):

@@ -12,7 +12,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
-from ckptforensics.shard import balanced
+from ckptforensics.engine.diff.shard import balanced
 from tests.conftest import ROOT, free_port, ranks_said, torchrun
 from tests.test_dcp import dcp_run  # noqa: F401 - the session fixture: a real FSDP2 run
 
@@ -130,9 +130,9 @@ def _die(name: str) -> None:
 
 
 def test_a_worker_that_dies_is_one_clear_error(zoo: dict[str, Path], monkeypatch) -> None:  # noqa: ANN001
-    import ckptforensics.shard as shard
-    from ckptforensics.diff import diff_checkpoints
-    from ckptforensics.errors import ForensicsError
+    import ckptforensics.engine.diff.shard as shard
+    from ckptforensics.core.errors import ForensicsError
+    from ckptforensics.engine.diff.pair import diff_checkpoints
     from ckptforensics.formats import open_checkpoint
 
     monkeypatch.setattr(shard, "_one", _die)
@@ -151,7 +151,7 @@ import gc, sys
 from pathlib import Path
 import torch.distributed as dist
 from ckptforensics.formats import open_pair
-from ckptforensics.shard import destroy_process_group, init_process_group
+from ckptforensics.engine.diff.shard import destroy_process_group, init_process_group
 
 init_process_group("gloo")
 pg = dist.distributed_c10d._get_default_group()
@@ -189,7 +189,7 @@ def test_the_process_group_is_freed_after_a_dcp_diff(dcp_run: Path) -> None:  # 
 
 _IN_FLIGHT = """
 import sys, time, torch, torch.distributed as dist
-from ckptforensics.shard import init_process_group, leave_rank
+from ckptforensics.engine.diff.shard import init_process_group, leave_rank
 
 init_process_group("gloo")
 KEEP = dist.group.WORLD  # held past the end, as DTensor's caches hold an FSDP2 model's mesh

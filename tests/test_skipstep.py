@@ -15,7 +15,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
-from ckptforensics.replay.engine import ReplayConfig, replay
+from ckptforensics.engine.replay.run import ReplayConfig, replay
 from tests.conftest import ROOT
 
 OLMO = ROOT / "fixtures" / "data" / "olmo-core-3.0-warmup-skips"

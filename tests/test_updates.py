@@ -1,4 +1,4 @@
-"""Each family's update bound and second-moment floor (ckptforensics/updates.py) against the
+"""Each family's update bound and second-moment floor (ckptforensics/optim/updates.py) against the
 framework's own optimizer step, fed gradients from tiny to huge: no element may pass."""
 
 from __future__ import annotations
@@ -8,8 +8,13 @@ import math
 import pytest
 import torch
 
-from ckptforensics.formats.optim import group_hyper, optimizer_family
-from ckptforensics.updates import ns_sup, quantised_floor_allowance, second_moment_floor, step_bound
+from ckptforensics.formats.optstate import group_hyper, optimizer_family
+from ckptforensics.optim.updates import (
+    ns_sup,
+    quantised_floor_allowance,
+    second_moment_floor,
+    step_bound,
+)
 
 
 def _grads(shape: tuple[int, ...], steps: int, seed: int) -> list[torch.Tensor]:
@@ -128,7 +133,7 @@ def test_8bit_floor_holds_through_quantisation(shape: tuple[int, int]) -> None:
     (`quantised_floor_allowance`), and the floor without that allowance is broken (the
     rounding is real, so the allowance is needed)."""
     bnb_ = pytest.importorskip("bitsandbytes", reason="8-bit Adam's floor needs bitsandbytes")
-    from ckptforensics.formats import bnb
+    from ckptforensics.optim import bnb
 
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(shape) * 0.05)
@@ -160,7 +165,7 @@ def test_8bit_steps_can_pass_adams_bound() -> None:
     rounded state, so m / sqrt(v) escapes Cauchy-Schwarz, and a real bitsandbytes step under
     gradient bursts moves an element past lr C by more than the diff's slack (1.3% here)."""
     bnb_ = pytest.importorskip("bitsandbytes", reason="needs bitsandbytes")
-    from ckptforensics.tensors import adam_ratio_bound
+    from ckptforensics.core.tensors import adam_ratio_bound
 
     torch.manual_seed(5)
     p = torch.nn.Parameter(torch.randn(24, 40) * 0.05)

@@ -14,10 +14,10 @@ console script; `python -m ckptforensics.cli` runs it too (torchrun needs a modu
 from __future__ import annotations
 
 # Each module adds its commands to `cli` on import; this order is `cli.commands`' order.
-from . import checkpoints, replays, runs  # noqa: F401
+from ckptforensics.cli import checkpoints, replays, runs  # noqa: F401
 
 # isort: split
-from . import reports  # noqa: F401
-from .group import EXIT_HELP, Ctx, cli, main
+from ckptforensics.cli import reports  # noqa: F401
+from ckptforensics.cli.group import EXIT_HELP, Ctx, cli, main
 
 __all__ = ["EXIT_HELP", "Ctx", "cli", "main"]

@@ -1,5 +1,5 @@
 """`python -m ckptforensics.cli`: the console script, for torchrun and for hosts without it."""
 
-from . import main
+from ckptforensics.cli import main
 
 main()

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from .common import command_line, count_tensors, finish, output, progress, work
-from .group import cli
-from .params import format_option, run_dir_option
+from ckptforensics.cli.common import command_line, count_tensors, finish, output, progress, work
+from ckptforensics.cli.group import cli
+from ckptforensics.cli.params import format_option, run_dir_option
 
 
 @cli.command("formats")
@@ -23,7 +23,7 @@ def formats_cmd() -> None:
       ckptforensics formats
       ckptforensics inspect --format nanogpt runs/x/ckpt.pt
     """
-    from ..formats import SNIFFERS, format_names, is_builtin
+    from ckptforensics.formats import SNIFFERS, format_names, is_builtin
 
     for name in format_names():
         how = "sniffed" if name in SNIFFERS else "with --format"
@@ -59,10 +59,10 @@ def inspect(
       ckptforensics inspect --run-dir runs/7b 41950
       ckptforensics inspect runs/7b/checkpoint-41950 --json
     """
-    from .. import api
-    from ..formats import require_complete
-    from ..locate import resolve_checkpoint
-    from ..report.inspect import render_inspect_text
+    from ckptforensics.commands import api
+    from ckptforensics.formats import require_complete
+    from ckptforensics.formats.locate import resolve_checkpoint
+    from ckptforensics.report.inspect import render_inspect_text
 
     with work(ctx):
         path = resolve_checkpoint(checkpoint, run_dir)
@@ -148,9 +148,9 @@ def diff(
       ckptforensics diff --before ckpt_a.pt --after ckpt_b.pt --json | jq .verdict
       torchrun --nnodes 4 --nproc-per-node 1 ... -m ckptforensics.cli diff --before A --after B --out incident/
     """
-    from .. import api
-    from ..locate import resolve_checkpoint
-    from ..shard import dist_world
+    from ckptforensics.commands import api
+    from ckptforensics.engine.diff.shard import dist_world
+    from ckptforensics.formats.locate import resolve_checkpoint
 
     rank, _ = dist_world()
     with work(ctx):

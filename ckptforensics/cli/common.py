@@ -67,7 +67,7 @@ def output(out: Path | None, inputs: list[Path], *, file: bool = False) -> Itera
     if out is None:
         yield
         return
-    from ..report import check_outside, prepare_out, remove_made
+    from ckptforensics.report import check_outside, prepare_out, remove_made
 
     check_outside(out, inputs)
 
@@ -80,7 +80,7 @@ def output(out: Path | None, inputs: list[Path], *, file: bool = False) -> Itera
 
 
 def not_rank_zero() -> bool:
-    from ..shard import dist_world
+    from ckptforensics.engine.diff.shard import dist_world
 
     return dist_world()[0] != 0
 
@@ -93,7 +93,7 @@ def count_tensors(path: Path, fmt: str | None) -> int:
     """Tensors to stream (for the progress bar); 0 when unknown."""
     if not sys.stderr.isatty():
         return 0
-    from ..formats import open_checkpoint
+    from ckptforensics.formats import open_checkpoint
 
     with open_checkpoint(path, fmt) as ck:
         return len(ck.names())
@@ -108,8 +108,8 @@ def finish(
     strict: bool,
     fail_on: str,
 ) -> None:
-    from ..detectors import SEVERITIES
-    from ..report import to_json
+    from ckptforensics.detectors import SEVERITIES
+    from ckptforensics.report import to_json
 
     if as_json:
         click.echo(to_json(doc), nl=False)

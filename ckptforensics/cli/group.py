@@ -14,8 +14,8 @@ from typing import Any
 
 import click
 
-from .. import __version__
-from ..errors import one_line
+from ckptforensics import __version__
+from ckptforensics.core.errors import one_line
 
 __all__ = ["EXIT_HELP", "Ctx", "cli", "main"]
 
@@ -97,7 +97,7 @@ def cli(ctx: click.Context, verbose: int, quiet: bool, debug: bool) -> None:
 def main() -> None:
     """The console script. A torchrun rank that created a process group leaves through
     `shard.leave_rank`, whatever its status: gloo's threads outlive the interpreter."""
-    from ..shard import joined_a_group, leave_rank
+    from ckptforensics.engine.diff.shard import joined_a_group, leave_rank
 
     try:
         cli(prog_name="ckptforensics")  # standalone click: always ends in SystemExit

@@ -7,10 +7,10 @@ from typing import Any
 
 import click
 
-from ..options import ReplayOptions
-from .common import command_line, finish, not_rank_zero, output, progress, work
-from .group import cli
-from .params import replay_options, run_dir_option
+from ckptforensics.cli.common import command_line, finish, not_rank_zero, output, progress, work
+from ckptforensics.cli.group import cli
+from ckptforensics.cli.params import replay_options, run_dir_option
+from ckptforensics.core.options import ReplayOptions
 
 
 @cli.command()
@@ -72,8 +72,8 @@ def replay(
       torchrun --nnodes 2 --nproc-per-node 8 ... -m ckptforensics.cli replay --device cuda \\
           --run-dir runs/7b --before 41950 --after 42000 --batch runs/7b/flight --out incident/
     """
-    from .. import api
-    from ..locate import resolve_checkpoint
+    from ckptforensics.commands import api
+    from ckptforensics.formats.locate import resolve_checkpoint
 
     with work(ctx):
         pa = resolve_checkpoint(before, run_dir)
@@ -134,8 +134,8 @@ def bisect_cmd(
       ckptforensics bisect --run-dir runs/7b --before 41950 --after 42000 \\
           --batch runs/7b/batches.h5 --model train.py:build_model --out incident/
     """
-    from .. import api
-    from ..locate import resolve_checkpoint
+    from ckptforensics.commands import api
+    from ckptforensics.formats.locate import resolve_checkpoint
 
     with work(ctx):
         pa, pb = resolve_checkpoint(before, run_dir), resolve_checkpoint(after, run_dir)
@@ -202,8 +202,8 @@ def whatif_cmd(
           --batch runs/7b/batches.h5 --model train.py:build_model \\
           --try clip=1.0 --try precision=bf16 --try lr_scale=0.5 --try skip_samples=auto
     """
-    from .. import api
-    from ..locate import resolve_checkpoint
+    from ckptforensics.commands import api
+    from ckptforensics.formats.locate import resolve_checkpoint
 
     with work(ctx):
         pa = resolve_checkpoint(before, run_dir)
@@ -282,8 +282,8 @@ def plan_cmd(
     Then resume as it says, and once the run has trained a while:
       ckptforensics recovery --run-dir runs/7b --resumed-from 41950 --plan plan/
     """
-    from .. import api
-    from ..locate import resolve_checkpoint
+    from ckptforensics.commands import api
+    from ckptforensics.formats.locate import resolve_checkpoint
 
     given = [k for k in ("batch", "data", "collator", "model") if opts.get(k)]
     if reports and (before or after or given or tries):
@@ -321,11 +321,11 @@ def plan_cmd(
                         return
                 written = rep.save(out) if out else []
     if as_json:
-        from ..report import to_json
+        from ckptforensics.report import to_json
 
         click.echo(to_json(rep.doc), nl=False)
         return
-    from ..report.markdown import plan_lines
+    from ckptforensics.report.markdown import plan_lines
 
     click.echo(rep.doc["verdict"]["summary"])
     click.echo("")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from .common import output, work
-from .group import cli
+from ckptforensics.cli.common import output, work
+from ckptforensics.cli.group import cli
 
 
 @cli.command("report")
@@ -30,9 +30,9 @@ def report_cmd(ctx: click.Context, source: Path, out_format: str, out: Path | No
     Example:
       ckptforensics report incident/evidence.h5 --format html --out ticket.html
     """
-    from ..report import atomic_write, render_markdown, to_json
-    from ..report.evidence import load_report
-    from ..report.html import render_html
+    from ckptforensics.report import atomic_write, render_markdown, to_json
+    from ckptforensics.report.evidence import load_report
+    from ckptforensics.report.html import render_html
 
     with work(ctx), output(out, [], file=True):
         doc = load_report(source)

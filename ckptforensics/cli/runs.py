@@ -8,9 +8,9 @@ from typing import Any
 
 import click
 
-from .common import command_line, finish, output, progress, work
-from .group import cli
-from .params import run_dir_option
+from ckptforensics.cli.common import command_line, finish, output, progress, work
+from ckptforensics.cli.group import cli
+from ckptforensics.cli.params import run_dir_option
 
 
 @cli.command("recovery")
@@ -86,7 +86,7 @@ def recovery_cmd(
       ckptforensics recovery --run-dir runs/7b --resumed-from 41950 --plan plan/ --out recovery/
       ckptforensics recovery --run-dir runs/hf --resumed-from 45 --json | jq .recovery.status
     """
-    from .. import api
+    from ckptforensics.commands import api
 
     with work(ctx), output(out, []):
         rep = api.recovery(
@@ -102,7 +102,7 @@ def recovery_cmd(
         written = rep.save(out) if out else []
     r = rep.doc["recovery"]
     if as_json:
-        from ..report import to_json
+        from ckptforensics.report import to_json
 
         click.echo(to_json(rep.doc), nl=False)
     else:
@@ -194,10 +194,10 @@ def audit_cmd(
       ckptforensics audit --run-dir runs/7b --json | jq .architecture.norm_placement
       ckptforensics audit --run-dir runs/7b --strict --fail-on critical   # CI gate
     """
-    from .. import api
+    from ckptforensics.commands import api
 
     with work(ctx):
-        from ..audit import default_checkpoint
+        from ckptforensics.commands.audit import default_checkpoint
 
         path = api.resolve(step, run_dir) if step is not None else default_checkpoint(run_dir)
         with output(out, [path]):
@@ -293,8 +293,8 @@ def triage_cmd(
       ckptforensics triage --metrics 'logs/slurm-*.out' --run-dir /ckpt/7b
       ckptforensics triage --metrics pasted.txt        # a few Megatron iteration lines
     """
-    from .. import api
-    from ..triage import TriageConfig
+    from ckptforensics.commands import api
+    from ckptforensics.commands.triage import TriageConfig
 
     with work(ctx), output(out, [run_dir] if run_dir is not None else []):
         rep = api.triage(

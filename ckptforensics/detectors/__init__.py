@@ -2,10 +2,10 @@
 docs/signatures.md. `diff` reads a checkpoint pair's diff (-> Findings), `replay` a replay
 of the window (-> Findings, in three stages), `log` a training log's rows (-> Onsets)."""
 
-from .base import SEVERITIES, Finding, Thresholds, module_of
-from .diff import DIFF_DETECTORS, diff_findings
-from .log import Onset, TriageConfig, log_onsets
-from .replay import first_steps_from_state, replay_findings, step_z
+from ckptforensics.detectors.base import SEVERITIES, Finding, Thresholds, module_of
+from ckptforensics.detectors.diff import DIFF_DETECTORS, diff_findings
+from ckptforensics.detectors.log import Onset, TriageConfig, log_onsets
+from ckptforensics.detectors.replay import first_steps_from_state, replay_findings, step_z
 
 __all__ = [
     "Finding", "Thresholds", "SEVERITIES", "module_of", "DIFF_DETECTORS", "diff_findings", "replay_findings",

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..tensors import LR_GROWTH_MARGIN
+from ckptforensics.core.tensors import LR_GROWTH_MARGIN
 
 __all__ = ["Finding", "Thresholds", "SEVERITIES", "module_of", "cap", "with_id"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .base import Finding, Thresholds, cap
+from ckptforensics.detectors.base import Finding, Thresholds, cap
 
 __all__ = ["detect_data_restart", "REPEAT_SHARE"]
 

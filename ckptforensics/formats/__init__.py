@@ -11,13 +11,28 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointNotFound, IncompleteCheckpoint, UnknownFormat, doing
-from ..locate import must_exist
-from .base import Checker, Checkpoint, Completeness, GroupHyper, OptimizerView, TensorMeta
-from .dcp import dcp_completeness, is_dcp_dir, open_dcp
-from .deepspeed import deepspeed_completeness, is_deepspeed_dir, open_deepspeed
-from .hf import hf_completeness, is_hf_dir, open_hf_dir
-from .megatron import (
+from ckptforensics.core.errors import CheckpointNotFound, IncompleteCheckpoint, UnknownFormat, doing
+from ckptforensics.formats.base import (
+    Checker,
+    Checkpoint,
+    Completeness,
+    GroupHyper,
+    OptimizerView,
+    TensorMeta,
+)
+from ckptforensics.formats.dcp import dcp_completeness, is_dcp_dir, open_dcp
+from ckptforensics.formats.locate import must_exist
+from ckptforensics.formats.optstate import settle_by_evidence, view_from_ids
+from ckptforensics.formats.safetensors_file import open_safetensors, safetensors_completeness
+from ckptforensics.formats.torchfile import is_torch_zip, torch_file_completeness
+from ckptforensics.formats.torchsave import open_torch_file
+from ckptforensics.trainers.deepspeed.checkpoint import (
+    deepspeed_completeness,
+    is_deepspeed_dir,
+    open_deepspeed,
+)
+from ckptforensics.trainers.hf.checkpoint import hf_completeness, is_hf_dir, open_hf_dir
+from ckptforensics.trainers.megatron.checkpoint import (
     TRACKER,
     is_megatron_dir,
     is_megatron_dist_dir,
@@ -26,10 +41,6 @@ from .megatron import (
     open_megatron,
     open_megatron_dist,
 )
-from .optim import settle_by_evidence, view_from_ids
-from .safetensors_file import open_safetensors, safetensors_completeness
-from .torchfile import is_torch_zip, torch_file_completeness
-from .torchsave import open_torch_file
 
 __all__ = [
     "Checkpoint",
@@ -173,7 +184,7 @@ def sniff(path: Path) -> str:
             raise IncompleteCheckpoint(
                 f"{path}: no checkpoint layout recognised, and {'; '.join(broken)}; pass a complete checkpoint (an earlier step)"
             )
-        from ..locate import list_checkpoints
+        from ckptforensics.formats.locate import list_checkpoints
 
         found = list_checkpoints(path)
         if found:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..errors import doing
+from ckptforensics.core.errors import doing
 
 __all__ = [
     "Completeness",

@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpoint, UnsafeCheckpoint
-from ..locate import STEP_PATTERNS
-from .base import (
+from ckptforensics.core.errors import CorruptCheckpoint, UnsafeCheckpoint
+from ckptforensics.formats.base import (
     Checkpoint,
     Completeness,
     GroupHyper,
@@ -31,8 +30,9 @@ from .base import (
     json_problem,
     rel_name,
 )
-from .inert import dcp_inert_classes, safe_load_globals
-from .optim import group_hyper, optimizer_kind
+from ckptforensics.formats.inert import dcp_inert_classes, safe_load_globals
+from ckptforensics.formats.locate import STEP_PATTERNS
+from ckptforensics.formats.optstate import group_hyper, optimizer_kind
 
 __all__ = ["is_dcp_dir", "open_dcp", "read_metadata", "dcp_completeness", "dcp_files_problems"]
 
@@ -220,7 +220,7 @@ class DcpStore:
 
 def _unsafe_name(data: bytes) -> str | None:
     """The first global outside the allowlist in a torch.save blob (for the refusal message)."""
-    from .inert import allowed_names
+    from ckptforensics.formats.inert import allowed_names
 
     try:
         bad = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
@@ -396,7 +396,7 @@ def _olmo_train_state(path: Path) -> int | None:
     f = path / "train" / "rank0.pt"
     if not f.is_file():
         return None
-    from .torchfile import load_torch_file
+    from ckptforensics.formats.torchfile import load_torch_file
 
     obj, _ = load_torch_file(f)
     step = obj.get("global_step") if isinstance(obj, dict) else None
@@ -547,7 +547,7 @@ def dcp_completeness(path: Path) -> Completeness:
                 if bad.endswith("missing")
                 else bad
             )
-        from .torchfile import torch_file_problem
+        from ckptforensics.formats.torchfile import torch_file_problem
 
         for f in sorted({path / "train" / "rank0.pt", *(path / "train").glob("rank*.pt")}):
             bad = torch_file_problem(f, path)
@@ -559,7 +559,7 @@ def dcp_completeness(path: Path) -> Completeness:
             + _DCP_RULE
             + "; trainer_state.json (written last)"
         )
-        from .hf import is_trainer_checkpoint, save_only_model
+        from ckptforensics.trainers.hf.checkpoint import is_trainer_checkpoint, save_only_model
 
         opt = path / "optimizer_0"
         if opt.is_dir() and opt not in roots:

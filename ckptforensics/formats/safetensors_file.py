@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CorruptCheckpoint
-from .base import Checkpoint, Completeness, TensorMeta, file_problem, rel_name
+from ckptforensics.core.errors import CorruptCheckpoint
+from ckptforensics.formats.base import Checkpoint, Completeness, TensorMeta, file_problem, rel_name
 
 __all__ = ["SafetensorsFile", "open_safetensors", "safetensors_problem", "safetensors_completeness"]
 

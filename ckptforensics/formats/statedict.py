@@ -7,9 +7,14 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpoint
-from .base import Checkpoint, TensorMeta
-from .optim import AmbiguousMapping, map_optimizer, merge_optimizers, trainable_order
+from ckptforensics.core.errors import CorruptCheckpoint
+from ckptforensics.formats.base import Checkpoint, TensorMeta
+from ckptforensics.formats.optstate import (
+    AmbiguousMapping,
+    map_optimizer,
+    merge_optimizers,
+    trainable_order,
+)
 
 __all__ = ["add_state_dict", "attach_optimizer", "scaler_scalars", "scheduler_scalars", "to_plain"]
 

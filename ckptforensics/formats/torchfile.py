@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpoint, UnsafeCheckpoint
-from .base import Completeness, file_problem, rel_name
-from .inert import allowed_names, safe_load_globals
+from ckptforensics.core.errors import CorruptCheckpoint, UnsafeCheckpoint
+from ckptforensics.formats.base import Completeness, file_problem, rel_name
+from ckptforensics.formats.inert import allowed_names, safe_load_globals
 
 __all__ = ["load_torch_file", "is_torch_zip", "torch_file_problem", "torch_file_completeness"]
 

@@ -8,10 +8,16 @@ from typing import Any
 
 import torch
 
-from ..errors import UnknownFormat
-from .base import Checkpoint
-from .statedict import add_state_dict, attach_optimizer, scaler_scalars, scheduler_scalars, to_plain
-from .torchfile import load_torch_file
+from ckptforensics.core.errors import UnknownFormat
+from ckptforensics.formats.base import Checkpoint
+from ckptforensics.formats.statedict import (
+    add_state_dict,
+    attach_optimizer,
+    scaler_scalars,
+    scheduler_scalars,
+    to_plain,
+)
+from ckptforensics.formats.torchfile import load_torch_file
 
 __all__ = ["open_torch_file", "sniff_torch_object"]
 

@@ -17,10 +17,10 @@ import glob as _glob
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ForensicsError
-from .columns import ALIASES, canonical, group_lrs, lr_columns, param_grad_columns
-from .discover import find_logs, log_dirs
-from .readers import Leg, MissingExtra, megatron_line, read_file
+from ckptforensics.core.errors import ForensicsError
+from ckptforensics.logs.columns import ALIASES, canonical, group_lrs, lr_columns, param_grad_columns
+from ckptforensics.logs.discover import find_logs, log_dirs
+from ckptforensics.logs.readers import Leg, MissingExtra, megatron_line, read_file
 
 __all__ = [
     "MetricsLog",

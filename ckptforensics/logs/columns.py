@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from ..frameworks import log_aliases
+from ckptforensics.trainers import log_aliases
 
 __all__ = [
     "ALIASES",

@@ -8,8 +8,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..locate import list_checkpoints
-from .readers import is_megatron_text, mlflow_run_name
+from ckptforensics.formats.locate import list_checkpoints
+from ckptforensics.logs.readers import is_megatron_text, mlflow_run_name
 
 __all__ = ["find_logs", "log_dirs"]
 
@@ -113,7 +113,7 @@ def find_logs(run_dir: Path) -> list[Path]:
     ]
     if ckpts:
         # The newest complete checkpoint's: a save that died half-way may hold a torn one.
-        from ..locate import first_complete
+        from ckptforensics.formats.locate import first_complete
 
         found, skipped = first_complete(list(reversed(ckpts)))
         for note in skipped:

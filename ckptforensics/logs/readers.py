@@ -25,8 +25,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ForensicsError
-from .columns import IGNORED_TAG_SUFFIXES
+from ckptforensics.core.errors import ForensicsError
+from ckptforensics.logs.columns import IGNORED_TAG_SUFFIXES
 
 __all__ = ["Leg", "read_file", "MissingExtra", "MEGATRON_LINE"]
 

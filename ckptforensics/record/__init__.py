@@ -4,7 +4,7 @@
 `hf_callback` wraps one for transformers' Trainer. See record/recorder.py.
 """
 
-from .monitor import Spike, SpikeMonitor
-from .recorder import Recorder, RecorderConfig
+from ckptforensics.record.monitor import Spike, SpikeMonitor
+from ckptforensics.record.recorder import Recorder, RecorderConfig
 
 __all__ = ["Recorder", "RecorderConfig", "SpikeMonitor", "Spike"]

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .recorder import Recorder, RecorderConfig
+from ckptforensics.record.recorder import Recorder, RecorderConfig
 
 __all__ = ["hf_callback"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .recorder import Recorder, RecorderConfig
+from ckptforensics.record.recorder import Recorder, RecorderConfig
 
 __all__ = ["lightning_callback"]
 

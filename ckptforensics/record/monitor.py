@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..tensors import TrendBaseline
+from ckptforensics.core.tensors import TrendBaseline
 
 __all__ = ["SpikeMonitor", "Spike"]
 

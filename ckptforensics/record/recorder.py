@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .monitor import Spike, SpikeMonitor
-from .segments import Segment, drop_oldest, pad_rows, segment_name
+from ckptforensics.record.monitor import Spike, SpikeMonitor
+from ckptforensics.record.segments import Segment, drop_oldest, pad_rows, segment_name
 
 __all__ = ["Recorder", "RecorderConfig"]
 
@@ -383,7 +383,7 @@ def _measured_labels(rows: list[dict[str, torch.Tensor]]) -> bool | None:
     """Whether the loop hands its model next-token targets, measured on the segment's first
     step as the replay measures it (`replay.conventions`): the log then says what it holds.
     None where the rows do not decide (no labels, or too few positions that tell)."""
-    from ..replay.conventions import AGREEMENT, measure_labels
+    from ckptforensics.engine.replay.conventions import AGREEMENT, measure_labels
 
     same, nxt, n = measure_labels([r for r in rows if "input_ids" in r and "labels" in r])
     if same is None or not n:

@@ -11,13 +11,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
-from ..detectors import Finding
-from ..diff import DiffResult
-from ..errors import OutputNotWritable
-from ..formats.base import Checkpoint
-from ..verdict import Verdict
-from .markdown import render_markdown
+from ckptforensics import __version__
+from ckptforensics.core.errors import OutputNotWritable
+from ckptforensics.detectors import Finding
+from ckptforensics.engine.diff.pair import DiffResult
+from ckptforensics.formats.base import Checkpoint
+from ckptforensics.report.markdown import render_markdown
+from ckptforensics.verdict import Verdict
 
 __all__ = [
     "SCHEMA",
@@ -106,8 +106,8 @@ def build_report(
 def _plan(doc: dict[str, Any], before: Checkpoint) -> dict[str, Any]:
     """The resume plan every report carries (`plan.plan_section`). A checkpoint whose files
     the planner cannot read leaves the diagnosis whole: the plan says why it is missing."""
-    from ..errors import ForensicsError
-    from ..plan import plan_section
+    from ckptforensics.commands.plan import plan_section
+    from ckptforensics.core.errors import ForensicsError
 
     try:
         return plan_section(doc, before)
@@ -282,8 +282,8 @@ def write_report(
 ) -> list[Path]:
     """report.json, report.md, report.html and evidence.h5 (and `extra` files by name, such
     as bisect's skip.json) under `out_dir`, written together (`write_files`)."""
-    from .evidence import write_h5
-    from .html import render_html
+    from ckptforensics.report.evidence import write_h5
+    from ckptforensics.report.html import render_html
 
     files: dict[Path, Content] = {
         out_dir / "report.json": to_json(doc),

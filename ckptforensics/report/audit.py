@@ -7,7 +7,7 @@ import html
 import math
 from typing import Any
 
-from .markdown import fmt
+from ckptforensics.report.markdown import fmt
 
 __all__ = ["render_audit_markdown", "render_audit_html", "is_audit"]
 
@@ -106,7 +106,7 @@ _LAYER_HEAD = [
 
 
 def render_audit_markdown(doc: dict[str, Any]) -> str:
-    from .markdown import md_table as _table
+    from ckptforensics.report.markdown import md_table as _table
 
     v, au, a = doc["verdict"], doc["audit"], doc.get("architecture") or {}
     c = au["counts"]
@@ -159,7 +159,7 @@ def render_audit_markdown(doc: dict[str, Any]) -> str:
 
 
 def render_audit_html(doc: dict[str, Any]) -> str:
-    from .html import CSS, table
+    from ckptforensics.report.html import CSS, table
 
     v, au, a = doc["verdict"], doc["audit"], doc.get("architecture") or {}
     c = au["counts"]

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ForensicsError
+from ckptforensics.core.errors import ForensicsError
 
 __all__ = ["write_evidence", "write_h5", "load_report"]
 
@@ -31,7 +31,7 @@ def _floats(xs: list[Any]) -> np.ndarray:
 
 def write_evidence(path: Path, doc: dict[str, Any]) -> None:
     """Write evidence.h5 atomically (temp file + rename)."""
-    from . import write_files
+    from ckptforensics.report import write_files
 
     write_files({path: lambda tmp: write_h5(tmp, doc)})
 

@@ -12,7 +12,7 @@ import io
 import math
 from typing import Any
 
-from .markdown import fmt, plan_lines, recovery_lines, reproduces
+from ckptforensics.report.markdown import fmt, plan_lines, recovery_lines, reproduces
 
 __all__ = ["render_html"]
 
@@ -341,7 +341,7 @@ def render_html(doc: dict[str, Any]) -> str:
     if doc.get("recovery"):
         return _render_recovery(doc)
     if doc.get("audit"):
-        from .audit import render_audit_html
+        from ckptforensics.report.audit import render_audit_html
 
         return render_audit_html(doc)
     v, inc = doc["verdict"], doc["incident"]

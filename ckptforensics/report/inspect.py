@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from . import clean
+from ckptforensics.report import clean
 
 __all__ = ["INSPECT_SCHEMA", "inspect_doc", "render_inspect_text", "render_inspect_html"]
 

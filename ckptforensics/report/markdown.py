@@ -281,7 +281,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if doc.get("recovery"):
         return _render_recovery(doc)
     if doc.get("audit"):
-        from .audit import render_audit_markdown
+        from ckptforensics.report.audit import render_audit_markdown
 
         return render_audit_markdown(doc)
     v = doc["verdict"]

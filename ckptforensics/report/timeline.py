@@ -6,8 +6,8 @@ import html
 import math
 from typing import Any
 
-from .html import CSS, num, png, table
-from .markdown import fmt
+from ckptforensics.report.html import CSS, num, png, table
+from ckptforensics.report.markdown import fmt
 
 __all__ = ["render_triage_markdown", "render_triage_html"]
 

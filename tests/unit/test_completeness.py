@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
-from ckptforensics.errors import CheckpointNotFound, IncompleteCheckpoint
+from ckptforensics.core.errors import CheckpointNotFound, IncompleteCheckpoint
 from ckptforensics.formats import completeness, open_checkpoint, require_complete
 from ckptforensics.formats.dcp import read_metadata
 

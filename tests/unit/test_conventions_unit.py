@@ -9,8 +9,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from ckptforensics.replay.conventions import LabelError, detect_call, measure_labels, settle_labels
-from ckptforensics.replay.logcheck import check_against_log, log_rounding
+from ckptforensics.engine.replay.conventions import (
+    LabelError,
+    detect_call,
+    measure_labels,
+    settle_labels,
+)
+from ckptforensics.engine.replay.logcheck import check_against_log, log_rounding
 from fixtures.tinygpt import GPT, GPTConfig, TargetsGPT
 
 

@@ -18,12 +18,12 @@ def test_the_package_surface_is_pinned() -> None:
 
 
 def test_a_command_stays_the_command_after_its_submodule_is_imported() -> None:
-    """The submodules of the same names (ckptforensics.replay, .diff, ...) are imported by
+    """The submodules of the same names (ckptforensics.engine.replay, .diff, ...) are imported by
     the commands themselves: cf.replay is the function before and after."""
     code = (
         "import ckptforensics as cf; f = cf.replay; "
-        "import ckptforensics.replay.engine, ckptforensics.diff, ckptforensics.triage, ckptforensics.bisect; "
-        "from ckptforensics.replay.engine import ReplayConfig; from ckptforensics import api; "
+        "import ckptforensics.engine.replay.run, ckptforensics.engine.diff.pair, ckptforensics.commands.triage, ckptforensics.engine.bisect; "
+        "from ckptforensics.engine.replay.run import ReplayConfig; from ckptforensics import api; "
         "assert cf.replay is f is api.replay and cf.diff is api.diff and cf.triage is api.triage and cf.bisect is api.bisect; "
         "assert callable(cf.whatif) and callable(cf.plan) and callable(cf.recovery) and callable(cf.audit)"
     )

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from ckptforensics import frameworks
+from ckptforensics import trainers as frameworks
 from ckptforensics.formats import open_checkpoint
 from ckptforensics.formats.base import Checkpoint
-from ckptforensics.frameworks import (
+from ckptforensics.logs.columns import ALIASES, OURS
+from ckptforensics.trainers import (
     HOOKS,
     LOG_ORDER,
     PLANNERS,
@@ -26,7 +27,6 @@ from ckptforensics.frameworks import (
     hook,
     planner_for,
 )
-from ckptforensics.logs.columns import ALIASES, OURS
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "fixtures" / "data"
@@ -39,7 +39,7 @@ def _params(fn: Any) -> list[str]:
 
 @pytest.mark.parametrize("name", PLANNERS)
 def test_every_trainer_module_satisfies_the_protocol(name: str) -> None:
-    mod = importlib.import_module(f"ckptforensics.frameworks.{name}")
+    mod = importlib.import_module(f"ckptforensics.trainers.{name}")
     assert name == mod.NAME and isinstance(mod.TITLE, str) and mod.TITLE
     for fn in REQUIRED:
         assert callable(getattr(mod, fn, None)), f"{name} lacks {fn}"
@@ -116,7 +116,7 @@ def test_framework_for_checkpoints_built_in_place(tmp_path: Path) -> None:
 
 
 def test_deepspeed_and_megatron_precision_from_the_runs_config(tmp_path: Path) -> None:
-    from ckptforensics.replay import precision as mp
+    from ckptforensics.engine.replay import precision as mp
 
     ds = _view(
         tmp_path / "global_step5",
@@ -133,7 +133,7 @@ def test_deepspeed_and_megatron_precision_from_the_runs_config(tmp_path: Path) -
 def test_log_names_are_merged_from_the_trainers() -> None:
     assert ALIASES["loss"][:2] == ("train/CE loss", "lm loss")  # OLMo-core's, then Megatron's
     for name in LOG_ORDER:
-        mod = importlib.import_module(f"ckptforensics.frameworks.{name}")
+        mod = importlib.import_module(f"ckptforensics.trainers.{name}")
         for ours, theirs in mod.LOG_NAMES.items():
             assert set(theirs) <= set(ALIASES[ours])
 

@@ -1,4 +1,4 @@
-"""The fused diff kernel (ckptforensics/fused.c) and the torch ops it stands in for give
+"""The fused diff kernel (ckptforensics/core/fused.c) and the torch ops it stands in for give
 the same statistics: per chunk on random tensors with NaN, inf, huge, subnormal and zero
 elements in fp32, bf16 and fp16, and per tensor through `diff_checkpoints` on a small
 written pair (fast: no training, a few AdamW steps on random gradients); the replay
@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptforensics import fused
-from ckptforensics.diff import DiffConfig, diff_checkpoints
-from ckptforensics.diffstats.chunks import (
+from ckptforensics.core import fused
+from ckptforensics.engine.diff.chunks import (
     Acc,
     Moments,
     Pair,
@@ -25,6 +24,7 @@ from ckptforensics.diffstats.chunks import (
     moment_stats_torch,
     weight_stats,
 )
+from ckptforensics.engine.diff.pair import DiffConfig, diff_checkpoints
 from ckptforensics.formats import open_checkpoint
 
 KERNELS = fused.load()
@@ -235,7 +235,7 @@ def test_probe_row_is_the_probes_torch_row_with_nan_inf_and_overflow(backward: b
     torch path derives (`_norms` then `_derive`): a NaN makes max |x| NaN and the row
     non-finite, an inf is non-finite with a finite-or-inf norm, values past fp16's and
     bf16's largest set those flags."""
-    from ckptforensics.replay.probes import _derive, _norms
+    from ckptforensics.engine.replay.probes import _derive, _norms
 
     kernels = fused.load()
     if kernels is None:

@@ -15,7 +15,7 @@ import torch.multiprocessing as tmp_mp
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
-from ckptforensics.errors import CorruptCheckpoint, Failed, doing, one_line
+from ckptforensics.core.errors import CorruptCheckpoint, Failed, doing, one_line
 from ckptforensics.formats.base import read_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,9 +113,9 @@ def _rank(rank: int, world: int, port: int, where: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from ckptforensics.errors import CorruptCheckpoint, one_line
-    from ckptforensics.replay.distributed import Ranks, agree
-    from ckptforensics.shard import gather_to_rank0
+    from ckptforensics.core.errors import CorruptCheckpoint, one_line
+    from ckptforensics.engine.diff.shard import gather_to_rank0
+    from ckptforensics.engine.replay.distributed import Ranks, agree
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
@@ -162,7 +162,7 @@ def test_a_failure_carried_to_another_rank_keeps_its_code() -> None:
 
 _LEAVE = """
 import atexit, sys
-from ckptforensics.shard import leave_rank
+from ckptforensics.engine.diff.shard import leave_rank
 atexit.register(lambda: print("handler"))
 print("said", end="")
 leave_rank(eval(sys.argv[1]))

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
-from ckptforensics.errors import OutputNotWritable
+from ckptforensics.core.errors import OutputNotWritable
 from ckptforensics.report import write_files
 from tests.crash_corpus import unprivileged
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptforensics.replay.paths import resolve_recorded
+from ckptforensics.core.paths import resolve_recorded
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from ckptforensics.commands.plan import mitigations, plan_section
 from ckptforensics.formats import open_checkpoint
-from ckptforensics.frameworks import planner_for
-from ckptforensics.plan import mitigations, plan_section
+from ckptforensics.trainers import planner_for
 
 DATA = Path(__file__).resolve().parents[2] / "fixtures" / "data"
 

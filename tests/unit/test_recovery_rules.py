@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ckptforensics.recovery import (
+from ckptforensics.engine.recovery import (
     Z_BAND,
     Leg,
     fit_trajectory,

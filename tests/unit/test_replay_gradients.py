@@ -9,9 +9,9 @@ import math
 import numpy as np
 import torch
 
-from ckptforensics.replay import gradients as gr
-from ckptforensics.replay.distributed import OneProcess
-from ckptforensics.replay.paramstats import StepCounts
+from ckptforensics.engine.replay import gradients as gr
+from ckptforensics.engine.replay.distributed import OneProcess
+from ckptforensics.engine.replay.paramstats import StepCounts
 
 NAMES = ["a.weight", "b.weight", "c.weight"]
 NUMEL = [12, 8, 0]
@@ -105,7 +105,7 @@ def test_session_states_follow_the_optimizer() -> None:
     and sees a state made on a first step, one filled in place, and a mapping loaded anew."""
     from types import SimpleNamespace
 
-    from ckptforensics.replay.session import Session
+    from ckptforensics.engine.replay.session import Session
 
     params = [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
     opt = torch.optim.AdamW(params, lr=0.1)

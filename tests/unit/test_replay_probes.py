@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ckptforensics import fused
-from ckptforensics.replay import attnstats
-from ckptforensics.replay.probes import (
+from ckptforensics.core import fused
+from ckptforensics.engine.replay import attnstats
+from ckptforensics.engine.replay.probes import (
     BWD_STATS,
     AttentionWatch,
     ModuleProbe,
@@ -32,7 +32,7 @@ from ckptforensics.replay.probes import (
     param_grad_sums,
     param_grad_table,
 )
-from ckptforensics.replay.samples import PerSampleGrad, per_token_loss
+from ckptforensics.engine.replay.samples import PerSampleGrad, per_token_loss
 from fixtures.tinygpt import GPT, GPTConfig
 
 
@@ -72,7 +72,7 @@ def test_param_grad_table_matches_one_call_per_parameter() -> None:
     torch.testing.assert_close(sums[:, :3], ref_sums, rtol=1e-5, atol=0.0, equal_nan=True)
     assert param_grad_table([], [], []).shape == (0, 4)
     # with a C compiler the table above came from the kernel; the torch blocks agree
-    from ckptforensics.replay import paramstats
+    from ckptforensics.engine.replay import paramstats
 
     if fused.load() is not None:
         adam = {
@@ -400,7 +400,7 @@ def test_per_sample_shares_riding_on_the_probe_match_their_own_hooks(checkpointe
     """`PerSampleGrad(model, probe)` (one forward and one gradient hook per linear, the
     probe's) gives the figures of its own hooks and the probe's tables unchanged, also
     where activation checkpointing recomputes each block in the backward pass."""
-    from ckptforensics.replay.distributed import checkpoint_blocks
+    from ckptforensics.engine.replay.distributed import checkpoint_blocks
 
     torch.manual_seed(0)
     base = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16))
@@ -679,8 +679,8 @@ def test_fused_per_sample_norms_and_weight_gradients_match_the_gram_path(
     ones: the per-sample norms and every parameter's gradient (ties, a linear called twice
     or without its hooks, two backward passes accumulating) are those of the Gram path and
     autograd's, to float rounding; the probe's tables are unchanged."""
-    from ckptforensics.replay import samples
-    from ckptforensics.replay.distributed import checkpoint_blocks
+    from ckptforensics.engine.replay import samples
+    from ckptforensics.engine.replay.distributed import checkpoint_blocks
 
     torch.manual_seed(0)
     models = [
@@ -773,7 +773,7 @@ def test_grad_norm_and_clip_are_torch_clip_grad_norm_to_the_bit(mixed: bool) -> 
     """`gradients.grad_norm` / `clip_grads` skip torch's grouping where the gradients are
     one group: the norm and the clipped gradients are `clip_grad_norm_`'s exactly, and a
     bf16 gradient among fp32 ones (two groups) takes torch's own functions."""
-    from ckptforensics.replay import gradients
+    from ckptforensics.engine.replay import gradients
 
     torch.manual_seed(0)
     ps = [nn.Parameter(torch.randn(s)) for s in [(4, 5), (7,), (3, 3, 3)]]
@@ -829,7 +829,7 @@ def test_attention_heads_in_python_numbers_equal_torchs(monkeypatch: pytest.Monk
     """`_heads`: a small table in Python numbers, a large one by torch's ops, the same
     figures bit for bit: NaN where no row was counted (0, NaN), a count under 1 taken as 1,
     infinities kept."""
-    from ckptforensics.replay import probes
+    from ckptforensics.engine.replay import probes
 
     torch.manual_seed(5)
     a = torch.rand(3, 5, 3) * torch.tensor([30.0, 40.0, 7.0])

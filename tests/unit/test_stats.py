@@ -1,4 +1,4 @@
-"""The central statistics (ckptforensics.stats) on numbers alone: no training, seconds."""
+"""The central statistics (ckptforensics.core.stats) on numbers alone: no training, seconds."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from ckptforensics.stats import (
+from ckptforensics.core.stats import (
     CURVE_MIN_HISTORY,
     MAD_TO_SIGMA,
     TrendBaseline,
@@ -113,7 +113,7 @@ def test_thresholds_count_the_tests_and_the_tails() -> None:
 def test_biweight_change_point_leaves_an_outlier_of_both_levels_out() -> None:
     """Fearnhead & Rigaill's biweight loss: a step far from both levels costs K^2 on either
     side and does not move the split; a step back at the old level keeps it there."""
-    from ckptforensics.stats import biweight_change
+    from ckptforensics.core.stats import biweight_change
 
     x = [0.0] * 10 + [5.0, 0.0] + [1.0] * 8
     assert biweight_change(x, range(6, 16), before=0.0, after=1.0, scale=0.1) == 12
@@ -127,7 +127,7 @@ def test_biweight_change_point_leaves_an_outlier_of_both_levels_out() -> None:
 def test_recurrence_on_a_log_printed_every_5_steps() -> None:
     """An epoch of 64 steps on lines every 5: excursions on the lines of 155, 220 and 280
     (the hard steps 152, 216, 280) recur at a period of 64 within the lines' resolution."""
-    from ckptforensics.stats import recurrence_period
+    from ckptforensics.core.stats import recurrence_period
 
     p = recurrence_period(280, {155, 220}, list(range(5, 301, 5)), spacing=5)
     assert p is not None and 60 <= p <= 69, p

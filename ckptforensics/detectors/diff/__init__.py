@@ -9,22 +9,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ...diff import DiffResult
-from ..base import Finding, Thresholds, with_id
-from .elements import detect_corruption, detect_dtype_range, detect_nonfinite
-from .magnitude import (
+from ckptforensics.detectors.base import Finding, Thresholds, with_id
+from ckptforensics.detectors.diff.elements import (
+    detect_corruption,
+    detect_dtype_range,
+    detect_nonfinite,
+)
+from ckptforensics.detectors.diff.magnitude import (
     detect_gradient_burst,
     detect_lr,
     detect_sign_like,
     detect_update_ratio,
     detect_vanished_burst,
 )
-from .state import (
+from ckptforensics.detectors.diff.state import (
     detect_optimizer_state_lost,
     detect_scaler_reset,
     detect_scheduler_restart,
     detect_skipped_steps,
 )
+from ckptforensics.engine.diff.pair import DiffResult
 
 __all__ = ["DIFF_DETECTORS", "diff_findings"]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ...diff import DiffResult, TensorDiff
-from ..base import Finding, Thresholds, cap
-from .state import moments_restarted
+from ckptforensics.detectors.base import Finding, Thresholds, cap
+from ckptforensics.detectors.diff.state import moments_restarted
+from ckptforensics.engine.diff.pair import DiffResult, TensorDiff
 
 __all__ = ["detect_corruption", "detect_nonfinite", "detect_dtype_range"]
 

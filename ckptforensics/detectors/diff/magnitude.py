@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ...diff import DiffResult, TensorDiff
-from ...tensors import lr_growth_limit, robust_z
-from ..base import Finding, Thresholds, cap, module_of
+from ckptforensics.core.tensors import lr_growth_limit, robust_z
+from ckptforensics.detectors.base import Finding, Thresholds, cap, module_of
+from ckptforensics.engine.diff.pair import DiffResult, TensorDiff
 
 __all__ = [
     "detect_lr",

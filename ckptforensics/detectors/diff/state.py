@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 
-from ...diff import DiffResult
-from ..base import Finding, Thresholds, cap
+from ckptforensics.detectors.base import Finding, Thresholds, cap
+from ckptforensics.engine.diff.pair import DiffResult
 
 __all__ = [
     "detect_skipped_steps",

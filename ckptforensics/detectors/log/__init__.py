@@ -16,9 +16,16 @@ shift), `onsets` (`log_onsets`, whose order of signals and filters is the contra
 
 from __future__ import annotations
 
-from .evidence import Curve, LogDetector, LogEvidence, Onset, TriageConfig, log_evidence
-from .noise import undecidable_last_line
-from .onsets import ONSET_DETECTORS, SEED_DETECTORS, log_onsets
+from ckptforensics.detectors.log.evidence import (
+    Curve,
+    LogDetector,
+    LogEvidence,
+    Onset,
+    TriageConfig,
+    log_evidence,
+)
+from ckptforensics.detectors.log.noise import undecidable_last_line
+from ckptforensics.detectors.log.onsets import ONSET_DETECTORS, SEED_DETECTORS, log_onsets
 
 __all__ = [
     "undecidable_last_line",

@@ -9,14 +9,14 @@ import math
 
 import numpy as np
 
-from ...stats import (
+from ckptforensics.core.stats import (
     CURVE_SHORT,
     RECUR_WEAK_Z,
     expected_exceedances,
     family_alpha,
     recurrence_period,
 )
-from .evidence import LogEvidence, Onset, TriageConfig, grad_up
+from ckptforensics.detectors.log.evidence import LogEvidence, Onset, TriageConfig, grad_up
 
 # A loss excursion that is back under z/2 within RECOVER steps is a blip; the log's own blips
 # (those over z/2) are its tail. A blip is an onset only where all of these hold (issue 32: an

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...stats import CURVE_MIN_HISTORY, LOSS_FOLLOW, trend_z
+from ckptforensics.core.stats import CURVE_MIN_HISTORY, LOSS_FOLLOW, trend_z
 
 Rows = dict[int, dict[str, float]]
 

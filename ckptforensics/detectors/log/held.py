@@ -8,8 +8,8 @@ import math
 
 import numpy as np
 
-from ...stats import CURVE_SHORT
-from .evidence import LogEvidence, Onset, TriageConfig, grad_up
+from ckptforensics.core.stats import CURVE_SHORT
+from ckptforensics.detectors.log.evidence import LogEvidence, Onset, TriageConfig, grad_up
 
 # A fault that lifts the loss by less than z noise-widths a step shows as a held excursion:
 # CURVE_SHORT steps in a row with their lower quartile (6 of 8) at z/3 or more above the level

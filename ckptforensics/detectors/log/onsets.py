@@ -13,14 +13,32 @@ from dataclasses import replace
 
 import numpy as np
 
-from ...stats import CURVE_SHORT, loss_follows
-from .blips import HOLD, _grad_confirms, blips, recovery_horizon, routine_reason
-from .evidence import LogDetector, LogEvidence, Onset, TriageConfig, grad_up, printed_lines
-from .held import held_rise
-from .noise import NOISE_RULES
-from .shift import held_shift
-from .short import SHORT_RULES, one_reference_line, short_history, short_joint
-from .signals import (
+from ckptforensics.core.stats import CURVE_SHORT, loss_follows
+from ckptforensics.detectors.log.blips import (
+    HOLD,
+    _grad_confirms,
+    blips,
+    recovery_horizon,
+    routine_reason,
+)
+from ckptforensics.detectors.log.evidence import (
+    LogDetector,
+    LogEvidence,
+    Onset,
+    TriageConfig,
+    grad_up,
+    printed_lines,
+)
+from ckptforensics.detectors.log.held import held_rise
+from ckptforensics.detectors.log.noise import NOISE_RULES
+from ckptforensics.detectors.log.shift import held_shift
+from ckptforensics.detectors.log.short import (
+    SHORT_RULES,
+    one_reference_line,
+    short_history,
+    short_joint,
+)
+from ckptforensics.detectors.log.signals import (
     descent_pauses,
     grad_spikes,
     gradient_returns,

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from ...stats import (
+from ckptforensics.core.stats import (
     BIWEIGHT_K,
     CURVE_FLOOR,
     CURVE_SHORT,
@@ -19,8 +19,8 @@ from ...stats import (
     log_curve,
     robust_sigma,
 )
-from .evidence import LogEvidence, Onset, TriageConfig, grad_up
-from .short import SHORT_MIN
+from ckptforensics.detectors.log.evidence import LogEvidence, Onset, TriageConfig, grad_up
+from ckptforensics.detectors.log.short import SHORT_MIN
 
 # A fault that lifts the loss by less than its noise a step, on a log whose noise is heavy
 # tailed, still moves where the loss is: the CURVE_SHORT steps from its onset sit above the

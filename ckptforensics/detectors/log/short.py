@@ -11,10 +11,10 @@ import math
 
 import numpy as np
 
-from ...stats import CURVE_FLOOR
-from .blips import RECOVER
-from .evidence import LogEvidence, Onset, TriageConfig, printed_lines
-from .held import HELD_Z
+from ckptforensics.core.stats import CURVE_FLOOR
+from ckptforensics.detectors.log.blips import RECOVER
+from ckptforensics.detectors.log.evidence import LogEvidence, Onset, TriageConfig, printed_lines
+from ckptforensics.detectors.log.held import HELD_Z
 
 # Ratio rules for an excerpt's first lines, where the trend has no history yet:
 # - Megatron-LM's spiky-loss check: a value >= 10x the largest seen (rerun_state_machine

@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from ...logs import lr_columns, param_grad_columns
-from ...tensors import lr_growth_limit
-from .evidence import Curve, LogEvidence, Onset, TriageConfig
+from ckptforensics.core.tensors import lr_growth_limit
+from ckptforensics.detectors.log.evidence import Curve, LogEvidence, Onset, TriageConfig
+from ckptforensics.logs import lr_columns, param_grad_columns
 
 
 def _spikes(c: Curve, cfg: TriageConfig) -> list[Onset]:

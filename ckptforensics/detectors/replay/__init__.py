@@ -12,12 +12,18 @@ from typing import Any
 
 import numpy as np
 
-from ..base import Finding, Thresholds
-from .evidence import ReplayDetector, ReplayEvidence, step_z
-from .examine import attention, localise, overflow
-from .onset import first_steps_from_state, log_onset, lr_steps, spike
-from .rows import samples
-from .state import WITHHELD, log_agreement, output_logits, reproduction, rms_t
+from ckptforensics.detectors.base import Finding, Thresholds
+from ckptforensics.detectors.replay.evidence import ReplayDetector, ReplayEvidence, step_z
+from ckptforensics.detectors.replay.examine import attention, localise, overflow
+from ckptforensics.detectors.replay.onset import first_steps_from_state, log_onset, lr_steps, spike
+from ckptforensics.detectors.replay.rows import samples
+from ckptforensics.detectors.replay.state import (
+    WITHHELD,
+    log_agreement,
+    output_logits,
+    reproduction,
+    rms_t,
+)
 
 __all__ = [
     "ReplayEvidence",

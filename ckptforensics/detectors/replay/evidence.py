@@ -9,14 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from ...tensors import (
+from ckptforensics.core.tensors import (
     CURVE_FLOOR,
     CURVE_MIN_HISTORY,
     log_curve,
     robust_z,
     trend_z,
 )
-from ..base import Finding, Thresholds
+from ckptforensics.detectors.base import Finding, Thresholds
 
 __all__ = ["ReplayDetector", "ReplayEvidence", "step_z"]
 

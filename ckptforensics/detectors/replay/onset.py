@@ -10,12 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from ...tensors import (
+from ckptforensics.core.tensors import (
     loss_follows,
     lr_growth_limit,
 )
-from ..base import Finding, Thresholds, cap
-from .evidence import ReplayEvidence, step_z
+from ckptforensics.detectors.base import Finding, Thresholds, cap
+from ckptforensics.detectors.replay.evidence import ReplayEvidence, step_z
 
 __all__ = ["first_steps_from_state", "log_onset", "lr_steps", "spike"]
 
@@ -91,7 +91,7 @@ def spike(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
 
 def lr_steps(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     """A step whose LR (as replayed) jumps past what any warmup allows: the first bad step."""
-    from ...logs import group_lrs
+    from ckptforensics.logs import group_lrs
 
     rep = ev.rep
     plan = dict((rep.config.get("lr") or {}).get("value") or {})

@@ -7,11 +7,11 @@ import math
 
 import numpy as np
 
-from ...tensors import (
+from ckptforensics.core.tensors import (
     robust_z,
 )
-from ..base import Finding, Thresholds, cap
-from .evidence import ReplayEvidence
+from ckptforensics.detectors.base import Finding, Thresholds, cap
+from ckptforensics.detectors.replay.evidence import ReplayEvidence
 
 __all__ = ["DATA_MARGIN", "samples"]
 

@@ -8,14 +8,14 @@ from typing import Any
 
 import numpy as np
 
-from ...diff import tensor_role
-from ...stats import MAD_TO_SIGMA, theil_sen
-from ...tensors import (
+from ckptforensics.core.stats import MAD_TO_SIGMA, theil_sen
+from ckptforensics.core.tensors import (
     robust_z,
 )
-from ..base import Finding, Thresholds, cap
-from .evidence import ReplayEvidence
-from .onset import log_onset
+from ckptforensics.detectors.base import Finding, Thresholds, cap
+from ckptforensics.detectors.replay.evidence import ReplayEvidence
+from ckptforensics.detectors.replay.onset import log_onset
+from ckptforensics.engine.diff.pair import tensor_role
 
 __all__ = ["WITHHELD", "log_agreement", "output_logits", "reproduction", "rms_t"]
 

@@ -1,0 +1,130 @@
+"""Audit a run for known instability risks before the next spike (`ckptforensics audit`).
+
+`trace` reads the architecture off one traced forward pass, `evidence` gathers what the run
+recorded, `checks` judges each risk (pure), and `run_audit` assembles the report: every
+check as a row with its figure, threshold and source, risks first by severity, and a
+verdict naming the failure modes the run is exposed to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ckptforensics.detectors.audit import (
+    AREAS,
+    CHECKS,
+    AuditEvidence,
+    Check,
+    check_findings,
+    run_checks,
+)
+from ckptforensics.engine.audit import AuditConfig, gather
+from ckptforensics.engine.trace import (
+    PLACEMENTS,
+    Architecture,
+    AttentionLayer,
+    trace_architecture,
+    trace_pass,
+)
+
+__all__ = [
+    "AuditConfig",
+    "AuditEvidence",
+    "Check",
+    "CHECKS",
+    "AREAS",
+    "PLACEMENTS",
+    "Architecture",
+    "AttentionLayer",
+    "trace_architecture",
+    "trace_pass",
+    "run_checks",
+    "run_audit",
+    "default_checkpoint",
+]
+
+
+def run_audit(
+    cfg: AuditConfig, *, command: str, progress: Callable[[str], None] | None = None
+) -> tuple[dict[str, Any], list[Any]]:
+    """`ckptforensics audit`: the report document (schema `ckptforensics.report/1`, with its
+    `architecture` and `audit` sections) and the findings (one per risk).
+
+    Raises:
+        ForensicsError: the checkpoint cannot be read.
+    """
+    from ckptforensics.engine.audit import earlier_checkpoint
+    from ckptforensics.formats import open_checkpoint
+    from ckptforensics.report import build_report
+    from ckptforensics.verdict import decide_audit
+
+    with open_checkpoint(cfg.checkpoint) as a:
+        ev = gather(cfg, a, progress)
+        rows = run_checks(ev)
+        findings = [_numbered(f, i) for i, f in enumerate(check_findings(rows), 1)]
+        verdict = decide_audit(findings, rows, checkpoint=str(cfg.checkpoint))
+        earlier = (
+            earlier_checkpoint(cfg, a, cfg.run_dir or cfg.checkpoint.parent)
+            if ev.prev is not None
+            else None
+        )
+        arch = (
+            ev.arch.as_dict()
+            if ev.arch is not None
+            else {"norm_placement": None, "qk_norm": None, "note": ev.arch_note}
+        )
+        section = {
+            "checkpoint": str(cfg.checkpoint),
+            "step": ev.step,
+            "compared_with": {"path": str(earlier), "step": ev.prev_step}
+            if earlier is not None
+            else None,
+            "batch": ev.batch_source,
+            "rows": [r.as_dict() for r in rows],
+            "counts": {
+                s: sum(1 for r in rows if r.status == "risk" and r.severity == s)
+                for s in ("critical", "warning", "info")
+            },
+            "notes": list(ev.notes),
+        }
+        if earlier is not None:
+            with open_checkpoint(earlier) as b:
+                doc = build_report(
+                    command=command,
+                    before=b,
+                    after=a,
+                    verdict=verdict,
+                    findings=findings,
+                    sections={"architecture": arch, "audit": section},
+                )
+        else:
+            doc = build_report(
+                command=command,
+                before=a,
+                after=a,
+                verdict=verdict,
+                findings=findings,
+                sections={"architecture": arch, "audit": section},
+            )
+    return doc, findings
+
+
+def _numbered(f: Any, i: int) -> Any:
+    from ckptforensics.detectors.base import with_id
+
+    return with_id(f, i)
+
+
+def default_checkpoint(run_dir: Path) -> Path:
+    """The run's latest checkpoint (what `audit` reads without a STEP)."""
+    from ckptforensics.core.errors import CheckpointNotFound
+    from ckptforensics.formats.locate import list_checkpoints
+
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise CheckpointNotFound(
+            f"{run_dir}: no checkpoint found (checkpoint-N, iter_N, step_N, global_stepN, *step=N*.ckpt); pass STEP or a path"
+        )
+    return found[-1][1]

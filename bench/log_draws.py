@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def score(run: Path) -> dict[str, Any]:
-    from ckptforensics.commands.triage import triage
+    from ckptforensics.engine.triage import triage
     from fixtures.log_draws import shows
 
     t = json.loads((run / "truth.json").read_text())

@@ -281,7 +281,7 @@ def bisect_table(rows: list[dict[str, Any]]) -> str:
 
 def run_triage(run: Path) -> dict[str, Any] | None:
     """`triage` on the run's own training log: onset vs the planted first bad step."""
-    from ckptforensics.commands.triage import triage
+    from ckptforensics.engine.triage import triage
 
     if not (run / "metrics.jsonl").is_file():
         return None
@@ -356,7 +356,7 @@ def table(rows: list[Row]) -> str:
 def score_draw(seed: int, root: Path) -> dict[str, Any]:
     """One draw, built if absent (or drawn by an older generator), replayed and triaged."""
     sys.path.insert(0, str(ROOT))
-    from ckptforensics.commands.triage import find_metrics, triage
+    from ckptforensics.engine.triage import find_metrics, triage
     from fixtures.draws import GROUP0_LR_ONLY, build_draw, draw
 
     run = root / f"draw-{seed}"
@@ -382,7 +382,7 @@ def score_draw(seed: int, root: Path) -> dict[str, Any]:
     if d.get("trainer") in GROUP0_LR_ONLY and truth["cause"] == "gradient_explosion":
         # The trainer logs group 0's LR only: a per-module LR fault shows in the log from
         # the first step its update moved the loss or grad norm (`draws.log_onset`).
-        from ckptforensics.commands.triage import read_metrics
+        from ckptforensics.engine.triage import read_metrics
         from fixtures.draws import log_onset
 
         rows_ = read_metrics(log)

@@ -13,29 +13,26 @@ Every command takes its window first, `(before, after)`, then keywords; the repl
 are the fields of `ReplayOptions`, by name or as one record (`options=`). `inspect` and
 `triage` return a `Report` too (its `kind` says which document it holds).
 
-`diff`, `replay`, `bisect`, `whatif`, `triage`, `plan`, `recovery` and `audit` are also the
-names of the package's submodules; the package keeps the command under each name (the
-submodule stays importable: `from ckptforensics.engine.replay.run import plan`, or
-`from ckptforensics.engine.replay import engine`; `import ckptforensics.engine.replay.run as engine`
-reads the name `replay` off the package and finds the command, so it fails). The training
-side is `Recorder` (the flight recorder a loop attaches so that the next incident is
-replayable).
+Each command is one module of `ckptforensics.commands` (`commands/replay.py` holds `replay`);
+the package's names are those functions. The training side is `Recorder` (the flight recorder
+a loop attaches so that the next incident is replayable).
 """
 
 from __future__ import annotations
 
-import sys
-import types
 from typing import Any
 
 __version__ = "0.1.0"
 
 COMMANDS = ("inspect", "diff", "replay", "bisect", "whatif", "triage", "plan", "recovery", "audit")
+# The façade's names -> the module that holds each (loaded on first use).
 _LAZY = {
-    **dict.fromkeys(COMMANDS, "commands.api"),
-    "Report": "commands.api",
+    **{c: f"commands.{c}" for c in COMMANDS},
+    "plan_from": "commands.plan",
+    "Report": "commands.common",
+    "NotRankZero": "commands.common",
     "ReplayOptions": "core.options",
-    "resolve": "commands.api",
+    "resolve": "commands.common",
     "open_checkpoint": "formats",
     "open_pair": "formats",
     "completeness": "formats",
@@ -44,20 +41,6 @@ _LAZY = {
 }
 
 __all__ = ["__version__", *_LAZY]
-
-
-class _Package(types.ModuleType):
-    """The package module. Importing a submodule binds it on its package under its name;
-    for the command names that binding is skipped, so `cf.replay` stays the command
-    whatever has been imported (the submodule is in sys.modules, where imports find it)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in COMMANDS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from ckptforensics.cli import cli
-from ckptforensics.commands import api
+import ckptforensics as api
 from ckptforensics.commands.audit import trace_architecture
 from fixtures.tinygpt import GPT, GPTConfig
 from tests.conftest import ROOT

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptforensics.commands.triage import find_metrics, read_metrics, triage
+from ckptforensics.engine.triage import find_metrics, read_metrics, triage
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
-from ckptforensics.commands.triage import triage
+from ckptforensics.engine.triage import triage
 from ckptforensics.logs import (
     MissingExtra,
     find_logs,

@@ -12,7 +12,8 @@ import torch
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
-from ckptforensics.commands.analysis import run_diff, run_replay
+from ckptforensics.commands.diff import run_diff
+from ckptforensics.commands.replay import run_replay
 from ckptforensics.core.errors import ForensicsError
 from ckptforensics.engine.replay import ReplayConfig
 from ckptforensics.formats import open_checkpoint
@@ -330,7 +331,7 @@ def test_resume_that_lost_state(resumed: dict[str, Path]) -> None:
 def test_triage_onset_at_the_resume(resumed: dict[str, Path]) -> None:
     """The log shows a rebuilt scheduler (the LR re-runs its warm-up, or dips to its first
     value for one step): triage's onset is the first step after the resume."""
-    from ckptforensics.commands.triage import triage
+    from ckptforensics.engine.triage import triage
 
     for variant in ("scheduler_restarted", "optimizer_lost", "correct"):
         run = resumed[variant]

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
-from ckptforensics.commands import api
+import ckptforensics as api
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore")

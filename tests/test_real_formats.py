@@ -576,7 +576,7 @@ def test_litgpt_and_olmo_core_logs_are_found_and_keyed_by_the_checkpoints_step()
     """LitGPT's CSVLogger writes iteration i at logger step i-1 (the `iter` column is the
     checkpoint's step); OLMo-core writes one metrics_step{N}.json per step with its own
     key names. Both are discovered in the run directory and read at the right step."""
-    from ckptforensics.commands.triage import find_metrics, read_metrics
+    from ckptforensics.engine.triage import find_metrics, read_metrics
 
     log = find_metrics(LITGPT)
     assert log is not None and log.name == "metrics.csv"

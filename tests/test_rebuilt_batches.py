@@ -113,7 +113,7 @@ def test_replay_needs_a_batch_log_or_the_data(hf_data_run: Path, zoo: dict[str, 
 def test_triage_suggests_the_commands_this_run_needs(hf_data_run: Path) -> None:
     """An HF Trainer run without a batch log: the next commands rebuild its batches and take
     the model from config.json."""
-    from ckptforensics.commands.triage import find_metrics, triage
+    from ckptforensics.engine.triage import find_metrics, triage
 
     t = json.loads((hf_data_run / "truth.json").read_text())
     log = find_metrics(hf_data_run)
@@ -188,7 +188,7 @@ def test_the_recorder_callback_keeps_what_the_trainer_fed(
         rows
     ):  # the step's loss as the Trainer logged it (num_items_in_batch: the micro-batches' sum)
         assert row["loss"] == pytest.approx(log[row["step"]], rel=1e-4)
-    from ckptforensics.commands.triage import triage
+    from ckptforensics.engine.triage import triage
 
     assert (
         triage(hf_data_run / "flight" / "metrics.jsonl", hf_data_run).first_bad_step

@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
-from ckptforensics.commands.triage import triage
+from ckptforensics.engine.triage import triage
 from ckptforensics.formats.batches import open_batches
 from ckptforensics.record import Recorder, SpikeMonitor
 from tests.conftest import ROOT

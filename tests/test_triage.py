@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from ckptforensics.cli import cli
-from ckptforensics.commands.triage import read_metrics, triage
+from ckptforensics.engine.triage import read_metrics, triage
 from tests.conftest import truth
 
 # Every incident of the zoo, from its log alone: the per-group LR (gradient_explosion's
@@ -72,7 +72,7 @@ def test_triage_names_the_signal(zoo: dict[str, Path]) -> None:
 
 
 def test_group_lr_columns() -> None:
-    from ckptforensics.commands.triage import group_lrs
+    from ckptforensics.engine.triage import group_lrs
 
     assert group_lrs({"optim/LR (group 0)": 1.0, "optim/LR (group 1)": 2.0}, 2) == [1.0, 2.0]
     assert group_lrs({"lr-AdamW/pg1": 1.0, "lr-AdamW/pg2": 2.0}, 2) == [1.0, 2.0]

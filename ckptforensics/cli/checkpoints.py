@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+import ckptforensics as cf
 from ckptforensics.cli.common import command_line, count_tensors, finish, output, progress, work
 from ckptforensics.cli.group import cli
 from ckptforensics.cli.params import format_option, run_dir_option
@@ -59,7 +60,6 @@ def inspect(
       ckptforensics inspect --run-dir runs/7b 41950
       ckptforensics inspect runs/7b/checkpoint-41950 --json
     """
-    from ckptforensics.commands import api
     from ckptforensics.formats import require_complete
     from ckptforensics.formats.locate import resolve_checkpoint
     from ckptforensics.report.inspect import render_inspect_text
@@ -70,7 +70,7 @@ def inspect(
             path, fmt
         )  # an incomplete one: exit 2, naming what is missing, before any reading
         with progress(count_tensors(path, fmt), "inspect", ctx.obj.quiet) as prog:
-            rep = api.inspect(path, format=fmt, progress=prog)
+            rep = cf.inspect(path, format=fmt, progress=prog)
     if as_json:
         click.echo(json.dumps(rep.doc, indent=2))
         return
@@ -148,7 +148,6 @@ def diff(
       ckptforensics diff --before ckpt_a.pt --after ckpt_b.pt --json | jq .verdict
       torchrun --nnodes 4 --nproc-per-node 1 ... -m ckptforensics.cli diff --before A --after B --out incident/
     """
-    from ckptforensics.commands import api
     from ckptforensics.engine.diff.shard import dist_world
     from ckptforensics.formats.locate import resolve_checkpoint
 
@@ -158,7 +157,7 @@ def diff(
         with output(out if rank == 0 else None, [pa, pb]):
             with progress(count_tensors(pa, fmt), "diff", ctx.obj.quiet or rank != 0) as prog:
                 try:
-                    rep = api.diff(
+                    rep = cf.diff(
                         pa,
                         pb,
                         format=fmt,
@@ -168,7 +167,7 @@ def diff(
                         command=command_line("diff"),
                         device=device,
                     )
-                except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
+                except cf.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                     return
             written = rep.save(out) if out else []
     finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on)

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+import ckptforensics as cf
 from ckptforensics.cli.common import command_line, finish, not_rank_zero, output, progress, work
 from ckptforensics.cli.group import cli
 from ckptforensics.cli.params import replay_options, run_dir_option
@@ -72,7 +73,6 @@ def replay(
       torchrun --nnodes 2 --nproc-per-node 8 ... -m ckptforensics.cli replay --device cuda \\
           --run-dir runs/7b --before 41950 --after 42000 --batch runs/7b/flight --out incident/
     """
-    from ckptforensics.commands import api
     from ckptforensics.formats.locate import resolve_checkpoint
 
     with work(ctx):
@@ -82,7 +82,7 @@ def replay(
             with progress(0, "replay", ctx.obj.quiet or not_rank_zero()) as prog:
                 try:
                     batch = opts.pop("batch")
-                    rep = api.replay(
+                    rep = cf.replay(
                         pa,
                         pb,
                         batch=batch,
@@ -91,7 +91,7 @@ def replay(
                         progress=prog,
                         command=command_line("replay"),
                     )
-                except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
+                except cf.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                     return
             written = rep.save(out) if out else []
     finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on)
@@ -134,7 +134,6 @@ def bisect_cmd(
       ckptforensics bisect --run-dir runs/7b --before 41950 --after 42000 \\
           --batch runs/7b/batches.h5 --model train.py:build_model --out incident/
     """
-    from ckptforensics.commands import api
     from ckptforensics.formats.locate import resolve_checkpoint
 
     with work(ctx):
@@ -143,7 +142,7 @@ def bisect_cmd(
             with progress(0, "bisect", ctx.obj.quiet or not_rank_zero()) as prog:
                 try:
                     batch = opts.pop("batch")
-                    rep = api.bisect(
+                    rep = cf.bisect(
                         pa,
                         pb,
                         batch=batch,
@@ -152,7 +151,7 @@ def bisect_cmd(
                         progress=prog,
                         command=command_line("bisect"),
                     )
-                except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
+                except cf.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                     return
             written = rep.save(out) if out else []
     finish(ctx, rep.doc, rep.findings, as_json, written, False, "warning")
@@ -202,7 +201,6 @@ def whatif_cmd(
           --batch runs/7b/batches.h5 --model train.py:build_model \\
           --try clip=1.0 --try precision=bf16 --try lr_scale=0.5 --try skip_samples=auto
     """
-    from ckptforensics.commands import api
     from ckptforensics.formats.locate import resolve_checkpoint
 
     with work(ctx):
@@ -211,7 +209,7 @@ def whatif_cmd(
             with progress(0, "whatif", ctx.obj.quiet or not_rank_zero()) as prog:
                 try:
                     batch = opts.pop("batch")
-                    rep = api.whatif(
+                    rep = cf.whatif(
                         pa,
                         steps=n_steps,
                         tries=list(tries),
@@ -220,7 +218,7 @@ def whatif_cmd(
                         progress=prog,
                         command=command_line("whatif"),
                     )
-                except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
+                except cf.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                     return
             written = rep.save(out) if out else []
     finish(ctx, rep.doc, rep.findings, as_json, written, False, "warning")
@@ -282,7 +280,6 @@ def plan_cmd(
     Then resume as it says, and once the run has trained a while:
       ckptforensics recovery --run-dir runs/7b --resumed-from 41950 --plan plan/
     """
-    from ckptforensics.commands import api
     from ckptforensics.formats.locate import resolve_checkpoint
 
     given = [k for k in ("batch", "data", "collator", "model") if opts.get(k)]
@@ -297,7 +294,7 @@ def plan_cmd(
     with work(ctx):
         if reports:
             with output(out, []):
-                rep = api.plan_from(list(reports))
+                rep = cf.plan_from(list(reports))
                 written = rep.save(out) if out else []
         else:
             pa, pb = (
@@ -308,7 +305,7 @@ def plan_cmd(
                 with progress(0, "plan", ctx.obj.quiet or not_rank_zero()) as prog:
                     try:
                         batch = opts.pop("batch")
-                        rep = api.plan(
+                        rep = cf.plan(
                             pa,
                             pb,
                             batch=batch,
@@ -317,7 +314,7 @@ def plan_cmd(
                             progress=prog,
                             command=command_line("plan"),
                         )
-                    except api.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
+                    except cf.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                         return
                 written = rep.save(out) if out else []
     if as_json:

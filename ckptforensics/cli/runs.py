@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+import ckptforensics as cf
 from ckptforensics.cli.common import command_line, finish, output, progress, work
 from ckptforensics.cli.group import cli
 from ckptforensics.cli.params import run_dir_option
@@ -86,10 +87,9 @@ def recovery_cmd(
       ckptforensics recovery --run-dir runs/7b --resumed-from 41950 --plan plan/ --out recovery/
       ckptforensics recovery --run-dir runs/hf --resumed-from 45 --json | jq .recovery.status
     """
-    from ckptforensics.commands import api
 
     with work(ctx), output(out, []):
-        rep = api.recovery(
+        rep = cf.recovery(
             run_dir,
             resumed_from,
             metrics=metrics,
@@ -194,15 +194,14 @@ def audit_cmd(
       ckptforensics audit --run-dir runs/7b --json | jq .architecture.norm_placement
       ckptforensics audit --run-dir runs/7b --strict --fail-on critical   # CI gate
     """
-    from ckptforensics.commands import api
 
     with work(ctx):
         from ckptforensics.commands.audit import default_checkpoint
 
-        path = api.resolve(step, run_dir) if step is not None else default_checkpoint(run_dir)
+        path = cf.resolve(step, run_dir) if step is not None else default_checkpoint(run_dir)
         with output(out, [path]):
             with progress(0, "audit", ctx.obj.quiet) as prog:
-                rep = api.audit(
+                rep = cf.audit(
                     path,
                     run_dir=run_dir,
                     compare=compare,
@@ -293,11 +292,10 @@ def triage_cmd(
       ckptforensics triage --metrics 'logs/slurm-*.out' --run-dir /ckpt/7b
       ckptforensics triage --metrics pasted.txt        # a few Megatron iteration lines
     """
-    from ckptforensics.commands import api
-    from ckptforensics.commands.triage import TriageConfig
+    from ckptforensics.engine.triage import TriageConfig
 
     with work(ctx), output(out, [run_dir] if run_dir is not None else []):
-        rep = api.triage(
+        rep = cf.triage(
             metrics,
             run_dir=run_dir,
             config=TriageConfig(window=window, z=z, margin=margin),

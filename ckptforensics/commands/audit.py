@@ -12,6 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ckptforensics.commands.common import (
+    Progress,
+    Report,
+    resolve,
+)
 from ckptforensics.detectors.audit import (
     AREAS,
     CHECKS,
@@ -21,12 +26,19 @@ from ckptforensics.detectors.audit import (
     run_checks,
 )
 from ckptforensics.engine.audit import AuditConfig, gather
+from ckptforensics.engine.diff.shard import (
+    compute_device,
+)
 from ckptforensics.engine.trace import (
     PLACEMENTS,
     Architecture,
     AttentionLayer,
     trace_architecture,
     trace_pass,
+)
+from ckptforensics.formats import open_checkpoint
+from ckptforensics.report import (
+    build_report,
 )
 
 __all__ = [
@@ -56,8 +68,6 @@ def run_audit(
         ForensicsError: the checkpoint cannot be read.
     """
     from ckptforensics.engine.audit import earlier_checkpoint
-    from ckptforensics.formats import open_checkpoint
-    from ckptforensics.report import build_report
     from ckptforensics.verdict import decide_audit
 
     with open_checkpoint(cfg.checkpoint) as a:
@@ -128,3 +138,42 @@ def default_checkpoint(run_dir: Path) -> Path:
             f"{run_dir}: no checkpoint found (checkpoint-N, iter_N, step_N, global_stepN, *step=N*.ckpt); pass STEP or a path"
         )
     return found[-1][1]
+
+
+def audit(
+    step: str | int | Path | None = None,
+    *,
+    run_dir: str | Path | None = None,
+    compare: str | int | Path | None = None,
+    model: str | None = None,
+    batch: str | Path | None = None,
+    metrics: str | Path | None = None,
+    device: str = "cpu",
+    progress: Progress | None = None,
+    command: str = "ckptforensics.audit",
+) -> Report:
+    """Audit a checkpoint (a step resolved in `run_dir`, a path, or None: the run's latest)
+    for known instability risks: `report.doc["architecture"]` (norm placement, QK-norm, ...)
+    and `report.doc["audit"]["rows"]` (each check's figure, threshold and source). `compare`:
+    an earlier checkpoint for the rows that compare two (default: the one before; "none": skip).
+
+        rep = cf.api.audit(run_dir="runs/x")
+        rep.doc["architecture"]["norm_placement"], [r["id"] for r in rep.doc["audit"]["rows"] if r["status"] == "risk"]
+    """
+
+    compute_device(device)  # a GPU torch cannot see: bad input, before any reading
+    rd = Path(run_dir) if run_dir is not None else Path(".")
+    path = resolve(step, rd) if step is not None else default_checkpoint(rd)
+    cmp: Path | bool | None = None
+    if compare is not None:
+        cmp = False if str(compare).lower() == "none" else resolve(compare, rd)
+    cfg = AuditConfig(
+        checkpoint=path,
+        compare=cmp,
+        run_dir=rd if run_dir is not None else path.parent,
+        model=model,
+        batch=str(batch) if batch is not None else None,
+        metrics=Path(metrics) if metrics is not None else None,
+        device=device,
+    )
+    return Report(*run_audit(cfg, command=command, progress=progress))

@@ -1,523 +1,139 @@
-"""The resume plan: from a report's verdict, its what-if results and the run's own settings,
-the checkpoint to roll back to, the data to skip and the config changes, in the trainer's terms.
-
-Every replay, bisect and what-if report carries a `plan` section (`plan_section`); the `plan`
-command replays the window and the mitigations the cause calls for first (`mitigations`), so
-that each change it proposes is marked verified by a what-if, with the replayed figures, or
-not replayed. `recovery` later checks the resumed run against the plan's `expect` block.
-
-Over 400 lines: the plan's parts (rollback, skips, changes, verification) read one another's
-results in order; each trainer's knowledge is in frameworks/ already.
-"""
+"""`plan`: the resume, in the trainer's own terms, each change verified by a what-if replay or
+marked not replayed; `plan_from` builds it from reports already written."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptforensics.formats.base import Checkpoint
-from ckptforensics.formats.locate import first_complete, list_checkpoints
-from ckptforensics.trainers import Edit, planner_for
-
-__all__ = ["Change", "mitigations", "plan_section", "merge_reports", "PLAN_STATUSES"]
-
-PLAN_STATUSES = ("ready", "no_incident", "no_rollback")
-
-# Knobs in the order a plan applies them (whatif.INVASIVENESS, plus the per-group LR fix a
-# replay's LR finding names, which no what-if knob replays).
-_ORDER = (
-    "lr_fix",
-    "clip",
-    "eps",
-    "lr_scale",
-    "precision",
-    "skip_samples",
-    "skip_step",
-    "reset_moments",
+from ckptforensics.commands.common import (
+    Progress,
+    Report,
 )
+from ckptforensics.commands.replay import replay
+from ckptforensics.commands.whatif import whatif
+from ckptforensics.core.errors import ForensicsError
+from ckptforensics.core.options import ReplayOptions, replay_options
+from ckptforensics.detectors import Finding
+from ckptforensics.engine.diff.shard import (
+    dist_world,
+)
+from ckptforensics.formats import open_checkpoint
+from ckptforensics.planner import merge_reports, mitigations, plan_section
+from ckptforensics.report import (
+    clean,
+)
+from ckptforensics.report.evidence import load_report
 
 
-@dataclass(frozen=True, slots=True)
-class Change:
-    """One change of the plan: the knob (`clip`, `lr_scale`, `skip_samples`...) and its value,
-    the edits that make it in the trainer's own keys, and how it is known to help.
+def plan(
+    before: str | int | Path,
+    after: str | int | Path,
+    *,
+    batch: str | Path | None = None,
+    tries: Sequence[str] | None = None,
+    run_dir: str | Path | None = None,
+    options: ReplayOptions | None = None,
+    progress: Progress | None = None,
+    command: str = "ckptforensics.plan",
+    **option: Any,
+) -> Report:
+    """The resume plan for the incident between `before` and `after`: the window is replayed
+    (the verdict), then the mitigations its cause calls for (`plan.mitigations`, or `tries`)
+    are replayed from the rollback checkpoint (the what-if), and the plan is written in the
+    trainer's own terms, each change marked verified by the what-if or not replayed. The
+    report holds the replay's verdict, the `whatif` section and the `plan` section; the skip
+    list, where there is one, is `report.extra["skip"]` (saved as skip.json). Options as
+    for `replay`."""
 
-    Attributes:
-        status: 'verified' (a what-if or the bisection replayed it and the run stayed on
-            track), 'not_replayed' (what the cause calls for; nothing replayed it), or
-            'refuted' (a what-if replayed it and the run left its track).
-        evidence: the replayed figures (mitigation, max loss, max grad norm, the band).
-    """
-
-    knob: str
-    value: Any
-    edits: tuple[Edit, ...]
-    status: str
-    why: str
-    evidence: dict[str, Any] | None = None
-    from_step: int | None = None
-    groups: tuple[int, ...] = field(default_factory=tuple)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "knob": self.knob,
-            "value": self.value,
-            "from_step": self.from_step,
-            "groups": list(self.groups),
-            "status": self.status,
-            "why": self.why,
-            "evidence": self.evidence,
-            "edits": [
-                {"key": e.key, "before": e.before, "after": e.after, "note": e.note}
-                for e in self.edits
-            ],
-        }
-
-
-def _lr_jump(findings: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """The replay's LR step jump (`lr_step_jump`: step, groups, the LR before and at it)."""
-    f = next((f for f in findings if f.get("kind") == "lr_step_jump"), None)
-    if f is None:
-        return None
-    m = f["metrics"]
-    if not (m.get("lr_before") and m.get("lr")):
-        return None
-    jump = float(m["lr"]) / float(m["lr_before"])
-    return {
-        "from_step": int(m["step"]),
-        "groups": [int(g) for g in m.get("groups") or [m.get("group", 0)]],
-        "lr": float(m["lr"]),
-        "lr_before": float(m["lr_before"]),
-        "scale": 1.0 / jump,
-    }
-
-
-def _half(x: Any) -> float:
-    """Half the run's clip, or 1.0 where it clipped at nothing (the usual pre-training clip,
-    GPT-3 / Llama / OLMo configs)."""
-    return round(float(x) / 2, 6) if isinstance(x, (int, float)) and x > 0 else 1.0
-
-
-def mitigations(doc: dict[str, Any], clip: float | None = None) -> list[str]:
-    """The what-ifs a cause calls for (`--try` strings), least invasive first.
-
-    poison_batch: skip the culprit rows, else the whole step; an LR cause: the LR the log
-    shows before its jump (1 / the jump), then half; gradient explosion: half the clip, half
-    the LR; fp16 overflow and loss-scale collapse: bf16, then fp32; bf16 overflow: fp32,
-    half the clip; Adam instability: a larger epsilon (Molybog et al. 2023, 2304.09871: eps
-    1e-8 -> 1e-6 damps the sign-like updates of a stale second moment), half the clip;
-    output-logit divergence: half the LR. A hardware fault and a healthy run call for none.
-    """
-    v = doc["verdict"]
-    cause = v["causes"][0]["cause"] if v["causes"] else "none"
-    onset = v.get("first_bad_step")
-    half = _half(clip)
-    jump = _lr_jump(doc.get("findings") or [])
-    out: list[str] = []
-    if cause == "poison_batch":
-        out = ["skip_samples=auto"] + ([f"skip_step={onset}"] if onset is not None else [])
-    elif cause in ("lr_too_high", "gradient_explosion") and jump is not None:
-        out = [f"lr_scale={jump['scale']:.4g}", "lr_scale=0.5", f"clip={half:g}"]
-    elif cause == "lr_too_high":
-        out = ["lr_scale=0.5", "lr_scale=0.1"]
-    elif cause == "gradient_explosion":
-        out = [f"clip={half:g}", "lr_scale=0.5"]
-    elif cause in ("fp16_overflow", "loss_scale_collapse"):
-        out = ["precision=bf16", "precision=fp32"]
-    elif cause == "bf16_overflow":
-        out = ["precision=fp32", f"clip={half:g}"]
-    elif cause == "adam_instability":
-        out = ["eps=1e-6", f"clip={half:g}"]
-    elif cause == "output_logit_divergence":
-        out = ["lr_scale=0.5", f"clip={half:g}"]
-    return out
-
-
-def merge_reports(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Several reports of one incident (a replay or bisect, a what-if) as one document: the
-    diagnosing report's verdict and findings, each report's own section."""
-    diag = next((d for d in docs if not (d.get("whatif") and not d.get("replay"))), docs[0])
-    out = dict(diag)
-    for d in docs:
-        for k in ("replay", "bisect", "whatif", "diff"):
-            if d.get(k) and not out.get(k):
-                out[k] = d[k]
-    return out
-
-
-def _parse(text: str) -> list[tuple[str, str]]:
-    from ckptforensics.engine.whatif import parse_mitigation
-
-    return list(parse_mitigation(text).knobs)
-
-
-def _value(knob: str, raw: str) -> Any:
-    if knob in ("clip", "eps", "lr_scale"):
-        return float(raw)
-    if knob == "skip_step":
-        return int(float(raw))
-    return raw
-
-
-def _evidence(o: dict[str, Any], w: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
-    return {
-        "source": "whatif",
-        "mitigation": o["mitigation"],
-        "on_track": o["on_track"],
-        "steps": [o["steps"][0], o["steps"][-1]] if o.get("steps") else [],
-        "max_loss": o.get("max_loss"),
-        "max_grad_norm": o.get("max_grad_norm"),
-        "final_loss": o.get("final_loss"),
-        "baseline_max_loss": (base or {}).get("max_loss"),
-        "baseline_max_grad_norm": (base or {}).get("max_grad_norm"),
-        "band": {
-            "loss": [w.get("level"), w.get("band")],
-            "grad_norm": [w.get("grad_norm_level"), w.get("grad_norm_band")],
-        },
-    }
-
-
-def _whatif_changes(
-    w: dict[str, Any],
-) -> tuple[list[tuple[str, Any, str, dict[str, Any]]], list[tuple[str, dict[str, Any]]]]:
-    """(knob, value, status, evidence) of the recommended mitigation's knobs; and every other
-    mitigation the what-if replayed, with its outcome (for the notes)."""
-    outcomes = w.get("outcomes") or []
-    base = next((o for o in outcomes if o["mitigation"] == "baseline"), None)
-    chosen: list[tuple[str, Any, str, dict[str, Any]]] = []
-    others: list[tuple[str, dict[str, Any]]] = []
-    for o in outcomes:
-        if o["mitigation"] == "baseline":
-            continue
-        if o["mitigation"] == w.get("recommended"):
-            ev = _evidence(o, w, base)
-            chosen = [(k, _value(k, raw), "verified", ev) for k, raw in _parse(o["mitigation"])]
-        else:
-            others.append((o["mitigation"], _evidence(o, w, base)))
-    return chosen, others
-
-
-def _cause_changes(
-    doc: dict[str, Any], clip: Any
-) -> list[tuple[str, Any, str, dict[str, Any] | None]]:
-    """What the cause calls for where no what-if replayed a mitigation on track."""
-    v = doc["verdict"]
-    cause = v["causes"][0]["cause"] if v["causes"] else "none"
-    jump = _lr_jump(doc.get("findings") or [])
-    if cause == "poison_batch" and (
-        v.get("anomalous_samples") or (doc.get("bisect") or {}).get("rows")
-    ):
-        bis = doc.get("bisect") or {}
-        ev = None
-        if bis.get("rows"):
-            ev = {
-                "source": "bisect",
-                "step": bis.get("first_bad_step"),
-                "rows": bis["rows"],
-                "presence_spikes": bis.get("presence_spikes"),
-                "evaluations": bis.get("replays"),
-            }
-        return [("skip_samples", "culprits", "verified" if ev else "not_replayed", ev)]
-    if cause == "poison_batch" and v.get("first_bad_step") is not None:
-        return [("skip_step", int(v["first_bad_step"]), "not_replayed", None)]
-    if cause in ("lr_too_high", "gradient_explosion") and jump is not None:
-        return [("lr_fix", jump, "not_replayed", None)]
-    table: dict[str, list[tuple[str, Any]]] = {
-        "lr_too_high": [("lr_scale", 0.5)],
-        "gradient_explosion": [("clip", _half(clip))],
-        "fp16_overflow": [("precision", "bf16")],
-        "loss_scale_collapse": [("precision", "bf16")],
-        "bf16_overflow": [("precision", "fp32")],
-        "adam_instability": [("eps", 1e-6)],
-        "output_logit_divergence": [("lr_scale", 0.5)],
-    }
-    return [(k, val, "not_replayed", None) for k, val in table.get(cause, [])]
-
-
-def _culprits(doc: dict[str, Any]) -> tuple[list[int], list[int], dict[int, list[int]]]:
-    """(steps, sample ids, step -> rows) to skip: the what-if's skipped rows, else the
-    bisection's, else the verdict's anomalous samples at its first bad step."""
-    w = doc.get("whatif") or {}
-    rec = next(
-        (
-            o
-            for o in w.get("outcomes") or []
-            if o["mitigation"] == w.get("recommended") and o.get("skipped_rows")
-        ),
-        None,
-    )
-    if rec is not None:
-        rows = {int(k): list(v) for k, v in rec["skipped_rows"].items()}
-        ids = [
-            int(x) for v in (w.get("auto_sample_ids") or {}).values() for x in v if x is not None
-        ]
-        return sorted(rows), ids, rows
-    bis = (doc.get("bisect") or {}).get("skip") or {}
-    if bis.get("steps"):
-        return (
-            list(bis["steps"]),
-            list(bis.get("sample_ids") or []),
-            {int(k): list(v) for k, v in (bis.get("rows") or {}).items()},
+    if dist_world()[1] > 1:
+        raise ForensicsError(
+            "plan runs in one process (its what-if follows from the replay's verdict); under torchrun run `replay` and "
+            "`whatif`, then `ckptforensics plan incident/ whatif/`"
         )
-    v = doc["verdict"]
-    s = v.get("first_bad_step")
-    samples = v.get("anomalous_samples") or []
-    if s is None or not samples:
-        return [], [], {}
+    opts = replay_options(options, **option)
+    rep = replay(
+        before,
+        after,
+        batch=batch,
+        run_dir=run_dir,
+        options=opts,
+        progress=progress,
+        command=command,
+    )
+    p = rep.plan
+    tried = (
+        list(tries)
+        if tries
+        else mitigations(
+            rep.doc,
+            ((rep.doc.get("replay") or {}).get("config") or {}).get("clip", {}).get("value"),
+        )
+    )
+    doc, findings = rep.doc, list(rep.findings)
+    if p.get("status") == "ready" and tried:
+        r = p["rollback"]
+        n = int(rep.doc["incident"]["after"]["step"]) - int(r["step"])
+        wi = whatif(
+            r["path"],
+            steps=max(n, 1),
+            tries=tried,
+            batch=batch,
+            run_dir=run_dir,
+            options=opts,
+            progress=progress,
+            command=command,
+        )
+
+        f = wi.findings[0]
+        extra = Finding(f"F{len(findings) + 1}", *[getattr(f, k) for k in Finding.__slots__[1:]])  # type: ignore[attr-defined]
+        findings.append(extra)
+        doc = {
+            **doc,
+            "whatif": wi.doc["whatif"],
+            "findings": [*doc["findings"], {**wi.doc["findings"][0], "id": extra.id}],
+        }
+        with open_checkpoint(doc["incident"]["before"]["path"]) as ck:
+            doc["plan"] = _clean_doc(plan_section(doc, ck))
+    return Report(doc, findings, _skip_extra(doc))
+
+
+def _clean_doc(x: Any) -> Any:
+
+    return clean(x)
+
+
+def _skip_extra(doc: dict[str, Any]) -> dict[str, Any]:
+    """skip.json for a plan that skips data: steps, sample ids and rows per step."""
+    sk = (doc.get("plan") or {}).get("skip")
     return (
-        [int(s)],
-        [int(x["sample_id"]) for x in samples if x.get("sample_id") is not None],
-        {int(s): [int(x["index"]) for x in samples]},
+        {"skip": {"steps": sk["steps"], "sample_ids": sk["sample_ids"], "rows": sk["rows"]}}
+        if sk
+        else {}
     )
 
 
-def _rollback(ck: Checkpoint, onset: int | None) -> tuple[tuple[int, Path] | None, list[str], Path]:
-    """The last complete checkpoint before the onset in the run dir of `ck` (the checkpoint of
-    step c holds the state after c's update: safe when c < onset); `ck` itself without an onset."""
-    path = Path(ck.path)
-    run_dir = (
-        path.parent.parent
-        if path.parent.name == "checkpoints" and path.suffix == ".ckpt"
-        else path.parent
-    )
-    cands = list_checkpoints(run_dir)
-    if not any(p == path or p.resolve() == path.resolve() for _, p in cands):
-        cands = [(ck.step, path)] if ck.step is not None else []
-    limit = onset if onset is not None else (ck.step + 1 if ck.step is not None else None)
-    safe = [(s, p) for s, p in cands if limit is None or s < limit]
-    back, skipped = first_complete(safe[::-1])
-    return back, skipped, run_dir
+def plan_from(reports: Sequence[str | Path]) -> Report:
+    """The resume plan from reports already written (a replay or bisect report, a what-if
+    report of the same incident: their `report.json`, `evidence.h5` or directories). The
+    *before* checkpoint they name must still be where they say: the run's own settings are
+    read from it."""
 
-
-def _knob_edits(planner: Any, knob: str, value: Any, s: Any) -> tuple[Edit, ...]:
-    return tuple(planner.edits(knob, value, s))
-
-
-def plan_section(doc: dict[str, Any], ck: Checkpoint) -> dict[str, Any]:
-    """The report's `plan` block: the resume in the trainer's own terms.
-
-    Args:
-        doc: the report document (verdict, findings, and the replay, bisect and whatif
-            sections it has).
-        ck: the report's *before* checkpoint, open (its format names the trainer and its
-            files hold the run's settings).
-
-    Returns:
-        The plan section (report/schema.json `plan`).
-    """
-    v = doc["verdict"]
-    cause = v["causes"][0]["cause"] if v["causes"] else "none"
-    w = doc.get("whatif") or {}
-    planner = planner_for(ck)
-    s = planner.settings(ck)
-    out: dict[str, Any] = {
-        "status": "ready",
-        "trainer": planner.NAME,
-        "trainer_title": planner.TITLE,
-        "settings": s.source,
-        "cause": cause,
-        "onset": v.get("first_bad_step"),
-        "rollback": None,
-        "skip": None,
-        "changes": [],
-        "config_diff": "",
-        "resume": [],
-        "expect": {},
-        "alternatives": [],
-        "notes": [],
-    }
-    healthy = cause == "none" or (cause == "undiagnosed" and w.get("baseline_on_track"))
-    if healthy and not w.get("recommended"):
-        out["status"] = "no_incident"
-        out["notes"].append("nothing to resume from: the run stays on its track")
-        return out
-    onset = v.get("first_bad_step")
-    back, skipped, run_dir = _rollback(ck, onset)
-    out["notes"] += skipped
-    if back is None:
-        out["status"] = "no_rollback"
-        out["notes"].append(
-            f"no complete checkpoint before step {onset} in {run_dir}: nothing safe to resume from"
+    docs = []
+    for r in reports:
+        p = Path(r)
+        docs.append(load_report(p / "report.json" if p.is_dir() else p))
+    if any(d.get("recovery") for d in docs):
+        raise ForensicsError(
+            "a recovery report has no incident to plan for: pass the replay, bisect or what-if report"
         )
-        return out
-    r_step, r_path = back
-    out["rollback"] = {
-        "path": str(r_path),
-        "step": r_step,
-        "skipped": skipped,
-        "why": f"the last complete checkpoint before the onset (step {onset})"
-        if onset is not None
-        else "the what-if's starting checkpoint",
-    }
-    clip = (
-        (doc.get("replay") or {}).get("config", {}).get("clip", {}).get("value")
-        if doc.get("replay")
-        else (w.get("clip") or {}).get("value")
-    )
-    chosen: list[tuple[str, Any, str, dict[str, Any] | None]]
-    others: list[tuple[str, dict[str, Any]]] = []
-    if w.get("outcomes"):
-        picked, others = _whatif_changes(w)
-        chosen = list(picked)
-        if not chosen:
-            out["notes"].append(
-                "no mitigation the what-if tried kept the run on track: the changes below are what the cause calls for, not replayed"
-            )
-            chosen = _cause_changes(doc, clip)
-    else:
-        chosen = _cause_changes(doc, clip)
-    # The per-group LR a replay names is the fault itself: fix it whatever else helps.
-    jump = _lr_jump(doc.get("findings") or [])
-    if (
-        jump is not None
-        and cause in ("lr_too_high", "gradient_explosion")
-        and not any(k == "lr_fix" for k, *_ in chosen)
-    ):
-        chosen.insert(0, ("lr_fix", jump, "not_replayed", None))
-    steps, ids, rows = _culprits(doc)
-    changes: list[Change] = []
-    for knob, value, status, ev in sorted(
-        chosen, key=lambda c: _ORDER.index(c[0]) if c[0] in _ORDER else len(_ORDER)
-    ):
-        if knob in ("skip_samples", "skip_step"):
-            if knob == "skip_step":
-                steps, ids, rows = [int(value)], [], {}
-            why = f"the batch of step {steps[0]} drives the spike" if steps else "the culprit rows"
-            changes.append(
-                Change(
-                    knob,
-                    {
-                        "steps": steps,
-                        "sample_ids": ids,
-                        "rows": {str(k): x for k, x in rows.items()},
-                    },
-                    (),
-                    status,
-                    why,
-                    ev,
-                )
-            )
-            continue
-        if knob == "lr_fix":
-            why = f"the logged LR of groups {value['groups']} jumps {1 / value['scale']:.3g}x at step {value['from_step']} ({value['lr_before']:.3g} -> {value['lr']:.3g})"
-            changes.append(
-                Change(
-                    knob,
-                    value["scale"],
-                    _knob_edits(planner, knob, value, s),
-                    status,
-                    why,
-                    ev,
-                    value["from_step"],
-                    tuple(value["groups"]),
-                )
-            )
-            continue
-        if knob == "reset_moments":
-            changes.append(Change(knob, value, (), status, "the what-if zeroed these moments", ev))
-            continue
-        why = {"clip": "a lower clip bounds the bad steps' updates", "lr_scale": "a lower LR keeps the update within what the loss tolerates",
-               "precision": "the overflow is the precision's", "eps": "a larger epsilon damps updates of a stale second moment"}.get(knob, "")  # fmt: skip
-        changes.append(Change(knob, value, _knob_edits(planner, knob, value, s), status, why, ev))
-    out["changes"] = [c.as_dict() for c in changes]
-    skip_change = next((c for c in changes if c.knob in ("skip_samples", "skip_step")), None)
-    if skip_change is not None:
-        sk = (
-            planner.skip(steps, ids, rows, s)
-            if skip_change.knob == "skip_samples"
-            else planner.skip(steps, [], {}, s)
+    doc = merge_reports(docs)
+    before = Path(doc["incident"]["before"]["path"])
+    if not before.exists():
+        raise ForensicsError(
+            f"{before}: the report's before checkpoint is not here; the plan reads the run's settings from it (run `ckptforensics plan --run-dir ...` where the run is)"
         )
-        out["skip"] = {
-            "steps": steps,
-            "sample_ids": ids,
-            "rows": {str(k): x for k, x in rows.items()},
-            "format": sk.format,
-            "value": sk.value,
-            "text": sk.text,
-        }
-    edits = [e for c in changes for e in c.edits]
-    resume = planner.resume(r_path, r_step, s)
-    out["resume"] = [
-        {"key": e.key, "before": e.before, "after": e.after, "note": e.note} for e in resume
-    ]
-    out["config_diff"] = planner.render([*edits, *resume], s)
-    out["alternatives"] = [{"mitigation": m, **ev} for m, ev in others]
-    out["expect"] = _expect(doc, changes, r_step, steps, ids, onset, clip)
-    out["notes"] += _notes(changes, cause)
-    return out
-
-
-def _expect(
-    doc: dict[str, Any],
-    changes: Sequence[Change],
-    resumed_from: int,
-    steps: list[int],
-    ids: list[int],
-    onset: int | None,
-    clip: Any,
-) -> dict[str, Any]:
-    """What a resumed run that applied the plan logs: the LR per step (the run's logged LR
-    times the plan's scale), the clip, the precision, the skipped samples."""
-    by = {c.knob: c for c in changes}
-    logged = {
-        **((doc.get("replay") or {}).get("history") or {}),
-        **((doc.get("replay") or {}).get("logged") or {}),
-    }
-    scale = float(by["lr_scale"].value) if "lr_scale" in by else 1.0
-    fix = by.get("lr_fix")
-    lr: dict[str, float] = {}
-    for k, row in logged.items():
-        if (
-            int(k) > resumed_from
-            and isinstance(row.get("lr"), (int, float))
-            and math.isfinite(row["lr"])
-        ):
-            f = scale * (
-                float(fix.value)
-                if fix is not None
-                and fix.from_step is not None
-                and int(k) >= fix.from_step
-                and 0 in fix.groups
-                else 1.0
-            )
-            lr[k] = float(row["lr"]) * f
-    return {
-        "resumed_from": resumed_from,
-        "onset": onset,
-        "clip": float(by["clip"].value)
-        if "clip" in by
-        else (float(clip) if isinstance(clip, (int, float)) else None),
-        "precision": by["precision"].value if "precision" in by else None,
-        "lr_scale": scale if "lr_scale" in by else None,
-        "lr": lr,
-        "skip_steps": steps if "skip_step" in by else [],
-        "skip_sample_ids": ids if "skip_samples" in by else [],
-        "skip_sample_steps": steps
-        if "skip_samples" in by
-        else [],  # where the skipped samples came
-    }
-
-
-def _notes(changes: Sequence[Change], cause: str) -> list[str]:
-    out = []
-    from ckptforensics.verdict import RESUME_CAUSES
-
-    if cause in RESUME_CAUSES:
-        out.append(
-            f"the resume itself lost state ({cause.replace('_', ' ')}): resume again from the rollback checkpoint the trainer's own way (the resume keys below), nothing else to change"
-        )
-    if cause == "silent_corruption":
-        out.append(
-            "a hardware fault: resume from the rollback checkpoint on other hardware and quarantine the node that wrote the bad state"
-        )
-    if not changes and cause != "silent_corruption" and cause not in RESUME_CAUSES:
-        out.append(
-            f"no change is known to help with {cause.replace('_', ' ')}: resume from the rollback checkpoint and watch it with `ckptforensics recovery`"
-        )
-    out.append(
-        "resume with the optimizer state (Adam's moments and step counter): a fresh optimizer restarts bias correction and moves every weight by ~lr at once"
-    )
-    return out
+    with open_checkpoint(before) as ck:
+        doc = {**doc, "plan": _clean_doc(plan_section(doc, ck))}
+    return Report(doc, list(doc.get("findings", [])), _skip_extra(doc))

@@ -1,5 +1,5 @@
-"""`recovery`'s report: its findings (a failed check, a relapse), the report document and the
-actions it recommends."""
+"""`recovery`: did the resumed run recover? The engine's judgement (`engine.recovery`) made a
+report: its findings (a failed check, a relapse), the document and the actions it recommends."""
 
 from __future__ import annotations
 
@@ -7,10 +7,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckptforensics.commands.common import (
+    Report,
+    resolve,
+)
+from ckptforensics.core.tensors import CURVE_SHORT
+from ckptforensics.detectors import Finding
+from ckptforensics.engine.recovery import recovery as _recovery
 from ckptforensics.engine.recovery.assess import RecoveryResult
 from ckptforensics.engine.recovery.trajectory import Z_BAND
+from ckptforensics.formats import open_checkpoint
+from ckptforensics.report import (
+    build_report,
+)
+from ckptforensics.report.evidence import load_report
 
-__all__ = ["recovery_findings", "recovery_report"]
+__all__ = ["recovery", "recovery_findings", "recovery_report"]
 
 
 _CRITICAL_CHECKS = ("optimizer_state", "skipped_samples")
@@ -21,7 +33,6 @@ def recovery_findings(res: RecoveryResult) -> list[Any]:
     not recovered or relapsed), and one per failed check (critical for a lost optimizer state
     and for skipped samples seen again, warning for a setting the plan changed that the
     resumed run does not run with)."""
-    from ckptforensics.detectors import Finding
 
     sev = {
         "recovered": "info",
@@ -50,9 +61,7 @@ def recovery_findings(res: RecoveryResult) -> list[Any]:
 def recovery_report(res: RecoveryResult, command: str) -> tuple[dict[str, Any], list[Any]]:
     """The `recovery` report document (schema `ckptforensics.report/1`, section `recovery`):
     *before* is the checkpoint the run resumed from, *after* the first the resumed leg wrote."""
-    from ckptforensics.formats import open_checkpoint
     from ckptforensics.formats.locate import list_checkpoints
-    from ckptforensics.report import build_report
     from ckptforensics.verdict import Verdict
 
     findings = recovery_findings(res)
@@ -128,3 +137,34 @@ def _actions(res: RecoveryResult) -> list[str]:
     elif res.status == "recovering":
         out.append("Run `ckptforensics recovery` again after more steps.")
     return out
+
+
+def recovery(
+    run_dir: str | Path,
+    resumed_from: int,
+    *,
+    metrics: str | Path | None = None,
+    plan: str | Path | dict[str, Any] | None = None,
+    flight: str | Path | None = None,
+    checkpoint: str | int | Path | None = None,
+    window: int | None = None,
+    command: str = "ckptforensics.recovery",
+) -> Report:
+    """Whether the run resumed at step `resumed_from` recovered: its log against the
+    pre-incident trajectory (`recovered` at step S, `recovering`, `not recovered`, `relapsed`
+    at step S) and the checks that the resume was the plan (`plan`: a plan report, its
+    directory, or its `plan` section), in the `recovery` section."""
+
+    rd = Path(run_dir)
+    section, source = None, None
+    if isinstance(plan, dict):
+        section = plan.get("plan", plan)
+    elif plan is not None:
+        pp = Path(plan)
+        pp = pp / "report.json" if pp.is_dir() else pp
+        section, source = load_report(pp).get("plan") or {}, str(pp)
+    ck = resolve(checkpoint, rd) if checkpoint is not None else None
+    res = _recovery(rd, int(resumed_from), metrics=Path(metrics) if metrics else None, plan=section, plan_source=source,
+                    flight=Path(flight) if flight else None, checkpoint=ck, width=window or CURVE_SHORT)  # fmt: skip
+    doc, findings = recovery_report(res, command)
+    return Report(doc, findings)

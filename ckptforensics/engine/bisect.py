@@ -12,7 +12,13 @@ from typing import Any
 import torch
 
 from ckptforensics.core.errors import ForensicsError
-from ckptforensics.detectors import Finding, first_steps_from_state, replay_findings, step_z
+from ckptforensics.detectors import (
+    Finding,
+    first_steps_from_state,
+    replay_findings,
+    step_z,
+    trusted,
+)
 from ckptforensics.engine.replay import ReplayConfig, replay
 from ckptforensics.engine.replay.records import ReplayResult
 from ckptforensics.record.segments import pad_rows
@@ -80,8 +86,6 @@ def bisect(
     so the loss averaging is the trainer's). The per-sample gradient shares seed the
     search, so the common case costs a handful of evaluations.
     """
-    from ckptforensics.commands.analysis import trusted
-
     rep = replay(cfg, progress, steps)
     rfind = replay_findings(rep)
     why = trusted(cfg, rfind)  # a replay that is not the run bisects nothing

@@ -106,8 +106,8 @@ def build_report(
 def _plan(doc: dict[str, Any], before: Checkpoint) -> dict[str, Any]:
     """The resume plan every report carries (`plan.plan_section`). A checkpoint whose files
     the planner cannot read leaves the diagnosis whole: the plan says why it is missing."""
-    from ckptforensics.commands.plan import plan_section
     from ckptforensics.core.errors import ForensicsError
+    from ckptforensics.planner import plan_section
 
     try:
         return plan_section(doc, before)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ckptforensics.commands.plan import mitigations, plan_section
+from ckptforensics.planner import mitigations, plan_section
 from ckptforensics.formats import open_checkpoint
 from ckptforensics.trainers import planner_for
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from ckptforensics.cli import cli
-from ckptforensics.commands.triage import triage
+from ckptforensics.engine.triage import triage
 from ckptforensics.detectors.log import TriageConfig, log_evidence, log_onsets
 
 ROOT = Path(__file__).resolve().parents[2]

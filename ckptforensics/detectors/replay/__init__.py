@@ -24,8 +24,10 @@ from ckptforensics.detectors.replay.state import (
     reproduction,
     rms_t,
 )
+from ckptforensics.detectors.replay.trust import trusted
 
 __all__ = [
+    "trusted",
     "ReplayEvidence",
     "ReplayDetector",
     "ONSET_DETECTORS",

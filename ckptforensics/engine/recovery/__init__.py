@@ -12,13 +12,12 @@ trainer's), and the skipped samples not seen again (docs/signatures.md#recovery)
 
 One module a part: `legs` (the log's legs, split around the resume), `trajectory` (the fit,
 the windows, the verdict), `checks` (the resume against the plan, pure), `gather` (what
-those checks read from disk), `assess` (the whole, `recovery`), `report` (its findings and
-document).
+those checks read from disk), `assess` (the whole, `recovery`); its report is the command's
+(`commands.recovery`).
 """
 
 from __future__ import annotations
 
-from ckptforensics.commands.recovery import recovery_findings, recovery_report
 from ckptforensics.engine.recovery.assess import RecoveryResult, recovery, relapse_steps, summarize
 from ckptforensics.engine.recovery.checks import Check, optimizer_resumed
 from ckptforensics.engine.recovery.legs import Leg, Split, read_legs, split_legs
@@ -50,6 +49,4 @@ __all__ = [
     "verdict_of",
     "relapse_steps",
     "summarize",
-    "recovery_findings",
-    "recovery_report",
 ]

@@ -173,8 +173,8 @@ def child(cmd: list[str]) -> tuple[float, float, int, str]:
 def stream_only(a: Path, b: Path, workers: int) -> None:
     """Child: open the pair, then time the diff alone (its wall and CPU seconds, the
     workers' included), as JSON on stdout."""
+    from ckptforensics.checkpoints import open_checkpoint
     from ckptforensics.engine.diff.pair import diff_checkpoints
-    from ckptforensics.formats import open_checkpoint
 
     ca, cb = open_checkpoint(a), open_checkpoint(b)
     r0 = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
@@ -194,8 +194,8 @@ def profile(a: Path, b: Path, chunk: int = 1 << 19) -> list[tuple[str, float]]:
     each statistic of the pre-kernel torch path, and the fused kernel's two calls."""
     import torch
 
+    from ckptforensics.checkpoints import open_checkpoint
     from ckptforensics.core import fused
-    from ckptforensics.formats import open_checkpoint
 
     torch.set_num_threads(1)
     kern = fused.load()

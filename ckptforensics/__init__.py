@@ -33,9 +33,9 @@ _LAZY = {
     "NotRankZero": "commands.common",
     "ReplayOptions": "core.options",
     "resolve": "commands.common",
-    "open_checkpoint": "formats",
-    "open_pair": "formats",
-    "completeness": "formats",
+    "open_checkpoint": "checkpoints",
+    "open_pair": "checkpoints",
+    "completeness": "checkpoints",
     "record": None,
     "Recorder": "record",
 }

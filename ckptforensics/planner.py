@@ -7,7 +7,8 @@ that each change it proposes is marked verified by a what-if, with the replayed 
 not replayed. `recovery` later checks the resumed run against the plan's `expect` block.
 
 Over 400 lines: the plan's parts (rollback, skips, changes, verification) read one another's
-results in order; each trainer's knowledge is in frameworks/ already.
+results in order; each trainer's knowledge is in trainers/ already, each cause's in
+detectors/causes.py.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptforensics.checkpoints import first_complete
+from ckptforensics.detectors.causes import figures, lookup
+from ckptforensics.engine.whatif import parse_mitigation
 from ckptforensics.formats.base import Checkpoint
-from ckptforensics.formats.locate import first_complete, list_checkpoints
+from ckptforensics.formats.locate import list_checkpoints
 from ckptforensics.trainers import Edit, planner_for
 
 __all__ = ["Change", "mitigations", "plan_section", "merge_reports", "PLAN_STATUSES"]
@@ -101,39 +105,28 @@ def _half(x: Any) -> float:
     return round(float(x) / 2, 6) if isinstance(x, (int, float)) and x > 0 else 1.0
 
 
-def mitigations(doc: dict[str, Any], clip: float | None = None) -> list[str]:
-    """The what-ifs a cause calls for (`--try` strings), least invasive first.
-
-    poison_batch: skip the culprit rows, else the whole step; an LR cause: the LR the log
-    shows before its jump (1 / the jump), then half; gradient explosion: half the clip, half
-    the LR; fp16 overflow and loss-scale collapse: bf16, then fp32; bf16 overflow: fp32,
-    half the clip; Adam instability: a larger epsilon (Molybog et al. 2023, 2304.09871: eps
-    1e-8 -> 1e-6 damps the sign-like updates of a stale second moment), half the clip;
-    output-logit divergence: half the LR. A hardware fault and a healthy run call for none.
-    """
+def _cause(doc: dict[str, Any]) -> str:
+    """The report's leading cause ("none" where it names none)."""
     v = doc["verdict"]
-    cause = v["causes"][0]["cause"] if v["causes"] else "none"
-    onset = v.get("first_bad_step")
-    half = _half(clip)
+    return v["causes"][0]["cause"] if v["causes"] else "none"
+
+
+def mitigations(doc: dict[str, Any], clip: float | None = None) -> list[str]:
+    """The what-ifs a cause calls for (`--try` strings), least invasive first: its record's
+    `tries` (detectors.causes), or its `jump_tries` where the replay dates an LR jump, with
+    the report's figures filled in (half the clip, the onset, 1 / the jump); a try whose
+    figure the report lacks is left out. A hardware fault and a healthy run call for none.
+    """
+    cause = lookup(_cause(doc))
+    onset = doc["verdict"].get("first_bad_step")
     jump = _lr_jump(doc.get("findings") or [])
-    out: list[str] = []
-    if cause == "poison_batch":
-        out = ["skip_samples=auto"] + ([f"skip_step={onset}"] if onset is not None else [])
-    elif cause in ("lr_too_high", "gradient_explosion") and jump is not None:
-        out = [f"lr_scale={jump['scale']:.4g}", "lr_scale=0.5", f"clip={half:g}"]
-    elif cause == "lr_too_high":
-        out = ["lr_scale=0.5", "lr_scale=0.1"]
-    elif cause == "gradient_explosion":
-        out = [f"clip={half:g}", "lr_scale=0.5"]
-    elif cause in ("fp16_overflow", "loss_scale_collapse"):
-        out = ["precision=bf16", "precision=fp32"]
-    elif cause == "bf16_overflow":
-        out = ["precision=fp32", f"clip={half:g}"]
-    elif cause == "adam_instability":
-        out = ["eps=1e-6", f"clip={half:g}"]
-    elif cause == "output_logit_divergence":
-        out = ["lr_scale=0.5", f"clip={half:g}"]
-    return out
+    tries = cause.jump_tries if cause.jump_tries and jump is not None else cause.tries
+    known = {
+        "half_clip": _half(clip),
+        "onset": onset,
+        "jump_scale": jump["scale"] if jump is not None else None,
+    }
+    return [t.format(**known) for t in tries if all(known[f] is not None for f in figures(t))]
 
 
 def merge_reports(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -149,8 +142,6 @@ def merge_reports(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _parse(text: str) -> list[tuple[str, str]]:
-    from ckptforensics.engine.whatif import parse_mitigation
-
     return list(parse_mitigation(text).knobs)
 
 
@@ -203,16 +194,26 @@ def _whatif_changes(
 def _cause_changes(
     doc: dict[str, Any], clip: Any
 ) -> list[tuple[str, Any, str, dict[str, Any] | None]]:
-    """What the cause calls for where no what-if replayed a mitigation on track."""
+    """What the cause calls for where no what-if replayed a mitigation on track: the LR fix
+    where the replay dates the jump that is its fault, else the first of its record's
+    `changes` (detectors.causes) whose figures the report has."""
     v = doc["verdict"]
-    cause = v["causes"][0]["cause"] if v["causes"] else "none"
+    cause = lookup(_cause(doc))
     jump = _lr_jump(doc.get("findings") or [])
-    if cause == "poison_batch" and (
-        v.get("anomalous_samples") or (doc.get("bisect") or {}).get("rows")
-    ):
-        bis = doc.get("bisect") or {}
+    if cause.jump_tries and jump is not None:
+        return [("lr_fix", jump, "not_replayed", None)]
+    bis = doc.get("bisect") or {}
+    known = {
+        "{half_clip}": _half(clip),
+        "{onset}": int(v["first_bad_step"]) if v.get("first_bad_step") is not None else None,
+        "{culprits}": "culprits" if v.get("anomalous_samples") or bis.get("rows") else None,
+    }
+    for knob, raw in cause.changes:
+        value = known[raw] if isinstance(raw, str) and raw in known else raw
+        if value is None:
+            continue
         ev = None
-        if bis.get("rows"):
+        if knob == "skip_samples" and bis.get("rows"):
             ev = {
                 "source": "bisect",
                 "step": bis.get("first_bad_step"),
@@ -220,21 +221,8 @@ def _cause_changes(
                 "presence_spikes": bis.get("presence_spikes"),
                 "evaluations": bis.get("replays"),
             }
-        return [("skip_samples", "culprits", "verified" if ev else "not_replayed", ev)]
-    if cause == "poison_batch" and v.get("first_bad_step") is not None:
-        return [("skip_step", int(v["first_bad_step"]), "not_replayed", None)]
-    if cause in ("lr_too_high", "gradient_explosion") and jump is not None:
-        return [("lr_fix", jump, "not_replayed", None)]
-    table: dict[str, list[tuple[str, Any]]] = {
-        "lr_too_high": [("lr_scale", 0.5)],
-        "gradient_explosion": [("clip", _half(clip))],
-        "fp16_overflow": [("precision", "bf16")],
-        "loss_scale_collapse": [("precision", "bf16")],
-        "bf16_overflow": [("precision", "fp32")],
-        "adam_instability": [("eps", 1e-6)],
-        "output_logit_divergence": [("lr_scale", 0.5)],
-    }
-    return [(k, val, "not_replayed", None) for k, val in table.get(cause, [])]
+        return [(knob, value, "verified" if ev else "not_replayed", ev)]
+    return []
 
 
 def _culprits(doc: dict[str, Any]) -> tuple[list[int], list[int], dict[int, list[int]]]:
@@ -309,7 +297,7 @@ def plan_section(doc: dict[str, Any], ck: Checkpoint) -> dict[str, Any]:
         The plan section (report/schema.json `plan`).
     """
     v = doc["verdict"]
-    cause = v["causes"][0]["cause"] if v["causes"] else "none"
+    cause = _cause(doc)
     w = doc.get("whatif") or {}
     planner = planner_for(ck)
     s = planner.settings(ck)
@@ -371,11 +359,7 @@ def plan_section(doc: dict[str, Any], ck: Checkpoint) -> dict[str, Any]:
         chosen = _cause_changes(doc, clip)
     # The per-group LR a replay names is the fault itself: fix it whatever else helps.
     jump = _lr_jump(doc.get("findings") or [])
-    if (
-        jump is not None
-        and cause in ("lr_too_high", "gradient_explosion")
-        and not any(k == "lr_fix" for k, *_ in chosen)
-    ):
+    if jump is not None and lookup(cause).jump_tries and not any(k == "lr_fix" for k, *_ in chosen):
         chosen.insert(0, ("lr_fix", jump, "not_replayed", None))
     steps, ids, rows = _culprits(doc)
     changes: list[Change] = []
@@ -503,17 +487,10 @@ def _expect(
 
 def _notes(changes: Sequence[Change], cause: str) -> list[str]:
     out = []
-    from ckptforensics.verdict import RESUME_CAUSES
-
-    if cause in RESUME_CAUSES:
-        out.append(
-            f"the resume itself lost state ({cause.replace('_', ' ')}): resume again from the rollback checkpoint the trainer's own way (the resume keys below), nothing else to change"
-        )
-    if cause == "silent_corruption":
-        out.append(
-            "a hardware fault: resume from the rollback checkpoint on other hardware and quarantine the node that wrote the bad state"
-        )
-    if not changes and cause != "silent_corruption" and cause not in RESUME_CAUSES:
+    note = lookup(cause).plan_note
+    if note is not None:
+        out.append(note.format(what=cause.replace("_", " ")))
+    if not changes and note is None:
         out.append(
             f"no change is known to help with {cause.replace('_', ' ')}: resume from the rollback checkpoint and watch it with `ckptforensics recovery`"
         )

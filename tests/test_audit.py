@@ -14,8 +14,8 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from ckptforensics.cli import cli
 import ckptforensics as api
+from ckptforensics.cli import cli
 from ckptforensics.commands.audit import trace_architecture
 from fixtures.tinygpt import GPT, GPTConfig
 from tests.conftest import ROOT

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from ckptforensics.checkpoints import completeness
 from ckptforensics.cli import cli
-from ckptforensics.formats import completeness
 from tests.conftest import ROOT
 from tests.crash_corpus import Case, build_cases, snapshot, sources, unprivileged
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.cli import cli
-from ckptforensics.formats import open_checkpoint
 from tests.conftest import ROOT, ranks_said, torchrun
 from tests.test_cli import assert_bad_input
 

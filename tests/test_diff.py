@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.core.tensors import adam_ratio_bound
 from ckptforensics.detectors import diff_findings
 from ckptforensics.engine.diff.pair import DiffConfig, diff_checkpoints
-from ckptforensics.formats import open_checkpoint
 from ckptforensics.formats.locate import resolve_checkpoint
 from ckptforensics.verdict import decide
 from tests.conftest import truth

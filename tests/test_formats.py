@@ -9,9 +9,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.cli import cli
 from ckptforensics.core.errors import OptimizerMappingError
-from ckptforensics.formats import open_checkpoint
 from ckptforensics.formats.locate import resolve_checkpoint
 from ckptforensics.formats.optstate import map_optimizer
 from fixtures.tinygpt import GPT, GPTConfig

@@ -173,8 +173,8 @@ def test_paths_recorded_relative_to_the_launch_directory_are_found(
 
     from click.testing import CliRunner
 
+    from ckptforensics.checkpoints import open_checkpoint
     from ckptforensics.cli import cli
-    from ckptforensics.formats import open_checkpoint
 
     with open_checkpoint(MCORE / "plain" / "iter_0000010") as ck:
         args = ck.config

@@ -11,12 +11,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.cli import cli
 from ckptforensics.commands.diff import run_diff
 from ckptforensics.commands.replay import run_replay
 from ckptforensics.core.errors import ForensicsError
 from ckptforensics.engine.replay import ReplayConfig
-from ckptforensics.formats import open_checkpoint
 from fixtures import optim_runs, resume_run
 
 pytest.importorskip("lion_pytorch")
@@ -206,7 +206,7 @@ def test_lamb_implementations_one_line(runs: dict[str, dict[str, Path]], tmp_pat
     does not know: named, weights-only."""
     if not _have("lamb"):
         pytest.skip("needs pytorch_optimizer")
-    from ckptforensics.engine.replay.model import build_optimizer
+    from ckptforensics.engine.replay.optimizer import build_optimizer
     from fixtures.tinygpt import GPT, GPTConfig
 
     a, b, _ = _pair(runs["lamb"]["healthy"])
@@ -296,7 +296,7 @@ def test_unknown_optimizer_one_line(tmp_path: Path, which: str) -> None:
         "not one the tool knows" in n and named in n for n in doc["diff"]["pair"]["notes"]
     ), doc["diff"]["pair"]["notes"]
     with open_checkpoint(tmp_path / "step_1.pt") as ck:
-        from ckptforensics.engine.replay.model import build_optimizer
+        from ckptforensics.engine.replay.optimizer import build_optimizer
 
         with pytest.raises(ForensicsError, match="cannot be rebuilt for a replay"):
             build_optimizer(model, ck, lambda k: k)

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from ckptforensics.cli import cli
 import ckptforensics as api
+from ckptforensics.cli import cli
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore")

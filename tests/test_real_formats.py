@@ -19,9 +19,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from ckptforensics.checkpoints import open_checkpoint, open_pair
 from ckptforensics.cli import cli
 from ckptforensics.core.errors import OptimizerMappingError
-from ckptforensics.formats import open_checkpoint, open_pair
 from ckptforensics.formats.optstate import AmbiguousMapping, map_optimizer, settle_by_evidence
 from ckptforensics.formats.torchfile import load_torch_file
 from tests.test_cli import assert_bad_input

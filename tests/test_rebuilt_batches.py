@@ -208,7 +208,7 @@ def test_a_two_process_runs_batches_are_what_each_process_consumed(hf_ddp_run: P
     """accelerate hands process r the sampler's micro-batches r, r + 2, ...: the rebuilt batch
     of every step (two epochs: the sampler reshuffles) is process 0's micro-batches, then
     process 1's, row for row what each process's collator was handed."""
-    from ckptforensics.formats import open_checkpoint
+    from ckptforensics.checkpoints import open_checkpoint
     from ckptforensics.trainers.hf.data import trainer_batches
 
     seen = json.loads((hf_ddp_run / "consumed.json").read_text())
@@ -404,7 +404,7 @@ def test_candidates_come_in_order_and_fail_as_batch_errors(hf_lm_run: Path, tmp_
 
     import torch
 
-    from ckptforensics.formats import open_checkpoint
+    from ckptforensics.checkpoints import open_checkpoint
     from ckptforensics.formats.batches import BatchError
     from ckptforensics.trainers.hf.data import trainer_batches
 

@@ -31,7 +31,7 @@ def test_a_plugin_reader_registers_through_its_entry_point(tmp_path: Path) -> No
     np.savez(f, **want)
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]);"
-        "from ckptforensics.formats import open_checkpoint, format_names, is_builtin;"
+        "from ckptforensics.checkpoints import open_checkpoint, format_names, is_builtin;"
         "ck = open_checkpoint(sys.argv[2]);"
         "print(ck.format, sorted(ck.names()), float(ck.tensor('layer.weight').sum()), 'npz' in format_names(), is_builtin('npz'))"
     )

@@ -131,9 +131,9 @@ def _die(name: str) -> None:
 
 def test_a_worker_that_dies_is_one_clear_error(zoo: dict[str, Path], monkeypatch) -> None:  # noqa: ANN001
     import ckptforensics.engine.diff.shard as shard
+    from ckptforensics.checkpoints import open_checkpoint
     from ckptforensics.core.errors import ForensicsError
     from ckptforensics.engine.diff.pair import diff_checkpoints
-    from ckptforensics.formats import open_checkpoint
 
     monkeypatch.setattr(shard, "_one", _die)
     run = zoo["lr_jump"]
@@ -150,7 +150,7 @@ _RELEASED = """
 import gc, sys
 from pathlib import Path
 import torch.distributed as dist
-from ckptforensics.formats import open_pair
+from ckptforensics.checkpoints import open_pair
 from ckptforensics.engine.diff.shard import destroy_process_group, init_process_group
 
 init_process_group("gloo")

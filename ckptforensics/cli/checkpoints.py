@@ -24,7 +24,7 @@ def formats_cmd() -> None:
       ckptforensics formats
       ckptforensics inspect --format nanogpt runs/x/ckpt.pt
     """
-    from ckptforensics.formats import SNIFFERS, format_names, is_builtin
+    from ckptforensics.checkpoints import SNIFFERS, format_names, is_builtin
 
     for name in format_names():
         how = "sniffed" if name in SNIFFERS else "with --format"
@@ -60,7 +60,7 @@ def inspect(
       ckptforensics inspect --run-dir runs/7b 41950
       ckptforensics inspect runs/7b/checkpoint-41950 --json
     """
-    from ckptforensics.formats import require_complete
+    from ckptforensics.checkpoints import require_complete
     from ckptforensics.formats.locate import resolve_checkpoint
     from ckptforensics.report.inspect import render_inspect_text
 

@@ -93,7 +93,7 @@ def count_tensors(path: Path, fmt: str | None) -> int:
     """Tensors to stream (for the progress bar); 0 when unknown."""
     if not sys.stderr.isatty():
         return 0
-    from ckptforensics.formats import open_checkpoint
+    from ckptforensics.checkpoints import open_checkpoint
 
     with open_checkpoint(path, fmt) as ck:
         return len(ck.names())

@@ -25,7 +25,7 @@ class _FormatName(click.ParamType):
     name = "format"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        from ckptforensics.formats import format_names
+        from ckptforensics.checkpoints import format_names
 
         names = format_names()
         if value not in names:

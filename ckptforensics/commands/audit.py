@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.commands.common import (
     Progress,
     Report,
@@ -36,7 +37,6 @@ from ckptforensics.engine.trace import (
     trace_architecture,
     trace_pass,
 )
-from ckptforensics.formats import open_checkpoint
 from ckptforensics.report import (
     build_report,
 )

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ckptforensics.checkpoints import open_checkpoint, open_pair
 from ckptforensics.commands.common import (
     NotRankZero,
     Progress,
@@ -24,7 +25,6 @@ from ckptforensics.engine.diff.shard import (
     init_process_group,
 )
 from ckptforensics.engine.replay import distributed
-from ckptforensics.formats import open_checkpoint, open_pair
 from ckptforensics.report import (
     build_report,
 )

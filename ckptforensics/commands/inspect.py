@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ckptforensics.checkpoints import open_checkpoint, require_complete
 from ckptforensics.commands.common import (
     Progress,
     Report,
     resolve,
 )
 from ckptforensics.engine.summary import summarize
-from ckptforensics.formats import open_checkpoint, require_complete
 from ckptforensics.report.inspect import inspect_doc
 
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.commands.common import (
     Progress,
     Report,
@@ -19,7 +20,6 @@ from ckptforensics.detectors import Finding
 from ckptforensics.engine.diff.shard import (
     dist_world,
 )
-from ckptforensics.formats import open_checkpoint
 from ckptforensics.planner import merge_reports, mitigations, plan_section
 from ckptforensics.report import (
     clean,

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.commands.common import (
     Progress,
     Report,
@@ -21,7 +22,6 @@ from ckptforensics.engine.bisect import bisect as bisect_window
 from ckptforensics.engine.replay import distributed
 from ckptforensics.engine.whatif import parse_mitigation
 from ckptforensics.engine.whatif import whatif as whatif_window
-from ckptforensics.formats import open_checkpoint
 from ckptforensics.report import (
     build_report,
 )

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.core.errors import ForensicsError
 from ckptforensics.detectors.audit import AuditEvidence, TensorMoments
 from ckptforensics.engine.trace import Architecture, trace_pass
-from ckptforensics.formats import open_checkpoint
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.formats.locate import list_checkpoints
 from ckptforensics.logs import find_metrics, param_grad_columns, read_metrics
@@ -431,7 +431,7 @@ def _rms_t(
     traced batch (a real batch only: random tokens say nothing about v)."""
     if source.startswith("random") or a.optimizer is None or a.optimizer.kind != "adam":
         return {}
-    from ckptforensics.engine.replay.model import build_optimizer
+    from ckptforensics.engine.replay.optimizer import build_optimizer
     from ckptforensics.engine.replay.probes import param_grad_table
     from ckptforensics.engine.replay.samples import per_token_loss
 

@@ -201,7 +201,7 @@ def _baseline_check(cfg: ReplayConfig, p: Any, base: Outcome) -> LogCheck:
 
 
 def _step_of(cfg: ReplayConfig) -> int:
-    from ckptforensics.formats import open_checkpoint
+    from ckptforensics.checkpoints import open_checkpoint
 
     with open_checkpoint(cfg.before) as a:
         if a.step is None:

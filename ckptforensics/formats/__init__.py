@@ -6,14 +6,12 @@ import dataclasses
 import errno
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from ckptforensics.core.errors import CheckpointNotFound, IncompleteCheckpoint, UnknownFormat, doing
+from ckptforensics.core.errors import ForensicsError, IncompleteCheckpoint, UnknownFormat, doing
 from ckptforensics.formats.base import (
-    Checker,
     Checkpoint,
     Completeness,
     GroupHyper,
@@ -21,26 +19,22 @@ from ckptforensics.formats.base import (
     TensorMeta,
 )
 from ckptforensics.formats.dcp import dcp_completeness, is_dcp_dir, open_dcp
-from ckptforensics.formats.locate import must_exist
+from ckptforensics.formats.locate import list_checkpoints, must_exist
 from ckptforensics.formats.optstate import settle_by_evidence, view_from_ids
+from ckptforensics.formats.registry import (
+    CHECKERS,
+    FORMATS,
+    RESOLVERS,
+    SNIFFERS,
+    format_names,
+    is_builtin,
+    load_plugins,
+    register,
+    register_resolver,
+)
 from ckptforensics.formats.safetensors_file import open_safetensors, safetensors_completeness
 from ckptforensics.formats.torchfile import is_torch_zip, torch_file_completeness
 from ckptforensics.formats.torchsave import open_torch_file
-from ckptforensics.trainers.deepspeed.checkpoint import (
-    deepspeed_completeness,
-    is_deepspeed_dir,
-    open_deepspeed,
-)
-from ckptforensics.trainers.hf.checkpoint import hf_completeness, is_hf_dir, open_hf_dir
-from ckptforensics.trainers.megatron.checkpoint import (
-    TRACKER,
-    is_megatron_dir,
-    is_megatron_dist_dir,
-    megatron_completeness,
-    megatron_dist_completeness,
-    open_megatron,
-    open_megatron_dist,
-)
 
 __all__ = [
     "Checkpoint",
@@ -55,46 +49,15 @@ __all__ = [
     "settle_pair",
     "FORMATS",
     "register",
+    "register_resolver",
     "format_names",
     "is_builtin",
     "load_plugins",
     "sniff",
+    "first_complete",
 ]
 
 log = logging.getLogger(__name__)
-
-Opener = Callable[[Path], Checkpoint]
-Sniffer = Callable[[Path], bool]
-FORMATS: dict[str, Opener] = {}
-# name -> sniffer, in the order `sniff` asks them (the most specific layout first).
-SNIFFERS: dict[str, Sniffer] = {}
-# name -> its completeness rule (`Completeness`); readers without one are not judged.
-CHECKERS: dict[str, Checker] = {}
-ENTRY_POINT_GROUP = "ckptforensics.formats"
-
-
-def register(
-    name: str,
-    opener: Opener,
-    sniff: Sniffer | None = None,
-    *,
-    first: bool = False,
-    complete: Checker | None = None,
-) -> None:
-    """Add a reader: `opener(path) -> Checkpoint`, and optionally `sniff(path) -> bool`,
-    which `sniff()` asks before the generic safetensors / torch.save checks (`first`: before
-    every registered one, for a layout that would otherwise pass for another), and
-    `complete(path) -> Completeness`, the format's rule for a whole checkpoint (sizes,
-    headers, end records: cheap). A second reader under the same name is a programming error."""
-    if name in FORMATS:
-        raise ValueError(f"format {name!r} is already registered")
-    FORMATS[name] = opener
-    if complete is not None:
-        CHECKERS[name] = complete
-    if sniff is not None:
-        items = list(SNIFFERS.items())
-        SNIFFERS.clear()
-        SNIFFERS.update([(name, sniff), *items] if first else [*items, (name, sniff)])
 
 
 def _is_safetensors(path: Path) -> bool:
@@ -108,63 +71,21 @@ def _is_safetensors(path: Path) -> bool:
 
 
 register(
-    "megatron-dist",
-    open_megatron_dist,
-    lambda p: p.is_dir() and is_megatron_dist_dir(p),
-    complete=megatron_dist_completeness,
-)
-register("dcp", open_dcp, lambda p: p.is_dir() and is_dcp_dir(p), complete=dcp_completeness)
-register(
-    "deepspeed",
-    open_deepspeed,
-    lambda p: p.is_dir() and is_deepspeed_dir(p),
-    complete=deepspeed_completeness,
+    "dcp", open_dcp, lambda p: p.is_dir() and is_dcp_dir(p), order=20, complete=dcp_completeness
 )
 register(
-    "megatron",
-    open_megatron,
-    lambda p: p.is_dir() and is_megatron_dir(p),
-    complete=megatron_completeness,
+    "safetensors",
+    open_safetensors,
+    _is_safetensors,
+    order=80,
+    complete=safetensors_completeness,
 )
-register("hf-trainer", open_hf_dir, lambda p: p.is_dir() and is_hf_dir(p), complete=hf_completeness)
-register("safetensors", open_safetensors, _is_safetensors, complete=safetensors_completeness)
 for _flavour in ("torch", "nanogpt", "lightning", "litgpt"):
     register(
         _flavour,
         lambda p, f=_flavour: open_torch_file(p, f),
         complete=lambda p, f=_flavour: torch_file_completeness(p, f),
     )
-_BUILTIN = frozenset(FORMATS)
-_plugins_loaded = False
-
-
-def load_plugins() -> list[str]:
-    """Register third-party readers from the `ckptforensics.formats` entry points: each
-    names a callable that is given `register`. Loaded once; returns the formats it added.
-    A plugin that fails to load is logged and skipped, never fatal to the built-ins."""
-    global _plugins_loaded
-    if _plugins_loaded:
-        return []
-    _plugins_loaded = True
-    from importlib.metadata import entry_points
-
-    before = set(FORMATS)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            ep.load()(register)
-        except Exception as e:  # a broken plugin must not take the built-in readers down
-            log.warning("format plugin %s (%s) did not load: %s", ep.name, ep.value, e)
-    return sorted(set(FORMATS) - before)
-
-
-def is_builtin(name: str) -> bool:
-    return name in _BUILTIN
-
-
-def format_names() -> list[str]:
-    """Every reader's name (built-ins and plugins): what `--format` accepts."""
-    load_plugins()
-    return sorted(FORMATS)
 
 
 def sniff(path: Path) -> str:
@@ -184,7 +105,6 @@ def sniff(path: Path) -> str:
             raise IncompleteCheckpoint(
                 f"{path}: no checkpoint layout recognised, and {'; '.join(broken)}; pass a complete checkpoint (an earlier step)"
             )
-        from ckptforensics.formats.locate import list_checkpoints
 
         found = list_checkpoints(path)
         if found:
@@ -233,31 +153,10 @@ def single_file(path: Path) -> Path | None:
     return found[0] if len(found) == 1 else None
 
 
-def _megatron_latest(path: Path) -> Path:
-    """A Megatron save dir stands for its latest iteration (`latest_checkpointed_iteration.txt`),
-    as a DeepSpeed save dir stands for the tag in `latest`.
-
-    Raises:
-        CheckpointNotFound: the tracker names an iteration that is not there.
-    """
-    marker = path / TRACKER
-    if path.is_dir() and marker.is_file():
-        text = marker.read_text().strip()
-        if text.isdigit():
-            it = path / f"iter_{int(text):07d}"
-            if not it.is_dir():
-                have = sorted(d.name for d in path.glob("iter_*") if d.is_dir())
-                raise CheckpointNotFound(
-                    f"{marker} names iteration {int(text)}, but {it.name}/ is not there (found: {', '.join(have[-6:]) or 'no iter_* dirs'}); "
-                    "pass one of the iterations that are"
-                )
-            return it
-    return path
-
-
 def _target(p: Path, format: str | None) -> tuple[Path, str]:
     """(the path the reader opens, the reader's name or 'torch-file')."""
-    p = _megatron_latest(p)
+    for resolve in RESOLVERS:
+        p = resolve(p)
     if format is not None:
         load_plugins()
         if format not in FORMATS:
@@ -407,3 +306,26 @@ def open_pair(
         ca.close()
         raise
     return ca, cb
+
+
+def first_complete(candidates: list[tuple[int, Path]]) -> tuple[tuple[int, Path] | None, list[str]]:
+    """The first checkpoint of `candidates` (in the order given: newest first for a
+    rollback) that is complete by its format's rule (`formats.completeness`), and a note
+    for each one passed over: a save that died half-way is the commonest state of the
+    newest checkpoint after a crash, and must never be the one to roll back to.
+
+    Returns:
+        ((step, path) or None when none is complete, notes naming what each skipped one lacks).
+    """
+
+    skipped: list[str] = []
+    for step, path in candidates:
+        try:
+            c = completeness(path)
+        except ForensicsError as e:  # nothing a reader recognises: a save that died at once
+            skipped.append(f"{path.name} skipped: {e}")
+            continue
+        if c.complete or not c.checked:
+            return (step, path), skipped
+        skipped.append(f"{path.name} skipped: incomplete ({'; '.join(c.problems)})")
+    return None, skipped

@@ -11,7 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptforensics.core.callables import load_callable
 from ckptforensics.core.errors import ForensicsError
+from ckptforensics.record.segments import list_segments, pad_rows
 
 __all__ = ["BatchSource", "open_batches", "BatchError"]
 
@@ -89,8 +91,6 @@ def open_batches(spec: str) -> BatchSource:
             return _h5(path)
         return _single(path)
     if ":" in spec and not path.exists():
-        from ckptforensics.engine.replay.model import load_callable
-
         fn = load_callable(spec, "--batch")
         return BatchSource(
             describe=spec, get=lambda s: {k: torch.as_tensor(v) for k, v in fn(s).items()}
@@ -255,8 +255,6 @@ def with_rows(src: BatchSource, dataset: Any, describe: str) -> BatchSource:
                 out[k] = torch.cat([pad_rows(x, width, k) for x in parts])
         return out
 
-    from ckptforensics.record.segments import pad_rows
-
     joined = BatchSource(describe=f"{src.describe} + {describe}", get=get, steps=src.steps, lr=src.lr, loss_scale=src.loss_scale,
                          grad_clip=src.grad_clip, sample_ids=src.sample_ids, micro_batch_size=src.micro_batch_size, rebuilt=True)  # fmt: skip
     return joined
@@ -266,7 +264,6 @@ def _recorder_dir(root: Path) -> BatchSource:
     """A flight recorder's directory (ckptforensics.record): its segments, one per checkpoint
     interval and rank, merged. A step's global batch is the ranks' rows in rank order (the
     contiguous split of DDP's and FSDP's samplers); a step is there when every rank has it."""
-    from ckptforensics.record.segments import list_segments, pad_rows
 
     segs = list_segments(root)
     if not segs:

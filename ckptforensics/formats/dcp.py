@@ -27,12 +27,12 @@ from ckptforensics.formats.base import (
     OptimizerView,
     TensorMeta,
     file_problem,
-    json_problem,
     rel_name,
 )
-from ckptforensics.formats.inert import dcp_inert_classes, safe_load_globals
+from ckptforensics.formats.inert import allowed_names, dcp_inert_classes, safe_load_globals
 from ckptforensics.formats.locate import STEP_PATTERNS
 from ckptforensics.formats.optstate import group_hyper, optimizer_kind
+from ckptforensics.formats.torchfile import load_torch_file
 
 __all__ = ["is_dcp_dir", "open_dcp", "read_metadata", "dcp_completeness", "dcp_files_problems"]
 
@@ -220,7 +220,6 @@ class DcpStore:
 
 def _unsafe_name(data: bytes) -> str | None:
     """The first global outside the allowlist in a torch.save blob (for the refusal message)."""
-    from ckptforensics.formats.inert import allowed_names
 
     try:
         bad = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
@@ -396,7 +395,6 @@ def _olmo_train_state(path: Path) -> int | None:
     f = path / "train" / "rank0.pt"
     if not f.is_file():
         return None
-    from ckptforensics.formats.torchfile import load_torch_file
 
     obj, _ = load_torch_file(f)
     step = obj.get("global_step") if isinstance(obj, dict) else None
@@ -480,7 +478,7 @@ def _optimizer(
     return OptimizerView(kind=kind, state=by_name, hyper=hyper_of, groups=hypers, mapping=label)
 
 
-_DCP_RULE = ".metadata (torch.distributed.checkpoint writes it after every rank's files) and every file it names, as long as the chunks it places there"
+DCP_RULE = ".metadata (torch.distributed.checkpoint writes it after every rank's files) and every file it names, as long as the chunks it places there"
 
 
 def dcp_files_problems(root: Path, top: Path) -> list[str]:
@@ -519,9 +517,21 @@ def dcp_files_problems(root: Path, top: Path) -> list[str]:
     return out
 
 
+# A trainer's layout around its DCP files: (path, the DCP roots found) -> (its rule, the
+# problems beyond the DCP files'), or None where the layout is not that trainer's.
+DcpLayout = Callable[[Path, list[Path]], "tuple[str, list[str]] | None"]
+DCP_LAYOUTS: list[DcpLayout] = []
+
+
+def register_dcp_layout(fn: DcpLayout) -> None:
+    """Add a trainer's rule for its checkpoint directory around the DCP files (OLMo-core's
+    `stepN/`, accelerate's FSDP folders): asked in order, the first that applies wins."""
+    DCP_LAYOUTS.append(fn)
+
+
 def dcp_completeness(path: Path) -> Completeness:
-    """torchtitan / FSDP2 DCP directories, OLMo-core's `stepN/` (`.metadata.json`, written
-    last, `train/rank*.pt`, `model_and_optim/`) and accelerate's FSDP folders."""
+    """torchtitan / FSDP2 DCP directories, and the trainers' layouts around them
+    (`register_dcp_layout`: OLMo-core's `stepN/`, accelerate's FSDP folders)."""
     roots = _dcp_roots(path)
     if not roots:  # shards without .metadata: find where it should be
         roots = [
@@ -530,49 +540,14 @@ def dcp_completeness(path: Path) -> Completeness:
             if d.is_dir() and any(d.glob("*.distcp"))
         ][:1]
     problems = [p for root in roots for p in dcp_files_problems(root, path)]
-    rule = _DCP_RULE
-    if (
-        (path / "model_and_optim").is_dir()
-        or (path / "train").is_dir()
-        or (path / ".metadata.json").exists()
-    ):
-        rule = (
-            "an OLMo-core checkpoint: .metadata.json (written last), train/rank0.pt, and model_and_optim/ with "
-            + _DCP_RULE
-        )
-        bad = json_problem(path / ".metadata.json", path)
-        if bad is not None:
-            problems.append(
-                f"{bad} (OLMo-core writes it last: the save did not finish)"
-                if bad.endswith("missing")
-                else bad
-            )
-        from ckptforensics.formats.torchfile import torch_file_problem
-
-        for f in sorted({path / "train" / "rank0.pt", *(path / "train").glob("rank*.pt")}):
-            bad = torch_file_problem(f, path)
-            if bad is not None:
-                problems.append(bad)
-    elif (path / "pytorch_model_fsdp_0").is_dir():
-        rule = (
-            "accelerate's FSDP checkpoint: pytorch_model_fsdp_0/ and optimizer_0/, each with "
-            + _DCP_RULE
-            + "; trainer_state.json (written last)"
-        )
-        from ckptforensics.trainers.hf.checkpoint import is_trainer_checkpoint, save_only_model
-
-        opt = path / "optimizer_0"
-        if opt.is_dir() and opt not in roots:
-            problems += dcp_files_problems(opt, path)
-        elif not opt.is_dir() and not save_only_model(path):
-            problems.append("optimizer_0/ missing")
-        bad = file_problem(path / "trainer_state.json", path)
-        if bad is not None and is_trainer_checkpoint(path):
-            problems.append(
-                f"{bad} (the Trainer writes it last: the save did not finish)"
-                if bad.endswith("missing")
-                else bad
-            )
-    elif not roots:
-        problems.append("no .metadata and no shard files")
+    rule = DCP_RULE
+    for layout in DCP_LAYOUTS:  # a trainer's own layout around its DCP files
+        got = layout(path, roots)
+        if got is not None:
+            rule, more = got
+            problems += more
+            break
+    else:
+        if not roots:
+            problems.append("no .metadata and no shard files")
     return Completeness("dcp", rule, tuple(problems))

@@ -12,7 +12,6 @@ from ckptforensics.core.errors import CheckpointNotFound
 __all__ = [
     "resolve_checkpoint",
     "list_checkpoints",
-    "first_complete",
     "must_exist",
     "STEP_PATTERNS",
 ]
@@ -128,28 +127,3 @@ def _refuse_loop(path: Path) -> None:
     """A name that is a symlink leading nowhere: said as such."""
     if path.is_symlink():
         must_exist(path)
-
-
-def first_complete(candidates: list[tuple[int, Path]]) -> tuple[tuple[int, Path] | None, list[str]]:
-    """The first checkpoint of `candidates` (in the order given: newest first for a
-    rollback) that is complete by its format's rule (`formats.completeness`), and a note
-    for each one passed over: a save that died half-way is the commonest state of the
-    newest checkpoint after a crash, and must never be the one to roll back to.
-
-    Returns:
-        ((step, path) or None when none is complete, notes naming what each skipped one lacks).
-    """
-    from ckptforensics.core.errors import ForensicsError
-    from ckptforensics.formats import completeness
-
-    skipped: list[str] = []
-    for step, path in candidates:
-        try:
-            c = completeness(path)
-        except ForensicsError as e:  # nothing a reader recognises: a save that died at once
-            skipped.append(f"{path.name} skipped: {e}")
-            continue
-        if c.complete or not c.checked:
-            return (step, path), skipped
-        skipped.append(f"{path.name} skipped: incomplete ({'; '.join(c.problems)})")
-    return None, skipped

@@ -113,7 +113,7 @@ def find_logs(run_dir: Path) -> list[Path]:
     ]
     if ckpts:
         # The newest complete checkpoint's: a save that died half-way may hold a torn one.
-        from ckptforensics.formats.locate import first_complete
+        from ckptforensics.checkpoints import first_complete
 
         found, skipped = first_complete(list(reversed(ckpts)))
         for note in skipped:

@@ -386,7 +386,7 @@ def replay_bound(
 ) -> tuple[float, float]:
     """(c, wd) of a rebuilt optimizer's param group such that k steps move an element by at
     most k lr (c + wd |w|): the bound `replay` holds its replayed weights to (the group's
-    `family`, set by `replay.model.build_optimizer`; Adam where it is absent)."""
+    `family`, set by `replay.optimizer.build_optimizer`; Adam where it is absent)."""
     family = str(group.get("family", "adam"))
     end = group.get("step", state.get("step"))  # pytorch_optimizer counts in the group
     t_end = int(float(end)) if end is not None else k

@@ -12,9 +12,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from ckptforensics.checkpoints import completeness, open_checkpoint, require_complete
 from ckptforensics.cli import cli
 from ckptforensics.core.errors import CheckpointNotFound, IncompleteCheckpoint
-from ckptforensics.formats import completeness, open_checkpoint, require_complete
 from ckptforensics.formats.dcp import read_metadata
 
 DATA = Path(__file__).resolve().parents[2] / "fixtures" / "data"

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from ckptforensics import trainers as frameworks
-from ckptforensics.formats import open_checkpoint
+from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.logs.columns import ALIASES, OURS
 from ckptforensics.trainers import (

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.core import fused
 from ckptforensics.engine.diff.chunks import (
     Acc,
@@ -25,7 +26,6 @@ from ckptforensics.engine.diff.chunks import (
     weight_stats,
 )
 from ckptforensics.engine.diff.pair import DiffConfig, diff_checkpoints
-from ckptforensics.formats import open_checkpoint
 
 KERNELS = fused.load()
 pytestmark = pytest.mark.skipif(

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.planner import mitigations, plan_section
-from ckptforensics.formats import open_checkpoint
 from ckptforensics.trainers import planner_for
 
 DATA = Path(__file__).resolve().parents[2] / "fixtures" / "data"

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from ckptforensics.cli import cli
-from ckptforensics.engine.triage import triage
 from ckptforensics.detectors.log import TriageConfig, log_evidence, log_onsets
+from ckptforensics.engine.triage import triage
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -192,7 +192,7 @@ _STATE: dict[str, Any] = {}
 def _init(a: tuple[str, str], b: tuple[str, str], pair: Any, cfg: Any) -> None:
     import torch
 
-    from ckptforensics.formats import open_checkpoint, settle_pair
+    from ckptforensics.checkpoints import open_checkpoint, settle_pair
 
     torch.set_num_threads(1)
     ca, cb = open_checkpoint(a[0], a[1]), open_checkpoint(b[0], b[1])

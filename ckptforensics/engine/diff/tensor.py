@@ -1,5 +1,9 @@
 """One tensor pair's statistics (`diff_tensor`): weights and moments streamed once, the
-update bounds of the optimizer that updated it, and the element-level evidence."""
+update bounds of the optimizer that updated it, and the element-level evidence.
+
+Over 400 lines: one pass over a pair is one function's loop (stream, fold each chunk into the
+accumulators, check the bounds, keep candidates); its parts are already `chunks` and `bounds`,
+and what is left shares that loop's state."""
 
 from __future__ import annotations
 

@@ -34,8 +34,8 @@ def plan_checks(
     lr_jumps: Sequence[Any] = (),
 ) -> tuple[list[Check], str | None]:
     """The plan's checks, and the checkpoint after the resume they read."""
-    from ckptforensics.formats import open_checkpoint
-    from ckptforensics.formats.locate import first_complete, list_checkpoints
+    from ckptforensics.checkpoints import first_complete, open_checkpoint
+    from ckptforensics.formats.locate import list_checkpoints
 
     ckpts = list_checkpoints(run_dir) if run_dir.is_dir() else []
     rollback = next((p for s, p in ckpts if s == resumed_from), None)

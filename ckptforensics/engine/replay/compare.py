@@ -40,7 +40,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # Adam's moments: what a rank of several compares, row for row (sharded like their
-# parameter; `model.build_optimizer` builds no other family under torchrun).
+# parameter; `optimizer.build_optimizer` builds no other family under torchrun).
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 

@@ -32,11 +32,11 @@ from ckptforensics.engine.replay.conventions import (
 )
 from ckptforensics.engine.replay.model import (
     build_model,
-    build_optimizer,
     load_weights,
     padding_rows_trained,
     trainer_loss_norm,
 )
+from ckptforensics.engine.replay.optimizer import build_optimizer
 from ckptforensics.engine.replay.probes import ModuleProbe, PassStats, param_grad_table
 from ckptforensics.engine.replay.records import (
     GradEvidence,

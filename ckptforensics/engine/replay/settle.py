@@ -32,6 +32,7 @@ from ckptforensics.engine.replay.model import (
     set_padding_rows,
     tied_padding_rows,
 )
+from ckptforensics.engine.replay.scalecal import settle_loss_scale
 from ckptforensics.engine.replay.window import Plan, run_window
 from ckptforensics.formats.base import Checkpoint
 
@@ -54,7 +55,7 @@ def settle(p: Plan, progress: Callable[[str], None] | None = None) -> None:
     settle_padding(p)
     _settle_ratio_change(p, progress)
     settle_precision(p)
-    mp.settle_loss_scale(p, progress)
+    settle_loss_scale(p, progress)
 
 
 def settle_padding(p: Plan) -> None:

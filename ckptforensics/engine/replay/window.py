@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ckptforensics.checkpoints import open_checkpoint, open_pair
 from ckptforensics.core.errors import ForensicsError, doing
 from ckptforensics.engine.replay import distributed
 from ckptforensics.engine.replay import precision as mp
@@ -30,7 +31,6 @@ from ckptforensics.engine.replay.model import (
 from ckptforensics.engine.replay.records import ReplayConfig, ReplayResult
 from ckptforensics.engine.replay.rowstats import window_row_stats
 from ckptforensics.engine.replay.session import Session, check_vocab
-from ckptforensics.formats import open_checkpoint, open_pair
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.formats.batches import BatchSource, open_batches
 from ckptforensics.logs import group_lrs, read_metrics

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ckptforensics.core.errors import CorruptCheckpoint, ForensicsError
+from ckptforensics.formats import register
 from ckptforensics.formats.base import (
     Checkpoint,
     Completeness,
@@ -24,7 +25,7 @@ from ckptforensics.formats.base import (
     OptimizerView,
     TensorMeta,
 )
-from ckptforensics.formats.optstate import group_hyper
+from ckptforensics.formats.optstate import group_hyper, map_optimizer
 from ckptforensics.formats.statedict import add_state_dict, attach_optimizer, to_plain
 from ckptforensics.formats.torchfile import load_torch_file, torch_file_problem
 
@@ -153,7 +154,6 @@ def _stage0(
     osd: dict[str, Any], shapes: list[list[tuple[str, tuple[int, ...]]]], source: str
 ) -> OptimizerView:
     """ZeRO-0: a plain torch state_dict whose groups follow param_shapes exactly."""
-    from ckptforensics.formats.optstate import map_optimizer
 
     for g, members in zip(osd["param_groups"], shapes, strict=False):
         g["param_names"] = [n for n, _ in members]
@@ -442,3 +442,12 @@ def _tag_problems(tag: Path, top: Path) -> list[str]:
 
 def _int(x: Any, default: int) -> int:
     return int(x) if isinstance(x, int) and not isinstance(x, bool) else default
+
+
+register(
+    "deepspeed",
+    open_deepspeed,
+    lambda p: p.is_dir() and is_deepspeed_dir(p),
+    order=30,
+    complete=deepspeed_completeness,
+)

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptforensics.trainers import (
+from ckptforensics.trainers.base import (
     LR_FIX_PREFIX,
     Edit,
+    LossNorm,
     Settings,
     Skip,
     config_clip,
@@ -30,11 +31,11 @@ from ckptforensics.trainers import (
     lr_fix_edit,
     skip_json,
 )
+from ckptforensics.trainers.hf.data import trainer_batches
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from ckptforensics.engine.replay.model import LossNorm
     from ckptforensics.formats.base import Checkpoint
     from ckptforensics.formats.batches import BatchSource
 
@@ -155,7 +156,6 @@ LOG_NAMES = {
 def batches(data: str, ck: Checkpoint, collator: str | None) -> list[BatchSource]:
     """The Trainer's own sampler over `data` with the run's settings: one candidate per
     collator the run may have used (`--collator`, else the usual ones in turn)."""
-    from ckptforensics.trainers.hf.data import trainer_batches
 
     # The Trainer saves one RNG state per process.
     world = len(list(Path(ck.path).glob("rng_state_*.pth"))) or 1
@@ -181,8 +181,6 @@ def loss_norm(model: nn.Module, ck: Checkpoint) -> LossNorm:
     """What transformers' Trainer does with this model (`Trainer.__init__` /
     `get_batch_samples` / `compute_loss`, 5.x)."""
     import inspect
-
-    from ckptforensics.engine.replay.model import LossNorm
 
     if hasattr(model, "accepts_loss_kwargs"):
         accepts = bool(model.accepts_loss_kwargs)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptforensics.core.errors import CorruptCheckpoint, UnsafeCheckpoint
+from ckptforensics.formats import register
 from ckptforensics.formats.base import Checkpoint, Completeness, file_problem, json_problem
 from ckptforensics.formats.optstate import AmbiguousMapping, map_optimizer
 from ckptforensics.formats.safetensors_file import SafetensorsFile, add_file, safetensors_problem
@@ -373,3 +374,12 @@ def _weights_problems(path: Path) -> list[str]:
     if bins:
         return [b for b in (torch_file_problem(f, path) for f in bins) if b]
     return ["no weights (model*.safetensors or pytorch_model*.bin)"]
+
+
+register(
+    "hf-trainer",
+    open_hf_dir,
+    lambda p: p.is_dir() and is_hf_dir(p),
+    order=50,
+    complete=hf_completeness,
+)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ckptforensics.core.callables import load_callable
 from ckptforensics.formats.batches import BatchError
 
 __all__ = [
@@ -76,7 +77,6 @@ def given_collator(spec: str, tok: Any, tok_src: str) -> Collator:
     """`--collator module:obj`: the collator the run passed to `Trainer(data_collator=...)`,
     or a factory whose one required argument is `tokenizer` (or `processing_class`), called
     with the run's tokenizer (`tok_src`: where it was found, or why there is none)."""
-    from ckptforensics.engine.replay.model import load_callable
 
     obj = load_callable(spec, "--collator")
     try:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ckptforensics.core.callables import load_callable
 from ckptforensics.core.errors import ForensicsError
 from ckptforensics.core.paths import resolve_recorded
 from ckptforensics.formats.batches import BatchError, BatchSource
@@ -95,8 +96,6 @@ def open_dataset(spec: str) -> Any:
             ds = ds["train"]
         return ds
     if ":" in spec:
-        from ckptforensics.engine.replay.model import load_callable
-
         return load_callable(spec, "--data")()
     raise BatchError(f"--data {spec}: no such directory, and not a module:function")
 

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptforensics.trainers import (
+from ckptforensics.core.callables import ModelSpecError, call_factory
+from ckptforensics.trainers.base import (
     LR_FIX_PREFIX,
     Edit,
     Settings,
@@ -213,7 +214,6 @@ LOG_NAMES = {
 
 def model(ck: Checkpoint) -> tuple[nn.Module, str] | None:
     """The LightningModule a LightningCLI checkpoint names (subclass mode)."""
-    from ckptforensics.engine.replay.model import ModelSpecError
 
     cfg = ck.config
     if not cfg:
@@ -253,7 +253,6 @@ def _module_from_class_path(ckpt: Checkpoint) -> tuple[nn.Module, str]:
     Raises:
         ModelSpecError: one line naming the class path, why it is refused, and `--model`.
     """
-    from ckptforensics.engine.replay.model import ModelSpecError, call_factory
 
     cfg = ckpt.config or {}
     path = cfg.get("_class_path")

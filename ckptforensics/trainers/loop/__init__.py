@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptforensics.trainers import LR_FIX_PREFIX, Edit, Settings, Skip, lr_fix_edit, skip_json
+from ckptforensics.core.callables import ModelSpecError
+from ckptforensics.trainers.base import LR_FIX_PREFIX, Edit, Settings, Skip, lr_fix_edit, skip_json
 
 if TYPE_CHECKING:
     from torch import nn
@@ -109,7 +110,6 @@ def model(ck: Checkpoint) -> tuple[nn.Module, str] | None:
     """LitGPT: `litgpt.GPT` from `model_config.yaml` (the Config's fields it knows)."""
     if ck.format != "litgpt" or not ck.config:
         return None
-    from ckptforensics.engine.replay.model import ModelSpecError
 
     try:
         from litgpt import GPT, Config  # type: ignore[import-not-found]

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptforensics.trainers import (
+from ckptforensics.core.callables import ModelSpecError
+from ckptforensics.trainers.base import (
     LR_FIX_PREFIX,
     Edit,
     Settings,
@@ -29,6 +30,8 @@ from ckptforensics.trainers import (
     key_diff,
     lr_fix_edit,
 )
+from ckptforensics.trainers.megatron import model as reference
+from ckptforensics.trainers.megatron.data import megatron_batches
 
 if TYPE_CHECKING:
     from torch import nn
@@ -161,8 +164,6 @@ LOG_NAMES = {
 
 def model(ck: Checkpoint) -> tuple[nn.Module, str] | None:
     """The reference Megatron GPT (megatron-core's GPTModel forward) from the `args`."""
-    from ckptforensics.engine.replay.model import ModelSpecError
-    from ckptforensics.trainers import reference
 
     if not reference.is_megatron_args(ck.config):
         return None
@@ -174,7 +175,6 @@ def model(ck: Checkpoint) -> tuple[nn.Module, str] | None:
 
 def batches(data: str, ck: Checkpoint, collator: str | None) -> list[BatchSource]:
     """Iteration `it`'s global batch: the GPTDataset's samples `it x global_batch_size` on."""
-    from ckptforensics.trainers.megatron.data import megatron_batches
 
     return [megatron_batches(data, ck.config, Path(ck.path).parent)]
 

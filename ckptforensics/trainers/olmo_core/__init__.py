@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptforensics.trainers import (
+from ckptforensics.core.callables import ModelSpecError
+from ckptforensics.trainers.base import (
     LR_FIX_PREFIX,
     Edit,
     Settings,
@@ -30,6 +31,8 @@ from ckptforensics.trainers import (
     lr_fix_edit,
     skip_json,
 )
+from ckptforensics.trainers.olmo_core import model as reference
+from ckptforensics.trainers.olmo_core.data import is_olmo_checkpoint, olmo_batches
 
 if TYPE_CHECKING:
     from torch import nn
@@ -141,8 +144,6 @@ LOG_NAMES = {"loss": ("train/CE loss",), "grad_norm": ("optim/total grad norm",)
 
 def model(ck: Checkpoint) -> tuple[nn.Module, str] | None:
     """The reference OLMo-core 3.0 `Transformer` from config.json's model section."""
-    from ckptforensics.engine.replay.model import ModelSpecError
-    from ckptforensics.trainers import reference
 
     if not reference.is_olmo_model_config(ck.config):
         return None
@@ -154,7 +155,6 @@ def model(ck: Checkpoint) -> tuple[nn.Module, str] | None:
 
 def batches(data: str, ck: Checkpoint, collator: str | None) -> list[BatchSource] | None:
     """The epoch's order from the seed and `train/rank0.pt`, as its data loader shuffled."""
-    from ckptforensics.trainers.olmo_core.data import is_olmo_checkpoint, olmo_batches
 
     return [olmo_batches(data, ck.path)] if is_olmo_checkpoint(ck.path) else None
 

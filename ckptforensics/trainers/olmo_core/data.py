@@ -31,6 +31,7 @@ import torch
 
 from ckptforensics.core.paths import resolve_recorded
 from ckptforensics.formats.batches import BatchError, BatchSource
+from ckptforensics.formats.torchfile import load_torch_file
 
 __all__ = ["olmo_batches", "is_olmo_checkpoint"]
 
@@ -47,8 +48,6 @@ def is_olmo_checkpoint(path: Path) -> bool:
 
 def _run_config(ckpt_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     import json
-
-    from ckptforensics.formats.torchfile import load_torch_file
 
     try:
         cfg = json.loads((ckpt_dir / "config.json").read_text())

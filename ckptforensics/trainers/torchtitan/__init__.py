@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptforensics.trainers import (
+from ckptforensics.trainers.base import (
     LR_FIX_PREFIX,
     Edit,
     Settings,

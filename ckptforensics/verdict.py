@@ -1,12 +1,13 @@
 """Findings -> ranked causes, culprits and recommended actions (the report's `verdict`).
 
-Over 400 lines: `decide` is the verdict's one author, and its cause table, the replay's
-fields and the actions read one another; split, the ranking would be spread over files.
+What each cause means and what to do about it is its record in `detectors.causes`; the
+evidence weighed together before ranking (`reattribute`) and the fields a replay settles
+(`replay_fields`) are in `verdict_evidence`. Here: the ranking, and `decide`, the verdict's
+one author, with the verdicts of the commands that diagnose no incident (whatif, audit).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptforensics.detectors import Finding, module_of
+from ckptforensics.detectors.causes import CAUSES, RESUME_CAUSES, lookup
+from ckptforensics.verdict_evidence import quiet_replay, reattribute, replay_fields
 
 __all__ = [
     "replay_fields",
@@ -26,102 +29,7 @@ __all__ = [
     "RESUME_CAUSES",
 ]
 
-CAUSES = (
-    "gradient_explosion",
-    "lr_too_high",
-    "fp16_overflow",
-    "bf16_overflow",
-    "loss_scale_collapse",
-    "poison_batch",
-    "adam_instability",
-    "attention_logit_growth",
-    "output_logit_divergence",
-    "silent_corruption",
-    # A resume that restored the weights but not the rest of the training state.
-    "optimizer_state_lost",
-    "lr_scheduler_restarted",
-    "loss_scaler_reset",
-    "data_loader_restarted",
-    "none",
-    "undiagnosed",  # whatif: mitigations compared, no cause named
-)
-
-# Causes of a resume that lost state: their finding's `resume_step` sets the first bad step.
-RESUME_CAUSES = (
-    "optimizer_state_lost",
-    "lr_scheduler_restarted",
-    "loss_scaler_reset",
-    "data_loader_restarted",
-)
-
 _SEVERITY_WEIGHT = {"info": 0.0, "warning": 1.0, "critical": 3.0}
-
-_ACTIONS = {
-    "silent_corruption": [
-        "Roll back to {rollback} and resume on different hardware; quarantine the node that wrote {after}.",
-        "Run `ckptforensics replay` from {rollback}: a clean replay that misses {after} confirms a hardware fault.",
-    ],
-    "lr_too_high": [
-        "Check the LR schedule and per-group LR multipliers; the recorded LR is above what the schedule allows.",
-        "Resume from {rollback} with the intended LR (or a lower one) and confirm with `ckptforensics whatif --try lr_scale=0.5`.",
-    ],
-    "gradient_explosion": [
-        "Resume from {rollback} with gradient clipping (e.g. 1.0) and inspect the exploding layer's inputs with `ckptforensics replay`.",
-    ],
-    "fp16_overflow": [
-        "Resume from {rollback} in bf16, or lower the initial loss scale; find the overflowing module with `ckptforensics replay`.",
-    ],
-    "bf16_overflow": [
-        "Resume from {rollback}; add QK-norm / z-loss or clip activations of the overflowing module."
-    ],
-    "loss_scale_collapse": [
-        "Resume from {rollback} in bf16; the fp16 loss scale collapsed under repeated overflows."
-    ],
-    "adam_instability": [
-        "Resume from {rollback} with a larger Adam epsilon or lower beta2 for the affected layers (Molybog 2304.09871).",
-    ],
-    "poison_batch": [
-        "Skip the culprit batch from {rollback} (`ckptforensics bisect` finds the rows)."
-    ],
-    "attention_logit_growth": [
-        "Resume from {rollback} with QK-norm (LayerNorm on each head's queries and keys, Dehghani et al. 2023) or "
-        "attention-logit soft-capping (Gemma 2: 50 tanh(x/50)) in {layer}, or a lower LR; `ckptforensics audit` checks the fix.",
-    ],
-    "output_logit_divergence": [
-        "Resume from {rollback} with z-loss (1e-4 log^2 Z, PaLM) or final-logit soft-capping (Gemma 2: 30 tanh(x/30)) on "
-        "{layer}, or weight decay on the head; `ckptforensics audit` checks log Z.",
-    ],
-    "optimizer_state_lost": [
-        "Resume from {rollback} with its optimizer state loaded, the trainer's own way: HF Trainer "
-        "`trainer.train(resume_from_checkpoint=...)`; Lightning `trainer.fit(model, ckpt_path=...)`; DeepSpeed "
-        "`engine.load_checkpoint(dir, load_optimizer_states=True)`; Megatron without `--no-load-optim` (and "
-        "without `--finetune`); DCP: load the `optim` (torchtitan `optimizer`) key with `set_optimizer_state_dict`; "
-        "a hand-written loop: `optimizer.load_state_dict(ckpt['optimizer'])` after building the optimizer.",
-        "Check the resume log: a fresh optimizer counts its steps from the resume, so its step counter "
-        "(`state[...]['step']`) trails the trainer's global step from there on.",
-    ],
-    "lr_scheduler_restarted": [
-        "Resume from {rollback} with the LR scheduler's state: HF Trainer `resume_from_checkpoint` restores "
-        "`scheduler.pt`; Lightning `ckpt_path=` restores `lr_schedulers`; DeepSpeed `load_lr_scheduler_states=True`; "
-        "Megatron restores `opt_param_scheduler` unless `--override-opt_param-scheduler`; a hand-written loop: "
-        "`scheduler.load_state_dict(ckpt['scheduler'])`.",
-    ],
-    "loss_scaler_reset": [
-        "Resume from {rollback} with the loss scaler's state: HF Trainer `resume_from_checkpoint` restores "
-        "`scaler.pt`; Lightning `ckpt_path=` restores the precision plugin's scaler; DeepSpeed restores it with the "
-        "optimizer states; a hand-written loop: `scaler.load_state_dict(ckpt['scaler'])`.",
-    ],
-    "data_loader_restarted": [
-        "Resume from {rollback} with the data loader's position (a stateful sampler / dataloader state; HF Trainer "
-        "skips the consumed batches unless `ignore_data_skip`): the run is re-reading samples it has already seen.",
-    ],
-}
-
-# Causes whose finding names the layer to fix: it leads the verdict's module fields.
-_LAYER_CAUSES = {
-    "attention_logit_growth": "attention_logit_growth",
-    "output_logit_divergence": "output_logit_drift",
-}
 
 
 @dataclass(slots=True)
@@ -187,165 +95,6 @@ def rank_causes(findings: Sequence[Finding]) -> list[dict[str, Any]]:
         {"cause": c, "confidence": round(score[c] / norm, 3), "evidence": evidence[c]}
         for c in order
     ]
-
-
-# The replay's findings that say the window went bad; its other findings are bookkeeping
-# (whether it reproduces after, whether it matches the log).
-_REPLAY_ALARMS = (
-    "replay_spike",
-    "lr_step_jump",
-    "replay_overflow",
-    "rms_t",
-    "output_logit_drift",
-    "attention_logit_growth",
-    "first_forward_anomaly",
-    "first_backward_anomaly",
-    "anomalous_samples",
-    "replay_mismatch_confined",
-    "replay_spike_not_reproduced",
-)
-# Diff findings that measure an effect every replayed step would show (gradient energy over
-# the window against the second moment): a quiet replay of the same window refutes them.
-_REPLAY_REFUTES = ("gradient_burst", "gradient_burst_global")
-
-
-def quiet_replay(findings: Sequence[Finding]) -> bool:
-    """The window was replayed, the replay matched the run's log on every checked step and
-    landed on *after*, and nothing in it went bad: the steps the diff summarises were
-    computed one by one and none of them spiked.
-
-    Such a replay outweighs a diff warning that infers a gradient burst from the moments
-    (held-out draw 9454: a healthy plateau where one LayerNorm's gradient energy rose 13.6x
-    while attention in its block reorganised, the loss and grad norm flat; robust z among
-    ten norm tensors cannot tell that from an explosion, the replayed steps can)."""
-    kinds = {f.kind for f in findings}
-    matched = [
-        f
-        for f in findings
-        if f.kind == "replay_log_agreement" and f.metrics.get("status") == "matched"
-    ]
-    alarms = [f for f in findings if f.kind in _REPLAY_ALARMS and f.severity != "info"]
-    return "replay_reproduces" in kinds and bool(matched) and not alarms
-
-
-def reattribute(findings: Sequence[Finding]) -> list[Finding]:
-    """Findings whose cause another finding settles, re-read (the one place evidence is
-    weighed together, before ranking).
-
-    A gradient burst the diff infers from the moments is no incident where a quiet replay
-    (`quiet_replay`) computed the window's steps one by one: it becomes info, and says why.
-    A gradient burst is the implied g^2 over the window against the second moment *before*
-    remembered (`r_v`); where the replay shows that moment two orders of magnitude stale for
-    the same tensor (a primary RMS_t: a frozen-then-released or gated tensor), the burst
-    measures the stale moment, not a gradient the others share: Adam's instability first.
-    """
-    stale = {f.subject for f in findings if f.kind == "rms_t" and f.primary}
-    quiet = quiet_replay(findings)
-    if not stale and not quiet:
-        return list(findings)
-    out = []
-    for f in findings:
-        if quiet and f.kind in _REPLAY_REFUTES and f.severity != "info":
-            f = dataclasses.replace(
-                f,
-                severity="info",
-                metrics={**f.metrics, "refuted_by_replay": True},
-                message=f"{f.message}; not an incident: the replay of the window, matched to the run's log step by step, "
-                "reproduces after with no spike",
-            )
-        elif f.kind == "gradient_burst" and f.subject in stale:
-            f = dataclasses.replace(
-                f,
-                supports=("adam_instability", "gradient_explosion"),
-                message=f"{f.message}; its second moment was stale (the replay's RMS_t), so the burst is Adam's, not the gradient's",
-            )
-        out.append(f)
-    return out
-
-
-# The findings of a resume that lost state (detectors.diff), each carrying its `resume_step`.
-_RESUME_KINDS = (
-    "optimizer_state_lost",
-    "lr_scheduler_restarted",
-    "loss_scaler_reset",
-    "data_loader_restarted",
-)
-
-# How a replay's reproduction finding settles `reproducible`.
-_REPRODUCED = {
-    "replay_reproduces": True,
-    "replay_mismatch_confined": False,
-    "replay_config_mismatch": None,
-}
-
-
-def replay_fields(findings: Sequence[Finding], state_steps: Sequence[int] = ()) -> dict[str, Any]:
-    """The verdict fields a replay settles, read off its findings (detectors.replay_findings).
-
-    first_bad_step: the earliest onset (an LR jump or a spike), else the first overflow; a
-    second moment two orders of magnitude stale (primary RMS_t) and a step the *before*
-    state pins (`state_steps`, detectors.first_steps_from_state) make it earlier.
-    first_anomalous_module: the first module in forward order to leave its range, else the
-    overflowing one, else the stale-moment one.
-    """
-    by: dict[str, list[Finding]] = defaultdict(list)
-    for f in findings:
-        by[f.kind].append(f)
-    out: dict[str, Any] = {}
-    rms = [f for f in by["rms_t"] if f.primary]
-    onset = [f.metrics["step"] for k in ("lr_step_jump", "replay_spike") for f in by[k]]
-    steps = (
-        (onset or [f.metrics["step"] for f in by["replay_overflow"][:1]])
-        + [f.metrics["step"] for f in rms]
-        + list(state_steps)
-    )
-    if steps:
-        out["first_bad_step"] = min(steps)
-    first = (
-        [f.subject for f in by["first_forward_anomaly"]]
-        + [f.subject for f in by["replay_overflow"]]
-        + [module_of(f.subject) for f in rms]
-    )
-    if first:
-        out["first_anomalous_module"] = first[0]
-    if by["replay_overflow"]:
-        out["overflowing_tensors"] = [f.metrics["tensor"] for f in by["replay_overflow"]]
-    if by["first_backward_anomaly"]:
-        out["replay_layers"] = list(by["first_backward_anomaly"][0].metrics.get("ranked", []))
-    if by["anomalous_samples"]:
-        out["anomalous_samples"] = list(by["anomalous_samples"][0].metrics["samples"])
-    for kind, value in _REPRODUCED.items():
-        if by[kind]:
-            out["reproducible"] = value
-    agreed = [
-        f
-        for f in by["replay_log_agreement"]
-        if f.metrics.get("first_checked") is not None
-        and onset
-        and (
-            (f.metrics.get("status") == "matched" and f.metrics["first_checked"] <= min(onset))
-            or (
-                f.metrics.get("status") == "diverged_after_onset"
-                and f.metrics["first_checked"] < min(onset)
-            )
-        )
-    ]
-    if by["replay_config_mismatch"] and agreed:
-        # The replay's tensors deviate from *after* (its configuration: e.g. one process for
-        # the run's ranks under bf16; or the run and the replay part after the spike, where a
-        # last-bit difference grows as fast as the spike does), but it reproduced the run's
-        # own log step by step from before the onset on, and spiked: the failure reproduces
-        # (numerics or data, not hardware). Held-out draws 9536, 9540, 9543: left open before.
-        out["reproducible"] = True
-    for f in by["replay_spike_not_reproduced"]:
-        # The replay matched the log up to this step and misses its spike: the spike is not
-        # reproduced, whatever the tensors after it say, and it is where the run went bad.
-        out["reproducible"] = False
-        out["first_bad_step"] = f.metrics["step"]
-    check = by["replay_log_agreement"] + by["replay_spike_not_reproduced"] + by["replay_withheld"]
-    if check:
-        out["replay_check"] = {"status": check[0].metrics["status"], "reason": check[0].message}
-    return out
 
 
 def decide(
@@ -421,8 +170,10 @@ def decide(
     resumed = [
         f.metrics["resume_step"]
         for f in findings
+        # The findings of a resume that lost state (detectors.diff) are of the resume causes'
+        # kinds, each carrying its `resume_step`.
         if top in RESUME_CAUSES
-        and f.kind in _RESUME_KINDS
+        and f.kind in RESUME_CAUSES
         and f.metrics.get("resume_step") is not None
     ]
     if resumed:
@@ -445,33 +196,23 @@ def decide(
         # The replay is not the run: nothing it measured is evidence; the diff speaks alone.
         v.summary = _withheld(top, causes, findings, v, before, after, v.replay_check["reason"])
         if top != "none":
-            v.recommended_actions = [
-                a.format(rollback=rollback or "an earlier checkpoint", after=after)
-                for a in _ACTIONS.get(top, [])
-            ]
+            v.recommended_actions = _actions(top, rollback, after, "the affected layers")
         return v
     if top == "none":
         v.summary = f"No anomaly between {before} and {after}: " + _healthy_body(
             findings, weights_only, replayed
         )
         return v
+    layer_kind = lookup(top).layer_finding
     layer_finding = next(
-        (
-            f
-            for f in findings
-            if top in _LAYER_CAUSES and f.kind == _LAYER_CAUSES[top] and top in f.supports
-        ),
-        None,
+        (f for f in findings if layer_kind and f.kind == layer_kind and top in f.supports), None
     )
     if layer_finding is not None:
         # The layer whose logits grew is the one to fix; modules the replay saw move after it are its effect.
         v.first_anomalous_module = layer_finding.subject
         v.exploding_layers = list(dict.fromkeys([layer_finding.subject, *v.exploding_layers]))[:10]
     layer = layer_finding.subject if layer_finding is not None else "the affected layers"
-    v.recommended_actions = [
-        a.format(rollback=rollback or "an earlier checkpoint", after=after, layer=layer)
-        for a in _ACTIONS.get(top, [])
-    ]
+    v.recommended_actions = _actions(top, rollback, after, layer)
     lr_groups = [
         f for f in findings if f.kind in ("lr_above_schedule", "lr_jump") and top in f.supports
     ]
@@ -502,6 +243,14 @@ def decide(
         )
     v.summary = _summary(top, causes, findings, v, before, after)
     return v
+
+
+def _actions(cause: str, rollback: str | None, after: str, layer: str) -> list[str]:
+    """The cause's recommended actions (detectors.causes), its figures filled in."""
+    return [
+        a.format(rollback=rollback or "an earlier checkpoint", after=after, layer=layer)
+        for a in lookup(cause).actions
+    ]
 
 
 def _healthy_body(findings: Sequence[Finding], weights_only: bool, replayed: bool) -> str:

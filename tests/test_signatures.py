@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ckptforensics.detectors.causes import CAUSES
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -17,3 +19,22 @@ def test_every_cited_signature_has_its_row() -> None:
             cited |= set(re.findall(r"#([a-z0-9-]+)", m.group(1)))
     assert len(cited) >= 12
     assert cited <= anchors, f"cited but not in docs/signatures.md: {sorted(cited - anchors)}"
+
+
+def test_every_cause_has_its_row() -> None:
+    """docs/signatures.md#causes: one row per registered cause, in the registry's order, its
+    meaning word for word the record's (detectors/causes.py)."""
+    doc = (ROOT / "docs" / "signatures.md").read_text()
+    section = doc.split("\n## Causes", 1)
+    assert len(section) == 2, "docs/signatures.md has no '## Causes' section"
+    rows = re.findall(
+        r'^\| <a id="cause-([a-z0-9-]+)"></a>`([a-z0-9_]+)` \| ([^|]+) \|',
+        section[1],
+        re.MULTILINE,
+    )
+    assert [name for _, name, _ in rows] == list(CAUSES), "the causes table is not the registry"
+    for anchor, name, meaning in rows:
+        assert anchor == name.replace("_", "-"), name
+        assert meaning.strip() == CAUSES[name].meaning, (
+            f"{name}: the row's meaning is not the record's"
+        )

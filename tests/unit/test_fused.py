@@ -235,7 +235,7 @@ def test_probe_row_is_the_probes_torch_row_with_nan_inf_and_overflow(backward: b
     torch path derives (`_norms` then `_derive`): a NaN makes max |x| NaN and the row
     non-finite, an inf is non-finite with a finite-or-inf norm, values past fp16's and
     bf16's largest set those flags."""
-    from ckptforensics.engine.replay.probes import _derive, _norms
+    from ckptforensics.engine.replay.proberows import _derive, _norms
 
     kernels = fused.load()
     if kernels is None:

@@ -21,11 +21,11 @@ from torch import nn
 
 from ckptforensics.core import fused
 from ckptforensics.engine.replay import attnstats
+from ckptforensics.engine.replay.passstats import _stats
 from ckptforensics.engine.replay.probes import (
     BWD_STATS,
     AttentionWatch,
     ModuleProbe,
-    _stats,
     attention_logit_stats,
     attention_logit_stats_many,
     param_grad_stats,

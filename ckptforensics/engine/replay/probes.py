@@ -4,8 +4,10 @@ Each hook writes one row of a preallocated statistics tensor with tensor ops onl
 host reads the whole table once per pass (`collect`), never once per module. Attention is
 watched where it is computed (`replay/attention.py`: every `scaled_dot_product_attention`
 call and every eager softmax over [B, H, T, S] gives its heads' largest pre-softmax logit and
-attention entropy), attributed here to the module that ran it; the per-parameter figures
-live in `replay/paramstats.py`. Both are re-exported, so `probes` stays the one import.
+attention entropy), attributed here to the module that ran it. How a hook's measurement
+becomes a table row is `replay/proberows.py`'s, the pass's record and its merge across ranks
+`replay/passstats.py`'s, the per-parameter figures `replay/paramstats.py`'s. All are
+re-exported, so `probes` stays the one import.
 
 Over 400 lines: `ModuleProbe` is one class whose hooks, mapping pass and collection share
 their state (the row table, the attention sites, the depth counter); split, that state
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +37,8 @@ from ckptforensics.engine.replay.paramstats import (
     param_grad_sums,
     param_grad_table,
 )
+from ckptforensics.engine.replay.passstats import PassStats, merge_ranks
+from ckptforensics.engine.replay.proberows import BWD_STATS, FWD_STATS, Measurement, ProbeRows
 
 __all__ = [
     "FWD_STATS",
@@ -52,43 +55,6 @@ __all__ = [
     "param_grad_sums",
     "param_grad_table",
 ]
-
-FWD_STATS = ("absmax", "rms", "nonfinite", "over_fp16", "over_bf16", "subnormal_share")
-# nonfinite / over_* are 0/1 flags (any element), derived from the extrema.
-BWD_STATS = ("grad_norm", "grad_absmax", "grad_nonfinite")
-
-
-_FP16_MAX = float(torch.finfo(torch.float16).max)
-_BF16_MAX = float(torch.finfo(torch.bfloat16).max)
-
-
-@dataclass(frozen=True, slots=True)
-class PassStats:
-    """One forward+backward pass.
-
-    Attributes:
-        modules: module names (the model's own), row order of the tables.
-        fwd: [M, len(FWD_STATS)] output statistics; NaN for modules that did not run.
-        bwd: [M, len(BWD_STATS)] output-gradient statistics; NaN where none flowed.
-        fwd_order, bwd_order: row indices in the order the hooks fired.
-        attn_modules: the module that ran each attention call, in forward order (one per
-            layer; the innermost module running when the call was made).
-        attn: [L, Hmax, len(ATTN_STATS)] per attention call and head; NaN past a call's heads.
-        head: the module whose output is the model's logits (the last module in forward
-            order whose output has the logits' shape); None when a bare function computes them.
-        logit_mean: mean output logit of the pass (nats; its drift with log Z is the
-            output-logit divergence of Wortsman et al. 2023).
-    """
-
-    modules: tuple[str, ...]
-    fwd: torch.Tensor
-    bwd: torch.Tensor
-    fwd_order: tuple[int, ...]
-    bwd_order: tuple[int, ...]
-    attn_modules: tuple[str, ...] = ()
-    attn: torch.Tensor | None = None
-    head: str | None = None
-    logit_mean: float = math.nan
 
 
 def logits_of(out: object) -> torch.Tensor | None:
@@ -116,29 +82,6 @@ def _first_tensor(out: object) -> torch.Tensor | None:
     return None
 
 
-def _stats(x: torch.Tensor, with_subnormal: bool) -> torch.Tensor:
-    """[absmax, rms, nonfinite, over_fp16, over_bf16, subnormal_share] in two passes.
-
-    One aminmax and one norm (both propagate NaN/inf), then scalar ops: the flags are
-    0/1 indicators derived from the extrema, not counts, so no pass is spent counting
-    and nothing leaves the device.
-    """
-    if x.numel() == 0:
-        return torch.zeros(len(FWD_STATS), device=x.device)
-    lo, hi = torch.aminmax(x)
-    absmax = torch.maximum(-lo.float(), hi.float())
-    rms = torch.linalg.vector_norm(x, dtype=torch.float32) / math.sqrt(x.numel())
-    nonfinite = (~torch.isfinite(absmax)).float()
-    sub = (
-        (((x.abs() < torch.finfo(x.dtype).tiny) & (x != 0)).sum().float() / x.numel())
-        if with_subnormal
-        else absmax.new_zeros(())
-    )
-    return torch.stack(
-        [absmax, rms, nonfinite, (absmax > _FP16_MAX).float(), (absmax > _BF16_MAX).float(), sub]
-    )
-
-
 # A rider's forward function (`ModuleProbe.ride`): (module, args, output) -> the gradient
 # hook that output needs, or None.
 _Rider = Callable[[nn.Module, Any, Any], Callable[[torch.Tensor], None] | None]
@@ -148,180 +91,6 @@ def _own_hook(out: object, extra: Callable[[torch.Tensor], None] | None) -> None
     """A rider's gradient hook on an output the probe does not hook itself."""
     if extra is not None and isinstance(out, torch.Tensor):
         out.register_hook(extra)
-
-
-# One hook call's measurement: (module row, elements, L2 norm, min, max, subnormal share or None).
-_Norms = tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
-
-
-def _norms(
-    x: torch.Tensor, subnormal: bool = True
-) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(elements, L2 norm in fp32, min, max, subnormal share) of a tensor in two reductions
-    (both propagate NaN / inf; aminmax, not the inf-norm, which is ten times slower on CPU),
-    on its device; the subnormal share only for fp16 / bf16 tensors."""
-    n = x.numel()
-    if n == 0:
-        z = torch.zeros((), device=x.device)
-        return 0, z, z, z, None
-    l2 = torch.linalg.vector_norm(x, dtype=torch.float32)
-    lo, hi = torch.aminmax(x)
-    sub = (
-        ((x.abs() < torch.finfo(x.dtype).tiny) & (x != 0)).sum().float() / n
-        if subnormal and x.dtype in (torch.float16, torch.bfloat16)
-        else None
-    )
-    return n, l2, lo, hi, sub
-
-
-def _rows(pending: list[_Norms], backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(module rows, their table rows) from the hooks' measurements, in a few ops over all
-    of them: forward rows are `FWD_STATS` (`_stats`' figures), backward rows `BWD_STATS`
-    (grad norm, max |g|, non-finite flag); one per row (`_Rows.flush` keeps each row's latest)."""
-    idx = torch.tensor([e[0] for e in pending], dtype=torch.long)
-    l2 = torch.stack([e[2] for e in pending])
-    lo = torch.stack([e[3].float() for e in pending])
-    hi = torch.stack([e[4].float() for e in pending])
-    subs = [e[5] for e in pending]
-    sub = (
-        torch.stack([s if s is not None else lo.new_zeros(()) for s in subs])
-        if any(s is not None for s in subs)
-        else None
-    )
-    return idx, _derive(l2, lo, hi, [e[1] for e in pending], sub, backward)
-
-
-def _derive(
-    l2: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    numel: list[int],
-    sub: torch.Tensor | None,
-    backward: bool,
-) -> torch.Tensor:
-    """Table rows from [k] measurements (L2 norm, min, max, elements, subnormal share or
-    None: 0): `FWD_STATS` rows, or with `backward` `BWD_STATS` rows."""
-    top = torch.maximum(-lo, hi)
-    nonfinite = (~torch.isfinite(top)).float()
-    if backward:
-        return torch.stack([l2, top, nonfinite], 1)
-    root_n = torch.tensor([math.sqrt(max(n, 1)) for n in numel], device=l2.device)
-    sub = sub if sub is not None else torch.zeros_like(top)
-    return torch.stack(
-        [top, l2 / root_n, nonfinite, (top > _FP16_MAX).float(), (top > _BF16_MAX).float(), sub], 1
-    )
-
-
-# A measurement as `_Rows.measure` returns it: the row written in place (an fp32 tensor),
-# or the pending tuple.
-_Meas = int | _Norms
-
-
-class _Rows:
-    """One table's measurements in a pass, each row its module's latest, whichever kind
-    (`last`: the number of each row's latest measurement):
-
-    - Kernel (CPU with the C kernels, `fused.load`; a contiguous fp32 tensor): its table
-      row written by one C call from the hook itself, in one pass over the tensor while
-      it is still in cache (`fused.Kernels.probe_row`): at 64 wide a hook's two torch
-      reductions and the row's derivation at `flush` are dispatch, not arithmetic; held
-      until `flush` instead, the tensors are read back cold from memory (5 ms a step at
-      32 layers), and one an in-place op changes after its hook would read wrong.
-    - Direct (another fp32 tensor on the table's device): its L2 norm, min and max into
-      its row of a raw [M, 3] buffer (the reductions' `out=`), derived at `flush`.
-    - Pending (fp16 / bf16: a subnormal share too; another device): scalars kept, stacked
-      and derived at `flush` (`_rows`).
-    """
-
-    def __init__(self, table: torch.Tensor, kernels: Any = None) -> None:
-        m = table.shape[0]
-        self.table = table
-        self.raw = torch.full((m, 3), float("nan"), device=table.device)
-        self._row = list(self.raw.unbind(0))
-        self._views = [tuple(r.unbind(0)) for r in self._row]
-        self.numel = [0] * m
-        self.seq = 0
-        self.last: dict[int, int] = {}  # row -> its latest measurement's number
-        self.direct: dict[int, int] = {}  # row -> number of its latest raw-buffer measurement
-        self.pending: list[tuple[int, _Norms]] = []  # (number, measurement)
-        # the kernel's one-tensor call and where the table's rows are (CPU fp32 tables only)
-        plain = (
-            table.device.type == "cpu" and table.dtype == torch.float32 and table.is_contiguous()
-        )
-        self._one = (
-            kernels.probe_rows.get(table.shape[1]) if plain and kernels is not None else None
-        )
-        # each row's address in the table, for the kernel
-        self._addr = [table.data_ptr() + 4 * table.shape[1] * i for i in range(m)]
-        self._on_cpu = self.raw.device.type == "cpu"
-        self._rows_np = table.numpy() if self._one is not None else None
-
-    def _next(self, i: int) -> int:
-        self.seq += 1
-        self.last[i] = self.seq
-        return self.seq
-
-    def measure(self, i: int, x: torch.Tensor, subnormal: bool) -> _Meas:
-        """Row `i`'s measurement of `x` (its values now; not used for autograd)."""
-        m = x.numel()
-        if (
-            x.dtype == torch.float32
-            and type(x) is torch.Tensor
-            and m
-            and (x.is_cpu if self._on_cpu else x.device == self.raw.device)
-        ):
-            n = self._next(i)
-            if self._one is not None and x.is_contiguous():
-                self._one(x.data_ptr(), m, self._addr[i])  # (its row needs no count)
-                return i
-            self.numel[i] = m
-            self.direct[i] = n
-            l2, lo, hi = self._views[i]
-            x = x.detach()
-            torch.linalg.vector_norm(x, dtype=torch.float32, out=l2)
-            torch.aminmax(x, out=(lo, hi))
-            return i
-        meas = (i, *_norms(x.detach(), subnormal))
-        self.pending.append((self._next(i), meas))
-        return meas
-
-    def again(self, i: int, meas: _Meas) -> _Meas:
-        """Row `i` takes another row's measurement (a parent returning its child's output)."""
-        if isinstance(meas, int):
-            n = self._next(i)
-            if meas in self.direct and self.last[meas] == self.direct[meas]:
-                self._row[i].copy_(self._row[meas])
-                self.numel[i] = self.numel[meas]
-                self.direct[i] = n
-            else:  # written by the kernel: its table row
-                self._rows_np[i] = self._rows_np[meas]
-            return i
-        meas = (i, *meas[1:])
-        self.pending.append((self._next(i), meas))
-        return meas
-
-    def flush(self, backward: bool) -> None:
-        """The pass's raw and pending measurements into the table (`_derive`), each row its
-        latest (the kernel's rows are written already); then cleared."""
-        last, table = self.last, self.table
-        rows = [i for i, n in self.direct.items() if last[i] == n]
-        if rows:
-            idx = torch.tensor(rows, dtype=torch.long, device=self.raw.device)
-            raw = self.raw[idx]
-            got = _derive(
-                raw[:, 0], raw[:, 1], raw[:, 2], [self.numel[i] for i in rows], None, backward
-            )
-            table[idx.to(table.device)] = got.to(table.device)
-        pending = [m for n, m in self.pending if last[m[0]] == n]
-        if pending:
-            idx, got = _rows(pending, backward)
-            table[idx.to(table.device)] = got.to(table.device)
-        self.clear()
-
-    def clear(self) -> None:
-        self.last.clear()
-        self.direct.clear()
-        self.pending.clear()
 
 
 # Heads up to which `_heads` takes Python numbers: below it, a few microseconds in all
@@ -384,19 +153,19 @@ class ModuleProbe:
         self.shared: dict[int, torch.Tensor] = {}
         self.fwd_order: list[int] = []
         self.bwd_order: list[int] = []
-        # What the hooks measured (`_Rows`: fp32 outputs straight into a raw buffer, others
+        # What the hooks measured (`ProbeRows`: fp32 outputs straight into a raw buffer, others
         # pending), written to the tables at `collect` (`_flush`): a hook costs two
         # reductions, not a dozen small ops.
         kernels = fused.load() if torch.device(device).type == "cpu" else None
-        self._fwd_rows = _Rows(self.fwd, kernels)
-        self._bwd_rows = _Rows(self.bwd, kernels)
+        self._fwd_rows = ProbeRows(self.fwd, kernels)
+        self._bwd_rows = ProbeRows(self.bwd, kernels)
         # With activation checkpointing a block's modules run again in the backward pass:
         # only their first call in a pass is recorded.
         self.once = False
         self._ran: set[int] = set()
         # The last output measured: (tensor, its measurement, the modules its gradient
         # hook serves); a parent returning the same tensor reuses both.
-        self._prev: tuple[torch.Tensor, _Meas, list[int] | None] | None = None
+        self._prev: tuple[torch.Tensor, Measurement, list[int] | None] | None = None
         self.enabled = True
         # A rider's forward function (`ride`: the per-sample shares), called by the hook
         # of each linear; the gradient hook it returns shares the probe's on that output.
@@ -652,7 +421,7 @@ class ModuleProbe:
         )
 
     def _flush(self) -> None:
-        """The hooks' pending measurements into the tables (`_rows`); a module that ran
+        """The hooks' pending measurements into the tables (`ProbeRows.flush`); a module that ran
         more than once in the pass keeps its last call's row, as each call overwrote it."""
         self._fwd_rows.flush(backward=False)
         self._bwd_rows.flush(backward=True)
@@ -724,55 +493,11 @@ class ModuleProbe:
     def _merged(
         self, attn: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The whole batch's statistics from every rank's share of its rows: one gather of
-        [fwd | bwd | count | shared flag] per module, the attention table and the logit sums.
-        Extremes and flags take the maximum, RMS and the subnormal share the element-weighted
-        mean, gradient norms the root sum of squares, attention entropy and logit sums add."""
+        """The whole batch's statistics from every rank's share of its rows (`merge_ranks`)."""
         assert self.count is not None
-        nf, nb = len(FWD_STATS), len(BWD_STATS)
-        flags = torch.zeros_like(self.count)
-        flags[list(self.shared)] = 1.0
-        table = torch.cat([self.fwd, self.bwd, self.count, flags], 1).double()
-        m = table.numel()
-        flat = torch.cat(
-            [
-                table.reshape(-1),
-                attn.reshape(-1).double().to(table.device),
-                self._logits().to(table.device),
-            ]
+        return merge_ranks(
+            self.ranks, self.fwd, self.bwd, self.count, self.shared, attn, self._logits()
         )
-        gathered = self.ranks.gather(flat).reshape(-1, flat.numel())  # [W, m + attn + 2]
-        w = gathered.shape[0]
-        every = gathered[:, :m].reshape(w, *table.shape)  # [W, M, nf + nb + 2]
-        att_r = gathered[:, m : m + attn.numel()].reshape(w, *attn.shape)
-        logit_r = gathered[:, m + attn.numel() :]
-        fwd_r, bwd_r, nfw = every[..., :nf], every[..., nf : nf + nb], every[..., nf + nb]
-        fwd = fwd_r.amax(0)
-        tot = nfw.sum(0)
-        rms = FWD_STATS.index("rms")
-        fwd[:, rms] = ((fwd_r[..., rms].pow(2) * nfw).sum(0) / tot).sqrt()
-        sub = FWD_STATS.index("subnormal_share")
-        fwd[:, sub] = (fwd_r[..., sub] * nfw).sum(0) / tot
-        bwd = bwd_r.amax(0)
-        bwd[:, BWD_STATS.index("grad_norm")] = (
-            bwd_r[..., BWD_STATS.index("grad_norm")].pow(2).sum(0).sqrt()
-        )
-        # A rank with no rows reports zeros over no elements (`_stats`): weightless.
-        shared = (
-            torch.nonzero(every[..., nf + nb + 1].amin(0) > 0).flatten().tolist()
-        )  # shared on every rank
-        if shared:
-            grads = [self.shared[i] for i in shared]
-            total = self.ranks.sum(torch.cat([g.reshape(-1) for g in grads]))
-            for i, g in zip(shared, total.split([g.numel() for g in grads]), strict=True):
-                st = _stats(g, with_subnormal=False).double()
-                bwd[i] = torch.stack([st[1] * math.sqrt(max(g.numel(), 1)), st[0], st[2]])
-        att = att_r[0].clone() if att_r.shape[0] else attn.double()
-        if att.numel():
-            att[..., 0] = att_r[..., 0].amax(0)
-            att[..., 1:] = att_r[..., 1:].nansum(0)
-        logits = logit_r.nansum(0)
-        return fwd.float(), bwd.float(), att.float(), logits.float()
 
     def remove(self) -> None:
         if (

@@ -417,7 +417,7 @@ def test_probe_attention_statistics_match_the_fixtures_own_measurement(
 ) -> None:
     """The probe's per-layer max logit and entropy on each replayed step against the fixture's
     own fp32 recomputation of q k^T in training (same state, same batch)."""
-    from ckptforensics.engine.replay import ReplayConfig, replay
+    from ckptforensics.engine.replay.run import ReplayConfig, replay
 
     run = logit_runs["attention_growth"]
     truth = json.loads((run / "truth.json").read_text())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ckptforensics.detectors import Finding, Thresholds
 from ckptforensics.detectors import replay as rd
-from ckptforensics.engine.replay import ReplayConfig, replay
+from ckptforensics.engine.replay.run import ReplayConfig, replay
 from ckptforensics.verdict import replay_fields
 from tests.conftest import truth
 

@@ -16,7 +16,7 @@ from ckptforensics.cli import cli
 from ckptforensics.commands.diff import run_diff
 from ckptforensics.commands.replay import run_replay
 from ckptforensics.core.errors import ForensicsError
-from ckptforensics.engine.replay import ReplayConfig
+from ckptforensics.engine.replay.run import ReplayConfig
 from fixtures import optim_runs, resume_run
 
 pytest.importorskip("lion_pytorch")

@@ -18,6 +18,7 @@ from ckptforensics.commands.common import (
     Report,
     resolve,
 )
+from ckptforensics.core.errors import CheckpointNotFound
 from ckptforensics.detectors.audit import (
     AREAS,
     CHECKS,
@@ -26,7 +27,8 @@ from ckptforensics.detectors.audit import (
     check_findings,
     run_checks,
 )
-from ckptforensics.engine.audit import AuditConfig, gather
+from ckptforensics.detectors.base import with_id
+from ckptforensics.engine.audit import AuditConfig, earlier_checkpoint, gather
 from ckptforensics.engine.diff.shard import (
     compute_device,
 )
@@ -37,9 +39,11 @@ from ckptforensics.engine.trace import (
     trace_architecture,
     trace_pass,
 )
+from ckptforensics.formats.locate import list_checkpoints
 from ckptforensics.report import (
     build_report,
 )
+from ckptforensics.verdict import decide_audit
 
 __all__ = [
     "AuditConfig",
@@ -67,8 +71,6 @@ def run_audit(
     Raises:
         ForensicsError: the checkpoint cannot be read.
     """
-    from ckptforensics.engine.audit import earlier_checkpoint
-    from ckptforensics.verdict import decide_audit
 
     with open_checkpoint(cfg.checkpoint) as a:
         ev = gather(cfg, a, progress)
@@ -122,15 +124,12 @@ def run_audit(
 
 
 def _numbered(f: Any, i: int) -> Any:
-    from ckptforensics.detectors.base import with_id
 
     return with_id(f, i)
 
 
 def default_checkpoint(run_dir: Path) -> Path:
     """The run's latest checkpoint (what `audit` reads without a STEP)."""
-    from ckptforensics.core.errors import CheckpointNotFound
-    from ckptforensics.formats.locate import list_checkpoints
 
     found = list_checkpoints(run_dir)
     if not found:

@@ -13,7 +13,7 @@ from ckptforensics.detectors import Finding
 from ckptforensics.engine.diff.shard import (
     compute_device,
 )
-from ckptforensics.engine.replay import ReplayConfig
+from ckptforensics.engine.replay.run import ReplayConfig
 from ckptforensics.formats.locate import resolve_checkpoint
 from ckptforensics.report import (
     check_outside,

@@ -17,10 +17,12 @@ from ckptforensics.detectors import Finding
 from ckptforensics.engine.recovery import recovery as _recovery
 from ckptforensics.engine.recovery.assess import RecoveryResult
 from ckptforensics.engine.recovery.trajectory import Z_BAND
+from ckptforensics.formats.locate import list_checkpoints
 from ckptforensics.report import (
     build_report,
 )
 from ckptforensics.report.evidence import load_report
+from ckptforensics.verdict import Verdict
 
 __all__ = ["recovery", "recovery_findings", "recovery_report"]
 
@@ -61,8 +63,6 @@ def recovery_findings(res: RecoveryResult) -> list[Any]:
 def recovery_report(res: RecoveryResult, command: str) -> tuple[dict[str, Any], list[Any]]:
     """The `recovery` report document (schema `ckptforensics.report/1`, section `recovery`):
     *before* is the checkpoint the run resumed from, *after* the first the resumed leg wrote."""
-    from ckptforensics.formats.locate import list_checkpoints
-    from ckptforensics.verdict import Verdict
 
     findings = recovery_findings(res)
     causes = (

@@ -27,8 +27,8 @@ from ckptforensics.detectors.resume import detect_data_restart
 from ckptforensics.engine.diff.pair import DiffResult
 from ckptforensics.engine.replay import distributed
 from ckptforensics.engine.replay import precision as mp
-from ckptforensics.engine.replay import replay as replay_window
 from ckptforensics.engine.replay.probes import BWD_STATS, FWD_STATS
+from ckptforensics.engine.replay.run import replay as replay_window
 from ckptforensics.report import (
     build_report,
 )

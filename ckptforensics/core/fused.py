@@ -117,7 +117,7 @@ class Kernels:
             self._w[k], self._m[k] = w, m
         # (x, elements, row address) -> the replay probe's table row of width 6 (an
         # output's) or 3 (a gradient's): `probe_row` without its Python frame, for the
-        # probe's hooks (`replay.probes._Rows`); three arguments for ctypes to convert
+        # probe's hooks (`replay.proberows.ProbeRows`); three arguments for ctypes to convert
         self.probe_rows: dict[int, Any] = {}
         for width, name in ((6, "cf_probe_out_f32"), (3, "cf_probe_grad_f32")):
             f = getattr(lib, name, None)
@@ -183,7 +183,7 @@ class Kernels:
         the caller checks) into row `row` of `table` (fp32, CPU, contiguous: 6 columns,
         an output's [max |x|, RMS, non-finite, over fp16, over bf16, 0]; 3, a gradient's
         [L2 norm, max |x|, non-finite]), in one pass, from the hook while `x` is in cache
-        (`replay.probes._Rows` calls `probe_rows` itself). False where the library has no
+        (`replay.proberows.ProbeRows` calls `probe_rows` itself). False where the library has no
         such kernel."""
         width = table.shape[1]
         f = self.probe_rows.get(width)

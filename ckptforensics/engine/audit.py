@@ -23,10 +23,24 @@ from torch import nn
 from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.core.errors import ForensicsError
 from ckptforensics.detectors.audit import AuditEvidence, TensorMoments
+from ckptforensics.detectors.audit.rows import BF16_HALF_ULP
+from ckptforensics.engine.replay import precision as mp
+from ckptforensics.engine.replay.conventions import (
+    LabelError,
+    call_model,
+    detect_call,
+    settle_labels,
+)
+from ckptforensics.engine.replay.model import build_model, load_weights
+from ckptforensics.engine.replay.optimizer import build_optimizer
+from ckptforensics.engine.replay.probes import param_grad_table
+from ckptforensics.engine.replay.samples import per_token_loss
 from ckptforensics.engine.trace import Architecture, trace_pass
 from ckptforensics.formats.base import Checkpoint
+from ckptforensics.formats.batches import BatchError, open_batches
 from ckptforensics.formats.locate import list_checkpoints
-from ckptforensics.logs import find_metrics, param_grad_columns, read_metrics
+from ckptforensics.logs import find_metrics, log_dirs, param_grad_columns, read_metrics
+from ckptforensics.trainers.reference import is_megatron_args
 
 __all__ = ["AuditConfig", "gather"]
 
@@ -86,8 +100,6 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
     to_ckpt: Callable[[str], str] = lambda k: k  # noqa: E731 - identity until the model is loaded
     say("model")
     try:
-        from ckptforensics.engine.replay.model import build_model, load_weights
-
         model, _desc = build_model(cfg.model, a)
         to_ckpt = load_weights(model, a)
         model.to(cfg.device)
@@ -164,7 +176,6 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
 def _near(run_dir: Path, ckpt: Path) -> list[Path]:
     """Where a run keeps its log and batch log: the run dir, the checkpoint's folder and the
     run's folders above it (`logs.log_dirs`: never the folder of other runs)."""
-    from ckptforensics.logs import log_dirs
 
     out: list[Path] = []
     for d in (run_dir, *log_dirs(ckpt)):
@@ -184,7 +195,6 @@ def run_config(a: Checkpoint, path: Path) -> dict[str, Any]:
     }
     if isinstance(a.scalars.get("training_args"), dict):
         out["training_args"] = a.scalars["training_args"]
-    from ckptforensics.trainers.reference import is_megatron_args
 
     if is_megatron_args(a.config):
         out["args"] = a.config
@@ -300,7 +310,6 @@ def _precision(a: Checkpoint, rc: dict[str, Any]) -> tuple[str, str, bool]:
     """The precision the run trained in and whether it keeps fp32 master weights, from what
     it recorded (`replay.precision`: its scaler, its config's flags, then the weights'
     dtypes; LitGPT's `precision` read here besides)."""
-    from ckptforensics.engine.replay import precision as mp
 
     prec, src = mp.resolve("auto", a)
     masters = prec == "bf16-params" or bool(a.scalars.get("fp32_masters"))
@@ -332,7 +341,6 @@ def _batch(
     cfg: AuditConfig, a: Checkpoint, run_dir: Path, notes: list[str]
 ) -> tuple[dict[str, torch.Tensor] | None, str, str | None, float, bool | None]:
     """The batch to trace: the run's next batch after the checkpoint where a batch log has it."""
-    from ckptforensics.formats.batches import BatchError, open_batches
 
     spec = cfg.batch
     found = None
@@ -387,12 +395,6 @@ def _convention(
 ) -> tuple[bool, Callable[[nn.Module, dict[str, torch.Tensor]], Any]]:
     """The batch's label convention (measured from the data) and how the run's trainer calls
     the model (`replay.conventions`), so that the traced pass gives every position's logits."""
-    from ckptforensics.engine.replay.conventions import (
-        LabelError,
-        call_model,
-        detect_call,
-        settle_labels,
-    )
 
     try:
         shifted = settle_labels([batch], declared).shifted
@@ -431,9 +433,6 @@ def _rms_t(
     traced batch (a real batch only: random tokens say nothing about v)."""
     if source.startswith("random") or a.optimizer is None or a.optimizer.kind != "adam":
         return {}
-    from ckptforensics.engine.replay.optimizer import build_optimizer
-    from ckptforensics.engine.replay.probes import param_grad_table
-    from ckptforensics.engine.replay.samples import per_token_loss
 
     try:
         opt = build_optimizer(model, a, to_ckpt)
@@ -498,7 +497,6 @@ def _optimizer(
     """Per tensor: the share of sqrt(v_hat) < eps; every parameter's weight decay; Adam's
     betas and eps; the LRs; the moments' dtype; the share of bf16 weight elements whose
     LR-sized update rounds away. One tensor and its state in memory at a time."""
-    from ckptforensics.detectors.audit.rows import BF16_HALF_ULP
 
     opt = a.optimizer
     if opt is None:
@@ -558,7 +556,6 @@ def _trace_other(
     cfg: AuditConfig, path: Path, batch: dict[str, torch.Tensor], call: Any, notes: list[str]
 ) -> tuple[Architecture | None, int | None]:
     """The earlier checkpoint's trace on the same batch (the between-checkpoint rows)."""
-    from ckptforensics.engine.replay.model import build_model, load_weights
 
     try:
         with open_checkpoint(path) as b:

@@ -19,9 +19,9 @@ from ckptforensics.detectors import (
     step_z,
     trusted,
 )
-from ckptforensics.engine.replay import ReplayConfig, replay
 from ckptforensics.engine.replay.records import ReplayResult
-from ckptforensics.record.segments import pad_rows
+from ckptforensics.engine.replay.run import ReplayConfig, replay
+from ckptforensics.formats.segments import pad_rows
 from ckptforensics.verdict import replay_fields
 
 __all__ = ["BisectResult", "bisect"]

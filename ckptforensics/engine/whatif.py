@@ -12,11 +12,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.core.errors import ForensicsError, ReplayMismatch
 from ckptforensics.core.tensors import MAD_TO_SIGMA
-from ckptforensics.engine.replay import ReplayConfig, plan
 from ckptforensics.engine.replay.logcheck import LogCheck, check_against_log
+from ckptforensics.engine.replay.run import ReplayConfig, plan
 from ckptforensics.engine.replay.settle import diagnose_miss, settle, settle_clip
+from ckptforensics.trainers.hf.data import require_rebuilt_match
 
 __all__ = ["Mitigation", "Outcome", "parse_mitigation", "whatif", "INVASIVENESS"]
 
@@ -135,8 +137,6 @@ def whatif(
             progress(m.text)
         outcomes.append(_replay_with(cfg, base_plan, m, auto_rows or {}, band, gband))
         if len(outcomes) == 1 and base_plan.batches.rebuilt and outcomes[0].losses:
-            from ckptforensics.trainers.hf.data import require_rebuilt_match
-
             first = (outcomes[0].losses[0], outcomes[0].grad_norms[0])
             require_rebuilt_match(
                 steps[0], first, base_plan.logged.get(steps[0]), base_plan.precision
@@ -201,7 +201,6 @@ def _baseline_check(cfg: ReplayConfig, p: Any, base: Outcome) -> LogCheck:
 
 
 def _step_of(cfg: ReplayConfig) -> int:
-    from ckptforensics.checkpoints import open_checkpoint
 
     with open_checkpoint(cfg.before) as a:
         if a.step is None:

@@ -13,7 +13,7 @@ import torch
 
 from ckptforensics.core.callables import load_callable
 from ckptforensics.core.errors import ForensicsError
-from ckptforensics.record.segments import list_segments, pad_rows
+from ckptforensics.formats.segments import list_segments, pad_rows
 
 __all__ = ["BatchSource", "open_batches", "BatchError"]
 
@@ -123,7 +123,7 @@ def _single(path: Path) -> BatchSource:
 def _open_h5(path: Path) -> object:
     """Open an HDF5 batch log; a flight-recorder segment whose writer was killed is still
     marked open for writing, which a plain open refuses: it is read in SWMR mode, whose
-    file is consistent up to its last flush (record/segments.py)."""
+    file is consistent up to its last flush (formats/segments.py)."""
     import h5py
 
     try:

@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from ckptforensics.checkpoints import first_complete
 from ckptforensics.formats.locate import list_checkpoints
 from ckptforensics.logs.readers import is_megatron_text, mlflow_run_name
 
@@ -113,7 +114,6 @@ def find_logs(run_dir: Path) -> list[Path]:
     ]
     if ckpts:
         # The newest complete checkpoint's: a save that died half-way may hold a torn one.
-        from ckptforensics.checkpoints import first_complete
 
         found, skipped = first_complete(list(reversed(ckpts)))
         for note in skipped:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ckptforensics.core.errors import CorruptCheckpoint
-from ckptforensics.formats.base import GroupHyper
+from ckptforensics.optim.hyper import GroupHyper
 
 # The optimizer families the tool knows, each told apart by what its own code saves: the
 # state keys it creates per parameter and the options it puts in every param group.

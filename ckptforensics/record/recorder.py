@@ -4,7 +4,7 @@ Per step: the batch (token ids, or only sample ids and a dataset fingerprint), t
 every param group, the loss scale and whether the step was skipped, the clip norm, the
 pre-clip grad norm and the loss, in the batch-log layout `replay` reads (`/step`,
 `/input_ids`, `/attention_mask`, `/labels`, `/sample_id`, `/lr`, `/loss_scale`), one SWMR
-segment per checkpoint interval and rank (`record/segments.py`: crash-safe, a ring of the
+segment per checkpoint interval and rank (`formats/segments.py`: crash-safe, a ring of the
 last `keep` intervals). Every `stats_every` steps, per-parameter gradient norms, update /
 weight ratios and Adam's RMS_t go to `metrics.jsonl` as `optim/grad/<param>.norm` columns
 (the names `triage` reads), computed on the device with one host read per step. A spike
@@ -41,8 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptforensics.engine.replay.conventions import AGREEMENT, measure_labels
+from ckptforensics.formats.segments import Segment, drop_oldest, pad_rows, segment_name
 from ckptforensics.record.monitor import Spike, SpikeMonitor
-from ckptforensics.record.segments import Segment, drop_oldest, pad_rows, segment_name
 
 __all__ = ["Recorder", "RecorderConfig"]
 
@@ -383,7 +384,6 @@ def _measured_labels(rows: list[dict[str, torch.Tensor]]) -> bool | None:
     """Whether the loop hands its model next-token targets, measured on the segment's first
     step as the replay measures it (`replay.conventions`): the log then says what it holds.
     None where the rows do not decide (no labels, or too few positions that tell)."""
-    from ckptforensics.engine.replay.conventions import AGREEMENT, measure_labels
 
     same, nxt, n = measure_labels([r for r in rows if "input_ids" in r and "labels" in r])
     if same is None or not n:

@@ -25,7 +25,7 @@ def test_options_by_name_or_as_a_record_and_an_unknown_name_is_named() -> None:
     ) and base.precision == "auto"
     with pytest.raises(TypeError, match="unknown replay option.*modle"):
         replay_options(modle="m.py:f")
-    from ckptforensics.engine.replay import ReplayConfig
+    from ckptforensics.engine.replay.run import ReplayConfig
 
     cfg = ReplayConfig(before=Path("a"), batch="b.h5", **got.as_kwargs())
     assert isinstance(cfg, ReplayOptions) and cfg.precision == "bf16"

@@ -1,7 +1,8 @@
 """The house's one rule on imports (DESIGN.md §2): they flow one way. The package's own
 import graph, counting every import statement (module top, inside functions, under
-TYPE_CHECKING), has no cycle; a cycle says two modules share a concern that belongs in a
-third, lower one."""
+TYPE_CHECKING) and the packages an import loads on the way (importing `a.b.c` runs
+`a/b/__init__` first), has no cycle; a cycle says two modules share a concern that belongs
+in a third, lower one."""
 
 from __future__ import annotations
 
@@ -44,6 +45,13 @@ def _imports(mod: str, path: Path, is_pkg: bool, known: set[str]) -> set[str]:
             for a in node.names:
                 full = f"{base}.{a.name}"
                 out.add(full if full in known else owner(base))
+    # Importing a.b.c runs a.b's __init__ first (the root's is lazy and imports nothing).
+    out |= {
+        ".".join(t.split(".")[:k])
+        for t in set(out)
+        for k in range(2, t.count(".") + 1)
+        if not mod.startswith(".".join(t.split(".")[:k]) + ".")
+    }
     return out - {mod, ""}
 
 

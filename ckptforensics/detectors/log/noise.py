@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from ckptforensics.core.stats import expected_exceedances, family_z, robust_sigma, tail_df
 from ckptforensics.detectors.log.blips import blips
 from ckptforensics.detectors.log.evidence import LogEvidence, Onset, TriageConfig, printed_lines
 
@@ -16,7 +17,6 @@ def log_noise(ev: LogEvidence, cfg: TriageConfig) -> dict[str, float | int | str
     """How noisy the log is: the loss's robust spread per step, its blips, and how heavy its
     tail is against a normal noise of that spread (stats.tail_df, stats.expected_exceedances;
     docs/signatures.md#log-noise)."""
-    from ckptforensics.core.stats import expected_exceedances, family_z, robust_sigma, tail_df
 
     z = ev.loss.z[np.isfinite(ev.loss.z) & (ev.loss.z != 0)]
     lv = np.log10(np.maximum(np.asarray(ev.loss.values, dtype=np.float64), 1e-12))

@@ -13,6 +13,7 @@ from ckptforensics.core.tensors import (
 )
 from ckptforensics.detectors.base import Finding, Thresholds, cap, module_of
 from ckptforensics.detectors.replay.evidence import ReplayEvidence
+from ckptforensics.engine.replay.probes import BWD_STATS, FWD_STATS
 
 __all__ = ["STALE_RMS_T", "attention", "localise", "overflow"]
 
@@ -20,7 +21,6 @@ __all__ = ["STALE_RMS_T", "attention", "localise", "overflow"]
 def localise(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     """First module, in forward and in backward order, far outside its own range on other
     steps; the backward finding ranks the modules past the threshold (the replay's layers)."""
-    from ckptforensics.engine.replay.probes import BWD_STATS, FWD_STATS
 
     rep, s = ev.rep, ev.step
     if not ev.bad or s not in rep.passes:
@@ -136,7 +136,6 @@ def _first_anomaly(
 
 def overflow(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     """The first step with non-finite values in the run's precision that the fp32 replay does not have."""
-    from ckptforensics.engine.replay.probes import BWD_STATS, FWD_STATS
 
     rep = ev.rep
     if rep.precision == "fp32" or ev.step is None:

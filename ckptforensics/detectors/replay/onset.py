@@ -16,6 +16,7 @@ from ckptforensics.core.tensors import (
 )
 from ckptforensics.detectors.base import Finding, Thresholds, cap
 from ckptforensics.detectors.replay.evidence import ReplayEvidence, step_z
+from ckptforensics.logs import group_lrs
 
 __all__ = ["first_steps_from_state", "log_onset", "lr_steps", "spike"]
 
@@ -91,7 +92,6 @@ def spike(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
 
 def lr_steps(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     """A step whose LR (as replayed) jumps past what any warmup allows: the first bad step."""
-    from ckptforensics.logs import group_lrs
 
     rep = ev.rep
     plan = dict((rep.config.get("lr") or {}).get("value") or {})

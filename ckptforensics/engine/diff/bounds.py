@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ckptforensics.core.tensors import dtype_limits, flip_bit
+from ckptforensics.core.tensors import bit_role, dtype_limits, flip_bit
 from ckptforensics.engine.diff.chunks import Acc, Pair, f32
 from ckptforensics.engine.diff.records import Candidate, DiffConfig
 from ckptforensics.optim import bnb
@@ -291,7 +291,6 @@ def _explain_flip(
     Among the bits whose flip yields an acceptable value, prefer the one that
     restores the element's previous magnitude (tiny values admit several).
     """
-    from ckptforensics.core.tensors import bit_role
 
     lim = dtype_limits(dtype)
     if lim is None:

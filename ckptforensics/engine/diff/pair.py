@@ -24,10 +24,12 @@ from ckptforensics.engine.diff import (
     load_kernels,
     prefetch,
     scalar,
+    shard,
     tensor_role,
 )
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.formats.optstate import FAMILIES
+from ckptforensics.optim import bnb
 
 __all__ = [
     "DiffConfig",
@@ -105,7 +107,6 @@ def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
 
 def _quantised_note(o: Any) -> str:
     """What the diff does with bitsandbytes' 8-bit state (formats.bnb)."""
-    from ckptforensics.optim import bnb
 
     quant = [n for n, st in o.state.items() if bnb.is_quantised(st)]
     lost = [n for n in quant if "exp_avg_sq" not in o.state[n]]
@@ -187,7 +188,6 @@ def diff_checkpoints(
     Raises:
         IncompatibleCheckpoints: different parameter sets, shapes or optimizers.
     """
-    from ckptforensics.engine.diff import shard
 
     cfg = config or DiffConfig()
     names = _check_compatible(a, b)

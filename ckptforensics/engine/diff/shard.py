@@ -20,7 +20,9 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ckptforensics.checkpoints import open_checkpoint, settle_pair
 from ckptforensics.core.errors import Failed, ForensicsError, doing, one_line
+from ckptforensics.engine.diff import diff_tensor
 
 __all__ = [
     "balanced",
@@ -192,8 +194,6 @@ _STATE: dict[str, Any] = {}
 def _init(a: tuple[str, str], b: tuple[str, str], pair: Any, cfg: Any) -> None:
     import torch
 
-    from ckptforensics.checkpoints import open_checkpoint, settle_pair
-
     torch.set_num_threads(1)
     ca, cb = open_checkpoint(a[0], a[1]), open_checkpoint(b[0], b[1])
     settle_pair(ca, cb)
@@ -207,7 +207,6 @@ def _init_forked() -> None:
 
 
 def _one(name: str) -> tuple[str, Any, str | None]:
-    from ckptforensics.engine.diff import diff_tensor
 
     try:
         with doing(f"diffing tensor {name}"):

@@ -12,7 +12,10 @@ from typing import Any
 from ckptforensics.core.errors import ForensicsError
 from ckptforensics.core.stats import (
     CURVE_SHORT,
+    LOSS_FOLLOW,
 )
+from ckptforensics.core.tensors import lr_growth_limit
+from ckptforensics.detectors.log import TriageConfig, log_evidence, log_onsets
 from ckptforensics.engine.recovery.checks import Check
 from ckptforensics.engine.recovery.gather import plan_checks
 from ckptforensics.engine.recovery.legs import Rows, Split, read_legs, split_legs
@@ -25,6 +28,7 @@ from ckptforensics.engine.recovery.trajectory import (
     judge,
     verdict_of,
 )
+from ckptforensics.logs import lr_columns
 
 __all__ = ["RecoveryResult", "relapse_steps", "summarize", "recovery"]
 
@@ -60,7 +64,6 @@ class RecoveryResult:
 def _onsets(pre: Rows, resumed: Rows, resumed_from: int) -> list[Any]:
     """triage's onsets (detectors.log) on the pre-incident steps and the resumed leg together,
     after the resume."""
-    from ckptforensics.detectors.log import TriageConfig, log_evidence, log_onsets
 
     rows = {**pre, **resumed}
     cfg = TriageConfig()
@@ -81,9 +84,6 @@ def relapse_steps(
     warmup allows, `lr_growth_limit`): the fault back, whatever the loss does yet. An LR jump
     back to the pre-incident level (from a first step a fresh optimizer ran at the schedule's
     start) is no relapse: the LR check reports it."""
-    from ckptforensics.core.stats import LOSS_FOLLOW
-    from ckptforensics.core.tensors import lr_growth_limit
-    from ckptforensics.logs import lr_columns
 
     lr = sorted(o.step for o in onsets if o.signal == "lr")
     out = set()
@@ -108,7 +108,6 @@ def relapse_steps(
 def _incident_onset(pre: Rows, incident: Rows, resumed_from: int) -> int | None:
     if not incident:
         return None
-    from ckptforensics.detectors.log import TriageConfig, log_evidence, log_onsets
 
     cfg = TriageConfig()
     found, _ = log_onsets(log_evidence({**pre, **incident}, cfg), cfg)

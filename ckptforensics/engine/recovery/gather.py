@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ckptforensics.checkpoints import first_complete, open_checkpoint
 from ckptforensics.core.errors import ForensicsError
 from ckptforensics.engine.recovery.checks import (
     Check,
@@ -20,6 +21,8 @@ from ckptforensics.engine.recovery.checks import (
     skip_check,
 )
 from ckptforensics.engine.recovery.legs import Split
+from ckptforensics.formats.batches import BatchError, open_batches
+from ckptforensics.formats.locate import list_checkpoints
 
 __all__ = ["plan_checks"]
 
@@ -34,8 +37,6 @@ def plan_checks(
     lr_jumps: Sequence[Any] = (),
 ) -> tuple[list[Check], str | None]:
     """The plan's checks, and the checkpoint after the resume they read."""
-    from ckptforensics.checkpoints import first_complete, open_checkpoint
-    from ckptforensics.formats.locate import list_checkpoints
 
     ckpts = list_checkpoints(run_dir) if run_dir.is_dir() else []
     rollback = next((p for s, p in ckpts if s == resumed_from), None)
@@ -147,7 +148,6 @@ def _recorded(
     )
     if root is None:
         return None, None, None
-    from ckptforensics.formats.batches import BatchError, open_batches
 
     try:
         src = open_batches(str(root))

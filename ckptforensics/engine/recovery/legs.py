@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptforensics.core.errors import ForensicsError
+from ckptforensics.logs import discover_metrics, find_logs
+from ckptforensics.logs.columns import canonical
+from ckptforensics.logs.readers import read_file
 
 __all__ = ["Rows", "Leg", "read_legs", "Split", "split_legs"]
 
@@ -44,9 +47,6 @@ def read_legs(run_dir: Path, metrics: Path | None = None) -> list[Leg]:
     Raises:
         ForensicsError: no log found, or one no reader reads.
     """
-    from ckptforensics.logs import discover_metrics, find_logs
-    from ckptforensics.logs.columns import canonical
-    from ckptforensics.logs.readers import read_file
 
     if metrics is not None and not metrics.is_dir():
         files = [metrics]

@@ -1,23 +1,2 @@
-"""Replay: rebuild model and optimizer from *before*, re-run the window's steps with probes."""
-
-from ckptforensics.engine.replay.run import (
-    Plan,
-    ReplayConfig,
-    ReplayResult,
-    Session,
-    StepRecord,
-    TensorMatch,
-    plan,
-    replay,
-)
-
-__all__ = [
-    "Plan",
-    "ReplayConfig",
-    "ReplayResult",
-    "Session",
-    "StepRecord",
-    "TensorMatch",
-    "plan",
-    "replay",
-]
+"""Replay: rebuild model and optimizer from *before*, re-run the window's steps with probes
+(`run.replay`; the window's plan is `window`, one session's steps `session`)."""

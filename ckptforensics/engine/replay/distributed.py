@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ckptforensics.core.errors import Failed, one_line
+from ckptforensics.engine.diff.shard import destroy_process_group, dist_world, init_process_group
 
 __all__ = [
     "Ranks",
@@ -179,15 +180,12 @@ def start(device: str) -> Ranks | None:
 
     Returns None outside torchrun. The process group is this module's until `stop()`.
     """
-    from ckptforensics.engine.diff.shard import dist_world
 
     rank, world = dist_world()
     if world == 1:
         return None
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-
-    from ckptforensics.engine.diff.shard import init_process_group
 
     if device.startswith("cuda"):
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -250,7 +248,6 @@ def joined(device: str) -> Iterator[Ranks | None]:
 def stop(*, settled: bool = False) -> None:
     """Leave the process group: after a barrier when every rank finished (`settled`),
     at once on a failure path (`shard.destroy_process_group`)."""
-    from ckptforensics.engine.diff.shard import destroy_process_group
 
     _CURRENT.clear()
     destroy_process_group(settled=settled)

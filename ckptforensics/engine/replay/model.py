@@ -18,6 +18,7 @@ from torch import nn
 
 from ckptforensics.core.callables import ModelSpecError, call_factory, load_callable
 from ckptforensics.core.errors import IncompatibleCheckpoints
+from ckptforensics.engine.replay.distributed import local_rows
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.trainers import hook
 from ckptforensics.trainers.base import LossNorm
@@ -202,7 +203,6 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, ranks: Any = None) -> Calla
 
 def _fill_shard(param: Any, ckpt: Checkpoint, name: str, ranks: Any) -> None:
     """Copy this rank's rows of checkpoint tensor `name` into the DTensor `param`."""
-    from ckptforensics.engine.replay.distributed import local_rows
 
     local = local_rows(
         ranks,

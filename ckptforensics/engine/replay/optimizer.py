@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from ckptforensics.core.errors import ForensicsError, IncompatibleCheckpoints
+from ckptforensics.engine.replay.distributed import local_rows
 from ckptforensics.formats.base import Checkpoint
+from ckptforensics.optim import bnb
 
 __all__ = ["OptimizerChain", "build_optimizer"]
 
@@ -311,7 +313,6 @@ def _state_for(fam: str, key: str, st: dict[str, Any], p: nn.Parameter) -> dict[
     out: dict[str, Any] = {}
     if fam == "adam8bit":
         # bitsandbytes' own layout: uint8 codes, maps and scales as saved, an int step.
-        from ckptforensics.optim import bnb
 
         return {
             k: int(float(v))
@@ -340,8 +341,6 @@ def _state_for(fam: str, key: str, st: dict[str, Any], p: nn.Parameter) -> dict[
 def _shard_moment(p: Any, ckpt: Checkpoint, name: str, field: str, ranks: Any) -> Any:
     """A moment of `name` as a DTensor sharded like its parameter `p`."""
     from torch.distributed.tensor import DTensor
-
-    from ckptforensics.engine.replay.distributed import local_rows
 
     st = ckpt.optim_state(name)
     stored = tuple(ckpt.meta(name).shape) if ckpt.has(name) else ()

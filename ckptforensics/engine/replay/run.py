@@ -16,6 +16,7 @@ from ckptforensics.engine.replay.records import ReplayConfig, ReplayResult, Step
 from ckptforensics.engine.replay.session import Session
 from ckptforensics.engine.replay.settle import diagnose_miss, log_score, settle
 from ckptforensics.engine.replay.window import Plan, plan, run_window
+from ckptforensics.trainers.hf.data import require_rebuilt_match
 
 __all__ = [
     "ReplayConfig",
@@ -33,7 +34,6 @@ log = logging.getLogger(__name__)
 
 def _check_rebuilt(p: Plan, result: ReplayResult) -> None:
     """Rebuilt batches are trusted only when the first step replays to the logged loss."""
-    from ckptforensics.trainers.hf.data import require_rebuilt_match
 
     first = result.records[0]
     require_rebuilt_match(

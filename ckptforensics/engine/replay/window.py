@@ -32,9 +32,10 @@ from ckptforensics.engine.replay.records import ReplayConfig, ReplayResult
 from ckptforensics.engine.replay.rowstats import window_row_stats
 from ckptforensics.engine.replay.session import Session, check_vocab
 from ckptforensics.formats.base import Checkpoint
-from ckptforensics.formats.batches import BatchSource, open_batches
-from ckptforensics.logs import group_lrs, read_metrics
+from ckptforensics.formats.batches import BatchSource, open_batches, with_rows
+from ckptforensics.logs import find_metrics, group_lrs, log_dirs, read_metrics
 from ckptforensics.trainers import config_clip, hook
+from ckptforensics.trainers.hf.data import open_dataset, require_rebuilt_match
 from ckptforensics.trainers.olmo_core import skipstep
 
 __all__ = ["Plan", "plan", "choose_batches", "run_window", "run_precision", "optimizer_name"]
@@ -58,7 +59,6 @@ def _model_source(spec: str | None, desc: str | None) -> str:
 def _metrics_file(cfg: ReplayConfig) -> Path | None:
     if cfg.metrics is not None:
         return cfg.metrics
-    from ckptforensics.logs import find_metrics, log_dirs
 
     found = next(
         (f for f in (find_metrics(d) for d in log_dirs(cfg.before)) if f is not None), None
@@ -359,7 +359,6 @@ def choose_batches(p: Plan, candidates: list[BatchSource]) -> BatchSource:
     over. A candidate whose collator cannot collate the window's rows, or whose labels
     follow no convention, is passed over too. Leaves `p.labels` measured on the chosen
     candidate's window. None lands: one line, the figures of each."""
-    from ckptforensics.trainers.hf.data import require_rebuilt_match
 
     step = p.steps[0]
     logged = p.logged.get(step)
@@ -423,8 +422,6 @@ def _batches(cfg: ReplayConfig, a: Checkpoint) -> list[BatchSource]:
             raise ForensicsError(
                 f"{cfg.batch}: the log keeps sample ids, not tokens: pass --data (the dataset they index) as well"
             )
-        from ckptforensics.formats.batches import with_rows
-        from ckptforensics.trainers.hf.data import open_dataset
 
         return [with_rows(src, open_dataset(cfg.data), f"--data {cfg.data}")]
     if cfg.data is None:

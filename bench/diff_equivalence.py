@@ -63,10 +63,10 @@ def reports(run: Path, pairs: list[tuple[str, str]], env: dict[str, str]) -> lis
     """report.json of `diff --before a --after b` for each pair, in one child process under
     `env` (torch imported once); the child's error text where it failed."""
     code = (
-        "import json, sys; import ckptforensics; from ckptforensics import api; "
+        "import json, sys; import ckptforensics; "
         "assert ckptforensics.__file__.startswith(sys.argv[2]), ckptforensics.__file__; "
         "pairs = json.loads(sys.argv[3]); "
-        "print(json.dumps([api.diff(a, b, run_dir=sys.argv[1], workers=1).doc for a, b in pairs]))"
+        "print(json.dumps([ckptforensics.diff(a, b, run_dir=sys.argv[1], workers=1).doc for a, b in pairs]))"
     )
     # cwd: not a checkout (`python -c` puts the working directory first on sys.path).
     out = subprocess.run(

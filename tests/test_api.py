@@ -17,7 +17,7 @@ def test_the_documented_notebook_session_runs_and_finds_the_poisoned_rows(
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "api.md").read_text(), re.S)
     assert len(blocks) == 4
     code = "\n".join(blocks).replace(
-        'run = "build/zoo/poison_batch"', f"run = {str(zoo['poison_batch'])!r}"
+        'run = "build/demo/poison_batch"', f"run = {str(zoo['poison_batch'])!r}"
     )
     truth = json.loads((zoo["poison_batch"] / "truth.json").read_text())
     ns: dict[str, object] = {}
@@ -50,9 +50,9 @@ def test_the_readme_python_section_runs_as_written(zoo: dict[str, Path], tmp_pat
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("### From Python") :]
     code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
-    assert 'run = "build/zoo/poison_batch"' in code
+    assert 'run = "build/demo/poison_batch"' in code
     code = code.replace(
-        'run = "build/zoo/poison_batch"', f"run = {str(zoo['poison_batch'])!r}"
+        'run = "build/demo/poison_batch"', f"run = {str(zoo['poison_batch'])!r}"
     ).replace('"fixtures/', f'"{ROOT}/fixtures/')
     truth = json.loads((zoo["poison_batch"] / "truth.json").read_text())
     ns: dict[str, object] = {}

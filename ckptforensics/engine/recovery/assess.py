@@ -20,7 +20,6 @@ from ckptforensics.engine.recovery.checks import Check
 from ckptforensics.engine.recovery.gather import plan_checks
 from ckptforensics.engine.recovery.legs import Rows, Split, read_legs, split_legs
 from ckptforensics.engine.recovery.trajectory import (
-    MEDIAN_SE,
     Z_BAND,
     Trajectory,
     Window,
@@ -138,6 +137,11 @@ def summarize(
             f"(last window {last.ratio:.3g}x of it)"
             + (
                 f" and the grad norm at {last.grad_ratio:.3g}x its pre-incident level"
+                + (
+                    " (above its band; the loss does not follow it)"
+                    if last.grad_z is not None and last.grad_z > Z_BAND
+                    else ""
+                )
                 if last and last.grad_ratio is not None
                 else ""
             )
@@ -212,7 +216,7 @@ def recovery(
             f"{legs[0].source}: {len(pre_steps)} logged losses before step {fit_until + 1}; the pre-incident trajectory needs {CURVE_SHORT}"
         )
     gsteps = [s for s in sp.pre if s <= fit_until and "grad_norm" in sp.pre[s]]
-    grad_t = fit_trajectory(gsteps, [sp.pre[s]["grad_norm"] for s in gsteps])
+    grad_t = fit_trajectory(gsteps, [sp.pre[s]["grad_norm"] for s in gsteps], held=True)
     found = _onsets(sp.pre, sp.resumed, resumed_from)
     relapses = relapse_steps(found, sp.pre, sp.resumed)
     windows = judge(sp.resumed, loss_t, grad_t, relapses, width)
@@ -237,22 +241,9 @@ def recovery(
     res.gap_trend = trend
     res.trajectory = {
         "model": "log10 value = a + b log10 step, Theil-Sen (docs/signatures.md#recovery)",
-        "loss": {
-            "slope": loss_t.slope,
-            "intercept": loss_t.intercept,
-            "sigma": loss_t.sigma,
-            "fitted_on": list(loss_t.fitted_on),
-            "n": loss_t.n,
-        },
-        "grad_norm": None
-        if grad_t is None
-        else {
-            "slope": grad_t.slope,
-            "intercept": grad_t.intercept,
-            "sigma": grad_t.sigma,
-            "fitted_on": list(grad_t.fitted_on),
-            "n": grad_t.n,
-        },
+        "loss": _fit(loss_t),
+        "grad_norm": None if grad_t is None else _fit(grad_t),
+        "grad_norm_level": "the highest the trend ran at: over the fit, or extrapolated",
         "band_z": Z_BAND,
         "window": width,
     }
@@ -260,7 +251,7 @@ def recovery(
         {"source": leg.source, "first": leg.first, "last": leg.last, "steps": len(leg.rows)}
         for leg in legs
     ]
-    res.series = _series(sp, loss_t, grad_t)
+    res.series = _series(sp, loss_t, grad_t, width)
     res.plan, res.log, res.checkpoint_after, res.run_dir = (
         plan_source,
         sp.resumed_source,
@@ -270,7 +261,21 @@ def recovery(
     return res
 
 
-def _series(sp: Split, loss_t: Trajectory, grad_t: Trajectory | None) -> dict[str, Any]:
+def _fit(t: Trajectory) -> dict[str, Any]:
+    """A trajectory for the report: its line, its noise and the two estimates behind it."""
+    return {
+        "slope": t.slope,
+        "intercept": t.intercept,
+        "sigma": t.sigma,
+        "residual_sigma": t.residual_sigma,
+        "step_sigma": t.step_sigma,
+        "held": t.held,
+        "fitted_on": list(t.fitted_on),
+        "n": t.n,
+    }
+
+
+def _series(sp: Split, loss_t: Trajectory, grad_t: Trajectory | None, width: int) -> dict[str, Any]:
     def cols(rows: Rows) -> dict[str, list[float]]:
         return {
             "step": list(rows),
@@ -279,15 +284,11 @@ def _series(sp: Split, loss_t: Trajectory, grad_t: Trajectory | None) -> dict[st
         }
 
     steps = list(sp.resumed)
-    band = [
-        Z_BAND * math.sqrt((MEDIAN_SE * loss_t.sigma) ** 2 / CURVE_SHORT + loss_t.pred_se(s) ** 2)
-        for s in steps
-    ]
     return {
         "pre": cols(sp.pre),
         "incident": cols(sp.incident),
         "resumed": cols(sp.resumed),
-        "expected_loss": [loss_t.at(s) for s in steps],
-        "loss_band_upper": [loss_t.at(s) * 10**b for s, b in zip(steps, band, strict=True)],
-        "expected_grad_norm": [grad_t.at(s) for s in steps] if grad_t is not None else [],
+        "expected_loss": [loss_t.expected(s) for s in steps],
+        "loss_band_upper": [loss_t.at(s) * 10 ** loss_t.band(s, width) for s in steps],
+        "expected_grad_norm": [grad_t.expected(s) for s in steps] if grad_t is not None else [],
     }

@@ -361,6 +361,16 @@ def plan_section(doc: dict[str, Any], ck: Checkpoint) -> dict[str, Any]:
     jump = _lr_jump(doc.get("findings") or [])
     if jump is not None and lookup(cause).jump_tries and not any(k == "lr_fix" for k, *_ in chosen):
         chosen.insert(0, ("lr_fix", jump, "not_replayed", None))
+    if jump is not None and any(k == "lr_fix" for k, *_ in chosen):
+        # The what-if's `lr_scale={jump_scale}` replays the fix itself (the whole LR scaled back
+        # by the jump); on top of `lr_fix` it would scale the fixed LR down once more.
+        undo = [c for c in chosen if c[0] == "lr_scale" and _is_jump_scale(c[1], jump["scale"])]
+        if undo:
+            chosen = [c for c in chosen if c not in undo]
+            out["notes"].append(
+                f"lr_scale={undo[0][1]:g} (what the what-if replayed) is the LR fix itself: the plan fixes the "
+                "jumped LR (lr_fix) and does not scale it again"
+            )
     steps, ids, rows = _culprits(doc)
     changes: list[Change] = []
     for knob, value, status, ev in sorted(
@@ -498,3 +508,12 @@ def _notes(changes: Sequence[Change], cause: str) -> list[str]:
         "resume with the optimizer state (Adam's moments and step counter): a fresh optimizer restarts bias correction and moves every weight by ~lr at once"
     )
     return out
+
+
+def _is_jump_scale(value: Any, scale: float) -> bool:
+    """Whether an `lr_scale` is the LR jump's own undoing (the what-if's try is printed to 4
+    significant digits)."""
+    try:
+        return abs(float(value) / float(scale) - 1.0) < 1e-3
+    except (TypeError, ValueError, ZeroDivisionError):
+        return False

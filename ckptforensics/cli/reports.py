@@ -30,9 +30,8 @@ def report_cmd(ctx: click.Context, source: Path, out_format: str, out: Path | No
     Example:
       ckptforensics report incident/evidence.h5 --format html --out ticket.html
     """
-    from ckptforensics.report import atomic_write, render_markdown, to_json
+    from ckptforensics.report import atomic_write, render_html, render_markdown, to_json
     from ckptforensics.report.evidence import load_report
-    from ckptforensics.report.html import render_html
 
     with work(ctx), output(out, [], file=True):
         doc = load_report(source)

@@ -3,11 +3,12 @@ first), in markdown and HTML. They format what `audit` decided and decide nothin
 
 from __future__ import annotations
 
-import html
 import math
 from typing import Any
 
-from ckptforensics.report.markdown import fmt
+from ckptforensics.report.blocks import md_footer, md_table
+from ckptforensics.report.page import esc, footer, ol, page, table
+from ckptforensics.report.text import fmt
 
 __all__ = ["render_audit_markdown", "render_audit_html", "is_audit"]
 
@@ -106,8 +107,7 @@ _LAYER_HEAD = [
 
 
 def render_audit_markdown(doc: dict[str, Any]) -> str:
-    from ckptforensics.report.markdown import md_table as _table
-
+    """report.md of an audit: the counts, the architecture, every check, the actions."""
     v, au, a = doc["verdict"], doc["audit"], doc.get("architecture") or {}
     c = au["counts"]
     lines = [
@@ -128,11 +128,11 @@ def render_audit_markdown(doc: dict[str, Any]) -> str:
         "",
         "**Architecture (from the traced forward pass)**",
         "",
-        *_table(["", ""], _arch_rows(a)),
+        *md_table(["", ""], _arch_rows(a)),
         "",
         "**Checks**",
         "",
-        *_table(_HEAD, _rows(doc)),
+        *md_table(_HEAD, _rows(doc)),
     ]
     if v["recommended_actions"]:
         lines += ["", "**Recommended actions**", ""] + [
@@ -143,32 +143,23 @@ def render_audit_markdown(doc: dict[str, Any]) -> str:
             "",
             f"<details><summary>Attention layers ({len(a['layers'])})</summary>",
             "",
-            *_table(_LAYER_HEAD, _layer_rows(a)),
+            *md_table(_LAYER_HEAD, _layer_rows(a)),
             "",
             "</details>",
         ]
     if au.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in au["notes"]]
-    inc = doc["incident"]
-    lines += [
-        "",
-        f"<sub>{inc['command']} · ckptforensics {inc['tool_version']} · schema {doc['schema']}</sub>",
-        "",
-    ]
+    lines += ["", md_footer(doc), ""]
     return "\n".join(lines)
 
 
 def render_audit_html(doc: dict[str, Any]) -> str:
-    from ckptforensics.report.html import CSS, table
-
+    """report.html of an audit: the same rows as report.md, as one page."""
     v, au, a = doc["verdict"], doc["audit"], doc.get("architecture") or {}
     c = au["counts"]
-    e = html.escape
     parts = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>ckptforensics audit</title>",
-        f"<style>{CSS}</style></head><body>",
         f"<h1>ckptforensics audit: {c['critical']} critical, {c['warning']} warning, {c['info']} info</h1>",
-        f"<p class='summary'>{e(v['summary'])}</p>",
+        f"<p class='summary'>{esc(v['summary'])}</p>",
         table(
             ["", ""],
             [
@@ -190,15 +181,8 @@ def render_audit_html(doc: dict[str, Any]) -> str:
         "<h2>Checks</h2>" + table(_HEAD, _rows(doc)),
     ]
     if v["recommended_actions"]:
-        parts.append(
-            "<h2>Recommended actions</h2><ol>"
-            + "".join(f"<li>{e(x)}</li>" for x in v["recommended_actions"])
-            + "</ol>"
-        )
+        parts.append("<h2>Recommended actions</h2>" + ol(v["recommended_actions"]))
     if a.get("layers"):
         parts.append("<h2>Attention layers</h2>" + table(_LAYER_HEAD, _layer_rows(a)))
-    inc = doc["incident"]
-    parts.append(
-        f"<p><small>{e(inc['command'])} · ckptforensics {e(inc['tool_version'])} · {e(doc['schema'])}</small></p></body></html>"
-    )
-    return "\n".join(parts)
+    parts.append(footer(doc))
+    return page("ckptforensics audit", parts)

@@ -6,9 +6,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import h5py
 import numpy as np
 
 from ckptforensics.core.errors import ForensicsError
+from ckptforensics.report.document import SCHEMA
+from ckptforensics.report.files import write_files
 
 __all__ = ["write_evidence", "write_h5", "load_report"]
 
@@ -31,15 +34,11 @@ def _floats(xs: list[Any]) -> np.ndarray:
 
 def write_evidence(path: Path, doc: dict[str, Any]) -> None:
     """Write evidence.h5 atomically (temp file + rename)."""
-    from ckptforensics.report import write_files
-
     write_files({path: lambda tmp: write_h5(tmp, doc)})
 
 
 def write_h5(path: Path, doc: dict[str, Any]) -> None:
     """evidence.h5's content, written to `path` as it is (`write_files` makes it atomic)."""
-    import h5py
-
     with h5py.File(path, "w") as h:
         h.attrs["schema"] = doc["schema"]
         h.attrs["tool_version"] = doc["incident"]["tool_version"]
@@ -87,8 +86,6 @@ def load_report(path: Path) -> dict[str, Any]:
         raise ForensicsError(f"{path}: no such file")
     try:
         if path.suffix in (".h5", ".hdf5"):
-            import h5py
-
             with h5py.File(path, "r") as h:
                 raw = h["report_json"][()]
             doc = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
@@ -96,6 +93,6 @@ def load_report(path: Path) -> dict[str, Any]:
             doc = json.loads(path.read_text())
     except (OSError, KeyError, ValueError, UnicodeDecodeError) as e:
         raise ForensicsError(f"{path}: not a ckptforensics report or evidence file ({e})") from None
-    if not isinstance(doc, dict) or doc.get("schema") != "ckptforensics.report/1":
-        raise ForensicsError(f"{path}: not a ckptforensics.report/1 document")
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise ForensicsError(f"{path}: not a {SCHEMA} document")
     return doc

@@ -1,56 +1,25 @@
 """report.html: one self-contained file (no network), plots inline where matplotlib is installed.
 
-Over 400 lines: one self-contained page, its sections and inline plots rendered from one
-document.
+The page shell (head, stylesheet, tables) is `page`'s; the resume plan is the blocks report.md
+renders too (`plan`); a recovery's and an audit's page are `recovery`'s and `audit`'s.
 """
 
 from __future__ import annotations
 
-import base64
-import html
-import io
 import math
+import warnings
 from typing import Any
 
-from ckptforensics.report.markdown import fmt, plan_lines, recovery_lines, reproduces
+import numpy as np
+
+from ckptforensics.report.audit import render_audit_html
+from ckptforensics.report.blocks import html_blocks
+from ckptforensics.report.page import NO_PLOTS, esc, footer, num, ol, page, png, table
+from ckptforensics.report.plan import plan_blocks
+from ckptforensics.report.recovery import render_recovery_html
+from ckptforensics.report.text import fmt, reproduces
 
 __all__ = ["render_html"]
-
-CSS = """body{font:14px/1.45 system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
-h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid #ddd}
-.summary{background:#fff6e5;border-left:4px solid #e8a33d;padding:.6em 1em}
-table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
-th{background:#f5f5f5}code{background:#f3f3f3;padding:0 3px}.plots img{max-width:100%;border:1px solid #eee;margin:.4em 0}"""
-
-
-def _e(x: Any) -> str:
-    return html.escape(str(x))
-
-
-def table(head: list[str], rows: list[list[Any]]) -> str:
-    h = "".join(f"<th>{_e(c)}</th>" for c in head)
-    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><tr>{h}</tr>{body}</table>"
-
-
-def num(x: Any) -> float:
-    """Report numbers are JSON: non-finite values were stored as null."""
-    return (
-        float(x)
-        if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-        else float("nan")
-    )
-
-
-def png(fig: Any) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return (
-        f'<img alt="plot" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
-    )
 
 
 def _short(names: list[str]) -> list[str]:
@@ -78,10 +47,6 @@ def _heatmap(
     """Modules (forward order, named) x replayed steps, coloured by each module's output-gradient
     and activation norm against its own median over the window (log10): the view that shows
     where a spike starts and how it travels. The first anomalous module and bad step marked."""
-    import warnings
-
-    import numpy as np
-
     steps = sorted(per, key=int)
     out = []
     for key, what in (("grad_norm", "output-gradient norm"), ("rms", "activation RMS")):
@@ -168,10 +133,6 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
         if per and mods and s0 is not None and str(s0) in per:
             others = [per[k]["grad_norm"] for k in per if k != str(s0)]
             if others:
-                import warnings
-
-                import numpy as np
-
                 cur = np.array([num(x) for x in per[str(s0)]["grad_norm"]], float)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)  # modules without gradients
@@ -222,134 +183,16 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
-def _md_block(lines: list[str]) -> str:
-    """Markdown lines (the plan, the recovery tables) in the page: tables as tables, code
-    blocks as <pre>, the rest as paragraphs (no markdown library needed)."""
-    out: list[str] = []
-    code: list[str] | None = None
-    rows: list[list[str]] = []
-
-    def flush_rows() -> None:
-        if rows:
-            out.append(table(rows[0], rows[2:]) if len(rows) > 2 else "")
-            rows.clear()
-
-    for line in lines:
-        if line.startswith("```"):
-            if code is None:
-                flush_rows()
-                code = []
-            else:
-                out.append("<pre>" + _e("\n".join(code)) + "</pre>")
-                code = None
-            continue
-        if code is not None:
-            code.append(line)
-        elif line.startswith("| "):
-            rows.append([c.strip().replace("\\|", "|") for c in line.strip("|").split(" | ")])
-        else:
-            flush_rows()
-            if line.strip():
-                out.append(f"<p>{_e(line.replace('**', '').replace('`', ''))}</p>")
-    flush_rows()
-    return "".join(out)
-
-
-def _recovery_plot(r: dict[str, Any]) -> str:
-    """Loss and grad norm: the pre-incident steps, the incident leg, the resumed leg, the
-    trajectory with its band, the resume and the verdict's step marked."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return ""
-    se = r["series"]
-    fig, ax = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
-    for a, key in ((ax[0], "loss"), (ax[1], "grad_norm")):
-        for leg, style, label in (
-            ("pre", dict(color="0.5", lw=1), "before the resume"),
-            ("incident", dict(color="r", lw=1, ls="--"), "incident leg"),
-            ("resumed", dict(color="C0", lw=1.3), "resumed leg"),
-        ):
-            s = se.get(leg) or {}
-            if s.get("step"):
-                a.plot(s["step"], [num(x) for x in s[key]], label=label, **style)
-        exp = se.get("expected_loss" if key == "loss" else "expected_grad_norm") or []
-        steps = (se.get("resumed") or {}).get("step") or []
-        if exp and len(exp) == len(steps):
-            a.plot(steps, exp, color="k", ls=":", lw=1, label="pre-incident trajectory")
-            if key == "loss" and len(se.get("loss_band_upper") or []) == len(steps):
-                a.fill_between(
-                    steps, exp, se["loss_band_upper"], color="g", alpha=0.12, label="band"
-                )
-        a.axvline(r["resumed_from"], color="g", lw=1, label="resumed from")
-        if r.get("step") is not None:
-            a.axvline(
-                r["step"],
-                color="r" if r["status"] == "relapsed" else "C2",
-                ls="--",
-                lw=1,
-                label=r["status"],
-            )
-        a.set_ylabel(key.replace("_", " "))
-    ax[1].set_yscale("log")
-    ax[1].set_xlabel("step")
-    ax[0].legend(fontsize=7)
-    return png(fig)
-
-
-def _render_recovery(doc: dict[str, Any]) -> str:
-    r, v, inc = doc["recovery"], doc["verdict"], doc["incident"]
-    head = r["status"] + (
-        f" at step {r['step']}" if r["step"] is not None and r["status"] != "recovering" else ""
-    )
-    parts = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>ckptforensics recovery</title>",
-        f"<style>{CSS}</style></head><body><h1>ckptforensics: recovery — {_e(head)}</h1>",
-        f"<p class='summary'>{_e(v['summary'])}</p>",
-        table(
-            ["", ""],
-            [
-                ["resumed from", f"{inc['before']['path']} (step {fmt(r['resumed_from'])})"],
-                ["checkpoint after the resume", r.get("checkpoint_after") or "—"],
-                ["incident onset", fmt(r.get("onset"))],
-            ],
-        ),
-    ]
-    if v["recommended_actions"]:
-        parts.append(
-            "<h2>Next</h2><ol>"
-            + "".join(f"<li>{_e(a)}</li>" for a in v["recommended_actions"])
-            + "</ol>"
-        )
-    plot = _recovery_plot(r)
-    parts.append(
-        f"<h2>Loss and grad norm</h2><div class='plots'>{plot}</div>"
-        if plot
-        else "<p><em>Plots need the plots extra (matplotlib); tables follow.</em></p>"
-    )
-    parts.append("<h2>Details</h2>" + _md_block(recovery_lines(r)))
-    parts.append(
-        f"<p><small>{_e(inc['command'])} · ckptforensics {_e(inc['tool_version'])} · {_e(doc['schema'])}</small></p></body></html>"
-    )
-    return "\n".join(parts)
-
-
 def render_html(doc: dict[str, Any]) -> str:
+    """report.html of any report document (a recovery's and an audit's have their own page)."""
     if doc.get("recovery"):
-        return _render_recovery(doc)
+        return render_recovery_html(doc)
     if doc.get("audit"):
-        from ckptforensics.report.audit import render_audit_html
-
         return render_audit_html(doc)
     v, inc = doc["verdict"], doc["incident"]
     parts = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>ckptforensics report</title>",
-        f"<style>{CSS}</style></head><body>",
-        f"<h1>ckptforensics: {_e(v['causes'][0]['cause'].replace('_', ' '))}</h1>",
-        f"<p class='summary'>{_e(v['summary'])}</p>",
+        f"<h1>ckptforensics: {esc(v['causes'][0]['cause'].replace('_', ' '))}</h1>",
+        f"<p class='summary'>{esc(v['summary'])}</p>",
         table(
             ["", ""],
             [
@@ -372,14 +215,10 @@ def render_html(doc: dict[str, Any]) -> str:
         ),
     ]
     if v["recommended_actions"]:
-        parts.append(
-            "<h2>Recommended actions</h2><ol>"
-            + "".join(f"<li>{_e(a)}</li>" for a in v["recommended_actions"])
-            + "</ol>"
-        )
+        parts.append("<h2>Recommended actions</h2>" + ol(v["recommended_actions"]))
     p = doc.get("plan") or {}
     if p.get("status") == "ready":
-        parts.append("<h2>Resume plan</h2>" + _md_block(plan_lines(p)))
+        parts.append("<h2>Resume plan</h2>" + html_blocks(plan_blocks(p)))
     if v["anomalous_samples"]:
         parts.append(
             "<h2>Anomalous samples</h2>"
@@ -411,11 +250,11 @@ def render_html(doc: dict[str, Any]) -> str:
     if plots:
         parts.append(
             "<h2>Plots</h2><div class='plots'>"
-            + "".join(f"<h3>{_e(t)}</h3>{img}" for t, img in plots)
+            + "".join(f"<h3>{esc(t)}</h3>{img}" for t, img in plots)
             + "</div>"
         )
     else:
-        parts.append("<p><em>Plots need the plots extra (matplotlib); tables follow.</em></p>")
+        parts.append(NO_PLOTS)
     parts.append(
         "<h2>Findings</h2>"
         + table(
@@ -443,7 +282,5 @@ def render_html(doc: dict[str, Any]) -> str:
                 ],
             )
         )
-    parts.append(
-        f"<p><small>{_e(inc['command'])} · ckptforensics {_e(inc['tool_version'])} · {_e(doc['schema'])}</small></p></body></html>"
-    )
-    return "\n".join(parts)
+    parts.append(footer(doc))
+    return page("ckptforensics report", parts)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ckptforensics.report import clean
+from ckptforensics.report.document import clean
+from ckptforensics.report.page import esc, page
 
 __all__ = ["INSPECT_SCHEMA", "inspect_doc", "render_inspect_text", "render_inspect_html"]
 
@@ -80,6 +81,5 @@ def render_inspect_text(doc: dict[str, Any], show_all: bool = False) -> str:
 
 def render_inspect_html(doc: dict[str, Any]) -> str:
     """The text, every tensor listed, as one self-contained page."""
-    import html
-
-    return f"<!doctype html><meta charset=utf-8><pre>{html.escape(render_inspect_text(doc, show_all=True))}</pre>\n"
+    body = f"<pre>{esc(render_inspect_text(doc, show_all=True))}</pre>"
+    return page("ckptforensics inspect", [body]) + "\n"

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import html
 import math
 from typing import Any
 
-from ckptforensics.report.html import CSS, num, png, table
-from ckptforensics.report.markdown import fmt
+from ckptforensics.report.page import esc, num, page, png, table
+from ckptforensics.report.text import fmt
 
 __all__ = ["render_triage_markdown", "render_triage_html"]
 
@@ -153,16 +152,15 @@ def render_triage_html(t: dict[str, Any]) -> str:
     first = t["first_bad_step"]
     head = f"First bad step: {fmt(first)}" if first is not None else "No spike onset in the log."
     parts = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>ckptforensics triage</title>",
-        f"<style>{CSS}</style></head><body><h1>ckptforensics: triage</h1>",
-        f"<p class='summary'>{html.escape(head)}</p>",
+        "<h1>ckptforensics: triage</h1>",
+        f"<p class='summary'>{esc(head)}</p>",
         table(["", ""], [[k, v] for k, v in _head(t)]),
     ]
     plot = _timeline(t)
     if plot:
         parts.append(f"<h2>Timeline</h2><div class='plots'>{plot}</div>")
     if t["commands"]:
-        parts.append("<h2>Next</h2><pre>" + html.escape("\n".join(t["commands"])) + "</pre>")
+        parts.append("<h2>Next</h2><pre>" + esc("\n".join(t["commands"])) + "</pre>")
     if t["onsets"]:
         parts.append(
             "<h2>Signals</h2>"
@@ -180,8 +178,7 @@ def render_triage_html(t: dict[str, Any]) -> str:
                 ["step", "signal", "rule", "message"],
                 _html_rows(aside),
             )
-            + (f"<p>{html.escape(more)}</p>" if more else "")
+            + (f"<p>{esc(more)}</p>" if more else "")
             + "</details>"
         )
-    parts.append("</body></html>")
-    return "\n".join(parts)
+    return page("ckptforensics triage", parts)

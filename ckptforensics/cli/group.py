@@ -96,12 +96,12 @@ def cli(ctx: click.Context, verbose: int, quiet: bool, debug: bool) -> None:
 
 def main() -> None:
     """The console script. A torchrun rank that created a process group leaves through
-    `shard.leave_rank`, whatever its status: gloo's threads outlive the interpreter."""
-    from ckptforensics.engine.diff.shard import joined_a_group, leave_rank
-
+    `shard.leave_rank`, whatever its status: gloo's threads outlive the interpreter. Only a
+    process that loaded the shard module can have created one, so `--help` loads nothing."""
     try:
         cli(prog_name="ckptforensics")  # standalone click: always ends in SystemExit
     except SystemExit as e:
-        if joined_a_group():
-            leave_rank(e.code)
+        shard = sys.modules.get("ckptforensics.engine.diff.shard")
+        if shard is not None and shard.joined_a_group():
+            shard.leave_rank(e.code)
         raise

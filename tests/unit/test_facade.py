@@ -30,3 +30,16 @@ def test_each_command_is_its_module_function_and_every_module_imports_plainly() 
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_help_and_the_package_load_no_torch() -> None:
+    """`ckptforensics --help` and `import ckptforensics` stay fast: neither loads torch (the
+    startup bench's `--help` <= 0.5 s; torch alone takes ~2 s)."""
+    code = (
+        "import sys; import ckptforensics; from ckptforensics.cli import main; "
+        "sys.argv = ['ckptforensics', '--help']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch loaded'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,6 +1,7 @@
-"""Open any checkpoint a run wrote: `formats`' generic readers with every trainer's layout
-registered (importing `trainers` registers them). Code above the trainers opens checkpoints
-through here, so that no reader is missing whichever module loads first."""
+"""Open any checkpoint a run wrote, and find it by its step: `formats`' generic readers with
+every trainer's layout registered, and `formats.locate` with every trainer's checkpoint names
+(importing `trainers` registers them). Code above the trainers opens checkpoints and resolves
+steps through here, so that no reader or name is missing whichever module loads first."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ckptforensics.formats import (
     single_file,
     sniff,
 )
+from ckptforensics.formats.locate import list_checkpoints, resolve_checkpoint
 
 __all__ = [
     "FORMATS",
@@ -28,10 +30,12 @@ __all__ = [
     "first_complete",
     "format_names",
     "is_builtin",
+    "list_checkpoints",
     "load_plugins",
     "open_checkpoint",
     "open_pair",
     "require_complete",
+    "resolve_checkpoint",
     "settle_pair",
     "single_file",
     "sniff",

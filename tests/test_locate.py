@@ -1,9 +1,12 @@
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from ckptforensics.checkpoints import list_checkpoints, resolve_checkpoint
 from ckptforensics.core.errors import CheckpointNotFound
-from ckptforensics.formats.locate import list_checkpoints, resolve_checkpoint
+from ckptforensics.formats.locate import STEP_PATTERNS, register_step_names
 
 
 @pytest.mark.parametrize(
@@ -52,3 +55,41 @@ def test_listing_is_sorted_by_step(tmp_path: Path) -> None:
     for s in (100, 20, 3):
         (tmp_path / f"step_{s}.pt").write_bytes(b"")
     assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 20, 100]
+
+
+def test_the_names_are_each_trainers_in_their_order() -> None:
+    """Each trainer declares the names it writes (`STEP_NAMES`); several writers of one name
+    share its entry."""
+    assert [(who, rx.pattern) for who, rx in STEP_PATTERNS] == [
+        ("HF Trainer", r"^checkpoint-(\d+)$"),
+        ("DeepSpeed", r"^global_step(\d+)$"),
+        ("Megatron", r"^iter_(\d+)$"),
+        (
+            "torchtitan / OLMo-core / step_N",
+            r"^step[-_]?(\d+)(?:\.(?:pt|pth|bin|safetensors|ckpt))?$",
+        ),
+        ("Lightning", r"^.*step=(\d+).*\.ckpt$"),
+    ]
+    with pytest.raises(ValueError, match="Megatron"):
+        register_step_names("Megatron", r"^iter_(\d+)$", order=3)
+
+
+def test_lightnings_version_folders_are_looked_in(tmp_path: Path) -> None:
+    ckpt = tmp_path / "lightning_logs" / "version_1" / "checkpoints" / "epoch=0-step=7.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"")
+    assert list_checkpoints(tmp_path) == [(7, ckpt)]
+
+
+def test_the_cli_resolves_every_trainers_names_in_a_fresh_process(tmp_path: Path) -> None:
+    """The CLI imports `formats.locate` alone; its --run-dir loads the trainers' names."""
+    (tmp_path / "iter_0041950").mkdir()
+    r = subprocess.run(
+        [sys.executable, "-m", "ckptforensics.cli", "inspect", "--run-dir", str(tmp_path), "41950"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2 and "iter_0041950: a directory that is not a known" in r.stderr, (
+        r.stderr
+    )

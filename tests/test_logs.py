@@ -20,10 +20,10 @@ from ckptforensics.logs import (
     MissingExtra,
     find_logs,
     find_metrics,
-    megatron_line,
     read_log,
     read_metrics,
 )
+from ckptforensics.trainers.megatron.logs import iteration_line
 from tests.conftest import ROOT
 
 FORMATS = (
@@ -160,7 +160,7 @@ def test_megatron_line_in_both_megatrons_formats() -> None:
     lm = (" [2026-12-01 10:00:00.000000] iteration      100/  500000 | consumed samples:        51200 | elapsed time per iteration (ms): 812.3 |"
           " learning rate: 1.499999E-05 | global batch size:   512 | lm loss: 6.412345E+00 | loss scale: 65536.0 | grad norm: 1.234 |"
           " number of skipped iterations:   0 | number of nan iterations:   0 |")  # fmt: skip
-    step, vals = megatron_line(lm)  # type: ignore[misc]
+    step, vals = iteration_line(lm)  # type: ignore[misc]
     assert (
         step == 100
         and vals["lm loss"] == pytest.approx(6.412345)
@@ -171,7 +171,7 @@ def test_megatron_line_in_both_megatrons_formats() -> None:
           " learning rate: 5.994E-05 | global batch size:   512 | lm loss: 1.412345E+01 | loss scale: 4096.0 | grad norm: 0.000 |"
           " actual seqlen:  2048 | number of skipped iterations:   3 | number of nan iterations:   0 | samples per second: 127.591 |"
           " tokens per gpu per second (tgs): 2041.4 | TFLOPs: 109.38 |")  # fmt: skip
-    step, vals = megatron_line(ds)  # type: ignore[misc]
+    step, vals = iteration_line(ds)  # type: ignore[misc]
     assert (
         step == 3000
         and vals["lm loss"] == pytest.approx(14.12345)

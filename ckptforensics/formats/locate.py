@@ -1,4 +1,8 @@
-"""Resolve `--before 41950` inside a run directory to the checkpoint trainers wrote for it."""
+"""Resolve `--before 41950` inside a run directory to the checkpoint trainers wrote for it.
+
+The names trainers give their checkpoints are each trainer's (`STEP_NAMES` in its package,
+registered here by `trainers` as it loads: code that resolves steps imports `trainers` first,
+as `checkpoints` does); the plain `step_N` is this module's own."""
 
 from __future__ import annotations
 
@@ -13,21 +17,45 @@ __all__ = [
     "resolve_checkpoint",
     "list_checkpoints",
     "must_exist",
+    "register_step_names",
+    "register_checkpoint_dirs",
     "STEP_PATTERNS",
+    "CHECKPOINT_DIRS",
+    "STEP_N",
 ]
 
-# The names trainers write, with the step as the one group. Order is documentation only:
-# a step that matches several entries is an error, never a silent pick.
-STEP_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("HF Trainer", re.compile(r"^checkpoint-(\d+)$")),
-    ("DeepSpeed", re.compile(r"^global_step(\d+)$")),
-    ("Megatron", re.compile(r"^iter_(\d+)$")),
-    (
-        "torchtitan / OLMo-core / step_N",
-        re.compile(r"^step[-_]?(\d+)(?:\.(?:pt|pth|bin|safetensors|ckpt))?$"),
-    ),
-    ("Lightning", re.compile(r"^.*step=(\d+).*\.ckpt$")),
-)
+# The names trainers write, with the step as the one group: (who writes it, the pattern), in
+# `order` (`register_step_names`). Order is documentation only: a step that matches several
+# entries is an error, never a silent pick.
+STEP_PATTERNS: list[tuple[str, re.Pattern[str]]] = []
+# (order, who, pattern) as registered; STEP_PATTERNS is built from them.
+_NAMES: list[tuple[float, str, re.Pattern[str]]] = []
+# Folders of the run directory (globs) where a trainer keeps its checkpoints, beside `checkpoints/`.
+CHECKPOINT_DIRS: list[str] = []
+# The plain name: `step-N`, `stepN`, `step_N`, a folder or a file.
+STEP_N = r"^step[-_]?(\d+)(?:\.(?:pt|pth|bin|safetensors|ckpt))?$"
+
+
+def register_step_names(who: str, pattern: str, *, order: float) -> None:
+    """Add a name checkpoints are written under (`pattern`, the step as its one group) and who
+    writes it; several writers of one pattern share its entry, named in `order`.
+
+    Raises:
+        ValueError: `who` is registered already.
+    """
+    if any(w == who for _, w, _ in _NAMES):
+        raise ValueError(f"checkpoint names of {who!r} are already registered")
+    _NAMES.append((order, who, re.compile(pattern)))
+    groups: dict[str, list[tuple[float, str, re.Pattern[str]]]] = {}
+    for entry in sorted(_NAMES, key=lambda e: e[0]):
+        groups.setdefault(entry[2].pattern, []).append(entry)
+    STEP_PATTERNS[:] = [(" / ".join(w for _, w, _ in g), g[0][2]) for g in groups.values()]
+
+
+def register_checkpoint_dirs(pattern: str) -> None:
+    """Add the folders (a glob in the run directory) where a trainer keeps its checkpoints."""
+    if pattern not in CHECKPOINT_DIRS:
+        CHECKPOINT_DIRS.append(pattern)
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -36,11 +64,11 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     if not run_dir.is_dir():
         _refuse_loop(run_dir)
         return found
-    # Lightning's default layout keeps them in the logger's version folder:
-    # `lightning_logs/version_N/checkpoints/` (or `checkpoints/` of the folder given).
+    # `checkpoints/` of the folder given, and the folders trainers keep them in (Lightning's
+    # logger version folders: `lightning_logs/version_N/checkpoints/`).
     nested = [
         run_dir / "checkpoints",
-        *sorted(run_dir.glob("lightning_logs/version_*/checkpoints")),
+        *(d for pattern in CHECKPOINT_DIRS for d in sorted(run_dir.glob(pattern))),
     ]
     children = [c for d in [run_dir, *nested] if d.is_dir() for c in d.iterdir()]
     for child in children:
@@ -127,3 +155,6 @@ def _refuse_loop(path: Path) -> None:
     """A name that is a symlink leading nowhere: said as such."""
     if path.is_symlink():
         must_exist(path)
+
+
+register_step_names("step_N", STEP_N, order=4.9)

@@ -1,14 +1,16 @@
 """Training logs: find a run's logs, read each in its trainer's format, and merge the legs of
 a restarted run into one step -> metrics table.
 
-Formats: JSONL; CSV (Lightning's / LitGPT's CSVLogger; W&B's CSV exports, untested on a real one); HF
-`trainer_state.json`; OLMo-core's `metrics_step{N}.json`; Megatron-LM's printed log (and
-Megatron-DeepSpeed's variant of the line); TensorBoard event files (the tensorboard extra);
-W&B offline runs (`.wandb`, the wandb extra); MLflow's local stores (`mlruns/`; `mlflow.db`,
-MLflow 3's default). Shared
-by `triage` and the replay (which takes each step's LR and the history before its window
-from here): `read_metrics(path) -> {step: {"loss", "grad_norm", "lr", per-group LRs,
-"loss_scale", ...}}`, steps as the trainer counts optimizer steps (docs/internals.md, the triage section: training logs).
+Generic formats here: JSONL; CSV (a CSVLogger's; W&B's CSV exports, untested on a real one);
+TensorBoard event files (the tensorboard extra); W&B offline runs (`.wandb`, the wandb extra);
+MLflow's local stores (`mlruns/`; `mlflow.db`, MLflow 3's default). A trainer's own format
+(its printed log, its per-step metrics files, its state file), where it leaves its log and how
+its loggers count steps are its `logs.py`'s (trainers/<t>/), registered here (`registry`) as
+`trainers` loads: code that reads logs imports `trainers` first. Shared by `triage` and the
+replay (which takes each step's LR and the history before its window from here):
+`read_metrics(path) -> {step: {"loss", "grad_norm", "lr", per-group LRs, "loss_scale", ...}}`,
+steps as the trainer counts optimizer steps (docs/internals.md, the triage section: training
+logs).
 """
 
 from __future__ import annotations
@@ -18,9 +20,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptforensics.core.errors import ForensicsError
-from ckptforensics.logs.columns import ALIASES, canonical, group_lrs, lr_columns, param_grad_columns
-from ckptforensics.logs.discover import find_logs, log_dirs
-from ckptforensics.logs.readers import Leg, MissingExtra, megatron_line, read_file
+from ckptforensics.logs.columns import (
+    ALIASES,
+    canonical,
+    group_lrs,
+    lr_columns,
+    param_grad_columns,
+    register_log_names,
+)
+from ckptforensics.logs.discover import find_logs, log_dirs, looked_for
+from ckptforensics.logs.readers import Leg, MissingExtra, read_file
+from ckptforensics.logs.registry import (
+    register_finder,
+    register_format,
+    register_rows,
+    register_step_key,
+    register_step_rule,
+)
 
 __all__ = [
     "MetricsLog",
@@ -34,9 +50,14 @@ __all__ = [
     "group_lrs",
     "lr_columns",
     "param_grad_columns",
-    "megatron_line",
     "ALIASES",
     "MissingExtra",
+    "register_format",
+    "register_finder",
+    "register_rows",
+    "register_step_key",
+    "register_step_rule",
+    "register_log_names",
 ]
 
 Rows = dict[int, dict[str, float]]
@@ -166,8 +187,6 @@ def discover_metrics(run_dir: Path) -> Path:
     found = find_metrics(run_dir)
     if found is None:
         raise ForensicsError(
-            f"no training log in {run_dir} (looked for metrics.jsonl / .csv, trainer_state.json, lightning_logs, LitGPT logs/csv, "
-            "OLMo-core metrics_step*.json, Megatron's printed log (*.log, *.out, *.txt), TensorBoard events (tb/, runs/, "
-            "--tensorboard-dir), wandb/latest-run, mlruns/); pass --metrics"
+            f"no training log in {run_dir} (looked for {looked_for()}); pass --metrics"
         )
     return found

@@ -1,14 +1,14 @@
-"""What each trainer calls a metric: one table of names, and the columns a row's LRs and
-per-parameter grad norms sit in."""
+"""What each trainer calls a metric: one table of names (each trainer's, registered as
+`trainers` loads), and the columns a row's LRs and per-parameter grad norms sit in."""
 
 from __future__ import annotations
 
 import re
 
-from ckptforensics.trainers import log_aliases
-
 __all__ = [
     "ALIASES",
+    "OURS",
+    "register_log_names",
     "canonical",
     "lr_columns",
     "group_lrs",
@@ -17,13 +17,13 @@ __all__ = [
 ]
 
 # Our name -> the names trainers log it under, first match wins: each trainer's `LOG_NAMES`
-# (frameworks/: OLMo-core's, Megatron-LM's TensorBoard tags and printed line, the HF
+# (trainers/<t>/: OLMo-core's, Megatron-LM's TensorBoard tags and printed line, the HF
 # Trainer's callbacks and trainer_state.json, torchtitan's MetricsProcessor, Lightning's
-# self.log names), merged in `frameworks.LOG_ORDER`. nanoGPT-style loops and the flight
-# recorder log our names ("loss", "grad_norm", "lr") as they are. Megatron's LR:
-# readers.megatron_lr (one step later).
+# self.log names), registered by `trainers` in its `LOG_ORDER` (`register_log_names`).
+# nanoGPT-style loops and the flight recorder log our names ("loss", "grad_norm", "lr") as
+# they are. Megatron's LR: trainers/megatron/logs.py (one step later).
 OURS = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "nan_iterations")
-ALIASES: dict[str, tuple[str, ...]] = log_aliases(OURS)
+ALIASES: dict[str, tuple[str, ...]] = {k: () for k in OURS}
 # Megatron-LM writes each of its curves a second time against consumed samples (and
 # Megatron-DeepSpeed against tokens): another x axis, not steps.
 IGNORED_TAG_SUFFIXES = (" vs samples", " vs tokens", " vs steps")
@@ -33,6 +33,22 @@ IGNORED_TAG_SUFFIXES = (" vs samples", " vs tokens", " vs steps")
 # or "grad_norm/<param>".
 _GROUP_LR = (re.compile(r"^optim/LR \(group (\d+)\)$"), re.compile(r"^lr-[^/]+/pg(\d+)$"))
 _PARAM_GRAD = re.compile(r"^(?:optim/grad/|grad_norm/|grad/|grad_[\d.]+_norm/)(.+?)(?:\.norm)?$")
+
+
+def register_log_names(names: dict[str, tuple[str, ...]]) -> None:
+    """Add one trainer's names for our metrics (our name -> theirs) after those registered
+    before (the first match wins where a log holds several).
+
+    Raises:
+        ValueError: a name of ours that is not one (`OURS`).
+    """
+    unknown = set(names) - set(OURS)
+    if unknown:
+        raise ValueError(
+            f"not metrics of ours: {', '.join(sorted(unknown))} (ours: {', '.join(OURS)})"
+        )
+    for ours, theirs in names.items():
+        ALIASES[ours] += tuple(theirs)
 
 
 def canonical(rows: dict[int, dict[str, float]], keys: dict[str, str] | None = None) -> None:

@@ -1,26 +1,20 @@
-"""Where each trainer leaves its training log, and every file of it (a restarted run leaves several)."""
+"""Where a run leaves its training log, and every file of it (a restarted run leaves several):
+the places registered (`registry.FINDERS`: the generic ones here, each trainer's from its
+`logs.py`) asked in turn."""
 
 from __future__ import annotations
 
 import logging
-import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
-from ckptforensics.checkpoints import first_complete
-from ckptforensics.formats.locate import list_checkpoints
-from ckptforensics.logs.readers import is_megatron_text, mlflow_run_name
+from ckptforensics.formats import first_complete
+from ckptforensics.logs.readers import mlflow_run_name
+from ckptforensics.logs.registry import FINDERS, RunFiles, register_finder
 
-__all__ = ["find_logs", "log_dirs"]
+__all__ = ["find_logs", "log_dirs", "looked_for", "newest_complete", "version_files"]
 
 log = logging.getLogger(__name__)
-
-# Folders a walk does not enter: checkpoints are large and hold no logs of their own that
-# the searches below want (trainer_state.json is looked up through list_checkpoints).
-_SKIP = re.compile(
-    r"^(?:iter_\d+|global_step\d+|checkpoint-\d+|step[-_]?\d+|\..*|__pycache__|wandb|mlruns)$"
-)
 
 
 # A checkpoint's own folder inside its run: HF's checkpoint-N, Megatron's iter_N, DeepSpeed's
@@ -43,23 +37,37 @@ def log_dirs(checkpoint: Path) -> list[Path]:
     return out
 
 
-def _walk(root: Path, depth: int = 3) -> Iterator[Path]:
-    """Files under root, at most `depth` folders down, skipping checkpoint folders."""
-    try:
-        entries = sorted(os.scandir(root), key=lambda e: e.name)
-    except OSError:
-        return
-    for e in entries:
-        if e.is_file():
-            yield Path(e.path)
-        elif e.is_dir() and depth > 0 and not _SKIP.match(e.name):
-            yield from _walk(Path(e.path), depth - 1)
+def newest_complete(ckpts: list[tuple[int, Path]]) -> Path | None:
+    """The newest of `ckpts` (step, path; by step) that is complete by its format's rule, each
+    newer one passed over said in the log (a save that died half-way may hold a torn log)."""
+    if not ckpts:
+        return None
+    found, skipped = first_complete(list(reversed(ckpts)))
+    for note in skipped:
+        log.info("training log: %s", note)
+    return found[1] if found is not None else None
 
 
-def _wandb(run_dir: Path) -> list[Path]:
+def version_files(run_dir: Path, pattern: str) -> list[Path]:
+    """A logger's files in its `version_N` folders (one a launch), by N."""
+    return sorted(run_dir.glob(pattern), key=lambda p: int(p.parent.name.split("_")[-1]))
+
+
+def _metrics_file(run: RunFiles) -> list[Path]:
+    for name in ("metrics.jsonl", "metrics.csv"):
+        if (run.path / name).is_file():
+            return [run.path / name]
+    return []
+
+
+def _events(run: RunFiles) -> list[Path]:
+    return [f for f in run.files if f.name.startswith("events.out.tfevents.")]
+
+
+def _wandb(run: RunFiles) -> list[Path]:
     """wandb/latest-run's `.wandb` file and those of its earlier legs (W&B names every run
     folder `{offline-,}run-<date>-<id>`; a resumed run keeps its id)."""
-    root = run_dir / "wandb"
+    root = run.path / "wandb"
     if not root.is_dir():
         return []
     latest = root / "latest-run"
@@ -71,10 +79,10 @@ def _wandb(run_dir: Path) -> list[Path]:
     return [r for r in runs if r.stem == f"run-{run_id}"]
 
 
-def _mlflow(run_dir: Path) -> list[Path]:
+def _mlflow(run: RunFiles) -> list[Path]:
     """The newest MLflow run under mlruns/ and the earlier runs of the same experiment and
     name (a trainer resumed without MLFLOW_RUN_ID opens a new run under the same name)."""
-    root = run_dir / "mlruns"
+    root = run.path / "mlruns"
     if not root.is_dir():
         return []
     runs = [m.parent for m in root.glob("*/*/meta.yaml") if (m.parent / "metrics").is_dir()]
@@ -85,53 +93,34 @@ def _mlflow(run_dir: Path) -> list[Path]:
     return sorted(r for r in runs if r.parent == newest.parent and mlflow_run_name(r) == name)
 
 
+def _mlflow_db(run: RunFiles) -> list[Path]:
+    """MLflow 3's default store."""
+    db = run.path / "mlflow.db"
+    return [db] if db.is_file() else []
+
+
 def find_logs(run_dir: Path) -> list[Path]:
-    """Every file of the run's training log, for the first kind found, in this order:
-    metrics.jsonl / metrics.csv; Lightning's and LitGPT's CSVLogger files (every
-    version_N: one per launch); the newest HF checkpoint's trainer_state.json (its history
-    spans every leg); OLMo-core's metrics_step{N}.json; Megatron's printed log (*.log,
-    *.out, *.txt with iteration lines, slurm-*.out); TensorBoard event files (tb/,
-    runs/*/, tensorboard/, lightning_logs/version_N/, Megatron's --tensorboard-dir); the
-    W&B run of wandb/latest-run; the newest MLflow run in mlruns/ or mlflow.db (MLflow 3's
-    default store). [] when there is none."""
+    """Every file of the run's training log, for the first kind found, in the order the places
+    are registered: metrics.jsonl / metrics.csv; each trainer's own (its CSVLogger's files,
+    every version_N: one per launch; the newest checkpoint's trainer_state.json, whose history
+    spans every leg; metrics_step{N}.json; a printed log: *.log, *.out, *.txt, slurm-*.out);
+    TensorBoard event files (tb/, runs/*/, tensorboard/, a logger's version_N/, a trainer's
+    --tensorboard-dir); the W&B run of wandb/latest-run; the newest MLflow run in mlruns/ or
+    mlflow.db (MLflow 3's default store). [] when there is none."""
     if not run_dir.is_dir():
         return []
-    for name in ("metrics.jsonl", "metrics.csv"):
-        if (run_dir / name).is_file():
-            return [run_dir / name]
-    if (
-        run_dir.name == "checkpoints" and (run_dir.parent / "metrics.csv").is_file()
-    ):  # Lightning's version_N/checkpoints
-        return [run_dir.parent / "metrics.csv"]
-    for pattern in ("lightning_logs/version_*/metrics.csv", "logs/csv/version_*/metrics.csv"):
-        found = sorted(run_dir.glob(pattern), key=lambda p: int(p.parent.name.split("_")[-1]))
-        if found:
-            return found
-    ckpts = [
-        (s, Path(p))
-        for s, p in list_checkpoints(run_dir)
-        if (Path(p) / "trainer_state.json").is_file()
-    ]
-    if ckpts:
-        # The newest complete checkpoint's: a save that died half-way may hold a torn one.
+    run = RunFiles(run_dir)
+    return next((found for f in FINDERS if (found := f.find(run))), [])
 
-        found, skipped = first_complete(list(reversed(ckpts)))
-        for note in skipped:
-            log.info("training log: %s", note)
-        if found is not None:
-            return [found[1] / "trainer_state.json"]
-    olmo = sorted(run_dir.glob("metrics_step*.json"))
-    if olmo:
-        return [olmo[0]]
-    files = list(_walk(run_dir))
-    text = [f for f in files if f.suffix in (".log", ".out", ".txt") and is_megatron_text(f)]
-    if text:
-        return text
-    events = [f for f in files if f.name.startswith("events.out.tfevents.")]
-    if events:
-        return events
-    return (
-        _wandb(run_dir)
-        or _mlflow(run_dir)
-        or ([run_dir / "mlflow.db"] if (run_dir / "mlflow.db").is_file() else [])
-    )
+
+def looked_for() -> str:
+    """What `find_logs` looks for, as an error names it."""
+    return ", ".join(f.what for f in FINDERS if f.what)
+
+
+# The generic places, among which each trainer's `logs.py` places its own (order 20-70).
+register_finder("metrics", _metrics_file, order=10, what="metrics.jsonl / .csv")
+register_finder("tensorboard", _events, order=80, what="TensorBoard events (tb/, runs/, --tensorboard-dir)")  # fmt: skip
+register_finder("wandb", _wandb, order=90, what="wandb/latest-run")
+register_finder("mlflow", _mlflow, order=100, what="mlruns/")
+register_finder("mlflow.db", _mlflow_db, order=110)

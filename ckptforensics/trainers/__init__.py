@@ -13,9 +13,10 @@ trainer's skip format) and `resume` (how the trainer resumes from the rollback c
 Optional (the replay's half, `HOOKS`): a module that lacks one, or whose hook returns None for
 a checkpoint, leaves that question to the generic behaviour, which `HOOKS` names and the
 caller in `replay/` implements. Callers ask through `hook(ck, name)` (the hook of the
-framework that wrote `ck`, or None), never by testing `ck.format`. `LOG_NAMES` (optional data)
-is the trainer's metric names; `log_aliases` merges every trainer's into the table
-`logs.columns.ALIASES` reads.
+framework that wrote `ck`, or None), never by testing `ck.format`. Optional data: `LOG_NAMES`,
+the trainer's metric names (registered with `logs.columns` in `LOG_ORDER`; `log_aliases` merges
+them); `STEP_NAMES` and `CHECKPOINT_DIRS`, the names it gives its checkpoints and the folders it
+keeps them in (registered with `formats.locate`, which resolves steps against them).
 
 `framework_for(ck)` is the one place that picks: the first module of `PLANNERS` that owns the
 checkpoint; the plain loop (`loop`) owns what nobody else does. `planner_for` is the same
@@ -23,7 +24,9 @@ function under the plan's older name. docs/frameworks.md walks through adding a 
 
 The registry: each trainer package imported here, in the order `framework_for` asks them;
 a trainer's checkpoint layout registers its reader with `formats` when its package loads
-(`checkpoint.py`). What a spec is made of is `trainers/base.py`.
+(`checkpoint.py`), its log formats, log places and loggers' step conventions with `logs`
+(`logs.py`). Code that opens checkpoints, resolves steps or reads logs imports this package
+first (`checkpoints` does). What a spec is made of is `trainers/base.py`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ckptforensics.formats.base import Checkpoint
+from ckptforensics.formats.locate import register_checkpoint_dirs, register_step_names
+from ckptforensics.logs.columns import register_log_names
 from ckptforensics.trainers import (
     deepspeed,
     hf,
@@ -59,13 +64,19 @@ from ckptforensics.trainers.base import (
     value_text,
 )
 
-# Each trainer's checkpoint layout registers its reader with `formats` as it loads (its
-# `order` places it among the sniffers).
+# Each trainer's checkpoint layout registers its reader with `formats` (`checkpoint.py`; its
+# `order` places it among the sniffers), its log formats, log places and loggers' step
+# conventions with `logs` (`logs.py`; each its `order` among the generic ones), as they load.
 from ckptforensics.trainers.deepspeed import checkpoint as _deepspeed_checkpoint  # noqa: F401
 from ckptforensics.trainers.hf import checkpoint as _hf_checkpoint  # noqa: F401
 from ckptforensics.trainers.hf import fsdp as _hf_fsdp  # noqa: F401
+from ckptforensics.trainers.hf import logs as _hf_logs  # noqa: F401
+from ckptforensics.trainers.lightning import logs as _lightning_logs  # noqa: F401
+from ckptforensics.trainers.loop import logs as _loop_logs  # noqa: F401
+from ckptforensics.trainers.megatron import logs as _megatron_logs  # noqa: F401
 from ckptforensics.trainers.megatron import saves as _megatron_saves  # noqa: F401
 from ckptforensics.trainers.olmo_core import checkpoint as _olmo_checkpoint  # noqa: F401
+from ckptforensics.trainers.olmo_core import logs as _olmo_logs  # noqa: F401
 
 __all__ = [
     "Settings",
@@ -147,3 +158,18 @@ def log_aliases(ours: Sequence[str]) -> dict[str, tuple[str, ...]]:
     `LOG_NAMES` merged in `LOG_ORDER` (the first match wins where a log holds several)."""
     mods = [_MODULES[n] for n in LOG_ORDER]
     return {k: tuple(n for m in mods for n in m.LOG_NAMES.get(k, ())) for k in ours}
+
+
+def _register() -> None:
+    """Every trainer's metric names with `logs` (in `LOG_ORDER`), its checkpoint names and
+    folders with `formats.locate` (each name in its own `order`)."""
+    for name in LOG_ORDER:
+        register_log_names(_MODULES[name].LOG_NAMES)
+    for mod in _MODULES.values():
+        for who, pattern, order in getattr(mod, "STEP_NAMES", ()):
+            register_step_names(who, pattern, order=order)
+        for pattern in getattr(mod, "CHECKPOINT_DIRS", ()):
+            register_checkpoint_dirs(pattern)
+
+
+_register()

@@ -114,9 +114,15 @@ class Framework(Planner, Protocol):
     Attributes:
         LOG_NAMES: our metric name (`loss`, `grad_norm`, `lr`, `loss_scale`, `skipped`,
             `nan_iterations`) -> the names the trainer logs it under (optional).
+        STEP_NAMES: the names the trainer gives its checkpoints, each (who writes it, a regex
+            with the step as its one group, its place in `formats.locate`'s listing) (optional).
+        CHECKPOINT_DIRS: globs in the run directory of the folders the trainer keeps its
+            checkpoints in, beside `checkpoints/` (optional).
     """
 
     LOG_NAMES: dict[str, tuple[str, ...]]
+    STEP_NAMES: tuple[tuple[str, str, float], ...]
+    CHECKPOINT_DIRS: tuple[str, ...]
 
     def model(self, ck: Checkpoint) -> tuple[nn.Module, str] | None:
         """The model the run's recorded config describes, and how it was built."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ckptforensics import trainers  # noqa: F401  (every trainer's log places)
 from ckptforensics.logs import find_metrics, log_dirs
 
 

@@ -25,8 +25,9 @@ from ckptforensics.detectors.log.held import HELD_Z
 # - the trend rule's own statistic on what history there is: robust z of log10(value) against
 #   the excerpt's earlier lines (at least SHORT_MIN of them), the spread floored at the trend
 #   rule's 4.7% (stats.CURVE_FLOOR), threshold z (OLMo-core's 6 sigma).
-MEGATRON_SPIKY_FACTOR = 10.0
-LIGHTNING_RTOL, LIGHTNING_WINDOW = 2.0, 10
+# Each rule is named after its source in the reports (`Onset.rule`, docs/signatures.md#log-short).
+SPIKY_FACTOR, SPIKY_RULE = 10.0, "megatron-10x"
+RTOL, RTOL_WINDOW, RTOL_RULE = 2.0, 10, "lightning-rtol"
 SHORT_MIN = 3
 # A loss scale at <= 1/4 of its recent maximum has halved twice with no growth between:
 # overflows on consecutive steps past the scaler's hysteresis (Megatron's default 2), not the
@@ -187,10 +188,10 @@ def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
         prev = [x for _, x in loss[:k] if math.isfinite(x)]
         if not prev:
             continue
-        mean = float(np.mean(prev[-LIGHTNING_WINDOW:]))
+        mean = float(np.mean(prev[-RTOL_WINDOW:]))
         if not math.isfinite(v):
             out.append(Onset(s, "loss", v, mean, math.inf, f"loss {v} at step {s}", "nonfinite"))
-        elif v >= MEGATRON_SPIKY_FACTOR * max(prev):
+        elif v >= SPIKY_FACTOR * max(prev):
             out.append(
                 Onset(
                     s,
@@ -199,10 +200,10 @@ def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
                     max(prev),
                     math.inf,
                     f"loss {v:.4g} at step {s} is >= 10x the largest before it ({max(prev):.4g}; Megatron's spiky-loss rule)",
-                    "megatron-10x",
+                    SPIKY_RULE,
                 )
             )
-        elif v - mean >= LIGHTNING_RTOL * mean and not _recovers(prev, loss, k, cfg):
+        elif v - mean >= RTOL * mean and not _recovers(prev, loss, k, cfg):
             out.append(
                 Onset(
                     s,
@@ -210,8 +211,8 @@ def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
                     v,
                     mean,
                     math.inf,
-                    f"loss {v:.4g} at step {s} is >= 3x the mean of the {min(len(prev), LIGHTNING_WINDOW)} lines before it ({mean:.4g}; Lightning's SpikeDetection, rtol 2)",
-                    "lightning-rtol",
+                    f"loss {v:.4g} at step {s} is >= 3x the mean of the {min(len(prev), RTOL_WINDOW)} lines before it ({mean:.4g}; Lightning's SpikeDetection, rtol 2)",
+                    RTOL_RULE,
                 )
             )
         elif len(prev) >= SHORT_MIN:
@@ -245,7 +246,7 @@ def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
         if (
             prev_g
             and max(prev_g) > 0
-            and (not math.isfinite(g) or g >= MEGATRON_SPIKY_FACTOR * max(prev_g))
+            and (not math.isfinite(g) or g >= SPIKY_FACTOR * max(prev_g))
             and rises(s)
             and s not in seen
         ):
@@ -257,7 +258,7 @@ def short_history(ev: LogEvidence, cfg: TriageConfig) -> list[Onset]:
                     max(prev_g),
                     math.inf,
                     f"grad norm {g:.4g} at step {s} is >= 10x the largest before it ({max(prev_g):.4g}; Megatron's rule for grads), and the loss rises with it ({losses.get(s, math.nan):.4g})",
-                    "megatron-10x",
+                    SPIKY_RULE,
                 )
             )
     scale = [(s, ev.rows[s]["loss_scale"]) for s in steps if "loss_scale" in ev.rows[s]]
@@ -283,8 +284,8 @@ SHORT_RULES = (
     "short-z",
     "short-joint",
     "one-reference-line",
-    "lightning-rtol",
-    "megatron-10x",
+    RTOL_RULE,
+    SPIKY_RULE,
     "nonfinite",
     "loss-scale-collapse",
 )

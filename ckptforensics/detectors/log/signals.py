@@ -13,6 +13,7 @@ import numpy as np
 
 from ckptforensics.core.tensors import lr_growth_limit
 from ckptforensics.detectors.log.evidence import Curve, LogEvidence, Onset, TriageConfig
+from ckptforensics.detectors.log.short import SPIKY_RULE
 from ckptforensics.logs import lr_columns, param_grad_columns
 
 
@@ -26,9 +27,7 @@ def _spikes(c: Curve, cfg: TriageConfig) -> list[Onset]:
             key == "loss" and math.isfinite(base) and v >= cfg.loss_factor * base
         )
         if zi > cfg.z or factor:
-            rule = (
-                "nonfinite" if not math.isfinite(v) else "trend" if zi > cfg.z else "megatron-10x"
-            )
+            rule = "nonfinite" if not math.isfinite(v) else "trend" if zi > cfg.z else SPIKY_RULE
             out.append(
                 Onset(
                     s,

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 NAME = "deepspeed"
 TITLE = "DeepSpeed"
+# The names it gives its checkpoints (the step as the one group) and their place in
+# `formats.locate`'s listing.
+STEP_NAMES = (("DeepSpeed", r"^global_step(\d+)$", 2),)
 
 
 def owns(ck: Checkpoint) -> bool:

@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 NAME = "hf"
 TITLE = "HF Trainer"
+# The names it gives its checkpoints (the step as the one group) and their place in
+# `formats.locate`'s listing.
+STEP_NAMES = (("HF Trainer", r"^checkpoint-(\d+)$", 1),)
 
 
 def owns(ck: Checkpoint) -> bool:

@@ -41,6 +41,11 @@ if TYPE_CHECKING:
 
 NAME = "lightning"
 TITLE = "Lightning"
+# The names it gives its checkpoints (the step as the one group) and their place in
+# `formats.locate`'s listing.
+STEP_NAMES = (("Lightning", r"^.*step=(\d+).*\.ckpt$", 5),)
+# Where its default layout keeps them: the logger's version folder.
+CHECKPOINT_DIRS = ("lightning_logs/version_*/checkpoints",)
 
 _PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
 _LR_KEYS = ("lr", "learning_rate")

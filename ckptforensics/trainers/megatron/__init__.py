@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 NAME = "megatron"
 TITLE = "Megatron-LM"
+# The names it gives its checkpoints (the step as the one group) and their place in
+# `formats.locate`'s listing.
+STEP_NAMES = (("Megatron", r"^iter_(\d+)$", 3),)
 
 _FLAG = {
     "clip_grad": "--clip-grad",
@@ -152,7 +155,7 @@ def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:
 
 # ----------------------------------------------------------------------------- the replay's hooks
 # training_log()'s TensorBoard / W&B tags and the same names in its printed line
-# (megatron/training/training.py); its LR is read by logs.readers.megatron_lr (one step later).
+# (megatron/training/training.py); its LR is moved a step later by this package's `logs.py`.
 LOG_NAMES = {
     "loss": ("lm loss",),
     "grad_norm": ("grad-norm", "grad norm"),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptforensics.core.callables import ModelSpecError
+from ckptforensics.formats.locate import STEP_N
 from ckptforensics.trainers.base import (
     LR_FIX_PREFIX,
     Edit,
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
 
 NAME = "olmo_core"
 TITLE = "OLMo-core"
+# The names it gives its checkpoints (`stepN`: the plain name, the step as its one group) and
+# their place in `formats.locate`'s listing.
+STEP_NAMES = (("OLMo-core", STEP_N, 4.1),)
 
 
 def _config_file(path: Path) -> Path | None:

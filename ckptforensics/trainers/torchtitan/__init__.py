@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptforensics.formats.locate import STEP_N
 from ckptforensics.trainers.base import (
     LR_FIX_PREFIX,
     Edit,
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
 
 NAME = "torchtitan"
 TITLE = "torchtitan"
+# The names it gives its checkpoints (`step-N`: the plain name, the step as its one group) and
+# their place in `formats.locate`'s listing.
+STEP_NAMES = (("torchtitan", STEP_N, 4),)
 
 
 def owns(ck: Checkpoint) -> bool:

@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptforensics.checkpoints import first_complete
+from ckptforensics.checkpoints import first_complete, list_checkpoints
 from ckptforensics.detectors.causes import figures, lookup
 from ckptforensics.engine.whatif import parse_mitigation
 from ckptforensics.formats.base import Checkpoint
-from ckptforensics.formats.locate import list_checkpoints
 from ckptforensics.trainers import Edit, planner_for
 
 __all__ = ["Change", "mitigations", "plan_section", "merge_reports", "PLAN_STATUSES"]

@@ -60,8 +60,7 @@ def inspect(
       ckptforensics inspect --run-dir runs/7b 41950
       ckptforensics inspect runs/7b/checkpoint-41950 --json
     """
-    from ckptforensics.checkpoints import require_complete
-    from ckptforensics.formats.locate import resolve_checkpoint
+    from ckptforensics.checkpoints import require_complete, resolve_checkpoint
     from ckptforensics.report.inspect import render_inspect_text
 
     with work(ctx):
@@ -148,8 +147,8 @@ def diff(
       ckptforensics diff --before ckpt_a.pt --after ckpt_b.pt --json | jq .verdict
       torchrun --nnodes 4 --nproc-per-node 1 ... -m ckptforensics.cli diff --before A --after B --out incident/
     """
+    from ckptforensics.checkpoints import resolve_checkpoint
     from ckptforensics.engine.diff.shard import dist_world
-    from ckptforensics.formats.locate import resolve_checkpoint
 
     rank, _ = dist_world()
     with work(ctx):

@@ -10,21 +10,9 @@ import click
 __all__ = ["format_option", "replay_options", "run_dir_option"]
 
 
-class _RunDir(click.Path):
-    """The run directory: steps are resolved in it against the names every trainer gives its
-    checkpoints, which their registry adds to `formats.locate` as it loads; converting the
-    option loads it (the registry imports torch; `--help`, answered before any conversion,
-    does not)."""
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        from ckptforensics import checkpoints  # noqa: F401  (every trainer's checkpoint names)
-
-        return super().convert(value, param, ctx)
-
-
 run_dir_option = click.option(
     "--run-dir",
-    type=_RunDir(file_okay=False, path_type=Path),
+    type=click.Path(file_okay=False, path_type=Path),
     default=Path("."),
     show_default=True,
     help="Where the trainer wrote its checkpoints; steps are resolved here.",

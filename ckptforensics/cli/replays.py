@@ -73,7 +73,7 @@ def replay(
       torchrun --nnodes 2 --nproc-per-node 8 ... -m ckptforensics.cli replay --device cuda \\
           --run-dir runs/7b --before 41950 --after 42000 --batch runs/7b/flight --out incident/
     """
-    from ckptforensics.formats.locate import resolve_checkpoint
+    from ckptforensics.checkpoints import resolve_checkpoint
 
     with work(ctx):
         pa = resolve_checkpoint(before, run_dir)
@@ -134,7 +134,7 @@ def bisect_cmd(
       ckptforensics bisect --run-dir runs/7b --before 41950 --after 42000 \\
           --batch runs/7b/batches.h5 --model train.py:build_model --out incident/
     """
-    from ckptforensics.formats.locate import resolve_checkpoint
+    from ckptforensics.checkpoints import resolve_checkpoint
 
     with work(ctx):
         pa, pb = resolve_checkpoint(before, run_dir), resolve_checkpoint(after, run_dir)
@@ -201,7 +201,7 @@ def whatif_cmd(
           --batch runs/7b/batches.h5 --model train.py:build_model \\
           --try clip=1.0 --try precision=bf16 --try lr_scale=0.5 --try skip_samples=auto
     """
-    from ckptforensics.formats.locate import resolve_checkpoint
+    from ckptforensics.checkpoints import resolve_checkpoint
 
     with work(ctx):
         pa = resolve_checkpoint(before, run_dir)
@@ -280,7 +280,7 @@ def plan_cmd(
     Then resume as it says, and once the run has trained a while:
       ckptforensics recovery --run-dir runs/7b --resumed-from 41950 --plan plan/
     """
-    from ckptforensics.formats.locate import resolve_checkpoint
+    from ckptforensics.checkpoints import resolve_checkpoint
 
     given = [k for k in ("batch", "data", "collator", "model") if opts.get(k)]
     if reports and (before or after or given or tries):

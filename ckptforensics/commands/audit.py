@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ckptforensics.checkpoints import open_checkpoint
+from ckptforensics.checkpoints import list_checkpoints, open_checkpoint
 from ckptforensics.commands.common import (
     Progress,
     Report,
@@ -39,7 +39,6 @@ from ckptforensics.engine.trace import (
     trace_architecture,
     trace_pass,
 )
-from ckptforensics.formats.locate import list_checkpoints
 from ckptforensics.report import (
     build_report,
 )

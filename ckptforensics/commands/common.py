@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptforensics.checkpoints import resolve_checkpoint
 from ckptforensics.core.options import ReplayOptions
 from ckptforensics.detectors import Finding
 from ckptforensics.engine.diff.shard import (
     compute_device,
 )
 from ckptforensics.engine.replay.run import ReplayConfig
-from ckptforensics.formats.locate import resolve_checkpoint
 from ckptforensics.report import (
     check_outside,
     report_inputs,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptforensics.checkpoints import open_checkpoint
+from ckptforensics.checkpoints import list_checkpoints, open_checkpoint
 from ckptforensics.commands.common import (
     Report,
     resolve,
@@ -17,7 +17,6 @@ from ckptforensics.detectors import Finding
 from ckptforensics.engine.recovery import recovery as _recovery
 from ckptforensics.engine.recovery.assess import RecoveryResult
 from ckptforensics.engine.recovery.trajectory import Z_BAND
-from ckptforensics.formats.locate import list_checkpoints
 from ckptforensics.report import (
     build_report,
 )

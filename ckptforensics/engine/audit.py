@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckptforensics.checkpoints import open_checkpoint
+from ckptforensics.checkpoints import list_checkpoints, open_checkpoint
 from ckptforensics.core.errors import ForensicsError
 from ckptforensics.detectors.audit import AuditEvidence, TensorMoments
 from ckptforensics.detectors.audit.rows import BF16_HALF_ULP
@@ -38,7 +38,6 @@ from ckptforensics.engine.replay.samples import per_token_loss
 from ckptforensics.engine.trace import Architecture, trace_pass
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.formats.batches import BatchError, open_batches
-from ckptforensics.formats.locate import list_checkpoints
 from ckptforensics.logs import find_metrics, log_dirs, param_grad_columns, read_metrics
 from ckptforensics.trainers.reference import is_megatron_args
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptforensics.checkpoints import first_complete
+from ckptforensics.checkpoints import first_complete, list_checkpoints
 from ckptforensics.core.errors import ForensicsError
 from ckptforensics.detectors.log import (
     Onset,
@@ -19,7 +19,6 @@ from ckptforensics.detectors.log import (
     undecidable_last_line,
 )
 from ckptforensics.detectors.log.noise import UNDECIDABLE, log_noise
-from ckptforensics.formats.locate import list_checkpoints
 from ckptforensics.logs import (
     find_metrics,
     group_lrs,

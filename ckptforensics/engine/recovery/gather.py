@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptforensics.checkpoints import first_complete, open_checkpoint
+from ckptforensics.checkpoints import first_complete, list_checkpoints, open_checkpoint
 from ckptforensics.core.errors import ForensicsError
 from ckptforensics.engine.recovery.checks import (
     Check,
@@ -22,7 +22,6 @@ from ckptforensics.engine.recovery.checks import (
 )
 from ckptforensics.engine.recovery.legs import Split
 from ckptforensics.formats.batches import BatchError, open_batches
-from ckptforensics.formats.locate import list_checkpoints
 
 __all__ = ["plan_checks"]
 

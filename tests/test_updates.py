@@ -1,5 +1,6 @@
-"""Each family's update bound and second-moment floor (ckptforensics/optim/updates.py) against the
-framework's own optimizer step, fed gradients from tiny to huge: no element may pass."""
+"""Each family's update bound and second-moment floor (its module, ckptforensics/optim/<family>.py,
+found through the registry) against the framework's own optimizer step, fed gradients from tiny
+to huge: no element may pass."""
 
 from __future__ import annotations
 
@@ -9,12 +10,9 @@ import pytest
 import torch
 
 from ckptforensics.formats.optstate import group_hyper, optimizer_family
-from ckptforensics.optim.updates import (
-    ns_sup,
-    quantised_floor_allowance,
-    second_moment_floor,
-    step_bound,
-)
+from ckptforensics.optim import bnb, second_moment_floor, step_bound
+from ckptforensics.optim.muon import ns_sup
+from ckptforensics.optim.updates import quantised_floor_allowance
 
 
 def _grads(shape: tuple[int, ...], steps: int, seed: int) -> list[torch.Tensor]:
@@ -133,8 +131,6 @@ def test_8bit_floor_holds_through_quantisation(shape: tuple[int, int]) -> None:
     (`quantised_floor_allowance`), and the floor without that allowance is broken (the
     rounding is real, so the allowance is needed)."""
     bnb_ = pytest.importorskip("bitsandbytes", reason="8-bit Adam's floor needs bitsandbytes")
-    from ckptforensics.optim import bnb
-
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(shape) * 0.05)
     opt = bnb_.optim.AdamW8bit([p], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, min_8bit_size=16)

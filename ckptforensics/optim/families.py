@@ -1,5 +1,6 @@
-"""The optimizer families, each told apart by what its own code saves, and each param
-group's options read as a `GroupHyper`; several optimizers' state_dicts merged into one."""
+"""A saved optimizer's families, each group told apart by what its own code saves (the
+registry's `marks` and `recognise`), each group's options read as a `GroupHyper`; several
+optimizers' state_dicts merged into one."""
 
 from __future__ import annotations
 
@@ -11,80 +12,40 @@ import torch
 
 from ckptforensics.core.errors import CorruptCheckpoint
 from ckptforensics.optim.hyper import GroupHyper
+from ckptforensics.optim.registry import DEFAULT, FAMILIES, OPTIONS
 
-# The optimizer families the tool knows, each told apart by what its own code saves: the
-# state keys it creates per parameter and the options it puts in every param group.
-FAMILIES = ("adam", "lamb", "lion", "adafactor", "muon", "sgd", "adam8bit")
-
-# Group options that name a family outright (each the optimizer's own constructor argument).
-_GROUP_MARKS: tuple[tuple[str, frozenset[str], str], ...] = (
-    ("muon", frozenset({"ns_coefficients", "ns_steps"}), "torch.optim.Muon"),
-    ("adafactor", frozenset({"beta2_decay", "d"}), "torch.optim.Adafactor"),
-    (
-        "adafactor",
-        frozenset({"clip_threshold", "decay_rate"}),
-        "transformers.optimization.Adafactor",
-    ),
-    ("lamb", frozenset({"max_coeff", "min_coeff"}), "deepspeed.ops.lamb.FusedLamb"),
-    (
-        "lamb",
-        frozenset({"weight_decouple", "rectify", "adam", "max_grad_norm"}),
-        "pytorch_optimizer.Lamb",
-    ),
-    ("lamb", frozenset({"grad_averaging", "max_grad_norm"}), "apex.optimizers.FusedLAMB"),
-    ("sgd", frozenset({"dampening"}), "torch.optim.SGD"),
-)
+__all__ = [
+    "FAMILIES",
+    "optimizer_family",
+    "optimizer_kind",
+    "group_family",
+    "group_hyper",
+    "merge_optimizers",
+    "is_number",
+]
 
 
 def optimizer_family(keys: set[str], group: dict[str, Any] | None = None) -> tuple[str, str]:
     """(family, implementation) of one param group from its options and its state's keys.
 
     Group options decide first (Adafactor with `beta1` saves `exp_avg` and `exp_avg_sq` for
-    vectors, as Adam does; LAMB saves Adam's moments); then the state's keys: bitsandbytes'
-    quantised `state1`/`state2`, Adam's `exp_avg` + `exp_avg_sq`, Lion's lone `exp_avg`
-    (lion-pytorch), Adafactor's factored rows/columns, a momentum buffer (SGD).
-    'none' for a group without state or options that say; 'unknown:<keys>' otherwise.
-    bitsandbytes' 2-state optimizers save `alpha` / `t_alpha` / `t_beta3` in every group
-    (`Optimizer2State`): Adam(W)8bit with alpha 0, AdEMAMix with its mixing alpha; a
-    `unorm_vec` is its LAMB8bit / LARS8bit (update-norm clipping), not Adam's rule.
+    vectors, as Adam does; LAMB saves Adam's moments): each family's `marks`; then the
+    state's keys, each family's `recognise` (Adam's `exp_avg` + `exp_avg_sq`, Lion's lone
+    `exp_avg`, Adafactor's factored rows/columns, a momentum buffer, bitsandbytes'
+    quantised `state1`/`state2`), in registry order. 'none' for a group without state or
+    options that say; 'unknown:<keys>' otherwise.
     """
     g = set(group or ())
-    for fam, marks, impl in _GROUP_MARKS:
-        if marks <= g:
-            return fam, impl
-    bnb_group = {"t_alpha", "t_beta3"} <= g
-    if (
-        {"state1", "qmap1"} <= keys
-        or {"state1", "absmax1"} <= keys
-        or ({"state1", "state2"} <= keys and bnb_group)
-    ):
-        adam_rule = "state2" in keys and "unorm_vec" not in keys and not (group or {}).get("alpha")
-        return (
-            ("adam8bit", "bitsandbytes")
-            if adam_rule
-            else (f"unknown:bitsandbytes {','.join(sorted(keys))}", "bitsandbytes")
-        )
-    if {"exp_avg", "exp_avg_sq"} <= keys:
-        # torch's Adam and AdamW save `amsgrad` in every group; apex's FusedAdam and
-        # DeepSpeed's (CPU)Adam save `bias_correction` instead, with the same moments.
-        return (
-            "adam",
-            "torch.optim.Adam(W)"
-            if "amsgrad" in g
-            else "apex/DeepSpeed Adam"
-            if "bias_correction" in g
-            else "Adam",
-        )
-    if keys & {"row_var", "col_var", "variance"}:
-        return "adafactor", "torch.optim.Adafactor"
-    if keys & {"exp_avg_sq_row", "exp_avg_sq_col"}:
-        return "adafactor", "transformers.optimization.Adafactor"
-    if keys == {"exp_avg"} and "betas" in g:
-        return "lion", "lion-pytorch"
-    if "momentum_buffer" in keys:
-        return "sgd", "torch.optim.SGD"
+    for f in FAMILIES.values():
+        for marks, impl in f.marks:
+            if marks <= g:
+                return f.name, impl
+    for f in FAMILIES.values():
+        found = f.recognise(keys, group or {})
+        if found is not None:
+            return found
     if not keys:
-        return ("adam", "Adam") if "betas" in g and "amsgrad" in g else ("none", "")
+        return "none", ""
     return f"unknown:{','.join(sorted(keys))}", ""
 
 
@@ -107,49 +68,11 @@ def group_family(group: dict[str, Any], state: dict[Any, dict[str, Any]]) -> tup
     keys: set[str] = set()
     for pid in group.get("params", ()):
         keys.update(state.get(pid) or ())
-    if not keys and not any(m <= set(group) for _, m, _ in _GROUP_MARKS):
+    if not keys and not any(m <= set(group) for f in FAMILIES.values() for m, _ in f.marks):
         # A group without state yet (no step taken): the family of the state saved elsewhere.
         for s in state.values():
             keys.update(s)
     return optimizer_family(keys, group)
-
-
-# Options each family saves in its groups that its bounds and its replay read.
-_OPTIONS = (
-    "beta2_decay",
-    "d",
-    "clip_threshold",
-    "decay_rate",
-    "relative_step",
-    "scale_parameter",
-    "warmup_init",
-    "beta1",
-    "momentum",
-    "nesterov",
-    "ns_coefficients",
-    "ns_steps",
-    "adjust_lr_fn",
-    "dampening",
-    "max_coeff",
-    "min_coeff",
-    "bias_correction",
-    "max_grad_norm",
-    "grad_averaging",
-    "amsgrad",
-    "maximize",
-    "decoupled_weight_decay",
-    "foreach",
-    "optim_bits",
-    "percentile_clipping",
-    "block_wise",
-    "weight_decouple",
-    "fixed_decay",
-    "rectify",
-    "adam",
-    "adam_w_mode",
-    "use_nvlamb",
-    "step",
-)
 
 
 def group_hyper(
@@ -164,13 +87,14 @@ def group_hyper(
     """
     betas = group.get("betas")
     eps = group.get("eps", 1e-8)
-    opts = {k: _plain(group[k]) for k in _OPTIONS if k in group}
+    opts = {k: _plain(group[k]) for k in OPTIONS if k in group}
     if isinstance(eps, (tuple, list)):
         opts["eps2"] = _opt_num(eps[1]) if len(eps) > 1 else None
         eps = eps[0]
     fam, impl = family or optimizer_family(set(), group)
     if family is None and fam == "none" and betas is not None:
-        fam = "adam"  # readers that map state themselves (DCP, DeepSpeed, Megatron) hold Adam's
+        # Readers that map state themselves (DCP, DeepSpeed, Megatron) hold Adam's.
+        fam = DEFAULT.name
     opts["implementation"] = impl
     return GroupHyper(
         lr=_opt_num(group.get("lr", 0.0), math.nan),

@@ -25,7 +25,7 @@ class GroupHyper:
             from the foreach one; a replay that must land on *after* uses the same).
         family: the optimizer family that owns the group, read from its state layout and
             its group's own keys ('adam', 'lamb', 'lion', 'adafactor', 'muon', 'sgd',
-            'adam8bit'; see `optim.families`).
+            'adam8bit'; see `optim.registry`).
         options: the family's other settings as saved, plain values (Adafactor's `eps2`,
             `d` / `clip_threshold`, `beta2_decay` / `decay_rate`, `relative_step`; Muon's
             `momentum`, `nesterov`, `ns_coefficients`, `ns_steps`, `adjust_lr_fn`; LAMB's

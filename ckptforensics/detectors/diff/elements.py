@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ckptforensics import optim
 from ckptforensics.detectors.base import Finding, Thresholds, cap
 from ckptforensics.detectors.diff.state import moments_restarted
 from ckptforensics.engine.diff.pair import DiffResult, TensorDiff
@@ -23,16 +24,10 @@ def _violations(t: TensorDiff) -> int:
     )
 
 
-# How messages name the optimizer family whose bound a tensor broke.
-_FAMILY_NAMES = {
-    "adam": "Adam",
-    "lamb": "LAMB",
-    "lion": "Lion",
-    "adafactor": "Adafactor",
-    "muon": "Muon",
-    "sgd": "SGD",
-    "adam8bit": "8-bit Adam",
-}
+def _title(family: str) -> str:
+    """How messages name the optimizer family whose bound a tensor broke (Adam's name where
+    the family is not one the tool knows)."""
+    return (optim.find(family) or optim.DEFAULT).title
 
 
 def detect_corruption(diff: DiffResult, th: Thresholds) -> list[Finding]:
@@ -65,7 +60,7 @@ def detect_corruption(diff: DiffResult, th: Thresholds) -> list[Finding]:
                 cap(len(bad) / th.confined_tensors),
                 "warning",
                 {"tensors": len(bad), "elements": total, "confined_tensors": th.confined_tensors},
-                f"{total} elements in {len(bad)} tensors moved further than {_FAMILY_NAMES.get(bad[0].family, 'Adam')} allows at the recorded LR: "
+                f"{total} elements in {len(bad)} tensors moved further than {_title(bad[0].family)} allows at the recorded LR: "
                 "the LR that ran was higher than recorded, or the optimizer is not the recorded one",
                 "docs/signatures.md#adam-update-bound",
                 ("lr_too_high",),
@@ -91,7 +86,7 @@ def detect_corruption(diff: DiffResult, th: Thresholds) -> list[Finding]:
             (abs(c.after - c.before) / c.bound for c in t.candidates if c.bound and c.bound > 0),
             default=1.0,
         )
-        opt = _FAMILY_NAMES.get(t.family, "Adam")
+        opt = _title(t.family)
         what = (
             f"one stored bit ({flips[0].bit_field} bit {flips[0].bit}) away from a value {opt} could reach"
             if flips

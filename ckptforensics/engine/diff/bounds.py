@@ -14,9 +14,6 @@ from ckptforensics.core.tensors import bit_role, dtype_limits, flip_bit
 from ckptforensics.engine.diff.chunks import Acc, Pair, f32
 from ckptforensics.engine.diff.records import Candidate, DiffConfig
 from ckptforensics.optim import bnb
-from ckptforensics.optim.updates import (
-    SECOND_MOMENTS,
-)
 
 __all__ = [
     "bound_check",
@@ -38,7 +35,7 @@ def storage_eps(t: torch.Tensor) -> float:
 def factored_floor(
     sa: dict[str, Any],
     sb: dict[str, Any],
-    family: str,
+    keys: tuple[str, ...],
     floor: float | None,
     restart_floor: float | None,
     acc: Acc,
@@ -46,9 +43,10 @@ def factored_floor(
     counts: dict[str, int],
     cfg: DiffConfig,
 ) -> None:
-    """Adafactor's second moments (rows, columns, vector variances) against their decay
-    floor; with the counter reset, the share under the trainer's step delta's floor."""
-    for key in SECOND_MOMENTS.get(family, ()):
+    """A family's second moments (`keys`, its `Family.second_moments`: Adafactor's rows,
+    columns, vector variances) against their decay floor; with the counter reset, the share
+    under the trainer's step delta's floor."""
+    for key in keys:
         xa, xb = sa.get(key), sb.get(key)
         if (
             not isinstance(xa, torch.Tensor)

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ckptforensics import optim
+
 __all__ = [
     "DiffConfig",
     "Candidate",
@@ -201,15 +203,16 @@ def adam_step(state: dict[str, Any]) -> int | None:
 
 
 def tensor_family(hyper: Any, state: dict[str, Any]) -> str:
-    """The family of the optimizer that updated a tensor: its group's, or Adam's where a
-    reader that maps state itself (DCP, DeepSpeed, Megatron) saw Adam's two moments."""
+    """The family of the optimizer that updated a tensor: its group's, or Adam's
+    (`optim.DEFAULT`) where a reader that maps state itself (DCP, DeepSpeed, Megatron) saw
+    Adam's two moments."""
     fam = getattr(hyper, "family", "") or ""
     if (
         fam in ("", "none")
         and isinstance(state.get("exp_avg"), torch.Tensor)
         and isinstance(state.get("exp_avg_sq"), torch.Tensor)
     ):
-        return "adam"
+        return optim.DEFAULT.name
     return fam
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ckptforensics import optim
 from ckptforensics.core.errors import IncompatibleCheckpoints
 from ckptforensics.core.tensors import dtype_limits, dtype_name
 from ckptforensics.engine.diff.bounds import (
@@ -48,13 +49,7 @@ from ckptforensics.engine.diff.records import (
 )
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.optim import bnb
-from ckptforensics.optim.updates import (
-    MOMENT_FAMILIES,
-    quantised_floor_allowance,
-    raw_ratio_bound,
-    second_moment_floor,
-    step_bound,
-)
+from ckptforensics.optim.updates import quantised_floor_allowance, raw_ratio_bound
 
 __all__ = ["diff_tensor"]
 
@@ -69,11 +64,14 @@ def diff_tensor(
     sa, sb = a.optim_state(name), b.optim_state(name)
     ha, hb = a.hyper(name), b.hyper(name)
     family = tensor_family(hb, sb) if hb is not None and not pair.weights_only else ""
+    # The family's own record (None: weights only, no family, or one the tool does not know).
+    fam = optim.find(family)
     g_steps = trainer_steps(pair)
     moments = (
         not pair.weights_only
         and lim is not None
-        and family in MOMENT_FAMILIES
+        and fam is not None
+        and fam.moments
         and isinstance(sa.get("exp_avg"), torch.Tensor)
         and isinstance(sb.get("exp_avg"), torch.Tensor)
         and isinstance(sa.get("exp_avg_sq"), torch.Tensor)
@@ -95,9 +93,8 @@ def diff_tensor(
         not pair.weights_only
         and lim is not None
         and hb is not None
-        and family not in MOMENT_FAMILIES
-        and family not in ("", "none")
-        and not family.startswith("unknown")
+        and fam is not None
+        and not fam.moments
         and bool(sb)
     )
     obound = None
@@ -106,7 +103,7 @@ def diff_tensor(
     o_restart_floor: float | None = None
     o_lr = math.nan
     if other:
-        assert hb is not None
+        assert hb is not None and fam is not None
         ca, cb = adam_step(sa), adam_step(sb)
         if ca is not None and cb is not None:
             o_k, step_a, step_b = cb - ca, ca, cb
@@ -115,25 +112,23 @@ def diff_tensor(
             step_a, step_b = pair.step_a or 0, pair.step_b or 0
         o_lr = window_lr(ha, hb, pair, step_a, step_b)
         rms_w = 0.0
-        if family == "adafactor" and (hb.options.get("scale_parameter", True) or "d" in hb.options):
+        if fam.weight_scale(hb.options):
             rms_w = max(_rms(wa_full), _rms(wb_full))
         if o_k > 0:
-            obound = step_bound(
-                family, lr=o_lr if math.isfinite(o_lr) else 1.0, weight_decay=hb.weight_decay, betas=hb.betas, options=hb.options,
+            obound = fam.update_bound(
+                lr=o_lr if math.isfinite(o_lr) else 1.0, weight_decay=hb.weight_decay, betas=hb.betas, options=hb.options,
                 t_first=step_a + 1, t_last=step_b, shape=meta.shape, rms_w=rms_w,
             )  # fmt: skip
-            if not math.isfinite(o_lr) and not (
-                family == "adafactor" and hb.options.get("relative_step")
-            ):
+            if not math.isfinite(o_lr) and not fam.own_step_size(hb.options):
                 obound = None  # no LR recorded: nothing to bound against
-            o_floor = second_moment_floor(family, hb.betas, hb.options, step_a + 1, step_b)
+            o_floor = fam.second_moment_floor(hb.betas, hb.options, step_a + 1, step_b)
         elif ca is not None and cb is not None and cb <= ca and g_steps is not None:
-            o_restart_floor = second_moment_floor(
-                family, hb.betas, hb.options, ca + 1, ca + g_steps
-            )
+            o_restart_floor = fam.second_moment_floor(hb.betas, hb.options, ca + 1, ca + g_steps)
+    # SGD's step is lr times its momentum buffer: an element's move its buffers account for.
     sgd_bufs = None
-    if other and family == "sgd" and o_k > 0 and math.isfinite(o_lr):
-        ba_, bb_ = sa.get("momentum_buffer"), sb.get("momentum_buffer")
+    buf = fam.update_buffer if other and fam is not None else None
+    if buf is not None and o_k > 0 and math.isfinite(o_lr):
+        ba_, bb_ = sa.get(buf), sb.get(buf)
         if (
             isinstance(ba_, torch.Tensor)
             and isinstance(bb_, torch.Tensor)
@@ -148,23 +143,23 @@ def diff_tensor(
     restart_floor = None
     restart_allow: torch.Tensor | None = None
     if restart:
-        assert hb is not None and hb.betas is not None and g_steps is not None
+        assert hb is not None and hb.betas is not None and g_steps is not None and fam is not None
         restart_floor = hb.betas[1] ** g_steps
-        q = bnb.quant_parts(sb, 2) if family == "adam8bit" else None
+        q = bnb.quant_parts(sb, 2) if fam.bnb_state else None
         if q is not None:
             restart_allow = bnb.per_element(q[2], meta.numel) * quantised_floor_allowance(
                 g_steps, bnb.code_gap(q[1])
             )
     if moments:
-        assert hb is not None and hb.betas is not None
+        assert hb is not None and hb.betas is not None and fam is not None
         beta1, beta2 = hb.betas
         lr = window_lr(ha, hb, pair, step_a, step_b)
         eps, wd = hb.eps, hb.weight_decay
-        # 8-bit state (bitsandbytes): the moments are the dequantised codes (`formats.bnb`).
-        quant = bnb.quant_parts(sb, 2) if family == "adam8bit" else None
-        rms_w = max(_rms(wa_full), _rms(wb_full)) if family == "lamb" else 0.0
-        mbound_ = step_bound(
-            family, lr=lr, weight_decay=wd, betas=hb.betas, options={**hb.options, "quantised": quant is not None},
+        # 8-bit state (bitsandbytes): the moments are the dequantised codes (`optim.bnb`).
+        quant = bnb.quant_parts(sb, 2) if fam.bnb_state else None
+        rms_w = max(_rms(wa_full), _rms(wb_full)) if fam.weight_scale(hb.options) else 0.0
+        mbound_ = fam.update_bound(
+            lr=lr, weight_decay=wd, betas=hb.betas, options={**hb.options, "quantised": quant is not None},
             t_first=step_a + 1, t_last=step_b, shape=meta.shape, rms_w=rms_w,
         ) if math.isfinite(lr) else None  # fmt: skip
         if mbound_ is not None and mbound_.rms is not None:
@@ -319,7 +314,10 @@ def diff_tensor(
         release_all(a, b, wa, wb)
 
     if other and (o_floor is not None or o_restart_floor is not None):
-        factored_floor(sa, sb, family, o_floor, o_restart_floor, acc, cands, counts, cfg)
+        assert fam is not None
+        factored_floor(
+            sa, sb, fam.second_moments, o_floor, o_restart_floor, acc, cands, counts, cfg
+        )
     a.forget(name)
     b.forget(name)
     s, m = acc.sums, acc.maxes

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ckptforensics import optim
 from ckptforensics.engine.replay import distributed
 from ckptforensics.engine.replay import precision as mp
 from ckptforensics.engine.replay.records import TensorMatch, local_tensor
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.optim import bnb
-from ckptforensics.optim.updates import replay_bound
 
 if TYPE_CHECKING:
     from ckptforensics.engine.replay.session import Session
@@ -90,7 +90,7 @@ def _compare_param(
 ) -> list[TensorMatch]:
     """One parameter's replayed weight and optimizer state (`raw`, its group `g`; `lrs`: the
     group's LR at each of the window's steps) against *after*'s: this rank's rows of each
-    (one process: all of them). The weight's RMS (`updates.replay_bound`) and each
+    (one process: all of them). The weight's RMS (`optim.replay_bound`) and each
     moment's tolerance floor are the whole tensor's, from one gather over the ranks."""
     k, lr = len(lrs), max(lrs)
     stored = b.meta(name).shape
@@ -106,9 +106,12 @@ def _compare_param(
 
     mine = local_tensor(p).detach().cpu().float()
     ref = after_rows(p, lambda lo, hi: b.rows(name, lo, hi), lambda: b.tensor(name))
-    quant = g.get("family") == "adam8bit" and bnb.is_quantised(raw)
+    # 8-bit state (bitsandbytes): the moments compared are the dequantised codes.
+    fam = optim.find(g.get("family"))
+    eight_bit = fam is not None and fam.bnb_state
+    quant = eight_bit and bnb.is_quantised(raw)
     st_p = raw
-    if st_p and g.get("family") == "adam8bit":
+    if st_p and eight_bit:
         st_p = {kk: v for kk, v in bnb.with_moments(st_p).items() if kk in ("step", *bnb.DERIVED)}
     st = b.optim_state(name)
     pairs = {}
@@ -137,8 +140,8 @@ def _compare_param(
         )
     )
     tops = every[:, 1:].amax(0).tolist()
-    # The seam to the optimizer's family: its own per-step bound (updates.replay_bound).
-    c, wd = replay_bound(
+    # The seam to the optimizer's family: its own per-step bound (optim.replay_bound).
+    c, wd = optim.replay_bound(
         {**g, "quantised": quant},
         raw,
         k,

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ckptforensics import optim
 from ckptforensics.core.errors import CorruptCheckpoint, OptimizerMappingError
 from ckptforensics.formats.base import GroupHyper, OptimizerView
 from ckptforensics.formats.optstate.order import Param, order_preserving
@@ -256,7 +257,8 @@ def _readable(st: dict[str, Any], group: dict[str, Any], family: str) -> dict[st
     """One parameter's state as the checks read it: bitsandbytes' 8-bit codes with Adam's
     moments dequantised beside them (`bnb.with_moments`); the step counter of optimizers
     that keep it in the param group (pytorch_optimizer's and apex's LAMB) copied in."""
-    if family == "adam8bit":
+    fam = optim.find(family)
+    if fam is not None and fam.bnb_state:
         st = bnb.with_moments(st)
     if "step" not in st and is_number(group.get("step")):
         st = {**st, "step": group["step"]}

@@ -21,7 +21,7 @@ from typing import Any
 
 from ckptforensics.checkpoints import first_complete, list_checkpoints
 from ckptforensics.detectors.causes import figures, lookup
-from ckptforensics.engine.whatif import parse_mitigation
+from ckptforensics.engine.whatif import INVASIVENESS, parse_mitigation
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.trainers import Edit, planner_for
 
@@ -31,16 +31,7 @@ PLAN_STATUSES = ("ready", "no_incident", "no_rollback")
 
 # Knobs in the order a plan applies them (whatif.INVASIVENESS, plus the per-group LR fix a
 # replay's LR finding names, which no what-if knob replays).
-_ORDER = (
-    "lr_fix",
-    "clip",
-    "eps",
-    "lr_scale",
-    "precision",
-    "skip_samples",
-    "skip_step",
-    "reset_moments",
-)
+_ORDER = ("lr_fix", *INVASIVENESS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -118,7 +118,7 @@ def doing(what: str) -> Iterator[None]:
 
 
 def _where(e: BaseException) -> str:
-    """The innermost frame of this package the exception passed through ('formats/optim/mapping.py:61')."""
+    """The innermost frame of this package the exception passed through ('formats/optstate/mapping.py:61')."""
     here = Path(__file__).resolve().parents[1]  # the package's root
     last = ""
     for frame in traceback.extract_tb(e.__traceback__):

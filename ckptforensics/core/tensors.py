@@ -1,7 +1,7 @@
 """Dtype limits, bit-level helpers and the LR-growth bound shared by diff, replay and detectors.
 
 The robust statistics that lived here are in `ckptforensics.core.stats`; their names are
-re-exported below because record/monitor.py, whatif.py, replay/engine.py and the diff and
+re-exported below because record/monitor.py, engine/whatif.py, engine/replay/run.py and the diff and
 replay detectors import them from here.
 """
 

@@ -369,7 +369,7 @@ def _olmo_config(ckpt: Checkpoint, path: Path) -> None:
 def _job_config(ckpt: Checkpoint, path: Path) -> None:
     """A torchtitan job config (TOML) in the run dir or above it: its FSDP2 mixed-precision
     policy (`[training] mixed_precision_param`, `mixed_precision_reduce`; torchtitan's
-    defaults bfloat16 / float32), which the replay computes in (replay/precision.py)."""
+    defaults bfloat16 / float32), which the replay computes in (engine/replay/precision.py)."""
     import tomllib
 
     for d in (path.parent, path.parent.parent):

@@ -41,7 +41,7 @@ def detect_skipped_steps(diff: DiffResult, th: Thresholds) -> list[Finding]:
         k = p.adam_step_b - p.adam_step_a  # type: ignore[operator]
         if 0 <= k < g and p.skip_optimizer and not p.loss_scale_a:
             # OLMo-core's SkipStep optimizers skip a step whose loss or grad norm is an
-            # outlier of the last steps (replay/skipstep.py): the optimizer's own guard,
+            # outlier of the last steps (trainers/olmo_core/skipstep.py): the optimizer's own guard,
             # not an overflow; the replay finds the steps and judges their spikes.
             out.append(
                 Finding(

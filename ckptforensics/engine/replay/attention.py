@@ -2,7 +2,7 @@
 every softmax over the last dim of a [B, H, T, S] tensor (eager attention), gives its heads'
 largest pre-softmax logit and their attention entropy, kept on the device
 (`AttentionWatch`; the module probe attributes them to the module that ran them). The
-statistics themselves are `replay/attnstats.py`'s.
+statistics themselves are `engine/replay/attnstats.py`'s.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The attention statistics the watch (`replay/attention.py`) records: per head of an
+"""The attention statistics the watch (`engine/replay/attention.py`) records: per head of an
 attention call, its largest pre-softmax logit and its normalised attention entropy,
 recomputed from q and k in fp32 piecewise (`_ATTN_CHUNK`), never held whole; a model's
 layers of one shape measured together.

@@ -1,9 +1,9 @@
 """Rebuild the model and its optimizer from a checkpoint, exactly as the trainer left them.
 
-The model a run's recorded config describes is its framework's (`model` hook, frameworks/);
+The model a run's recorded config describes is its framework's (`model` hook, trainers/);
 transformers from a `config.json` and a `--model` factory are built here for every run.
 Over 400 lines: the weights and the optimizer state are read into one model with one name
-map (`load_weights`, then `build_optimizer` by the same names and shards); replay/session.py
+map (`load_weights`, then `build_optimizer` by the same names and shards); engine/replay/session.py
 takes both from here."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def build_model(spec: str | None, ckpt: Checkpoint) -> tuple[nn.Module, str]:
     """The model named by `spec`, or, when spec is None, by the config the run recorded:
     HF config.json (transformers), Megatron `args` or OLMo-core config.json (reference
     models, `replay.reference`), LitGPT model_config.yaml (litgpt), the LightningModule
-    class path LightningCLI records in `hyper_parameters` (frameworks/lightning).
+    class path LightningCLI records in `hyper_parameters` (trainers/lightning).
 
     A factory receives the checkpoint's model config (nanoGPT `model_args`, Lightning
     hyper-parameters) as the keyword arguments its signature accepts.
@@ -70,7 +70,7 @@ def build_model(spec: str | None, ckpt: Checkpoint) -> tuple[nn.Module, str]:
 
 def _from_recorded_config(ckpt: Checkpoint) -> tuple[nn.Module, str] | None:
     """A model from what the run recorded, by the `model` hook of the framework that wrote
-    it (frameworks/: Megatron `args`, OLMo-core's config.json, LitGPT's model_config.yaml, a
+    it (trainers/: Megatron `args`, OLMo-core's config.json, LitGPT's model_config.yaml, a
     LightningCLI class path). None when it has none or it does not apply."""
     fn = hook(ckpt, "model")
     return fn(ckpt) if fn is not None else None
@@ -78,7 +78,7 @@ def _from_recorded_config(ckpt: Checkpoint) -> tuple[nn.Module, str] | None:
 
 def trainer_loss_norm(model: nn.Module, ckpt: Checkpoint) -> LossNorm:
     """The loss normalisation the run's trainer used: the `loss_norm` hook of the framework
-    that wrote `ckpt` (frameworks/hf: the HF Trainer's), else the mean over target tokens."""
+    that wrote `ckpt` (trainers/hf: the HF Trainer's), else the mean over target tokens."""
     fn = hook(ckpt, "loss_norm")
     found = fn(model, ckpt) if fn is not None else None
     return found or LossNorm("targets", "mean over the step's target tokens")

@@ -1,8 +1,8 @@
 """One probed pass's statistics as the host gets them, under torchrun merged across ranks.
 
 `PassStats` is the record of a pass; `merge_ranks` makes the whole batch's tables from every
-rank's share of its rows. The tables are filled by `replay/probes.py`'s `ModuleProbe`, their
-rows derived as `replay/proberows.py` says.
+rank's share of its rows. The tables are filled by `engine/replay/probes.py`'s `ModuleProbe`, their
+rows derived as `engine/replay/proberows.py` says.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ skipped doubles it and redoes the step.
 
 Over 400 lines: the modes and the loss scale are one policy (an fp16 run's scale is chosen by
 replaying under the mode), kept together so the search and what it assumes read as one. What
-a trainer's config says of its precision is its framework's `precision` hook (frameworks/).
+a trainer's config says of its precision is its framework's `precision` hook (trainers/).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def _static_scale(ckpt: Checkpoint) -> bool:
 def _stated(ckpt: Checkpoint) -> tuple[str, str] | None:
     """The precision the run's own config states, with the key it is read from: a recorded
     FSDP2 policy (any run's), else the `precision` hook of the framework that wrote it
-    (frameworks/: DeepSpeed's ds_config, Megatron's args, HF TrainingArguments, nanoGPT's dtype)."""
+    (trainers/: DeepSpeed's ds_config, Megatron's args, HF TrainingArguments, nanoGPT's dtype)."""
     tc = ckpt.scalars.get("train_config") or {}
     mp = ckpt.scalars.get("mixed_precision") or {}
     param = str(mp.get("param_dtype") or tc.get("mixed_precision_param") or "")
@@ -202,7 +202,7 @@ def fp32_micro_batches(ckpt: Checkpoint) -> int | None:
     """Rows per micro-batch whose low-precision gradients the run summed in fp32, each
     micro-batch backpropagated on its own (a step's gradient is then a sum of roundings, not
     the rounding of one backward over the global batch): the `fp32_micro_batches` hook of the
-    framework that wrote `ckpt` (frameworks/megatron: `--bf16` with
+    framework that wrote `ckpt` (trainers/megatron: `--bf16` with
     `accumulate_allreduce_grads_in_fp32`); None for any other run."""
     fn = hook(ckpt, "fp32_micro_batches")
     return fn(ckpt) if fn is not None else None

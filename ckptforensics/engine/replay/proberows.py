@@ -4,7 +4,7 @@ A hook's measurement of one output (or of its gradient) is its elements, L2 norm
 max, and for fp16 / bf16 its subnormal share; a row of `FWD_STATS` (or `BWD_STATS`) is
 derived from those. `ProbeRows` keeps one table's measurements of a pass, written by the C
 kernel from the hook itself, into a raw buffer, or held pending, and writes each row's
-latest at `flush`. The hooks themselves are `replay/probes.py`'s (`ModuleProbe`).
+latest at `flush`. The hooks themselves are `engine/replay/probes.py`'s (`ModuleProbe`).
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 Each hook writes one row of a preallocated statistics tensor with tensor ops only; the
 host reads the whole table once per pass (`collect`), never once per module. Attention is
-watched where it is computed (`replay/attention.py`: every `scaled_dot_product_attention`
+watched where it is computed (`engine/replay/attention.py`: every `scaled_dot_product_attention`
 call and every eager softmax over [B, H, T, S] gives its heads' largest pre-softmax logit and
 attention entropy), attributed here to the module that ran it. How a hook's measurement
-becomes a table row is `replay/proberows.py`'s, the pass's record and its merge across ranks
-`replay/passstats.py`'s, the per-parameter figures `replay/paramstats.py`'s. All are
+becomes a table row is `engine/replay/proberows.py`'s, the pass's record and its merge across ranks
+`engine/replay/passstats.py`'s, the per-parameter figures `engine/replay/paramstats.py`'s. All are
 re-exported, so `probes` stays the one import.
 
 Over 400 lines: `ModuleProbe` is one class whose hooks, mapping pass and collection share

@@ -1,5 +1,5 @@
 """Per-sample evidence: loss and share of the gradient norm^2 (the data statistics of each
-row are `replay/rowstats.py`'s, re-exported here)."""
+row are `engine/replay/rowstats.py`'s, re-exported here)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The replay's plan, resolved once from the run's files: the window's steps, its batches
 (logged or rebuilt), LR per step and group, clipping candidates, precision, loss; and one
 run of the window under it. What a trainer adds (its batches from `--data`, its clip) is
-asked of its framework (frameworks/).
+asked of its framework (trainers/).
 
 Over 400 lines: the plan's resolution and the collator choice evaluate the same `Plan`
 (a candidate's first step is a session of it), and split they would pass it back and forth."""
@@ -428,7 +428,7 @@ def _batches(cfg: ReplayConfig, a: Checkpoint) -> list[BatchSource]:
         raise ForensicsError(
             "pass --batch (the batches the run consumed) or --data (the run's training data: HF Trainer, Megatron and OLMo-core runs)"
         )
-    rebuild = hook(a, "batches")  # which trainers' data `--data` rebuilds: frameworks/
+    rebuild = hook(a, "batches")  # which trainers' data `--data` rebuilds: trainers/
     found = rebuild(cfg.data, a, cfg.collator) if rebuild is not None else None
     if found is None:
         raise ForensicsError(

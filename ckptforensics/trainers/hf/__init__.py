@@ -10,7 +10,7 @@ schedule: the plan scales the restored scheduler in a callback. `max_grad_norm`,
 
 For a replay: the model is transformers' own, from `config.json` (the generic path of
 `replay.model.build_model`, which any run with a `config.json` takes); `--data` is drawn again
-by the Trainer's own sampler with the run's `TrainingArguments` (`replay/hfdata.py`); the loss
+by the Trainer's own sampler with the run's `TrainingArguments` (`trainers/hf/data.py`); the loss
 is divided as the Trainer divides it (`num_items_in_batch`, or each micro-batch's mean).
 """
 

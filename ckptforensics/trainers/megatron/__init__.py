@@ -9,8 +9,8 @@ takes iteration counts as the training loop checks them, before the step runs
 prints as iteration S is skipped by S - 1.
 
 For a replay: the model is the reference Megatron GPT built from the `args`
-(`replay/reference/`), `--data` is the run's indexed dataset read as its GPTDataset does
-(`replay/megatron_data.py`), and `--bf16` is followed as Megatron's precision policy runs it
+(`trainers/<t>/model.py`), `--data` is the run's indexed dataset read as its GPTDataset does
+(`trainers/megatron/data.py`), and `--bf16` is followed as Megatron's precision policy runs it
 (bf16 weights computed on, each micro-batch's bf16 gradient summed in fp32).
 """
 

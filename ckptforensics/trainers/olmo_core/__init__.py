@@ -7,9 +7,9 @@ group's `initial_lr`, a field the optimizer config keeps fixed (`fixed_fields`),
 checkpoint's optimizer state restores: check the LR the resumed run logs (`recovery` does).
 
 For a replay: the model is the reference OLMo-core `Transformer` built from `config.json`'s
-model section (`replay/reference/`), and `--data` rebuilds a NumpyFSLDataset's batches from
-the seed and the data loader's state (`replay/olmo_data.py`). Its SkipStepAdamW is followed
-by `replay/skipstep.py` (from the optimizer config the format reader keeps).
+model section (`trainers/<t>/model.py`), and `--data` rebuilds a NumpyFSLDataset's batches from
+the seed and the data loader's state (`trainers/olmo_core/data.py`). Its SkipStepAdamW is followed
+by `trainers/olmo_core/skipstep.py` (from the optimizer config the format reader keeps).
 """
 
 from __future__ import annotations

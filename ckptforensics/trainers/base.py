@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ckptforensics.formats.base import Checkpoint
+from ckptforensics.formats.batches import BatchSource
+
 if TYPE_CHECKING:
     from torch import nn
-
-    from ckptforensics.formats.base import Checkpoint
-    from ckptforensics.formats.batches import BatchSource
 
 __all__ = [
     "Settings",

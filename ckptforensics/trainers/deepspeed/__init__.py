@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ckptforensics.formats.base import Checkpoint
 from ckptforensics.trainers.base import (
     LR_FIX_PREFIX,
     Edit,
@@ -25,9 +26,6 @@ from ckptforensics.trainers.base import (
     lr_fix_edit,
     skip_json,
 )
-
-if TYPE_CHECKING:
-    from ckptforensics.formats.base import Checkpoint
 
 NAME = "deepspeed"
 TITLE = "DeepSpeed"

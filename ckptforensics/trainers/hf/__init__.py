@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptforensics.formats.base import Checkpoint
+from ckptforensics.formats.batches import BatchSource
 from ckptforensics.trainers.base import (
     LR_FIX_PREFIX,
     Edit,
@@ -35,9 +37,6 @@ from ckptforensics.trainers.hf.data import trainer_batches
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from ckptforensics.formats.base import Checkpoint
-    from ckptforensics.formats.batches import BatchSource
 
 NAME = "hf"
 TITLE = "HF Trainer"

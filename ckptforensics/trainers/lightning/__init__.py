@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptforensics.core.callables import ModelSpecError, call_factory
+from ckptforensics.formats.base import Checkpoint
 from ckptforensics.trainers.base import (
     LR_FIX_PREFIX,
     Edit,
@@ -36,8 +37,6 @@ from ckptforensics.trainers.base import (
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from ckptforensics.formats.base import Checkpoint
 
 NAME = "lightning"
 TITLE = "Lightning"

@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptforensics.core.callables import ModelSpecError
+from ckptforensics.formats.base import Checkpoint
 from ckptforensics.trainers.base import LR_FIX_PREFIX, Edit, Settings, Skip, lr_fix_edit, skip_json
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from ckptforensics.formats.base import Checkpoint
 
 NAME = "loop"
 TITLE = "training loop"

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptforensics.core.callables import ModelSpecError
+from ckptforensics.formats.base import Checkpoint
+from ckptforensics.formats.batches import BatchSource
 from ckptforensics.trainers.base import (
     LR_FIX_PREFIX,
     Edit,
@@ -35,9 +37,6 @@ from ckptforensics.trainers.megatron.data import megatron_batches
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from ckptforensics.formats.base import Checkpoint
-    from ckptforensics.formats.batches import BatchSource
 
 NAME = "megatron"
 TITLE = "Megatron-LM"

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ckptforensics.formats.base import Checkpoint
 from ckptforensics.trainers.base import (
     LR_FIX_PREFIX,
     Edit,
@@ -26,9 +27,6 @@ from ckptforensics.trainers.base import (
     lr_fix_edit,
     skip_json,
 )
-
-if TYPE_CHECKING:
-    from ckptforensics.formats.base import Checkpoint
 
 NAME = "nanogpt"
 TITLE = "nanoGPT train.py"

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptforensics.core.callables import ModelSpecError
+from ckptforensics.formats.base import Checkpoint
+from ckptforensics.formats.batches import BatchSource
 from ckptforensics.formats.locate import STEP_N
 from ckptforensics.trainers.base import (
     LR_FIX_PREFIX,
@@ -37,9 +39,6 @@ from ckptforensics.trainers.olmo_core.data import is_olmo_checkpoint, olmo_batch
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from ckptforensics.formats.base import Checkpoint
-    from ckptforensics.formats.batches import BatchSource
 
 NAME = "olmo_core"
 TITLE = "OLMo-core"

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ckptforensics.formats.base import Checkpoint
 from ckptforensics.formats.locate import STEP_N
 from ckptforensics.trainers.base import (
     LR_FIX_PREFIX,
@@ -23,9 +24,6 @@ from ckptforensics.trainers.base import (
     lr_fix_edit,
     skip_json,
 )
-
-if TYPE_CHECKING:
-    from ckptforensics.formats.base import Checkpoint
 
 NAME = "torchtitan"
 TITLE = "torchtitan"

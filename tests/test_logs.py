@@ -228,7 +228,9 @@ def test_megatron_lms_own_log_of_a_restarted_run(log: str) -> None:
         if "lr" in got.rows.get(s + 1, {}):  # Megatron logs at s the LR its scheduler set for s + 1
             assert got.rows[s + 1]["lr"] == pytest.approx(r["lr"], rel=1e-6)
             lrs += 1
-    assert lrs == len(t["steps"]) - 2  # none for a leg's first step, none past the last
+    # none past the last; the restarted leg's first step (31) reads the LR the crashed leg
+    # printed at 30, where the checkpoint it loaded left the scheduler (issue #42)
+    assert lrs == len(t["steps"]) - 1 and got.rows[31]["lr"] == pytest.approx(t["steps"][29]["lr"])
     res = triage(MEGATRON_RUN / log, None)
     assert res.first_bad_step == t["first_bad_step"] and res.rule == "lr-growth"
 

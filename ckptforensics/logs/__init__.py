@@ -31,6 +31,8 @@ from ckptforensics.logs.columns import (
 from ckptforensics.logs.discover import find_logs, log_dirs, looked_for
 from ckptforensics.logs.readers import Leg, MissingExtra, read_file
 from ckptforensics.logs.registry import (
+    FORMATS,
+    fix_rows,
     register_finder,
     register_format,
     register_rows,
@@ -163,6 +165,11 @@ def read_log(path: Path | str, keys: dict[str, str] | None = None) -> MetricsLog
     files = _paths(path)
     legs = [leg for f in files for leg in read_file(f)]
     rows, info = merge_legs(legs)
+    if any(f.shared and f.name in {leg.kind for leg in legs} for f in FORMATS):
+        # Again on the merged timeline: a convention that reads a neighbouring step (Megatron's
+        # LR, logged a step early) has, at a restarted leg's first step, only the earlier leg's
+        # row to read (the checkpoint the restart loaded left the scheduler where that row says).
+        rows = fix_rows(rows)
     canonical(rows, keys)
     return MetricsLog(rows, [str(f) for f in files], info)
 

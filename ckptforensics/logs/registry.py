@@ -169,7 +169,9 @@ def register_finder(
 
 def register_rows(name: str, fix: Callable[[Rows], Rows]) -> None:
     """Add a trainer's convention on a shared format's rows: `fix(rows) -> rows` (Megatron-LM's
-    LR, logged a step early, moved to the step it is for)."""
+    LR, logged a step early, moved to the step it is for). Applied to each leg and again to the
+    merged legs (`read_log`): a function of the log's own columns, so applying it twice is
+    applying it once."""
     if name in _ROW_FIXES:
         raise ValueError(f"row convention {name!r} is already registered")
     _ROW_FIXES[name] = fix

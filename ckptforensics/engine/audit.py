@@ -8,7 +8,6 @@ the open checkpoint and the recorded config.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections import Counter
@@ -37,9 +36,9 @@ from ckptforensics.engine.replay.probes import param_grad_table
 from ckptforensics.engine.replay.samples import per_token_loss
 from ckptforensics.engine.trace import Architecture, trace_pass
 from ckptforensics.formats.base import Checkpoint
-from ckptforensics.formats.batches import BatchError, open_batches
+from ckptforensics.formats.batches import BatchError, BatchSource, open_batches
 from ckptforensics.logs import find_metrics, log_dirs, param_grad_columns, read_metrics
-from ckptforensics.trainers.reference import is_megatron_args
+from ckptforensics.trainers.settings import RunSettings, run_settings
 
 __all__ = ["AuditConfig", "gather"]
 
@@ -80,7 +79,6 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
     say = progress or (lambda _s: None)
     notes: list[str] = []
     run_dir = cfg.run_dir or cfg.checkpoint.parent
-    rc = run_config(a, cfg.checkpoint)
     mfile = cfg.metrics or next(
         (f for f in (find_metrics(d) for d in _near(run_dir, cfg.checkpoint)) if f is not None),
         None,
@@ -91,7 +89,9 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
         notes.append(f"training log not read: {e}")
         rows, mfile = {}, None
     say("batch")
-    batch, batch_source, batch_log, tokens, shifted_declared = _batch(cfg, a, run_dir, notes)
+    found = _batch(cfg, a, run_dir, notes)
+    batch, batch_source = found.batch, found.source
+    rs = run_settings(a, found.opened)
     arch = prev = None
     arch_note = None
     prev_step = None
@@ -104,7 +104,7 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
         model.to(cfg.device)
         batch = batch if batch is not None else _random_batch(model)
         batch = {k: v.to(cfg.device) for k, v in batch.items()}
-        shifted, call = _convention(model, batch, shifted_declared, notes)
+        shifted, call = _convention(model, batch, found.shifted, notes)
         say("trace")
         arch, logits = trace_pass(model, batch, call)
         rms_t = _rms_t(model, a, to_ckpt, logits, batch, shifted, batch_source, notes)
@@ -121,7 +121,7 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
     names = _names(arch, to_ckpt, a)
     say("optimizer state")
     moments, decayed, betas, eps, lrs, moment_dtype, lost = _optimizer(a, names)
-    precision, psrc, masters = _precision(a, rc)
+    precision, psrc, masters = _precision(a, rs)
     scaler = a.scalars.get("scaler") if isinstance(a.scalars.get("scaler"), dict) else {}
     interval = scaler.get("growth_interval", scaler.get("_growth_interval"))
     scales = tuple(
@@ -129,9 +129,9 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
         for s, r in sorted(rows.items())
         if "loss_scale" in r and math.isfinite(float(r["loss_scale"]))
     )
-    clip, csrc = _clip(rc)
-    warm, wsrc = _warmup(rc, rows)
-    z, zsrc = _z_loss(rc)
+    clip, csrc = _clip(rs)
+    warm, wsrc = _warmup(rs, rows)
+    z, zsrc = _z_loss(rs.config)
     per_param = max((len(param_grad_columns(r)) for r in list(rows.values())[:50]), default=0)
     return AuditEvidence(
         step=a.step,
@@ -161,13 +161,13 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
         clip_source=csrc,
         warmup=warm,
         warmup_source=wsrc,
-        total_steps=_total_steps(rc),
-        tokens_per_step=tokens,
+        total_steps=rs.total_steps,
+        tokens_per_step=found.tokens,
         z_loss=z,
         z_loss_source=zsrc,
         log_file=str(mfile) if mfile is not None else None,
         per_param_grad_columns=per_param,
-        batch_log=batch_log,
+        batch_log=found.log,
         notes=tuple(notes),
     )
 
@@ -184,50 +184,6 @@ def _near(run_dir: Path, ckpt: Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------- the run's configuration
-def run_config(a: Checkpoint, path: Path) -> dict[str, Any]:
-    """Every configuration the run recorded, as one dict of sections: `train` (the reader's
-    `train_config`), `training_args` (HF), `args` (Megatron), `model` (the model config),
-    `olmo` (OLMo-core's experiment config.json), `litgpt` (hyperparameters.yaml)."""
-    out: dict[str, Any] = {
-        "train": dict(a.scalars.get("train_config") or {}),
-        "model": dict(a.config or {}),
-    }
-    if isinstance(a.scalars.get("training_args"), dict):
-        out["training_args"] = a.scalars["training_args"]
-
-    if is_megatron_args(a.config):
-        out["args"] = a.config
-    for d in (path, path.parent):
-        f = d / "config.json"
-        if d.is_dir() and f.is_file():
-            try:
-                cfg = json.loads(f.read_text())
-            except (OSError, ValueError):
-                cfg = None
-            if isinstance(cfg, dict) and "train_module" in cfg:
-                out["olmo"] = cfg
-                break
-    hp = path / "hyperparameters.yaml" if path.is_dir() else path.parent / "hyperparameters.yaml"
-    if hp.is_file():
-        try:
-            import yaml
-
-            y = yaml.safe_load(hp.read_text())
-            if isinstance(y, dict):
-                out["litgpt"] = y
-        except Exception:  # an unreadable side file: the row that needs it says unknown
-            log.debug("hyperparameters.yaml not read", exc_info=True)
-    return out
-
-
-def _get(d: Any, *path: str) -> Any:
-    for k in path:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(k)
-    return d
-
-
 def _walk(d: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     if isinstance(d, dict):
         for k, v in d.items():
@@ -252,33 +208,17 @@ def _z_loss(rc: dict[str, Any]) -> tuple[float | None, str | None]:
     return None, None
 
 
-def _clip(rc: dict[str, Any]) -> tuple[float | None, str | None]:
-    for path in (
-        ("train", "grad_clip"),
-        ("train", "max_grad_norm"),
-        ("args", "clip_grad"),
-        ("olmo", "train_module", "max_grad_norm"),
-        ("litgpt", "train", "max_norm"),
-    ):
-        v = _get(rc, *path)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return float(v), ".".join(path)
-        if v is None and path[0] == "train" and path[1] in rc.get("train", {}):
-            return 0.0, ".".join(path)  # recorded as None: clipping off
-    return None, None
+def _clip(rs: RunSettings) -> tuple[float | None, str | None]:
+    """The clip as the audit's rows take it: 0 where clipping is off, None where not recorded."""
+    if rs.clip_source is None:
+        return None, None
+    return (rs.clip if rs.clip is not None else 0.0), rs.clip_source
 
 
-def _warmup(rc: dict[str, Any], rows: dict[int, dict[str, float]]) -> tuple[int | None, str | None]:
-    for path in (
-        ("train", "warmup_iters"),
-        ("args", "lr_warmup_iters"),
-        ("olmo", "train_module", "scheduler", "warmup"),
-        ("olmo", "train_module", "scheduler", "warmup_steps"),
-        ("litgpt", "train", "lr_warmup_steps"),
-    ):
-        v = _get(rc, *path)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return int(v), ".".join(path)
+def _warmup(rs: RunSettings, rows: dict[int, dict[str, float]]) -> tuple[int | None, str | None]:
+    """The recorded warm-up, else the log's: steps until the LR first reaches its peak."""
+    if rs.warmup is not None:
+        return rs.warmup, rs.warmup_source
     lrs = sorted((s, r["lr"]) for s, r in rows.items() if "lr" in r and math.isfinite(r["lr"]))
     if len(lrs) >= 3 and lrs[0][0] <= 1:
         top = max(v for _, v in lrs)
@@ -287,40 +227,17 @@ def _warmup(rc: dict[str, Any], rows: dict[int, dict[str, float]]) -> tuple[int 
     return None, None
 
 
-def _total_steps(rc: dict[str, Any]) -> int | None:
-    for path in (
-        ("train", "max_steps"),
-        ("training_args", "max_steps"),
-        ("args", "train_iters"),
-        ("model", "max_iters"),
-        ("train", "max_iters"),
-        ("litgpt", "train", "max_steps"),
-    ):
-        v = _get(rc, *path)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    dur = _get(rc, "olmo", "trainer", "max_duration")
-    if isinstance(dur, dict) and dur.get("unit") == "steps" and isinstance(dur.get("value"), int):
-        return int(dur["value"])
-    return None
-
-
-def _precision(a: Checkpoint, rc: dict[str, Any]) -> tuple[str, str, bool]:
+def _precision(a: Checkpoint, rs: RunSettings) -> tuple[str, str, bool]:
     """The precision the run trained in and whether it keeps fp32 master weights, from what
     it recorded (`replay.precision`: its scaler, its config's flags, then the weights'
-    dtypes; LitGPT's `precision` read here besides)."""
+    dtypes; a trainer's configuration file, `trainers.settings`, besides)."""
 
     prec, src = mp.resolve("auto", a)
     masters = prec == "bf16-params" or bool(a.scalars.get("fp32_masters"))
     if prec == "bf16-params":
         return "bf16", src, masters
-    lit = str(_get(rc, "litgpt", "precision") or "")
-    if prec == "fp32" and lit.startswith(("bf16", "16")):
-        return (
-            ("bf16" if lit.startswith("bf16") else "fp16"),
-            f"hyperparameters.yaml precision {lit}",
-            masters,
-        )
+    if prec == "fp32" and rs.precision is not None:
+        return rs.precision, str(rs.precision_source), masters
     if prec == "fp32" and _main_dtype(a) == "float16":  # fp16 parameters: trained in fp16 itself
         return "fp16", "float16 weights in the checkpoint", masters
     return prec, src, masters
@@ -336,9 +253,28 @@ def _main_dtype(a: Checkpoint) -> str:
 
 
 # ---------------------------------------------------------------- batch
-def _batch(
-    cfg: AuditConfig, a: Checkpoint, run_dir: Path, notes: list[str]
-) -> tuple[dict[str, torch.Tensor] | None, str, str | None, float, bool | None]:
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """The batch the audit traces and where it comes from.
+
+    Attributes:
+        batch: its tensors (None: random token ids are traced).
+        source: where it comes from, in words.
+        log: the batch log's path, where one was found.
+        tokens: its token count (nan: random ids).
+        shifted: its labels' declared convention.
+        opened: the batch log, where it was read (its recorded settings: the clip).
+    """
+
+    batch: dict[str, torch.Tensor] | None
+    source: str
+    log: str | None = None
+    tokens: float = math.nan
+    shifted: bool | None = None
+    opened: BatchSource | None = None
+
+
+def _batch(cfg: AuditConfig, a: Checkpoint, run_dir: Path, notes: list[str]) -> _Batch:
     """The batch to trace: the run's next batch after the checkpoint where a batch log has it."""
 
     spec = cfg.batch
@@ -353,15 +289,17 @@ def _batch(
                 break
         spec = str(found) if found is not None else None
     if spec is None:
-        return None, "random token ids (no batch log found)", None, math.nan, None
+        return _Batch(None, "random token ids (no batch log found)")
     try:
         src = open_batches(spec)
     except (BatchError, ForensicsError) as e:
         notes.append(f"batch log not read: {e}")
-        return None, "random token ids (the batch log could not be read)", spec, math.nan, None
+        return _Batch(None, "random token ids (the batch log could not be read)", spec)
     if src.ids_only:
         notes.append(f"{spec} keeps sample ids, not tokens")
-        return None, "random token ids (the batch log keeps sample ids only)", spec, math.nan, None
+        return _Batch(
+            None, "random token ids (the batch log keeps sample ids only)", spec, opened=src
+        )
     step = a.step or 0
     steps = src.steps
     pick = (
@@ -373,19 +311,20 @@ def _batch(
         )
     )
     if pick is None:
-        return None, "random token ids (the batch log has no step)", spec, math.nan, None
+        return _Batch(None, "random token ids (the batch log has no step)", spec, opened=src)
     try:
         b = src.batch(pick)
     except (BatchError, ForensicsError) as e:
         notes.append(str(e))
-        return None, "random token ids (the batch could not be read)", spec, math.nan, None
+        return _Batch(None, "random token ids (the batch could not be read)", spec, opened=src)
     batch = {k: v for k, v in b.items() if k in ("input_ids", "attention_mask", "labels")}
-    return (
+    return _Batch(
         batch,
         f"the batch of step {pick} ({src.describe})",
         spec,
         float(batch["input_ids"].numel()),
         src.labels_shifted,
+        src,
     )
 
 

@@ -54,6 +54,7 @@ from ckptforensics.trainers.base import (
     Framework,
     LossNorm,
     Planner,
+    Recorded,
     Settings,
     Skip,
     config_clip,
@@ -80,12 +81,14 @@ from ckptforensics.trainers.olmo_core import logs as _olmo_logs  # noqa: F401
 
 __all__ = [
     "Settings",
+    "Recorded",
     "Edit",
     "Skip",
     "Planner",
     "Framework",
     "HOOKS",
     "framework_for",
+    "frameworks",
     "planner_for",
     "hook",
     "log_aliases",
@@ -134,6 +137,11 @@ PLANNERS: tuple[str, ...] = (
 # the most specific names first (OLMo-core's and Megatron's are theirs alone; `train_loss`
 # may be anybody's).
 LOG_ORDER: tuple[str, ...] = ("olmo_core", "megatron", "hf", "torchtitan", "lightning")
+
+
+def frameworks() -> tuple[Any, ...]:
+    """Every trainer module, in the order `framework_for` asks them."""
+    return _planners()
 
 
 def framework_for(ck: Checkpoint) -> Any:

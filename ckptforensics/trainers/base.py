@@ -22,12 +22,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Settings",
+    "Recorded",
     "Edit",
     "Skip",
     "Planner",
     "Framework",
     "HOOKS",
     "config_clip",
+    "value_at",
+    "first_number",
+    "first_count",
     "key_diff",
     "value_text",
     "skip_json",
@@ -54,6 +58,29 @@ class Settings:
     values: dict[str, Any]
     save_dir: str
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """What one trainer's own configuration file beside the checkpoint states (its `recorded`
+    hook): the file's content under its section name, and the settings read from it, each with
+    the key it is read from (`trainers/settings.run_settings` merges every trainer's).
+
+    Attributes:
+        section: the file's name in the run's configuration (the first key of each source).
+        config: the file's content.
+        clip: the clip norm (0: clipping off) and its key.
+        warmup: the warm-up steps and their key.
+        total_steps: the schedule's length in steps.
+        precision: the precision the file states ('bf16', 'fp16') and its key.
+    """
+
+    section: str
+    config: dict[str, Any]
+    clip: tuple[float, str] | None = None
+    warmup: tuple[int, str] | None = None
+    total_steps: int | None = None
+    precision: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +178,11 @@ class Framework(Planner, Protocol):
         micro-batch backpropagated on its own), where the run did so."""
         ...
 
+    def recorded(self, ck: Checkpoint) -> Recorded | None:
+        """The settings the trainer's own configuration file beside `ck` states (asked of
+        every trainer, not only the one that wrote `ck`: a file is evidence wherever it lies)."""
+        ...
+
 
 # Each optional hook -> what the replay does where a framework has none (or it returns None).
 HOOKS: dict[str, str] = {
@@ -158,9 +190,11 @@ HOOKS: dict[str, str] = {
     "batches": "replay.window: refused, naming the format (pass --batch)",
     "loss_norm": "replay.model.trainer_loss_norm: the mean over the step's target tokens",
     "precision": "replay.precision.candidates: the weights' dtypes decide (candidates checked against the log)",
-    "clip": "replay.window: the checkpoint's train_config (grad_clip, max_grad_norm, gradient_clipping, "
-    "clip_grad), else the batch log's grad_clip, else calibrated",
+    "clip": "trainers.settings.run_settings: the checkpoint's train_config (grad_clip, max_grad_norm, "
+    "gradient_clipping, clip_grad), else the batch log's grad_clip, else the trainers' `recorded` files "
+    "(replay calibrates where none records one)",
     "fp32_micro_batches": "replay.precision.fp32_micro_batches: None (one backward over the global batch)",
+    "recorded": "trainers.settings.run_settings: the checkpoint's train_config and model config alone",
 }
 
 
@@ -230,6 +264,36 @@ def config_clip(ck: Checkpoint, keys: Sequence[str]) -> tuple[float | None, str]
         if isinstance(tc.get(key), (int, float)):
             v = float(tc[key])
             return (v if v > 0 else None), f"checkpoint config {key}"
+    return None
+
+
+def value_at(config: Any, path: Sequence[str]) -> Any:
+    """The value at `path` in a nested config (None where the path stops)."""
+    for k in path:
+        if not isinstance(config, dict):
+            return None
+        config = config.get(k)
+    return config
+
+
+def first_number(
+    section: str, config: Any, paths: Sequence[Sequence[str]]
+) -> tuple[float, str] | None:
+    """The first number (booleans are not) at one of `paths` in `config`, with its key as
+    `section.path`; None where none holds one."""
+    for path in paths:
+        v = value_at(config, path)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v), ".".join((section, *path))
+    return None
+
+
+def first_count(config: Any, paths: Sequence[Sequence[str]]) -> int | None:
+    """The first positive integer at one of `paths` in `config`."""
+    for path in paths:
+        v = value_at(config, path)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
     return None
 
 

@@ -34,9 +34,10 @@ from ckptforensics.engine.replay.session import Session, check_vocab
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.formats.batches import BatchSource, open_batches, with_rows
 from ckptforensics.logs import find_metrics, group_lrs, log_dirs, read_metrics
-from ckptforensics.trainers import config_clip, hook
+from ckptforensics.trainers import hook
 from ckptforensics.trainers.hf.data import open_dataset, require_rebuilt_match
 from ckptforensics.trainers.olmo_core import skipstep
+from ckptforensics.trainers.settings import run_settings
 
 __all__ = ["Plan", "plan", "choose_batches", "run_window", "run_precision", "optimizer_name"]
 
@@ -95,26 +96,6 @@ def _lr_plan(
             s: [logged[s]["lr"] * r for r in ratios] for s in steps
         }, "training log lr (group ratios from before)"
     return {s: list(base) for s in steps}, "constant: the LR stored in before"
-
-
-# Where a run's config may record its clip, as the format readers keep it (`train_config`).
-_CLIP_KEYS = ("grad_clip", "max_grad_norm", "gradient_clipping", "clip_grad")
-
-
-def _clip_from_checkpoint(
-    ckpt: Checkpoint, batches: BatchSource
-) -> tuple[float | None, str] | None:
-    """The run's clip: its framework's `clip` hook, else any clip key of its config, else the
-    batch log's `grad_clip` attribute; None when none records one."""
-    fn = hook(ckpt, "clip")
-    found = (fn(ckpt) if fn is not None else None) or config_clip(ckpt, _CLIP_KEYS)
-    if found is not None:
-        return found
-    if batches.grad_clip is not None:
-        return (
-            batches.grad_clip if batches.grad_clip > 0 else None
-        ), "batch log attribute grad_clip"
-    return None
 
 
 @dataclass(slots=True)
@@ -316,8 +297,8 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
     clips: list[tuple[float | None, str]]
     if cfg.clip is not None:
         clips = [(cfg.clip if cfg.clip > 0 else None, "--clip")]
-    elif (found := _clip_from_checkpoint(a, batches)) is not None:
-        clips = [found]
+    elif (found := run_settings(a, batches)).clip_source is not None:
+        clips = [(found.clip, found.clip_source)]
     elif b is not None:
         clips = [(None, "calibrated: none"), (1.0, "calibrated: 1.0")]
     elif sum(s in logged for s in steps) >= 2:  # the loss of a step after the first shows the clip

@@ -8,13 +8,25 @@ come from a batch log or the flight recorder.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptforensics.core.callables import ModelSpecError
 from ckptforensics.formats.base import Checkpoint
-from ckptforensics.trainers.base import LR_FIX_PREFIX, Edit, Settings, Skip, lr_fix_edit, skip_json
+from ckptforensics.trainers.base import (
+    LR_FIX_PREFIX,
+    Edit,
+    Recorded,
+    Settings,
+    Skip,
+    first_count,
+    first_number,
+    lr_fix_edit,
+    skip_json,
+    value_at,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -23,6 +35,7 @@ NAME = "loop"
 TITLE = "training loop"
 
 _DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
+log = logging.getLogger(__name__)
 
 
 def owns(ck: Checkpoint) -> bool:
@@ -122,3 +135,44 @@ def model(ck: Checkpoint) -> tuple[nn.Module, str] | None:
     return GPT(
         Config(**{k: v for k, v in ck.config.items() if k in known})
     ), "litgpt.GPT from model_config.yaml"
+
+
+def _hyperparameters(path: Path) -> dict[str, Any] | None:
+    """LitGPT's `hyperparameters.yaml` (the run's arguments) beside the checkpoint file."""
+    f = path / "hyperparameters.yaml" if path.is_dir() else path.parent / "hyperparameters.yaml"
+    if not f.is_file():
+        return None
+    try:
+        import yaml  # PyYAML: optional (it comes with LitGPT, Lightning and transformers)
+
+        doc = yaml.safe_load(f.read_text())
+    except Exception:  # an unreadable side file: the settings it holds stay unknown
+        log.debug("hyperparameters.yaml not read", exc_info=True)
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _precision(doc: dict[str, Any]) -> tuple[str, str] | None:
+    """`precision: bf16-mixed` / `16-mixed` / `bf16-true` as a precision mode."""
+    lit = str(value_at(doc, ("precision",)) or "")
+    if not lit.startswith(("bf16", "16")):
+        return None
+    return ("bf16" if lit.startswith("bf16") else "fp16"), f"hyperparameters.yaml precision {lit}"
+
+
+def recorded(ck: Checkpoint) -> Recorded | None:
+    """LitGPT's hyperparameters.yaml: `train.max_norm`, `train.lr_warmup_steps`,
+    `train.max_steps`, `precision`."""
+
+    doc = _hyperparameters(Path(ck.path))
+    if doc is None:
+        return None
+    warm = first_number("litgpt", doc, (("train", "lr_warmup_steps"),))
+    return Recorded(
+        "litgpt",
+        doc,
+        clip=first_number("litgpt", doc, (("train", "max_norm"),)),
+        warmup=(int(warm[0]), warm[1]) if warm else None,
+        total_steps=first_count(doc, (("train", "max_steps"),)),
+        precision=_precision(doc),
+    )

@@ -26,9 +26,12 @@ from ckptforensics.formats.batches import BatchSource
 from ckptforensics.trainers.base import (
     LR_FIX_PREFIX,
     Edit,
+    Recorded,
     Settings,
     Skip,
     config_clip,
+    first_count,
+    first_number,
     key_diff,
     lr_fix_edit,
 )
@@ -183,6 +186,22 @@ def batches(data: str, ck: Checkpoint, collator: str | None) -> list[BatchSource
 
 def clip(ck: Checkpoint) -> tuple[float | None, str] | None:
     return config_clip(ck, ("grad_clip",))  # `--clip-grad`, as formats/megatron reads it
+
+
+def recorded(ck: Checkpoint) -> Recorded | None:
+    """The parsed `args` the checkpoint keeps: `--clip-grad`, `--lr-warmup-iters`, `--train-iters`."""
+
+    if not reference.is_megatron_args(ck.config):
+        return None
+    args = dict(ck.config or {})
+    warm = first_number("args", args, (("lr_warmup_iters",),))
+    return Recorded(
+        "args",
+        args,
+        clip=first_number("args", args, (("clip_grad",),)),
+        warmup=(int(warm[0]), warm[1]) if warm else None,
+        total_steps=first_count(args, (("train_iters",),)),
+    )
 
 
 def precision(ck: Checkpoint) -> tuple[str, str] | None:

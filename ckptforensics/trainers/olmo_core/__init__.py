@@ -26,9 +26,11 @@ from ckptforensics.formats.locate import STEP_N
 from ckptforensics.trainers.base import (
     LR_FIX_PREFIX,
     Edit,
+    Recorded,
     Settings,
     Skip,
     config_clip,
+    first_number,
     flatten,
     key_diff,
     lr_fix_edit,
@@ -164,3 +166,47 @@ def batches(data: str, ck: Checkpoint, collator: str | None) -> list[BatchSource
 
 def clip(ck: Checkpoint) -> tuple[float | None, str] | None:
     return config_clip(ck, ("grad_clip",))  # train_module.max_grad_norm, as formats/dcp reads it
+
+
+def _experiment(path: Path) -> dict[str, Any] | None:
+    """The experiment config.json (one with a `train_module`) in `path` or its folder."""
+    for d in (path, path.parent):
+        f = d / "config.json"
+        if d.is_dir() and f.is_file():
+            try:
+                doc = json.loads(f.read_text())
+            except (OSError, ValueError):
+                doc = None
+            if isinstance(doc, dict) and "train_module" in doc:
+                return doc
+    return None
+
+
+def _steps(duration: Any) -> int | None:
+    """A `Duration` in steps (`{"unit": "steps", "value": N}`)."""
+    if isinstance(duration, dict) and duration.get("unit") == "steps":
+        v = duration.get("value")
+        return int(v) if isinstance(v, int) else None
+    return None
+
+
+def recorded(ck: Checkpoint) -> Recorded | None:
+    """The experiment config.json: `train_module.max_grad_norm`, the scheduler's warm-up,
+    `trainer.max_duration` in steps."""
+
+    doc = _experiment(Path(ck.path))
+    if doc is None:
+        return None
+    warm = first_number(
+        "olmo",
+        doc,
+        (("train_module", "scheduler", "warmup"), ("train_module", "scheduler", "warmup_steps")),
+    )
+    trainer = doc.get("trainer")
+    return Recorded(
+        "olmo",
+        doc,
+        clip=first_number("olmo", doc, (("train_module", "max_grad_norm"),)),
+        warmup=(int(warm[0]), warm[1]) if warm else None,
+        total_steps=_steps(trainer.get("max_duration")) if isinstance(trainer, dict) else None,
+    )

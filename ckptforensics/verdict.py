@@ -9,6 +9,7 @@ one author, with the verdicts of the commands that diagnose no incident (whatif,
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -233,6 +234,9 @@ def decide(
             for x in v.anomalous_samples
         )
         at = f" of step {v.first_bad_step}" if v.first_bad_step is not None else ""
+        # The rows are named: the cause's own action (find them) is done.
+        found = _actions(top, rollback, after, layer)
+        v.recommended_actions = [a for a in v.recommended_actions if a not in found]
         v.recommended_actions.insert(
             0,
             f"Drop samples {ids}{at} from the data and resume from {rollback or 'an earlier checkpoint'}.",
@@ -292,6 +296,8 @@ def _summary(
     lead = [by_id[i] for i in causes[0]["evidence"] if i in by_id]
     lead.sort(key=lambda f: (not f.primary, -_weight(f)))
     what = top.replace("_", " ")
+    rollback = v.rollback_checkpoint
+    before, after, rollback = _names(before, after, rollback or before)
     parts = [
         f"Most likely cause between {before} and {after}: {what} (confidence {causes[0]['confidence']:.0%})."
     ]
@@ -302,13 +308,17 @@ def _summary(
         parts.append(
             f"Corrupted element: {e['tensor']}{e['index']} {e['before']:.6g} -> {e['after']:.6g} ({e['kind']})."
         )
-    if v.exploding_layers:
-        parts.append(f"Layers standing out: {', '.join(v.exploding_layers[:3])}.")
     if len(causes) > 1:
         parts.append("Also consistent with: " + ", ".join(c["cause"] for c in causes[1:3]) + ".")
     if v.rollback_checkpoint:
-        parts.append(f"Last safe checkpoint: {v.rollback_checkpoint}.")
+        parts.append(f"Last safe checkpoint: {rollback}.")
     return " ".join(parts)
+
+
+def _names(*paths: str) -> tuple[str, ...]:
+    """Checkpoints in one directory (the run's) by their own names, once said where they are."""
+    parents = {os.path.dirname(p.rstrip("/")) for p in paths}
+    return tuple(os.path.basename(p.rstrip("/")) for p in paths) if len(parents) == 1 else paths
 
 
 def _withheld(
@@ -335,7 +345,7 @@ def decide_whatif(
     is "none" only where its own baseline stays on track, else "undiagnosed" (replay or
     bisect name the cause); the action is the least invasive mitigation on track."""
     v = Verdict(
-        summary=f"What-if from {before} over {n_steps} steps: {outcome}.",
+        summary=f"What-if from {_names(before)[0]} over {n_steps} steps: {outcome}.",
         causes=[],
         rollback_checkpoint=None,
     )

@@ -167,7 +167,7 @@ CAUSES: Mapping[str, Cause] = registry(
         name="poison_batch",
         meaning="the replayed step spikes with the batch, and only a few rows carry it (bisect names them)",
         actions=(
-            "Skip the culprit batch from {rollback} (`ckptforensics bisect` finds the rows).",
+            "Find the rows that carry the spike with `ckptforensics bisect`, then resume from {rollback} without them (or without the whole batch).",
         ),
         tries=("skip_samples=auto", "skip_step={onset}"),
         changes=(("skip_samples", "{culprits}"), ("skip_step", "{onset}")),

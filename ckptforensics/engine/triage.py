@@ -187,21 +187,22 @@ def _rollback_caveat(res: TriageResult, safe: list[tuple[int, Path]]) -> str | N
 
 
 def _commands(run_dir: Path, rollback: Path, before: int, after_step: int | None) -> list[str]:
-    """The next commands, with what this run needs: a batch log if it kept one; an HF
-    Trainer checkpoint needs no --model (config.json) and can rebuild its batches (--data)."""
+    """The next commands, with what this run needs: a batch log if it kept one; a checkpoint
+    with its model's config.json (an HF Trainer's) needs no --model, and with its trainer's
+    arguments beside it (training_args.bin) can rebuild its batches (--data)."""
     after = f" --after {after_step}" if after_step is not None else ""
-    hf = (rollback / "config.json").is_file()
+    builds = (rollback / "config.json").is_file()
     batch = run_dir / "batches.h5"
     source = (
         f" --batch {batch}"
         if batch.is_file()
         else (
             " --data TRAIN_DATA"
-            if hf and (rollback / "training_args.bin").is_file()
+            if builds and (rollback / "training_args.bin").is_file()
             else " --batch BATCH_LOG"
         )
     )
-    model = "" if hf else " --model MODEL"
+    model = "" if builds else " --model MODEL"
     return [
         f"ckptforensics diff --run-dir {run_dir} --before {before}{after} --out incident/",
         f"ckptforensics replay --run-dir {run_dir} --before {before}{after}{source}{model} --out incident/",

@@ -61,6 +61,7 @@ from ckptforensics.trainers.base import (
     flatten,
     key_diff,
     lr_fix_edit,
+    require_rebuilt_match,
     skip_json,
     value_text,
 )
@@ -72,13 +73,19 @@ from ckptforensics.trainers.deepspeed import checkpoint as _deepspeed_checkpoint
 from ckptforensics.trainers.hf import checkpoint as _hf_checkpoint  # noqa: F401
 from ckptforensics.trainers.hf import fsdp as _hf_fsdp  # noqa: F401
 from ckptforensics.trainers.hf import logs as _hf_logs  # noqa: F401
+from ckptforensics.trainers.hf.data import open_dataset
 from ckptforensics.trainers.lightning import logs as _lightning_logs  # noqa: F401
 from ckptforensics.trainers.loop import logs as _loop_logs  # noqa: F401
 from ckptforensics.trainers.megatron import logs as _megatron_logs  # noqa: F401
 from ckptforensics.trainers.megatron import saves as _megatron_saves  # noqa: F401
 from ckptforensics.trainers.olmo_core import checkpoint as _olmo_checkpoint  # noqa: F401
 from ckptforensics.trainers.olmo_core import logs as _olmo_logs  # noqa: F401
+from ckptforensics.trainers.olmo_core.skipstep import SkipRule, skip_optimizer, skip_rule
 
+# Besides the registry, what the replay and the diff call that one trainer's module implements,
+# exported here so that the engine names no trainer: `open_dataset` (a dataset on disk that a
+# batch log's sample ids index: HF `datasets`), `SkipRule`, `skip_rule` and `skip_optimizer` (an
+# optimizer that skips outlier steps on its own: OLMo-core's SkipStep).
 __all__ = [
     "Settings",
     "Recorded",
@@ -102,6 +109,11 @@ __all__ = [
     "lr_fix_edit",
     "LR_FIX_PREFIX",
     "LossNorm",
+    "require_rebuilt_match",
+    "open_dataset",
+    "SkipRule",
+    "skip_rule",
+    "skip_optimizer",
 ]
 
 # The trainer packages by name: one line a trainer.

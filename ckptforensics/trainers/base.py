@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ckptforensics.core.errors import ForensicsError
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.formats.batches import BatchSource
 
@@ -39,6 +40,9 @@ __all__ = [
     "lr_fix_edit",
     "LR_FIX_PREFIX",
     "LossNorm",
+    "require_rebuilt_match",
+    "REBUILT_LOSS_RTOL",
+    "REBUILT_GRAD_RTOL",
 ]
 
 
@@ -309,3 +313,35 @@ class LossNorm:
 
     kind: str
     source: str
+
+
+# The first replayed step's loss (and pre-clip grad norm, where logged) from a rebuilt
+# batch against the log. The same batch from the same weights lands within float noise
+# (fixtures/hf_data_run.py: 2e-7 relative, every step of the window); the fixture's data
+# shuffled differently gives another batch 1.1% off in loss: batch-to-batch spread is
+# about a percent, so the loss bar is a tenth of it in fp32, and half of it in bf16/fp16,
+# whose kernels differ across devices by a few 1e-4. Grad norms spread far more between
+# batches (tens of percent) and less across devices: 1%.
+REBUILT_LOSS_RTOL = {"fp32": 1e-3, "bf16": 5e-3, "fp16": 5e-3}
+REBUILT_GRAD_RTOL = 1e-2
+
+
+def require_rebuilt_match(
+    step: int, replayed: tuple[float, float], logged: dict[str, float] | None, precision: str
+) -> None:
+    """The rebuilt batch of the first replayed step must give the loss (and the grad norm,
+    where logged) the log recorded; else a one-line error and nothing is diagnosed."""
+    loss, grad = replayed
+    if not logged or "loss" not in logged:
+        raise ForensicsError(
+            f"the rebuilt batches cannot be checked: the log has no loss for step {step}; pass --batch"
+        )
+    checks = [("loss", loss, logged["loss"], REBUILT_LOSS_RTOL.get(precision, 5e-3))]
+    if "grad_norm" in logged:
+        checks.append(("grad norm", grad, logged["grad_norm"], REBUILT_GRAD_RTOL))
+    for what, mine, theirs, tol in checks:
+        if not abs(mine - theirs) <= tol * abs(theirs):
+            raise ForensicsError(
+                f"the rebuilt batch of step {step} gives {what} {mine:.5g}, the log says {theirs:.5g} (tolerance {tol:.1%}): "
+                "the data pipeline differs (dataset, collator, seed or sampler); pass --batch with the batches the run consumed"
+            )

@@ -30,6 +30,7 @@ from ckptforensics.engine.diff import (
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.formats.optstate import FAMILIES
 from ckptforensics.optim import bnb
+from ckptforensics.trainers import skip_optimizer
 
 __all__ = [
     "DiffConfig",
@@ -97,7 +98,7 @@ def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
         betas=betas,
         weights_only=weights_only,
         notes=tuple(notes),
-        skip_optimizer=_skip_optimizer(b),
+        skip_optimizer=skip_optimizer(b),
         scheduler_a=_dict(a.scalars.get("scheduler")),
         scheduler_b=_dict(b.scalars.get("scheduler")),
         scaler_a=_dict(a.scalars.get("scaler")),
@@ -120,13 +121,6 @@ def _quantised_note(o: Any) -> str:
         "their second-moment floor allows k code gaps of the block's absmax, their weights have no per-element bound "
         "(located among the tensor's own changes); tensors under min_8bit_size keep Adam's bounds"
     )
-
-
-def _skip_optimizer(ckpt: Checkpoint) -> str | None:
-    """OLMo-core's SkipStep optimizers skip an outlier step on their own (its config.json)."""
-    optim = ckpt.scalars.get("olmo_optim")
-    cls = str(optim.get("_CLASS_", "")) if isinstance(optim, dict) else ""
-    return cls.rsplit(".", 1)[-1].removesuffix("Config") if "SkipStep" in cls else None
 
 
 def _dict(x: Any) -> dict[str, Any] | None:

@@ -34,9 +34,7 @@ from ckptforensics.engine.replay.session import Session, check_vocab
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.formats.batches import BatchSource, open_batches, with_rows
 from ckptforensics.logs import find_metrics, group_lrs, log_dirs, read_metrics
-from ckptforensics.trainers import hook
-from ckptforensics.trainers.hf.data import open_dataset, require_rebuilt_match
-from ckptforensics.trainers.olmo_core import skipstep
+from ckptforensics.trainers import SkipRule, hook, open_dataset, require_rebuilt_match, skip_rule
 from ckptforensics.trainers.settings import run_settings
 
 __all__ = ["Plan", "plan", "choose_batches", "run_window", "run_precision", "optimizer_name"]
@@ -121,7 +119,7 @@ class Plan:
     loss_norm: LossNorm | None = None
     call: CallConvention | None = None
     scale: mp.ScalePlan | None = None  # fp16: where the loss scale comes from
-    skip: skipstep.SkipRule | None = None  # an optimizer that skips steps (OLMo-core)
+    skip: SkipRule | None = None  # an optimizer that skips steps (OLMo-core)
     # tied embeddings' padding rows as calibrated on the log (`settle.settle_padding`)
     padding: dict[str, int | None] | None = None
     padding_source: str = ""
@@ -309,7 +307,7 @@ def plan(cfg: ReplayConfig, steps: list[int] | None = None) -> Plan:
     else:
         clips = [(None, "assumed: none (no after and no log to calibrate against)")]
     scale = mp.scale_plan(a, b, steps, batches.loss_scale, logged) if precision == "fp16" else None
-    skip = skipstep.skip_rule(a, logged, steps[0])
+    skip = skip_rule(a, logged, steps[0])
     p = Plan(
         cfg,
         a,

@@ -31,9 +31,13 @@ from typing import Any
 import torch
 
 from ckptforensics.core.callables import load_callable
-from ckptforensics.core.errors import ForensicsError
 from ckptforensics.core.paths import resolve_recorded
 from ckptforensics.formats.batches import BatchError, BatchSource
+from ckptforensics.trainers.base import (
+    REBUILT_GRAD_RTOL,
+    REBUILT_LOSS_RTOL,
+    require_rebuilt_match,
+)
 from ckptforensics.trainers.hf.collators import (
     STANDARD_COLLATORS,
     ActiveCollator,
@@ -51,16 +55,6 @@ __all__ = [
     "STANDARD_COLLATORS",
     "Collator",
 ]
-
-# The first replayed step's loss (and pre-clip grad norm, where logged) from a rebuilt
-# batch against the log. The same batch from the same weights lands within float noise
-# (fixtures/hf_data_run.py: 2e-7 relative, every step of the window); the fixture's data
-# shuffled differently gives another batch 1.1% off in loss: batch-to-batch spread is
-# about a percent, so the loss bar is a tenth of it in fp32, and half of it in bf16/fp16,
-# whose kernels differ across devices by a few 1e-4. Grad norms spread far more between
-# batches (tens of percent) and less across devices: 1%.
-REBUILT_LOSS_RTOL = {"fp32": 1e-3, "bf16": 5e-3, "fp16": 5e-3}
-REBUILT_GRAD_RTOL = 1e-2
 
 log = logging.getLogger(__name__)
 
@@ -273,24 +267,3 @@ def trainer_batches(
     if not collator and tok is None:
         out[0].describe += f" (the tokenizer-based collators were not tried: {tok_src})"
     return out
-
-
-def require_rebuilt_match(
-    step: int, replayed: tuple[float, float], logged: dict[str, float] | None, precision: str
-) -> None:
-    """The rebuilt batch of the first replayed step must give the loss (and the grad norm,
-    where logged) the log recorded; else a one-line error and nothing is diagnosed."""
-    loss, grad = replayed
-    if not logged or "loss" not in logged:
-        raise ForensicsError(
-            f"the rebuilt batches cannot be checked: the log has no loss for step {step}; pass --batch"
-        )
-    checks = [("loss", loss, logged["loss"], REBUILT_LOSS_RTOL.get(precision, 5e-3))]
-    if "grad_norm" in logged:
-        checks.append(("grad norm", grad, logged["grad_norm"], REBUILT_GRAD_RTOL))
-    for what, mine, theirs, tol in checks:
-        if not abs(mine - theirs) <= tol * abs(theirs):
-            raise ForensicsError(
-                f"the rebuilt batch of step {step} gives {what} {mine:.5g}, the log says {theirs:.5g} (tolerance {tol:.1%}): "
-                "the data pipeline differs (dataset, collator, seed or sampler); pass --batch with the batches the run consumed"
-            )

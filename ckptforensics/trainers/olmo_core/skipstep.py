@@ -105,6 +105,14 @@ def _within(x: float, hist: list[float], sigma: float) -> bool:
     return bool((torch.tensor(x, dtype=torch.float32) - mean) <= sigma * std)
 
 
+def skip_optimizer(ckpt: Checkpoint) -> str | None:
+    """The optimizer class of a run that skips outlier steps on its own (OLMo-core's SkipStep
+    optimizers, as its config.json names them), for the diff; None for any other run."""
+    optim = ckpt.scalars.get("olmo_optim")
+    cls = str(optim.get("_CLASS_", "")) if isinstance(optim, dict) else ""
+    return cls.rsplit(".", 1)[-1].removesuffix("Config") if "SkipStep" in cls else None
+
+
 def skip_rule(ckpt: Checkpoint, logged: dict[int, dict[str, float]], first: int) -> SkipRule | None:
     """The rule of a run whose optimizer skips steps (OLMo-core's SkipStep optimizers, as
     its config.json names them), with the logged history before step `first`."""

@@ -86,14 +86,14 @@ def test_triage_out_writes_a_page_with_its_timeline(zoo: dict[str, Path], tmp_pa
     before = tree_hash(run)
     r = CliRunner().invoke(cli, ["triage", "--run-dir", str(run), "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output
-    doc = json.loads((tmp_path / "triage.json").read_text())
+    doc = json.loads((tmp_path / "report.json").read_text())
     assert doc["first_bad_step"] == 35 and doc["timeline"]["checkpoints"][:2] == [5, 10]
-    page = (tmp_path / "triage.html").read_text()
+    page = (tmp_path / "report.html").read_text()
     assert (
         "data:image/png;base64," in page and "http" not in page.split("<body>")[0]
     )  # plot inline, nothing fetched
     assert (
-        (tmp_path / "triage.md")
+        (tmp_path / "report.md")
         .read_text()
         .startswith("# ckptforensics: triage\n\n**First bad step: 35**")
     )

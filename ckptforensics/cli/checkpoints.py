@@ -10,7 +10,7 @@ import click
 import ckptforensics as cf
 from ckptforensics.cli.common import command_line, count_tensors, finish, output, progress, work
 from ckptforensics.cli.group import cli
-from ckptforensics.cli.params import format_option, run_dir_option
+from ckptforensics.cli.params import format_option, out_option, run_dir_option, strict_options
 
 
 @cli.command("formats")
@@ -88,14 +88,9 @@ def inspect(
 )
 @run_dir_option
 @format_option
-@click.option(
-    "--out", type=click.Path(path_type=Path), help="Write report.json and report.md here."
-)
+@out_option()
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
-@click.option("--strict", is_flag=True, help="Exit 1 when a finding at or above --fail-on exists.")
-@click.option(
-    "--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True
-)
+@strict_options()
 @click.option(
     "--chunk-elems",
     type=click.IntRange(1 << 10),

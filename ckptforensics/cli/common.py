@@ -1,15 +1,18 @@
 """What every command does around its one library call: library prints kept off stdout,
-a progress bar, --out checked before any work, and the verdict or JSON at the end."""
+progress on stderr (`cli.progress`), --out checked before any work, and the verdict or JSON
+at the end."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import click
+
+from ckptforensics.cli.progress import mode_of, progress
 
 __all__ = [
     "command_line",
@@ -30,32 +33,6 @@ def work(ctx: click.Context) -> Iterator[None]:
     nothing else. Failures are turned into one line by the group (`_Cli.invoke`)."""
     with redirect_stdout(sys.stderr):
         yield
-
-
-@contextmanager
-def progress(total: int, label: str, quiet: bool) -> Iterator[Callable[[str], None]]:
-    """A progress bar on stderr when it is a terminal (tqdm if installed); silent otherwise."""
-    if quiet or not sys.stderr.isatty():
-        yield lambda _name: None
-        return
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        yield lambda _name: None
-        return
-    bar = tqdm(total=total, desc=label, unit="tensor", file=sys.stderr, leave=False)
-    first = [True]
-
-    def step(name: str) -> None:
-        if not first[0]:
-            bar.update(1)
-        first[0] = False
-        bar.set_postfix_str(name[-40:], refresh=False)
-
-    try:
-        yield step
-    finally:
-        bar.close()
 
 
 @contextmanager
@@ -89,14 +66,19 @@ def command_line(name: str) -> str:
     return "ckptforensics " + " ".join(sys.argv[1:]) if sys.argv[1:] else f"ckptforensics {name}"
 
 
-def count_tensors(path: Path, fmt: str | None) -> int:
-    """Tensors to stream (for the progress bar); 0 when unknown."""
-    if not sys.stderr.isatty():
+def count_tensors(path: Path, fmt: str | None, quiet: bool = False) -> int:
+    """Tensors to stream (the progress line's total); 0 when no progress is shown, or when
+    the checkpoint cannot be opened (the command itself then says why)."""
+    if quiet or mode_of(sys.stderr) == "off":
         return 0
     from ckptforensics.checkpoints import open_checkpoint
+    from ckptforensics.core.errors import ForensicsError
 
-    with open_checkpoint(path, fmt) as ck:
-        return len(ck.names())
+    try:
+        with open_checkpoint(path, fmt) as ck:
+            return len(ck.names())
+    except (ForensicsError, OSError):
+        return 0
 
 
 def finish(
@@ -107,19 +89,24 @@ def finish(
     written: list[Path],
     strict: bool,
     fail_on: str,
+    verdict: bool = True,
 ) -> None:
+    """The JSON, or the verdict (unless the command printed its own) and the files written;
+    then exit 1 under --strict when a finding is at or above --fail-on."""
     from ckptforensics.detectors import SEVERITIES
     from ckptforensics.report import to_json
 
     if as_json:
         click.echo(to_json(doc), nl=False)
     else:
-        echo_verdict(doc)
+        if verdict:
+            echo_verdict(doc)
         for p in written:
             click.echo(f"wrote {p}")
     if strict:
         floor = SEVERITIES.index(fail_on)
-        if any(SEVERITIES.index(f.severity) >= floor for f in findings):
+        severities = [f["severity"] if isinstance(f, dict) else f.severity for f in findings]
+        if any(SEVERITIES.index(s) >= floor for s in severities):
             ctx.exit(1)
 
 

@@ -1,4 +1,4 @@
-"""Options several commands share: --run-dir, --format, and the replay's options."""
+"""Options several commands share: --run-dir, --format, --out, --strict, and the replay's options."""
 
 from __future__ import annotations
 
@@ -7,7 +7,41 @@ from typing import Any
 
 import click
 
-__all__ = ["format_option", "replay_options", "run_dir_option"]
+__all__ = ["format_option", "out_option", "replay_options", "run_dir_option", "strict_options"]
+
+
+def out_option(also: str = "", h5: bool = True) -> Any:
+    """--out: the directory the report's files are written to (`also`: what the command
+    adds, said in its help; `h5`: whether it writes evidence.h5)."""
+    files = (
+        "report.json, report.md, report.html and evidence.h5"
+        if h5
+        else ("report.json, report.md and report.html")
+    )
+    return click.option(
+        "--out",
+        type=click.Path(path_type=Path),
+        metavar="DIR",
+        help=f"Write the report to this directory: {files}{also}.",
+    )
+
+
+def strict_options(what: str = "a finding", why: str = "") -> Any:
+    """--strict and --fail-on: exit 1 when the report holds `what` at or above --fail-on."""
+
+    def add(f: Any) -> Any:
+        f = click.option(
+            "--fail-on",
+            type=click.Choice(["warning", "critical"]),
+            default="warning",
+            show_default=True,
+            help="The least severity --strict exits 1 on.",
+        )(f)
+        return click.option(
+            "--strict", is_flag=True, help=f"Exit 1 when {what} at or above --fail-on exists{why}."
+        )(f)
+
+    return add
 
 
 run_dir_option = click.option(
@@ -85,13 +119,16 @@ def replay_options(f: Any) -> Any:
                 type=click.Choice(["auto", "fp32", "bf16", "fp16", "bf16-params"]),
                 default="auto",
                 show_default=True,
+                help="The precision the run trained in: fp16/bf16 autocast over fp32 weights; "
+                "bf16-params bf16 weights on fp32 master weights (as FSDP2's bf16 policy keeps them). "
+                "auto: read from the checkpoint and the run's config.",
             ),
             click.option(
                 "--device",
                 type=click.Choice(["cpu", "cuda"]),
                 default="cpu",
                 show_default=True,
-                help="cuda: under torchrun, one GPU a rank (NCCL).",
+                help="Where the replay runs; cuda: one GPU (under torchrun, one GPU a rank, NCCL).",
             ),
             click.option(
                 "--checkpoint-activations",
@@ -128,11 +165,6 @@ def replay_options(f: Any) -> Any:
                 type=click.Path(dir_okay=False, path_type=Path),
                 default=None,
                 help="Training log (JSONL/CSV); discovered when absent.",
-            ),
-            click.option(
-                "--out",
-                type=click.Path(path_type=Path),
-                help="Write the report (and skip.json for bisect) here.",
             ),
             click.option(
                 "--json", "as_json", is_flag=True, help="Print the report JSON on stdout."

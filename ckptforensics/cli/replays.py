@@ -8,9 +8,17 @@ from typing import Any
 import click
 
 import ckptforensics as cf
-from ckptforensics.cli.common import command_line, finish, not_rank_zero, output, progress, work
+from ckptforensics.cli.common import (
+    command_line,
+    echo_verdict,
+    finish,
+    not_rank_zero,
+    output,
+    progress,
+    work,
+)
 from ckptforensics.cli.group import cli
-from ckptforensics.cli.params import replay_options, run_dir_option
+from ckptforensics.cli.params import out_option, replay_options, run_dir_option, strict_options
 from ckptforensics.core.options import ReplayOptions
 
 
@@ -35,10 +43,8 @@ from ckptforensics.core.options import ReplayOptions
     help="The step to replay when there is no --after (default: before + 1).",
 )
 @replay_options
-@click.option("--strict", is_flag=True, help="Exit 1 when a finding at or above --fail-on exists.")
-@click.option(
-    "--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True
-)
+@out_option()
+@strict_options()
 @click.pass_context
 def replay(
     ctx: click.Context,
@@ -110,6 +116,8 @@ def replay(
     default=None,
     help="HF tokenizer directory: the culprit rows are decoded into the report.",
 )
+@out_option(", plus skip.json (the bad step and its culprit sample ids)")
+@strict_options()
 @click.pass_context
 def bisect_cmd(
     ctx: click.Context,
@@ -119,6 +127,8 @@ def bisect_cmd(
     out: Path | None,
     as_json: bool,
     tokenizer: Path | None,
+    strict: bool,
+    fail_on: str,
     **opts: Any,
 ) -> None:
     """Find the first bad step of the window and the rows of its batch that cause it.
@@ -154,7 +164,7 @@ def bisect_cmd(
                 except cf.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                     return
             written = rep.save(out) if out else []
-    finish(ctx, rep.doc, rep.findings, as_json, written, False, "warning")
+    finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on)
 
 
 @cli.command("whatif")
@@ -176,6 +186,8 @@ def bisect_cmd(
 )
 @run_dir_option
 @replay_options
+@out_option()
+@strict_options()
 @click.pass_context
 def whatif_cmd(
     ctx: click.Context,
@@ -185,6 +197,8 @@ def whatif_cmd(
     run_dir: Path,
     out: Path | None,
     as_json: bool,
+    strict: bool,
+    fail_on: str,
     **opts: Any,
 ) -> None:
     """Replay from BEFORE under each mitigation and say which keeps the run on track.
@@ -221,7 +235,7 @@ def whatif_cmd(
                 except cf.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                     return
             written = rep.save(out) if out else []
-    finish(ctx, rep.doc, rep.findings, as_json, written, False, "warning")
+    finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on)
 
 
 @cli.command("plan")
@@ -243,6 +257,8 @@ def whatif_cmd(
     multiple=True,
     help="A mitigation to replay instead of those the cause calls for (as whatif --try); repeat.",
 )
+@out_option(", plus skip.json when the plan skips data")
+@strict_options()
 @click.pass_context
 def plan_cmd(
     ctx: click.Context,
@@ -253,6 +269,8 @@ def plan_cmd(
     out: Path | None,
     as_json: bool,
     tries: tuple[str, ...],
+    strict: bool,
+    fail_on: str,
     **opts: Any,
 ) -> None:
     """The resume plan, in the trainer's own terms: roll back to, skip, change, resume.
@@ -317,16 +335,12 @@ def plan_cmd(
                     except cf.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
                         return
                 written = rep.save(out) if out else []
-    if as_json:
-        from ckptforensics.report import to_json
+    if not as_json:  # the verdict, as every command prints it, then the plan in plain words
+        from ckptforensics.cli.terminal import plain_lines
+        from ckptforensics.report.plan import plan_blocks
 
-        click.echo(to_json(rep.doc), nl=False)
-        return
-    from ckptforensics.report.markdown import plan_lines
-
-    click.echo(rep.doc["verdict"]["summary"])
-    click.echo("")
-    for line in plan_lines(rep.plan, None if reports else str(run_dir)) or ["no plan"]:
-        click.echo(line)
-    for p in written:
-        click.echo(f"wrote {p}")
+        echo_verdict(rep.doc)
+        click.echo("")
+        for line in plain_lines(plan_blocks(rep.plan, None if reports else str(run_dir))):
+            click.echo(line)
+    finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on, verdict=False)

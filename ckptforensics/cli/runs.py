@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import click
 
 import ckptforensics as cf
-from ckptforensics.cli.common import command_line, finish, output, progress, work
+from ckptforensics.cli.common import command_line, echo_verdict, finish, output, progress, work
 from ckptforensics.cli.group import cli
-from ckptforensics.cli.params import run_dir_option
+from ckptforensics.cli.params import out_option, run_dir_option, strict_options
 
 
 @cli.command("recovery")
@@ -54,11 +55,7 @@ from ckptforensics.cli.params import run_dir_option
     show_default=True,
     help="Steps per window judged against the trajectory.",
 )
-@click.option(
-    "--out",
-    type=click.Path(path_type=Path),
-    help="Write report.json, report.md, report.html (with the plot) and evidence.h5 here.",
-)
+@out_option(" (report.html with the plot)")
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
 @click.option(
     "--strict",
@@ -150,19 +147,16 @@ def _fmt(x: Any) -> str:
     default=None,
     help="Training log (JSONL/CSV/...); discovered when absent.",
 )
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option(
-    "--out",
-    type=click.Path(path_type=Path),
-    help="Write report.json, report.md, report.html and evidence.h5 here.",
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where the probed forward and backward pass runs (cuda: the first GPU).",
 )
+@out_option()
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
-@click.option(
-    "--strict", is_flag=True, help="Exit 1 when a risk at or above --fail-on exists (a CI gate)."
-)
-@click.option(
-    "--fail-on", type=click.Choice(["warning", "critical"]), default="warning", show_default=True
-)
+@strict_options("a risk", " (a CI gate)")
 @click.pass_context
 def audit_cmd(
     ctx: click.Context,
@@ -210,7 +204,34 @@ def audit_cmd(
                     **opts,
                 )
             written = rep.save(out) if out else []
-    finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on)
+    if not as_json:
+        echo_verdict(rep.doc)
+        for line in unchecked_lines(rep.doc["audit"]["rows"]):
+            click.echo(line)
+    finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on, verdict=False)
+
+
+def unchecked_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The audit's checks it could not make, grouped by what would make them: the option
+    to pass where the row names one ("10 checks need --model module:factory (no
+    config.json to build the model from): norm_placement, ..."), else the row's reason."""
+    need: dict[tuple[str, str], list[str]] = {}
+    other: list[str] = []
+    for r in rows:
+        if r["status"] != "unknown":
+            continue
+        hint = re.search(r"([^:;(]*); pass (--[\w-]+(?: [^;),]+)?)", r["message"])
+        if hint:
+            need.setdefault((hint.group(2), hint.group(1).strip()), []).append(r["id"])
+        else:
+            other.append(f"{r['id']} ({r['message']})")
+    lines = [
+        f"  {len(ids)} check{'s' if len(ids) > 1 else ''} need {opt} ({why}): {', '.join(ids)}"
+        for (opt, why), ids in need.items()
+    ]
+    if other:
+        lines.append(f"  not checkable from what the run recorded: {'; '.join(other)}")
+    return lines
 
 
 @cli.command("triage")
@@ -248,12 +269,8 @@ def audit_cmd(
     show_default=True,
     help="Steps the rollback checkpoint must precede the onset by.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@click.option(
-    "--out",
-    type=click.Path(path_type=Path),
-    help="Write triage.json, triage.md and triage.html (with a timeline) here.",
-)
+@click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
+@out_option(" (report.html with the log's timeline)", h5=False)
 @click.pass_context
 def triage_cmd(
     ctx: click.Context,

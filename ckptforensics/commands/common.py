@@ -126,17 +126,17 @@ class Report:
     def save(self, out: str | Path) -> list[Path]:
         """The report's files under `out`, written together (a failure leaves the previous
         report as it was), never inside a checkpoint the report read: report.json, .md,
-        .html and evidence.h5 (plus skip.json for a bisect); triage.json, .md, .html for a
-        triage; inspect.json and .md for an inspect. Returns the paths written."""
+        .html and evidence.h5 (plus skip.json for a bisect; a triage's report.json has its own
+        schema and no evidence.h5); inspect.json and .md for an inspect. Returns the paths written."""
 
         o = Path(out)
         check_outside(o, report_inputs(self.doc))
         if self.kind == "triage":
             return write_files(
                 {
-                    o / "triage.json": to_json(self.doc),
-                    o / "triage.md": self.to_markdown(),
-                    o / "triage.html": self.to_html(),
+                    o / "report.json": to_json(self.doc),
+                    o / "report.md": self.to_markdown(),
+                    o / "report.html": self.to_html(),
                 }
             )
         if self.kind == "inspect":

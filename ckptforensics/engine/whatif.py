@@ -18,7 +18,7 @@ from ckptforensics.core.tensors import MAD_TO_SIGMA
 from ckptforensics.engine.replay.logcheck import LogCheck, check_against_log
 from ckptforensics.engine.replay.run import ReplayConfig, plan
 from ckptforensics.engine.replay.settle import diagnose_miss, settle, settle_clip
-from ckptforensics.trainers import require_rebuilt_match
+from ckptforensics.trainers.hf.data import require_rebuilt_match
 
 __all__ = ["Mitigation", "Outcome", "parse_mitigation", "whatif", "INVASIVENESS"]
 
@@ -132,9 +132,9 @@ def whatif(
     band = _band(base_plan.logged, steps[0])
     gband = _band(base_plan.logged, steps[0], "grad_norm")
     outcomes = []
-    for m in [Mitigation("baseline", ()), *tries]:
+    for i, m in enumerate([Mitigation("baseline", ()), *tries], 1):
         if progress is not None:
-            progress(m.text)
+            progress(f"what-if {i} of {len(tries) + 1}: {m.text}, {len(steps)} steps")
         outcomes.append(_replay_with(cfg, base_plan, m, auto_rows or {}, band, gband))
         if len(outcomes) == 1 and base_plan.batches.rebuilt and outcomes[0].losses:
             first = (outcomes[0].losses[0], outcomes[0].grad_norms[0])

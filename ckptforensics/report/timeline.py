@@ -58,7 +58,7 @@ _ASIDE_ROWS = 40
 def _set_aside(t: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
     """(the candidates set aside that the page lists, by step, and a line on the rest): the
     `_ASIDE_ROWS` furthest from their trend (robust z; an overflow's is infinite, null in JSON);
-    triage.json keeps every one."""
+    report.json keeps every one."""
     every = t.get("ignored") or []
 
     def far(o: dict[str, Any]) -> float:
@@ -67,7 +67,7 @@ def _set_aside(t: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
 
     shown = sorted(every, key=far, reverse=True)[:_ASIDE_ROWS]
     rest = len(every) - len(shown)
-    more = f"{rest} more, nearer their trend, in triage.json (`ignored`)." if rest > 0 else ""
+    more = f"{rest} more, nearer their trend, in report.json (`ignored`)." if rest > 0 else ""
     return sorted(shown, key=lambda o: o["step"]), more
 
 

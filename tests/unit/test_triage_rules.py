@@ -961,7 +961,7 @@ def test_a_descent_pausing_is_listed_as_set_aside_with_its_figures(tmp_path: Pat
     out = tmp_path / "out"
     r = CliRunner().invoke(cli, ["triage", "--metrics", str(csv), "--out", str(out)])
     assert r.exit_code == 0, r.output
-    page = (out / "triage.md").read_text()
+    page = (out / "report.md").read_text()
     assert "No spike onset in the log." in page and "Set aside (" in page
     assert "| 267 | loss | descent-pause |" in page
 
@@ -982,7 +982,7 @@ def test_the_page_lists_the_forty_candidates_furthest_from_their_trend(tmp_path:
     )
     r = CliRunner().invoke(cli, ["triage", "--metrics", str(csv), "--out", str(tmp_path / "o")])
     assert r.exit_code == 0, r.output
-    t = json.loads((tmp_path / "o" / "triage.json").read_text())
+    t = json.loads((tmp_path / "o" / "report.json").read_text())
     [pause] = t["ignored"]
     blip = {"signal": "grad_norm", "rule": "trend", "message": "m", "yields_to": None}
     t["ignored"] += [{**blip, "step": s, "robust_z": 100.0 - s} for s in range(1, 45)]
@@ -996,4 +996,4 @@ def test_the_page_lists_the_forty_candidates_furthest_from_their_trend(tmp_path:
     # z: the overflow infinite, 99 down to 56 for steps 1-44, the pause at 267 6.4: the
     # overflow and steps 1-39 are listed, by step; steps 40-44 and the pause are the 6 more
     assert listed == [*range(1, 40), 99] and pause["step"] == 267
-    assert "6 more, nearer their trend, in triage.json" in page
+    assert "6 more, nearer their trend, in report.json" in page

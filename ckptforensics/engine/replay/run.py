@@ -65,7 +65,8 @@ def replay(
     while todo:
         clip, csrc = todo.pop(0)
         tried.add(clip)
-        result = run_window(p, clip, progress)
+        named = f"pass {len(tried)}, clip {clip or 'none'}" if todo or len(tried) > 1 else ""
+        result = run_window(p, clip, in_pass(progress, named, len(p.steps)))
         if p.batches.rebuilt and best is None:  # the first step does not depend on the clip
             _check_rebuilt(p, result)
         result.config = p.config(clip, csrc)
@@ -99,6 +100,23 @@ def replay(
     if miss is not None and miss.step == result.check.first_checked:
         result.diagnosis = diagnose_miss(p, miss, result.check.loss_atol)
     return result
+
+
+def in_pass(
+    progress: Callable[[str], None] | None, name: str, n_steps: int
+) -> Callable[[str], None] | None:
+    """The callback of one replay of the window: each step's message says which pass (`name`,
+    when the window is replayed more than once) and where in the window it is ("pass 2, clip
+    1.0: step 33 (3 of 5)")."""
+    if progress is None:
+        return None
+    seen = [0]
+
+    def say(what: str) -> None:
+        seen[0] += 1
+        progress(f"{name + ': ' if name else ''}{what} ({seen[0]} of {n_steps})")
+
+    return say
 
 
 # Clip norms seen in practice beyond 1.0 (HF/Megatron/OLMo default): 0.5 (GPT-NeoX

@@ -163,9 +163,9 @@ def settle_clip(
         return p.clips[0][0], f"{p.clips[0][1]} (the log cannot tell within {len(head)} steps)"
     short = dataclasses.replace(p, steps=head, b=None)
     scored = []
-    for clip, src in p.clips:
+    for i, (clip, src) in enumerate(p.clips, 1):
         if progress is not None:
-            progress(f"clip {clip}?")
+            progress(f"which clip the run used: clip {clip or 'none'} ({i} of {len(p.clips)})")
         recs = run_window(short, clip, None).records
         scored.append(
             (

@@ -17,32 +17,32 @@ def _text(spans: Any) -> str:
 
 
 def plain_lines(blocks: Sequence[Any], indent: str = "") -> list[str]:
-    """`blocks` (Para, Pre, Steps, Bullets, Facts, Table) as lines of plain text.
+    """`blocks` (report.blocks' Para, Pre, Steps, Bullets, Facts, Table) as lines of plain
+    text; a block of another kind is passed over.
 
     Example:
         >>> from ckptforensics.report.blocks import Bold, Code, Item, Steps
         >>> plain_lines([Steps([Item(1, [Bold("Roll back to"), " ", Code("step_30.pt")])])])
         ['1. Roll back to step_30.pt']
     """
-    from ckptforensics.report.blocks import Bullets, Facts, Para, Pre, Steps, Table
-
     out: list[str] = []
     for b in blocks:
-        if isinstance(b, Para):
+        kind = type(b).__name__
+        if kind == "Para":
             out.append(indent + _text(b.text))
-        elif isinstance(b, Pre):
+        elif kind == "Pre":
             out += [f"{indent}      {line}" for line in b.text.splitlines()]
-        elif isinstance(b, Steps):
+        elif kind == "Steps":
             for item in b.items:
                 out.append(f"{indent}{item.n}. {_text(item.text)}")
                 if item.pre is not None:
                     out += plain_lines([item.pre], indent)
                 out += [f"{indent}   - {_text(note)}" for note in item.notes]
-        elif isinstance(b, Bullets):
+        elif kind == "Bullets":
             out += [f"{indent}- {_text(item)}" for item in b.items]
-        elif isinstance(b, Facts):
+        elif kind == "Facts":
             out += [f"{indent}{label}: {_text(value)}" for label, value in b.rows]
-        elif isinstance(b, Table):
+        elif kind == "Table":
             out.append(indent + "  ".join(str(h) for h in b.head))
             out += [indent + "  ".join(_text([c]) for c in row) for row in b.rows]
     return out

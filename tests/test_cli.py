@@ -400,3 +400,79 @@ def test_a_megatron_save_dir_stands_for_its_latest_iteration() -> None:
         r = invoke("inspect", str(run))
         assert r.exit_code == 0, r.output
         assert f"iter_{latest:07d}: {fmt}, step {latest}" in r.output
+
+
+def test_progress_in_a_log_file_is_plain_lines_naming_unit_and_total(
+    zoo: dict[str, Path], tmp_path: Path
+) -> None:
+    """A batch job's stderr is a file: progress is a plain line (no carriage return) at most
+    every CKPTFORENSICS_PROGRESS_EVERY seconds (0 here: every tensor), with its unit and total."""
+    import re
+    import subprocess
+    import sys
+
+    run = zoo["poison_batch"]
+    log = tmp_path / "job.log"
+    with log.open("w") as err:
+        done = subprocess.run(
+            [sys.executable, "-m", "ckptforensics.cli", "diff", "--run-dir", str(run)]
+            + ["--before", "30", "--after", "35"],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env={**os.environ, "CKPTFORENSICS_PROGRESS_EVERY": "0"},
+            check=False,
+        )
+    assert done.returncode == 0
+    text = log.read_text()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert re.fullmatch(
+        r"diff: 1 of 40 tensors \(2%\): transformer\.wte\.weight \[0:\d\d\]", lines[0]
+    )
+    assert re.fullmatch(r"diff: 40 of 40 tensors \(100%\): .+ \[0:\d\d\]", lines[-1])
+
+
+def test_plan_prints_the_plan_in_plain_words_and_strict_exits_1(zoo: dict[str, Path]) -> None:
+    run = zoo["poison_batch"]
+    r = invoke(
+        "plan", "--run-dir", str(run), "--before", "30", "--after", "35",
+        "--batch", str(run / "batches.h5"), "--model", "fixtures/tinygpt.py:factory", "--strict",
+    )  # fmt: skip
+    assert r.exit_code == 1, r.output  # the replay's findings are warnings and worse
+    lines = r.stdout.splitlines()
+    assert (
+        f"1. Roll back to {run}/step_30.pt (step 30): the last complete checkpoint before the onset (step 35)."
+        in lines
+    )
+    assert lines[1].startswith("causes: poison_batch (")
+    assert not any(mark in r.stdout for mark in ("**", "```", "`step_30.pt`"))
+
+
+def test_audit_without_a_model_says_what_to_pass(zoo: dict[str, Path]) -> None:
+    r = invoke("audit", "--run-dir", str(zoo["poison_batch"]), "40")
+    assert r.exit_code == 0, r.output
+    assert (
+        "  10 checks need --model module:factory (no config.json to build the model from): "
+        "norm_placement, qk_norm, logit_control, tied_embeddings, embedding_scale, beta2, "
+        "weight_decay, attention_logits, output_logits, activation_growth"
+    ) in r.stdout.splitlines()
+
+
+def test_report_renders_to_a_format_and_triage_writes_report_files(
+    zoo: dict[str, Path], tmp_path: Path
+) -> None:
+    run = zoo["silent_corruption"]
+    r = invoke("-q", "diff", "--run-dir", str(run), "--before", "30", "--after", "40",
+               "--out", str(tmp_path / "d"))  # fmt: skip
+    assert r.exit_code == 0, r.output
+    page = tmp_path / "ticket.html"
+    r = invoke("report", str(tmp_path / "d" / "evidence.h5"), "--to", "html", "--out", str(page))
+    assert r.exit_code == 0 and r.stdout == f"wrote {page}\n"
+    assert page.read_text().startswith("<!doctype html>")
+    r = invoke("triage", "--run-dir", str(zoo["poison_batch"]), "--out", str(tmp_path / "t"))
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == [
+        "report.html",
+        "report.json",
+        "report.md",
+    ]

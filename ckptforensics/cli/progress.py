@@ -3,10 +3,10 @@ few seconds in a log file, nothing under --quiet.
 
 The library calls a callback with what it is doing (`progress(str)`) and never prints: a
 tensor's name for inspect and diff (counted here against the checkpoint's tensor count), or
-a replay's own words for the replay commands ("replay at clip 1: step 33 (3 of 5)", "what-if
-2 of 4: clip=1.0"), which carry their own position. Batch jobs send stderr to a file: there
-a line is written at most every `EVERY_S` seconds, with no carriage returns, so the log shows
-the job moving without filling up.
+a replay's own words for the replay commands ("pass 2, clip 1.0: step 33 (3 of 5)", "what-if
+2 of 4: clip=1.0, 5 steps"), which carry their own position. Batch jobs send stderr to a file: there
+a line is written at most every `EVERY_S` seconds (CKPTFORENSICS_PROGRESS_EVERY sets
+another), with no carriage returns, so the log shows the job moving without filling up.
 """
 
 from __future__ import annotations
@@ -111,9 +111,9 @@ def progress(
 ) -> Iterator[Callable[[str], None]]:
     """The callback a command passes to the library (`Progress` on stderr; nothing when
     `quiet`)."""
-    p = Progress(
-        label, total, unit, stream=sys.stderr, mode="off" if quiet else mode_of(sys.stderr)
-    )
+    every = float(os.environ.get("CKPTFORENSICS_PROGRESS_EVERY", EVERY_S))
+    mode = "off" if quiet else mode_of(sys.stderr)
+    p = Progress(label, total, unit, stream=sys.stderr, mode=mode, every=every)
     try:
         yield p
     finally:

@@ -145,6 +145,8 @@ def bisect(
             it stands at half that, the level at which the onset rule counts the loss's
             answer to a grad spike (`tensors.loss_follows`): a part of the spike is still
             the spike, and at 6 a row whose share is a third of it reads as innocent."""
+            if progress is not None:
+                progress(f"bisecting step {s}: trial {res.replays + 1} of ~{res.budget}, {label}")
             mixed = {
                 k: torch.where(_rows_mask(n, keep, v), v, filler[k][:n])
                 for k, v in batch.items()

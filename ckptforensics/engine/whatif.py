@@ -18,7 +18,7 @@ from ckptforensics.core.tensors import MAD_TO_SIGMA
 from ckptforensics.engine.replay.logcheck import LogCheck, check_against_log
 from ckptforensics.engine.replay.run import ReplayConfig, plan
 from ckptforensics.engine.replay.settle import diagnose_miss, settle, settle_clip
-from ckptforensics.trainers.hf.data import require_rebuilt_match
+from ckptforensics.trainers import require_rebuilt_match
 
 __all__ = ["Mitigation", "Outcome", "parse_mitigation", "whatif", "INVASIVENESS"]
 

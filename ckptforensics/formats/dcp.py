@@ -32,7 +32,6 @@ from ckptforensics.formats.base import (
 from ckptforensics.formats.inert import allowed_names, dcp_inert_classes, safe_load_globals
 from ckptforensics.formats.locate import STEP_PATTERNS
 from ckptforensics.formats.optstate import group_hyper, optimizer_kind
-from ckptforensics.formats.torchfile import load_torch_file
 
 __all__ = ["is_dcp_dir", "open_dcp", "read_metadata", "dcp_completeness", "dcp_files_problems"]
 
@@ -277,20 +276,15 @@ def open_dcp(path: Path) -> Checkpoint:
             ckpt.add_tensor(
                 name, TensorMeta(tuple(meta.size), meta.properties.dtype), getter(store, key)
             )
-    # The trainer's own record first (OLMo-core's train state), then the directory name,
-    # then HF's trainer_state.json beside accelerate's folders.
+    # The trainers' records beside the DCP files (`register_dcp_records`: their config, and
+    # the step their own train state states), then the directory name, then the
+    # trainer_state.json beside accelerate's folders.
+    own = [records(ckpt, path) for records in DCP_RECORDS]
     step = next(
-        (
-            s
-            for s in (_olmo_train_state(path), _step_from_name(path), _trainer_step(path))
-            if s is not None
-        ),
-        None,
+        (s for s in (*own, _step_from_name(path), _trainer_step(path)) if s is not None), None
     )
     if step is not None:
         ckpt.scalars["global_step"] = step
-    _olmo_config(ckpt, path)
-    _job_config(ckpt, path)
     if state and opt_store is not None:
         _untie(ckpt, state)
         ckpt.optimizer = _optimizer(opt_store, state, groups)
@@ -331,74 +325,6 @@ def _untie(ckpt: Checkpoint, state: dict[str, dict[str, Any]]) -> None:
             ckpt.notes.append(
                 f"{name} has no optimizer state and is shaped like {twins[0]}: read as tied to it"
             )
-
-
-def _olmo_config(ckpt: Checkpoint, path: Path) -> None:
-    """OLMo-core's experiment config.json beside `model_and_optim/`: the model section builds
-    the model (`replay.reference`), the train module states the clip and the optimizer."""
-    for d in (path, path.parent):
-        f = d / "config.json"
-        if not f.is_file():
-            continue
-        try:
-            cfg = json.loads(f.read_text())
-        except (OSError, ValueError):
-            return
-        model = cfg.get("model") if isinstance(cfg, dict) else None
-        if not (isinstance(model, dict) and str(model.get("_CLASS_", "")).startswith("olmo_core.")):
-            return
-        ckpt.config = model
-        tm = cfg.get("train_module") or {}
-        optim = tm.get("optim") or {}
-        ckpt.scalars["train_config"] = {
-            "grad_clip": tm.get("max_grad_norm"),
-            "learning_rate": optim.get("lr"),
-        }
-        ckpt.scalars["olmo_optim"] = (
-            optim  # the replay follows a SkipStep optimizer's skips (replay/skipstep)
-        )
-        if "skip_step" in str(optim.get("type", "")) or "SkipStep" in str(optim.get("_CLASS_", "")):
-            ckpt.notes.append(
-                f"the optimizer is OLMo-core's {optim.get('_CLASS_', 'SkipStepAdamW').rsplit('.', 1)[-1]}: it skips a step whose loss or "
-                f"grad norm exceeds the mean of the last {optim.get('rolling_interval_length', 128)} by "
-                f"{optim.get('sigma_factor', 6)} standard deviations (a replay skips the steps the run's log or that rule says)"
-            )
-        return
-
-
-def _job_config(ckpt: Checkpoint, path: Path) -> None:
-    """A torchtitan job config (TOML) in the run dir or above it: its FSDP2 mixed-precision
-    policy (`[training] mixed_precision_param`, `mixed_precision_reduce`; torchtitan's
-    defaults bfloat16 / float32), which the replay computes in (engine/replay/precision.py)."""
-    import tomllib
-
-    for d in (path.parent, path.parent.parent):
-        for f in sorted(d.glob("*.toml")) if d.is_dir() else []:
-            try:
-                doc = tomllib.loads(f.read_text())
-            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-                continue
-            training = doc.get("training") if isinstance(doc, dict) else None
-            if isinstance(training, dict) and isinstance(
-                training.get("mixed_precision_param"), str
-            ):
-                ckpt.scalars["mixed_precision"] = {
-                    "param_dtype": training["mixed_precision_param"],
-                    "reduce_dtype": str(training.get("mixed_precision_reduce", "float32")),
-                    "source": f"{f.name} training.mixed_precision_param={training['mixed_precision_param']!r} (torchtitan's FSDP2 policy)",
-                }
-                return
-
-
-def _olmo_train_state(path: Path) -> int | None:
-    """OLMo-core's `train/rank0.pt` global_step (its RNG state holds numpy arrays: data)."""
-    f = path / "train" / "rank0.pt"
-    if not f.is_file():
-        return None
-
-    obj, _ = load_torch_file(f)
-    step = obj.get("global_step") if isinstance(obj, dict) else None
-    return int(step) if isinstance(step, int) else None
 
 
 def _trainer_step(path: Path) -> int | None:
@@ -521,6 +447,19 @@ def dcp_files_problems(root: Path, top: Path) -> list[str]:
 # problems beyond the DCP files'), or None where the layout is not that trainer's.
 DcpLayout = Callable[[Path, list[Path]], "tuple[str, list[str]] | None"]
 DCP_LAYOUTS: list[DcpLayout] = []
+
+
+# A trainer's records beside its DCP files: `fn(ckpt, path)` reads what they say into `ckpt`
+# (the model config, the run's settings, notes) and returns the step its own train state
+# records (None: none); every one registered is asked, in order.
+DcpRecords = Callable[[Checkpoint, Path], "int | None"]
+DCP_RECORDS: list[DcpRecords] = []
+
+
+def register_dcp_records(fn: DcpRecords) -> None:
+    """Add a trainer's reader of its records around the DCP files (OLMo-core's config.json and
+    train state, torchtitan's job config)."""
+    DCP_RECORDS.append(fn)
 
 
 def register_dcp_layout(fn: DcpLayout) -> None:

@@ -81,6 +81,7 @@ from ckptforensics.trainers.megatron import saves as _megatron_saves  # noqa: F4
 from ckptforensics.trainers.olmo_core import checkpoint as _olmo_checkpoint  # noqa: F401
 from ckptforensics.trainers.olmo_core import logs as _olmo_logs  # noqa: F401
 from ckptforensics.trainers.olmo_core.skipstep import SkipRule, skip_optimizer, skip_rule
+from ckptforensics.trainers.torchtitan import checkpoint as _torchtitan_checkpoint  # noqa: F401
 
 # Besides the registry, what the replay and the diff call that one trainer's module implements,
 # exported here so that the engine names no trainer: `open_dataset` (a dataset on disk that a

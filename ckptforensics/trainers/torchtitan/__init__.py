@@ -129,6 +129,6 @@ def resume(rollback: Path, step: int, s: Settings) -> list[Edit]:
 
 # ----------------------------------------------------------------------------- the replay's hooks
 # MetricsProcessor's names ("grad_norm" and "lr" are ours already). Its FSDP2 policy
-# (`[training] mixed_precision_param`) is read by formats/dcp as the `mixed_precision` scalar,
+# (`[training] mixed_precision_param`) is read by its checkpoint.py as the `mixed_precision` scalar,
 # which replay/precision follows for any run that records one.
 LOG_NAMES = {"loss": ("loss_metrics/global_avg_loss",)}

@@ -63,6 +63,12 @@ def _setup_logging(verbose: int, quiet: bool) -> None:
     )
 
 
+# click >= 8.2 raises this usage error to show the help of a group called with no arguments.
+_NO_ARGS: type[Exception] = getattr(
+    click.exceptions, "NoArgsIsHelpError", type("_Never", (Exception,), {})
+)
+
+
 class UsageLine(click.ClickException):
     """A usage error as one line on stderr, naming the help to read; exit 2."""
 
@@ -107,12 +113,16 @@ class _Cli(click.Group):
     def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
         try:
             return super().make_context(*args, **kwargs)
+        except _NO_ARGS:  # bare `ckptforensics`: click shows the help
+            raise
         except click.UsageError as e:  # the group's own options
             raise UsageLine.of(e) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except _NO_ARGS:
+            raise
         except click.UsageError as e:  # a command's options, or an unknown command
             raise UsageLine.of(e) from None
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):

@@ -37,6 +37,8 @@ def test_a_usage_error_is_one_line_naming_the_help_to_read() -> None:
     assert r.stderr == (
         "error: invalid value for '--steps': 0 is not in the range x>=1 (see `ckptforensics whatif --help`)\n"
     )
+    r = invoke()  # no command at all: the help, as click shows it
+    assert r.exit_code == 2 and r.stderr.startswith("Usage: ") and "Start here" in r.stderr
     r = invoke("plan")  # a usage error the command raises itself
     assert r.exit_code == 2
     assert r.stderr == (

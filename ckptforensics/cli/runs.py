@@ -181,6 +181,9 @@ def audit_cmd(
     measured, the level it is judged against and its source; risks first, by severity.
 
     STEP is a step (resolved in --run-dir) or a path; default: the latest checkpoint.
+    The model is built from what the run recorded (an HF config.json) or from --model;
+    without either, the checks that need the traced pass are left out, and the summary
+    says which and what to pass.
 
     \b
     Example:

@@ -149,6 +149,8 @@ def _evidence(o: dict[str, Any], w: dict[str, Any], base: dict[str, Any] | None)
         "mitigation": o["mitigation"],
         "on_track": o["on_track"],
         "steps": [o["steps"][0], o["steps"][-1]] if o.get("steps") else [],
+        # A skipped step is not replayed: the figures are of the steps around it.
+        "skipped_steps": list(o.get("skipped_steps") or []),
         "max_loss": o.get("max_loss"),
         "max_grad_norm": o.get("max_grad_norm"),
         "final_loss": o.get("final_loss"),

@@ -3,18 +3,22 @@ the replay's configuration from the façade's arguments, and the few helpers of 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptforensics.checkpoints import resolve_checkpoint
+from ckptforensics.checkpoints import open_checkpoint, resolve_checkpoint
+from ckptforensics.core.errors import ForensicsError
 from ckptforensics.core.options import ReplayOptions
 from ckptforensics.detectors import Finding
 from ckptforensics.engine.diff.shard import (
     compute_device,
 )
 from ckptforensics.engine.replay.run import ReplayConfig
+from ckptforensics.formats.locate import STEP_PATTERNS
+from ckptforensics.logs import unreadable
 from ckptforensics.report import (
     check_outside,
     report_inputs,
@@ -160,6 +164,61 @@ def resolve(step_or_path: str | int | Path, run_dir: str | Path | None = None) -
     )
 
 
+def window(
+    before: str | int | Path, after: str | int | Path, run_dir: str | Path | None = None
+) -> tuple[Path, Path]:
+    """The window's two checkpoints (`resolve`), refused when it is reversed or empty
+    (`check_window`): every command that takes --before and --after asks here first."""
+
+    pa, pb = resolve(before, run_dir), resolve(after, run_dir)
+    check_window(pa, pb)
+    return pa, pb
+
+
+def check_window(before: Path, after: Path) -> None:
+    """Refuse a window (before, after] with no step in it: *after* the same checkpoint as
+    *before*, or of the same step (empty), or of an earlier one (reversed). Steps as the
+    names say (`step_30.pt`, `checkpoint-30`), else as the checkpoints record them; a pair
+    whose steps neither says is let through (a diff of two arbitrary files).
+
+    Raises:
+        ForensicsError: one line naming both ends, their steps and the fix.
+    """
+    if os.path.realpath(before) == os.path.realpath(after):
+        raise ForensicsError(
+            f"--before and --after are the same checkpoint ({before}): the window is empty; "
+            "pass an --after later than --before"
+        )
+    sa, sb = step_of(before), step_of(after)
+    if sa is None or sb is None:
+        return
+    if sb == sa:
+        raise ForensicsError(
+            f"--before {before} and --after {after} are both step {sa}: the window is empty; "
+            "pass an --after later than --before"
+        )
+    if sb < sa:
+        raise ForensicsError(
+            f"--after {after} (step {sb}) comes before --before {before} (step {sa}): the window "
+            "is reversed; pass the earlier checkpoint as --before"
+        )
+
+
+def step_of(path: Path) -> int | None:
+    """A checkpoint's step: from its name where a trainer's pattern gives it, else as the
+    checkpoint records it; None when neither says (or it cannot be opened: the command
+    that reads it says why)."""
+    for _, pattern in STEP_PATTERNS:
+        m = pattern.match(path.name)
+        if m:
+            return int(m.group(1))
+    try:
+        with open_checkpoint(path) as ck:
+            return ck.step
+    except ForensicsError:
+        return None
+
+
 def replay_config(
     before: Any,
     after: Any,
@@ -170,13 +229,26 @@ def replay_config(
 ) -> Any:
 
     compute_device(options.device)  # a GPU torch cannot see: bad input, before any reading
+    pa, pb = (
+        window(before, after, run_dir) if after is not None else (resolve(before, run_dir), None)
+    )
     return ReplayConfig(
-        before=resolve(before, run_dir),
-        after=resolve(after, run_dir) if after is not None else None,
+        before=pa,
+        after=pb,
         batch=str(batch) if batch is not None else None,
         step=step,
         **options.as_kwargs(),
     )
+
+
+def note_unread_log(rep: Any) -> None:
+    """A replay whose training log cannot be read went on without it (`logs.read_metrics`):
+    its configuration says so, and why (the log is optional to a replay; triage needs it)."""
+    m = rep.config.get("metrics") or {}
+    if m.get("value") and not rep.logged and not rep.baseline:
+        why = unreadable(m["value"])
+        if why is not None:
+            m["source"] = f"{m.get('source')}; cannot be read ({why}): replayed without it"
 
 
 def rank_zero(got: Any, what: str) -> Any:

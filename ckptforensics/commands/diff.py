@@ -12,7 +12,7 @@ from ckptforensics.commands.common import (
     NotRankZero,
     Progress,
     Report,
-    resolve,
+    window,
 )
 from ckptforensics.detectors import Finding, diff_findings
 from ckptforensics.engine.diff.pair import DiffConfig, DiffResult, diff_checkpoints
@@ -50,7 +50,7 @@ def diff(
     under torchrun, each rank its LOCAL_RANK's GPU)."""
 
     dev = compute_device(device)
-    pa, pb = resolve(before, run_dir), resolve(after, run_dir)
+    pa, pb = window(before, after, run_dir)
     n = (
         1
         if dev != "cpu"

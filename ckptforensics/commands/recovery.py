@@ -11,7 +11,9 @@ from ckptforensics.checkpoints import list_checkpoints, open_checkpoint
 from ckptforensics.commands.common import (
     Report,
     resolve,
+    step_of,
 )
+from ckptforensics.core.errors import ForensicsError
 from ckptforensics.core.tensors import CURVE_SHORT
 from ckptforensics.detectors import Finding
 from ckptforensics.engine.recovery import recovery as _recovery
@@ -163,6 +165,12 @@ def recovery(
         pp = pp / "report.json" if pp.is_dir() else pp
         section, source = load_report(pp).get("plan") or {}, str(pp)
     ck = resolve(checkpoint, rd) if checkpoint is not None else None
+    at = step_of(ck) if ck is not None else None
+    if at is not None and at <= int(resumed_from):  # the window (resumed_from, at] is empty
+        raise ForensicsError(
+            f"--checkpoint {ck} (step {at}) is not after --resumed-from {resumed_from}: pass a "
+            "checkpoint the resumed run wrote, or none (the first complete one after the resume)"
+        )
     res = _recovery(rd, int(resumed_from), metrics=Path(metrics) if metrics else None, plan=section, plan_source=source,
                     flight=Path(flight) if flight else None, checkpoint=ck, width=window or CURVE_SHORT)  # fmt: skip
     doc, findings = recovery_report(res, command)

@@ -14,6 +14,7 @@ from ckptforensics.commands.common import (
     Progress,
     Report,
     close_all,
+    note_unread_log,
     number_findings,
     rank_zero,
     replay_config,
@@ -69,6 +70,7 @@ def run_replay(
 
     with distributed.joined(cfg.device), doing(window_text("replaying", cfg)):
         rep = replay_window(cfg, progress=progress)
+        note_unread_log(rep)  # a log that cannot be read: replayed without it, and said
         rfind = replay_findings(rep) + _data_restart(cfg, rep)
         a, b, diff, dfind = pair_diff(cfg)
         try:

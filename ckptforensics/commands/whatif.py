@@ -44,6 +44,8 @@ def whatif(
     `precision=bf16`, `lr_scale=0.5`, `skip_samples=auto`, ...) and recommend the least
     invasive one that keeps the run on track. Options as for `replay`."""
 
+    if steps < 1:  # the window (before, before + steps] holds no step
+        raise ForensicsError(f"--steps {steps}: the window is empty; pass --steps 1 or more")
     cfg = replay_config(before, None, batch, run_dir, replay_options(options, **option))
     return Report(
         *rank_zero(

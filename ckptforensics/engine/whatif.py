@@ -82,6 +82,9 @@ class Outcome:
     on_track: bool = False
     skipped_rows: dict[int, list[int]] = field(default_factory=dict)
     skipped_updates: list[int] = field(default_factory=list)  # overflow skips (not --try skip_step)
+    # --try skip_step: the steps whose batch the trainer is told never to see; not replayed,
+    # so not on the record (steps, losses, grad norms) the outcome is judged on.
+    skipped_steps: list[int] = field(default_factory=list)
     note: str = ""
 
 
@@ -241,7 +244,12 @@ def _replay_with(
         rows = _rows(knobs.get("skip_samples"), auto_rows, p)
         if "skip_samples" in knobs and not rows:
             out.note = "no culprit rows found in these steps: nothing skipped"
+        if skip_step is not None and skip_step not in p.steps:
+            out.note = f"step {skip_step} is not in the window ({p.steps[0]}-{p.steps[-1]}): nothing skipped"
         for s in p.steps:
+            if s == skip_step:  # the trainer never sees this batch: no forward, no update
+                out.skipped_steps.append(s)
+                continue
             batch = p.batches.batch(s)
             if s in rows:
                 keep = torch.tensor(
@@ -249,11 +257,9 @@ def _replay_with(
                 )
                 batch = {k: v[keep] for k, v in batch.items()}
                 out.skipped_rows[s] = rows[s]
-            rec, _ = sess.step(
-                s, batch, [lr * scale for lr in p.lrs[s]], clip, update=s != skip_step
-            )
+            rec, _ = sess.step(s, batch, [lr * scale for lr in p.lrs[s]], clip)
             out.steps.append(s)
-            if rec.skipped and s != skip_step:
+            if rec.skipped:
                 out.skipped_updates.append(s)
             out.losses.append(rec.loss)
             out.grad_norms.append(rec.grad_norm)
@@ -277,8 +283,11 @@ def _replay_with(
         else (out.grad_norms[0] if out.grad_norms else math.nan, math.inf)
     )
     finite = all(math.isfinite(x) for x in out.losses + out.grad_norms) and not out.skipped_updates
+    if not out.losses and not out.note:
+        out.note = "no step left to replay once the skipped ones are left out"
     out.on_track = (
-        finite
+        bool(out.losses)
+        and finite
         and all(x <= level + width for x in out.losses)
         and all(g <= glevel + gwidth for g in out.grad_norms)
     )

@@ -16,6 +16,7 @@ logs).
 from __future__ import annotations
 
 import glob as _glob
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from ckptforensics.logs.columns import (
     param_grad_columns,
     register_log_names,
 )
-from ckptforensics.logs.discover import find_logs, log_dirs, looked_for
+from ckptforensics.logs.discover import LOGGER_STORES, find_logs, log_dirs, logger_logs, looked_for
 from ckptforensics.logs.readers import Leg, MissingExtra, read_file
 from ckptforensics.logs.registry import (
     FORMATS,
@@ -39,13 +40,17 @@ from ckptforensics.logs.registry import (
     register_step_key,
     register_step_rule,
 )
+from ckptforensics.logs.text import text_legs, text_lines  # registers JSONL and CSV
 
 __all__ = [
     "MetricsLog",
     "LegInfo",
     "read_log",
     "read_metrics",
+    "unreadable",
+    "skipped_note",
     "find_logs",
+    "logger_logs",
     "log_dirs",
     "find_metrics",
     "discover_metrics",
@@ -54,6 +59,8 @@ __all__ = [
     "param_grad_columns",
     "ALIASES",
     "MissingExtra",
+    "text_legs",
+    "text_lines",
     "register_format",
     "register_finder",
     "register_rows",
@@ -63,6 +70,8 @@ __all__ = [
 ]
 
 Rows = dict[int, dict[str, float]]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +84,7 @@ class LegInfo:
     last: int
     steps: int
     superseded: int  # of its steps, how many a later leg logged again (the later leg won)
+    skipped: tuple[str, ...] = ()  # its file's lines not read, and why ("line 31: truncated JSON")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +94,8 @@ class MetricsLog:
     rows: Rows
     files: list[str]
     legs: list[LegInfo] = field(default_factory=list)
+    # One line per file with lines that were not read: which, and why (`skipped_note`).
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def kind(self) -> str:
@@ -119,7 +131,9 @@ def merge_legs(legs: list[Leg]) -> tuple[Rows, list[LegInfo]]:
             for k in v:
                 owner[(s, k)] = i
     info = [
-        LegInfo(leg.source, leg.kind, min(leg.rows), max(leg.rows), len(leg.rows), lost[i])
+        LegInfo(
+            leg.source, leg.kind, min(leg.rows), max(leg.rows), len(leg.rows), lost[i], leg.skipped
+        )
         for i, leg in enumerate(ordered)
         if leg.rows
     ]
@@ -140,7 +154,13 @@ def _paths(path: Path | str) -> list[Path]:
             return [p]
         if any(p.glob("run-*.wandb")):  # one W&B run folder (wandb/latest-run, say)
             return sorted(p.glob("run-*.wandb"))
-        files = find_logs(p)
+        # A logger's own folder in the run (wandb/, mlruns/, lightning_logs/, runs/): what the
+        # run folder's places find inside it; a store the run folder's walk skips, first.
+        files = (
+            (logger_logs(p) or find_logs(p))
+            if p.name in LOGGER_STORES
+            else (find_logs(p) or logger_logs(p))
+        )
         if not files:
             raise ForensicsError(
                 f"{p}: no training log in this folder (see `ckptforensics triage --help` for the formats read)"
@@ -151,16 +171,28 @@ def _paths(path: Path | str) -> list[Path]:
     return [p]
 
 
+def skipped_note(source: str, skipped: tuple[str, ...] | list[str], shown: int = 5) -> str:
+    """One line on a file's lines not read: '{file}: 2 lines skipped (line 31: truncated
+    JSON; line 45: not UTF-8 text (binary bytes))', the first `shown` of them named."""
+    more = f"; {len(skipped) - shown} more" if len(skipped) > shown else ""
+    n = len(skipped)
+    return f"{source}: {n} line{'s' if n != 1 else ''} skipped ({'; '.join(skipped[:shown])}{more})"
+
+
 def read_log(path: Path | str, keys: dict[str, str] | None = None) -> MetricsLog:
     """The run's log at `path` (a file, a run's log folder, or a glob), every leg merged.
+    Every line that parses is read; the lines that do not (a truncated JSON line, bytes that
+    are not UTF-8) are skipped, logged as a warning and listed (`MetricsLog.skipped`,
+    `LegInfo.skipped`).
 
     Args:
         path: the log.
         keys: our name -> the log's column name (e.g. {"loss": "train/loss"}).
 
     Raises:
-        ForensicsError: no log there, an unreadable or unknown format; MissingExtra (a
-            ForensicsError) when the format's reader needs a package not installed.
+        ForensicsError: no log there, an unreadable or unknown format, a log none of whose
+            lines reads; MissingExtra (a ForensicsError) when the format's reader needs a
+            package not installed.
     """
     files = _paths(path)
     legs = [leg for f in files for leg in read_file(f)]
@@ -171,13 +203,40 @@ def read_log(path: Path | str, keys: dict[str, str] | None = None) -> MetricsLog
         # row to read (the checkpoint the restart loaded left the scheduler where that row says).
         rows = fix_rows(rows)
     canonical(rows, keys)
-    return MetricsLog(rows, [str(f) for f in files], info)
+    notes = [skipped_note(leg.source, leg.skipped) for leg in legs if leg.skipped]
+    if not rows and notes:
+        said = (
+            notes[0].removeprefix(f"{files[0]}: ")
+            if len(notes) == 1 and len(files) == 1
+            else "; ".join(notes)
+        )
+        raise ForensicsError(f"{path}: no line reads as a training log: {said}")
+    for note in notes:
+        log.warning("training log %s; the rest read", note)
+    return MetricsLog(rows, [str(f) for f in files], info, notes)
 
 
 def read_metrics(path: Path | str, keys: dict[str, str] | None = None) -> Rows:
     """step -> metrics from a training log (`read_log`'s rows): our names `loss`,
-    `grad_norm`, `lr`, `loss_scale`, `skipped` beside the log's own columns."""
-    return read_log(path, keys).rows
+    `grad_norm`, `lr`, `loss_scale`, `skipped` beside the log's own columns.
+
+    For the commands whose log is optional (replay, whatif, bisect, audit: the log checks
+    and informs them, they run without it): a log that cannot be read is logged as a
+    warning and read as no rows (`unreadable` says why). `read_log` raises instead."""
+    try:
+        return read_log(path, keys).rows
+    except ForensicsError as e:
+        log.warning("%s; going on without the training log", e)
+        return {}
+
+
+def unreadable(path: Path | str) -> str | None:
+    """Why the training log at `path` cannot be read (`read_log`'s one line), None when it can."""
+    try:
+        read_log(path)
+    except ForensicsError as e:
+        return str(e)
+    return None
 
 
 def find_metrics(run_dir: Path) -> Path | None:

@@ -5,6 +5,7 @@ the places registered (`registry.FINDERS`: the generic ones here, each trainer's
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -12,7 +13,15 @@ from ckptforensics.formats import first_complete
 from ckptforensics.logs.readers import mlflow_run_name
 from ckptforensics.logs.registry import FINDERS, RunFiles, register_finder
 
-__all__ = ["find_logs", "log_dirs", "looked_for", "newest_complete", "version_files"]
+__all__ = [
+    "find_logs",
+    "log_dirs",
+    "logger_logs",
+    "looked_for",
+    "newest_complete",
+    "version_files",
+    "LOGGER_STORES",
+]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +120,32 @@ def find_logs(run_dir: Path) -> list[Path]:
         return []
     run = RunFiles(run_dir)
     return next((found for f in FINDERS if (found := f.find(run))), [])
+
+
+# A logger's store that a run folder holds and `RunFiles` does not walk: given as the log,
+# the places are asked of the run folder above it first.
+LOGGER_STORES = ("wandb", "mlruns")
+
+
+def logger_logs(folder: Path) -> list[Path]:
+    """The log a logger wrote in `folder`, a folder of its own inside the run (`wandb/`,
+    `wandb/latest-run`, `runs/`, `lightning_logs/`, `mlruns/`, `tb/`): each place registered
+    asked of the run folder above it, in order, keeping the first that finds files inside
+    `folder`. [] when none does."""
+    if not folder.is_dir():
+        return []
+    inside = Path(os.path.realpath(folder))
+    run = RunFiles(folder.parent)
+    for f in FINDERS:
+        found = [p for p in f.find(run) if _within(p, inside)]
+        if found:
+            return found
+    return []
+
+
+def _within(path: Path, folder: Path) -> bool:
+    real = Path(os.path.realpath(path))
+    return real == folder or folder in real.parents
 
 
 def looked_for() -> str:

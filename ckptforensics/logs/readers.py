@@ -1,7 +1,7 @@
 """The generic log formats, one reader each: a file (or run folder) -> its legs, each step ->
 metrics as the trainer named them (`columns.canonical` adds our names afterwards), and the one
-dispatch (`read_file`) over the formats registered (`registry`: these, and each trainer's own
-from its `logs.py`).
+dispatch (`read_file`) over the formats registered (`registry`: these, the text logs of
+`logs.text`, and each trainer's own from its `logs.py`).
 
 A leg is what one process wrote between a start and a stop. A file holds one leg, or
 several where the trainer appends after a restart (a printed log under `tee -a`, a JSONL the
@@ -11,10 +11,8 @@ leg there (`split_legs`).
 
 from __future__ import annotations
 
-import csv
 import json
 import math
-import re
 import sqlite3
 import struct
 import zlib
@@ -93,61 +91,6 @@ def file_legs(path: Path, read: Callable[[Path], list[Rows]], kind: str) -> list
     """The legs `read` finds in one file, each started at the file's modification time."""
     t = mtime(path)
     return [Leg(str(path), rows, t, i, kind) for i, rows in enumerate(read(path))]
-
-
-# ---------------------------------------------------------------- JSONL, CSV
-def _jsonl(path: Path) -> list[Rows]:
-    seq = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(r, dict) and "step" in r:
-            seq.append((int(r["step"]), numbers(r, ("step",))))
-    return split_legs(seq)
-
-
-# W&B's chart export ("Export CSV"): "Step" plus "<run name> - <key>" and its "__MIN" /
-# "__MAX" band columns; its run-table export (`run.history()`): "_step" and the keys.
-_WANDB_EXPORT = re.compile(r"^(?:.+ - )?(.+?)(?:__MIN|__MAX)?$")
-
-
-def _csv(path: Path) -> list[Rows]:
-    records = list(csv.DictReader(path.read_text().splitlines()))
-    if not records:
-        return []
-    cols = set(records[0])
-    # A trainer's logger may name its step column, or count one behind (`step_rule`); else
-    # W&B's chart export's "Step", the trainer's own step column (`step_key`), step or _step.
-    rule_col, rule_behind = step_rule(path, "csv", cols)
-    wandb_chart = "Step" in cols and any(" - " in c for c in cols)
-    trainer_step, key_behind = step_key(cols) or (None, 0)
-    col = (
-        rule_col
-        or ("Step" if wandb_chart else None)
-        or trainer_step
-        or ("step" if "step" in cols else "_step" if "_step" in cols else None)
-    )
-    if col is None:
-        raise ForensicsError(
-            f"{path}: a CSV log needs a step column (step, _step, Step, iter or a trainer's global_step)"
-        )
-    shift = max(rule_behind, key_behind)
-    seq = []
-    for r in records:
-        if r.get(col) in (None, ""):
-            continue
-        vals = numbers(
-            {k: v for k, v in r.items() if k and not k.endswith(("__MIN", "__MAX"))},
-            ("step", col, "Step", "_step", "_runtime", "_timestamp"),
-        )
-        if wandb_chart:
-            vals = {_WANDB_EXPORT.match(k).group(1): v for k, v in vals.items()}  # type: ignore[union-attr]
-        seq.append((int(float(r[col])) + shift, vals))
-    return split_legs(seq)
 
 
 # ---------------------------------------------------------------- TensorBoard
@@ -369,8 +312,6 @@ def read_file(path: Path) -> list[Leg]:
 register_format("tensorboard", lambda p: p.name.startswith("events.out.tfevents"), _tensorboard_legs, order=10)  # fmt: skip
 register_format("mlflow", lambda p: p.suffix == ".db", _mlflow_sqlite, order=20, shared=False)
 register_format("wandb", lambda p: p.suffix == ".wandb", _wandb_legs, order=30)
-register_format("csv", lambda p: p.suffix == ".csv", lambda p: file_legs(p, _csv, "csv"), order=50)
-register_format("jsonl", lambda p: True, lambda p: file_legs(p, _jsonl, "jsonl"), order=100)
 # A step column of no trainer's own (each trainer's `logs.py` adds its own before these).
 register_step_key("global_step", 0, order=30)
 register_step_key("iteration", 0, order=40)

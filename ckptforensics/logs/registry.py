@@ -49,6 +49,8 @@ class Leg:
             (TensorBoard, W&B, MLflow), else the file's modification time.
         order: position within its file (0 for the first leg).
         kind: the format (`LogFormat.name`: "tensorboard", "wandb", ...).
+        skipped: the file's lines that were not read and why ("line 31: truncated JSON"),
+            on its first leg (a file none of whose lines reads gives a leg with no rows).
     """
 
     source: str
@@ -56,6 +58,7 @@ class Leg:
     started: float
     order: int
     kind: str
+    skipped: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

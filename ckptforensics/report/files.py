@@ -12,7 +12,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptforensics.core.errors import OutputNotWritable
+from ckptforensics.checkpoints import list_checkpoints, sniff
+from ckptforensics.core.errors import ForensicsError, OutputNotWritable, UnknownFormat
+from ckptforensics.formats.locate import STEP_PATTERNS
 
 __all__ = [
     "Content",
@@ -86,16 +88,63 @@ def current_umask() -> int:
 
 
 def check_outside(out: Path, inputs: Sequence[Path]) -> None:
-    """Refuse an output path inside an input checkpoint directory (a report never writes
-    into what it reads: a checkpoint directory may be a trainer's live output, or
-    read-only evidence). Checked by the CLI before any work and by `Report.save`."""
+    """Refuse an output path among what a command reads (a report never writes into its
+    inputs: a checkpoint may be a trainer's live output, or read-only evidence). Checked by
+    the CLI before any work and by `Report.save`. An input is:
+
+    - a checkpoint file: --out may not be the folder it sits in (the report's files would
+      land among the run's checkpoints); a folder below it is fine;
+    - a checkpoint directory (a layout a reader recognises, or a trainer's checkpoint name):
+      --out may not be it or inside it;
+    - a run directory (the checkpoints it holds are what is read): --out may not be it, nor
+      inside one of its checkpoint directories; a folder of its own below it is fine;
+    - a directory that holds no checkpoint (the current one, where a log lies): no input.
+    """
     o = Path(os.path.realpath(out))  # realpath: a symlink loop is bad input, said by the reader
     for p in inputs:
         d = Path(os.path.realpath(p))
-        if Path(p).is_dir() and (o == d or d in o.parents):
+        if not Path(p).is_dir():
+            if Path(p).exists() and o == d.parent:
+                raise OutputNotWritable(
+                    f"--out {out} is the folder of the input checkpoint {p}: the report's files "
+                    f"would land among the checkpoints; pass a directory of its own (e.g. "
+                    f"{Path(out) / 'incident'})"
+                )
+            continue
+        if _is_checkpoint(Path(p)):
+            if o == d or d in o.parents:
+                raise OutputNotWritable(
+                    f"--out {out} is inside the input checkpoint {p}; choose a directory outside it"
+                )
+            continue
+        held = list_checkpoints(Path(p))
+        if held and o == d:
             raise OutputNotWritable(
-                f"--out {out} is inside the input checkpoint {p}; choose a directory outside it"
+                f"--out {out} is the run directory {p}, which holds the checkpoints read: the "
+                f"report's files would land among them; pass a directory of its own (e.g. "
+                f"{Path(out) / 'incident'})"
             )
+        for _, c in held:
+            c_real = Path(os.path.realpath(c))
+            if c.is_dir() and (o == c_real or c_real in o.parents):
+                raise OutputNotWritable(
+                    f"--out {out} is inside the input checkpoint {c}; choose a directory outside it"
+                )
+
+
+def _is_checkpoint(path: Path) -> bool:
+    """A directory that is one checkpoint: a trainer's checkpoint name (`checkpoint-30`,
+    `global_step30`) or a layout a reader recognises; not a run directory that holds
+    several, nor a folder that holds none."""
+    if any(pattern.match(path.name) for _, pattern in STEP_PATTERNS):
+        return True
+    try:
+        sniff(path)
+    except UnknownFormat:
+        return False
+    except ForensicsError:  # recognised, but damaged (a link to nothing): still a checkpoint
+        return True
+    return True
 
 
 def report_inputs(doc: dict[str, Any]) -> list[Path]:

@@ -6,9 +6,11 @@ on every torchrun rank alike; `--debug` shows the traceback instead.
 
 One module per command group, each adding its commands to the group `cli` when imported:
 `checkpoints` (formats, inspect, diff), `replays` (replay, bisect, whatif, plan), `runs`
-(recovery, audit, triage), `reports` (report); `params` holds the shared options and
-`common` what every command does around its library call. `ckptforensics.cli:main` is the
-console script; `python -m ckptforensics.cli` runs it too (torchrun needs a module).
+(recovery, audit, triage), `reports` (report); `params` holds the shared options,
+`common` what every command does around its library call, `progress` what a command shows
+on stderr while it works, `terminal` a report's blocks as plain lines. A usage error is one
+line too (`group.UsageLine`). `ckptforensics.cli:main` is the console script;
+`python -m ckptforensics.cli` runs it too (torchrun needs a module).
 """
 
 from __future__ import annotations

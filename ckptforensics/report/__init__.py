@@ -117,7 +117,9 @@ def write_report(
     out_dir: Path, doc: dict[str, Any], extra: dict[str, str] | None = None
 ) -> list[Path]:
     """report.json, report.md, report.html and evidence.h5 (and `extra` files by name, such
-    as bisect's skip.json) under `out_dir`, written together (`write_files`)."""
+    as bisect's skip.json) under `out_dir`, written together (`write_files`). The document
+    records `out_dir` as `incident.report_dir`: the plan's recovery command names it."""
+    doc["incident"]["report_dir"] = str(out_dir)
     files: dict[Path, Content] = {
         out_dir / "report.json": to_json(doc),
         out_dir / "report.md": render_markdown(doc),

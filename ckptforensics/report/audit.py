@@ -6,8 +6,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ckptforensics.report.blocks import md_footer, md_table
-from ckptforensics.report.page import esc, footer, ol, page, table
+from ckptforensics.report.blocks import (
+    Facts,
+    Item,
+    Steps,
+    html_blocks,
+    inline,
+    markdown_lines,
+    md_footer,
+    md_table,
+)
+from ckptforensics.report.page import esc, footer, page, table
 from ckptforensics.report.text import fmt
 
 __all__ = ["render_audit_markdown", "render_audit_html", "is_audit"]
@@ -62,6 +71,16 @@ def _rows(doc: dict[str, Any]) -> list[list[Any]]:
 
 
 _HEAD = ["", "area", "check", "measured", "threshold", "what it means", "source"]
+
+
+def _arch_facts(a: dict[str, Any]) -> Facts:
+    """The architecture found, as labelled facts (a table with no header row in HTML)."""
+    return Facts([(str(k), [str(x)]) for k, x in _arch_rows(a)])
+
+
+def _actions(v: dict[str, Any]) -> Steps:
+    """The recommended actions, numbered, their `code` as code."""
+    return Steps([Item(i, inline(x)) for i, x in enumerate(v["recommended_actions"], 1)])
 
 
 def _arch_rows(a: dict[str, Any]) -> list[list[Any]]:
@@ -128,16 +147,14 @@ def render_audit_markdown(doc: dict[str, Any]) -> str:
         "",
         "**Architecture (from the traced forward pass)**",
         "",
-        *md_table(["", ""], _arch_rows(a)),
+        *markdown_lines([_arch_facts(a)]),
         "",
         "**Checks**",
         "",
         *md_table(_HEAD, _rows(doc)),
     ]
     if v["recommended_actions"]:
-        lines += ["", "**Recommended actions**", ""] + [
-            f"{i}. {x}" for i, x in enumerate(v["recommended_actions"], 1)
-        ]
+        lines += ["", "**Recommended actions**", "", *markdown_lines([_actions(v)])]
     if a.get("layers"):
         lines += [
             "",
@@ -160,28 +177,37 @@ def render_audit_html(doc: dict[str, Any]) -> str:
     parts = [
         f"<h1>ckptforensics audit: {c['critical']} critical, {c['warning']} warning, {c['info']} info</h1>",
         f"<p class='summary'>{esc(v['summary'])}</p>",
-        table(
-            ["", ""],
+        html_blocks(
             [
-                ["checkpoint", f"{au['checkpoint']} (step {fmt(au['step'])})"],
-                [
-                    "compared with",
-                    f"{au['compared_with']['path']} (step {fmt(au['compared_with']['step'])})"
-                    if au.get("compared_with")
-                    else "—",
-                ],
-                ["probed on", au["batch"]],
-                [
-                    "exposed to",
-                    ", ".join(f"{x['cause']} ({x['confidence']:.0%})" for x in v["causes"]),
-                ],
-            ],
+                Facts(
+                    [
+                        ("checkpoint", [f"{au['checkpoint']} (step {fmt(au['step'])})"]),
+                        (
+                            "compared with",
+                            [
+                                f"{au['compared_with']['path']} (step {fmt(au['compared_with']['step'])})"
+                                if au.get("compared_with")
+                                else "—"
+                            ],
+                        ),
+                        ("probed on", [au["batch"]]),
+                        (
+                            "exposed to",
+                            [
+                                ", ".join(
+                                    f"{x['cause']} ({x['confidence']:.0%})" for x in v["causes"]
+                                )
+                            ],
+                        ),
+                    ]
+                )
+            ]
         ),
-        "<h2>Architecture</h2>" + table(["", ""], _arch_rows(a)),
+        "<h2>Architecture</h2>" + html_blocks([_arch_facts(a)]),
         "<h2>Checks</h2>" + table(_HEAD, _rows(doc)),
     ]
     if v["recommended_actions"]:
-        parts.append("<h2>Recommended actions</h2>" + ol(v["recommended_actions"]))
+        parts.append("<h2>Recommended actions</h2>" + html_blocks([_actions(v)]))
     if a.get("layers"):
         parts.append("<h2>Attention layers</h2>" + table(_LAYER_HEAD, _layer_rows(a)))
     parts.append(footer(doc))

@@ -1,10 +1,12 @@
-"""The blocks a report section is written in, and their two renderings: Markdown and HTML.
+"""The blocks a report is written in, and their two renderings: Markdown and HTML.
 
-A section (the resume plan, the recovery checks) is built once, as blocks, from the report
-document's data; report.md renders the blocks as Markdown lines and report.html as HTML, so
-the two say the same and neither re-parses the other. Inline text is a sequence of spans:
-plain strings, `Code` (a key, a path, a command) and `Bold`; blocks are paragraphs, ordered
-steps (with notes and a code block of their own), bullets, code blocks and tables.
+A report is a list of `Section`s, each built once, as blocks, from the report document's
+data; report.md renders them as Markdown lines and report.html as HTML, so the two say the
+same and neither re-parses the other. Inline text is a sequence of spans: plain strings,
+`Code` (a key, a path, a command) and `Bold`; blocks are paragraphs, ordered steps (with
+notes and a code block of their own), bullets, facts (label: value), code blocks and tables,
+whose cells may be spans too. A text the document carries with `code` in backticks (a
+recommended action) is read into spans by `inline`.
 
 A block is separated from the one before it by a blank line in Markdown, unless it is
 `tight` (a list or a line that continues the paragraph above it); HTML has no blank lines.
@@ -16,12 +18,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptforensics.report.page import esc, table
+from ckptforensics.report.page import esc
 
 __all__ = [
     "Code",
     "Bold",
+    "Spans",
     "Text",
+    "inline",
+    "Facts",
+    "Section",
+    "sections_markdown",
+    "sections_html",
     "Para",
     "Item",
     "Steps",
@@ -30,6 +38,8 @@ __all__ = [
     "Table",
     "Block",
     "md_table",
+    "md_text",
+    "html_text",
     "md_footer",
     "markdown_lines",
     "html_blocks",
@@ -53,6 +63,27 @@ class Bold:
 # A line of inline text: plain strings (written as they are in Markdown, escaped in HTML)
 # and spans.
 Text = Sequence[str | Code | Bold]
+
+
+@dataclass(frozen=True, slots=True)
+class Spans:
+    """A table cell of mixed inline text (a message with `code` in it, read by `inline`)."""
+
+    text: Text
+
+
+def inline(text: str) -> list[str | Code | Bold]:
+    """A text the document carries, its `code` in backticks (a recommended action, a cause's
+    note), as spans: every other piece between backticks is code.
+
+    Example:
+        >>> inline("run `ckptforensics bisect` next")
+        ['run ', Code(text='ckptforensics bisect'), ' next']
+    """
+    parts = str(text).split("`")
+    if len(parts) % 2 == 0:  # an unpaired backtick: no code in it, the text as it is
+        return [str(text)]
+    return [Code(p) if i % 2 else p for i, p in enumerate(parts) if p]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,17 +131,43 @@ class Bullets:
 
 @dataclass(frozen=True, slots=True)
 class Table:
-    """A table of plain cells (any value, written as its `str`)."""
+    """A table: a cell is a span (`Code`, `Bold`) or any value, written as its `str`. A `note`
+    under it says what its terms mean."""
 
-    head: list[str]
+    head: list[Any]
     rows: list[list[Any]]
+    tight: bool = False
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """Labelled facts: Markdown `- **label**: value` lines; HTML a table of rows, each headed by
+    its label (no header row)."""
+
+    rows: list[tuple[str, Text]]
     tight: bool = False
 
 
-Block = Para | Pre | Steps | Bullets | Table
+Block = Para | Pre | Steps | Bullets | Table | Facts
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """A titled part of a report: open (Markdown **title**, HTML <h2>) or `collapsed` (a
+    <details> in both); an empty `title` adds its blocks with no heading."""
+
+    title: str
+    blocks: list[Block]
+    collapsed: bool = False
 
 
 # --- Markdown ---------------------------------------------------------------------------
+
+
+def md_text(text: Text) -> str:
+    """A line of spans as Markdown: `code`, **bold**, plain strings as they are."""
+    return _md(text)
 
 
 def _md(text: Text) -> str:
@@ -120,8 +177,16 @@ def _md(text: Text) -> str:
     )
 
 
+def _md_cell(c: Any) -> str:
+    if isinstance(c, Spans):
+        return "".join(_md_cell(x) for x in c.text)
+    if isinstance(c, Code):  # a backtick inside code would end it
+        return "`" + str(c.text).replace("`", "'") + "`"
+    return _md([c]) if isinstance(c, Bold) else str(c)
+
+
 def _row(cells: list[Any]) -> str:
-    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+    return "| " + " | ".join(_md_cell(c).replace("|", "\\|") for c in cells) + " |"
 
 
 def md_table(head: list[str], rows: list[list[Any]]) -> list[str]:
@@ -145,7 +210,9 @@ def _md_block(b: Block) -> list[str]:
     if isinstance(b, Pre):
         return _md_pre(b)
     if isinstance(b, Table):
-        return md_table(b.head, b.rows)
+        return md_table(b.head, b.rows) + (["", b.note] if b.note else [])
+    if isinstance(b, Facts):
+        return [f"- **{label}**: {_md(text)}" for label, text in b.rows]
     if isinstance(b, Bullets):
         return [f"- {_md(t)}" for t in b.items]
     lines = []
@@ -167,7 +234,28 @@ def markdown_lines(blocks: Sequence[Block]) -> list[str]:
     return lines
 
 
+def sections_markdown(sections: Sequence[Section]) -> list[str]:
+    """The sections as Markdown lines: each after a blank line, its title in bold, or
+    collapsed in <details>."""
+    lines: list[str] = []
+    for sec in sections:
+        if not sec.blocks:
+            continue
+        if sec.collapsed:
+            lines += ["", f"<details><summary>{sec.title}</summary>", ""]
+            lines += [*markdown_lines(sec.blocks), "", "</details>"]
+        else:
+            lines += ["", f"**{sec.title}**"] if sec.title else []
+            lines += ["", *markdown_lines(sec.blocks)]
+    return lines
+
+
 # --- HTML -------------------------------------------------------------------------------
+
+
+def html_text(text: Text) -> str:
+    """A line of spans as HTML: <code>, <strong>, plain strings escaped."""
+    return _html(text)
 
 
 def _html(text: Text) -> str:
@@ -179,6 +267,18 @@ def _html(text: Text) -> str:
         else esc(s)
         for s in text
     )
+
+
+def _html_cell(c: Any, tag: str) -> str:
+    if isinstance(c, Spans):
+        return f"<{tag}>{_html(c.text)}</{tag}>"
+    return f"<{tag}>{_html([c]) if isinstance(c, (Code, Bold)) else esc(c)}</{tag}>"
+
+
+def _html_table(head: list[Any], rows: list[list[Any]]) -> str:
+    h = "".join(_html_cell(c, "th") for c in head)
+    body = "".join("<tr>" + "".join(_html_cell(c, "td") for c in r) + "</tr>" for r in rows)
+    return f"<table><tr>{h}</tr>{body}</table>"
 
 
 def _html_pre(pre: Pre) -> str:
@@ -196,7 +296,11 @@ def _html_block(b: Block) -> str:
     if isinstance(b, Pre):
         return _html_pre(b)
     if isinstance(b, Table):
-        return table(b.head, b.rows)
+        note = f"<p class='note'>{esc(b.note)}</p>" if b.note else ""
+        return _html_table(b.head, b.rows) + note
+    if isinstance(b, Facts):
+        rows = "".join(f"<tr><th>{esc(k)}</th><td>{_html(t)}</td></tr>" for k, t in b.rows)
+        return f"<table class='facts'>{rows}</table>"
     if isinstance(b, Bullets):
         return _ul(b.items)
     start = f" start='{b.items[0].n}'" if b.items and b.items[0].n != 1 else ""
@@ -213,3 +317,17 @@ def _html_block(b: Block) -> str:
 def html_blocks(blocks: Sequence[Block]) -> str:
     """The blocks as HTML: paragraphs, lists (<ol>/<ul>), <pre>, tables; inline code as <code>."""
     return "".join(_html_block(b) for b in blocks)
+
+
+def sections_html(sections: Sequence[Section]) -> list[str]:
+    """The sections as HTML parts: an <h2> and its blocks, or a <details> for a collapsed one."""
+    out = []
+    for sec in sections:
+        if not sec.blocks:
+            continue
+        body = html_blocks(sec.blocks)
+        if sec.collapsed:
+            out.append(f"<details><summary>{esc(sec.title)}</summary>{body}</details>")
+        else:
+            out.append((f"<h2>{esc(sec.title)}</h2>" if sec.title else "") + body)
+    return out

@@ -13,13 +13,21 @@ from typing import Any
 import numpy as np
 
 from ckptforensics.report.audit import render_audit_html
-from ckptforensics.report.blocks import html_blocks
-from ckptforensics.report.page import NO_PLOTS, esc, footer, num, ol, page, png, table
-from ckptforensics.report.plan import plan_blocks
+from ckptforensics.report.blocks import html_text, sections_html
+from ckptforensics.report.page import NO_PLOTS, esc, footer, num, page, png
 from ckptforensics.report.recovery import render_recovery_html
-from ckptforensics.report.text import fmt, reproduces
+from ckptforensics.report.sections import detail_sections, report_sections, title
+from ckptforensics.report.text import fmt
+from ckptforensics.report.words import headline
 
-__all__ = ["render_html"]
+__all__ = ["render_html", "NEAR_LIMIT"]
+
+# A tensor within this factor of its dtype's largest value is near its limit: the headroom
+# plot shows those alone (a 2x headroom is the detectors' own alarm, docs/signatures.md).
+NEAR_LIMIT = 100.0
+
+# Names on a per-tensor or per-module axis: the largest few, the rest unlabelled.
+TOP_LABELS = 12
 
 
 def _short(names: list[str]) -> list[str]:
@@ -30,15 +38,19 @@ def _short(names: list[str]) -> list[str]:
     return list(names)
 
 
-def _name_ticks(ax: Any, names: list[str], axis: str, most: int = 40) -> None:
-    """Label an axis with names (every k-th where there are more than `most`)."""
-    k = max(1, -(-len(names) // most))
-    pos = list(range(0, len(names), k))
+def _name_ticks(ax: Any, names: list[str], axis: str, values: Any = None) -> None:
+    """Label an axis with names: all where they are few, else the `TOP_LABELS` with the
+    largest `values` (the ones a reader looks for), in axis order."""
+    if len(names) <= TOP_LABELS or values is None:
+        pos = list(range(0, len(names), max(1, -(-len(names) // TOP_LABELS))))
+    else:
+        v = np.nan_to_num(np.asarray(values, float), nan=-np.inf)
+        pos = sorted(int(i) for i in np.argsort(-v)[:TOP_LABELS])
     labels = [_short(names)[i] for i in pos]
     if axis == "x":
-        ax.set_xticks(pos, labels, rotation=90, fontsize=6)
+        ax.set_xticks(pos, labels, rotation=90, fontsize=7)
     else:
-        ax.set_yticks(pos, labels, fontsize=6)
+        ax.set_yticks(pos, labels, fontsize=7)
 
 
 def _heatmap(
@@ -68,7 +80,7 @@ def _heatmap(
             vmax=max(1.0, float(np.abs(rel).max())),
         )
         ax.set_xticks(range(len(steps)), steps, fontsize=7, rotation=90 if len(steps) > 20 else 0)
-        _name_ticks(ax, names, "y", most=60)
+        _name_ticks(ax, names, "y", np.abs(rel).max(axis=1))
         ax.set_xlabel("replayed step")
         fbs, fam = v.get("first_bad_step"), v.get("first_anomalous_module")
         if fbs is not None and str(fbs) in steps:
@@ -85,15 +97,15 @@ def _heatmap(
     return out
 
 
-def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
-    """(title, <img>) for each plot the document has data for; [] without matplotlib."""
+def _plots(doc: dict[str, Any]) -> list[tuple[str, str]] | None:
+    """(title, <img>) for each plot the document has data for; None without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return []
+        return None
     out = []
     v = doc["verdict"]
     rep = doc.get("replay") or {}
@@ -144,7 +156,7 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
                 idx = np.flatnonzero(keep)
                 ax.semilogy(range(len(idx)), cur[idx], label=f"step {s0}")
                 ax.semilogy(range(len(idx)), base[idx], label="other steps (median)")
-                _name_ticks(ax, [mods[i] for i in idx], "x")
+                _name_ticks(ax, [mods[i] for i in idx], "x", cur[idx] / base[idx])
                 ax.set_title("per-module output-gradient norm (forward order of modules)")
                 ax.legend()
                 out.append(("Per-layer gradient norm: suspect step vs baseline", png(fig)))
@@ -159,17 +171,27 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
             ax.set_title(f"share of the gradient norm² per row, step {s0}")
             ax.set_xlabel("row")
             out.append(("Per-sample gradient share", png(fig)))
-    diff = doc.get("diff") or {}
-    if diff.get("tensors"):
-        ts = diff["tensors"]
-        fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
-        ax[0].semilogy([num(t["update_ratio"]) for t in ts], ".")
-        ax[0].set_title("update/weight ratio per step, per tensor")
-        ax[1].semilogy([num(t["headroom_b"]) for t in ts], ".")
-        ax[1].set_title("dtype headroom (max / max|x|), per tensor")
-        for a in ax:
-            _name_ticks(a, [t["name"] for t in ts], "x")
-        out.append(("Update/weight ratio and dtype headroom", png(fig)))
+    ts = (doc.get("diff") or {}).get("tensors") or []
+    if ts:
+        # Update/weight ratio, largest first, the top tensors named.
+        ts = sorted(ts, key=lambda t: -num(t["update_ratio"]) if math.isfinite(num(t["update_ratio"])) else math.inf)  # fmt: skip
+        ratio = [num(t["update_ratio"]) for t in ts]
+        fig, ax = plt.subplots(figsize=(10, 3.8))
+        ax.semilogy(ratio, ".")
+        ax.set_title("update/weight ratio per step, per tensor (largest first)")
+        _name_ticks(ax, [t["name"] for t in ts], "x", ratio)
+        out.append(("Update/weight ratio per tensor", png(fig)))
+        near, _ = _near_limit(ts)
+        if near:
+            fig, ax = plt.subplots(figsize=(10, 3.2))
+            ax.semilogy([num(t["headroom_b"]) for t in near], "o")
+            ax.axhline(2.0, color="r", ls=":", lw=1, label="2x: the detectors' alarm")
+            ax.set_title(
+                f"dtype headroom (largest value / max|x|) of the tensors within {NEAR_LIMIT:g}x of it"
+            )
+            _name_ticks(ax, [f"{t['name']} ({t['dtype']})" for t in near], "x")
+            ax.legend(fontsize=7)
+            out.append(("Tensors near their dtype's limit", png(fig)))
     wi = doc.get("whatif") or {}
     if wi.get("outcomes"):
         fig, ax = plt.subplots(figsize=(10, 3))
@@ -183,104 +205,44 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+def _near_limit(ts: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """(the tensors within `NEAR_LIMIT`x of their dtype's largest value, closest first; the line
+    that says so where none is: a page of headroom at 10^38 says nothing)."""
+    known = [t for t in ts if math.isfinite(num(t.get("headroom_b")))]
+    near = sorted((t for t in known if num(t["headroom_b"]) < NEAR_LIMIT), key=lambda t: num(t["headroom_b"]))  # fmt: skip
+    if near or not known:
+        return near, ""
+    t = min(known, key=lambda t: num(t["headroom_b"]))
+    return [], (
+        f"No tensor comes within {NEAR_LIMIT:g}× of its dtype's largest value: the closest, "
+        f"{t['name']} ({t['dtype']}), stays {fmt(num(t['headroom_b']))}× below it."
+    )
+
+
 def render_html(doc: dict[str, Any]) -> str:
-    """report.html of any report document (a recovery's and an audit's have their own page)."""
+    """report.html of any report document (a recovery's and an audit's have their own page):
+    the verdict box, then the sections report.md renders too, the plots after the plan."""
     if doc.get("recovery"):
         return render_recovery_html(doc)
     if doc.get("audit"):
         return render_audit_html(doc)
-    v, inc = doc["verdict"], doc["incident"]
     parts = [
-        f"<h1>ckptforensics: {esc(v['causes'][0]['cause'].replace('_', ' '))}</h1>",
-        f"<p class='summary'>{esc(v['summary'])}</p>",
-        table(
-            ["", ""],
-            [
-                [
-                    "before",
-                    f"{inc['before']['path']} (step {fmt(inc['before']['step'])}, {inc['before']['format']})",
-                ],
-                [
-                    "after",
-                    f"{inc['after']['path']} (step {fmt(inc['after']['step'])}, {inc['after']['format']})",
-                ],
-                ["causes", ", ".join(f"{c['cause']} ({c['confidence']:.0%})" for c in v["causes"])],
-                ["reproduces", reproduces(v)],
-                ["replay vs the run's log", (v.get("replay_check") or {}).get("reason") or "—"],
-                ["first bad step", fmt(v["first_bad_step"])],
-                ["first anomalous module", v["first_anomalous_module"] or "—"],
-                ["layers standing out", ", ".join(v["exploding_layers"][:5]) or "—"],
-                ["rollback checkpoint", v["rollback_checkpoint"] or "—"],
-            ],
-        ),
+        f"<h1>ckptforensics: {esc(title(doc))}</h1>",
+        f"<p class='summary'>{html_text(headline(doc))}</p>",
+        *sections_html(report_sections(doc)),
     ]
-    if v["recommended_actions"]:
-        parts.append("<h2>Recommended actions</h2>" + ol(v["recommended_actions"]))
-    p = doc.get("plan") or {}
-    if p.get("status") == "ready":
-        parts.append("<h2>Resume plan</h2>" + html_blocks(plan_blocks(p)))
-    if v["anomalous_samples"]:
-        parts.append(
-            "<h2>Anomalous samples</h2>"
-            + table(
-                ["row", "sample id", "why"],
-                [[s["index"], fmt(s["sample_id"]), s["why"]] for s in v["anomalous_samples"]],
-            )
-        )
-    if v["corrupted_elements"]:
-        parts.append(
-            "<h2>Corrupted elements</h2>"
-            + table(
-                ["tensor", "index", "before", "after", "kind"],
-                [
-                    [e["tensor"], e["index"], fmt(e["before"]), fmt(e["after"]), e["kind"]]
-                    for e in v["corrupted_elements"]
-                ],
-            )
-        )
-    if v["overflowing_tensors"]:
-        parts.append(
-            "<h2>Overflowing tensors</h2>"
-            + table(
-                ["name", "dtype", "where"],
-                [[o["name"], o["dtype"], o["where"]] for o in v["overflowing_tensors"]],
-            )
-        )
     plots = _plots(doc)
-    if plots:
+    if plots is None:
+        parts.append(NO_PLOTS)
+    elif plots:
         parts.append(
             "<h2>Plots</h2><div class='plots'>"
             + "".join(f"<h3>{esc(t)}</h3>{img}" for t, img in plots)
             + "</div>"
         )
-    else:
-        parts.append(NO_PLOTS)
-    parts.append(
-        "<h2>Findings</h2>"
-        + table(
-            ["id", "severity", "kind", "subject", "message"],
-            [
-                [f["id"], f["severity"], f["kind"], f["subject"], f["message"]]
-                for f in doc["findings"]
-            ],
-        )
-    )
-    wi = doc.get("whatif") or {}
-    if wi.get("outcomes"):
-        parts.append(
-            "<h2>What-if</h2>"
-            + table(
-                ["mitigation", "on track", "max loss", "max grad norm"],
-                [
-                    [
-                        o["mitigation"],
-                        fmt(o["on_track"]),
-                        fmt(o["max_loss"]),
-                        fmt(o["max_grad_norm"]),
-                    ]
-                    for o in wi["outcomes"]
-                ],
-            )
-        )
+    _, said = _near_limit((doc.get("diff") or {}).get("tensors") or [])
+    if said:
+        parts.append(f"<p class='note'>{esc(said)}</p>")
+    parts += sections_html(detail_sections(doc))
     parts.append(footer(doc))
     return page("ckptforensics report", parts)

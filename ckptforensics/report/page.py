@@ -20,7 +20,9 @@ h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid 
 .summary{background:#fff6e5;border-left:4px solid #e8a33d;padding:.6em 1em}
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
 th{background:#f5f5f5}code{background:#f3f3f3;padding:0 3px}pre{background:#f7f7f7;padding:.5em;overflow-x:auto}
-li>ul{margin:.2em 0}.plots img{max-width:100%;border:1px solid #eee;margin:.4em 0}"""
+li>ul{margin:.2em 0}.plots img{max-width:100%;border:1px solid #eee;margin:.4em 0}
+table.facts th{background:none;font-weight:600;white-space:nowrap}.note{color:#555;font-size:.92em}
+details{margin:.8em 0}details>summary{font-size:1.1em;font-weight:600;cursor:pointer}"""
 
 
 def esc(x: Any) -> str:
@@ -40,8 +42,14 @@ def ol(items: list[Any]) -> str:
     return "<ol>" + "".join(f"<li>{esc(x)}</li>" for x in items) + "</ol>"
 
 
-# Where matplotlib is not installed a page says so once, in place of its plots.
-NO_PLOTS = "<p><em>Plots need the plots extra (matplotlib); tables follow.</em></p>"
+# Where matplotlib is not installed a page says so once, in place of its plots, and how to
+# get them.
+NO_PLOTS = (
+    "<p class='note'><em>No plots: they need matplotlib. Install the plots extra "
+    "(<code>pip install 'ckptforensics[plots]'</code>), then render this page again from its "
+    "evidence: <code>ckptforensics report evidence.h5 --to html --out report.html</code>. "
+    "The tables follow.</em></p>"
+)
 
 
 def page(title: str, body: list[str]) -> str:
@@ -76,13 +84,12 @@ def num(x: Any) -> float:
     )
 
 
-def png(fig: Any) -> str:
-    """A matplotlib figure as an inline <img> (PNG, base64); the figure is closed."""
+def png(fig: Any, alt: str = "plot") -> str:
+    """A matplotlib figure as an inline <img> (PNG, base64) that `alt` describes; the figure
+    is closed."""
     import matplotlib.pyplot as plt  # optional (the plots extra): only a caller with a figure gets here
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
     plt.close(fig)
-    return (
-        f'<img alt="plot" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
-    )
+    return f'<img alt="{esc(alt)}" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'

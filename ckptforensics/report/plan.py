@@ -10,7 +10,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ckptforensics.report.blocks import Block, Bold, Bullets, Code, Item, Para, Pre, Steps, Text
+from ckptforensics.report.blocks import (
+    Block,
+    Bold,
+    Bullets,
+    Code,
+    Item,
+    Para,
+    Pre,
+    Steps,
+    Text,
+    inline,
+)
 from ckptforensics.report.text import finite, fmt
 
 __all__ = ["plan_blocks", "evidence_text"]
@@ -64,20 +75,35 @@ def _change(c: dict[str, Any], n: int) -> Item:
     return Item(
         n,
         [Bold("Change"), " ", *keys, f": {c['why']}; {evidence_text(c)}."],
-        notes=[[e["note"]] for e in c["edits"] if e["note"]],
+        notes=[inline(e["note"]) for e in c["edits"] if e["note"]],
     )
 
 
+def _code_like(x: Any) -> bool:
+    """A resume value that is statements to run (a hand-written loop's load), not a setting."""
+    return isinstance(x, str) and ("(" in x or ";" in x or "\n" in x)
+
+
 def _resume(resume: list[dict[str, Any]], n: int) -> Item:
+    """The resume keys; a value that is code to run goes in a code block under the step, one
+    statement a line, with what it does."""
     text: list[str | Code | Bold] = [Bold("Resume"), ": "]
+    pre = None
     for i, e in enumerate(resume):
+        if _code_like(e["after"]) and pre is None:
+            pre = Pre("\n".join(x.strip() for x in str(e["after"]).split("; ")), "python")
+            text += ["; "] if i else []
+            text += [e["note"] or f"run this ({e['key']})"]
+            continue
         text += ["; "] if i else []
         text += [Code(e["key"]), " = ", Code(e["after"])]
         text += [f" ({e['note']})"] if e["note"] else []
-    return Item(n, [*text, "."])
+    return Item(n, [*text, ":" if pre is not None else "."], pre=pre)
 
 
-def plan_blocks(p: dict[str, Any], run_dir: str | None = None) -> list[Block]:
+def plan_blocks(
+    p: dict[str, Any], run_dir: str | None = None, plan_dir: str | None = None
+) -> list[Block]:
     """The resume plan as a ticket reads it: rollback, skip, changes with their evidence, the
     diff of the run's own settings, the resume keys and the recovery command.
 
@@ -85,6 +111,8 @@ def plan_blocks(p: dict[str, Any], run_dir: str | None = None) -> list[Block]:
         p: the report document's `plan` (empty: no blocks; not ready: why there is none).
         run_dir: the run directory the recovery command names (default: the rollback
             checkpoint's parent).
+        plan_dir: the directory this plan's report is written to, which the recovery
+            command's `--plan` names (None: not written yet, a placeholder said so).
     """
     if not p:
         return []
@@ -105,7 +133,7 @@ def plan_blocks(p: dict[str, Any], run_dir: str | None = None) -> list[Block]:
         Item(
             1,
             [Bold("Roll back to"), " ", Code(r["path"]), f" (step {r['step']}): {r['why']}."],
-            notes=[[f"passed over: {note}"] for note in r.get("skipped") or []],
+            notes=[["passed over: ", *inline(note)] for note in r.get("skipped") or []],
         )
     ]
     if p.get("skip"):
@@ -122,23 +150,16 @@ def plan_blocks(p: dict[str, Any], run_dir: str | None = None) -> list[Block]:
     if p.get("resume"):
         blocks.append(Steps([_resume(p["resume"], n)]))
     rd = run_dir or str(Path(r["path"]).parent)
-    command = f"ckptforensics recovery --run-dir {rd} --resumed-from {r['step']} --plan PLAN_DIR"
-    blocks.append(
-        Para(
-            [
-                "Then, once the resumed run has trained a while: ",
-                Code(command),
-                " (this report's directory)",
-            ]
-        )
-    )
+    command = f"ckptforensics recovery --run-dir {rd} --resumed-from {r['step']} --plan {plan_dir or 'PLAN_DIR'}"
+    after = "." if plan_dir else " (PLAN_DIR: the directory this plan is written to with --out)."
+    blocks.append(Para(["Then, once the resumed run has trained a while: ", Code(command), after]))
     also = [
         [
             f"also replayed: {alt['mitigation']} ({'on track' if alt['on_track'] else 'leaves the track'}, max loss {finite(alt.get('max_loss'))})"
         ]
         for alt in p.get("alternatives") or []
     ]
-    also += [[note] for note in p.get("notes") or []]
+    also += [inline(note) for note in p.get("notes") or []]
     if also:
         blocks.append(Bullets(also, tight=True))
     return blocks

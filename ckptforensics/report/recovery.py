@@ -14,13 +14,18 @@ from ckptforensics.report.blocks import (
     Block,
     Bold,
     Code,
+    Facts,
+    Item,
     Para,
+    Steps,
     Table,
+    Text,
     html_blocks,
+    inline,
     markdown_lines,
     md_footer,
 )
-from ckptforensics.report.page import NO_PLOTS, esc, footer, num, ol, page, png, table
+from ckptforensics.report.page import NO_PLOTS, esc, footer, num, page, png
 from ckptforensics.report.text import finite, fmt
 
 __all__ = ["recovery_blocks", "render_recovery_markdown", "render_recovery_html"]
@@ -84,19 +89,30 @@ def _head(r: dict[str, Any]) -> str:
     )
 
 
+def _head_blocks(doc: dict[str, Any]) -> list[Block]:
+    """Where the run resumed, and what next: the facts and the actions both pages lead with."""
+    r, v, inc = doc["recovery"], doc["verdict"], doc["incident"]
+    rows: list[tuple[str, Text]] = [
+        ("Resumed from", [Code(inc["before"]["path"]), f" (step {fmt(r['resumed_from'])})"])
+    ]
+    if r.get("checkpoint_after"):
+        rows.append(("First checkpoint after the resume", [Code(r["checkpoint_after"])]))
+    if r.get("onset") is not None:
+        rows.append(("Incident onset", [f"step {r['onset']}"]))
+    blocks: list[Block] = [Facts(rows)]
+    if v["recommended_actions"]:
+        blocks += [
+            Para([Bold("Next")]),
+            Steps([Item(i, inline(a)) for i, a in enumerate(v["recommended_actions"], 1)]),
+        ]
+    return blocks
+
+
 def render_recovery_markdown(doc: dict[str, Any]) -> str:
     """report.md of a recovery: the status and summary, where it resumed, what next, the section."""
-    r, v, inc = doc["recovery"], doc["verdict"], doc["incident"]
+    r, v = doc["recovery"], doc["verdict"]
     lines = [f"# ckptforensics: recovery — {_head(r)}", "", f"**{v['summary']}**", ""]
-    lines.append(f"- **Resumed from**: `{inc['before']['path']}` (step {fmt(r['resumed_from'])})")
-    if r.get("checkpoint_after"):
-        lines.append(f"- **First checkpoint after the resume**: `{r['checkpoint_after']}`")
-    if r.get("onset") is not None:
-        lines.append(f"- **Incident onset**: step {r['onset']}")
-    if v["recommended_actions"]:
-        lines += ["", "**Next**", ""] + [
-            f"{i}. {a}" for i, a in enumerate(v["recommended_actions"], 1)
-        ]
+    lines += markdown_lines(_head_blocks(doc))
     lines += ["", *markdown_lines(recovery_blocks(r))]
     lines += ["", md_footer(doc), ""]
     return "\n".join(lines)
@@ -149,21 +165,12 @@ def _plot(r: dict[str, Any]) -> str:
 
 def render_recovery_html(doc: dict[str, Any]) -> str:
     """report.html of a recovery: the same section as report.md, with the plot above it."""
-    r, v, inc = doc["recovery"], doc["verdict"], doc["incident"]
+    r, v = doc["recovery"], doc["verdict"]
     parts = [
         f"<h1>ckptforensics: recovery — {esc(_head(r))}</h1>",
         f"<p class='summary'>{esc(v['summary'])}</p>",
-        table(
-            ["", ""],
-            [
-                ["resumed from", f"{inc['before']['path']} (step {fmt(r['resumed_from'])})"],
-                ["checkpoint after the resume", r.get("checkpoint_after") or "—"],
-                ["incident onset", fmt(r.get("onset"))],
-            ],
-        ),
+        html_blocks(_head_blocks(doc)),
     ]
-    if v["recommended_actions"]:
-        parts.append("<h2>Next</h2>" + ol(v["recommended_actions"]))
     plot = _plot(r)
     parts.append(
         f"<h2>Loss and grad norm</h2><div class='plots'>{plot}</div>" if plot else NO_PLOTS

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ckptforensics.report.page import esc, num, page, png, table
+from ckptforensics.report.blocks import Facts, Spans, Table, html_blocks, html_text, inline
+from ckptforensics.report.page import NO_PLOTS, esc, num, page, png
 from ckptforensics.report.text import fmt
+from ckptforensics.report.words import how_far
 
 __all__ = ["render_triage_markdown", "render_triage_html"]
 
@@ -18,8 +20,22 @@ def _noise(t: dict[str, Any]) -> str:
     cols = (
         f"; left out (0 on every row): {n['ignored_columns']}" if n.get("ignored_columns") else ""
     )
-    return (f"{n['kind']}: the loss moves {n['loss_noise_pct_per_step']}% a step; {n['steps_over_z']} steps over z "
-            f"(normal noise: {n['expected_over_z_if_normal']:.2g}); {n['recovering_blips']} blips that recover{cols}")  # fmt: skip
+    return (f"{n['kind']}: the loss moves {n['loss_noise_pct_per_step']}% a step; {n['steps_over_z']} steps far off their trend "
+            f"(robust z over the threshold; normal noise would give {n['expected_over_z_if_normal']:.2g}); "
+            f"{n['recovering_blips']} blips that recover{cols}")  # fmt: skip
+
+
+def _onset_words(t: dict[str, Any]) -> str:
+    """The verdict line: the first bad step, in plain words first ('the grad norm at 3.4× its
+    trend'), the statistic after."""
+    first = t["first_bad_step"]
+    if first is None:
+        return "No spike onset in the log."
+    o = next((o for o in t.get("onsets") or [] if o["step"] == first), None)
+    if o is None:
+        return f"First bad step: {fmt(first)}"
+    far = how_far(o.get("value"), o.get("baseline"), o.get("robust_z"))
+    return f"First bad step: {fmt(first)}, the {o['signal'].replace('_', ' ')} at {far}"
 
 
 def _head(t: dict[str, Any]) -> list[tuple[str, str]]:
@@ -77,10 +93,10 @@ def _md_table(summary: str, onsets: list[dict[str, Any]], more: str = "") -> lis
         "",
         f"<details><summary>{summary}</summary>",
         "",
-        "| step | signal | rule | message |",
-        "| --- | --- | --- | --- |",
+        "| step | signal | rule | how far | message |",
+        "| --- | --- | --- | --- | --- |",
         *(
-            f"| {o['step']} | {o['signal']} | {o.get('rule', '')} | {o['message'].replace('|', '/')} |"
+            f"| {o['step']} | {o['signal']} | {o.get('rule', '')} | {_far(o)} | {o['message'].replace('|', '/')} |"
             for o in onsets
         ),
         *(["", more] if more else []),
@@ -90,18 +106,25 @@ def _md_table(summary: str, onsets: list[dict[str, Any]], more: str = "") -> lis
 
 
 def _html_rows(onsets: list[dict[str, Any]]) -> list[list[Any]]:
-    return [[o["step"], o["signal"], o.get("rule", ""), o["message"]] for o in onsets]
+    return [
+        [o["step"], o["signal"], o.get("rule", ""), _far(o), Spans(inline(o["message"]))]
+        for o in onsets
+    ]
+
+
+def _far(o: dict[str, Any]) -> str:
+    """How far a candidate lies from its trend, in words ('3.4× its trend (robust z 7.6)')."""
+    if o.get("value") is None and o.get("robust_z") is None:
+        return "—"
+    return how_far(o.get("value"), o.get("baseline"), o.get("robust_z"))
+
+
+_ROW_HEAD = ["step", "signal", "rule", "how far", "message"]
 
 
 def render_triage_markdown(t: dict[str, Any]) -> str:
     """Verdict first: onset, rollback, the commands; then every signal."""
-    first = t["first_bad_step"]
-    lines = [
-        "# ckptforensics: triage",
-        "",
-        f"**{'First bad step: ' + fmt(first) if first is not None else 'No spike onset in the log.'}**",
-        "",
-    ]
+    lines = ["# ckptforensics: triage", "", f"**{_onset_words(t)}**", ""]
     lines += [f"- **{k}**: {v}" for k, v in _head(t)[1:]]
     if t["drift"]:
         lines.append(f"- **drift**: {t['drift']}")
@@ -116,15 +139,17 @@ def render_triage_markdown(t: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _timeline(t: dict[str, Any]) -> str:
-    """Loss and grad norm over the whole log, checkpoints, onset and rollback marked."""
+def _timeline(t: dict[str, Any]) -> str | None:
+    """Loss and grad norm over the whole log, checkpoints, onset and rollback marked, and the
+    candidates triage set aside (not onsets) as grey crosses on their signal; None without
+    matplotlib, '' with nothing to plot."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return ""
+        return None
     tl = t.get("timeline") or {}
     steps = tl.get("step") or []
     if not steps:
@@ -141,44 +166,53 @@ def _timeline(t: dict[str, Any]) -> str:
             a.axvline(t["rollback_step"], color="g", lw=1.2, label="rollback checkpoint")
         if t["first_bad_step"] is not None:
             a.axvline(t["first_bad_step"], color="r", ls=":", lw=1.5, label="first bad step")
+        aside = [o for o in t.get("ignored") or [] if o.get("signal") == key]
+        if aside:
+            at = {s: i for i, s in enumerate(steps)}
+            ys = tl.get(key) or []
+            xs = [o["step"] for o in aside if o["step"] in at and at[o["step"]] < len(ys)]
+            a.plot(xs, [num(ys[at[x]]) for x in xs], "x", color="0.35", ms=6,
+                   label="set aside (not an onset)")  # fmt: skip
     ax[1].set_xlabel("step (grey lines: checkpoints)")
-    if t["first_bad_step"] is not None:
-        ax[0].legend(fontsize=7)
-    return png(fig)
+    marked = 0
+    for a in ax:
+        handles, labels = a.get_legend_handles_labels()
+        marked += sum(
+            len(h.get_xdata())
+            for h, lab in zip(handles, labels, strict=True)
+            if lab.startswith("set aside")
+        )
+        if handles:
+            a.legend(fontsize=7)
+    onset = (
+        f", first bad step {t['first_bad_step']} marked" if t["first_bad_step"] is not None else ""
+    )
+    return png(fig, f"timeline of loss and grad norm{onset}, {marked} candidates set aside marked")
 
 
 def render_triage_html(t: dict[str, Any]) -> str:
     """One self-contained page; the timeline degrades to nothing without matplotlib."""
-    first = t["first_bad_step"]
-    head = f"First bad step: {fmt(first)}" if first is not None else "No spike onset in the log."
     parts = [
         "<h1>ckptforensics: triage</h1>",
-        f"<p class='summary'>{esc(head)}</p>",
-        table(["", ""], [[k, v] for k, v in _head(t)]),
+        f"<p class='summary'>{esc(_onset_words(t))}</p>",
+        html_blocks([Facts([(k, inline(v)) for k, v in _head(t)])]),
     ]
     plot = _timeline(t)
-    if plot:
+    if plot is None:
+        parts.append(NO_PLOTS)
+    elif plot:
         parts.append(f"<h2>Timeline</h2><div class='plots'>{plot}</div>")
     if t["commands"]:
         parts.append("<h2>Next</h2><pre>" + esc("\n".join(t["commands"])) + "</pre>")
     if t["onsets"]:
-        parts.append(
-            "<h2>Signals</h2>"
-            + table(
-                ["step", "signal", "rule", "message"],
-                _html_rows(t["onsets"]),
-            )
-        )
+        parts.append("<h2>Signals</h2>" + html_blocks([Table(_ROW_HEAD, _html_rows(t["onsets"]))]))
     aside, more = _set_aside(t)
     if aside:
         parts.append(
             "<details><summary>Set aside: candidates that are not onsets, and why "
             f"({len(t['ignored'])})</summary>"
-            + table(
-                ["step", "signal", "rule", "message"],
-                _html_rows(aside),
-            )
-            + (f"<p>{esc(more)}</p>" if more else "")
+            + html_blocks([Table(_ROW_HEAD, _html_rows(aside))])
+            + (f"<p>{html_text(inline(more))}</p>" if more else "")
             + "</details>"
         )
     return page("ckptforensics triage", parts)

@@ -80,7 +80,7 @@ Trainer: Hugging Face Trainer (settings read from `run/trainer_state.json`)
 
 4. **Resume**: `resume_from_checkpoint` = `run/checkpoint-30`.
 
-Then, once the resumed run has trained a while: `ckptforensics recovery --run-dir runs/x --resumed-from 30 --plan PLAN_DIR` (this report's directory)
+Then, once the resumed run has trained a while: `ckptforensics recovery --run-dir runs/x --resumed-from 30 --plan PLAN_DIR` (PLAN_DIR: the directory this plan is written to with --out).
 - also replayed: skip_step=35 (leaves the track, max loss not finite)
 - resume with the optimizer state"""
 

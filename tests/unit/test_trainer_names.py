@@ -57,12 +57,11 @@ ALLOWED: dict[str, int] = {
     "engine/replay/session.py": 1,
     "engine/replay/window.py": 4,
     # formats/: the classes trainers pickle (the inert unpickler's allowlist), the torch.save
-    # flavours (Lightning, LitGPT, nanoGPT), HF's no-decay groups. (OLMo-core's and torchtitan's
-    # records beside their DCP files are read in trainers/, `formats.dcp.register_dcp_records`.)
+    # flavours (Lightning, LitGPT, nanoGPT). (OLMo-core's and torchtitan's records beside their
+    # DCP files are read in trainers/, `formats.dcp.register_dcp_records`; HF's decay groups
+    # are registered from trainers/hf, `formats.optstate.register_group_rule`.)
     "formats/__init__.py": 6,
     "formats/inert.py": 16,
-    "formats/optstate/__init__.py": 2,
-    "formats/optstate/mapping.py": 5,
     "formats/torchsave.py": 13,
     # optim/: the libraries that implement a family (transformers' Adafactor, DeepSpeed's and
     # apex's Adam and LAMB): an optimizer's own implementations, not a trainer's knowledge.

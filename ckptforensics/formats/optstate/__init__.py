@@ -12,9 +12,9 @@ from __future__ import annotations
 from ckptforensics.formats.optstate.mapping import (
     AmbiguousMapping,
     PendingMapping,
-    hf_no_decay,
     map_optimizer,
     param_shape_of,
+    register_group_rule,
     view_from_ids,
 )
 from ckptforensics.formats.optstate.mapping import trainable_order as trainable_order
@@ -36,7 +36,7 @@ __all__ = [
     "merge_optimizers",
     "optimizer_family",
     "param_shape_of",
-    "hf_no_decay",
+    "register_group_rule",
     "group_hyper",
     "optimizer_kind",
     "order_preserving",

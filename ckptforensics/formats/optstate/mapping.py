@@ -3,7 +3,6 @@ the saved state's shapes; the `OptimizerView` the mapping keys by name."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,20 +16,29 @@ from ckptforensics.formats.optstate.order import Param, order_preserving
 from ckptforensics.optim import bnb
 from ckptforensics.optim.families import group_family, group_hyper, is_number, optimizer_kind
 
-# transformers' Trainer puts these names in the no-decay group (FORMATS.md).
-_HF_NO_DECAY = re.compile(
-    r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)", re.IGNORECASE
-)
-
-
-def hf_no_decay(name: str, shape: tuple[int, ...]) -> bool:
-    """HF Trainer's decay rule by name (LayerNorm/RMSNorm params and biases skip decay)."""
-    return bool(_HF_NO_DECAY.search(name))
+# A rule that splits a model's parameters into two param groups: (name, shape) -> True for
+# the second (no-decay) group.
+GroupRule = Callable[[str, tuple[int, ...]], bool]
 
 
 def _dim_rule(name: str, shape: tuple[int, ...]) -> bool:
     """nanoGPT's rule: tensors of dim < 2 (biases, norms) skip decay."""
     return len(shape) < 2
+
+
+# The two-group rules tried, in order: (order, label, rule). The dim rule is built in; a
+# trainer registers its own (`register_group_rule`) as its package loads.
+_GROUP_RULES: list[tuple[float, str, GroupRule]] = [(2.0, "dim>=2 / dim<2 groups", _dim_rule)]
+
+
+def register_group_rule(label: str, rule: GroupRule, order: float = 1.0) -> None:
+    """Add a trainer's rule for splitting its parameters into two groups (its label names the
+    mapping it gives); asked in `order` (the dim rule's is 2). Registering a label again
+    changes nothing."""
+    if any(lb == label for _, lb, _ in _GROUP_RULES):
+        return
+    _GROUP_RULES.append((order, label, rule))
+    _GROUP_RULES.sort(key=lambda e: e[0])
 
 
 _FULL_SHAPED = ("exp_avg", "exp_avg_sq", "momentum_buffer", "variance", "state1")
@@ -62,10 +70,7 @@ def _partitions(params: Sequence[Param], sizes: list[int]) -> list[tuple[str, li
         out.append(("single group", [list(params)]))
         return out
     if len(sizes) == 2:
-        for label, rule in (
-            ("HF decay/no-decay groups", hf_no_decay),
-            ("dim>=2 / dim<2 groups", _dim_rule),
-        ):
+        for _, label, rule in _GROUP_RULES:
             g0 = [p for p in params if not rule(*p)]
             g1 = [p for p in params if rule(*p)]
             out.append((label, [g0, g1]))

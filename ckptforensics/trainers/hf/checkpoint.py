@@ -13,7 +13,7 @@ from typing import Any
 from ckptforensics.core.errors import CorruptCheckpoint, UnsafeCheckpoint
 from ckptforensics.formats import register
 from ckptforensics.formats.base import Checkpoint, Completeness, file_problem, json_problem
-from ckptforensics.formats.optstate import AmbiguousMapping, map_optimizer
+from ckptforensics.formats.optstate import AmbiguousMapping, map_optimizer, register_group_rule
 from ckptforensics.formats.safetensors_file import SafetensorsFile, add_file, safetensors_problem
 from ckptforensics.formats.statedict import add_state_dict, scaler_scalars, scheduler_scalars
 from ckptforensics.formats.torchfile import load_torch_file, torch_file_problem
@@ -229,6 +229,19 @@ def _params_for_config(
             f"transformers cannot build the model from config.json ({type(e).__name__}: {e})",
         )
     return tuple((n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad), ""
+
+
+# transformers' Trainer puts these names in the no-decay group (FORMATS.md).
+_NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)", re.IGNORECASE)
+
+
+def no_decay(name: str, shape: tuple[int, ...]) -> bool:
+    """The Trainer's decay rule by name (LayerNorm/RMSNorm params and biases skip decay): its
+    two param groups, as the optimizer-id mapping tries them before the dim rule."""
+    return bool(_NO_DECAY.search(name))
+
+
+register_group_rule("HF decay/no-decay groups", no_decay, order=1.0)
 
 
 def _optimizer(ckpt: Checkpoint, opt: Path) -> None:

@@ -225,23 +225,29 @@ def _wandb_legs(path: Path) -> list[Leg]:
 
 
 # ---------------------------------------------------------------- MLflow file store
-def _mlflow_run(run: Path) -> tuple[Rows, float]:
+def _mlflow_run(run: Path) -> tuple[Rows, float, list[str]]:
     """One MLflow run folder (`mlruns/<experiment>/<run>/`): `metrics/<key>` files of
-    `timestamp value step` lines (nested keys in sub-folders), as MLflow's FileStore writes them."""
+    `timestamp value step` lines (nested keys in sub-folders), as MLflow's FileStore writes them.
+    (rows, start, the lines skipped: a torn or undecodable line, named by its file and number)."""
     rows: Rows = {}
     start = math.inf
+    skipped: list[str] = []
     base = run / "metrics"
     for f in sorted(p for p in base.rglob("*") if p.is_file()):
         key = f.relative_to(base).as_posix()
-        for line in f.read_text().splitlines():
-            parts = line.split()
+        for n, raw in enumerate(f.read_bytes().splitlines(), 1):
+            parts = raw.split()
             if len(parts) < 2:
                 continue
-            ts, value = float(parts[0]) / 1000.0, float(parts[1])
-            step = int(parts[2]) if len(parts) > 2 else 0
+            try:
+                ts, value = float(parts[0]) / 1000.0, float(parts[1])
+                step = int(parts[2]) if len(parts) > 2 else 0
+            except ValueError:
+                skipped.append(f"metrics/{key} line {n}: not 'timestamp value step'")
+                continue
             rows.setdefault(step, {})[key] = value
             start = min(start, ts)
-    return rows, start if math.isfinite(start) else mtime(run)
+    return rows, start if math.isfinite(start) else mtime(run), skipped
 
 
 def _mlflow_sqlite(db: Path) -> list[Leg]:
@@ -288,8 +294,8 @@ def read_file(path: Path) -> list[Leg]:
     try:
         if path.is_dir():
             if (path / "metrics").is_dir() and (path / "meta.yaml").is_file():
-                rows, t = _mlflow_run(path)
-                return [Leg(str(path), rows, t, 0, "mlflow")]
+                rows, t, skipped = _mlflow_run(path)
+                return [Leg(str(path), rows, t, 0, "mlflow", tuple(skipped))]
             found = sorted(path.glob("run-*.wandb"))
             if found:
                 return read_file(found[0])

@@ -236,3 +236,16 @@ def test_a_wandb_folder_and_its_latest_run_are_the_run_files(tmp_path: Path) -> 
         (d / "run-ab12.wandb").write_bytes(b":W&B")
     os.symlink(legs[1].name, w / "latest-run")
     assert logger_logs(w) == [d / "run-ab12.wandb" for d in legs]
+
+
+def test_a_torn_line_of_an_mlflow_metric_file_is_skipped_and_said(tmp_path: Path) -> None:
+    store = _mlflow_store(tmp_path / "run")
+    loss = store / "0" / "4c0e5dd9" / "metrics" / "loss"
+    lines = loss.read_bytes().splitlines()
+    lines[9] = lines[9][:15] + b"\xff"  # the run killed mid-write
+    loss.write_bytes(b"\n".join(lines) + b"\n")
+    got = read_log(store)
+    assert "loss" not in got.rows[10] and got.rows[11]["loss"] == _spiky()[10]["loss"]
+    assert got.skipped == [
+        f"{store / '0' / '4c0e5dd9'}: 1 line skipped (metrics/loss line 10: not 'timestamp value step')"
+    ]

@@ -1,6 +1,6 @@
 """The one HTML page shell: head, stylesheet, tables, footer and inline images of every page.
 
-report.html (each report kind), triage.html and inspect's page are all written through
+report.html (each report kind, triage's too) and inspect's page are all written through
 `page`, so they share one head (charset, title, stylesheet) and stay self-contained: no
 script, no font, nothing fetched from a network; plots are inline PNGs (`png`).
 """

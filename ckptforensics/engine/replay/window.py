@@ -153,10 +153,7 @@ class Plan:
                 "source": "the forward's signature and one forward of the first batch; checked on the first step against the log",
             },
             "optimizer": (
-                {
-                    "value": f"{self.skip.name}: AdamW whose update is skipped where the loss or grad norm exceeds the mean of the last {self.skip.interval} steps by {self.skip.sigma:g} std",
-                    "source": "OLMo-core config.json train_module.optim; the skipped steps from the run's log (optim/step skipped), else from that rule",
-                }
+                self.skip.config()
                 if self.skip is not None
                 else {
                     "value": optimizer_name(self.a),

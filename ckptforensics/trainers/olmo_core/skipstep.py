@@ -54,6 +54,13 @@ class SkipRule:
     grad_norms: dict[int, float] = field(default_factory=dict)
     skipped: dict[int, str] = field(default_factory=dict)
 
+    def config(self) -> dict[str, str]:
+        """The optimizer as the replay's report states it (`replay.config.optimizer`)."""
+        return {
+            "value": f"{self.name}: AdamW whose update is skipped where the loss or grad norm exceeds the mean of the last {self.interval} steps by {self.sigma:g} std",
+            "source": "OLMo-core config.json train_module.optim; the skipped steps from the run's log (optim/step skipped), else from that rule",
+        }
+
     def fresh(self) -> SkipRule:
         """A copy for one replay of the window (the history before it only)."""
         return SkipRule(

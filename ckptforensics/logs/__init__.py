@@ -212,7 +212,7 @@ def read_log(path: Path | str, keys: dict[str, str] | None = None) -> MetricsLog
         )
         raise ForensicsError(f"{path}: no line reads as a training log: {said}")
     for note in notes:
-        log.warning("training log %s; the rest read", note)
+        _warn_once(f"training log {note}; the rest read")
     return MetricsLog(rows, [str(f) for f in files], info, notes)
 
 
@@ -226,8 +226,19 @@ def read_metrics(path: Path | str, keys: dict[str, str] | None = None) -> Rows:
     try:
         return read_log(path, keys).rows
     except ForensicsError as e:
-        log.warning("%s; going on without the training log", e)
+        _warn_once(f"{e}; going on without the training log")
         return {}
+
+
+# What was said already: a command reads its log more than once (a what-if's variants, the
+# bisection's replays); a damaged line is said once.
+_SAID: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        log.warning("%s", message)
 
 
 def unreadable(path: Path | str) -> str | None:

@@ -111,13 +111,17 @@ def check_outside(out: Path, inputs: Sequence[Path]) -> None:
                     f"{Path(out) / 'incident'})"
                 )
             continue
-        if _is_checkpoint(Path(p)):
+        try:
+            one = _is_checkpoint(Path(p))
+            held = [] if one else list_checkpoints(Path(p))
+        except OSError:  # a folder that cannot be listed: the command that reads it says so
+            continue
+        if one:
             if o == d or d in o.parents:
                 raise OutputNotWritable(
                     f"--out {out} is inside the input checkpoint {p}; choose a directory outside it"
                 )
             continue
-        held = list_checkpoints(Path(p))
         if held and o == d:
             raise OutputNotWritable(
                 f"--out {out} is the run directory {p}, which holds the checkpoints read: the "

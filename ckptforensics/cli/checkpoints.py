@@ -39,6 +39,13 @@ def formats_cmd() -> None:
 @click.option(
     "--all", "show_all", is_flag=True, help="List every tensor, not only the notable ones."
 )
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Read every file whole and check each zip member (torch.save files, DCP chunks) against "
+    "its CRC-32: a damaged file exits 2 naming the file, member and tensor. safetensors, JSON and "
+    "DCP's metadata carry no checksum: for them only the structure is checked.",
+)
 @click.pass_context
 def inspect(
     ctx: click.Context,
@@ -47,18 +54,20 @@ def inspect(
     fmt: str | None,
     as_json: bool,
     show_all: bool,
+    verify: bool,
 ) -> None:
     """Summarise one checkpoint: complete or not, format, step, sizes, optimizer, scaler, headroom.
 
     CHECKPOINT is a step number (resolved in --run-dir) or a path. First its files are
     checked against its format's rule for a complete save (sizes, headers and end records:
     a save that died half-way leaves a file missing or cut short); an incomplete one is
-    refused with what is missing (exit 2).
+    refused with what is missing (exit 2). --verify also reads every byte and checks it
+    against the checksums the files carry (a disk or a copy that garbled a file).
 
     \b
     Example:
       ckptforensics inspect --run-dir runs/7b 41950
-      ckptforensics inspect runs/7b/checkpoint-41950 --json
+      ckptforensics inspect --verify runs/7b/checkpoint-41950 --json
     """
     from ckptforensics.checkpoints import require_complete, resolve_checkpoint
     from ckptforensics.report.inspect import render_inspect_text
@@ -69,7 +78,7 @@ def inspect(
             path, fmt
         )  # an incomplete one: exit 2, naming what is missing, before any reading
         with progress(count_tensors(path, fmt), "inspect", ctx.obj.quiet) as prog:
-            rep = cf.inspect(path, format=fmt, progress=prog)
+            rep = cf.inspect(path, format=fmt, progress=prog, verify=verify)
     if as_json:
         click.echo(json.dumps(rep.doc, indent=2))
         return

@@ -22,6 +22,7 @@ __all__ = [
     "UnknownFormat",
     "CorruptCheckpoint",
     "IncompleteCheckpoint",
+    "DamagedCheckpoint",
     "UnsafeCheckpoint",
     "IncompatibleCheckpoints",
     "OptimizerMappingError",
@@ -56,6 +57,11 @@ class CorruptCheckpoint(ForensicsError):
 
 class IncompleteCheckpoint(CorruptCheckpoint):
     """A checkpoint whose save did not finish: a file its format requires is missing or cut short."""
+
+
+class DamagedCheckpoint(CorruptCheckpoint):
+    """A checkpoint file whose bytes fail its own checksum (a zip member's CRC-32): a storage
+    fault (disk, copy, transfer) after the save, never evidence about training."""
 
 
 class UnsafeCheckpoint(ForensicsError):

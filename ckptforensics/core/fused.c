@@ -532,3 +532,151 @@ void cf_logits_f32(const float *x, int64_t rows, int64_t v, double *out) {
     out[1] = sum;
     out[2] = (double)rows;
 }
+
+
+/* ---------------------------------------------------------------- CRC-32
+ * The zip format's CRC-32 (zlib's crc32: the reflected polynomial 0xEDB88320) of n bytes,
+ * continuing `crc` (0 to start): a torch.save member streamed in chunks is checked over the
+ * bytes the diff reads anyway, while they are in cache (formats/integrity.py). Where the CPU
+ * has carry-less multiplies (x86-64 PCLMULQDQ, and VPCLMULQDQ on AVX-512 for four at once)
+ * the bulk is folded (Gopal et al., "Fast CRC Computation for Generic Polynomials Using
+ * PCLMULQDQ", Intel 2009: the constants are its bit-reflected (x^(d+-32) mod P) << 1 for a
+ * fold over d bits, k5 = (x^64 mod P) << 1, and Barrett's mu and P); the ends, and CPUs
+ * without it, go a byte at a time through a table: slower than zlib's crc32, so a caller
+ * asks cf_crc32_folds() first.
+ */
+static uint32_t cf_crc_table[256];
+
+__attribute__((constructor)) static void cf_crc_init(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++)
+            c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        cf_crc_table[i] = c;
+    }
+}
+
+static uint32_t cf_crc_bytes(uint32_t c, const uint8_t *p, int64_t n) {
+    while (n-- > 0)
+        c = cf_crc_table[(c ^ *p++) & 0xff] ^ (c >> 8);
+    return c;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define CF_CRC_FOLD 1
+#define CF_K(hi, lo) _mm_set_epi64x((long long)(hi), (long long)(lo))
+
+/* x folded 16 bytes on (k3, k4) and the next 16 bytes y added */
+__attribute__((target("pclmul,sse4.1"))) static inline __m128i cf_fold16(__m128i x, __m128i y) {
+    const __m128i k3k4 = CF_K(0x00ccaa009e, 0x01751997d0);
+    return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, k3k4, 0x11), y),
+                         _mm_clmulepi64_si128(x, k3k4, 0x00));
+}
+
+/* Four lanes of 128 bits (the last 64 bytes folded so far) and the n < 64 bytes left (a
+ * multiple of 16) -> the running register. */
+__attribute__((target("pclmul,sse4.1"))) static inline uint32_t
+cf_crc_finish(__m128i x1, __m128i x2, __m128i x3, __m128i x4, const uint8_t *p, int64_t n) {
+    const __m128i k3k4 = CF_K(0x00ccaa009e, 0x01751997d0);
+    const __m128i k5 = CF_K(0, 0x0163cd6124);
+    const __m128i poly = CF_K(0x01f7011641, 0x01db710641); /* mu, P */
+    const __m128i lo32 = _mm_setr_epi32(~0, 0, ~0, 0);
+    x1 = cf_fold16(cf_fold16(cf_fold16(x1, x2), x3), x4);
+    for (; n >= 16; p += 16, n -= 16)
+        x1 = cf_fold16(x1, _mm_loadu_si128((const __m128i *)p));
+    /* 128 bits to 64, then 64 to 32 by Barrett's reduction */
+    __m128i x2_ = _mm_clmulepi64_si128(x1, k3k4, 0x10);
+    x1 = _mm_xor_si128(_mm_srli_si128(x1, 8), x2_);
+    x2_ = _mm_srli_si128(x1, 4);
+    x1 = _mm_xor_si128(_mm_clmulepi64_si128(_mm_and_si128(x1, lo32), k5, 0x00), x2_);
+    x2_ = _mm_clmulepi64_si128(_mm_and_si128(x1, lo32), poly, 0x10);
+    x2_ = _mm_clmulepi64_si128(_mm_and_si128(x2_, lo32), poly, 0x00);
+    return (uint32_t)_mm_extract_epi32(_mm_xor_si128(x1, x2_), 1);
+}
+
+/* crc: the running register; n: a multiple of 16, at least 64. Four lanes of 128 bits
+ * folded 64 bytes on at a time. */
+__attribute__((target("pclmul,sse4.1"))) static uint32_t cf_crc_fold(uint32_t crc,
+                                                                      const uint8_t *p,
+                                                                      int64_t n) {
+    const __m128i k1k2 = CF_K(0x01c6e41596, 0x0154442bd4);
+    __m128i x[4];
+    for (int i = 0; i < 4; i++)
+        x[i] = _mm_loadu_si128((const __m128i *)(p + 16 * i));
+    x[0] = _mm_xor_si128(x[0], _mm_cvtsi32_si128((int)crc));
+    for (p += 64, n -= 64; n >= 64; p += 64, n -= 64)
+        for (int i = 0; i < 4; i++)
+            x[i] = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x[i], k1k2, 0x11),
+                                               _mm_loadu_si128((const __m128i *)(p + 16 * i))),
+                                 _mm_clmulepi64_si128(x[i], k1k2, 0x00));
+    return cf_crc_finish(x[0], x[1], x[2], x[3], p, n);
+}
+
+/* The same with AVX-512's VPCLMULQDQ: four registers of four lanes folded 256 bytes on at
+ * a time (n: a multiple of 16, at least 256). */
+__attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.1"))) static uint32_t
+cf_crc_fold512(uint32_t crc, const uint8_t *p, int64_t n) {
+    const __m512i k16 = _mm512_broadcast_i32x4(CF_K(0x01322d1430, 0x011542778a));
+    const __m512i k4 = _mm512_broadcast_i32x4(CF_K(0x01c6e41596, 0x0154442bd4));
+    __m512i z[4];
+    for (int i = 0; i < 4; i++)
+        z[i] = _mm512_loadu_si512((const void *)(p + 64 * i));
+    z[0] = _mm512_xor_si512(z[0], _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)crc)));
+    for (p += 256, n -= 256; n >= 256; p += 256, n -= 256)
+        for (int i = 0; i < 4; i++)
+            z[i] = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(z[i], k16, 0x11),
+                                             _mm512_clmulepi64_epi128(z[i], k16, 0x00),
+                                             _mm512_loadu_si512((const void *)(p + 64 * i)),
+                                             0x96); /* a ^ b ^ c */
+    /* the four registers into one, 64 bytes on at a time, then what is left of 64 */
+    __m512i y = z[0];
+    for (int i = 1; i < 4; i++)
+        y = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(y, k4, 0x11),
+                                      _mm512_clmulepi64_epi128(y, k4, 0x00), z[i], 0x96);
+    for (; n >= 64; p += 64, n -= 64)
+        y = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(y, k4, 0x11),
+                                      _mm512_clmulepi64_epi128(y, k4, 0x00),
+                                      _mm512_loadu_si512((const void *)p), 0x96);
+    return cf_crc_finish(_mm512_extracti32x4_epi32(y, 0), _mm512_extracti32x4_epi32(y, 1),
+                         _mm512_extracti32x4_epi32(y, 2), _mm512_extracti32x4_epi32(y, 3), p, n);
+}
+
+/* 2: VPCLMULQDQ on AVX-512, 1: PCLMULQDQ, 0: neither (a byte at a time) */
+static int cf_crc_level(void) {
+    static int level = -1;
+    if (level < 0) {
+        __builtin_cpu_init();
+        int fold = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+        int wide = fold && __builtin_cpu_supports("avx512f") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("vpclmulqdq");
+        level = wide ? 2 : fold;
+    }
+    return level;
+}
+#endif
+
+int64_t cf_crc32_folds(void) {
+#ifdef CF_CRC_FOLD
+    return cf_crc_level();
+#else
+    return 0;
+#endif
+}
+
+/* most: the widest fold to use (2, 1, 0: a byte at a time), for tests of each path */
+int64_t cf_crc32(const void *buf, int64_t n, int64_t crc, int64_t most) {
+    const uint8_t *p = (const uint8_t *)buf;
+    uint32_t c = ~(uint32_t)crc;
+#ifdef CF_CRC_FOLD
+    const int level = cf_crc_level() < most ? cf_crc_level() : (int)most;
+    if (n >= 64 && level > 0) {
+        const int64_t m = n & ~(int64_t)15;
+        c = level == 2 && m >= 256 ? cf_crc_fold512(c, p, m) : cf_crc_fold(c, p, m);
+        p += m, n -= m;
+    }
+#else
+    (void)most;
+#endif
+    return (int64_t)(uint32_t)~cf_crc_bytes(c, p, n);
+}

@@ -141,6 +141,21 @@ class Kernels:
         if self._attn is not None:
             self._attn.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, ctypes.c_float, _P]
             self._attn.restype = _I64
+        self._crc, folds = getattr(lib, "cf_crc32", None), getattr(lib, "cf_crc32_folds", None)
+        # 2: AVX-512 VPCLMULQDQ, 1: PCLMULQDQ, 0: none (zlib's crc32 is then the faster)
+        self.crc_level = int(folds()) if folds is not None and self._crc is not None else 0
+        if self._crc is not None:
+            self._crc.argtypes = [_P, _I64, _I64, _I64]
+            self._crc.restype = _I64
+
+    def crc32(self, address: int, n: int, crc: int = 0, most: int = 2) -> int | None:
+        """The zip format's CRC-32 (zlib's) of the `n` bytes at `address`, continuing `crc`,
+        folded with carry-less multiplies (about 20 GB/s with AVX-512, 8 without, where
+        zlib's runs at 2); None where the CPU has none (the caller uses zlib). `most` caps
+        the path taken (2, 1, 0: a byte at a time), for tests of each."""
+        if self._crc is None or (self.crc_level == 0 and most > 0):
+            return None
+        return int(self._crc(address, n, crc, most))
 
     def weights(self, a: torch.Tensor, b: torch.Tensor) -> WeightStats | None:
         """Statistics of a chunk pair (flat, contiguous, CPU, fp32 or bf16, same dtype);

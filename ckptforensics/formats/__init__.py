@@ -10,7 +10,13 @@ from pathlib import Path
 
 import torch
 
-from ckptforensics.core.errors import ForensicsError, IncompleteCheckpoint, UnknownFormat, doing
+from ckptforensics.core.errors import (
+    DamagedCheckpoint,
+    ForensicsError,
+    IncompleteCheckpoint,
+    UnknownFormat,
+    doing,
+)
 from ckptforensics.formats.base import (
     Checkpoint,
     Completeness,
@@ -35,6 +41,7 @@ from ckptforensics.formats.registry import (
 from ckptforensics.formats.safetensors_file import open_safetensors, safetensors_completeness
 from ckptforensics.formats.torchfile import is_torch_zip, torch_file_completeness
 from ckptforensics.formats.torchsave import open_torch_file
+from ckptforensics.formats.verify import Verification, verify_files
 
 __all__ = [
     "Checkpoint",
@@ -55,6 +62,8 @@ __all__ = [
     "load_plugins",
     "sniff",
     "first_complete",
+    "verify",
+    "Verification",
 ]
 
 log = logging.getLogger(__name__)
@@ -329,3 +338,25 @@ def first_complete(candidates: list[tuple[int, Path]]) -> tuple[tuple[int, Path]
             return (step, path), skipped
         skipped.append(f"{path.name} skipped: incomplete ({'; '.join(c.problems)})")
     return None, skipped
+
+
+def verify(path: str | Path, format: str | None = None) -> Verification:
+    """Every file of the checkpoint at `path` read whole: each zip member (torch.save files:
+    optimizer.pt, ckpt.pt, .ckpt, .pth; DCP's chunks) against the CRC-32 its zip records, in
+    one sequential read (`formats.verify`). Files whose format carries no checksum
+    (safetensors, JSON, DCP's metadata) are named as such: only their structure
+    (`completeness`) was checked.
+
+    Raises:
+        CheckpointNotFound, UnknownFormat: nothing at `path` that a reader recognises.
+        DamagedCheckpoint: a member fails its CRC-32 (the first named, with how many).
+    """
+    p = Path(path)
+    must_exist(p)
+    with doing(f"verifying {p}"):
+        target, _ = _target(p, format)
+        v = verify_files(target)
+    if v.damaged:
+        more = len(v.damaged) - 1
+        raise DamagedCheckpoint(v.damaged[0] + (f" ({more} more damaged members)" if more else ""))
+    return v

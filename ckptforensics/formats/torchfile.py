@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ckptforensics.core.errors import CorruptCheckpoint, UnsafeCheckpoint
+from ckptforensics.formats import integrity
 from ckptforensics.formats.base import Completeness, file_problem, rel_name
 from ckptforensics.formats.inert import allowed_names, safe_load_globals
 
@@ -71,7 +72,9 @@ def load_torch_file(path: Path) -> tuple[Any, bool]:
 
     Uses torch's weights-only unpickler. Classes that training frameworks pickle into
     otherwise plain files (Lightning's AttributeDict, argparse.Namespace, ...) are
-    admitted only as inert stand-ins from `inert.py`; anything else is refused.
+    admitted only as inert stand-ins from `inert.py`; anything else is refused. The zip's
+    small members are checked against their CRC-32 now, each storage's as a diff streams
+    it (`integrity.track`).
 
     Args:
         path: the file.
@@ -81,6 +84,7 @@ def load_torch_file(path: Path) -> tuple[Any, bool]:
 
     Raises:
         UnsafeCheckpoint: the pickle asks for a global outside the allowlist.
+        DamagedCheckpoint: a member's bytes fail the CRC-32 the zip records for it.
         CorruptCheckpoint: truncated or not a torch file.
     """
     mm = is_torch_zip(path)
@@ -89,6 +93,7 @@ def load_torch_file(path: Path) -> tuple[Any, bool]:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mm)
     except pickle.UnpicklingError as e:
         msg = str(e)
+        _damaged(path, mm)  # a garbled pickle asks for anything: damage, not a threat
         if "Weights only load failed" in msg or "Unsupported global" in msg or "GLOBAL" in msg:
             bad = _first_unsafe_global(path) or _global_from_message(msg)
             raise UnsafeCheckpoint(
@@ -106,10 +111,20 @@ def load_torch_file(path: Path) -> tuple[Any, bool]:
         AttributeError,
         TypeError,
     ) as e:
+        _damaged(path, mm)
         raise CorruptCheckpoint(
             f"{path}: truncated or not a torch file ({_short(str(e))})"
         ) from None
+    if mm:
+        integrity.track(path, obj)
     return obj, mm
+
+
+def _damaged(path: Path, is_zip: bool) -> None:
+    """A zip torch would not read: if its pickle or another small member fails its CRC-32,
+    the file is damaged, not cut short; say so (DamagedCheckpoint)."""
+    if is_zip:
+        integrity.track(path, None)
 
 
 def _first_unsafe_global(path: Path) -> str | None:

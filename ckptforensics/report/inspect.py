@@ -12,14 +12,25 @@ from typing import Any
 from ckptforensics.report.document import clean
 from ckptforensics.report.page import esc, page
 
-__all__ = ["INSPECT_SCHEMA", "inspect_doc", "render_inspect_text", "render_inspect_html"]
+__all__ = [
+    "INSPECT_SCHEMA",
+    "NOT_VERIFIED",
+    "inspect_doc",
+    "render_inspect_text",
+    "render_inspect_html",
+]
 
 INSPECT_SCHEMA = "ckptforensics.inspect/1"
 
 
-def inspect_doc(summary: Any, whole: Any) -> dict[str, Any]:
-    """The document of one checkpoint's summary (`summary.CheckpointSummary`) and its
-    completeness (`formats.Completeness`)."""
+# What `checksums` says when the bytes were not checked (plain `inspect`).
+NOT_VERIFIED = "not checked (--verify reads every file whole and checks each zip member's CRC-32)"
+
+
+def inspect_doc(summary: Any, whole: Any, verified: Any = None) -> dict[str, Any]:
+    """The document of one checkpoint's summary (`summary.CheckpointSummary`), its
+    completeness (`formats.Completeness`) and, with --verify, its checksums
+    (`formats.Verification`)."""
     return {
         "schema": INSPECT_SCHEMA,
         **clean(summary),
@@ -30,6 +41,7 @@ def inspect_doc(summary: Any, whole: Any) -> dict[str, Any]:
             "problems": list(whole.problems),
         },
         "files": whole.summary(),
+        "checksums": verified.summary() if verified is not None else NOT_VERIFIED,
     }
 
 
@@ -44,6 +56,7 @@ def render_inspect_text(doc: dict[str, Any], show_all: bool = False) -> str:
     lines = [
         f"{doc['path']}: {doc['format']}, step {doc['step'] if doc['step'] is not None else '?'}",
         f"  files: {doc['files']}",
+        f"  checksums: {doc.get('checksums', NOT_VERIFIED)}",
     ]
     dtypes = ", ".join(f"{k}: {v}" for k, v in doc["dtypes"].items())
     lines.append(f"  {doc['parameters']:,} parameters in {doc['tensors']} tensors ({dtypes})")

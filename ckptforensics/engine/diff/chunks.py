@@ -14,6 +14,7 @@ import torch
 
 from ckptforensics.core import fused
 from ckptforensics.engine.diff.records import DiffConfig
+from ckptforensics.formats import integrity
 from ckptforensics.formats.base import Checkpoint
 
 __all__ = [
@@ -293,6 +294,9 @@ def prefetch(a: Checkpoint, b: Checkpoint, name: str) -> None:
 
 
 def release_all(a: Checkpoint, b: Checkpoint, *ts: torch.Tensor) -> None:
+    """Chunks just read: each folded into its zip member's CRC-32 while in cache (a member
+    whose bytes fail it raises DamagedCheckpoint: `integrity.consume`), then its pages let go."""
     for t in ts:
+        integrity.consume(t)
         a.release(t)
         b.release(t)

@@ -27,6 +27,7 @@ from ckptforensics.engine.diff import (
     shard,
     tensor_role,
 )
+from ckptforensics.formats import integrity
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.formats.optstate import FAMILIES
 from ckptforensics.optim import bnb
@@ -236,6 +237,8 @@ def _diff_serial(
                 pool.submit(prefetch, a, b, names[i + ahead])
             with doing(f"diffing tensor {name}"):
                 out.append(diff_tensor(a, b, name, pair, cfg))
+    # Zip members read in part (one flat buffer shared by several tensors) are checked now.
+    integrity.settle()
     return out
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from ckptforensics.cli.progress import mode_of, progress
+from ckptforensics.cli.quiet import libraries
 
 __all__ = [
     "command_line",
@@ -30,8 +31,9 @@ __all__ = [
 def work(ctx: click.Context) -> Iterator[None]:
     """The work of a command: anything a library prints (DeepSpeed's import-time
     accelerator notice, say) goes to stderr, for stdout is the report (`--json`) and
-    nothing else. Failures are turned into one line by the group (`_Cli.invoke`)."""
-    with redirect_stdout(sys.stderr):
+    nothing else; libraries' warnings go to the log unless --debug (`quiet.libraries`).
+    Failures are turned into one line by the group (`_Cli.invoke`)."""
+    with redirect_stdout(sys.stderr), libraries(debug=bool(getattr(ctx.obj, "debug", False))):
         yield
 
 

@@ -27,7 +27,7 @@ CLIP_KEYS = ("grad_clip", "max_grad_norm", "gradient_clipping", "clip_grad")
 # (`train`: the reader's `train_config`; `model`: the model config; `training_args`: the
 # arguments a reader kept whole).
 _OFF_KEYS = (("train", "grad_clip"), ("train", "max_grad_norm"))
-_WARMUP_KEYS = (("train", "warmup_iters"),)
+_WARMUP_KEYS = (("warmup_iters",),)  # in `train`
 _TOTAL_KEYS = (
     ("train", "max_steps"),
     ("training_args", "max_steps"),
@@ -114,7 +114,7 @@ def _clip(
 
 
 def _warmup(sections: dict[str, Any], recs: Sequence[Recorded]) -> tuple[int, str] | None:
-    found = first_number("train", sections["train"], [k[1:] for k in _WARMUP_KEYS])
+    found = first_number("train", sections["train"], _WARMUP_KEYS)
     if found is not None:
         return int(found[0]), found[1]
     return next((r.warmup for r in recs if r.warmup is not None), None)

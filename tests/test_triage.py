@@ -95,6 +95,6 @@ def test_triage_out_writes_a_page_with_its_timeline(zoo: dict[str, Path], tmp_pa
     assert (
         (tmp_path / "report.md")
         .read_text()
-        .startswith("# ckptforensics: triage\n\n**First bad step: 35**")
+        .startswith("# ckptforensics: triage\n\n**First bad step: 35, the grad norm at ")
     )
     assert tree_hash(run) == before

@@ -191,6 +191,7 @@ def decide(
     withheld = v.replay_check is not None and v.replay_check["status"] in (
         "missed_first",
         "missed_later",
+        "unexplained",
     )
     if withheld:
         assert v.replay_check is not None

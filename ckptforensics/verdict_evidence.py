@@ -27,6 +27,7 @@ _REPLAY_ALARMS = (
     "anomalous_samples",
     "replay_mismatch_confined",
     "replay_spike_not_reproduced",
+    "replay_variant_lands",
 )
 # Diff findings that measure an effect every replayed step would show (gradient energy over
 # the window against the second moment): a quiet replay of the same window refutes them.

@@ -190,7 +190,7 @@ def test_a_wrong_model_is_refused_and_nothing_it_replayed_is_reported(
         "first_forward_anomaly",
         "rms_t",
     }
-    assert set(doc["replay"]) == {"config", "precision", "check", "withheld"}
+    assert set(doc["replay"]) == {"config", "precision", "check", "variants", "withheld"}
     md = (out / "report.md").read_text()
     assert (
         "withheld: the replay does not reproduce the run's own log" in md

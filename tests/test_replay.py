@@ -126,7 +126,7 @@ def test_a_batch_the_run_did_not_train_on_is_refused_by_its_own_log(
         "weights_only",
         "lr_above_schedule",
     } and "replay_withheld" in {f["kind"] for f in doc["findings"]}
-    assert set(doc["replay"]) == {"config", "precision", "check", "withheld"}
+    assert set(doc["replay"]) == {"config", "precision", "check", "variants", "withheld"}
     assert doc["replay"]["config"]["model"]["source"] == "checkpoint config.json"
     assert doc["replay"]["check"]["first_miss"] == 31
 

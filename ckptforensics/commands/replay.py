@@ -133,6 +133,7 @@ def replay_section(rep: Any, suspect: int | None) -> dict[str, Any]:
         "precision": rep.precision,
         "attention": attention,
         "check": rep.check.as_dict(),
+        "variants": [v.as_dict() for v in rep.variants],
         "steps": [asdict(r) for r in rep.records],
         "logged": {str(k): _core(v) for k, v in rep.logged.items()},
         "history": {str(k): _core(v) for k, v in rep.baseline.items()},
@@ -191,6 +192,7 @@ def withheld_section(rep: Any, why: Finding) -> dict[str, Any]:
         "config": rep.config,
         "precision": rep.precision,
         "check": rep.check.as_dict(),
+        "variants": [v.as_dict() for v in rep.variants],
         "withheld": why.message,
     }
 

@@ -43,6 +43,7 @@ def finite(x: Any) -> str:
 _CHECK_WORDS = {
     "missed_first": "withheld: the replay does not reproduce the run's own log",
     "missed_later": "withheld: the replay leaves the run's own log before any spike",
+    "unexplained": "not reproduced, unexplained: the replay misses the log's spike and the run's files name explanations it could not exclude",
     "unchecked": "inconclusive (no logged figure to check the replay against)",
 }
 

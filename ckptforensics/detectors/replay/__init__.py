@@ -13,17 +13,12 @@ from typing import Any
 import numpy as np
 
 from ckptforensics.detectors.base import Finding, Thresholds
+from ckptforensics.detectors.replay.agreement import WITHHELD, log_agreement, replay_variant
 from ckptforensics.detectors.replay.evidence import ReplayDetector, ReplayEvidence, step_z
 from ckptforensics.detectors.replay.examine import attention, localise, overflow
 from ckptforensics.detectors.replay.onset import first_steps_from_state, log_onset, lr_steps, spike
 from ckptforensics.detectors.replay.rows import samples
-from ckptforensics.detectors.replay.state import (
-    WITHHELD,
-    log_agreement,
-    output_logits,
-    reproduction,
-    rms_t,
-)
+from ckptforensics.detectors.replay.state import output_logits, reproduction, rms_t
 from ckptforensics.detectors.replay.trust import trusted
 
 __all__ = [
@@ -87,5 +82,6 @@ STATE_DETECTORS: tuple[ReplayDetector, ...] = (
     output_logits,
     rms_t,
     reproduction,
+    replay_variant,
     log_agreement,
 )

@@ -1,10 +1,9 @@
 """The state stage, over the whole window: the head's logits drifting, a stale second moment
-(RMS_t), whether the replay reproduces *after* and the run's own log."""
+(RMS_t), whether the replay reproduces *after* (the run's own log: `agreement`)."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 
@@ -14,10 +13,9 @@ from ckptforensics.core.tensors import (
 )
 from ckptforensics.detectors.base import Finding, Thresholds, cap
 from ckptforensics.detectors.replay.evidence import ReplayEvidence
-from ckptforensics.detectors.replay.onset import log_onset
 from ckptforensics.engine.diff.pair import tensor_role
 
-__all__ = ["WITHHELD", "log_agreement", "output_logits", "reproduction", "rms_t"]
+__all__ = ["output_logits", "reproduction", "rms_t"]
 
 
 def output_logits(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
@@ -188,142 +186,3 @@ def reproduction(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
             (),
         )
     ]
-
-
-# Statuses of the replay's check against the run's log whose replay is not evidence.
-WITHHELD = ("missed_first", "missed_later")
-
-
-def log_agreement(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
-    """Whether the replay reproduces the run's own log, and so whether it is evidence.
-
-    Every replayed step with a logged figure is compared (`replay.logcheck`). The first miss
-    D decides: at or after the replay's own onset, the run diverged after the spike (still
-    evidence); where the log spikes at D and the replay, which matched every step before,
-    does not, the spike does not reproduce from the same state and batch (a hardware fault
-    or nondeterminism); otherwise the replay is not the run: on the first checked step it is
-    refused (`--allow-mismatch` writes the diff's report), later its evidence is withheld.
-    """
-    rep = ev.rep
-    check = rep.check
-    first, miss = check.first_checked, check.first_miss
-    base = {
-        "checked": len([c for c in check.checks if c.checked]),
-        "first_checked": first,
-        "loss_as": check.loss_as,
-        "note": check.note,
-    }
-    src = "docs/signatures.md#replay-vs-log"
-    if first is None:
-        why = check.note or "no logged figure for the window"
-        msg = f"the replay could not be checked against the run's log ({why}): its evidence stands unchecked"
-        return [
-            Finding(
-                "",
-                "replay_log_agreement",
-                "run",
-                1.0,
-                "info",
-                {**base, "status": "unchecked"},
-                msg,
-                src,
-                (),
-            )
-        ]
-    if miss is None:
-        msg = f"every replayed step with a logged figure matches the run's log ({base['checked']} steps; the log's loss read as {check.loss_as})"
-        return [
-            Finding(
-                "",
-                "replay_log_agreement",
-                "run",
-                1.0,
-                "info",
-                {**base, "status": "matched"},
-                msg,
-                src,
-                (),
-            )
-        ]
-    d = miss.step
-    figures = _figures(miss)
-    onset = ev.step if ev.bad else None
-    metrics = {
-        **base,
-        "step": d,
-        "replayed_loss": miss.loss,
-        "logged_loss": miss.logged_loss,
-        "replayed_grad_norm": miss.grad_norm,
-        "logged_grad_norm": miss.logged_grad_norm,
-    }
-    if onset is not None and onset <= d:
-        msg = f"the replay matches the run's log up to step {d - 1} and diverges from it at step {d} ({figures}), after the spike at step {onset}"
-        return [
-            Finding(
-                "",
-                "replay_log_agreement",
-                "run",
-                1.0,
-                "info",
-                {**metrics, "status": "diverged_after_onset"},
-                msg,
-                src,
-                (),
-            )
-        ]
-    if log_onset(ev.rep, th, d) == d and len(rep.baseline) >= 5:
-        n = sum(c.checked for c in check.checks if c.step < d)
-        before = (
-            f"matching the log on every step before it ({n} checked)"
-            if d != first
-            else "from the checkpoint's own state"
-        )
-        msg = (
-            f"step {d}: the run's log spikes ({figures}) where the replay from the same state and batch does not, {before}: "
-            "the spike does not reproduce (a hardware fault or nondeterminism)"
-        )
-        return [
-            Finding(
-                "",
-                "replay_spike_not_reproduced",
-                f"step {d}",
-                10.0,
-                "critical",
-                {**metrics, "status": "not_reproduced"},
-                msg,
-                src,
-                ("silent_corruption",),
-                primary=True,
-            )
-        ]
-    status = "missed_first" if d == first else "missed_later"
-    where = (
-        "on its first checked step"
-        if d == first
-        else f"at step {d}, where neither the log nor the replay spikes"
-    )
-    msg = f"the replay does not reproduce the run's own log {where} ({figures})"
-    if rep.diagnosis:
-        msg += f"; likeliest: {rep.diagnosis}"
-    return [
-        Finding(
-            "",
-            "replay_withheld",
-            f"step {d}",
-            1.0,
-            "info",
-            {**metrics, "status": status},
-            msg,
-            src,
-            (),
-        )
-    ]
-
-
-def _figures(miss: Any) -> str:
-    parts = []
-    if miss.loss_ok is False:
-        parts.append(f"loss {miss.loss:.5g} vs {miss.logged_loss:.5g} logged")
-    if miss.grad_ok is False:
-        parts.append(f"grad norm {miss.grad_norm:.4g} vs {miss.logged_grad_norm:.4g} logged")
-    return ", ".join(parts)

@@ -17,7 +17,8 @@ def trusted(cfg: Any, rfind: list[Finding]) -> Finding | None:
     Raises:
         ReplayMismatch: the first checked step misses and the mismatch is not allowed.
     """
-    bad = next((f for f in rfind if f.kind == "replay_withheld"), None)
+    # withheld: a replay that misses the log, or misses its spike with explanations open
+    bad = next((f for f in rfind if f.kind in ("replay_withheld", "replay_unexplained")), None)
     if bad is None:
         return None
     if bad.metrics["status"] == "missed_first" and not cfg.allow_mismatch:

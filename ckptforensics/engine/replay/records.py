@@ -135,3 +135,7 @@ class ReplayResult:
     check: LogCheck = field(default_factory=LogCheck)  # every replayed step against the run's log
     plan: Any = None  # the settled Plan the replay ran (bisect continues from it)
     diagnosis: str = ""  # the likeliest reason the first checked step misses the log, where it does
+    # a replay that missed the log: the explanations replayed (`variants.Variant`), the
+    # plan as planned first; the one that landed, whose result this is, where one did
+    variants: list[Any] = field(default_factory=list)
+    explained_by: Any = None

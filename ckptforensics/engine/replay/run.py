@@ -15,6 +15,7 @@ from ckptforensics.engine.replay.logcheck import check_against_log
 from ckptforensics.engine.replay.records import ReplayConfig, ReplayResult, StepRecord, TensorMatch
 from ckptforensics.engine.replay.session import Session
 from ckptforensics.engine.replay.settle import diagnose_miss, log_score, settle
+from ckptforensics.engine.replay.variants import Variant, explain
 from ckptforensics.engine.replay.window import Plan, plan, run_window
 from ckptforensics.trainers.hf.data import require_rebuilt_match
 
@@ -94,12 +95,39 @@ def replay(
             how = csrc.split(":")[0]
             todo = [(c, f"{how}: {c:g}") for c in CLIP_CANDIDATES if c not in tried and c < top]
     assert best is not None
-    result = best[1]
-    result.plan = p
+    result = _explained(p, best[1], progress)
     miss = result.check.first_miss
     if miss is not None and miss.step == result.check.first_checked:
         result.diagnosis = diagnose_miss(p, miss, result.check.loss_atol)
     return result
+
+
+def _explained(
+    p: Plan, result: ReplayResult, progress: Callable[[str], None] | None
+) -> ReplayResult:
+    """The replay as planned where it lands on the run's log; where it parts from it, the
+    explanations the run's files name replayed from the same state (`variants.explain`), the
+    one that lands kept, every one listed with the step up to which it matched."""
+    result.plan = p
+    miss = result.check.first_miss
+    if miss is None:
+        return result
+    tried, landed = explain(p, result, result.config["clip"]["value"], progress)
+    if not tried:
+        return result
+    earlier = [s for s in p.steps if s < miss.step]
+    planned = Variant(
+        "as planned",
+        f"LR: {p.lr_source}; optimizer: the state saved in before",
+        None,
+        False,
+        earlier[-1] if earlier else None,
+        miss.step,
+    )
+    out = landed if landed is not None else result
+    out.variants = [planned, *tried]
+    out.explained_by = next((v for v in tried if v.lands), None)
+    return out
 
 
 def in_pass(

@@ -475,6 +475,13 @@ class Session:
         self._state_view = (view, st, len(st), states)
         return states
 
+    def reset_optimizer(self) -> None:
+        """A fresh optimizer from here on (a resume that lost its state): every parameter's
+        state dropped, so that the next step initialises it as the optimizer's first does."""
+        for o in getattr(self.opt, "opts", [self.opt]):
+            o.state.clear()
+        self._state_view = None
+
     def close(self) -> None:
         self.probe.remove()
         self.psg.remove()

@@ -123,6 +123,8 @@ class Plan:
     # tied embeddings' padding rows as calibrated on the log (`settle.settle_padding`)
     padding: dict[str, int | None] | None = None
     padding_source: str = ""
+    # A variant's fresh optimizer from this step on (`variants`: a resume that lost its state).
+    fresh_from: int | None = None
 
     def config(self, clip: float | None, clip_source: str) -> dict[str, dict[str, Any]]:
         """replay.config: every assumption with its source (the report states it: replay.config)."""
@@ -156,8 +158,10 @@ class Plan:
                 self.skip.config()
                 if self.skip is not None
                 else {
-                    "value": optimizer_name(self.a),
-                    "source": "checkpoint optimizer state (its family's own class)",
+                    "value": optimizer_name(self.a)
+                    + (f", fresh from step {self.fresh_from}" if self.fresh_from is not None else ""),
+                    "source": "checkpoint optimizer state (its family's own class)"
+                    + ("; dropped at the resume the step counters show" if self.fresh_from is not None else ""),
                 }
             ),  # fmt: skip
             "model": {
@@ -429,6 +433,8 @@ def run_window(p: Plan, clip: float | None, progress: Callable[[str], None] | No
             if progress is not None:
                 progress(f"step {s}")
             batch = window[s]
+            if s == p.fresh_from:
+                session.reset_optimizer()
             with doing(f"replaying step {s}"):
                 if precision != "fp32":
                     result.fp32_passes[s] = session.probe_pass(batch, "fp32")

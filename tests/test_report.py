@@ -347,6 +347,10 @@ def test_actions_name_what_to_do_once(reports: dict[str, Path]) -> None:
     assert "| row | sample id | score | why |" in md  # the replay's scores rank the rows
     wi = _page(reports["whatif"])
     assert "<td>skip_samples=auto (samples 273, 276, 278 of step 35)</td>" in wi
+    assert _box(wi) == (
+        "What-if from step_30.pt: skipping samples 273, 276, 278 of step 35 "
+        "(skip_samples=auto) keeps the run on track."
+    )
 
 
 def test_headroom_is_plotted_only_near_the_limit(reports: dict[str, Path]) -> None:

@@ -74,8 +74,12 @@ def headline(doc: dict[str, Any]) -> Text:
     before = rel(inc["before"]["path"], root)
     wi = doc.get("whatif") or {}
     if wi and not doc.get("replay"):  # a what-if compares mitigations; it diagnoses nothing
-        if wi.get("recommended"):
-            what: Text = [Code(wi["recommended"]), " keeps the run on track"]
+        ids = wi.get("auto_sample_ids") or {}
+        if wi.get("recommended") == "skip_samples=auto" and ids:  # the rows it found, by id
+            said = "; ".join(f"{_list(x)} of step {k}" for k, x in ids.items())
+            what: Text = [f"skipping samples {said} (", Code(wi["recommended"]), ") keeps the run on track"]  # fmt: skip
+        elif wi.get("recommended"):
+            what = [Code(wi["recommended"]), " keeps the run on track"]
         elif wi.get("baseline_on_track"):
             what = ["the run stays on track with no mitigation"]
         else:

@@ -1,6 +1,5 @@
-"""Whether a torch.save file's bytes are the ones torch.save wrote: the CRC-32 its zip records
-for every member, checked over the bytes a read streams anyway (`formats.verify` checks
-whole files).
+"""Whether a torch.save file's bytes are those torch.save wrote: each zip member's CRC-32,
+checked over the bytes a read streams anyway (`formats.verify` checks whole files).
 
 A bit rotted on disk or a block garbled in a copy leaves a file that is complete by every
 size and end record, and whose tensors read as numbers: a diff would take the damage for a
@@ -22,7 +21,7 @@ import struct
 import zipfile
 import zlib
 from bisect import bisect_right, insort
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ log = logging.getLogger(__name__)
 _LOCAL = b"PK\x03\x04"
 _BLOCK = 8 << 20  # bytes per read when a whole file is checked
 # A member read in part is finished at the end if what is left is at most this (or a quarter).
-_GAP_BYTES = 16 << 20
+_GAP_BYTES, _SMALL = 16 << 20, 64 << 10  # _SMALL: untouched members `settle` checks whole
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +102,7 @@ class _Span(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def readable(self) -> bool:
-        return True
+    readable = seekable
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
@@ -187,7 +185,7 @@ class _Tracked:
         self.starts: list[int] = []
         self.covered = 0
 
-    def _gone(self, _: Any) -> None:
+    def _gone(self, _: Any) -> None:  # the storage was freed: its address may be reused
         if _BY_PTR.get(self.ptr) is self:
             del _BY_PTR[self.ptr]
 
@@ -219,10 +217,8 @@ class _Tracked:
     def finish(self) -> None:
         """Compare the whole member's CRC with the zip's; raise DamagedCheckpoint if not."""
         _BY_PTR.pop(self.ptr, None)
-        (end, got) = self.runs[0]
-        if end != self.member.size:  # pragma: no cover - covered counts disjoint runs
-            return
-        if got != self.member.crc:
+        end, got = self.runs[0]  # one run by now, from 0: runs merge as they meet
+        if end == self.member.size and got != self.member.crc:
             raise DamagedCheckpoint(damage_message(self.path, self.member, self.label, got))
 
     def fill_gaps(self) -> bool:
@@ -359,16 +355,20 @@ def consume(t: torch.Tensor) -> None:
     e.add(lo, t.numel() * t.element_size(), t.data_ptr())
 
 
-def settle() -> int:
-    """At the end of a read: members the diff read only in part are finished from memory
-    when what is left is small. Returns how many members are left unchecked.
+def settle(roots: Sequence[Path] = ()) -> int:
+    """At the end of a read of the checkpoints at `roots` (files or directories; all when
+    empty): members read in part are finished from memory when what is left is small, and
+    small members no chunk touched (Adam's step, a loss scale: read as numbers) are checked
+    whole. Returns how many members read in part are left unchecked.
 
     Raises:
         DamagedCheckpoint: a member fails its CRC-32.
     """
     left = 0
-    for e in [e for e in _BY_PTR.values() if e.covered]:
-        if not e.fill_gaps():
+    for e in list(_BY_PTR.values()):
+        if roots and not any(e.path == r or r in e.path.parents for r in roots):
+            continue
+        if (e.covered or e.member.size <= _SMALL) and not e.fill_gaps():
             left += 1
             log.debug("%s: %s read in part: its CRC-32 not checked", e.path, e.member.name)
     return left

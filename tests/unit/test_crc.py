@@ -96,3 +96,20 @@ def test_whole_file_check_counts_every_member(tmp_path: Path) -> None:
     with zipfile.ZipFile(f) as z:
         n = len(z.infolist())
     assert check_zip(f) == (n, [])
+
+
+def test_a_scalar_no_chunk_reads_is_checked_when_the_diff_settles(tmp_path: Path) -> None:
+    """Adam's step is read as a number, never streamed: `settle` checks such small members
+    whole, for the checkpoints it is given (torch numbers storages in pickle order: `step`'s
+    is data/1)."""
+    f = tmp_path / "o.pt"
+    torch.save({"exp_avg": torch.randn(256), "step": torch.tensor(40.0)}, f)
+    (m,) = [m for m in integrity.zip_members(f) if m.name.endswith("/data/1")]
+    raw = bytearray(f.read_bytes())
+    raw[m.offset : m.offset + 4] = b"\xff" * 4  # a NaN where 40.0 was
+    f.write_bytes(raw)
+    obj, _ = load_torch_file(f)
+    assert torch.isnan(obj["step"])
+    integrity.settle([tmp_path / "elsewhere"])  # not this checkpoint: left alone
+    with pytest.raises(DamagedCheckpoint, match=rf"zip member {m.name} \(tensor step\) fails"):
+        integrity.settle([f])

@@ -203,6 +203,9 @@ def diff_checkpoints(
         else:
             with shard.single_threaded():
                 local = _diff_serial(a, b, mine, pair, cfg, progress)
+        # The zip members no chunk finished: one flat buffer read in part by several
+        # tensors, Adam's step counters read as numbers (`integrity.settle`).
+        integrity.settle([a.path, b.path])
     except Exception as e:  # under torchrun, any failure goes to every rank (`gather_to_rank0`)
         if not distributed:
             raise
@@ -237,8 +240,6 @@ def _diff_serial(
                 pool.submit(prefetch, a, b, names[i + ahead])
             with doing(f"diffing tensor {name}"):
                 out.append(diff_tensor(a, b, name, pair, cfg))
-    # Zip members read in part (one flat buffer shared by several tensors) are checked now.
-    integrity.settle()
     return out
 
 

@@ -436,6 +436,7 @@ def test_statistics_follow_plain_words_and_are_explained(
     assert "r_v: the gradient energy a tensor saw over the window against what Adam" in page
     assert "log Z: the log of the softmax" in page
     assert "robust z: how many robust spreads" in page
+    assert "sign-like share: the share of a tensor" in page
     md = (reports["replay"] / "report.md").read_text()
     diff = md.split("Per-tensor diff")[1].split("</details>")[0]
     assert "\nr_v: the gradient energy" in diff

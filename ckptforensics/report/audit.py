@@ -7,8 +7,10 @@ import math
 from typing import Any
 
 from ckptforensics.report.blocks import (
+    Block,
     Facts,
     Item,
+    Para,
     Steps,
     html_blocks,
     inline,
@@ -18,6 +20,7 @@ from ckptforensics.report.blocks import (
 )
 from ckptforensics.report.page import esc, footer, page, table
 from ckptforensics.report.text import fmt
+from ckptforensics.report.words import explain
 
 __all__ = ["render_audit_markdown", "render_audit_html", "is_audit"]
 
@@ -73,9 +76,12 @@ def _rows(doc: dict[str, Any]) -> list[list[Any]]:
 _HEAD = ["", "area", "check", "measured", "threshold", "what it means", "source"]
 
 
-def _arch_facts(a: dict[str, Any]) -> Facts:
-    """The architecture found, as labelled facts (a table with no header row in HTML)."""
-    return Facts([(str(k), [str(x)]) for k, x in _arch_rows(a)])
+def _arch_facts(a: dict[str, Any]) -> list[Block]:
+    """The architecture found, as labelled facts (a table with no header row in HTML), and
+    what its statistics mean."""
+    rows = _arch_rows(a)
+    note = explain(*(k for k, _ in rows))
+    return [Facts([(str(k), [str(x)]) for k, x in rows]), *([Para([note])] if note else [])]
 
 
 def _actions(v: dict[str, Any]) -> Steps:
@@ -147,7 +153,7 @@ def render_audit_markdown(doc: dict[str, Any]) -> str:
         "",
         "**Architecture (from the traced forward pass)**",
         "",
-        *markdown_lines([_arch_facts(a)]),
+        *markdown_lines(_arch_facts(a)),
         "",
         "**Checks**",
         "",
@@ -203,7 +209,7 @@ def render_audit_html(doc: dict[str, Any]) -> str:
                 )
             ]
         ),
-        "<h2>Architecture</h2>" + html_blocks([_arch_facts(a)]),
+        "<h2>Architecture</h2>" + html_blocks(_arch_facts(a)),
         "<h2>Checks</h2>" + table(_HEAD, _rows(doc)),
     ]
     if v["recommended_actions"]:

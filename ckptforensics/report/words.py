@@ -132,6 +132,8 @@ GLOSSARY = {
     "far above 1, the moment is stale and Adam's updates go sign-like; StableAdamW)",
     "log Z": "log Z: the log of the softmax's normaliser over the output logits (near 0 is "
     "healthy; a drift away from 0 is what z-loss holds back)",
+    "sign-like share": "sign-like share: the share of a tensor's elements whose Adam update is "
+    "near its largest, |m|/√v over 0.9 (the update goes by the gradient's sign alone)",
     "robust z": "robust z: how many robust spreads (median absolute deviations) a figure lies "
     "from the median of its peers",
 }

@@ -73,3 +73,5 @@ def test_plain_words_come_before_the_statistic_and_terms_are_explained() -> None
     assert said.startswith("r_v: the gradient energy") and "log Z: the log of" in said
     assert "RMS_t" not in said and said.endswith(".")
     assert explain("loss", "grad norm") == ""
+    said = explain("its gradient is over 100x what Adam's second moment expects (RMS_t)")
+    assert said.startswith("RMS_t: the root mean square of gradient² / Adam's second moment")

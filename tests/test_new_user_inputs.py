@@ -150,6 +150,28 @@ def test_a_replay_whose_log_cannot_be_read_goes_on_and_says_so(run: Path, tmp_pa
     _one_line(r, f"error: {why}")
 
 
+def test_a_replay_says_which_lines_of_its_log_it_skipped(run: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    log = copy / "metrics.jsonl"
+    lines = log.read_bytes().split(b"\n")
+    lines[9] = lines[9][:30]  # step 10, cut short
+    lines[11] = b"\xff\xfe\x00\x9c"  # step 12, bytes that are not UTF-8
+    log.write_bytes(b"\n".join(lines))
+    out = tmp_path / "rep"
+    r = _invoke(
+        "replay", "--run-dir", str(copy), "--before", "30", "--after", "35",
+        *_replaying(copy), "--out", str(out),
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["replay"]["config"]["metrics"]["source"] == (
+        f"discovered; {log}: 2 lines skipped (line 10: truncated JSON; line 12: not UTF-8 text "
+        "(binary bytes)), the rest read"
+    )
+    assert doc["replay"]["check"]["checked_steps"][0] == 31  # the log read, and checked against
+
+
 # ---------------------------------------------------------------- item 7: the W&B folder
 def test_triage_takes_the_wandb_folder(tmp_path: Path) -> None:
     pytest.importorskip("wandb")

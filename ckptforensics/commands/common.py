@@ -18,7 +18,7 @@ from ckptforensics.engine.diff.shard import (
 )
 from ckptforensics.engine.replay.run import ReplayConfig
 from ckptforensics.formats.locate import STEP_PATTERNS
-from ckptforensics.logs import unreadable
+from ckptforensics.logs import skipped_lines, unreadable
 from ckptforensics.report import (
     check_outside,
     report_inputs,
@@ -242,13 +242,18 @@ def replay_config(
 
 
 def note_unread_log(rep: Any) -> None:
-    """A replay whose training log cannot be read went on without it (`logs.read_metrics`):
-    its configuration says so, and why (the log is optional to a replay; triage needs it)."""
+    """What a replay made of its training log, in its configuration (`replay.config.metrics`):
+    a log that cannot be read, replayed without (`logs.read_metrics`; the log is optional to
+    a replay, triage needs it), and why; the lines of a log it read that were skipped."""
     m = rep.config.get("metrics") or {}
-    if m.get("value") and not rep.logged and not rep.baseline:
-        why = unreadable(m["value"])
-        if why is not None:
-            m["source"] = f"{m.get('source')}; cannot be read ({why}): replayed without it"
+    if not m.get("value"):
+        return
+    if not rep.logged and not rep.baseline and (why := unreadable(m["value"])) is not None:
+        m["source"] = f"{m.get('source')}; cannot be read ({why}): replayed without it"
+        return
+    skipped = skipped_lines(m["value"])
+    if skipped:
+        m["source"] = f"{m.get('source')}; {'; '.join(skipped)}, the rest read"
 
 
 def rank_zero(got: Any, what: str) -> Any:

@@ -49,6 +49,7 @@ __all__ = [
     "read_metrics",
     "unreadable",
     "skipped_note",
+    "skipped_lines",
     "find_logs",
     "logger_logs",
     "log_dirs",
@@ -213,6 +214,7 @@ def read_log(path: Path | str, keys: dict[str, str] | None = None) -> MetricsLog
         raise ForensicsError(f"{path}: no line reads as a training log: {said}")
     for note in notes:
         _warn_once(f"training log {note}; the rest read")
+    _SKIPPED[str(path)] = notes
     return MetricsLog(rows, [str(f) for f in files], info, notes)
 
 
@@ -233,6 +235,15 @@ def read_metrics(path: Path | str, keys: dict[str, str] | None = None) -> Rows:
 # What was said already: a command reads its log more than once (a what-if's variants, the
 # bisection's replays); a damaged line is said once.
 _SAID: set[str] = set()
+# The lines skipped when each log was last read (`read_log`'s notes), by the path as given.
+_SKIPPED: dict[str, list[str]] = {}
+
+
+def skipped_lines(path: Path | str) -> list[str]:
+    """The notes on the lines skipped when the log at `path` was last read in this process
+    (`MetricsLog.skipped`; [] when none were, or it was not read): what a command that read
+    it through `read_metrics` says in its report."""
+    return list(_SKIPPED.get(str(path), []))
 
 
 def _warn_once(message: str) -> None:

@@ -1,9 +1,9 @@
 """The report: one JSON document (schema ckptforensics.report/1) and its renderings.
 
 The package's face: `build_report` assembles a document, `write_report` writes its files;
-the document's rules are `document`'s, the files' `files`', the renderings `markdown`,
-`html` (over `page`, `blocks`, `text`), `evidence` (evidence.h5), `timeline` (triage) and
-`inspect`.
+the document's rules are `document`'s, the files' `files`'; a report's sections are built
+once (`sections`, in `blocks`, its lead words in `words`) and rendered by `markdown` and
+`html` (over `page`, `text`); `evidence` (evidence.h5), `timeline` (triage) and `inspect`.
 """
 
 from __future__ import annotations

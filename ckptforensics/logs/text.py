@@ -29,9 +29,11 @@ def text_lines(path: Path) -> tuple[list[tuple[int, str]], Skipped]:
     log refused for it. Blank lines are dropped."""
     lines: list[tuple[int, str]] = []
     skipped: Skipped = []
-    for n, raw in enumerate(path.read_bytes().split(b"\n"), 1):
-        try:
-            text = raw.decode("utf-8").rstrip("\r")
+    data = path.read_bytes()
+    sep = b"\n" if b"\n" in data or b"\r" not in data else b"\r"  # old Mac line ends: \r alone
+    for n, raw in enumerate(data.split(sep), 1):
+        try:  # a byte-order mark opens some exported CSVs: not part of the first column's name
+            text = raw.decode("utf-8-sig" if n == 1 else "utf-8").rstrip("\r")
         except UnicodeDecodeError:
             skipped.append(f"line {n}: not UTF-8 text (binary bytes)")
             continue

@@ -249,3 +249,12 @@ def test_a_torn_line_of_an_mlflow_metric_file_is_skipped_and_said(tmp_path: Path
     assert got.skipped == [
         f"{store / '0' / '4c0e5dd9'}: 1 line skipped (metrics/loss line 10: not 'timestamp value step')"
     ]
+
+
+def test_a_csv_export_with_a_byte_order_mark_and_carriage_returns_reads(tmp_path: Path) -> None:
+    log = tmp_path / "export.csv"
+    rows = [f"{r['step']},{r['loss']}" for r in _spiky(12)]
+    log.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(["step,loss", *rows]).encode())
+    assert sorted(read_log(log).rows) == list(range(1, 13))
+    log.write_bytes("\r".join(["step,loss", *rows]).encode())
+    assert sorted(read_log(log).rows) == list(range(1, 13))

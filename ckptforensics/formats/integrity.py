@@ -33,12 +33,11 @@ from ckptforensics.core import fused
 from ckptforensics.core.errors import DamagedCheckpoint
 
 __all__ = ["Member", "zip_members", "crc32_at", "crc32_combine", "file_crc", "damage_message"]
-__all__ += ["member_labels", "track", "consume", "settle"]
+__all__ += ["storages_to_members", "track", "consume", "settle"]
 
 log = logging.getLogger(__name__)
 
-_LOCAL = b"PK\x03\x04"
-_BLOCK = 8 << 20  # bytes per read when a whole file is checked
+_LOCAL, _BLOCK = b"PK\x03\x04", 8 << 20  # _BLOCK: bytes per read of a whole member
 # A member read in part is finished at the end if what is left is at most this (or a quarter).
 _GAP_BYTES, _SMALL = 16 << 20, 64 << 10  # _SMALL: untouched members `settle` checks whole
 
@@ -215,11 +214,17 @@ class _Tracked:
             self.finish()
 
     def finish(self) -> None:
-        """Compare the whole member's CRC with the zip's; raise DamagedCheckpoint if not."""
+        """Compare the whole member's CRC with the zip's; on a mismatch, read the member
+        again from the file (memory a process wrote into is not the file's fault) and raise
+        DamagedCheckpoint if the file's own bytes fail it too."""
         _BY_PTR.pop(self.ptr, None)
         end, got = self.runs[0]  # one run by now, from 0: runs merge as they meet
         if end == self.member.size and got != self.member.crc:
-            raise DamagedCheckpoint(damage_message(self.path, self.member, self.label, got))
+            with self.path.open("rb") as f:
+                got = file_crc(f, self.member)
+            if got != self.member.crc:
+                raise DamagedCheckpoint(damage_message(self.path, self.member, self.label, got))
+            log.debug("%s: %s changed in memory, not on disk", self.path, self.member.name)
 
     def fill_gaps(self) -> bool:
         """Read what the diff did not (when little is left) and finish; False if left
@@ -388,13 +393,3 @@ def file_crc(f: Any, m: Member) -> int:
         crc = crc32_at(address, n, crc)
         left -= n
     return crc
-
-
-def member_labels(path: Path, obj: Any) -> dict[str, str]:
-    """Member name -> the key path of the first tensor on its storage (a file loaded
-    memory-mapped); {} when the storages do not map onto the members."""
-    try:
-        mapped = storages_to_members(zip_members(path), obj)
-    except (zipfile.BadZipFile, OSError, ValueError):
-        return {}
-    return {m.name: key for m, key, _ in (mapped or {}).values()}

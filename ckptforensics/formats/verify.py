@@ -13,15 +13,21 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckptforensics.core.errors import ForensicsError
-from ckptforensics.formats import integrity
 from ckptforensics.formats.base import rel_name
 from ckptforensics.formats.dcp import read_metadata
-from ckptforensics.formats.integrity import Member, damage_message, file_crc, zip_members
+from ckptforensics.formats.integrity import (
+    Member,
+    damage_message,
+    file_crc,
+    storages_to_members,
+    zip_members,
+)
 from ckptforensics.formats.torchfile import load_torch_file
 
-__all__ = ["FileCheck", "Verification", "verify_files", "check_zip", "check_blobs"]
+__all__ = ["FileCheck", "Verification", "verify_files", "check_zip", "check_blobs", "member_labels"]
 
 _BLOCK = 8 << 20  # bytes per read of a compressed member
 
@@ -180,7 +186,7 @@ def _labels(f: Path) -> dict[str, str]:
         obj, mapped = load_torch_file(f)
     except ForensicsError:
         return {}
-    return integrity.member_labels(f, obj) if mapped else {}
+    return member_labels(f, obj) if mapped else {}
 
 
 def _dcp_blobs(f: Path) -> list[tuple[int, int, str]] | None:
@@ -197,3 +203,13 @@ def _dcp_blobs(f: Path) -> list[tuple[int, int, str]] | None:
             what = f"{getattr(idx, 'fqn', idx)}" + (f" at {where}" if any(where) else "")
             out.append((int(info.offset), int(info.length), what))
     return out
+
+
+def member_labels(path: Path, obj: Any) -> dict[str, str]:
+    """Member name -> the key path of the first tensor on its storage (a file loaded
+    memory-mapped); {} when the storages do not map onto the members."""
+    try:
+        mapped = storages_to_members(zip_members(path), obj)
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return {}
+    return {m.name: key for m, key, _ in (mapped or {}).values()}

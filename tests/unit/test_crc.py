@@ -17,7 +17,7 @@ from ckptforensics.core import fused
 from ckptforensics.core.errors import DamagedCheckpoint
 from ckptforensics.formats import integrity
 from ckptforensics.formats.torchfile import load_torch_file
-from ckptforensics.formats.verify import check_zip
+from ckptforensics.formats.verify import check_zip, member_labels
 
 LENGTHS = [*range(0, 300), 511, 512, 513, 4095, 4096, 65537, (1 << 20) + 48]
 
@@ -58,7 +58,7 @@ def _flip(f: Path, member_suffix: str, at: int) -> None:
 
 
 def _member(f: Path, obj: dict, key: str) -> str:
-    return {v: k for k, v in integrity.member_labels(f, obj).items()}[key]
+    return {v: k for k, v in member_labels(f, obj).items()}[key]
 
 
 def test_a_member_read_backwards_in_chunks_is_checked(tmp_path: Path) -> None:
@@ -113,3 +113,15 @@ def test_a_scalar_no_chunk_reads_is_checked_when_the_diff_settles(tmp_path: Path
     integrity.settle([tmp_path / "elsewhere"])  # not this checkpoint: left alone
     with pytest.raises(DamagedCheckpoint, match=rf"zip member {m.name} \(tensor step\) fails"):
         integrity.settle([f])
+
+
+def test_memory_a_process_wrote_into_is_not_a_damaged_file(tmp_path: Path) -> None:
+    """A loaded (copy-on-write) tensor written in place (an optimizer stepping on loaded
+    state) differs from its member in memory only: the file is read again, found whole,
+    and nothing is raised; the file itself untouched."""
+    f, _ = _saved(tmp_path)
+    before = f.read_bytes()
+    obj, _ = load_torch_file(f)
+    obj["v"].mul_(2.0)  # private mapping: the page is copied, the file keeps its bytes
+    integrity.consume(obj["v"])
+    assert integrity.settle([f]) == 0 and f.read_bytes() == before

@@ -103,24 +103,33 @@ def test_skip_step_is_judged_on_the_steps_it_replays_and_the_plan_says_so(
     out = tmp_path / "plan"
     r = _invoke(
         "plan", "--run-dir", str(run), "--before", "30", "--after", "35", *_replaying(run),
-        "--try", "skip_step=35", "--try", "skip_step=37", "--out", str(out),
+        "--try", "skip_step=35", "--out", str(out),
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     doc = json.loads((out / "report.json").read_text())
     got = {o["mitigation"]: o for o in doc["whatif"]["outcomes"]}
     base, skip = got["baseline"], got["skip_step=35"]
-    assert base["steps"] == [31, 32, 33, 34, 35] and not base["on_track"]
+    # The skip is the window's last step: the what-if replays two steps past it.
+    assert base["steps"] == [31, 32, 33, 34, 35, 36, 37] and not base["on_track"]
     # The skipped batch is not replayed: the outcome is the steps around it, on track.
-    assert skip["steps"] == [31, 32, 33, 34] and skip["skipped_steps"] == [35]
-    assert skip["on_track"] and skip["max_loss"] < base["max_loss"]
-    assert skip["max_loss"] == max(skip["losses"]) == max(base["losses"][:4])
-    # A step outside the window skips nothing, and says so.
-    assert got["skip_step=37"]["note"] == "step 37 is not in the window (31-35): nothing skipped"
+    assert skip["steps"] == [31, 32, 33, 34, 36, 37] and skip["skipped_steps"] == [35]
+    assert skip["on_track"] and skip["max_loss"] == max(skip["losses"]) < base["max_loss"]
+    assert skip["losses"][:4] == base["losses"][:4]
     assert doc["whatif"]["recommended"] == "skip_step=35"
     change = next(c for c in doc["plan"]["changes"] if c["knob"] == "skip_step")
     ev = change["evidence"]
     assert ev["on_track"] and ev["max_loss"] == skip["max_loss"] != ev["baseline_max_loss"]
-    assert ev["steps"] == [31, 34] and ev["skipped_steps"] == [35]
+    assert ev["steps"] == [31, 37] and ev["skipped_steps"] == [35]
+
+
+def test_a_skip_step_outside_the_window_skips_nothing_and_says_so(run: Path) -> None:
+    rep = cf.whatif(
+        run / "step_30.pt", steps=2, tries=["skip_step=37"], batch=run / "batches.h5", model=MODEL
+    )
+    (o,) = [o for o in rep.doc["whatif"]["outcomes"] if o["mitigation"] == "skip_step=37"]
+    assert o["note"] == "step 37 is not in the window (31-32): nothing skipped"
+    assert o["steps"] == [31, 32] and o["skipped_steps"] == []
+    assert rep.doc["whatif"]["recommended"] is None
 
 
 # ---------------------------------------------------------------- item 3: replay, log optional

@@ -3,7 +3,8 @@ marked not replayed; `plan_from` builds it from reports already written."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,15 @@ from ckptforensics.detectors import Finding
 from ckptforensics.engine.diff.shard import (
     dist_world,
 )
+from ckptforensics.engine.whatif import parse_mitigation
+from ckptforensics.formats.batches import BatchError
 from ckptforensics.planner import merge_reports, mitigations, plan_section
 from ckptforensics.report import (
     clean,
 )
 from ckptforensics.report.evidence import load_report
+
+log = logging.getLogger(__name__)
 
 
 def plan(
@@ -75,15 +80,20 @@ def plan(
     if p.get("status") == "ready" and tried:
         r = p["rollback"]
         n = int(rep.doc["incident"]["after"]["step"]) - int(r["step"])
-        wi = whatif(
-            r["path"],
-            steps=max(n, 1),
-            tries=tried,
-            batch=batch,
-            run_dir=run_dir,
-            options=opts,
-            progress=progress,
-            command=command,
+        wi = _whatif_past_skips(
+            int(r["step"]),
+            max(n, 1),
+            lambda steps: whatif(
+                r["path"],
+                steps=steps,
+                tries=tried,
+                batch=batch,
+                run_dir=run_dir,
+                options=opts,
+                progress=progress,
+                command=command,
+            ),
+            tried,
         )
 
         f = wi.findings[0]
@@ -97,6 +107,29 @@ def plan(
         with open_checkpoint(doc["incident"]["before"]["path"]) as ck:
             doc["plan"] = _clean_doc(plan_section(doc, ck))
     return Report(doc, findings, _skip_extra(doc))
+
+
+# Steps replayed past the last step a `skip_step` try skips: the what-if judges a skip on the
+# steps after it (the skipped batch is not on its record), not only on the healthy ones before.
+AFTER_SKIP = 2
+
+
+def _whatif_past_skips(
+    rollback: int, n: int, run: Callable[[int], Report], tried: Sequence[str]
+) -> Report:
+    """The plan's what-if over the window (`n` steps from the rollback), or past it where a
+    `skip_step` try skips its last step (the onset, as the cause's tries name it): judged on
+    the window's steps alone, a skip would pass on the healthy steps before it. Past the
+    window only where the batches are there (a batch log that stops at *after* keeps the
+    window)."""
+    skips = [int(float(v)) for t in tried for k, v in parse_mitigation(t).knobs if k == "skip_step"]
+    if not skips or max(skips) < rollback + n:
+        return run(n)
+    try:
+        return run(max(skips) - rollback + AFTER_SKIP)
+    except BatchError as e:
+        log.info("what-if over the window only (%s)", e)
+        return run(n)
 
 
 def _clean_doc(x: Any) -> Any:

@@ -126,3 +126,41 @@ def test_a_spike_the_replay_misses_is_hardware_only_where_nothing_else_is_open(
     assert v["replay_check"]["status"] == "unexplained"
     assert "not in the run's log" in v["replay_check"]["reason"]
     assert "hardware" not in " ".join(v["recommended_actions"]).lower()
+
+
+@pytest.fixture(scope="module")
+def poisoned(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The zoo's poisoned batch: rows 1, 4 and 6 of step 35 are junk."""
+    from fixtures.zoo import poison_batch
+
+    return poison_batch(tmp_path_factory.mktemp("poison"))
+
+
+def test_culprit_rows_are_the_rows_the_spike_needs(poisoned: Path) -> None:
+    """Each flagged row removed alone from the spiking batch, from the replayed state before
+    it: the planted rows each take their share of the spike and are culprits; a clean row
+    added to the flagged ones takes next to nothing and is listed apart as unusual. The
+    replay's finding becomes replayed evidence that the rows carry the spike (poison_batch)."""
+    from ckptforensics.commands.common import replay_config
+    from ckptforensics.core.options import replay_options
+    from ckptforensics.detectors import replay_findings
+    from ckptforensics.detectors.replay.rows import confirmed
+    from ckptforensics.engine.bisect import confirm_rows
+    from ckptforensics.engine.replay.run import replay
+
+    t = truth(poisoned)
+    planted = sorted(t["samples"])
+    cfg = replay_config(
+        t["before"], t["after"], str(poisoned / "batches.h5"), poisoned,
+        replay_options(None, model="fixtures/tinygpt.py:factory"), None,
+    )  # fmt: skip
+    rep = replay(cfg)
+    f = next(x for x in replay_findings(rep) if x.kind == "anomalous_samples")
+    assert sorted(f.metrics["rows"]) == planted
+    clean = next(i for i in range(8) if i not in planted)
+    check = confirm_rows(rep, f.metrics["step"], [*planted, clean])
+    assert check is not None and check.removes_spike
+    assert check.culprits == planted and check.unusual == [clean]
+    g = confirmed(f, confirm_rows(rep, f.metrics["step"], planted))
+    assert g.primary and g.severity == "critical" and g.supports == ("poison_batch",)
+    assert sorted(g.metrics["rows"]) == planted and "removes the spike" in g.message

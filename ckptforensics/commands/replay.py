@@ -24,7 +24,9 @@ from ckptforensics.commands.diff import NOT_RANK_ZERO, pair_diff
 from ckptforensics.core.errors import doing
 from ckptforensics.core.options import ReplayOptions, replay_options
 from ckptforensics.detectors import Finding, first_steps_from_state, replay_findings, trusted
+from ckptforensics.detectors.replay.rows import confirmed
 from ckptforensics.detectors.resume import detect_data_restart
+from ckptforensics.engine.bisect import confirm_rows
 from ckptforensics.engine.diff.pair import DiffResult
 from ckptforensics.engine.replay import distributed
 from ckptforensics.engine.replay import precision as mp
@@ -71,7 +73,7 @@ def run_replay(
     with distributed.joined(cfg.device), doing(window_text("replaying", cfg)):
         rep = replay_window(cfg, progress=progress)
         note_unread_log(rep)  # a log that cannot be read: replayed without it, and said
-        rfind = replay_findings(rep) + _data_restart(cfg, rep)
+        rfind = _rows_tested(rep, replay_findings(rep), progress) + _data_restart(cfg, rep)
         a, b, diff, dfind = pair_diff(cfg)
         try:
             return (
@@ -154,6 +156,17 @@ def replay_section(rep: Any, suspect: int | None) -> dict[str, Any]:
             "worst": _worst(rep.matches),
         },
     }
+
+
+def _rows_tested(rep: Any, rfind: list[Finding], progress: Progress | None) -> list[Finding]:
+    """The rows a trusted replay flags in its spiking batch, tested by removing them
+    (`engine.bisect.confirm_rows`, one process): culprits only where the spike needs them."""
+    f = next((x for x in rfind if x.kind == "anomalous_samples"), None)
+    withheld = any(x.kind in ("replay_withheld", "replay_unexplained") for x in rfind)
+    if f is None or withheld or distributed.current() is not None:
+        return rfind
+    check = confirm_rows(rep, f.metrics["step"], list(f.metrics["rows"]), progress)
+    return rfind if check is None else [confirmed(x, check) if x is f else x for x in rfind]
 
 
 def _worst(matches: list[Any]) -> dict[str, Any] | None:

@@ -24,7 +24,7 @@ from ckptforensics.engine.replay.run import ReplayConfig, replay
 from ckptforensics.formats.segments import pad_rows
 from ckptforensics.verdict import replay_fields
 
-__all__ = ["BisectResult", "bisect"]
+__all__ = ["BisectResult", "RowCheck", "bisect", "confirm_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -253,3 +253,103 @@ def decode_rows(
             f"{tokenizer}: not a loadable tokenizer directory ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
         ) from None
     return {r: tok.decode(input_ids[r][:max_tokens].tolist()) for r in rows}
+
+
+@dataclass(frozen=True, slots=True)
+class RowCheck:
+    """Rows flagged in a spiking batch, put to the test: the minimal subset whose removal
+    removes the spike (`culprits`, empty where removing every flagged row leaves it), the
+    others (`unusual`), and each trial (rows removed, loss, grad norm, robust z, spiked)."""
+
+    step: int
+    culprits: list[int]
+    unusual: list[int]
+    removes_spike: bool
+    trials: list[dict[str, Any]]
+
+
+def confirm_rows(
+    rep: ReplayResult, step: int, rows: list[int], progress: Callable[[str], None] | None = None
+) -> RowCheck | None:
+    """Whether the flagged `rows` of step `step` carry its spike: from the replay's state just
+    before it (its settled plan replayed up to there), the batch with the rows replaced by
+    rows of the last step before it (same batch size: the trainer's averaging) is evaluated;
+    where that removes the spike, each row is removed alone: a culprit takes at least half
+    its equal share of what removing them all takes off the step (a row is a culprit only
+    when removing it changes the spike, issue #42); the others are unusual. None where there
+    is no filler step or the batches' widths differ."""
+    p = rep.plan
+    if p is None or step not in p.steps or not rows:
+        return None
+    filler_step = max((t for t in p.steps if t < step), default=None)
+    if filler_step is None:
+        return None
+    batch, filler = p.batches.batch(step), p.batches.batch(filler_step)
+    if batch["input_ids"].shape != filler["input_ids"].shape:
+        return None
+    base_loss = [v["loss"] for v in rep.baseline.values() if "loss" in v]
+    base_grad = [v["grad_norm"] for v in rep.baseline.values() if "grad_norm" in v]
+    if len(base_loss) < 5:
+        return None
+    n = batch["input_ids"].shape[0]
+    clip = rep.config["clip"]["value"]
+    trials: list[dict[str, Any]] = []
+    sess = p.session()
+    try:
+        for t in p.steps:
+            if t >= step:
+                break
+            if t == p.fresh_from:
+                sess.reset_optimizer()
+            sess.step(t, p.batches.batch(t), p.lrs[t], clip)
+
+        def without(out: set[int]) -> tuple[float, float, bool]:
+            keep = set(range(n)) - out
+            if progress is not None:
+                progress(f"rows of step {step}: trial {len(trials) + 1}, without {sorted(out)}")
+            mixed = {
+                k: torch.where(_rows_mask(n, keep, v), v, filler[k][:n])
+                for k, v in batch.items()
+                if k in filler
+            }
+            loss, grad = sess.evaluate(mixed)
+            zs = [float(step_z([loss], base_loss)[0])]
+            if base_grad:
+                zs.append(float(step_z([grad], base_grad)[0]))
+            z = max(zs)
+            hit = not math.isfinite(z) or z > 3.0  # bisect's: half the onset rule's 6
+            trials.append(
+                {
+                    "without": sorted(out),
+                    "loss": loss,
+                    "grad_norm": grad,
+                    "robust_z": z,
+                    "spiked": hit,
+                }
+            )
+            return loss, grad, hit
+
+        full = without(set())
+        none = without(set(rows))
+        if none[2]:
+            return RowCheck(step, [], sorted(rows), False, trials)
+        # What removing every flagged row takes off the step's loss and grad norm, and each
+        # row's part of it in either: a culprit carries at least half of an equal share (a
+        # poisoned row of k carries about 1/k of the loss's or of the gradient's excess; a
+        # clean row the evidence flagged for its loss alone, a few percent of both).
+        totals = [full[i] - none[i] for i in (0, 1)]
+        if not any(math.isfinite(x) and x > 0 for x in totals):
+            return RowCheck(step, sorted(rows), [], True, trials)
+        out = set()
+        for r in rows:
+            alone = without({r}) if len(rows) > 1 else none
+            parts = [
+                (full[i] - alone[i]) / totals[i]
+                for i in (0, 1)
+                if math.isfinite(totals[i]) and totals[i] > 0
+            ]
+            if any(not math.isfinite(x) or x >= 0.5 / len(rows) for x in parts):
+                out.add(r)
+    finally:
+        sess.close()
+    return RowCheck(step, sorted(out), sorted(set(rows) - out), True, trials)

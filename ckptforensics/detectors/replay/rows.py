@@ -3,7 +3,9 @@ and data."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
@@ -13,7 +15,7 @@ from ckptforensics.core.tensors import (
 from ckptforensics.detectors.base import Finding, Thresholds, cap
 from ckptforensics.detectors.replay.evidence import ReplayEvidence
 
-__all__ = ["DATA_MARGIN", "samples"]
+__all__ = ["DATA_MARGIN", "samples", "confirmed"]
 
 
 # longest run or repeat is half again the longest of every row of the window's other steps
@@ -156,3 +158,45 @@ def samples(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
             primary=carried >= 0.5,
         )
     ]
+
+
+def confirmed(f: Finding, check: Any) -> Finding:
+    """The anomalous rows put to the test (`engine.bisect.confirm_rows`): where removing them
+    removes the spike, the culprits are the minimal set that does (a row is one only when
+    removing it changes the spike), replayed evidence that the data carried it, whatever
+    layer it went through (poison_batch, primary); the rows it does not need are listed
+    apart as unusual. Where removing them leaves the spike, the finding stays as it was and
+    says so (the spike does not need these rows: the state or the update carried it)."""
+    trials = list(check.trials)
+    if not check.removes_spike:
+        return dataclasses.replace(
+            f,
+            metrics={**f.metrics, "ablation": {"removes_spike": False, "trials": trials}},
+            message=f"{f.message}; removing them leaves the spike (replayed from the state before it)",
+        )
+    keep = set(check.culprits)
+    rows = [x for x in f.metrics["samples"] if x["index"] in keep]
+    unusual = [x for x in f.metrics["samples"] if x["index"] not in keep]
+    for x in rows:
+        x["why"] += "; removing it removes the spike"
+    s = f.metrics["step"]
+    apart = (
+        f"; rows {[x['index'] for x in unusual]} are unusual, but the spike does not need them"
+        if unusual
+        else ""
+    )
+    return dataclasses.replace(
+        f,
+        score=10.0,
+        severity="critical",
+        primary=True,
+        metrics={
+            **f.metrics,
+            "rows": sorted(keep),
+            "samples": rows,
+            "unusual": unusual,
+            "ablation": {"removes_spike": True, "trials": trials},
+        },
+        message=f"step {s}: removing rows {sorted(keep)} removes the spike (replayed from the state before it, "
+        f"the rows replaced by rows of the step before){apart}",
+    )

@@ -154,7 +154,11 @@ def _paths(path: Path | str) -> list[Path]:
         if (p / "meta.yaml").is_file() and (p / "metrics").is_dir():  # one MLflow run
             return [p]
         if any(p.glob("run-*.wandb")):  # one W&B run folder (wandb/latest-run, say)
-            return sorted(p.glob("run-*.wandb"))
+            # latest-run is the run: every leg of its id (a resumed run keeps its id), as the
+            # wandb/ folder gives them.
+            legs = logger_logs(p.parent) if p.name == "latest-run" else []
+            ids = {f.stem for f in p.glob("run-*.wandb")}
+            return [f for f in legs if f.stem in ids] or sorted(p.glob("run-*.wandb"))
         # A logger's own folder in the run (wandb/, mlruns/, lightning_logs/, runs/): what the
         # run folder's places find inside it; a store the run folder's walk skips, first.
         files = (

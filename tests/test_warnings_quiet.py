@@ -86,6 +86,9 @@ def test_the_warnings_are_in_the_log_at_debug_level(relu_replay: list[str]) -> N
     assert lines[-1].startswith(REFUSED) and not any(
         ln.startswith("[transformers]") for ln in lines
     )
+    # --debug: nothing rerouted, transformers prints as it would, and the traceback shows.
+    r = _cli("--debug", "-q", *relu_replay)
+    assert r.returncode != 0 and f"[transformers] {WARNED}" in r.stderr and "Traceback" in r.stderr
 
 
 @pytest.mark.parametrize("level", [logging.WARNING, logging.DEBUG])

@@ -17,7 +17,7 @@ from typing import Any
 
 from ckptforensics.detectors import Finding, module_of
 from ckptforensics.detectors.causes import CAUSES, RESUME_CAUSES, lookup
-from ckptforensics.verdict_evidence import quiet_replay, reattribute, replay_fields
+from ckptforensics.verdict_evidence import quiet_replay, reattribute, related, replay_fields
 
 __all__ = [
     "replay_fields",
@@ -53,11 +53,6 @@ class Verdict:
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
-
-
-def _related(a: str, b: str) -> bool:
-    """Equal, or one is a parent module of the other."""
-    return bool(a) and (a == b or a.startswith(b + ".") or b.startswith(a + "."))
 
 
 def _weight(f: Finding) -> float:
@@ -227,7 +222,7 @@ def decide(
         )
         # The modules whose own LR jumped are the ones that explode first (their update is
         # the fault); a neighbour the replay saw move first is its effect.
-        if members and not any(_related(v.first_anomalous_module or "", m) for m in members):
+        if members and not any(related(v.first_anomalous_module or "", m) for m in members):
             v.first_anomalous_module = members[0]
     if v.anomalous_samples and top == "poison_batch":
         ids = ", ".join(

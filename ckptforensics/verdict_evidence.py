@@ -11,7 +11,7 @@ from typing import Any
 
 from ckptforensics.detectors import Finding, module_of
 
-__all__ = ["quiet_replay", "reattribute", "replay_fields"]
+__all__ = ["quiet_replay", "reattribute", "related", "replay_fields"]
 
 # The replay's findings that say the window went bad; its other findings are bookkeeping
 # (whether it reproduces after, whether it matches the log).
@@ -64,6 +64,7 @@ def reattribute(findings: Sequence[Finding]) -> list[Finding]:
     the same tensor (a primary RMS_t: a frozen-then-released or gated tensor), the burst
     measures the stale moment, not a gradient the others share: Adam's instability first.
     """
+    findings = _lr_roots(findings)
     stale = {f.subject for f in findings if f.kind == "rms_t" and f.primary}
     quiet = quiet_replay(findings)
     if not stale and not quiet:
@@ -86,6 +87,50 @@ def reattribute(findings: Sequence[Finding]) -> list[Finding]:
             )
         out.append(f)
     return out
+
+
+# A param group's LR far above its schedule (the diff) and the replay's fp16 overflow in one
+# of that group's modules: the LR is the root, the overflow its consequence (issue #42).
+_LR_KINDS = ("lr_above_schedule", "lr_jump")
+
+
+def _lr_roots(findings: Sequence[Finding]) -> list[Finding]:
+    """A group LR far above its schedule that ends in an fp16 overflow of one of its modules
+    is `lr_too_high` (the group, its modules), not the gradient explosion it looks like; the
+    overflow stays `fp16_overflow`, marked as its consequence, at the step the run left its
+    track (`replay_fields` dates the verdict there; the LR finding dates the root)."""
+    over = next((f for f in findings if f.kind == "replay_overflow" and f.severity != "info"), None)
+    groups = [f for f in findings if f.kind in _LR_KINDS and f.severity != "info"]
+    if over is None or not groups:
+        return list(findings)
+    mod = module_of(over.subject) or over.subject
+    mine = [f for f in groups if any(related(mod, m) for m in f.metrics.get("modules", []))]
+    if not mine:
+        return list(findings)
+    step = over.metrics.get("step")
+    out = []
+    for f in findings:
+        if f in mine:
+            since = f.metrics.get("first_step")
+            f = dataclasses.replace(
+                f,
+                supports=("lr_too_high",),
+                metrics={
+                    **f.metrics,
+                    "consequence": {"cause": "fp16_overflow", "step": step, "module": over.subject},
+                },
+                message=f"{f.message}{f' since step {since} or before' if since is not None else ''}: the root of the fp16 "
+                f"overflow of {over.subject} at step {step}, where the run left its track",
+            )
+        elif f is over:
+            f = dataclasses.replace(f, metrics={**f.metrics, "root": "lr_too_high"})
+        out.append(f)
+    return out
+
+
+def related(a: str, b: str) -> bool:
+    """Equal, or one is a parent module of the other."""
+    return bool(a) and (a == b or a.startswith(b + ".") or b.startswith(a + "."))
 
 
 # How a replay's reproduction finding settles `reproducible`.
@@ -159,6 +204,10 @@ def replay_fields(findings: Sequence[Finding], state_steps: Sequence[int] = ()) 
         # reproduced, whatever the tensors after it say, and it is where the run went bad.
         out["reproducible"] = False
         out["first_bad_step"] = f.metrics["step"]
+    rooted = [f for f in by["replay_overflow"] if f.metrics.get("root")]
+    if rooted:
+        # The overflow an LR root ended in is where the run left its track (`_lr_roots`).
+        out["first_bad_step"] = rooted[0].metrics["step"]
     check = by["replay_log_agreement"] + by["replay_spike_not_reproduced"] + by["replay_withheld"]
     if check:
         out["replay_check"] = {"status": check[0].metrics["status"], "reason": check[0].message}

@@ -164,3 +164,29 @@ def test_culprit_rows_are_the_rows_the_spike_needs(poisoned: Path) -> None:
     g = confirmed(f, confirm_rows(rep, f.metrics["step"], planted))
     assert g.primary and g.severity == "critical" and g.supports == ("poison_batch",)
     assert sorted(g.metrics["rows"]) == planted and "removes the spike" in g.message
+
+
+@pytest.fixture(scope="module")
+def group_lr_fp16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from fixtures import group_lr_fp16
+
+    return group_lr_fp16.build(tmp_path_factory.mktemp("group-lr-fp16"))
+
+
+def test_a_group_lr_that_ends_in_an_fp16_overflow_is_the_root_and_the_overflow_its_symptom(
+    group_lr_fp16: Path,
+) -> None:
+    """The group's LR is the cause (lr_too_high, its modules, dated since the window's start
+    or before); the fp16 overflow of its c_proj is named as its consequence, and the first
+    bad step is where the run left its track, not the window's first step."""
+    t = truth(group_lr_fp16)
+    doc = _replay(draw_args(group_lr_fp16))
+    v = doc["verdict"]
+    assert _causes(doc)[0] == t["cause"] == "lr_too_high"
+    assert "fp16_overflow" in _causes(doc)[:3]
+    assert v["first_bad_step"] == t["first_bad_step"] > t["before"] + 1
+    assert v["first_anomalous_module"] == t["overflow_module"]
+    lead = next(f for f in doc["findings"] if f["kind"] == "lr_above_schedule")
+    assert lead["supports"] == ["lr_too_high"]
+    assert lead["metrics"]["consequence"]["step"] == t["first_bad_step"]
+    assert f"the root of the fp16 overflow of {t['overflow_module']}" in v["summary"]

@@ -437,8 +437,20 @@ def score_draws(
             "onset_ok"
         ),
         "false alarms on healthy": f"{sum(bool(x['false_alarm']) for x in healthy)}/{len(healthy)}",
+        # issue #42: hardware named only where the truth is a fault, and every fault named
+        "silent_corruption where the truth is not a fault": str(
+            sum(x["got"] == "silent_corruption" and x["cause"] != "silent_corruption" for x in rows)
+        ),
+        "hardware faults named": rate_of(
+            [x["cause_ok"] for x in rows if x["cause"] == "silent_corruption"]
+        ),
     }
     return rows, agg
+
+
+def rate_of(vals: list[bool | None]) -> str:
+    got = [v for v in vals if v is not None]
+    return f"{sum(got)}/{len(got)}" if got else "—"
 
 
 def _shape(d: dict[str, Any]) -> str:
@@ -455,6 +467,9 @@ def _shape(d: dict[str, Any]) -> str:
         )
         hf += " lm-collator" if d.get("collator") == "lm" else ""
     opt = f" {d['optimizer']}" if d.get("optimizer", "adamw") != "adamw" else ""
+    # issue #42's axes: a resume at the window's first checkpoint, a TensorBoard-only log
+    opt += f" resume-{d['resume']}" if d.get("resume", "none") != "none" else ""
+    opt += " tensorboard" if d.get("log", "jsonl") != "jsonl" else ""
     return f"{d['position']} {d['schedule']} L{d['n_layer']} d{d['n_embd']} T{d['seq']} {d['precision']} {d['fmt']}{hf}{opt}"
 
 
@@ -481,7 +496,7 @@ def main() -> None:
     ap.add_argument("--record", action="store_true", help="Write the table into bench/RESULTS.md.")
     ap.add_argument(
         "--draws",
-        choices=("tuning", "heldout"),
+        choices=("tuning", "heldout", "heldout-misses"),
         help="Score the drawn incidents of this split instead of the zoo.",
     )
     ap.add_argument("--draws-dir", type=Path, default=ROOT / "build" / "draws")
@@ -494,11 +509,11 @@ def main() -> None:
         rows, agg = score_draws(args.draws, args.draws_dir / args.draws, args.seeds, args.jobs)
         text = draws_table(args.draws, rows, agg)
         print(text)
-        if args.record and args.draws == "heldout" and not args.seeds:
+        if args.record and args.draws.startswith("heldout") and not args.seeds:
             sys.path.insert(0, str(Path(__file__).resolve().parent))
             from _results import record_section
 
-            record_section("draws-heldout", text)
+            record_section(f"draws-{args.draws}", text)
         return
     if args.rebuild or not args.zoo.is_dir():
         if args.zoo.is_dir():

@@ -169,7 +169,7 @@ def decide(
         # The findings of a resume that lost state (detectors.diff) are of the resume causes'
         # kinds, each carrying its `resume_step`.
         if top in RESUME_CAUSES
-        and f.kind in RESUME_CAUSES
+        and (f.kind in RESUME_CAUSES or f.kind == "replay_variant_lands")
         and f.metrics.get("resume_step") is not None
     ]
     if resumed:

@@ -64,7 +64,7 @@ def reattribute(findings: Sequence[Finding]) -> list[Finding]:
     the same tensor (a primary RMS_t: a frozen-then-released or gated tensor), the burst
     measures the stale moment, not a gradient the others share: Adam's instability first.
     """
-    findings = _lr_roots(findings)
+    findings = _restart_explains(_lr_roots(findings))
     stale = {f.subject for f in findings if f.kind == "rms_t" and f.primary}
     quiet = quiet_replay(findings)
     if not stale and not quiet:
@@ -126,6 +126,35 @@ def _lr_roots(findings: Sequence[Finding]) -> list[Finding]:
             f = dataclasses.replace(f, metrics={**f.metrics, "root": "lr_too_high"})
         out.append(f)
     return out
+
+
+def _restart_explains(findings: Sequence[Finding]) -> list[Finding]:
+    """A replay that lands on the log only with a fresh optimizer at a resume explains the
+    optimizer's step counter: it counted from the resume, so steps the counter seems to
+    have skipped (`skipped_steps`, read as a loss scaler's) were never skipped."""
+    fresh = next(
+        (
+            f
+            for f in findings
+            if f.kind == "replay_variant_lands" and "optimizer_state_lost" in f.supports
+        ),
+        None,
+    )
+    if fresh is None:
+        return list(findings)
+    return [
+        dataclasses.replace(
+            f,
+            severity="info",
+            supports=(),
+            metrics={**f.metrics, "explained_by": "optimizer_state_lost"},
+            message=f"{f.message}; explained: a fresh optimizer counted its steps from the resume "
+            f"at step {fresh.metrics.get('resume_step')} (the replay lands on the log with it)",
+        )
+        if f.kind == "skipped_steps"
+        else f
+        for f in findings
+    ]
 
 
 def related(a: str, b: str) -> bool:

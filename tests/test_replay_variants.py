@@ -190,3 +190,28 @@ def test_a_group_lr_that_ends_in_an_fp16_overflow_is_the_root_and_the_overflow_i
     assert lead["supports"] == ["lr_too_high"]
     assert lead["metrics"]["consequence"]["step"] == t["first_bad_step"]
     assert f"the root of the fp16 overflow of {t['overflow_module']}" in v["summary"]
+
+
+@pytest.mark.parametrize(
+    "seed", [1401, 1428], ids=["weights-only-resume-tensorboard", "poison-tensorboard"]
+)
+def test_drawn_resumes_and_tensorboard_logs(seed: int, tmp_path: Path) -> None:
+    """Issue #42's draw axes (fixtures/draws.py `_draw_misses`): an own loop restarted at the
+    window's first checkpoint with its weights only, its log written by TensorBoard's
+    SummaryWriter in two legs (1401), and a poisoned run whose LR and loss are only in
+    TensorBoard (1428): the cause, the first bad step and the rows as planted."""
+    from fixtures.draws import draw
+
+    d = draw(seed)
+    assert d.log == "tensorboard" and d.resume == ("weights_only" if seed == 1401 else "none")
+    run = build_draw(seed, tmp_path)
+    t = truth(run)
+    assert not (run / "metrics.jsonl").exists() and len(list((run / "runs").iterdir())) >= 1
+    doc = _replay(draw_args(run))
+    v = doc["verdict"]
+    assert _causes(doc)[0] == t["cause"]
+    assert v["first_bad_step"] == t["first_bad_step"]
+    assert "silent_corruption" not in _causes(doc)
+    if t["samples"]:
+        assert sorted(x["index"] for x in v["anomalous_samples"]) == sorted(t["samples"])
+    assert doc["replay"]["config"]["metrics"]["value"] is not None  # the TensorBoard log, found

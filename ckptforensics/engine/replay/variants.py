@@ -187,19 +187,34 @@ def explain(
     check it against the log, in turn until one lands: (the variants tried, the result of the
     one that landed, None where none did). A landed result carries its own plan."""
     tried: list[Variant] = []
+    # The base's clip first; where the clip was calibrated, the other candidates too (the
+    # base chose among them under the wrong explanation: a fresh optimizer's second step
+    # depends on the clip, its first does not).
+    clips = [clip, *[c for c, _ in p.clips if c != clip]]
     for sus in suspects(p):
         q = sus.edit(p)
-        if progress is not None:
-            progress(f"variant: {sus.name}")
-        result = run_window(q, clip, progress)
-        result.check = check_against_log(
-            result.records, q.logged, q.precision, q.batches.micro_batch_size, clip
-        )
-        lands, upto, miss = _outcome(result.check, q.steps)
-        tried.append(Variant(sus.name, sus.why, sus.cause, lands, upto, miss))
-        log.info("variant %s: %s", sus.name, "lands on the log" if lands else f"misses at {miss}")
-        if lands:
-            result.config = q.config(clip, base.config.get("clip", {}).get("source", ""))
-            result.logged, result.baseline, result.plan = base.logged, base.baseline, q
-            return tried, result  # the first that lands is the finding: the rest need no replay
+        best: Variant | None = None
+        for c in clips:
+            if progress is not None:
+                progress(f"variant: {sus.name}, clip {c if c is not None else 'none'}")
+            result = run_window(q, c, progress)
+            result.check = check_against_log(
+                result.records, q.logged, q.precision, q.batches.micro_batch_size, c
+            )
+            lands, upto, miss = _outcome(result.check, q.steps)
+            note = f"clip {c if c is not None else 'none'}"
+            v = Variant(sus.name, sus.why, sus.cause, lands, upto, miss, note)
+            log.info(
+                "variant %s (%s): %s", sus.name, note, "lands" if lands else f"misses at {miss}"
+            )
+            if lands:
+                tried.append(v)
+                src = "the variant's: the clip under which it lands on the log"
+                result.config = q.config(c, src)
+                result.logged, result.baseline, result.plan = base.logged, base.baseline, q
+                return tried, result  # the first that lands is the finding: the rest need no replay
+            if best is None or (v.matched_to or 0) > (best.matched_to or 0):
+                best = v
+        assert best is not None
+        tried.append(best)
     return tried, None

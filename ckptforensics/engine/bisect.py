@@ -36,8 +36,10 @@ class BisectResult:
     Attributes:
         first_bad_step: first robust outlier of the replayed window (None: no spike).
         rows: culprit rows of that batch: the minimal set whose removal removes the
-            spike, with every row the per-sample evidence flags.
+            spike, with every row the per-sample evidence flags that carries a share of it.
         minimal_rows: the minimal removal set alone.
+        unusual: rows flagged or taken in that carry no share of the spike when removed one
+            at a time (`confirm_rows`): unusual, not culprits.
         presence_spikes: the minimal set alone, with healthy filler rows, still spikes.
         sample_ids: dataset ids of `rows` (batch log `/sample_id`), when recorded.
         replays: forward+backward evaluations spent on sample bisection; budget: 2 k log2(B) + 4.
@@ -48,6 +50,7 @@ class BisectResult:
     first_bad_step: int | None
     rows: list[int] = field(default_factory=list)
     minimal_rows: list[int] = field(default_factory=list)
+    unusual: list[int] = field(default_factory=list)
     presence_spikes: bool | None = None
     sample_ids: list[int] = field(default_factory=list)
     replays: int = 0
@@ -205,6 +208,7 @@ def bisect(
         res.minimal_rows = sorted(culprits)
         res.presence_spikes = spikes(culprits, f"only {sorted(culprits)}")
         res.rows = sorted(culprits | flagged)
+        res.unusual = []
         k = max(1, len(res.rows))
         res.budget = int(2 * k * math.ceil(math.log2(max(n, 2))) + 4)
         ids = p.batches.sample_ids.get(s)
@@ -213,6 +217,17 @@ def bisect(
             res.texts = decode_rows(tokenizer, batch["input_ids"], res.rows)
     finally:
         sess.close()
+    if len(res.rows) > 1:
+        # A row is a culprit only where removing it changes the spike (`confirm_rows`): the
+        # flagged rows the minimal set did not need, and any the search took in on its way,
+        # are listed apart as unusual when they carry no share of it (issue #42).
+        check = confirm_rows(rep, s, res.rows, progress)
+        if check is not None and check.removes_spike and check.culprits:
+            res.unusual = check.unusual
+            res.rows = check.culprits
+            ids = p.batches.sample_ids.get(s)
+            res.sample_ids = [ids[i] for i in res.rows] if ids else []
+            res.texts = {i: t for i, t in res.texts.items() if i in res.rows}
     return res, rep
 
 

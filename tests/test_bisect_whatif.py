@@ -113,12 +113,18 @@ def _whatif(run: Path, *tries: str, doc: bool = False) -> dict:
 
 
 def test_whatif_skipping_the_poisoned_rows_holds(zoo: dict[str, Path]) -> None:
-    w = _whatif(zoo["poison_batch"], "clip=0.5", "skip_samples=auto")
+    doc = _whatif(zoo["poison_batch"], "clip=0.5", "skip_samples=auto", doc=True)
+    w = doc["whatif"]
     out = {o["mitigation"]: o for o in w["outcomes"]}
     assert not out["baseline"]["on_track"]
     assert out["skip_samples=auto"]["on_track"]
     assert w["recommended"] == "skip_samples=auto"
     assert sorted(w["auto_rows"]["35"]) == truth(zoo["poison_batch"])["samples"]
+    # the action names the samples to skip, not "auto" (issue #46 item 13)
+    ids = ", ".join(str(i) for i in w["auto_sample_ids"]["35"])
+    (action,) = doc["verdict"]["recommended_actions"]
+    assert action.startswith("Resume from ")
+    assert action.endswith(f" with skip_samples=auto (samples {ids} of step 35).")
 
 
 def test_whatif_lowering_the_lr_holds_the_lr_jump(zoo: dict[str, Path]) -> None:

@@ -189,10 +189,11 @@ def test_truncated_torch_file(zoo: dict[str, Path], tmp_path: Path) -> None:
 
 
 def test_different_parameter_sets(zoo: dict[str, Path]) -> None:
+    # two runs' checkpoints, a window apart (one step each: the same step is an empty window)
     r = invoke(
         "diff",
         "--before",
-        str(zoo["healthy"] / "step_30.pt"),
+        str(zoo["healthy"] / "step_20.pt"),
         "--after",
         str(zoo["lightning"] / "epoch=0-step=30.ckpt"),
     )
@@ -430,6 +431,21 @@ def test_progress_in_a_log_file_is_plain_lines_naming_unit_and_total(
         r"diff: 1 of 40 tensors \(2%\): transformer\.wte\.weight \[0:\d\d\]", lines[0]
     )
     assert re.fullmatch(r"diff: 40 of 40 tensors \(100%\): .+ \[0:\d\d\]", lines[-1])
+
+
+def test_plan_names_its_own_directory_for_the_recovery_check(
+    zoo: dict[str, Path], tmp_path: Path
+) -> None:
+    """With --out, the recovery command the plan prints names that directory, not a
+    placeholder (issue #46 item 13)."""
+    run = zoo["poison_batch"]
+    out = tmp_path / "plan"
+    r = invoke(
+        "plan", "--run-dir", str(run), "--before", "30", "--after", "35", "--out", str(out),
+        "--batch", str(run / "batches.h5"), "--model", "fixtures/tinygpt.py:factory",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert f"--plan {out}" in r.stdout and "PLAN_DIR" not in r.stdout
 
 
 def test_plan_prints_the_plan_in_plain_words_and_strict_exits_1(zoo: dict[str, Path]) -> None:

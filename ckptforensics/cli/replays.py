@@ -341,6 +341,7 @@ def plan_cmd(
 
         echo_verdict(rep.doc)
         click.echo("")
-        for line in plain_lines(plan_blocks(rep.plan, None if reports else str(run_dir))):
+        rd = None if reports else str(run_dir)
+        for line in plain_lines(plan_blocks(rep.plan, rd, str(out) if out else None)):
             click.echo(line)
     finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on, verdict=False)

@@ -119,7 +119,7 @@ def _whatif(
         before=str(cfg.before),
         n_steps=n_steps,
         outcome=msg,
-        recommended=best,
+        recommended=_named(best, auto_ids),
         baseline_on_track=bool(info["baseline_on_track"]),
     )
     section = {
@@ -146,3 +146,15 @@ def _step_of(path: Path) -> int:
         if c.step is None:
             raise ForensicsError(f"{path}: the checkpoint does not record its step")
         return c.step
+
+
+def _named(best: str | None, auto_ids: dict[int, list[Any]]) -> str | None:
+    """The recommended mitigation as a user applies it: `skip_samples=auto` names the samples
+    bisect found ("skip_samples=auto (samples 273, 276, 278 of step 35)")."""
+    if best is None or "skip_samples=auto" not in best or not auto_ids:
+        return best
+    named = "; ".join(
+        f"samples {', '.join(str(i) for i in ids)} of step {s}"
+        for s, ids in sorted(auto_ids.items())
+    )
+    return f"{best} ({named})"

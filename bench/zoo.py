@@ -371,7 +371,10 @@ def score_draw(seed: int, root: Path) -> dict[str, Any]:
         or built.get("optimizer", "adamw") != draw(seed).optimizer
     ):
         shutil.rmtree(run, ignore_errors=True)
-        build_draw(seed, root)
+        try:
+            build_draw(seed, root)
+        except AssertionError as e:  # the planted incident did not happen: no truth to score
+            return {"seed": seed, "unbuilt": str(e)}
     truth = json.loads((run / "truth.json").read_text())
     r = run_incident(run, root.parent / f"{root.name}-reports")
     log = find_metrics(run)  # HF Trainer draws keep only the Trainer's own trainer_state.json
@@ -421,6 +424,8 @@ def score_draws(
             rows = list(pool.map(score_draw, todo, [root] * len(todo)))
     else:
         rows = [score_draw(seed, root) for seed in todo]
+    unbuilt = [x for x in rows if "unbuilt" in x]
+    rows = [x for x in rows if "unbuilt" not in x]
 
     def rate(key: str) -> str:
         vals = [x[key] for x in rows if x[key] is not None]
@@ -441,6 +446,10 @@ def score_draws(
         "silent_corruption where the truth is not a fault": str(
             sum(x["got"] == "silent_corruption" and x["cause"] != "silent_corruption" for x in rows)
         ),
+        "not built (the planted incident did not happen)": ", ".join(
+            f"{x['seed']} ({x['unbuilt'].split(': ', 1)[-1]})" for x in unbuilt
+        )
+        or "none",
         "hardware faults named": rate_of(
             [x["cause_ok"] for x in rows if x["cause"] == "silent_corruption"]
         ),

@@ -8,6 +8,7 @@ that is not here is refused.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import cache
 from typing import Any
 
@@ -19,6 +20,8 @@ __all__ = [
     "safe_load_globals",
     "allowed_names",
     "dcp_inert_classes",
+    "register_safe_globals",
+    "register_dcp_globals",
     "ALLOWLIST",
     "DCP_ALLOWLIST",
 ]
@@ -54,46 +57,15 @@ class InertDict(dict):
             self.update(state)
 
 
-# (module, qualname, base): dict subclasses keep dict semantics, the rest are records.
-ALLOWLIST: tuple[tuple[str, str, type], ...] = (
-    ("lightning.fabric.utilities.data", "AttributeDict", InertDict),
-    ("lightning_fabric.utilities.data", "AttributeDict", InertDict),
-    ("pytorch_lightning.utilities.parsing", "AttributeDict", InertDict),
-    ("argparse", "Namespace", InertRecord),
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler", InertRecord),
-    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler", InertRecord),
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum", InertRecord),
-    ("deepspeed.utils.tensor_fragment", "fragment_address", InertRecord),
-    ("deepspeed.checkpoint.utils", "fragment_address", InertRecord),
-    # Enums in Megatron's `args` (every real save has them; `signal.Signals` is exit_signal).
-    ("megatron.core.enums", "ModelType", InertRecord),
-    ("megatron.core.transformer.enums", "AttnBackend", InertRecord),
-    ("megatron.core.transformer.enums", "AttnMaskType", InertRecord),
-    ("megatron.core.transformer.enums", "InferenceCudaGraphScope", InertRecord),
-    ("megatron.core.transformer.enums", "CudaGraphScope", InertRecord),
-    ("megatron.core.rerun_state_machine", "RerunMode", InertRecord),
-    ("megatron.core.rerun_state_machine", "RerunState", InertRecord),
-    ("signal", "Signals", InertRecord),
-    # HF Trainer's training_args.bin: the TrainingArguments dataclass, its str enums, and the
-    # accelerate state records it holds (transformers 4.4x-5.x).
-    ("transformers.training_args", "TrainingArguments", InertRecord),
-    ("transformers.training_args", "OptimizerNames", InertRecord),
-    ("transformers.training_args", "ParallelMode", InertRecord),
-    ("transformers.trainer_utils", "SchedulerType", InertRecord),
-    ("transformers.trainer_utils", "IntervalStrategy", InertRecord),
-    ("transformers.trainer_utils", "SaveStrategy", InertRecord),
-    ("transformers.trainer_utils", "HubStrategy", InertRecord),
-    ("transformers.trainer_utils", "FSDPOption", InertRecord),
-    ("transformers.debug_utils", "DebugOption", InertRecord),
-    ("transformers.trainer_pt_utils", "AcceleratorConfig", InertRecord),
-    ("accelerate.state", "PartialState", InertRecord),
-    ("accelerate.utils.dataclasses", "DistributedType", InertRecord),
-)
+# (module, qualname, base): dict subclasses keep dict semantics, the rest are records. The
+# generic ones are here; each trainer's `checkpoint.py` registers the classes its trainer pickles
+# (`register_safe_globals`), so that the allowlist is whole once `trainers` has loaded.
+ALLOWLIST: tuple[tuple[str, str, type], ...] = (("argparse", "Namespace", InertRecord),)
 
 
 # Records that DCP `.metadata` files pickle beside torch's own metadata classes: megatron-core
-# 0.19 keeps its cached SavePlan (torch's planner records), OLMo-core 3.0 its own
-# `_StorageInfo` (relative_path, offset, length, ...). Read by their fields, never imported.
+# 0.19 keeps its cached SavePlan (torch's planner records); a trainer's own records are
+# registered by its `checkpoint.py` (`register_dcp_globals`). Read by their fields, never imported.
 DCP_ALLOWLIST: tuple[tuple[str, str, type], ...] = tuple(
     ("torch.distributed.checkpoint.planner", n, InertRecord)
     for n in (
@@ -106,23 +78,56 @@ DCP_ALLOWLIST: tuple[tuple[str, str, type], ...] = tuple(
         "ReadItem",
         "LoadItemType",
     )
-) + (("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo", InertRecord),)
+)
 
 
-def _stand_ins(entries: tuple[tuple[str, str, type], ...]) -> list[type]:
-    return [type(q, (base,), {"__module__": m, "__qualname__": q}) for m, q, base in entries]
+Entry = tuple[str, str, type]
 
 
-@cache
+def _stand_in(module: str, qualname: str, base: type) -> type:
+    if base not in (InertRecord, InertDict):
+        raise ValueError(f"{module}.{qualname}: a stand-in's base is InertRecord or InertDict")
+    return type(qualname, (base,), {"__module__": module, "__qualname__": qualname})
+
+
+# (module, qualname) -> its stand-in: torch.load's allowlist and the DCP metadata unpickler's.
+_TORCH: dict[tuple[str, str], type] = {(m, q): _stand_in(m, q, b) for m, q, b in ALLOWLIST}
+_DCP: dict[tuple[str, str], type] = {(m, q): _stand_in(m, q, b) for m, q, b in DCP_ALLOWLIST}
+
+
+def _add(table: dict[tuple[str, str], type], entries: Iterable[Entry]) -> None:
+    for module, qualname, base in entries:
+        had = table.get((module, qualname))
+        if had is not None:
+            if had.__mro__[1] is not base:
+                raise ValueError(
+                    f"{module}.{qualname} is already allowed as a {had.__mro__[1].__name__}"
+                )
+            continue
+        table[(module, qualname)] = _stand_in(module, qualname, base)
+    allowed_names.cache_clear()
+
+
+def register_safe_globals(entries: Iterable[Entry]) -> None:
+    """Admit classes a trainer pickles into its torch.save files, each as an inert stand-in
+    named as the original: (module, qualname, InertRecord or InertDict). Nothing is imported
+    and nothing pickled is ever called; a class registered by no one is refused."""
+    _add(_TORCH, entries)
+
+
+def register_dcp_globals(entries: Iterable[Entry]) -> None:
+    """Admit records a trainer pickles into DCP `.metadata` files (see `register_safe_globals`)."""
+    _add(_DCP, entries)
+
+
 def inert_globals() -> list[type]:
     """Stand-in classes, named as the originals, for torch's safe_globals."""
-    return _stand_ins(ALLOWLIST)
+    return list(_TORCH.values())
 
 
-@cache
 def dcp_inert_classes() -> dict[tuple[str, str], type]:
     """(module, name) -> stand-in, for the DCP metadata unpickler."""
-    return {(c.__module__, c.__qualname__): c for c in _stand_ins(DCP_ALLOWLIST)}
+    return dict(_DCP)
 
 
 # numpy kinds that hold plain numbers, bytes or text. Object ('O') and structured void ('V')

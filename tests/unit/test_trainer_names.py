@@ -56,12 +56,12 @@ ALLOWED: dict[str, int] = {
     "engine/replay/run.py": 1,
     "engine/replay/session.py": 1,
     "engine/replay/window.py": 3,
-    # formats/: the classes trainers pickle (the inert unpickler's allowlist), the torch.save
-    # flavours (Lightning, LitGPT, nanoGPT). (OLMo-core's and torchtitan's records beside their
-    # DCP files are read in trainers/, `formats.dcp.register_dcp_records`; HF's decay groups
-    # are registered from trainers/hf, `formats.optstate.register_group_rule`.)
+    # formats/: the torch.save flavours (Lightning, LitGPT, nanoGPT). (The classes trainers
+    # pickle are registered from each trainer's checkpoint.py, `formats.inert.register_safe_globals`;
+    # OLMo-core's and torchtitan's records beside their DCP files are read in trainers/,
+    # `formats.dcp.register_dcp_records`; HF's decay groups are registered from trainers/hf,
+    # `formats.optstate.register_group_rule`.)
     "formats/__init__.py": 6,
-    "formats/inert.py": 16,
     "formats/torchsave.py": 13,
     # optim/: the libraries that implement a family (transformers' Adafactor, DeepSpeed's and
     # apex's Adam and LAMB): an optimizer's own implementations, not a trainer's knowledge.

@@ -25,6 +25,7 @@ from ckptforensics.formats.base import (
     OptimizerView,
     TensorMeta,
 )
+from ckptforensics.formats.inert import InertRecord, register_safe_globals
 from ckptforensics.formats.optstate import group_hyper, map_optimizer
 from ckptforensics.formats.statedict import add_state_dict, attach_optimizer, to_plain
 from ckptforensics.formats.torchfile import load_torch_file, torch_file_problem
@@ -450,4 +451,16 @@ register(
     lambda p: p.is_dir() and is_deepspeed_dir(p),
     order=30,
     complete=deepspeed_completeness,
+)
+
+
+# The DeepSpeed classes its files pickle, admitted as inert records by the restricted unpickler.
+register_safe_globals(
+    [
+        ("deepspeed.runtime.fp16.loss_scaler", "LossScaler", InertRecord),
+        ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler", InertRecord),
+        ("deepspeed.runtime.zero.config", "ZeroStageEnum", InertRecord),
+        ("deepspeed.utils.tensor_fragment", "fragment_address", InertRecord),
+        ("deepspeed.checkpoint.utils", "fragment_address", InertRecord),
+    ]
 )

@@ -26,6 +26,7 @@ from ckptforensics.formats.base import (
     TensorMeta,
 )
 from ckptforensics.formats.dcp import DcpStore, getter, read_metadata
+from ckptforensics.formats.inert import InertRecord, register_safe_globals
 from ckptforensics.formats.optstate import group_hyper, optimizer_kind
 from ckptforensics.formats.statedict import (
     add_state_dict,
@@ -45,6 +46,22 @@ __all__ = [
 ]
 
 TRACKER = "latest_checkpointed_iteration.txt"
+
+
+# Enums in Megatron's `args` (every real save has them; `signal.Signals` is exit_signal),
+# admitted as inert records by the restricted unpickler.
+register_safe_globals(
+    [
+        ("megatron.core.enums", "ModelType", InertRecord),
+        ("megatron.core.transformer.enums", "AttnBackend", InertRecord),
+        ("megatron.core.transformer.enums", "AttnMaskType", InertRecord),
+        ("megatron.core.transformer.enums", "InferenceCudaGraphScope", InertRecord),
+        ("megatron.core.transformer.enums", "CudaGraphScope", InertRecord),
+        ("megatron.core.rerun_state_machine", "RerunMode", InertRecord),
+        ("megatron.core.rerun_state_machine", "RerunState", InertRecord),
+        ("signal", "Signals", InertRecord),
+    ]
+)
 
 
 def _rank_files(path: Path) -> list[Path]:

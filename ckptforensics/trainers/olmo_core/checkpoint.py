@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ckptforensics.formats.base import Checkpoint, json_problem
 from ckptforensics.formats.dcp import DCP_RULE, register_dcp_layout, register_dcp_records
+from ckptforensics.formats.inert import InertRecord, register_dcp_globals
 from ckptforensics.formats.torchfile import load_torch_file, torch_file_problem
 
 
@@ -95,3 +96,8 @@ def olmo_records(ckpt: Checkpoint, path: Path) -> int | None:
 
 
 register_dcp_records(olmo_records)
+
+
+# OLMo-core 3.0's own `_StorageInfo` (relative_path, offset, length, ...) in its DCP
+# `.metadata`, admitted as an inert record by the DCP metadata unpickler.
+register_dcp_globals([("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo", InertRecord)])

@@ -40,7 +40,7 @@ from ckptforensics.formats.registry import (
 )
 from ckptforensics.formats.safetensors_file import open_safetensors, safetensors_completeness
 from ckptforensics.formats.torchfile import is_torch_zip, torch_file_completeness
-from ckptforensics.formats.torchsave import open_torch_file
+from ckptforensics.formats.torchsave import open_torch_file, torch_flavours
 from ckptforensics.formats.verify import Verification, verify_files
 
 __all__ = [
@@ -89,12 +89,13 @@ register(
     order=80,
     complete=safetensors_completeness,
 )
-for _flavour in ("torch", "nanogpt", "lightning", "litgpt"):
-    register(
-        _flavour,
-        lambda p, f=_flavour: open_torch_file(p, f),
-        complete=lambda p, f=_flavour: torch_file_completeness(p, f),
-    )
+# Plain torch.save files; the trainers' flavours of them register from trainers/
+# (`formats.torchsave.register_flavour`).
+register(
+    "torch",
+    lambda p: open_torch_file(p, "torch"),
+    complete=lambda p: torch_file_completeness(p, "torch"),
+)
 
 
 def sniff(path: Path) -> str:
@@ -170,11 +171,7 @@ def _target(p: Path, format: str | None) -> tuple[Path, str]:
         load_plugins()
         if format not in FORMATS:
             raise UnknownFormat(f"unknown format {format!r}; known: {', '.join(sorted(FORMATS))}")
-        inner = (
-            single_file(p)
-            if p.is_dir() and format in ("torch", "nanogpt", "lightning", "litgpt")
-            else None
-        )
+        inner = single_file(p) if p.is_dir() and format in torch_flavours() else None
         return inner or p, format
     kind = sniff(p)
     if kind == "torch-file":

@@ -76,10 +76,12 @@ from ckptforensics.trainers.hf import logs as _hf_logs  # noqa: F401
 from ckptforensics.trainers.hf.data import open_dataset
 from ckptforensics.trainers.lightning import checkpoint as _lightning_checkpoint  # noqa: F401
 from ckptforensics.trainers.lightning import logs as _lightning_logs  # noqa: F401
+from ckptforensics.trainers.loop import checkpoint as _loop_checkpoint  # noqa: F401
 from ckptforensics.trainers.loop import logs as _loop_logs  # noqa: F401
 from ckptforensics.trainers.megatron import checkpoint as _megatron_checkpoint  # noqa: F401
 from ckptforensics.trainers.megatron import logs as _megatron_logs  # noqa: F401
 from ckptforensics.trainers.megatron import saves as _megatron_saves  # noqa: F401
+from ckptforensics.trainers.nanogpt import checkpoint as _nanogpt_checkpoint  # noqa: F401
 from ckptforensics.trainers.olmo_core import checkpoint as _olmo_checkpoint  # noqa: F401
 from ckptforensics.trainers.olmo_core import logs as _olmo_logs  # noqa: F401
 from ckptforensics.trainers.olmo_core.skipstep import SkipRule, skip_optimizer, skip_rule

@@ -22,7 +22,7 @@ TRAINER = re.compile(
 )
 
 # What is left, per file (path under ckptforensics/): the count of occurrences, which may only
-# go down (lower it here when you remove one). Nothing under logs/ or formats/locate.py.
+# go down (lower it here when you remove one). Nothing under logs/ or formats/.
 ALLOWED: dict[str, int] = {
     # Help text (what --model, --data, --collator, --labels, --tokenizer and --metrics take from
     # each trainer): the CLI cannot ask the registry for it, which imports torch (`--help` must not).
@@ -56,13 +56,10 @@ ALLOWED: dict[str, int] = {
     "engine/replay/run.py": 1,
     "engine/replay/session.py": 1,
     "engine/replay/window.py": 3,
-    # formats/: the torch.save flavours (Lightning, LitGPT, nanoGPT). (The classes trainers
-    # pickle are registered from each trainer's checkpoint.py, `formats.inert.register_safe_globals`;
-    # OLMo-core's and torchtitan's records beside their DCP files are read in trainers/,
-    # `formats.dcp.register_dcp_records`; HF's decay groups are registered from trainers/hf,
-    # `formats.optstate.register_group_rule`.)
-    "formats/__init__.py": 6,
-    "formats/torchsave.py": 13,
+    # Nothing under formats/: each trainer's checkpoint.py registers its torch.save flavour
+    # (`formats.torchsave.register_flavour`), the classes it pickles
+    # (`formats.inert.register_safe_globals`), its records beside DCP files
+    # (`formats.dcp.register_dcp_records`), HF's decay groups (`formats.optstate.register_group_rule`).
     # optim/: the libraries that implement a family (transformers' Adafactor, DeepSpeed's and
     # apex's Adam and LAMB): an optimizer's own implementations, not a trainer's knowledge.
     "optim/adafactor.py": 6,

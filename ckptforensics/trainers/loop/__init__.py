@@ -8,7 +8,6 @@ come from a batch log or the flight recorder.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +26,7 @@ from ckptforensics.trainers.base import (
     skip_json,
     value_at,
 )
+from ckptforensics.trainers.loop.checkpoint import hyperparameters
 
 if TYPE_CHECKING:
     from torch import nn
@@ -35,7 +35,6 @@ NAME = "loop"
 TITLE = "training loop"
 
 _DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
-log = logging.getLogger(__name__)
 
 
 def owns(ck: Checkpoint) -> bool:
@@ -137,21 +136,6 @@ def model(ck: Checkpoint) -> tuple[nn.Module, str] | None:
     ), "litgpt.GPT from model_config.yaml"
 
 
-def _hyperparameters(path: Path) -> dict[str, Any] | None:
-    """LitGPT's `hyperparameters.yaml` (the run's arguments) beside the checkpoint file."""
-    f = path / "hyperparameters.yaml" if path.is_dir() else path.parent / "hyperparameters.yaml"
-    if not f.is_file():
-        return None
-    try:
-        import yaml  # PyYAML: optional (it comes with LitGPT, Lightning and transformers)
-
-        doc = yaml.safe_load(f.read_text())
-    except Exception:  # an unreadable side file: the settings it holds stay unknown
-        log.debug("hyperparameters.yaml not read", exc_info=True)
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
 def _precision(doc: dict[str, Any]) -> tuple[str, str] | None:
     """`precision: bf16-mixed` / `16-mixed` / `bf16-true` as a precision mode."""
     lit = str(value_at(doc, ("precision",)) or "")
@@ -164,7 +148,7 @@ def recorded(ck: Checkpoint) -> Recorded | None:
     """LitGPT's hyperparameters.yaml: `train.max_norm`, `train.lr_warmup_steps`,
     `train.max_steps`, `precision`."""
 
-    doc = _hyperparameters(Path(ck.path))
+    doc = hyperparameters(Path(ck.path))
     if doc is None:
         return None
     warm = first_number("litgpt", doc, (("train", "lr_warmup_steps"),))

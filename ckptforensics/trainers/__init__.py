@@ -73,6 +73,7 @@ from ckptforensics.trainers.deepspeed import checkpoint as _deepspeed_checkpoint
 from ckptforensics.trainers.hf import checkpoint as _hf_checkpoint  # noqa: F401
 from ckptforensics.trainers.hf import fsdp as _hf_fsdp  # noqa: F401
 from ckptforensics.trainers.hf import logs as _hf_logs  # noqa: F401
+from ckptforensics.trainers.hf.config_model import config_model
 from ckptforensics.trainers.hf.data import open_dataset
 from ckptforensics.trainers.lightning import checkpoint as _lightning_checkpoint  # noqa: F401
 from ckptforensics.trainers.lightning import logs as _lightning_logs  # noqa: F401
@@ -84,12 +85,20 @@ from ckptforensics.trainers.megatron import saves as _megatron_saves  # noqa: F4
 from ckptforensics.trainers.nanogpt import checkpoint as _nanogpt_checkpoint  # noqa: F401
 from ckptforensics.trainers.olmo_core import checkpoint as _olmo_checkpoint  # noqa: F401
 from ckptforensics.trainers.olmo_core import logs as _olmo_logs  # noqa: F401
-from ckptforensics.trainers.olmo_core.skipstep import SkipRule, skip_optimizer, skip_rule
+from ckptforensics.trainers.olmo_core.skipstep import (
+    SkipRule,
+    hold_step_counter,
+    restore_step_counter,
+    skip_optimizer,
+    skip_rule,
+)
 from ckptforensics.trainers.torchtitan import checkpoint as _torchtitan_checkpoint  # noqa: F401
 
 # Besides the registry, what the replay and the diff call that one trainer's module implements,
 # exported here so that the engine names no trainer: `open_dataset` (a dataset on disk that a
-# batch log's sample ids index: HF `datasets`), `SkipRule`, `skip_rule` and `skip_optimizer` (an
+# batch log's sample ids index: HF `datasets`), `config_model` (a model transformers builds from
+# a config.json), `require_rebuilt_match` (rebuilt batches checked against the logged loss),
+# `SkipRule`, `skip_rule`, `skip_optimizer`, `hold_step_counter` and `restore_step_counter` (an
 # optimizer that skips outlier steps on its own: OLMo-core's SkipStep).
 __all__ = [
     "Settings",
@@ -104,6 +113,7 @@ __all__ = [
     "planner_for",
     "hook",
     "log_aliases",
+    "convention_of",
     "config_clip",
     "PLANNERS",
     "LOG_ORDER",
@@ -119,6 +129,9 @@ __all__ = [
     "SkipRule",
     "skip_rule",
     "skip_optimizer",
+    "hold_step_counter",
+    "restore_step_counter",
+    "config_model",
 ]
 
 # The trainer packages by name: one line a trainer.
@@ -176,6 +189,12 @@ def hook(ck: Checkpoint, name: str) -> Callable[..., Any] | None:
     if name not in HOOKS:
         raise KeyError(f"{name!r} is not a framework hook ({', '.join(HOOKS)})")
     return getattr(framework_for(ck), name, None)
+
+
+def convention_of(name: str) -> str:
+    """Whom the replay's messages cite for the convention `name` (each trainer's `CONVENTIONS`,
+    in `PLANNERS` order, joined): the trainers that follow it, in their own words."""
+    return ", ".join(m.CONVENTIONS[name] for m in _planners() if name in getattr(m, "CONVENTIONS", {}))
 
 
 def log_aliases(ours: Sequence[str]) -> dict[str, tuple[str, ...]]:

@@ -149,11 +149,16 @@ class Framework(Planner, Protocol):
             with the step as its one group, its place in `formats.locate`'s listing) (optional).
         CHECKPOINT_DIRS: globs in the run directory of the folders the trainer keeps its
             checkpoints in, beside `checkpoints/` (optional).
+        CONVENTIONS: a convention the replay measures or tries (`unshifted_labels`: labels are
+            the inputs, shifted inside the loss; `last_micro_batch_loss`: the logged loss is
+            the step's last micro-batch's) -> how its messages cite the trainer for it
+            (optional; `trainers.convention_of`).
     """
 
     LOG_NAMES: dict[str, tuple[str, ...]]
     STEP_NAMES: tuple[tuple[str, str, float], ...]
     CHECKPOINT_DIRS: tuple[str, ...]
+    CONVENTIONS: dict[str, str]
 
     def model(self, ck: Checkpoint) -> tuple[nn.Module, str] | None:
         """The model the run's recorded config describes, and how it was built."""

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ckptforensics.core.errors import ForensicsError
+from ckptforensics.trainers import convention_of
 
 __all__ = [
     "AGREEMENT",
@@ -73,7 +74,7 @@ class LabelConvention:
         what = (
             "next-token targets (labels[t] = input_ids[t+1])"
             if self.shifted
-            else "the inputs, shifted inside the loss (HF)"
+            else f"the inputs, shifted inside the loss ({convention_of('unshifted_labels')})"
         )
         if self.same is None:
             return f"{what}: no labels in the batches"

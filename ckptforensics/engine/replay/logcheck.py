@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptforensics.trainers import convention_of
+
 __all__ = [
     "LOSS_RTOL",
     "GRAD_RTOL",
@@ -176,7 +178,9 @@ def _loss_candidates(
             )
     means = _micro_means(recs[s], micro) if out else []
     if means:
-        out.append(("the last micro-batch's loss (nanoGPT's lossf)", means[-1]))
+        out.append(
+            (f"the last micro-batch's loss ({convention_of('last_micro_batch_loss')})", means[-1])
+        )
         out.append(("the first micro-batch's loss (one rank's)", means[0]))
     return out
 

@@ -1,7 +1,8 @@
 """Rebuild the model and its optimizer from a checkpoint, exactly as the trainer left them.
 
 The model a run's recorded config describes is its framework's (`model` hook, trainers/);
-transformers from a `config.json` and a `--model` factory are built here for every run.
+transformers from a `config.json` (`trainers.config_model`) and a `--model` factory are built
+for every run.
 Over 400 lines: the weights and the optimizer state are read into one model with one name
 map (`load_weights`, then `build_optimizer` by the same names and shards); engine/replay/session.py
 takes both from here."""
@@ -20,7 +21,7 @@ from ckptforensics.core.callables import ModelSpecError, call_factory, load_call
 from ckptforensics.core.errors import IncompatibleCheckpoints
 from ckptforensics.engine.replay.distributed import local_rows
 from ckptforensics.formats.base import Checkpoint
-from ckptforensics.trainers import hook
+from ckptforensics.trainers import config_model, hook
 from ckptforensics.trainers.base import LossNorm
 
 __all__ = [
@@ -60,7 +61,9 @@ def build_model(spec: str | None, ckpt: Checkpoint) -> tuple[nn.Module, str]:
         or spec.endswith("config.json")
         or (Path(spec).is_dir() and (Path(spec) / "config.json").is_file())
     ):
-        return _hf_model(spec, ckpt), f"transformers from {'config.json' if spec is None else spec}"
+        return config_model(
+            spec, ckpt
+        ), f"transformers from {'config.json' if spec is None else spec}"
     fn = load_callable(spec, "--model")
     model, desc = call_factory(fn, spec, ckpt.config)
     if not isinstance(model, nn.Module):
@@ -82,39 +85,6 @@ def trainer_loss_norm(model: nn.Module, ckpt: Checkpoint) -> LossNorm:
     fn = hook(ckpt, "loss_norm")
     found = fn(model, ckpt) if fn is not None else None
     return found or LossNorm("targets", "mean over the step's target tokens")
-
-
-def _hf_model(spec: str | None, ckpt: Checkpoint) -> nn.Module:
-    import json
-
-    if spec is not None:
-        path = Path(spec)
-        cfg = json.loads((path if path.is_file() else path / "config.json").read_text())
-    elif ckpt.config and "model_type" in ckpt.config:
-        cfg = ckpt.config
-    else:
-        raise ModelSpecError(
-            f"{ckpt.path}: no config.json to build the model from; pass --model module:factory"
-        )
-    try:
-        import transformers
-    except ImportError:
-        raise ModelSpecError(
-            "building the model from config.json needs transformers: pip install 'ckptforensics[hf]'"
-        ) from None
-    try:
-        config = transformers.AutoConfig.for_model(**cfg)
-        archs = cfg.get("architectures") or []
-        cls = getattr(transformers, archs[0], None) if archs else None
-        return (
-            cls(config)
-            if cls is not None
-            else transformers.AutoModelForCausalLM.from_config(config)
-        )
-    except Exception as e:  # a config transformers cannot build
-        raise ModelSpecError(
-            f"cannot build the model from config.json ({type(e).__name__}: {e})"
-        ) from None
 
 
 def _prefix_map(model_keys: list[str], ckpt_names: set[str]) -> Callable[[str], str]:

@@ -17,7 +17,7 @@ from ckptforensics.engine.replay.session import Session
 from ckptforensics.engine.replay.settle import diagnose_miss, log_score, settle
 from ckptforensics.engine.replay.variants import Variant, explain
 from ckptforensics.engine.replay.window import Plan, plan, run_window
-from ckptforensics.trainers.hf.data import require_rebuilt_match
+from ckptforensics.trainers import require_rebuilt_match
 
 __all__ = [
     "ReplayConfig",

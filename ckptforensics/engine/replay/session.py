@@ -47,7 +47,7 @@ from ckptforensics.engine.replay.records import (
 )
 from ckptforensics.engine.replay.samples import PerSampleGrad, per_token_loss
 from ckptforensics.formats.base import Checkpoint
-from ckptforensics.trainers.olmo_core import skipstep
+from ckptforensics.trainers import SkipRule, hold_step_counter, restore_step_counter
 
 __all__ = ["Session", "check_vocab"]
 
@@ -67,7 +67,7 @@ class Session:
         micro_batch_size: int | None = None,
         first: tuple[int, dict[str, torch.Tensor]] | None = None,
         scale_plan: mp.ScalePlan | None = None,
-        skip_rule: skipstep.SkipRule | None = None,
+        skip_rule: SkipRule | None = None,
     ) -> None:
         self.cfg = cfg
         # The torchrun ranks the model is sharded over (None: one process, the whole model),
@@ -357,13 +357,13 @@ class Session:
         else:
             skipped = not math.isfinite(g.total)
             held = (
-                skipstep.hold_step_counter(self.opt)
+                hold_step_counter(self.opt)
                 if self.skip_rule is not None and not self.skip_rule.step_increments
                 else None
             )
             self.opt.step()
             if held is not None:
-                skipstep.restore_step_counter(self.opt, held)
+                restore_step_counter(self.opt, held)
         rec = StepRecord(
             step=step,
             loss=g.loss,

@@ -43,6 +43,9 @@ TITLE = "HF Trainer"
 # The names it gives its checkpoints (the step as the one group) and their place in
 # `formats.locate`'s listing.
 STEP_NAMES = (("HF Trainer", r"^checkpoint-(\d+)$", 1),)
+# The conventions the replay cites it for (`trainers.convention_of`): labels are the inputs,
+# shifted inside the model's loss.
+CONVENTIONS = {"unshifted_labels": "HF"}
 
 
 def owns(ck: Checkpoint) -> bool:

@@ -30,6 +30,9 @@ from ckptforensics.trainers.base import (
 
 NAME = "nanogpt"
 TITLE = "nanoGPT train.py"
+# The conventions the replay cites it for (`trainers.convention_of`): train.py logs `lossf`,
+# the last micro-batch's loss.
+CONVENTIONS = {"last_micro_batch_loss": "nanoGPT's lossf"}
 
 _DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 

@@ -205,7 +205,7 @@ CAUSES: Mapping[str, Cause] = registry(
     ),
     Cause(
         name="silent_corruption",
-        meaning="a hardware fault: the replay from the same state and batch does not reproduce the spike, or an element moved beyond any update the optimizer can make",
+        meaning="a hardware fault: the replay from the same state and batch does not reproduce the spike, with nothing else the run's files name left open, or an element moved beyond any update the optimizer can make",
         actions=(
             "Roll back to {rollback} and resume on different hardware; quarantine the node that wrote {after}.",
             "Run `ckptforensics replay` from {rollback}: a clean replay that misses {after} confirms a hardware fault.",

@@ -194,7 +194,9 @@ def hook(ck: Checkpoint, name: str) -> Callable[..., Any] | None:
 def convention_of(name: str) -> str:
     """Whom the replay's messages cite for the convention `name` (each trainer's `CONVENTIONS`,
     in `PLANNERS` order, joined): the trainers that follow it, in their own words."""
-    return ", ".join(m.CONVENTIONS[name] for m in _planners() if name in getattr(m, "CONVENTIONS", {}))
+    return ", ".join(
+        m.CONVENTIONS[name] for m in _planners() if name in getattr(m, "CONVENTIONS", {})
+    )
 
 
 def log_aliases(ours: Sequence[str]) -> dict[str, tuple[str, ...]]:

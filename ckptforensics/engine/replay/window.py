@@ -159,9 +159,17 @@ class Plan:
                 if self.skip is not None
                 else {
                     "value": optimizer_name(self.a)
-                    + (f", fresh from step {self.fresh_from}" if self.fresh_from is not None else ""),
+                    + (
+                        f", fresh from step {self.fresh_from}"
+                        if self.fresh_from is not None
+                        else ""
+                    ),
                     "source": "checkpoint optimizer state (its family's own class)"
-                    + ("; dropped at the resume the step counters show" if self.fresh_from is not None else ""),
+                    + (
+                        "; dropped at the resume the step counters show"
+                        if self.fresh_from is not None
+                        else ""
+                    ),
                 }
             ),  # fmt: skip
             "model": {

@@ -165,7 +165,9 @@ def batches(data: str, ck: Checkpoint, collator: str | None) -> list[BatchSource
 
 
 def clip(ck: Checkpoint) -> tuple[float | None, str] | None:
-    return config_clip(ck, ("grad_clip",))  # train_module.max_grad_norm, as its checkpoint.py reads it
+    return config_clip(
+        ck, ("grad_clip",)
+    )  # train_module.max_grad_norm, as its checkpoint.py reads it
 
 
 def _experiment(path: Path) -> dict[str, Any] | None:

@@ -27,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 # Fields that name where or when a report was made, not what it found.
 VOLATILE = {
     "command",
+    "report_dir",
     "created",
     "generated_at",
     "tool_version",

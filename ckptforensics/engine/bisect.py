@@ -109,10 +109,7 @@ def bisect(
     clip = rep.config["clip"]["value"]
     sess = p.session()
     try:
-        for t in p.steps:
-            if t >= s:
-                break
-            sess.step(t, p.batches.batch(t), p.lrs[t], clip)
+        _replay_to(p, sess, s, clip)
         batch = p.batches.batch(s)
         filler_step = max((t for t in p.steps if t < s), default=None)
         if filler_step is None:
@@ -150,12 +147,7 @@ def bisect(
             the spike, and at 6 a row whose share is a third of it reads as innocent."""
             if progress is not None:
                 progress(f"bisecting step {s}: trial {res.replays + 1} of ~{res.budget}, {label}")
-            mixed = {
-                k: torch.where(_rows_mask(n, keep, v), v, filler[k][:n])
-                for k, v in batch.items()
-                if k in filler
-            }
-            loss, grad = sess.evaluate(mixed)
+            loss, grad = sess.evaluate(_mixed(batch, filler, keep))
             res.replays += 1
             z = max(float(step_z([loss], base_loss)[0]), float(step_z([grad], base_grad)[0]))
             hit = not math.isfinite(z) or z > need
@@ -229,6 +221,29 @@ def bisect(
             res.sample_ids = [ids[i] for i in res.rows] if ids else []
             res.texts = {i: t for i, t in res.texts.items() if i in res.rows}
     return res, rep
+
+
+def _replay_to(p: Any, sess: Any, step: int, clip: float | None) -> None:
+    """The plan's steps before `step`, replayed in `sess` as the replay ran them (a variant's
+    fresh optimizer included)."""
+    for t in p.steps:
+        if t >= step:
+            break
+        if t == p.fresh_from:
+            sess.reset_optimizer()
+        sess.step(t, p.batches.batch(t), p.lrs[t], clip)
+
+
+def _mixed(
+    batch: dict[str, torch.Tensor], filler: dict[str, torch.Tensor], keep: set[int]
+) -> dict[str, torch.Tensor]:
+    """The batch with the rows not in `keep` replaced by the filler batch's (its size kept)."""
+    n = batch["input_ids"].shape[0]
+    return {
+        k: torch.where(_rows_mask(n, keep, v), v, filler[k][:n])
+        for k, v in batch.items()
+        if k in filler
+    }
 
 
 def _rows_mask(n: int, keep: set[int], v: torch.Tensor) -> torch.Tensor:
@@ -311,23 +326,13 @@ def confirm_rows(
     trials: list[dict[str, Any]] = []
     sess = p.session()
     try:
-        for t in p.steps:
-            if t >= step:
-                break
-            if t == p.fresh_from:
-                sess.reset_optimizer()
-            sess.step(t, p.batches.batch(t), p.lrs[t], clip)
+        _replay_to(p, sess, step, clip)
 
         def without(out: set[int]) -> tuple[float, float, bool]:
             keep = set(range(n)) - out
             if progress is not None:
                 progress(f"rows of step {step}: trial {len(trials) + 1}, without {sorted(out)}")
-            mixed = {
-                k: torch.where(_rows_mask(n, keep, v), v, filler[k][:n])
-                for k, v in batch.items()
-                if k in filler
-            }
-            loss, grad = sess.evaluate(mixed)
+            loss, grad = sess.evaluate(_mixed(batch, filler, keep))
             zs = [float(step_z([loss], base_loss)[0])]
             if base_grad:
                 zs.append(float(step_z([grad], base_grad)[0]))

@@ -14,6 +14,7 @@ import click
 
 from ckptforensics.cli.progress import mode_of, progress
 from ckptforensics.cli.quiet import libraries
+from ckptforensics.core.errors import ForensicsError
 
 __all__ = [
     "command_line",
@@ -74,7 +75,6 @@ def count_tensors(path: Path, fmt: str | None, quiet: bool = False) -> int:
     if quiet or mode_of(sys.stderr) == "off":
         return 0
     from ckptforensics.checkpoints import open_checkpoint
-    from ckptforensics.core.errors import ForensicsError
 
     try:
         with open_checkpoint(path, fmt) as ck:

@@ -19,6 +19,7 @@ from ckptforensics.cli.common import (
 )
 from ckptforensics.cli.group import cli
 from ckptforensics.cli.params import out_option, replay_options, run_dir_option, strict_options
+from ckptforensics.cli.terminal import plain_lines
 from ckptforensics.core.options import ReplayOptions
 
 
@@ -336,7 +337,6 @@ def plan_cmd(
                         return
                 written = rep.save(out) if out else []
     if not as_json:  # the verdict, as every command prints it, then the plan in plain words
-        from ckptforensics.cli.terminal import plain_lines
         from ckptforensics.report.plan import plan_blocks
 
         echo_verdict(rep.doc)

@@ -19,7 +19,6 @@ from ckptforensics.engine.diff import (
     DiffResult,
     PairInfo,
     TensorDiff,
-    adam_step,
     diff_tensor,
     load_kernels,
     prefetch,
@@ -27,6 +26,7 @@ from ckptforensics.engine.diff import (
     shard,
     tensor_role,
 )
+from ckptforensics.engine.diff.records import optimizer_steps
 from ckptforensics.formats import integrity
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.formats.optstate import FAMILIES
@@ -71,10 +71,6 @@ def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
             f"param groups differ: {len(oa.groups)} in {a.path}, {len(ob.groups)} in {b.path}"  # type: ignore[union-attr]
         )
 
-    def steps(o: Any) -> int | None:
-        vals = [s for s in (adam_step(st) for st in o.state.values()) if s is not None] if o else []
-        return max(vals) if vals else None
-
     if not weights_only and ob is not None and any(g.family == "adam8bit" for g in ob.groups):
         notes.append(_quantised_note(ob))
 
@@ -87,8 +83,8 @@ def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
     return PairInfo(
         step_a=a.step,
         step_b=b.step,
-        adam_step_a=steps(oa),
-        adam_step_b=steps(ob),
+        adam_step_a=optimizer_steps(oa),
+        adam_step_b=optimizer_steps(ob),
         loss_scale_a=scalar(a.scalars.get("loss_scale")),
         loss_scale_b=scalar(b.scalars.get("loss_scale")),
         lr_a=tuple(g.lr for g in oa.groups) if oa else (),

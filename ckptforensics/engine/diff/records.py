@@ -14,6 +14,7 @@ import torch
 from ckptforensics import optim
 
 __all__ = [
+    "optimizer_steps",
     "DiffConfig",
     "Candidate",
     "TensorDiff",
@@ -200,6 +201,15 @@ def scalar(x: Any) -> float | None:
 def adam_step(state: dict[str, Any]) -> int | None:
     s = scalar(state.get("step"))
     return int(s) if s is not None else None
+
+
+def optimizer_steps(optimizer: Any) -> int | None:
+    """An optimizer state's own step counter: the largest over its parameters (None without
+    one). The diff's resume rule and the replay's resume variant read it alike."""
+    if optimizer is None:
+        return None
+    vals = [s for s in (adam_step(st) for st in optimizer.state.values()) if s is not None]
+    return max(vals) if vals else None
 
 
 def tensor_family(hyper: Any, state: dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptforensics.engine.diff.records import adam_step
+from ckptforensics.engine.diff.records import optimizer_steps
 from ckptforensics.engine.replay.logcheck import LogCheck, check_against_log
 from ckptforensics.engine.replay.records import ReplayResult
 from ckptforensics.engine.replay.window import Plan, run_window
@@ -71,10 +71,7 @@ class Variant:
 
 def optimizer_count(ckpt: Checkpoint | None) -> int | None:
     """The optimizer's own step counter (the largest over its parameters), None without one."""
-    if ckpt is None or ckpt.optimizer is None:
-        return None
-    vals = [s for s in (adam_step(st) for st in ckpt.optimizer.state.values()) if s is not None]
-    return max(vals) if vals else None
+    return optimizer_steps(ckpt.optimizer) if ckpt is not None else None
 
 
 def resume_step(p: Plan) -> tuple[int, str] | None:

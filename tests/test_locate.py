@@ -7,6 +7,7 @@ import pytest
 from ckptforensics.checkpoints import list_checkpoints, resolve_checkpoint
 from ckptforensics.core.errors import CheckpointNotFound
 from ckptforensics.formats.locate import STEP_PATTERNS, register_step_names
+from ckptforensics.trainers import loop
 
 
 @pytest.mark.parametrize(
@@ -20,6 +21,11 @@ from ckptforensics.formats.locate import STEP_PATTERNS, register_step_names
         "step_41950",
         "step_41950.pt",
         "epoch=3-step=41950.ckpt",
+        "step_0041950.pt",
+        "state_step0041950.pt",
+        "ckpt_41950.pt",
+        "model_41950.pt",
+        "checkpoint_41950",
     ],
 )
 def test_every_trainer_naming_resolves(tmp_path: Path, name: str) -> None:
@@ -69,6 +75,7 @@ def test_the_names_are_each_trainers_in_their_order() -> None:
             r"^step[-_]?(\d+)(?:\.(?:pt|pth|bin|safetensors|ckpt))?$",
         ),
         ("Lightning", r"^.*step=(\d+).*\.ckpt$"),
+        ("own loop", loop.STEP_NAMES[0][1]),
     ]
     with pytest.raises(ValueError, match="Megatron"):
         register_step_names("Megatron", r"^iter_(\d+)$", order=3)

@@ -25,7 +25,7 @@ from ckptforensics.formats.base import (
     TensorMeta,
 )
 from ckptforensics.formats.dcp import dcp_completeness, is_dcp_dir, open_dcp
-from ckptforensics.formats.locate import list_checkpoints, must_exist
+from ckptforensics.formats.locate import list_checkpoints, must_exist, step_of_name
 from ckptforensics.formats.optstate import settle_by_evidence, view_from_ids
 from ckptforensics.formats.registry import (
     CHECKERS,
@@ -263,9 +263,22 @@ def open_checkpoint(
         require_complete(p, format)
     with doing(f"reading checkpoint {p}"):
         target, kind = _target(p, format)
-        if kind == "torch-file":
-            return open_torch_file(target)
-        return FORMATS[kind](target)
+        ck = open_torch_file(target) if kind == "torch-file" else FORMATS[kind](target)
+    _step_from_name(ck, p)
+    return ck
+
+
+def _step_from_name(ck: Checkpoint, path: Path) -> None:
+    """A checkpoint that does not record its step is read at the step its name says
+    (`step_000060.pt`, `ckpt_60.pt`): own loops save the weights and the optimizer alone."""
+    if ck.step is not None:
+        return
+    step = step_of_name(path)
+    if step is not None:
+        ck.scalars["global_step"] = step
+        ck.notes.append(
+            f"step {step} read from the name {path.name!r} (the file does not record it)"
+        )
 
 
 def settle_pair(a: Checkpoint, b: Checkpoint) -> None:

@@ -30,7 +30,7 @@ from ckptforensics.formats.base import (
     rel_name,
 )
 from ckptforensics.formats.inert import allowed_names, dcp_inert_classes, safe_load_globals
-from ckptforensics.formats.locate import STEP_PATTERNS
+from ckptforensics.formats.locate import step_of_name
 from ckptforensics.formats.optstate import group_hyper, optimizer_kind
 
 __all__ = ["is_dcp_dir", "open_dcp", "read_metadata", "dcp_completeness", "dcp_files_problems"]
@@ -228,15 +228,6 @@ def _unsafe_name(data: bytes) -> str | None:
     return rest[0] if rest else None
 
 
-def _step_from_name(path: Path) -> int | None:
-    for p in (path, path.parent):
-        for _, rx in STEP_PATTERNS:
-            m = rx.match(p.name)
-            if m:
-                return int(m.group(1))
-    return None
-
-
 def open_dcp(path: Path) -> Checkpoint:
     """Open a DCP checkpoint: model tensors by FQN, optimizer state keyed by FQN (no id mapping)."""
     roots = _dcp_roots(path)
@@ -280,9 +271,7 @@ def open_dcp(path: Path) -> Checkpoint:
     # the step their own train state states), then the directory name, then the
     # trainer_state.json beside accelerate's folders.
     own = [records(ckpt, path) for records in DCP_RECORDS]
-    step = next(
-        (s for s in (*own, _step_from_name(path), _trainer_step(path)) if s is not None), None
-    )
+    step = next((s for s in (*own, step_of_name(path), _trainer_step(path)) if s is not None), None)
     if step is not None:
         ckpt.scalars["global_step"] = step
     if state and opt_store is not None:

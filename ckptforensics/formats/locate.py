@@ -16,6 +16,7 @@ from ckptforensics.core.errors import CheckpointNotFound
 __all__ = [
     "resolve_checkpoint",
     "list_checkpoints",
+    "step_of_name",
     "must_exist",
     "register_step_names",
     "register_checkpoint_dirs",
@@ -80,6 +81,20 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     # DeepSpeed under an HF dir or a save dir: checkpoint-N/global_stepN is one checkpoint,
     # already listed through its parent.
     return sorted(found, key=lambda sp: (sp[0], sp[1].name))
+
+
+def step_of_name(path: Path) -> int | None:
+    """The step a checkpoint's name says (`step_000060.pt`, `state_step000060.pt`,
+    `ckpt_60.pt`), else its folder's (`step-60/model.pt`): what a file that does not record its
+    step is read at. None where neither name follows a known pattern, or the patterns that match
+    one name disagree on its step (a name is never read two ways)."""
+    for name in (path.name, path.parent.name):
+        steps = {int(m.group(1)) for _, pattern in STEP_PATTERNS if (m := pattern.match(name))}
+        if len(steps) == 1:
+            return steps.pop()
+        if steps:
+            return None
+    return None
 
 
 def resolve_checkpoint(spec: str | Path, run_dir: str | Path = ".") -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import json
 import logging
 import mmap
@@ -97,6 +98,8 @@ class Checkpoint:
         aliases: tied names left out of `names()` -> the name that holds the data.
         pending_optimizer: optimizer state whose ids only a pair of checkpoints can map
             (same-shaped tensors in several groups); see `formats.settle_pair`.
+        layout: a tensor computed from stored ones (`regroup`: a library's in-memory
+            layout of what it stored, e.g. fused experts) -> the stored names it came from.
     """
 
     path: Path
@@ -110,6 +113,9 @@ class Checkpoint:
     file_backed: bool = False
     aliases: dict[str, str] = field(default_factory=dict)
     pending_optimizer: Any = None
+    layout: dict[str, list[str]] = field(default_factory=dict)
+    _hidden: dict[str, Any] = field(default_factory=dict, repr=False)
+    _built: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     _closers: list[Any] = field(default_factory=list, repr=False)
 
     def add_tensor(self, name: str, meta: TensorMeta, load: Callable[[], torch.Tensor]) -> None:
@@ -117,6 +123,41 @@ class Checkpoint:
         called (the reader's contract: nothing is read before `tensor(name)`)."""
         self._meta[name] = meta
         self._get[name] = load
+
+    def regroup(
+        self,
+        derived: dict[
+            str,
+            tuple[list[str], TensorMeta, Callable[[Callable[[str], torch.Tensor]], torch.Tensor]],
+        ],
+    ) -> None:
+        """Replace stored tensors by tensors computed from them: name -> (its stored sources,
+        its meta, a builder called with a reader of the sources). Each takes its first
+        source's place in `names()`; the sources leave `names()` but stay readable by the
+        builders; `layout` records where each came from. A built tensor is fresh memory,
+        not a file mapping: `release` leaves it alone."""
+        first = {sources[0]: target for target, (sources, _, _) in derived.items()}
+        gone = {s for sources, _, _ in derived.values() for s in sources}
+        meta, get = dict(self._meta), dict(self._get)
+        self._hidden.update({s: get[s] for s in gone})
+        self._meta, self._get = {}, {}
+        for name in meta:
+            if name in first:
+                target = first[name]
+                sources, m, build = derived[target]
+                self._meta[target] = m
+                self._get[target] = functools.partial(self._build, target, build)
+                self.layout[target] = list(sources)
+            elif name not in gone:
+                self._meta[name], self._get[name] = meta[name], get[name]
+
+    def _build(
+        self, name: str, build: Callable[[Callable[[str], torch.Tensor]], torch.Tensor]
+    ) -> torch.Tensor:
+        t = build(lambda source: self._hidden[source]())
+        lo = t.data_ptr()
+        self._built[name] = (lo, lo + t.numel() * t.element_size())
+        return t
 
     def has(self, name: str) -> bool:
         """Whether the checkpoint holds a model tensor of this name."""
@@ -183,7 +224,7 @@ class Checkpoint:
 
     def release(self, t: torch.Tensor) -> None:
         """Let the OS drop pages of a streamed slice of this checkpoint's tensors."""
-        if self.file_backed:
+        if self.file_backed and not any(lo <= t.data_ptr() < hi for lo, hi in self._built.values()):
             release_pages(t)
 
     def prefetch(self, name: str) -> None:

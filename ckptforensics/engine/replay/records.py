@@ -12,6 +12,7 @@ from typing import Any
 from ckptforensics.core.options import ReplayOptions
 from ckptforensics.engine.replay.logcheck import LogCheck
 from ckptforensics.engine.replay.probes import PassStats
+from ckptforensics.engine.replay.routers import RouterFigures
 from ckptforensics.engine.replay.rowstats import RowStats
 
 __all__ = [
@@ -71,6 +72,7 @@ class StepRecord:
     )
     log_z: float = math.nan  # mean logsumexp of the logits (softmax normaliser, nats)
     sample_tokens: tuple[int, ...] = ()  # target tokens of each row (weights of its mean loss)
+    router: RouterFigures | None = None  # a Mixture-of-Experts model's routing (`routers`)
 
 
 @dataclass(frozen=True, slots=True)

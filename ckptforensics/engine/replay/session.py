@@ -45,6 +45,7 @@ from ckptforensics.engine.replay.records import (
     local_state,
     local_tensor,
 )
+from ckptforensics.engine.replay.routers import RouterFigures, aux_term, router_figures
 from ckptforensics.engine.replay.samples import PerSampleGrad, per_token_loss
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.trainers import SkipRule, hold_step_counter, restore_step_counter
@@ -100,6 +101,8 @@ class Session:
         self.loss_fn = loss_fn
         self.labels = labels
         self.call = None
+        self.aux: torch.Tensor | None = None  # the last forward's auxiliary loss term (MoE)
+        self.router: RouterFigures | None = None  # the last probed forward's routing (MoE)
         # bf16 parameters on fp32 masters in one process (FSDP2 casts them under torchrun).
         self.bf16_params = (
             mp.BF16Params([p for _, p in self.model.named_parameters() if p.requires_grad])
@@ -155,7 +158,13 @@ class Session:
         with self._compute(precision):
             out = call_model(self.model, self.call, batch, self.labels.shifted)
         if isinstance(out, torch.Tensor):
+            self.aux = None
             return out
+        # A Mixture-of-Experts model's own auxiliary loss, added to the loss as it adds it
+        # (`routers.aux_term`), and its routing when the probes are on (`routers`).
+        self.aux = aux_term(self.model, out)
+        if self.probe.enabled:
+            self.router = router_figures(self.model, out, batch.get("attention_mask"))
         return out.logits if self.call.output == "object" else out[0]
 
     def _loss(
@@ -187,6 +196,8 @@ class Session:
         self.row_tokens = mask.sum(1)
         per_sample = tok.sum(1) / self.row_tokens.clamp_min(1)
         loss = self._share(tok, mask, full, shifted)
+        if self.aux is not None:  # each rank's term, averaged over the ranks as DDP does
+            loss = loss + self.aux.to(loss.device) / self.ranks.world
         self.logit_stats = _logit_figures(logits.detach())
         return loss, per_sample
 
@@ -382,6 +393,7 @@ class Session:
             log_z=g.log_z,
             skipped_by=skipped_by,
             sample_tokens=g.sample_tokens,
+            router=self.router,
         )
         return rec, stats
 

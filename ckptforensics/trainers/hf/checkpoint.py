@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import re
@@ -16,6 +15,7 @@ from ckptforensics.formats.optstate import AmbiguousMapping, map_optimizer, regi
 from ckptforensics.formats.safetensors_file import SafetensorsFile, add_file, safetensors_problem
 from ckptforensics.formats.statedict import add_state_dict, scaler_scalars, scheduler_scalars
 from ckptforensics.formats.torchfile import load_torch_file, torch_file_problem
+from ckptforensics.trainers.hf.layout import apply_memory_layout, model_params
 from ckptforensics.trainers.hf.order import param_order
 from ckptforensics.trainers.hf.training_args import read_training_args
 
@@ -57,6 +57,7 @@ def open_hf_dir(path: Path) -> Checkpoint:
     cfg_file = path / "config.json"
     if cfg_file.is_file():
         ckpt.config = _json(cfg_file)
+        apply_memory_layout(ckpt)
     state_file = path / "trainer_state.json"
     if state_file.is_file():
         ts = _json(state_file)
@@ -142,35 +143,7 @@ def _model_params(ckpt: Checkpoint) -> tuple[list[tuple[str, tuple[int, ...]]] |
             ckpt.path,
             ckpt.config.get("model_type"),
         )
-    params, why = _params_for_config(json.dumps(ckpt.config, sort_keys=True))
-    return (list(params) if params is not None else None), why
-
-
-@functools.lru_cache(maxsize=4)
-def _params_for_config(
-    config_json: str,
-) -> tuple[tuple[tuple[str, tuple[int, ...]], ...] | None, str]:
-    """Cached per config: both checkpoints of a pair share it, and building costs seconds."""
-    config = json.loads(config_json)
-    try:
-        import torch
-        import transformers
-    except ImportError:
-        return None, "transformers is not installed (pip install 'ckptforensics[hf]')"
-    try:
-        cfg = transformers.AutoConfig.for_model(**config)
-        archs = config.get("architectures") or []
-        cls = getattr(transformers, archs[0], None) if archs else None
-        with torch.device("meta"):
-            model = (
-                cls(cfg) if cls is not None else transformers.AutoModelForCausalLM.from_config(cfg)
-            )
-    except Exception as e:  # a config transformers cannot build; said in the report
-        return (
-            None,
-            f"transformers cannot build the model from config.json ({type(e).__name__}: {e})",
-        )
-    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad), ""
+    return model_params(ckpt.config)
 
 
 # transformers' Trainer puts these names in the no-decay group (FORMATS.md).

@@ -1,0 +1,81 @@
+"""Mixture-of-Experts in the replay: the loss the trainer optimised, and what the routers did.
+
+A transformers MoE model (Qwen3-MoE, Mixtral, gpt-oss, OLMoE, ...) configured with
+`output_router_logits` returns its load-balancing loss as `aux_loss` and adds
+`router_aux_loss_coef * aux_loss` to the loss it returns when it is given labels: that sum is
+what the Trainer optimises and logs (e.g. `Qwen3MoeForCausalLM.forward`). The replay computes
+the language-model loss from the logits itself (per row, per token), so it adds the model's own
+auxiliary term the same way, or no replayed step would match the log.
+
+The router logits the model returns (one [tokens, experts] tensor per MoE layer) give the
+routing evidence of each pass: each expert's share of the routed token slots (top-k), the
+largest router logit, and the mean routing entropy; reduced on the device, read once a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["aux_term", "RouterFigures", "router_figures"]
+
+
+def aux_term(model: nn.Module, out: Any) -> torch.Tensor | None:
+    """`router_aux_loss_coef * aux_loss` as the model adds it to its loss, or None for a
+    model that returns no auxiliary loss (dense, or routers' logits not output)."""
+    aux = getattr(out, "aux_loss", None)
+    coef = getattr(model, "router_aux_loss_coef", None)
+    if not isinstance(aux, torch.Tensor) or coef is None:
+        return None
+    return float(coef) * aux
+
+
+@dataclass(frozen=True, slots=True)
+class RouterFigures:
+    """One pass's routing, per MoE layer (in the model's order).
+
+    Attributes:
+        load: each expert's share of the routed token slots (top-k picks / all picks).
+        logit_max: the largest |router logit|.
+        entropy: mean entropy of the routing softmax over experts (nats; ln E is uniform).
+    """
+
+    load: tuple[tuple[float, ...], ...]
+    logit_max: tuple[float, ...]
+    entropy: tuple[float, ...]
+
+
+def _top_k(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    return int(getattr(cfg, "num_experts_per_tok", 0) or getattr(model, "num_experts_per_tok", 0) or 1)
+
+
+def router_figures(model: nn.Module, out: Any, mask: torch.Tensor | None) -> RouterFigures | None:
+    """The routing figures of a forward's `router_logits` (None for a model without them).
+    Padding positions (`mask` 0) are left out, as the load-balancing loss leaves them out."""
+    logits = getattr(out, "router_logits", None)
+    if not logits:
+        return None
+    k = _top_k(model)
+    keep = mask.reshape(-1).bool() if mask is not None else None
+    rows = []
+    for lg in logits:
+        x = lg.detach().float().reshape(-1, lg.shape[-1])
+        if keep is not None and keep.numel() == x.shape[0]:
+            x = x[keep.to(x.device)]
+        e = x.shape[-1]
+        picks = torch.zeros(e, device=x.device).scatter_add_(
+            0, x.topk(min(k, e), dim=-1).indices.reshape(-1), torch.ones(x.shape[0] * min(k, e), device=x.device)
+        )
+        p = torch.softmax(x, dim=-1)
+        ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()
+        rows.append(torch.cat([picks / picks.sum().clamp_min(1), x.abs().amax().reshape(1), ent.reshape(1)]))
+    table = torch.stack(rows).tolist()  # the one host read of the pass's routing
+    return RouterFigures(
+        load=tuple(tuple(r[:-2]) for r in table),
+        logit_max=tuple(r[-2] for r in table),
+        entropy=tuple(r[-1] for r in table),
+    )

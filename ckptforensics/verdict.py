@@ -159,6 +159,8 @@ def decide(
                         "before": e["before"],
                         "after": e["after"],
                         "kind": kind,
+                        # the q/k/v, gate/up or norm part of a fused tensor it lies in
+                        **({"part": e["part"]} if e.get("part") else {}),
                     }
                 )
     v.exploding_layers = [m for m, _ in sorted(layers.items(), key=lambda kv: -kv[1])]

@@ -59,7 +59,8 @@ def _where(v: dict[str, Any]) -> Text:
         return [", first in ", Code(layer)]
     if v.get("corrupted_elements"):
         e = v["corrupted_elements"][0]
-        return [": ", Code(f"{e['tensor']}{e['index']}"), f" {fmt(e['before'])} → {fmt(e['after'])} ({e['kind']})"]  # fmt: skip
+        part = f", in its {e['part']}" if e.get("part") else ""
+        return [": ", Code(f"{e['tensor']}{e['index']}"), f" {fmt(e['before'])} → {fmt(e['after'])} ({e['kind']}{part})"]  # fmt: skip
     if v.get("overflowing_tensors"):
         o = v["overflowing_tensors"][0]
         return [": ", Code(o["name"]), f" at its {o['dtype']} limit"]

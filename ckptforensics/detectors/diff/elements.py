@@ -10,6 +10,7 @@ from ckptforensics import optim
 from ckptforensics.detectors.base import Finding, Thresholds, cap
 from ckptforensics.detectors.diff.state import moments_restarted
 from ckptforensics.engine.diff.pair import DiffResult, TensorDiff
+from ckptforensics.trainers.fused import part_of
 
 __all__ = ["detect_corruption", "detect_nonfinite", "detect_dtype_range"]
 
@@ -79,6 +80,7 @@ def detect_corruption(diff: DiffResult, th: Thresholds) -> list[Finding]:
                 "kind": c.kind,
                 "bit": c.bit,
                 "bit_field": c.bit_field,
+                "part": part_of(t.name, c.index, t.shape, diff.pair.heads),
             }
             for c in t.candidates
         ]
@@ -92,6 +94,8 @@ def detect_corruption(diff: DiffResult, th: Thresholds) -> list[Finding]:
             if flips
             else f"beyond any {opt} step"
         )
+        parts = sorted({e["part"] for e in elems if e["part"]})
+        named = f" ({', '.join(parts)})" if parts else ""
         out.append(
             Finding(
                 "",
@@ -109,7 +113,7 @@ def detect_corruption(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     "family": t.family,
                     "elements": elems,
                 },
-                f"{_violations(t)} element(s) of {t.name} changed {what}: the silent-corruption signature",
+                f"{_violations(t)} element(s) of {t.name}{named} changed {what}: the silent-corruption signature",
                 "docs/signatures.md#adam-update-bound, #v-floor, #power-of-two-jump",
                 ("silent_corruption",),
                 primary=True,

@@ -32,6 +32,7 @@ from ckptforensics.formats.base import Checkpoint
 from ckptforensics.formats.optstate import FAMILIES
 from ckptforensics.optim import bnb
 from ckptforensics.trainers import skip_optimizer
+from ckptforensics.trainers.fused import heads_from_config
 
 __all__ = [
     "DiffConfig",
@@ -100,6 +101,7 @@ def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
         scheduler_b=_dict(b.scalars.get("scheduler")),
         scaler_a=_dict(a.scalars.get("scaler")),
         scaler_b=_dict(b.scalars.get("scaler")),
+        heads=heads_from_config(b.config if isinstance(b.config, dict) else None),
     )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ckptforensics import optim
+from ckptforensics.trainers.fused import Heads
 
 __all__ = [
     "optimizer_steps",
@@ -160,6 +161,9 @@ class PairInfo:
         None  # the loss scaler's state (scale, _growth_tracker, growth_interval)
     )
     scaler_b: dict[str, Any] | None = None
+    # The model's attention shape (its config): names the q/k/v or gate/up part of a fused
+    # tensor an element finding points into (`trainers.fused.part_of`).
+    heads: Heads | None = None
 
 
 @dataclass(slots=True)

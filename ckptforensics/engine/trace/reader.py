@@ -32,6 +32,11 @@ class Reader:
             s.inp: s for s in trace.norms.values() if s.inp is not None
         }
         self._inner: dict[Any, set[Any]] = {}
+        # The weighted nodes of norms fused into a projection: their input is normalised
+        # inside the kernel, which the graph cannot show.
+        self.fused_proj: set[Any] = {
+            p for s in trace.fused.values() for p in self.projection_back([s.out])
+        }
 
     def is_norm_out(self, n: Any) -> bool:
         return n in self.norm_out
@@ -40,6 +45,10 @@ class Reader:
         """Every path back from `n`, through ops without weights, meets a norm output first."""
         stops = back_to(self.g, [n], lambda m: self.is_norm_out(m) or bool(self.g.weights(m)))
         return bool(stops) and all(self.is_norm_out(m) for m in stops)
+
+    def input_normalised(self, proj: Any) -> bool:
+        """A projection whose inputs are all norm outputs, or one a norm is fused into."""
+        return proj in self.fused_proj or all(self.normalised(x) for x in self.g.data(proj))
 
     def projection_back(self, starts: list[Any]) -> list[Any]:
         """The first nodes with weights on every path back from `starts` (norms crossed)."""
@@ -55,8 +64,8 @@ class Reader:
         """The layer's placement and its residual add node (None when not found)."""
         g = self.g
         projs = self.projection_back(site.qk)
-        xs = [d for p in projs for d in g.data(p)]
-        pre = bool(xs) and all(self.normalised(x) for x in xs)
+        seen = any(p in self.fused_proj or g.data(p) for p in projs)
+        pre = seen and all(self.input_normalised(p) for p in projs)
         proj_out = forward_to(g, site.out, lambda m: bool(g.weights(m)))
         if proj_out is None:
             return "unknown", None
@@ -187,9 +196,8 @@ def read(trace: Trace, g: Graph, logits: torch.Tensor, names: dict[int, str]) ->
     if head_w is not None:
         tied = any(w is head_w for w in emb_w)
     head_module = _module_of(trace, g, heads, logits.grad_fn)
-    norm_params = sorted(
-        {names[id(p)] for s in trace.norms.values() for p in s.params if id(p) in names}
-    )
+    sites = (*trace.norms.values(), *trace.fused.values())
+    norm_params = sorted({names[id(p)] for s in sites for p in s.params if id(p) in names})
     return Architecture(
         norm_placement=placement,
         qk_norm=qk_norm,

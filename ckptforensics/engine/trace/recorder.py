@@ -139,6 +139,9 @@ class Trace:
         self.stack: list[str] = []
         self.busy = False  # re-running a module to test it: record nothing
         self.norms: dict[Any, NormSite] = {}  # output node -> site
+        # Norms fused into the projection after them (Transformer Engine's LayerNormLinear,
+        # an opaque kernel): output node -> site; the output is the projection's.
+        self.fused: dict[Any, NormSite] = {}
         self.attention: list[AttnSite] = []
         self.adds: dict[Any, tuple[Any, ...]] = {}
         self.outputs: dict[Any, str] = {}  # output node -> innermost module that returned it
@@ -178,6 +181,9 @@ class Trace:
                 if isinstance(args, tuple) and len(args) == 1 and isinstance(args[0], torch.Tensor)
                 else None
             )
+            if x is not None and _fused_candidate(mod, x, _first(out)):
+                self._test_fused(name, mod, x, _first(out))
+                return
             if (
                 x is None
                 or not isinstance(out, torch.Tensor)
@@ -194,6 +200,16 @@ class Trace:
                     site.module, site.params, site.inp = name, params or site.params, x.grad_fn
 
         return hook
+
+    def _test_fused(
+        self, name: str, mod: nn.Module, x: torch.Tensor, out: torch.Tensor | None
+    ) -> None:
+        """A projection whose output does not change when its input is scaled normalises
+        that input first: a norm fused into it, whatever its kernel."""
+        if out is None or out.grad_fn is None or not _scale_invariant(self, mod, x):
+            return
+        params = [p for p in mod.parameters(recurse=False) if p.dim() == 1]
+        self.fused[out.grad_fn] = NormSite(x.grad_fn, out.grad_fn, params, name)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -212,6 +228,30 @@ def _norm_candidate(mod: nn.Module, x: torch.Tensor, out: torch.Tensor) -> bool:
     )
 
 
+def _first(out: Any) -> torch.Tensor | None:
+    """A module's output tensor: itself, or the first of the (output, bias) pair Megatron's
+    linear layers return."""
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return out if isinstance(out, torch.Tensor) else None
+
+
+def _fused_candidate(mod: nn.Module, x: torch.Tensor, out: torch.Tensor | None) -> bool:
+    """A leaf projection (a >= 2-D weight) that also holds a 1-D parameter other than its
+    output bias, mapping each token's features to new ones: where a norm fused into a
+    projection keeps its gain. Only the behaviour test (`_scale_invariant`) decides."""
+    if out is None or any(True for _ in mod.children()) or not x.is_floating_point():
+        return False
+    own = list(mod.named_parameters(recurse=False))
+    return (
+        any(p.dim() >= 2 for _, p in own)
+        and any(p.dim() == 1 and n != "bias" for n, p in own)
+        and x.dim() >= 2
+        and out.shape[:-1] == x.shape[:-1]
+        and x.numel() > 0
+    )
+
+
 def _scale_invariant(trace: Trace, mod: nn.Module, x: torch.Tensor) -> bool:
     """Whether `mod` normalises: f(c x) = f(10 c x) with c x at unit RMS, and f is not
     constant (f(c x) != f(-c x))."""
@@ -223,7 +263,7 @@ def _scale_invariant(trace: Trace, mod: nn.Module, x: torch.Tensor) -> bool:
         xs = (xs / r).to(x.dtype)
         trace.busy = True
         try:
-            a, b, c = mod(xs), mod(10 * xs), mod(-xs)
+            a, b, c = (_first(mod(v)) for v in (xs, 10 * xs, -xs))
         except (
             Exception
         ):  # a module that cannot be called on its own input again: not a norm we can test

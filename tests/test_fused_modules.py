@@ -1,0 +1,237 @@
+"""Fused modules are what they compute: a norm fused into the next projection is a norm (the
+megatron-core TE-layout run, an opaque fused kernel), a model truly without one is still
+named so, and an element of a fused QKV or gate-up weight is named by the part the model's
+own split gives it (GPT-2's `c_attn` by transformers, Megatron's per-group `linear_qkv`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import ckptforensics as api
+from ckptforensics.checkpoints import open_checkpoint
+from ckptforensics.commands.audit import trace_architecture
+from ckptforensics.engine.replay.model import load_weights
+from ckptforensics.trainers.fused import Heads, heads_from_config, part_of
+from ckptforensics.trainers.megatron.model import MegatronGPT
+from tests.conftest import ROOT
+
+DATA = ROOT / "fixtures" / "data"
+IDS = {"input_ids": torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))}
+# megatron-core 0.19's local spec saved as torch_dist (fixtures/megatron_core_run.py): its
+# TransformerLayer's `sharded_state_dict_keys_map` writes each input norm under Transformer
+# Engine's fused names, `self_attention.linear_qkv.layer_norm_weight` and
+# `mlp.linear_fc1.layer_norm_weight` (megatron's own conversion to the TE layout).
+TE_LAYOUT_RUN = DATA / "megatron-core-0.19" / "distopt"
+
+
+def _gpt2() -> nn.Module:
+    import transformers as T
+
+    cfg = T.GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                       bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return T.GPT2LMHeadModel(cfg)
+
+
+# ----------------------------------------------------------------- a fused norm is a norm
+def test_te_layout_megatron_run_audits_its_fused_norms() -> None:
+    doc = api.audit(None, run_dir=TE_LAYOUT_RUN, compare="none").doc
+    rows = {r["id"]: r for r in doc["audit"]["rows"]}
+    assert rows["norm_placement"]["status"] == "ok" and rows["norm_placement"]["value"] == "pre"
+    assert not any("no norm found" in r["message"] for r in doc["audit"]["rows"])
+    norms = set(doc["architecture"]["norm_params"])
+    assert {
+        f"decoder.layers.{i}.{m}.layer_norm_weight"
+        for i in (0, 1)
+        for m in ("self_attention.linear_qkv", "mlp.linear_fc1")
+    } <= norms
+
+
+class _FusedLN(torch.autograd.Function):
+    """LayerNorm then linear in one opaque kernel, as Transformer Engine's `_LayerNormLinear`
+    runs it (TE itself needs CUDA): the trace sees no `layer_norm` call, only a node that
+    takes the weights."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, w: torch.Tensor,
+                bias: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        ctx.save_for_backward(x, g, b, w, bias)
+        return F.linear(F.layer_norm(x, (x.shape[-1],), g, b), w.t(), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with torch.enable_grad():
+            ins = [t.detach().requires_grad_() for t in ctx.saved_tensors]
+            x, g, b, w, bias = ins
+            out = F.linear(F.layer_norm(x, (x.shape[-1],), g, b), w.t(), bias)
+            return torch.autograd.grad(out, ins, grad)
+
+
+class _NormConv1D(nn.Module):
+    """GPT-2's `ln_1` fused into its `c_attn` (a `Conv1D`: weight [in, out])."""
+
+    def __init__(self, ln: nn.LayerNorm, proj: nn.Module) -> None:
+        super().__init__()
+        self.layer_norm_weight, self.layer_norm_bias = ln.weight, ln.bias
+        self.weight, self.bias = proj.weight, proj.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FusedLN.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.weight,
+                              self.bias)  # fmt: skip
+
+
+def _fused_gpt2() -> nn.Module:
+    m = _gpt2()
+    for blk in m.transformer.h:
+        blk.attn.c_attn = _NormConv1D(blk.ln_1, blk.attn.c_attn)
+        blk.ln_1 = nn.Identity()
+    return m
+
+
+def _normless_gpt2() -> nn.Module:
+    m = _gpt2()
+    for blk in m.transformer.h:
+        blk.ln_1 = blk.ln_2 = nn.Identity()
+    return m
+
+
+def test_an_opaque_fused_norm_linear_is_a_norm() -> None:
+    torch.manual_seed(0)
+    plain, fused = _gpt2(), _fused_gpt2()
+    a, b = trace_architecture(plain, IDS), trace_architecture(fused, IDS)
+    assert a.norm_placement == b.norm_placement == "pre" and b.qk_norm is False
+    assert {f"transformer.h.{i}.attn.c_attn.layer_norm_weight" for i in (0, 1)} <= set(
+        b.norm_params
+    )
+    # the fused module computes what ln_1 then c_attn compute
+    torch.manual_seed(0)
+    ref = _gpt2()
+    fused.load_state_dict(_fused_state(ref.state_dict()))
+    with torch.no_grad():
+        assert torch.allclose(ref.eval()(**IDS).logits, fused.eval()(**IDS).logits, atol=1e-5)
+
+
+def _fused_state(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in sd.items():
+        k = k.replace(".ln_1.weight", ".attn.c_attn.layer_norm_weight")
+        out[k.replace(".ln_1.bias", ".attn.c_attn.layer_norm_bias")] = v
+    return out
+
+
+def normless(_ckpt: Any = None) -> nn.Module:
+    """`--model` factory: GPT-2 without its sublayer norms (the audit's 'none')."""
+    torch.manual_seed(0)
+    return _normless_gpt2()
+
+
+def test_a_model_truly_without_norms_is_still_named(tmp_path: Path) -> None:
+    assert trace_architecture(normless(), IDS).norm_placement == "none"
+    torch.save(normless().state_dict(), tmp_path / "model_20.pt")
+    doc = api.audit(
+        tmp_path / "model_20.pt", model=f"{Path(__file__).resolve()}:normless", compare="none"
+    ).doc
+    row = {r["id"]: r for r in doc["audit"]["rows"]}["norm_placement"]
+    assert row["status"] == "risk" and "no norm found around the attention layers" in row["message"]
+
+
+# ----------------------------------------------------------------- naming the part
+class _Splits(TorchFunctionMode):
+    """The outputs of the first `split` a forward runs: the model's own q, k, v."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: list[torch.Tensor] | None = None
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.Tensor.split, torch.split) and self.parts is None:
+            self.parts = [t.detach().clone() for t in out]
+        return out
+
+
+def _own_split(run: Callable[[], Any]) -> list[torch.Tensor]:
+    with torch.no_grad(), _Splits() as s:
+        run()
+    assert s.parts is not None
+    return s.parts
+
+
+def _moved(
+    run: Callable[[], Any], w: torch.Tensor, unit: int, dim: int
+) -> tuple[int, torch.Tensor]:
+    """Which of the model's q/k/v a perturbation of output unit `unit` moves, and where."""
+    base = _own_split(run)
+    with torch.no_grad():
+        w.select(dim, unit).add_(1.0)
+    try:
+        after = _own_split(run)
+    finally:
+        with torch.no_grad():
+            w.select(dim, unit).sub_(1.0)
+    moved = [i for i, (a, b) in enumerate(zip(base, after, strict=True)) if not torch.equal(a, b)]
+    assert len(moved) == 1
+    i = moved[0]
+    return i, (base[i] != after[i]).nonzero()
+
+
+def test_gpt2_c_attn_columns_are_named_as_transformers_splits_them() -> None:
+    torch.manual_seed(0)
+    m = _gpt2()
+    heads = heads_from_config(m.config.to_dict())
+    assert heads == Heads(4, 4, 8, False)
+    attn, x = m.transformer.h[0].attn, torch.randn(1, 3, 32)
+    w = attn.c_attn.weight  # Conv1D: [n_embd, 3 n_embd], output units on dim 1
+    for u in range(w.shape[1]):
+        which, where = _moved(lambda: attn.c_attn(x).split(attn.split_size, dim=2), w, u, 1)
+        head = int(where[0, -1]) // heads.head_dim
+        name = "transformer.h.0.attn.c_attn.weight"
+        assert part_of(name, (0, u), tuple(w.shape), heads) == f"{'qkv'[which]} (head {head})"
+
+
+def test_megatron_linear_qkv_rows_are_named_by_query_group() -> None:
+    """megatron-core's `get_query_key_value_tensors` split (q1 q2 k1 v1 | q3 q4 k2 v2), as the
+    reference forward runs it, under the args the committed megatron-core run recorded."""
+    with open_checkpoint(TE_LAYOUT_RUN / "iter_0000020") as c:
+        heads = heads_from_config(c.config)
+        model = MegatronGPT(c.config, fused_norm=True)
+        load_weights(model, c)  # the run's own weights
+    assert heads == Heads(4, 2, 8, True)  # --num-attention-heads 4 --num-query-groups 2 --swiglu
+    attn = model.decoder.layers[0].self_attention
+    x = torch.randn(1, 3, 32)
+    w = attn.linear_qkv.weight  # [ng (np/ng + 2) hn, h]
+    per = heads.n_heads // heads.n_kv
+    for u in range(w.shape[0]):
+        which, where = _moved(lambda: attn(x), w, u, 0)
+        g, c = int(where[0, 2]), int(where[0, 3])
+        want = (
+            f"q (head {g * per + c // heads.head_dim}, query group {g})"
+            if which == 0
+            else f"{'qkv'[which]} (query group {g})"
+        )
+        assert part_of("decoder.layers.0.self_attention.linear_qkv.weight", (u, 0), tuple(w.shape), heads) == want  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "index", "shape", "want"),
+    [
+        ("decoder.layers.0.mlp.linear_fc1.weight", (63, 0), (128, 32), "gate"),
+        ("decoder.layers.0.mlp.linear_fc1.weight", (64, 0), (128, 32), "up"),
+        ("model.layers.0.mlp.gate_up_proj.weight", (70, 1), (128, 32), "up"),
+        ("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", (3,), (32,), "norm"),
+        ("decoder.layers.0.self_attention.linear_proj.weight", (3, 0), (32, 32), None),
+    ],
+)
+def test_gate_up_and_fused_norm_parts(
+    name: str, index: tuple[int, ...], shape: tuple[int, ...], want: str | None
+) -> None:
+    assert part_of(name, index, shape, Heads(4, 2, 8, True)) == want

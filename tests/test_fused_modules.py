@@ -5,6 +5,7 @@ own split gives it (GPT-2's `c_attn` by transformers, Megatron's per-group `line
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,12 @@ from torch.overrides import TorchFunctionMode
 import ckptforensics as api
 from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.commands.audit import trace_architecture
+from ckptforensics.detectors import diff_findings
+from ckptforensics.engine.diff.pair import DiffConfig, diff_checkpoints
 from ckptforensics.engine.replay.model import load_weights
 from ckptforensics.trainers.fused import Heads, heads_from_config, part_of
 from ckptforensics.trainers.megatron.model import MegatronGPT
+from ckptforensics.verdict import decide
 from tests.conftest import ROOT
 
 DATA = ROOT / "fixtures" / "data"
@@ -235,3 +239,40 @@ def test_gate_up_and_fused_norm_parts(
     name: str, index: tuple[int, ...], shape: tuple[int, ...], want: str | None
 ) -> None:
     assert part_of(name, index, shape, Heads(4, 2, 8, True)) == want
+
+
+def test_a_bit_flip_in_c_attn_names_its_part(zoo: dict[str, Path], tmp_path: Path) -> None:
+    """The HF Trainer GPT-2 run with one exponent bit flipped in a column of `c_attn` of its
+    saved step-40 weights (safetensors' own writer): the diff's finding and the verdict's
+    corrupted element name the part that column feeds, as transformers' split gives it."""
+    import transformers as T
+    from safetensors.torch import load_file, save_file
+
+    run = tmp_path / "run"
+    shutil.copytree(zoo["hf-gpt2"], run)
+    path, name = run / "checkpoint-40" / "model.safetensors", "transformer.h.1.attn.c_attn.weight"
+    sd = load_file(path)
+    w = sd[name]  # [n_embd, 3 n_embd]
+    col = 32 + 2 * 8 + 3  # a column of the key's third head, as transformers splits c_attn
+    bits = w[:, col].contiguous().view(torch.int32)
+    rows = torch.nonzero(((bits & (1 << 25)) == 0) & (w[:, col].abs() > w.abs().median()))
+    row = int(rows[0])
+    w[row, col] = (w[row, col : col + 1].view(torch.int32) ^ (1 << 25)).view(torch.float32)[0]
+    save_file(sd, str(path), metadata={"format": "pt"})
+
+    with open_checkpoint(run / "checkpoint-30") as a, open_checkpoint(run / "checkpoint-40") as b:
+        result = diff_checkpoints(a, b, DiffConfig())
+    verdict = decide(diff_findings(result), before="30", after="40")
+    model = T.GPT2LMHeadModel(T.GPT2Config.from_pretrained(run / "checkpoint-40"))
+    attn, x = model.transformer.h[1].attn, torch.randn(1, 3, 32)
+    which, where = _moved(
+        lambda: attn.c_attn(x).split(attn.split_size, dim=2),
+        attn.c_attn.weight,
+        col,
+        1,
+    )
+    want = f"{'qkv'[which]} (head {int(where[0, -1]) // 8})"
+    assert want == "k (head 2)"
+    e = verdict.corrupted_elements[0]
+    assert e["tensor"] == name and e["index"] == [row, col] and e["part"] == want
+    assert f"{name} ({want})" in next(f.message for f in diff_findings(result) if f.subject == name)

@@ -79,12 +79,14 @@ def test_step_from_the_name(tmp_path: Path, name: str, step: int | None) -> None
     assert [s for s, _ in list_checkpoints(tmp_path)] == ([step] if step is not None else [])
 
 
-def test_the_folder_names_the_step_of_a_file_in_it(tmp_path: Path) -> None:
-    assert step_of_name(tmp_path / "step-60" / "model.pt") == 60
+def test_a_file_is_read_at_its_own_names_step(tmp_path: Path) -> None:
+    """Its own name only: a folder's name may be a model's version (`model_2/`)."""
+    assert step_of_name(tmp_path / "step-60") == 60
     assert step_of_name(tmp_path / "ckpt_60" / "weights_10.pt") == 10
+    assert step_of_name(tmp_path / "model_2" / "weights.pt") is None
 
 
-def test_two_layouts_of_one_step_are_ambiguous(runs: dict[str, Path], tmp_path: Path) -> None:
+def test_two_layouts_of_one_step_are_ambiguous(tmp_path: Path) -> None:
     """`step_60.pt` beside `model_60.pt`: step 60 names two files, an error that lists both."""
     for name in ("step_60.pt", "model_60.pt"):
         (tmp_path / name).write_bytes(b"")

@@ -271,7 +271,14 @@ def open_dcp(path: Path) -> Checkpoint:
     # the step their own train state states), then the directory name, then the
     # trainer_state.json beside accelerate's folders.
     own = [records(ckpt, path) for records in DCP_RECORDS]
-    step = next((s for s in (*own, step_of_name(path), _trainer_step(path)) if s is not None), None)
+    step = next(
+        (
+            s
+            for s in (*own, step_of_name(path), step_of_name(path.parent), _trainer_step(path))
+            if s is not None
+        ),
+        None,
+    )
     if step is not None:
         ckpt.scalars["global_step"] = step
     if state and opt_store is not None:

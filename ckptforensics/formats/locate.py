@@ -84,17 +84,13 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 
 def step_of_name(path: Path) -> int | None:
-    """The step a checkpoint's name says (`step_000060.pt`, `state_step000060.pt`,
-    `ckpt_60.pt`), else its folder's (`step-60/model.pt`): what a file that does not record its
-    step is read at. None where neither name follows a known pattern, or the patterns that match
-    one name disagree on its step (a name is never read two ways)."""
-    for name in (path.name, path.parent.name):
-        steps = {int(m.group(1)) for _, pattern in STEP_PATTERNS if (m := pattern.match(name))}
-        if len(steps) == 1:
-            return steps.pop()
-        if steps:
-            return None
-    return None
+    """The step a checkpoint's own name says (`step_000060.pt`, `state_step000060.pt`,
+    `ckpt_60.pt`, a folder `step-60`): what a checkpoint that does not record its step is read
+    at. None where the name follows no known pattern, or the patterns that match it disagree
+    on its step (a name is never read two ways). Its folder's name is not asked: a file in
+    `model_2/` is not step 2."""
+    steps = {int(m.group(1)) for _, pattern in STEP_PATTERNS if (m := pattern.match(path.name))}
+    return steps.pop() if len(steps) == 1 else None
 
 
 def resolve_checkpoint(spec: str | Path, run_dir: str | Path = ".") -> Path:

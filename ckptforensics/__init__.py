@@ -24,7 +24,9 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-COMMANDS = ("inspect", "diff", "replay", "bisect", "whatif", "triage", "plan", "recovery", "audit")
+COMMANDS = (
+    "inspect", "diff", "replay", "bisect", "whatif", "triage", "plan", "recovery", "audit", "regress",
+)  # fmt: skip
 # The façade's names -> the module that holds each (loaded on first use).
 _LAZY = {
     **{c: f"commands.{c}" for c in COMMANDS},

@@ -265,6 +265,13 @@ CAUSES: Mapping[str, Cause] = registry(
         plan_note=_RESUME_NOTE,
     ),
     Cause(
+        name="code_change",
+        meaning="two versions of the code part on the same state and batch, past the reference's own run-to-run noise (regress names the module)",
+        actions=(
+            "Read the code of the first anomalous module in both versions (forward or backward, as the regression says); train on the reference version until the difference is explained.",
+        ),
+    ),
+    Cause(
         name="none",
         meaning="nothing in the pair or the replay stands out",
     ),

@@ -12,6 +12,7 @@ import numpy as np
 from ckptforensics.core.errors import ForensicsError
 from ckptforensics.report.document import SCHEMA
 from ckptforensics.report.files import write_files
+from ckptforensics.report.regress import write_regress_h5
 
 __all__ = ["write_evidence", "write_h5", "load_report"]
 
@@ -52,6 +53,8 @@ def write_h5(path: Path, doc: dict[str, Any]) -> None:
             )
             for col in _DIFF_COLUMNS:
                 g.create_dataset(col, data=_floats([t.get(col) for t in diff["tensors"]]))
+        if doc.get("regress"):
+            write_regress_h5(h, doc["regress"])
         rep = doc.get("replay") or {}
         if rep.get("steps"):
             g = h.create_group("replay")

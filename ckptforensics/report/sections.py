@@ -25,6 +25,7 @@ from ckptforensics.report.blocks import (
     inline,
 )
 from ckptforensics.report.plan import plan_blocks
+from ckptforensics.report.regress import regress_sections
 from ckptforensics.report.text import finite, fmt, reproduces
 from ckptforensics.report.words import explain, layers_text, rel, run_dir
 
@@ -54,6 +55,10 @@ def _facts(doc: dict[str, Any]) -> Facts:
         w = doc["whatif"]
         n = len(w["outcomes"][0]["steps"]) if w["outcomes"] else 0
         rows.append(("Replayed", [f"{n} steps per mitigation, {len(w['outcomes'])} runs"]))
+    elif doc.get("regress"):  # one state stepped under two versions of the code
+        reg = doc["regress"]
+        rows += [("Stepped", [f"steps {', '.join(str(s['step']) for s in reg['steps'])}: side A twice, side B once"]),
+                 ("Status", [reg["status"]])]  # fmt: skip
     else:
         rollback = v["rollback_checkpoint"]
         rows += [
@@ -327,4 +332,6 @@ def detail_sections(doc: dict[str, Any]) -> list[Section]:
         out += _bisect(doc["bisect"])
     if doc.get("whatif"):
         out.append(_whatif(doc["whatif"]))
+    if doc.get("regress"):
+        out += regress_sections(doc["regress"])
     return out

@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from ckptforensics.report.blocks import Code, Text
+from ckptforensics.report.regress import regress_headline
 from ckptforensics.report.text import fmt
 
 __all__ = ["run_dir", "rel", "headline", "layers_text", "how_far", "explain", "GLOSSARY"]
@@ -86,6 +87,8 @@ def headline(doc: dict[str, Any]) -> Text:
         else:
             what = ["no mitigation tried keeps the run on track"]
         return ["What-if from ", Code(before), ": ", *what, "."]
+    if doc.get("regress"):  # two versions of the code compared; no incident, no rollback
+        return regress_headline(doc["regress"], before)
     top = v["causes"][0]["cause"]
     if top == "none":
         return ["No anomaly between ", Code(before), " and ", Code(rel(inc["after"]["path"], root)), "."]  # fmt: skip

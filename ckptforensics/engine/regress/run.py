@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.core.errors import ForensicsError, doing
 from ckptforensics.engine.regress.capture import BACKWARD, FORWARD, Event
@@ -298,15 +300,22 @@ def _status(
     return "identical" if same else "equivalent"
 
 
+# Environment variables that set torch's thread count: where --against-env names one, the
+# worker keeps the count it gives; else it takes this process's.
+_THREAD_KNOBS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def _side_b(cfg: ReplayConfig, opts: RegressOptions, p: Any, clip: float | None) -> SideRun:
     model = opts.against_model or cfg.model
     if opts.against_python is None:
         return run_side(p, model, clip)
+    own = any(k in opts.against_env for k in _THREAD_KNOBS)  # the knob under test
     spec = WorkerSpec(
         config=config_dict(cfg, model),
         steps=list(p.steps),
         lrs={s: p.lrs[s] for s in p.steps},
         clip=clip,
+        threads=None if own else torch.get_num_threads(),
     )
     with tempfile.TemporaryDirectory(prefix="ckptforensics-regress-") as tmp:
         return run_worker(opts.against_python, opts.against_env, spec, Path(tmp))

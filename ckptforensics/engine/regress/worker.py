@@ -21,6 +21,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ckptforensics.core.errors import ForensicsError, one_line
 from ckptforensics.engine.regress.side import SideRun, load, run_side, save
 from ckptforensics.engine.replay.records import ReplayConfig
@@ -46,12 +48,16 @@ class WorkerSpec:
         steps: the window's steps, in order.
         lrs: step -> LR per parameter group, as this process settled them.
         clip: the clip norm both sides step with (None: none).
+        threads: torch's intra-op threads, as this process has them (a reduction split over
+            another count of threads sums in another order); None: the worker's own, where
+            the environment sets them (`OMP_NUM_THREADS` in `--against-env`).
     """
 
     config: dict[str, Any]
     steps: list[int]
     lrs: dict[int, list[float]]
     clip: float | None
+    threads: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(
@@ -60,6 +66,7 @@ class WorkerSpec:
                 "steps": self.steps,
                 "lrs": {str(k): v for k, v in self.lrs.items()},
                 "clip": self.clip,
+                "threads": self.threads,
             }
         )
 
@@ -71,6 +78,7 @@ class WorkerSpec:
             steps=[int(s) for s in d["steps"]],
             lrs={int(k): [float(x) for x in v] for k, v in d["lrs"].items()},
             clip=d["clip"],
+            threads=d.get("threads"),
         )
 
 
@@ -132,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args[1])
     try:
         spec = WorkerSpec.from_json(Path(args[0]).read_text())
+        if spec.threads is not None:
+            torch.set_num_threads(spec.threads)
         cfg = _config(spec.config)
         p = plan(cfg, spec.steps)
         p.lrs = {s: spec.lrs[s] for s in spec.steps}

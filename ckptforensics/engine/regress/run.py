@@ -34,6 +34,7 @@ from ckptforensics.engine.regress.capture import BACKWARD, FORWARD, Event
 from ckptforensics.engine.regress.compare import TensorDelta, deltas
 from ckptforensics.engine.regress.side import SideRun, run_side
 from ckptforensics.engine.regress.worker import WorkerSpec, config_dict, run_worker
+from ckptforensics.engine.replay import distributed
 from ckptforensics.engine.replay.logcheck import LogCheck, check_against_log
 from ckptforensics.engine.replay.records import ReplayConfig
 from ckptforensics.engine.replay.window import plan
@@ -337,6 +338,11 @@ def regress(
     Raises:
         ForensicsError: bad checkpoints, batches or models, or a worker that failed.
     """
+    if distributed.current() is not None:
+        raise ForensicsError(
+            "regress runs in one process for now (each pass is kept whole to compare it): "
+            "run it without torchrun"
+        )
     first = cfg.step if cfg.step is not None else _step_after(cfg.before)
     with doing(f"planning steps {first} to {first + opts.steps - 1} from {cfg.before}"):
         p = plan(cfg, list(range(first, first + opts.steps)))

@@ -22,7 +22,7 @@ from ckptforensics.commands.audit import trace_architecture
 from ckptforensics.detectors import diff_findings
 from ckptforensics.engine.diff.pair import DiffConfig, diff_checkpoints
 from ckptforensics.engine.replay.model import load_weights
-from ckptforensics.trainers.fused import Heads, heads_from_config, part_of
+from ckptforensics.trainers.fused import Heads, computes, heads_from_config, part_of
 from ckptforensics.trainers.megatron.model import MegatronGPT
 from ckptforensics.verdict import decide
 from tests.conftest import ROOT
@@ -114,6 +114,7 @@ def test_an_opaque_fused_norm_linear_is_a_norm() -> None:
     assert {f"transformer.h.{i}.attn.c_attn.layer_norm_weight" for i in (0, 1)} <= set(
         b.norm_params
     )
+    assert not any(n.endswith("c_attn.bias") for n in b.norm_params)  # the projection's own
     # the fused module computes what ln_1 then c_attn compute
     torch.manual_seed(0)
     ref = _gpt2()
@@ -202,6 +203,22 @@ def test_gpt2_c_attn_columns_are_named_as_transformers_splits_them() -> None:
         assert part_of(name, (0, u), tuple(w.shape), heads) == f"{'qkv'[which]} (head {head})"
 
 
+def test_nanogpt_c_attn_rows_are_named_as_its_split_gives_them() -> None:
+    """nanoGPT's `c_attn` is an nn.Linear (output units on dim 0, GPT-2's Conv1D has them on
+    dim 1): the same name, the other axis."""
+    from fixtures.tinygpt import GPT, GPTConfig
+
+    cfg = GPTConfig()
+    heads = heads_from_config({"n_head": cfg.n_head, "n_embd": cfg.n_embd})
+    torch.manual_seed(0)
+    attn, x = GPT(cfg).transformer.h[0].attn, torch.randn(1, 3, cfg.n_embd)
+    w = attn.c_attn.weight  # [3 C, C]
+    for u in range(w.shape[0]):
+        which, where = _moved(lambda: attn(x), w, u, 0)
+        want = f"{'qkv'[which]} (head {int(where[0, -1]) // heads.head_dim})"
+        assert part_of("transformer.h.0.attn.c_attn.weight", (u, 0), tuple(w.shape), heads) == want
+
+
 def test_megatron_linear_qkv_rows_are_named_by_query_group() -> None:
     """megatron-core's `get_query_key_value_tensors` split (q1 q2 k1 v1 | q3 q4 k2 v2), as the
     reference forward runs it, under the args the committed megatron-core run recorded."""
@@ -276,3 +293,40 @@ def test_a_bit_flip_in_c_attn_names_its_part(zoo: dict[str, Path], tmp_path: Pat
     e = verdict.corrupted_elements[0]
     assert e["tensor"] == name and e["index"] == [row, col] and e["part"] == want
     assert f"{name} ({want})" in next(f.message for f in diff_findings(result) if f.subject == name)
+
+
+QKV, FC1 = "decoder.layers.0.self_attention.linear_qkv", "decoder.layers.0.mlp.linear_fc1"
+
+
+@pytest.mark.parametrize(
+    ("module", "params", "heads", "want"),
+    [
+        (QKV, [f"{QKV}.weight", f"{QKV}.layer_norm_weight"], None, "norm fused with the q, k, v projections"),
+        (FC1, [f"{FC1}.weight", f"{FC1}.layer_norm_weight"], Heads(4, 2, 8, True), "norm fused with the gate, up projections"),
+        (FC1, [f"{FC1}.weight", f"{FC1}.layer_norm_weight"], Heads(4, 2, 8, False), "norm fused with the projection"),
+        ("transformer.h.0.attn.c_attn", ["transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias"], None, "q, k, v projections"),
+        ("transformer.h.0.attn", ["transformer.h.0.attn.c_attn.weight"], None, None),
+        ("model.layers.0.self_attn.q_proj", ["model.layers.0.self_attn.q_proj.weight"], None, None),
+    ],
+)  # fmt: skip
+def test_a_fused_module_is_named_by_what_it_computes(
+    module: str, params: list[str], heads: Heads | None, want: str | None
+) -> None:
+    assert computes(module, params, heads) == want
+
+
+def test_replay_names_what_a_fused_parameter_computes(tmp_path: Path) -> None:
+    """A per-module LR bug (x300 from step 31, as the zoo's gradient_explosion) on nanoGPT's
+    fused `c_attn`, trained by the project's own loop: the replay's findings on it say it is
+    the q, k, v projections."""
+    from fixtures.zoo import Run, _module_bug, train
+
+    out = tmp_path / "qkv"
+    train(Run(name="qkv", out=out, module_lr={"transformer.h.1.attn.c_attn": _module_bug}))
+    doc = api.replay(
+        "30", "40", run_dir=out, batch=out / "batches.h5", model="fixtures/tinygpt.py:factory"
+    ).doc
+    assert doc["verdict"]["first_anomalous_module"] == "transformer.h.1.attn.c_attn"
+    rms = [f for f in doc["findings"] if f["kind"] == "rms_t"]
+    assert rms and rms[0]["subject"].startswith("transformer.h.1.attn.c_attn.")
+    assert f"{rms[0]['subject']} (q, k, v projections)'s gradient" in rms[0]["message"]

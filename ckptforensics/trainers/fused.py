@@ -18,11 +18,19 @@ group 1"; where the rows fall depends on the layout the model's own code splits 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Heads", "FusedLayout", "LAYOUTS", "layout_for", "part_of", "heads_from_config"]
+__all__ = [
+    "Heads",
+    "FusedLayout",
+    "LAYOUTS",
+    "layout_for",
+    "part_of",
+    "computes",
+    "heads_from_config",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +123,10 @@ LAYOUTS: tuple[FusedLayout, ...] = (
     FusedLayout("qkv", (".linear_qkv.weight", ".linear_qkv.bias"), 0, _qkv(_megatron_qkv)),
     FusedLayout("qkv", (".query_key_value.weight", ".query_key_value.bias"), 0, _qkv(_neox_qkv)),
     FusedLayout("qkv", (".qkv_proj.weight", ".qkv_proj.bias"), 0, _qkv(_concat_qkv)),
+    # GPT-2's `c_attn` is a Conv1D (units on dim 1), nanoGPT's an nn.Linear (dim 0): the dim
+    # whose size is q + k + v decides (a [C, 3C] weight cannot fit both).
     FusedLayout("qkv", (".c_attn.weight",), 1, _qkv(_concat_qkv)),
-    FusedLayout("qkv", (".c_attn.bias",), 0, _qkv(_concat_qkv)),
+    FusedLayout("qkv", (".c_attn.weight", ".c_attn.bias"), 0, _qkv(_concat_qkv)),
     FusedLayout("gate_up", (".gate_up_proj.weight", ".gate_up_proj.bias"), 0, _gate_up(False)),
     FusedLayout("gate_up", (".linear_fc1.weight", ".linear_fc1.bias"), 0, _gate_up(True)),
 )
@@ -148,10 +158,40 @@ def part_of(
         ...         Heads(n_heads=4, n_kv=2, head_dim=8))
         'k (query group 1)'
     """
-    lay = layout_for(name)
-    if lay is None or len(index) <= lay.unit_dim or len(shape) <= lay.unit_dim:
+    for lay in LAYOUTS:
+        if name.endswith(lay.suffixes) and len(index) > lay.unit_dim < len(shape):
+            part = lay.part(index[lay.unit_dim], shape[lay.unit_dim], heads)
+            if part is not None:
+                return part
+    return None
+
+
+# What each fused kind computes, in the words a finding uses.
+_COMPUTES = {"norm": "norm", "qkv": "q, k, v projections", "gate_up": "gate, up projections"}
+
+
+def computes(module: str, params: Iterable[str], heads: Heads | None = None) -> str | None:
+    """What a fused module computes, from its own parameters' names: 'norm fused with the
+    q, k, v projections' for Megatron's TE-layout `linear_qkv`, 'q, k, v projections' for
+    GPT-2's `c_attn`; None for a module that fuses nothing.
+
+    A `linear_fc1` is a gate-up pair only under SwiGLU (`heads.glu`)."""
+    kinds: list[str] = []
+    for n in sorted(params):
+        if not n.startswith(module + ".") or "." in n[len(module) + 1 :]:
+            continue  # not this module's own parameter
+        lay = layout_for(n)
+        if lay is None or lay.kind in kinds:
+            continue
+        if lay.kind == "gate_up" and n.endswith(".linear_fc1.weight") and not (heads and heads.glu):
+            continue
+        kinds.append(lay.kind)
+    if not kinds:
         return None
-    return lay.part(index[lay.unit_dim], shape[lay.unit_dim], heads)
+    words = [_COMPUTES[k] for k in sorted(kinds, key=list(_COMPUTES).index)]
+    if words == ["norm"]:  # TE's LayerNormLinear ahead of a plain projection
+        return "norm fused with the projection"
+    return words[0] if len(words) == 1 else f"{words[0]} fused with the {words[1]}"
 
 
 def _int(cfg: dict[str, Any], *keys: str) -> int | None:

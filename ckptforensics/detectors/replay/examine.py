@@ -14,6 +14,7 @@ from ckptforensics.core.tensors import (
 from ckptforensics.detectors.base import Finding, Thresholds, cap, module_of
 from ckptforensics.detectors.replay.evidence import ReplayEvidence
 from ckptforensics.engine.replay.probes import BWD_STATS, FWD_STATS
+from ckptforensics.trainers.fused import computes
 
 __all__ = ["STALE_RMS_T", "attention", "localise", "overflow"]
 
@@ -52,6 +53,7 @@ def localise(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     }
     nf_f = p.fwd[:, FWD_STATS.index("nonfinite")].numpy()
     nf_b = p.bwd[:, BWD_STATS.index("grad_nonfinite")].numpy()
+    params = tuple(rec.param_grad_rms) if rec is not None else ()
     out = []
     fwd_first = next((i for i in p.fwd_order if nf_f[i] > 0 or zf[i] > th.z), None)
     bwd_first = next((i for i in p.bwd_order if nf_b[i] > 0 or zb[i] > th.z), None)
@@ -66,6 +68,7 @@ def localise(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
                 th,
                 ("absmax", float(p.fwd[fwd_first, ia]), "output", "max |x|"),
                 stale=stale,
+                fused=computes(p.modules[fwd_first], params),
             )
         )
     ranked = sorted(
@@ -84,6 +87,7 @@ def localise(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
                 ("grad_norm", float(p.bwd[bwd_first, ig]), "output gradient", "norm"),
                 ranked=[p.modules[i] for i in ranked[:8]],
                 stale=stale,
+                fused=computes(p.modules[bwd_first], params),
             )
         )
     return out
@@ -104,9 +108,11 @@ def _first_anomaly(
     stat: tuple[str, float, str, str],
     ranked: list[str] | None = None,
     stale: set[str] = frozenset(),  # type: ignore[assignment]
+    fused: str | None = None,
 ) -> Finding:
     """The first module, in forward or backward order, whose statistic leaves its range; where
-    it holds a parameter with a stale second moment, evidence of Adam's instability first."""
+    it holds a parameter with a stale second moment, evidence of Adam's instability first.
+    A fused module is named with what it computes (`trainers.fused.computes`)."""
     key, value, what, label = stat
     extra = " on the window's other steps" if order == "forward" else ""
     adam = any(m == name or m.startswith(name + ".") or name.startswith(m + ".") for m in stale)
@@ -123,7 +129,7 @@ def _first_anomaly(
             key: value,
             **({"ranked": ranked} if ranked is not None else {}),
         },
-        f"step {s}: {name} is the first module in {order} order whose {what} leaves its range{extra} ({label} {value:.3g}, robust z {z:.1f})"
+        f"step {s}: {name}{f' ({fused})' if fused else ''} is the first module in {order} order whose {what} leaves its range{extra} ({label} {value:.3g}, robust z {z:.1f})"
         + (
             f"; its gradient is over {STALE_RMS_T:g}x what Adam's second moment expects (RMS_t)"
             if adam

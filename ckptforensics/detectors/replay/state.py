@@ -11,9 +11,10 @@ from ckptforensics.core.stats import MAD_TO_SIGMA, theil_sen
 from ckptforensics.core.tensors import (
     robust_z,
 )
-from ckptforensics.detectors.base import Finding, Thresholds, cap
+from ckptforensics.detectors.base import Finding, Thresholds, cap, module_of
 from ckptforensics.detectors.replay.evidence import ReplayEvidence
 from ckptforensics.engine.diff.pair import tensor_role
+from ckptforensics.trainers.fused import computes
 
 __all__ = ["output_logits", "reproduction", "rms_t"]
 
@@ -97,6 +98,7 @@ def rms_t(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
         name, v = names[i], float(vals[i])
         spikes = r.param_spikes.get(name, 0)
         evidence = ev.bad or v > 100
+        fused = computes(module_of(name), r.param_grad_rms)  # what a fused module computes
         return [
             Finding(
                 "",
@@ -111,7 +113,7 @@ def rms_t(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
                     "spam_spikes": spikes,
                     "flagged": [names[int(j)] for j in hits[:8]],
                 },
-                f"step {r.step}: {name}'s gradient is {v:.3g}x what Adam's second moment expects (RMS_t; robust z {float(z[i]):.1f} "
+                f"step {r.step}: {name}{f' ({fused})' if fused else ''}'s gradient is {v:.3g}x what Adam's second moment expects (RMS_t; robust z {float(z[i]):.1f} "
                 f"among the step's parameters){f', {spikes} elements with g^2 > 5000 v' if spikes else ''}: its updates go sign-like",
                 "docs/signatures.md#rms-t (StableAdamW 2304.13013), per-element spike (SPAM 2501.06842)",
                 ("adam_instability", "gradient_explosion") if evidence else (),

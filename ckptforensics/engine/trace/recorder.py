@@ -208,7 +208,8 @@ class Trace:
         that input first: a norm fused into it, whatever its kernel."""
         if out is None or out.grad_fn is None or not _scale_invariant(self, mod, x):
             return
-        params = [p for p in mod.parameters(recurse=False) if p.dim() == 1]
+        # the norm's gain and shift; the projection's own `bias` is not the norm's
+        params = [p for n, p in mod.named_parameters(recurse=False) if p.dim() == 1 and n != "bias"]
         self.fused[out.grad_fn] = NormSite(x.grad_fn, out.grad_fn, params, name)
 
     def remove(self) -> None:

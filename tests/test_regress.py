@@ -95,6 +95,18 @@ def test_nondeterminism_alone_is_equivalent_not_parted(run: Path) -> None:
     assert rep.cause == "none" and rep.verdict["first_anomalous_module"] is None
 
 
+def test_b_off_the_runs_logged_track_is_said(run: Path) -> None:
+    """The head's logits scaled by 1.05: B's loss leaves the run's log on the first step,
+    where A (the run's own model) lands on it."""
+    rep = _regress(run, "factory", "logit_scale", steps=2)
+    kinds = [f["kind"] for f in rep.doc["findings"]]
+    assert kinds == ["regress_parted", "regress_off_track"]
+    assert rep.doc["regress"]["check"]["a"]["first_miss"] is None
+    assert rep.doc["regress"]["check"]["b"]["first_miss"] == 31
+    assert all(s["exceeds"] for s in rep.doc["regress"]["steps"])
+    assert "leaves the run's logged track at step 31" in rep.verdict["summary"]
+
+
 def test_strict_exits_1_when_they_part_and_json_says_where(run: Path) -> None:
     r = invoke(
         "regress", "--run-dir", str(run), "--step", "30", "--batch", str(run / "batches.h5"),

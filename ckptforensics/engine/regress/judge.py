@@ -222,13 +222,13 @@ def first_parting(mods: list[ModuleDiff], params: list[ParamDiff]) -> Parting | 
     caller = e.caller or "the model's own forward"
     if e.phase == FORWARD:
         module, where = (
-            (e.module, "its own forward (its input is the same on both sides)")
+            (e.module, "its own forward, its input the same on both sides")
             if e.side == "out"
             else (e.caller, f"{caller}'s own code before it calls {e.module}")
         )
     else:
         module, where = (
-            (e.module, "its own backward (the gradient at its output is the same on both sides)")
+            (e.module, "its own backward, the gradient at its output the same on both sides")
             if e.side == "in"
             else (
                 e.caller,

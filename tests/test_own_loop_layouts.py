@@ -184,6 +184,9 @@ def test_replay_rebuilds_each_loop_and_finds_the_spike(runs: dict[str, Path], ru
     agree = next(f for f in doc["findings"] if f["kind"] == "replay_log_agreement")
     if t["cause"] == "none":
         assert agree["metrics"]["status"] == "matched", agree["message"]
+        # Every weight and state tensor lands on after's (Muon's buffers within its bf16
+        # Newton-Schulz rounding: `optim.muon`'s state_rounding).
+        assert v["reproducible"] is True, doc["replay"]["reproduction"]["worst"]
         assert v["causes"][0]["cause"] == "none", v["summary"]
         assert not [f for f in doc["findings"] if f["severity"] == "critical"]
         return

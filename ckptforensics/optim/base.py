@@ -57,6 +57,11 @@ class Family:
             (transformers' relative-step Adafactor): bounded without a recorded LR.
         update_buffer: the state tensor its step is lr times (SGD's momentum buffer): an
             element's move its buffers at both ends account for is training, not a flip.
+        state_rounding: the relative rounding per step a replay of its state may differ by
+            whatever the run's precision, relative to the state tensor's RMS as well as to
+            each element (Muon: its Newton-Schulz runs in bf16, so a gradient a last bit
+            apart moves the weights, and every later gradient, by bf16's roundoff); None:
+            the precision's own (`engine.replay.precision.moment_rounding`).
         bnb_state: its state is bitsandbytes' 8-bit layout (`optim.bnb`): the checks read
             the moments dequantised from the codes, widened by their rounding.
         replay_class: (implementation) -> its framework's own optimizer class; None where
@@ -85,6 +90,7 @@ class Family:
     weight_scale: Callable[[dict[str, Any]], Any] = _no
     own_step_size: Callable[[dict[str, Any]], Any] = _no
     update_buffer: str | None = None
+    state_rounding: float | None = None
     bnb_state: bool = False
     replay_class: Callable[[str], Any] = _never
     replay_args: Callable[[GroupHyper, str], dict[str, Any]]

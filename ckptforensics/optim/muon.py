@@ -85,6 +85,14 @@ FAMILY = Family(
     marks=((frozenset({"ns_coefficients", "ns_steps"}), "torch.optim.Muon"),),
     options=("momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn"),
     bound=_bound,
+    # torch/optim/_muon.py `_zeropower_via_newtonschulz` casts the update to bf16: a replay
+    # whose gradients differ from the run's in a last bit (another summation order) rounds
+    # some of O's elements the other way, so its momentum buffers drift from the run's by
+    # bf16's roundoff per step, relative to the buffer's size (its RMS), as a bf16 run's
+    # gradients do (measured on fixtures/own_loop_layouts.py's Muon run: gradients changed by
+    # 1e-7 to 1e-5 relative over 10 steps move the buffers by up to half this tolerance,
+    # and by 14x the fp32 one).
+    state_rounding=_BF16_U,
     replay_class=lambda impl: torch.optim.Muon,
     replay_args=_args,
     replay_label=lambda impl: "torch.optim.Muon",

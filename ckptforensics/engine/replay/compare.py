@@ -150,8 +150,18 @@ def _compare_param(
         float(every[:, 0].sum().div(p.numel()).sqrt()),
     )
     out = [weight_match(name, mine, ref, b.meta(name).dtype, k * lr, c, wd, mp.reach(precision))]
+    rel = mp.moment_rounding(precision)
+    own = fam.state_rounding if fam is not None else None
+    if own is not None:
+        # The family's own rounding (Muon's bf16 Newton-Schulz), relative to each state
+        # tensor's RMS too. (One process: a torchrun replay rebuilds Adam alone.)
+        rel = max(rel, own)
+        scales = [
+            torch.maximum(s, y.pow(2).mean().sqrt())
+            for s, (_, y) in zip(scales, pairs.values(), strict=True)
+        ]
     for (where, (x, y)), scale, top in zip(pairs.items(), scales, tops, strict=True):
-        tol = moment_tol(scale, top, k, mp.moment_rounding(precision))
+        tol = moment_tol(scale, top, k, rel)
         if quant:
             tol = tol + _code_tol(raw, where, x)
         out.append(_match(name, where, x, y, tol, None))

@@ -44,6 +44,7 @@ LOOP = (
     "plan",
     "recovery",
     "audit",
+    "regress",
     "report",
     "formats",
 )

@@ -79,6 +79,9 @@ def _output_tensor(out: Any) -> torch.Tensor | None:
     logits = getattr(out, "logits", None)  # transformers' ModelOutput
     if isinstance(logits, torch.Tensor) and logits.is_floating_point():
         return logits
+    if isinstance(out, dict):  # a ModelOutput without logits (last_hidden_state first)
+        got = _first_float(out)
+        return got[1] if got else None
     return None
 
 

@@ -60,7 +60,8 @@ def _env(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> 
     callback=_env,
     metavar="KEY=VALUE",
     help="An environment variable set for --against-python's worker (a numerics knob: ATEN_CPU_CAPABILITY=default, "
-    "NVIDIA_TF32_OVERRIDE=0, OMP_NUM_THREADS=1); repeat.",
+    "NVIDIA_TF32_OVERRIDE=0, OMP_NUM_THREADS=4); repeat. The worker runs torch on this process's thread count "
+    "unless OMP_NUM_THREADS or MKL_NUM_THREADS is set here.",
 )
 @replay_options
 @out_option()

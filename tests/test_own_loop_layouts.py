@@ -71,6 +71,8 @@ def _window(run: Path) -> list[str]:
         ("rank_1.pt", None),
         ("model-00001-of-00002.safetensors", None),
         ("ckpt.pt", None),
+        ("run3_step60.pt", 60),
+        ("blackbox-step40", None),  # the flight recorder's folder, not a checkpoint
     ],
 )
 def test_step_from_the_name(tmp_path: Path, name: str, step: int | None) -> None:

@@ -34,18 +34,19 @@ if TYPE_CHECKING:
 NAME = "loop"
 TITLE = "training loop"
 # The names own loops give their checkpoints, whatever the padding: a word that says what
-# the file holds and the step (`ckpt_60.pt`, `model_60.pt`, `checkpoint_step_60.pt`), or any
-# prefix before `step` (modded-nanogpt's `state_step000060.pt`, `run3_step60.pt`); a file
-# or a folder. Neither reads another trainer's name another way: a name needs one of these
-# words, or a word joined to `step` by `-`/`_`, before its digits (HF's `checkpoint-60` and
-# DeepSpeed's `global_step60` read as the same step; `iter_N`, `step_N` and Lightning's
-# `epoch=0-step=60.ckpt` do not match).
-_EXT = r"(?:\.(?:pt|pth|bin|safetensors|ckpt))?"
+# the file or folder holds, then the step (`ckpt_60.pt`, `model_60.pt`, `checkpoint_step_60/`);
+# or a file named by any prefix before `step` (modded-nanogpt's `state_step000060.pt`,
+# `run3_step60.pt`; a file only: the flight recorder's `blackbox-step40/` is no checkpoint).
+# Neither reads another trainer's name another way: HF's `checkpoint-60` and DeepSpeed's
+# `global_step60` read as the same step; `iter_N`, `step_N` and Lightning's
+# `epoch=0-step=60.ckpt` do not match.
+_EXT = r"\.(?:pt|pth|bin|safetensors|ckpt)"
 STEP_NAMES = (
     (
         "own loop",
         r"^(?:(?:ckpt|checkpoint|model|state|weights|snapshot)[-_]?(?:step|iter)?"
-        r"|[A-Za-z][A-Za-z0-9]*(?:[-_][A-Za-z][A-Za-z0-9]*)*[-_]step)[-_]?(\d+)" + _EXT + "$",
+        rf"|(?=.*{_EXT}$)[A-Za-z][A-Za-z0-9]*(?:[-_][A-Za-z][A-Za-z0-9]*)*[-_]step)"
+        rf"[-_]?(\d+)(?:{_EXT})?$",
         6,
     ),
 )

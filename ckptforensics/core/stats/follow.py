@@ -23,6 +23,7 @@ def loss_follows(
     benefit: bool = True,
     routine: bool = False,
     z_level: Sequence[float] | None = None,
+    settles: bool = False,
 ) -> bool:
     """Whether the loss follows a grad-norm spike (or loss-scale backoff) at index i: the loss
     at half the spike z on that step or the next (a poisoned batch's own loss, a bad update's
@@ -46,13 +47,14 @@ def loss_follows(
     nxt = float(z_level[i + 1]) if z_level is not None and i + 1 < len(z_level) else math.inf
     if seen[0] >= half or (len(seen) > 1 and seen[1] >= half and nxt >= half):
         return True
-    if len(seen) <= follow // 2:
-        return benefit
+    run = len(seen)
     if z_grad is not None:
         run = 2
         for g in z_grad[i + 2 : i + len(seen)]:
             if not g >= half:
                 break
             run += 1
-        seen = seen[:run]
+    if len(seen) <= follow // 2 and not (settles and run < len(seen)):
+        return benefit
+    seen = seen[:run]
     return any(v > z for v in seen) or sum(v >= half for v in seen) >= 2

@@ -35,26 +35,58 @@ def _went_bad(
     # A step SkipStepAdamW skipped by its outlier rule is judged by its loss and grad norm.
     if (r.skipped and getattr(r, "skipped_by", "") != "optimizer rule") or not math.isfinite(zg[i]):
         return loss_follows(zl, i, th.z, z_grad=zg, benefit=False, routine=True) if scaled else True
-    return bool(zg[i] > th.z and loss_follows(zl, i, th.z, z_grad=zg, z_level=above))
+    return bool(zg[i] > th.z and loss_follows(zl, i, th.z, z_grad=zg, z_level=above, settles=True))
+
+
+def _z_on(
+    values: list[float], later: list[float], history: list[float], above_level: bool = False
+) -> np.ndarray:
+    """`step_z` of the window's values, then of the logged values after it (judged with the
+    window before them), which only answer whether the loss followed a late signal."""
+    z = step_z(values, history, above_level=above_level)
+    if not later:
+        return z
+    return np.concatenate(
+        [z, step_z([*values, *later], history, above_level=above_level)[len(values) :]]
+    )
 
 
 def _onset(
-    recs: Sequence[Any], base: Sequence[dict[str, float]], th: Thresholds, grads: bool = True
+    recs: Sequence[Any],
+    base: Sequence[dict[str, float]],
+    th: Thresholds,
+    grads: bool = True,
+    following: Sequence[dict[str, float]] = (),
 ) -> tuple[int | None, np.ndarray, np.ndarray]:
     """Index of the first step of `recs` (anything with .loss, .grad_norm, .skipped,
     .loss_scale) that goes bad against the history `base` (logged rows), and the loss and
-    grad-norm z of every step (`grads` False: a log without grad norms, judged on the loss)."""
+    grad-norm z of every step (`grads` False: a log without grad norms, judged on the loss).
+
+    `following`: the run's logged rows right after the window, while they have a loss and a
+    grad norm. A grad-norm blip on the window's last steps is a spike only where the loss
+    follows it (`loss_follows`); where the replay ends before the loss could answer, the log
+    answers, and only where the log has nothing is the blip given the benefit (a healthy
+    HF Llama's 1.6x blip on a window's last step, the loss falling on after it, was named a
+    poisoned row: tests/test_hf_families.py)."""
+    n = len(recs)
+    later = [r for r in following if "loss" in r and "grad_norm" in r] if grads else []
     values = [r.grad_norm for r in recs]
     zg = (
-        step_z(values, [b["grad_norm"] for b in base if "grad_norm" in b])
+        _z_on(
+            values,
+            [r["grad_norm"] for r in later],
+            [b["grad_norm"] for b in base if "grad_norm" in b],
+        )
         if grads
-        else np.zeros(len(recs))
+        else np.zeros(n)
     )
     losses, history = [r.loss for r in recs], [b["loss"] for b in base if "loss" in b]
-    zl = step_z(losses, history)
-    above = step_z(losses, history, above_level=True)
+    tail = [r["loss"] for r in later]
+    zl = _z_on(losses, tail, history)
+    above = _z_on(losses, tail, history, above_level=True)
     bad = [i for i, r in enumerate(recs) if _went_bad(r, i, zl, zg, th, above)]
-    if not bad or (len(recs) <= 1 and len(base) < 5):
+    zl, zg = zl[:n], zg[:n]
+    if not bad or (n <= 1 and len(base) < 5):
         return None, zl, zg
     return bad[0], zl, zg
 
@@ -63,7 +95,10 @@ def spike(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     """The first replayed step whose loss, or grad norm with the loss following, leaves the run's trend."""
     rep = ev.rep
     recs = rep.records
-    i, zl, zg = _onset(recs, list(rep.baseline.values()), th)
+    following = getattr(rep, "following", {})
+    i, zl, zg = _onset(
+        recs, list(rep.baseline.values()), th, following=[following[s] for s in sorted(following)]
+    )
     if i is None:
         return []
     r = recs[i]

@@ -134,6 +134,9 @@ class ReplayResult:
     baseline: dict[int, dict[str, float]] = field(
         default_factory=dict
     )  # logged steps before the window
+    # the run's logged steps right after the window, up to `core.stats.LOSS_FOLLOW` of them:
+    # whether the loss followed a signal on the window's last steps (`detectors.replay.onset`)
+    following: dict[int, dict[str, float]] = field(default_factory=dict)
     check: LogCheck = field(default_factory=LogCheck)  # every replayed step against the run's log
     plan: Any = None  # the settled Plan the replay ran (bisect continues from it)
     diagnosis: str = ""  # the likeliest reason the first checked step misses the log, where it does

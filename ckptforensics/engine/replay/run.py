@@ -73,6 +73,7 @@ def replay(
         result.config = p.config(clip, csrc)
         result.logged = {s: p.logged[s] for s in p.steps if s in p.logged}
         result.baseline = p.baseline()
+        result.following = p.following()
         result.check = check_against_log(
             result.records, p.logged, p.precision, p.batches.micro_batch_size, clip
         )

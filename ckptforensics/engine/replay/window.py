@@ -19,6 +19,7 @@ import torch
 
 from ckptforensics.checkpoints import open_checkpoint, open_pair
 from ckptforensics.core.errors import ForensicsError, doing
+from ckptforensics.core.stats import LOSS_FOLLOW
 from ckptforensics.engine.replay import distributed
 from ckptforensics.engine.replay import precision as mp
 from ckptforensics.engine.replay.compare import compare_after
@@ -209,6 +210,16 @@ class Plan:
         """The run's own logged history, up to 128 steps before the window (OLMo-core's window)."""
         first = self.steps[0]
         return {s: self.logged[s] for s in range(first - 128, first) if s in self.logged}
+
+    def following(self) -> dict[int, dict[str, float]]:
+        """The run's logged steps right after the window, as many as a signal's loss may take
+        to follow it (`LOSS_FOLLOW`), up to the first step the log lacks."""
+        out: dict[int, dict[str, float]] = {}
+        for s in range(self.steps[-1] + 1, self.steps[-1] + 1 + LOSS_FOLLOW):
+            if s not in self.logged:
+                break
+            out[s] = self.logged[s]
+        return out
 
     def session(self) -> Session:
         # Under torchrun each rank reads its own rows: a rank that cannot stops them all.

@@ -219,6 +219,101 @@ def test_nanogpt_c_attn_rows_are_named_as_its_split_gives_them() -> None:
         assert part_of("transformer.h.0.attn.c_attn.weight", (u, 0), tuple(w.shape), heads) == want
 
 
+class _Attention(TorchFunctionMode):
+    """The queries, keys and values of the first `scaled_dot_product_attention` a forward
+    runs ([B, H, T, D] each, after the model's own split and RoPE: RoPE mixes channels
+    within a head, never across heads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv: list[torch.Tensor] | None = None
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        if func is F.scaled_dot_product_attention and self.qkv is None:
+            self.qkv = [t.detach().clone() for t in args[:3]]
+        return func(*args, **(kwargs or {}))
+
+
+def _hf_qkv(model: nn.Module, w: torch.Tensor, unit: int) -> tuple[int, int]:
+    """Which of q/k/v (0, 1, 2) and which head of it (a key or value head: its group) row
+    `unit` of `w` feeds, as the model's own forward splits its fused projection."""
+
+    def run() -> list[torch.Tensor]:
+        with torch.no_grad(), _Attention() as a:
+            model(**IDS)
+        assert a.qkv is not None
+        return a.qkv
+
+    base = run()
+    with torch.no_grad():
+        w[unit].add_(1.0)
+    try:
+        after = run()
+    finally:
+        with torch.no_grad():
+            w[unit].sub_(1.0)
+    moved = [i for i, (a, b) in enumerate(zip(base, after, strict=True)) if not torch.equal(a, b)]
+    assert len(moved) == 1
+    i = moved[0]
+    heads = (base[i] != after[i]).nonzero()[:, 1].unique()
+    # keys and values repeated per query head (GQA, MQA) move every head of their group
+    return i, int(heads[0]) // (len(heads) if i else 1)
+
+
+def _hf(kind: str) -> tuple[nn.Module, str]:
+    import transformers as T
+
+    small = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "attn_implementation": "sdpa",
+    }
+    if kind.startswith("falcon"):
+        arch = {
+            "falcon-grouped": {"new_decoder_architecture": True, "num_kv_heads": 2},
+            "falcon-multi-query": {"multi_query": True},
+            "falcon-per-head": {"multi_query": False},
+        }[kind]
+        m = T.FalconForCausalLM(T.FalconConfig(num_hidden_layers=1, **small, **arch))
+        return m, "transformer.h.0.self_attention.query_key_value.weight"
+    if kind == "gpt-neox":
+        m = T.GPTNeoXForCausalLM(
+            T.GPTNeoXConfig(num_hidden_layers=1, intermediate_size=64, **small)
+        )
+        return m, "gpt_neox.layers.0.attention.query_key_value.weight"
+    m = T.Phi3ForCausalLM(
+        T.Phi3Config(
+            num_hidden_layers=1,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            pad_token_id=0,
+            **small,
+        )
+    )
+    return m, "model.layers.0.self_attn.qkv_proj.weight"
+
+
+@pytest.mark.parametrize(
+    "kind", ["falcon-grouped", "falcon-multi-query", "falcon-per-head", "gpt-neox", "phi3"]
+)
+def test_hf_fused_qkv_rows_are_named_as_the_model_splits_them(kind: str) -> None:
+    torch.manual_seed(0)
+    model, name = _hf(kind)
+    model.eval()
+    heads = heads_from_config(model.config.to_dict())
+    assert heads is not None
+    w = model.get_parameter(name)
+    for u in range(w.shape[0]):
+        which, head = _hf_qkv(model, w, u)
+        got = part_of(name, (u, 0), tuple(w.shape), heads)
+        kv = "query group" if heads.qkv == "grouped" else "head"
+        assert got is not None and got.startswith("qkv"[which]), (u, got)
+        assert f"(head {head}" in got if which == 0 else got.endswith(f"({kv} {head})"), (u, got)
+
+
 def test_megatron_linear_qkv_rows_are_named_by_query_group() -> None:
     """megatron-core's `get_query_key_value_tensors` split (q1 q2 k1 v1 | q3 q4 k2 v2), as the
     reference forward runs it, under the args the committed megatron-core run recorded."""

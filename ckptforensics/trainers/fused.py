@@ -8,6 +8,8 @@ group 1"; where the rows fall depends on the layout the model's own code splits 
   interleaved per query group, `[ng, (np/ng + 2) * hn]`: each group's query heads, its key,
   its value;
 - GPT-NeoX's `query_key_value`: interleaved per head, `[np, 3 * hn]` (q, k, v of each head);
+  Falcon's, by its config: grouped as Megatron's (`new_decoder_architecture`), concatenated
+  with one key and value head (`multi_query`), else per head as GPT-NeoX's;
 - HF's concatenated layouts: Phi-3's `qkv_proj` `[q (np*hn); k (ng*hn); v (ng*hn)]`, GPT-2's
   `c_attn` (a `Conv1D`: its output units are the weight's columns) `[q; k; v]`;
 - gate-up: Phi-3's `gate_up_proj` and Megatron's `linear_fc1` with SwiGLU, `[gate; up]`
@@ -42,12 +44,16 @@ class Heads:
         n_kv: key/value heads (query groups); `n_heads` without GQA.
         head_dim: channels per head.
         glu: the MLP's first projection is a fused [gate; up] (SwiGLU, GeGLU).
+        qkv: how the model's own code splits its fused QKV where the config decides it
+            ('grouped', 'per_head', 'concat'; Falcon's three architectures); None: the
+            layout the tensor's name implies.
     """
 
     n_heads: int
     n_kv: int
     head_dim: int
     glu: bool = False
+    qkv: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,12 +76,13 @@ class FusedLayout:
 
 
 def _qkv(split: Callable[[int, Heads], str]) -> Callable[[int, int, Heads | None], str | None]:
-    """A QKV split, applied only where the tensor has the units this config gives q, k, v."""
+    """A QKV split (the config's, else the name's), applied only where the tensor has the
+    units this config gives q, k and v."""
 
     def part(u: int, units: int, h: Heads | None) -> str | None:
         if h is None or units != (h.n_heads + 2 * h.n_kv) * h.head_dim or h.n_heads % h.n_kv:
             return None
-        return split(u, h)
+        return _SPLITS.get(h.qkv or "", split)(u, h)
 
     return part
 
@@ -103,6 +110,14 @@ def _concat_qkv(u: int, h: Heads) -> str:
         return f"q (head {u // h.head_dim})"
     part, off = ("k", u - q) if u < q + kv else ("v", u - q - kv)
     return f"{part} (head {off // h.head_dim})"
+
+
+# The QKV splits a config may name (`Heads.qkv`).
+_SPLITS: dict[str, Callable[[int, Heads], str]] = {
+    "grouped": _megatron_qkv,
+    "per_head": _neox_qkv,
+    "concat": _concat_qkv,
+}
 
 
 def _gate_up(needs_glu: bool) -> Callable[[int, int, Heads | None], str | None]:
@@ -223,4 +238,12 @@ def heads_from_config(cfg: dict[str, Any] | None) -> Heads | None:
     hd = _int(cfg, "head_dim") or hidden // n
     act = str(cfg.get("hidden_act") or cfg.get("activation_function") or "")
     glu = "glu" in act or str(cfg.get("model_type")) in ("phi3", "phimoe")
-    return Heads(n, kv, hd, glu)
+    qkv = None
+    if cfg.get("model_type") == "falcon":  # one name, three layouts (`FalconAttention`)
+        if cfg.get("new_decoder_architecture"):
+            qkv, kv = "grouped", _int(cfg, "num_kv_heads", "n_head_kv") or n
+        elif cfg.get("multi_query", True):
+            qkv, kv = "concat", 1
+        else:
+            qkv, kv = "per_head", n
+    return Heads(n, kv, hd, glu, qkv)

@@ -337,6 +337,54 @@ def test_megatron_linear_qkv_rows_are_named_by_query_group() -> None:
         assert part_of("decoder.layers.0.self_attention.linear_qkv.weight", (u, 0), tuple(w.shape), heads) == want  # fmt: skip
 
 
+class _Chunks(TorchFunctionMode):
+    """The halves of the first `chunk` a forward runs: the model's own gate and up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: list[torch.Tensor] | None = None
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.Tensor.chunk, torch.chunk) and self.parts is None:
+            self.parts = [t.detach().clone() for t in out]
+        return out
+
+
+def test_gate_up_rows_are_named_as_the_model_chunks_them() -> None:
+    """Phi-3's `gate_up_proj` (transformers) and Megatron's SwiGLU `linear_fc1` (the reference
+    forward, under the committed run's args): `chunk(2)`, the first half through the SiLU."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    phi = T.Phi3ForCausalLM(T.Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=4, pad_token_id=0))  # fmt: skip
+    with open_checkpoint(TE_LAYOUT_RUN / "iter_0000020") as c:
+        heads, meg = heads_from_config(c.config), MegatronGPT(c.config, fused_norm=True)
+        load_weights(meg, c)
+    cases = [
+        (phi.model.layers[0].mlp, "model.layers.0.mlp.gate_up_proj.weight", heads_from_config(phi.config.to_dict())),
+        (meg.decoder.layers[0].mlp, "decoder.layers.0.mlp.linear_fc1.weight", heads),
+    ]  # fmt: skip
+    for mlp, name, h in cases:
+        x = torch.randn(1, 3, 32)
+        w = mlp.get_parameter(name.split(".mlp.", 1)[1])
+        for u in range(w.shape[0]):
+            with torch.no_grad(), _Chunks() as a:
+                mlp(x)
+            base = a.parts
+            with torch.no_grad():
+                w[u].add_(1.0)
+                with _Chunks() as b:
+                    mlp(x)
+                w[u].sub_(1.0)
+            assert base is not None and b.parts is not None
+            moved = [i for i in (0, 1) if not torch.equal(base[i], b.parts[i])]
+            assert moved and part_of(name, (u, 0), tuple(w.shape), h) == ("gate", "up")[moved[0]]
+
+
 @pytest.mark.parametrize(
     ("name", "index", "shape", "want"),
     [

@@ -56,6 +56,12 @@ def test_te_layout_megatron_run_audits_its_fused_norms() -> None:
         for i in (0, 1)
         for m in ("self_attention.linear_qkv", "mlp.linear_fc1")
     } <= norms
+    assert set(doc["architecture"]["fused_norms"]) == {
+        f"decoder.layers.{i}.{m}"
+        for i in (0, 1)
+        for m in ("self_attention.linear_qkv", "mlp.linear_fc1")
+    }
+    assert "norms fused into the projection after them" in rows["norm_placement"]["message"]
 
 
 class _FusedLN(torch.autograd.Function):
@@ -115,6 +121,10 @@ def test_an_opaque_fused_norm_linear_is_a_norm() -> None:
         b.norm_params
     )
     assert not any(n.endswith("c_attn.bias") for n in b.norm_params)  # the projection's own
+    assert a.fused_norms == () and b.fused_norms == (
+        "transformer.h.0.attn.c_attn",
+        "transformer.h.1.attn.c_attn",
+    )
     # the fused module computes what ln_1 then c_attn compute
     torch.manual_seed(0)
     ref = _gpt2()

@@ -32,6 +32,14 @@ def norm_placement(ev: AuditEvidence) -> Check:
     p = ev.arch.norm_placement
     per = {x.module: x.placement for x in ev.arch.layers}
     src = f"docs/signatures.md#audit-norm-placement ({paper})"
+    fused = ev.arch.fused_norms
+    inside = (
+        f"; {len(fused)} norms fused into the projection after them ({fused[0]}, ...)"
+        if len(fused) > 1
+        else f"; the norm fused into {fused[0]}"
+        if fused
+        else ""
+    )
     if p in ("pre", "reordered", "sandwich"):
         return row(
             "norm_placement",
@@ -39,7 +47,7 @@ def norm_placement(ev: AuditEvidence) -> Check:
             "ok",
             p,
             "pre, reordered or sandwich",
-            f"norm placement {p} in all {len(per)} attention layers",
+            f"norm placement {p} in all {len(per)} attention layers{inside}",
             src,
         )
     if p in ("post", "none"):

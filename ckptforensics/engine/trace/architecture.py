@@ -57,6 +57,9 @@ class Architecture:
         logit_mean: mean output logit.
         log_z: mean log-sum-exp of the output logits (nats).
         notes: what could not be decided, said plainly.
+        fused_norms: modules that normalise their input inside the projection they compute
+            (Transformer Engine's `LayerNormLinear`, Megatron's TE-layout `linear_qkv`):
+            norms, seen by behaviour.
     """
 
     norm_placement: str
@@ -74,6 +77,7 @@ class Architecture:
     logit_mean: float
     log_z: float
     notes: tuple[str, ...] = ()
+    fused_norms: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]

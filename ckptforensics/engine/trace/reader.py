@@ -214,6 +214,7 @@ def read(trace: Trace, g: Graph, logits: torch.Tensor, names: dict[int, str]) ->
         logit_mean=logit_mean,
         log_z=log_z,
         notes=tuple(notes),
+        fused_norms=tuple(s.module for s in trace.fused.values() if s.module),
     )
 
 

@@ -91,6 +91,9 @@ def test_family_read_replayed_and_diagnosed(runs: Any, family: str) -> None:
     check = healthy["replay"]["check"]
     assert check["first_miss"] is None and all(s["loss_ok"] for s in check["steps"])
     assert healthy["verdict"]["causes"][0]["cause"] == "none"
+    assert not [
+        f for f in healthy["findings"] if f["kind"] in ("expert_collapse", "router_logit_growth")
+    ]
     # The incident: the poisoned rows, at their step.
     v = _replay(run, truth["before"], truth["after"])["verdict"]
     assert v["causes"][0]["cause"] == "poison_batch", v["causes"]
@@ -119,6 +122,11 @@ def test_router_lr_fault_names_the_router(runs: Any, family: str) -> None:
              "--after", str(truth["after"]), "--json", *extra],
         )  # fmt: skip
         assert r.exit_code == 0, r.output[-2000:]
-        v = json.loads(r.output[r.output.index("{") :])["verdict"]
+        doc = json.loads(r.output[r.output.index("{") :])
+        v = doc["verdict"]
         assert v["causes"][0]["cause"] in ("gradient_explosion", "lr_too_high"), v["causes"]
         assert v["first_anomalous_module"] == router, (command, v)
+    # The replay reads the routers: the faulty one's logits jump and its routing hardens.
+    growth = [f for f in doc["findings"] if f["kind"] == "router_logit_growth"]
+    assert [f["subject"] for f in growth] == [router], growth
+    assert growth[0]["metrics"]["step"] >= truth["first_bad_step"]

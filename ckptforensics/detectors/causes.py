@@ -204,6 +204,18 @@ CAUSES: Mapping[str, Cause] = registry(
         changes=(("lr_scale", 0.5),),
     ),
     Cause(
+        name="expert_collapse",
+        meaning="a Mixture-of-Experts router sends most tokens to few experts (its logits grown into a hard pick), the others idle",
+        actions=(
+            "Resume from {rollback} with a router z-loss (ST-MoE: 1e-3 log^2 Z of the router logits) and the "
+            "load-balancing loss on (transformers: `output_router_logits=True`, `router_aux_loss_coef` 1e-3..1e-2), "
+            "the router in fp32, or a lower LR for {layer}; `ckptforensics audit` checks these settings.",
+        ),
+        layer_finding="expert_collapse",
+        tries=("lr_scale=0.5", "clip={half_clip:g}"),
+        changes=(("lr_scale", 0.5),),
+    ),
+    Cause(
         name="silent_corruption",
         meaning="a hardware fault: the replay from the same state and batch does not reproduce the spike, with nothing else the run's files name left open, or an element moved beyond any update the optimizer can make",
         actions=(

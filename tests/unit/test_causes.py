@@ -130,6 +130,7 @@ def test_resume_causes_and_layer_causes_come_from_their_records() -> None:
     assert {n: c.layer_finding for n, c in CAUSES.items() if c.layer_finding} == {
         "attention_logit_growth": "attention_logit_growth",
         "output_logit_divergence": "output_logit_drift",
+        "expert_collapse": "expert_collapse",
     }
     assert lookup("a_cause_from_another_version").actions == ()
 

@@ -17,6 +17,7 @@ from ckptforensics.detectors.replay.agreement import WITHHELD, log_agreement, re
 from ckptforensics.detectors.replay.evidence import ReplayDetector, ReplayEvidence, step_z
 from ckptforensics.detectors.replay.examine import attention, localise, overflow
 from ckptforensics.detectors.replay.onset import first_steps_from_state, log_onset, lr_steps, spike
+from ckptforensics.detectors.replay.routing import routing
 from ckptforensics.detectors.replay.rows import samples
 from ckptforensics.detectors.replay.state import output_logits, reproduction, rms_t
 from ckptforensics.detectors.replay.trust import trusted
@@ -80,6 +81,7 @@ ONSET_DETECTORS: tuple[ReplayDetector, ...] = (lr_steps, spike)
 EXAMINE_DETECTORS: tuple[ReplayDetector, ...] = (localise, overflow, samples, attention)
 STATE_DETECTORS: tuple[ReplayDetector, ...] = (
     output_logits,
+    routing,
     rms_t,
     reproduction,
     replay_variant,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["aux_term", "RouterFigures", "router_figures"]
+__all__ = ["aux_term", "RouterFigures", "router_figures", "router_modules"]
 
 
 def aux_term(model: nn.Module, out: Any) -> torch.Tensor | None:
@@ -41,19 +41,34 @@ class RouterFigures:
         load: each expert's share of the routed token slots (top-k picks / all picks).
         logit_max: the largest |router logit|.
         entropy: mean entropy of the routing softmax over experts (nats; ln E is uniform).
+        top_k: the experts each token is sent to.
+        modules: the routers' module names, one per layer, where the model's routers are
+            modules of their own (transformers' `*Router`), else "MoE layer i".
     """
 
     load: tuple[tuple[float, ...], ...]
     logit_max: tuple[float, ...]
     entropy: tuple[float, ...]
+    top_k: int = 1
+    modules: tuple[str, ...] = ()
 
 
 def _top_k(model: nn.Module) -> int:
     cfg = getattr(model, "config", None)
-    return int(getattr(cfg, "num_experts_per_tok", 0) or getattr(model, "num_experts_per_tok", 0) or 1)
+    return int(
+        getattr(cfg, "num_experts_per_tok", 0) or getattr(model, "num_experts_per_tok", 0) or 1
+    )
 
 
-def router_figures(model: nn.Module, out: Any, mask: torch.Tensor | None) -> RouterFigures | None:
+def router_modules(model: nn.Module) -> tuple[str, ...]:
+    """The router modules of a transformers MoE model, in layer order (`*Router` classes:
+    Qwen3-MoE's and Mixtral's `mlp.gate`, gpt-oss's `mlp.router`)."""
+    return tuple(n for n, m in model.named_modules() if type(m).__name__.endswith("Router"))
+
+
+def router_figures(
+    model: nn.Module, out: Any, mask: torch.Tensor | None, modules: tuple[str, ...] = ()
+) -> RouterFigures | None:
     """The routing figures of a forward's `router_logits` (None for a model without them).
     Padding positions (`mask` 0) are left out, as the load-balancing loss leaves them out."""
     logits = getattr(out, "router_logits", None)
@@ -68,14 +83,22 @@ def router_figures(model: nn.Module, out: Any, mask: torch.Tensor | None) -> Rou
             x = x[keep.to(x.device)]
         e = x.shape[-1]
         picks = torch.zeros(e, device=x.device).scatter_add_(
-            0, x.topk(min(k, e), dim=-1).indices.reshape(-1), torch.ones(x.shape[0] * min(k, e), device=x.device)
+            0,
+            x.topk(min(k, e), dim=-1).indices.reshape(-1),
+            torch.ones(x.shape[0] * min(k, e), device=x.device),
         )
         p = torch.softmax(x, dim=-1)
         ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()
-        rows.append(torch.cat([picks / picks.sum().clamp_min(1), x.abs().amax().reshape(1), ent.reshape(1)]))
+        rows.append(
+            torch.cat([picks / picks.sum().clamp_min(1), x.abs().amax().reshape(1), ent.reshape(1)])
+        )
     table = torch.stack(rows).tolist()  # the one host read of the pass's routing
     return RouterFigures(
         load=tuple(tuple(r[:-2]) for r in table),
         logit_max=tuple(r[-2] for r in table),
         entropy=tuple(r[-1] for r in table),
+        top_k=k,
+        modules=modules
+        if len(modules) == len(table)
+        else tuple(f"MoE layer {i}" for i in range(len(table))),
     )

@@ -45,7 +45,12 @@ from ckptforensics.engine.replay.records import (
     local_state,
     local_tensor,
 )
-from ckptforensics.engine.replay.routers import RouterFigures, aux_term, router_figures
+from ckptforensics.engine.replay.routers import (
+    RouterFigures,
+    aux_term,
+    router_figures,
+    router_modules,
+)
 from ckptforensics.engine.replay.samples import PerSampleGrad, per_token_loss
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.trainers import SkipRule, hold_step_counter, restore_step_counter
@@ -103,6 +108,7 @@ class Session:
         self.call = None
         self.aux: torch.Tensor | None = None  # the last forward's auxiliary loss term (MoE)
         self.router: RouterFigures | None = None  # the last probed forward's routing (MoE)
+        self.router_modules = router_modules(self.model)
         # bf16 parameters on fp32 masters in one process (FSDP2 casts them under torchrun).
         self.bf16_params = (
             mp.BF16Params([p for _, p in self.model.named_parameters() if p.requires_grad])
@@ -164,7 +170,9 @@ class Session:
         # (`routers.aux_term`), and its routing when the probes are on (`routers`).
         self.aux = aux_term(self.model, out)
         if self.probe.enabled:
-            self.router = router_figures(self.model, out, batch.get("attention_mask"))
+            self.router = router_figures(
+                self.model, out, batch.get("attention_mask"), self.router_modules
+            )
         return out.logits if self.call.output == "object" else out[0]
 
     def _loss(

@@ -130,3 +130,21 @@ def test_router_lr_fault_names_the_router(runs: Any, family: str) -> None:
     growth = [f for f in doc["findings"] if f["kind"] == "router_logit_growth"]
     assert [f["subject"] for f in growth] == [router], growth
     assert growth[0]["metrics"]["step"] >= truth["first_bad_step"]
+
+
+def test_audit_reads_a_moe_runs_routing_settings(runs: Any) -> None:
+    """A Qwen3-MoE run whose config turns the load-balancing loss on at 0.02 and records no
+    router z-loss; a dense family's audit has no MoE rows."""
+    moe, dense = runs("qwen3_moe"), runs("llama")
+    rows = {}
+    for run in (moe, dense):
+        r = CliRunner().invoke(cli, ["audit", "--run-dir", str(run), "--json"])
+        assert r.exit_code == 0, r.output[-2000:]
+        doc = json.loads(r.output[r.output.index("{") :])
+        rows[run] = {c["id"]: c for c in doc["audit"]["rows"]}
+    got = rows[moe]
+    assert got["load_balancing"]["status"] == "ok" and got["load_balancing"]["value"] == 0.02
+    assert got["router_z_loss"]["status"] == "risk"
+    assert got["router_z_loss"]["supports"] == ["expert_collapse"]
+    assert got["router_precision"]["status"] == "ok"  # an fp32 run
+    assert not {"load_balancing", "router_z_loss", "router_precision"} & set(rows[dense])

@@ -21,7 +21,7 @@ from torch import nn
 
 from ckptforensics.checkpoints import list_checkpoints, open_checkpoint
 from ckptforensics.core.errors import ForensicsError
-from ckptforensics.detectors.audit import AuditEvidence, TensorMoments
+from ckptforensics.detectors.audit import AuditEvidence, MoeSettings, TensorMoments
 from ckptforensics.detectors.audit.rows import BF16_HALF_ULP
 from ckptforensics.engine.replay import precision as mp
 from ckptforensics.engine.replay.conventions import (
@@ -132,6 +132,7 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
     clip, csrc = _clip(rs)
     warm, wsrc = _warmup(rs, rows)
     z, zsrc = _z_loss(rs.config)
+    moe = _moe(rs.config)
     per_param = max((len(param_grad_columns(r)) for r in list(rows.values())[:50]), default=0)
     return AuditEvidence(
         step=a.step,
@@ -168,6 +169,7 @@ def gather(cfg: AuditConfig, a: Checkpoint, progress: Progress | None = None) ->
         log_file=str(mfile) if mfile is not None else None,
         per_param_grad_columns=per_param,
         batch_log=found.log,
+        moe=moe,
         notes=tuple(notes),
     )
 
@@ -206,6 +208,52 @@ def _z_loss(rc: dict[str, Any]) -> tuple[float | None, str | None]:
         ):
             return float(v), key
     return None, None
+
+
+# A Mixture-of-Experts model's routing settings under the names the frameworks record them:
+# transformers' configs (Qwen3-MoE's num_experts, Mixtral's and gpt-oss's num_local_experts,
+# DeepSeek's n_routed_experts; router_aux_loss_coef, added only with output_router_logits),
+# Megatron's arguments (num_experts, moe_router_topk, moe_aux_loss_coeff, moe_z_loss_coeff,
+# moe_router_dtype).
+_MOE_KEYS = {
+    "experts": ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+    "top_k": ("num_experts_per_tok", "moe_router_topk", "moe_top_k"),
+    "aux": ("router_aux_loss_coef", "moe_aux_loss_coeff", "aux_loss_alpha"),
+    "z": ("router_z_loss_coef", "moe_z_loss_coeff"),
+    "dtype": ("moe_router_dtype", "router_dtype"),
+}
+
+
+def _moe(rc: dict[str, Any]) -> MoeSettings | None:
+    """The routing settings of a MoE model in the recorded configuration; None for a dense one."""
+    found: dict[str, tuple[Any, str]] = {}
+    switch: tuple[Any, str] | None = None
+    for key, v in _walk(rc):
+        leaf = key.rsplit(".", 1)[-1]
+        if leaf == "output_router_logits":
+            switch = (v, key)
+        for what, names in _MOE_KEYS.items():
+            if leaf in names and what not in found and v is not None and not isinstance(v, bool):
+                found[what] = (v, key)
+    experts = found.get("experts", (None, ""))[0]
+    if not isinstance(experts, int) or experts < 2:
+        return None
+    aux, aux_src = found.get("aux", (None, None))
+    if switch is not None and switch[0] is False:
+        aux, aux_src = 0.0, f"{switch[1]} is false: the model adds no load-balancing loss"
+    z, z_src = found.get("z", (None, None))
+    dtype, dtype_src = found.get("dtype", (None, None))
+    top_k = found.get("top_k", (None, ""))[0]
+    return MoeSettings(
+        experts=experts,
+        top_k=top_k if isinstance(top_k, int) else None,
+        aux_loss=float(aux) if isinstance(aux, (int, float)) else None,
+        aux_loss_source=aux_src,
+        z_loss=float(z) if isinstance(z, (int, float)) and z > 0 else None,
+        z_loss_source=z_src,
+        router_dtype=str(dtype) if dtype else None,
+        router_dtype_source=dtype_src,
+    )
 
 
 def _clip(rs: RunSettings) -> tuple[float | None, str | None]:

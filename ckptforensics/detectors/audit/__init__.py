@@ -21,6 +21,7 @@ from ckptforensics.detectors.audit.headroom import (
     attention_logits,
     output_logits,
 )
+from ckptforensics.detectors.audit.moe import load_balancing, router_precision, router_z_loss
 from ckptforensics.detectors.audit.numerics import (
     fp16_loss_scaler,
     loss_scale_history,
@@ -34,13 +35,21 @@ from ckptforensics.detectors.audit.optimizer import (
     warmup,
     weight_decay,
 )
-from ckptforensics.detectors.audit.rows import AREAS, AuditEvidence, Check, Checker, TensorMoments
+from ckptforensics.detectors.audit.rows import (
+    AREAS,
+    AuditEvidence,
+    Check,
+    Checker,
+    MoeSettings,
+    TensorMoments,
+)
 from ckptforensics.detectors.base import Finding
 
 __all__ = [
     "Check",
     "AuditEvidence",
     "TensorMoments",
+    "MoeSettings",
     "CHECKS",
     "run_checks",
     "check_findings",
@@ -51,7 +60,8 @@ _SEV = {"critical": 0, "warning": 1, "info": 2}
 
 CHECKS: tuple[Checker, ...] = (
     norm_placement, qk_norm, logit_control, tied_embeddings, embedding_scale,
-    fp16_loss_scaler, master_weights, loss_scale_history,
+    load_balancing, router_z_loss,
+    fp16_loss_scaler, master_weights, loss_scale_history, router_precision,
     adam_epsilon, beta2, weight_decay, clipping, warmup,
     attention_logits, output_logits, activation_growth,
     grad_norm_logging, batch_log,
@@ -60,7 +70,7 @@ CHECKS: tuple[Checker, ...] = (
 
 def run_checks(ev: AuditEvidence) -> list[Check]:
     """Every check, risks first by severity, then by area (AREAS order)."""
-    rows = [c(ev) for c in CHECKS]
+    rows = [r for c in CHECKS if (r := c(ev)) is not None]  # None: not this model's (MoE rows)
     order = {"risk": 0, "unknown": 1, "ok": 2}
     return sorted(
         rows,

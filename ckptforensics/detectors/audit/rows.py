@@ -117,6 +117,28 @@ class TensorMoments:
     role: str
 
 
+@dataclass(frozen=True, slots=True)
+class MoeSettings:
+    """A Mixture-of-Experts model's routing settings as the run recorded them.
+
+    Attributes:
+        experts: experts per MoE layer; top_k: the experts each token goes to.
+        aux_loss: the load-balancing loss coefficient in the optimised loss (0: recorded as
+            off, e.g. transformers' `output_router_logits` false), with `aux_loss_source`.
+        z_loss: the router z-loss coefficient (None: none recorded), `z_loss_source`.
+        router_dtype: the dtype the routers compute in where recorded ('fp32'), its source.
+    """
+
+    experts: int
+    top_k: int | None = None
+    aux_loss: float | None = None
+    aux_loss_source: str | None = None
+    z_loss: float | None = None
+    z_loss_source: str | None = None
+    router_dtype: str | None = None
+    router_dtype_source: str | None = None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AuditEvidence:
     """What the audit gathered from the run (`audit.evidence.gather`).
@@ -150,6 +172,7 @@ class AuditEvidence:
         log_file: the training log read (None: none), `log_columns` its columns.
         per_param_grad_columns: per-parameter gradient-norm columns in the log.
         batch_log: the batch log found (None: none).
+        moe: the routing settings of a Mixture-of-Experts model (None: dense).
         notes: what could not be read.
     """
 
@@ -187,10 +210,12 @@ class AuditEvidence:
     log_file: str | None = None
     per_param_grad_columns: int = 0
     batch_log: str | None = None
+    moe: MoeSettings | None = None
     notes: tuple[str, ...] = ()
 
 
-Checker = Callable[[AuditEvidence], Check]
+# A check: its row, or None where it does not apply to the model (a dense model's MoE rows).
+Checker = Callable[[AuditEvidence], "Check | None"]
 
 
 def row(

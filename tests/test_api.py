@@ -38,7 +38,7 @@ def test_the_documented_notebook_session_runs_and_finds_the_poisoned_rows(
     zoo: dict[str, Path], tmp_path: Path, capsys: object
 ) -> None:
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "api.md").read_text(), re.S)
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     truth = json.loads((zoo["poison_batch"] / "truth.json").read_text())
     ns = _run_as_written(
         "\n".join(blocks), _after_make_demo(tmp_path, zoo["poison_batch"]), "api.md"
@@ -58,6 +58,9 @@ def test_the_documented_notebook_session_runs_and_finds_the_poisoned_rows(
     assert (tmp_path / "build" / "demo" / "incident" / "skip.json").is_file()
     assert ns["again"].doc == b.doc and ns["again"].extra == b.extra  # type: ignore[attr-defined]
     assert "poison_batch" in r.to_markdown()  # type: ignore[attr-defined]
+    g = ns["g"]  # the regress block: GELU exact vs tanh parts at the first MLP, forward
+    assert g.doc["regress"]["status"] == "parted"  # type: ignore[attr-defined]
+    assert g.verdict["first_anomalous_module"] == "transformer.h.0.mlp"  # type: ignore[attr-defined]
     arch = ns["a"].doc["architecture"]  # type: ignore[attr-defined]
     assert arch["norm_placement"] == "pre" and arch["qk_norm"] is False  # the project's GPT
 

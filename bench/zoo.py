@@ -524,7 +524,7 @@ def main() -> None:
     ap.add_argument("--record", action="store_true", help="Write the table into bench/RESULTS.md.")
     ap.add_argument(
         "--draws",
-        choices=("tuning", "heldout", "heldout-misses"),
+        choices=("tuning", "heldout", "heldout-misses", "families-tuning", "heldout-families"),
         help="Score the drawn incidents of this split instead of the zoo.",
     )
     ap.add_argument("--draws-dir", type=Path, default=ROOT / "build" / "draws")

@@ -24,6 +24,7 @@ from ckptforensics.detectors.causes import figures, lookup
 from ckptforensics.engine.whatif import INVASIVENESS, parse_mitigation
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.trainers import Edit, planner_for
+from ckptforensics.trainers.settings import run_settings
 
 __all__ = ["Change", "mitigations", "plan_section", "merge_reports", "PLAN_STATUSES"]
 
@@ -337,6 +338,8 @@ def plan_section(doc: dict[str, Any], ck: Checkpoint) -> dict[str, Any]:
         if doc.get("replay")
         else (w.get("clip") or {}).get("value")
     )
+    if clip is None:  # a diff's report: the clip the run recorded (else "half" is no change)
+        clip = run_settings(ck).clip
     chosen: list[tuple[str, Any, str, dict[str, Any] | None]]
     others: list[tuple[str, dict[str, Any]]] = []
     if w.get("outcomes"):

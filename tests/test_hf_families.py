@@ -126,6 +126,9 @@ def test_router_lr_fault_names_the_router(runs: Any, family: str) -> None:
         v = doc["verdict"]
         assert v["causes"][0]["cause"] in ("gradient_explosion", "lr_too_high"), v["causes"]
         assert v["first_anomalous_module"] == router, (command, v)
+        # A clip the plan proposes is below the run's own (max_grad_norm 1.0 in training_args.bin).
+        clips = [c["value"] for c in doc["plan"]["changes"] if c["knob"] == "clip"]
+        assert all(c < 1.0 for c in clips), (command, doc["plan"]["changes"])
     # The replay reads the routers: the faulty one's logits jump and its routing hardens.
     growth = [f for f in doc["findings"] if f["kind"] == "router_logit_growth"]
     assert [f["subject"] for f in growth] == [router], growth

@@ -259,11 +259,11 @@ def _healthy_body(findings: Sequence[Finding], weights_only: bool, replayed: boo
     """The healthy summary: what was checked, and what the replay refuted."""
     gone = [f for f in findings if f.metrics.get("refuted_by_replay")]
     if weights_only:
-        head = "every tensor moved within its peers' range (weights only: no optimizer state, so Adam's bounds were not checked). "
+        head = "every tensor moved within its peers' range (weights only: no optimizer state, so the optimizer's update bounds were not checked). "
     elif gone:  # a tensor stood out among its peers; the replay says it was no incident
-        head = "every tensor moved within Adam's bounds. "
+        head = "every tensor moved within its optimizer's update bound. "
     else:
-        head = "every tensor moved within Adam's bounds and its peers' range. "
+        head = "every tensor moved within its optimizer's update bound and its peers' range. "
     if gone:
         what = ", ".join(
             dict.fromkeys(

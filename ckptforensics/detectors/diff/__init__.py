@@ -48,7 +48,7 @@ def diff_findings(diff: DiffResult, th: Thresholds | None = None) -> list[Findin
                 1.0,
                 "info",
                 {},
-                "no optimizer state in the pair: weights compared among peers only, no update checked against Adam's bounds",
+                "no optimizer state in the pair: weights compared among peers only, no update checked against the optimizer's bounds",
                 "docs/signatures.md#adam-update-bound",
                 (),
             )

@@ -56,6 +56,24 @@ def detect_skipped_steps(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     (),
                 )
             )
+        elif 0 <= k < g and not (p.loss_scale_a or p.loss_scale_b):
+            # No loss scaler in either checkpoint: no overflow skipped these steps. A loop that
+            # skips a step on non-finite gradients, or a counter that restarted (a resume that
+            # lost the optimizer: `detectors.resume`), leaves the same trail; neither is fp16's.
+            out.append(
+                Finding(
+                    "",
+                    "skipped_steps",
+                    "run",
+                    cap((g - k) / max(1, g) * 10),
+                    "warning",
+                    {"trainer_steps": g, "optimizer_steps": k},
+                    f"{g - k} of {g} steps left the optimizer's step counter unmoved, with no loss scaler in the run: "
+                    "steps skipped on non-finite gradients, or a counter that started over",
+                    "docs/signatures.md#skipped-steps",
+                    (),
+                )
+            )
         elif 0 <= k < g:
             # One skipped step per backoff (a single one even where the scaler state was not
             # saved, as nanoGPT does not) is the scaler's routine.

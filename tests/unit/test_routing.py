@@ -58,3 +58,18 @@ def test_collapse_and_logit_jump_name_the_router() -> None:
     assert found["expert_collapse"].metrics["busiest"] == [0, 1]
     assert found["router_logit_growth"].metrics["step"] == 13
     assert all(f.supports == ("expert_collapse",) for f in found.values())
+
+
+def test_a_dead_experts_return() -> None:
+    """Expert 3 idles for three steps, then takes a fifth of the slots: its return is named,
+    once, at its step; an expert that is merely quiet (5%) is not idle."""
+    loads = (
+        [[0.30, 0.30, 0.35, 0.05]] * 2
+        + [[0.34, 0.33, 0.33, 0.0]] * 3
+        + [[0.27, 0.27, 0.26, 0.20]] * 2
+    )
+    found = [f for f in _findings(loads, [2.0] * len(loads)) if f.kind == "expert_return"]
+    assert [(f.metrics["expert"], f.metrics["step"], f.metrics["idle_steps"]) for f in found] == [
+        (3, 15, 3)
+    ]
+    assert found[0].supports == ("adam_instability",)

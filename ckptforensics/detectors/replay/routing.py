@@ -10,6 +10,11 @@ an incident.
   on the window's first steps by more than `z` robust spreads (floor `SHARE_FLOOR`): the
   router sends most tokens to few experts, the others idle (ST-MoE 2202.08906 §3; a router
   whose logits grow turns its softmax into a hard pick, Muennighoff et al. 2409.02060 §4.2).
+- **A dead expert's return** (`expert_return`): an expert that took under `IDLE` of a layer's
+  slots on at least two steps in a row takes a balanced share's half again: its gradient was
+  zero while idle, Adam's second moment decayed by beta2 a step, and the returning gradient
+  meets a stale v, the sign-like, LR-sized updates of Adam's epsilon regime (Molybog et al.
+  2023, arXiv 2304.09871; the first-token-dropping return of OLMoE's dead experts).
 - **Router logits growing** (`router_logit_growth`): a layer's largest |router logit| rises
   to `GROWTH` x its level on the window's first steps and past `z` robust spreads of it, a jump
   or a climb: what a router z-loss holds down (ST-MoE's z-loss, 1e-3 log^2 Z of the router).
@@ -25,11 +30,12 @@ from ckptforensics.core.stats import MAD_TO_SIGMA
 from ckptforensics.detectors.base import Finding, Thresholds, cap
 from ckptforensics.detectors.replay.evidence import ReplayEvidence
 
-__all__ = ["routing", "COLLAPSED", "GROWTH", "SHARE_FLOOR", "LOGIT_FLOOR"]
+__all__ = ["routing", "COLLAPSED", "GROWTH", "SHARE_FLOOR", "LOGIT_FLOOR", "IDLE"]
 
 COLLAPSED = 0.9  # the k busiest experts' share of routed slots that is "almost every"
 SHARE_FLOOR = 0.05  # the least spread of a layer's top-k share across steps (5 points)
 GROWTH = 4.0  # the least rise of a router's largest logit over the window
+IDLE = 0.01  # an expert's share of the slots below which it is idle
 LOGIT_FLOOR = math.log(1.25)  # the least spread of its log across steps (a 25% wiggle)
 _SOURCE = "docs/signatures.md#moe-routing (Switch 2101.03961; ST-MoE 2202.08906; Muennighoff et al. 2409.02060)"
 
@@ -43,6 +49,7 @@ def routing(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     out: list[Finding] = []
     for layer in range(layers):
         out += _collapse(recs, layer, th)
+        out += _returns(recs, layer)
         out += _logit_growth(recs, layer, th)
     return out
 
@@ -91,6 +98,47 @@ def _collapse(recs: list, layer: int, th: Thresholds) -> list[Finding]:
             ("expert_collapse",),
         )
     ]
+
+
+def _returns(recs: list, layer: int) -> list[Finding]:
+    """Experts idle on two or more consecutive steps that take half a balanced share again."""
+    loads = np.array([r.router.load[layer] for r in recs])  # [steps, experts]
+    experts = loads.shape[1]
+    back = 0.5 / experts  # half a balanced share of the slots (the shares sum to 1)
+    out = []
+    for e in range(experts):
+        idle = 0
+        for i, share in enumerate(loads[:, e]):
+            if share < IDLE:
+                idle += 1
+                continue
+            if idle >= 2 and share >= back:
+                r = recs[i]
+                out.append(
+                    Finding(
+                        "",
+                        "expert_return",
+                        r.router.modules[layer],
+                        cap(idle / 2),
+                        "warning",
+                        {
+                            "layer": layer,
+                            "expert": e,
+                            "step": r.step,
+                            "idle_steps": idle,
+                            "share": float(share),
+                            "shares": [float(x) for x in loads[:, e]],
+                        },  # fmt: skip
+                        f"step {r.step}: expert {e} of {r.router.modules[layer]} takes {share:.0%} of the slots after "
+                        f"{idle} idle steps (under {IDLE:.0%}): its Adam second moment decayed while it had no gradient, "
+                        "so its returning updates are sign-like and LR-sized",
+                        _SOURCE,
+                        ("adam_instability",),
+                    )
+                )
+                break
+            idle = 0
+    return out
 
 
 def _logit_growth(recs: list, layer: int, th: Thresholds) -> list[Finding]:

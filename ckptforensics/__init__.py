@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 
 COMMANDS = (
     "inspect", "diff", "replay", "bisect", "whatif", "triage", "plan", "recovery", "audit", "regress",
+    "history",
 )  # fmt: skip
 # The façade's names -> the module that holds each (loaded on first use).
 _LAZY = {

@@ -6,7 +6,7 @@ on every torchrun rank alike; `--debug` shows the traceback instead.
 
 One module per command group, each adding its commands to the group `cli` when imported:
 `checkpoints` (formats, inspect, diff), `replays` (replay, bisect, whatif, plan), `runs`
-(recovery, audit, triage), `regress` (regress), `reports` (report); `params` holds the shared options,
+(recovery, audit, triage), `history` (history), `regress` (regress), `reports` (report); `params` holds the shared options,
 `common` what every command does around its library call, `progress` what a command shows
 on stderr while it works, `terminal` a report's blocks as plain lines. A usage error is one
 line too (`group.UsageLine`). `ckptforensics.cli:main` is the console script;
@@ -16,7 +16,7 @@ line too (`group.UsageLine`). `ckptforensics.cli:main` is the console script;
 from __future__ import annotations
 
 # Each module adds its commands to `cli` on import; this order is `cli.commands`' order.
-from ckptforensics.cli import checkpoints, regress, replays, runs  # noqa: F401
+from ckptforensics.cli import checkpoints, history, regress, replays, runs  # noqa: F401
 
 # isort: split
 from ckptforensics.cli import reports  # noqa: F401

@@ -44,6 +44,7 @@ LOOP = (
     "plan",
     "recovery",
     "audit",
+    "history",
     "regress",
     "report",
     "formats",

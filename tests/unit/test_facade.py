@@ -11,7 +11,7 @@ import ckptforensics as cf
 def test_the_package_surface_is_pinned() -> None:
     assert cf.__all__ == [
         "__version__", "inspect", "diff", "replay", "bisect", "whatif", "triage", "plan", "recovery", "audit",
-        "regress", "plan_from", "Report", "NotRankZero", "ReplayOptions", "resolve", "open_checkpoint", "open_pair",
+        "regress", "history", "plan_from", "Report", "NotRankZero", "ReplayOptions", "resolve", "open_checkpoint", "open_pair",
         "completeness", "record", "Recorder",
     ]  # fmt: skip
     for name in cf.__all__:

@@ -55,7 +55,7 @@ from ckptforensics.engine.replay.samples import PerSampleGrad, per_token_loss
 from ckptforensics.formats.base import Checkpoint
 from ckptforensics.trainers import SkipRule, hold_step_counter, restore_step_counter
 
-__all__ = ["Session", "check_vocab"]
+__all__ = ["Session", "check_vocab", "logit_figures"]
 
 log = logging.getLogger(__name__)
 
@@ -527,6 +527,13 @@ def _logit_figures(lg: torch.Tensor) -> tuple[torch.Tensor | float, ...]:
         lse = torch.logsumexp(lg.float(), -1)
         absmax = torch.maximum(-lo.float(), hi.float())
         return absmax, lse.mean(), lse.new_tensor(lse.numel())
+
+
+def logit_figures(lg: torch.Tensor) -> tuple[float, float]:
+    """(max |logit|, mean log Z) of a pass's logits on the host: what `history` follows per
+    checkpoint, measured as the replay measures each step's."""
+    top, log_z, _ = _logit_figures(lg.detach())
+    return float(top), float(log_z)
 
 
 def check_vocab(

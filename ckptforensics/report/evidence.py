@@ -12,6 +12,7 @@ import numpy as np
 from ckptforensics.core.errors import ForensicsError
 from ckptforensics.report.document import SCHEMA
 from ckptforensics.report.files import write_files
+from ckptforensics.report.history import write_history_h5
 from ckptforensics.report.regress import write_regress_h5
 
 __all__ = ["write_evidence", "write_h5", "load_report"]
@@ -55,6 +56,8 @@ def write_h5(path: Path, doc: dict[str, Any]) -> None:
                 g.create_dataset(col, data=_floats([t.get(col) for t in diff["tensors"]]))
         if doc.get("regress"):
             write_regress_h5(h, doc["regress"])
+        if doc.get("history"):
+            write_history_h5(h, doc["history"])
         rep = doc.get("replay") or {}
         if rep.get("steps"):
             g = h.create_group("replay")

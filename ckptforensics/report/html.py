@@ -14,6 +14,7 @@ import numpy as np
 
 from ckptforensics.report.audit import render_audit_html
 from ckptforensics.report.blocks import html_text, sections_html
+from ckptforensics.report.history import history_plots
 from ckptforensics.report.page import NO_PLOTS, esc, footer, num, page, png
 from ckptforensics.report.recovery import render_recovery_html
 from ckptforensics.report.sections import detail_sections, report_sections, title
@@ -202,6 +203,8 @@ def _plots(doc: dict[str, Any]) -> list[tuple[str, str]] | None:
         ax.set_title("what-if: loss per mitigation")
         ax.legend(fontsize=8)
         out.append(("What-if trajectories", png(fig)))
+    if doc.get("history"):
+        out += history_plots(plt, doc["history"])
     return out
 
 

@@ -24,6 +24,7 @@ from ckptforensics.report.blocks import (
     Text,
     inline,
 )
+from ckptforensics.report.history import history_sections
 from ckptforensics.report.plan import plan_blocks
 from ckptforensics.report.regress import regress_sections
 from ckptforensics.report.text import finite, fmt, reproduces
@@ -334,4 +335,6 @@ def detail_sections(doc: dict[str, Any]) -> list[Section]:
         out.append(_whatif(doc["whatif"]))
     if doc.get("regress"):
         out += regress_sections(doc["regress"])
+    if doc.get("history"):
+        out += history_sections(doc["history"])
     return out

@@ -21,7 +21,7 @@ from ckptforensics.detectors.history import TREND_WINDOW, departures, history_fi
 from ckptforensics.engine.diff.shard import compute_device
 from ckptforensics.engine.history import HistoryConfig, HistoryResult, walk
 from ckptforensics.report import build_report
-from ckptforensics.verdict import decide
+from ckptforensics.verdict import decide, rank_causes
 
 __all__ = ["HistoryConfig", "run_history", "history"]
 
@@ -44,13 +44,14 @@ def run_history(
     th = Thresholds()
     res = walk(cfg, progress)
     findings = number_findings(history_findings(res.evidence, th))
-    onset = _onset(findings)
+    lead = _lead(findings)
+    onset = lead.metrics.get("onset_step") if lead is not None else None
     steps = [s for s, _ in res.checkpoints]
     # The rollback: the last checkpoint before the first onset (still on its trend).
     before_i = max(0, steps.index(onset) - 1) if onset in steps else 0
     before, after = res.checkpoints[before_i][1], res.checkpoints[-1][1]
     verdict = decide(findings, before=str(before), after=str(after))
-    section = _section(cfg, res, findings, onset, th)
+    section = _section(cfg, res, lead, onset, th)
     with open_checkpoint(before) as b, open_checkpoint(after) as a:
         doc = build_report(
             command=command,
@@ -63,18 +64,17 @@ def run_history(
     return doc, findings
 
 
-def _onset(findings: list[Finding]) -> int | None:
-    """The onset of the verdict's first anomalous module: the first finding's (detectors
-    order theirs earliest first; `decide` names the first finding of the top cause)."""
-    ranked = sorted(findings, key=lambda f: -f.score)
-    top = next((f for f in ranked if f.metrics.get("onset_step") is not None), None)
-    return top.metrics["onset_step"] if top is not None else None
+def _lead(findings: list[Finding]) -> Finding | None:
+    """The finding that names the verdict's first anomalous module: the first one of the top
+    cause, as `decide` takes it (the detectors order theirs earliest onset first)."""
+    top = rank_causes(findings)[0]["cause"]
+    return next((f for f in findings if top in f.supports), None)
 
 
 def _section(
     cfg: HistoryConfig,
     res: HistoryResult,
-    findings: list[Finding],
+    lead: Finding | None,
     onset: int | None,
     th: Thresholds,
 ) -> dict[str, Any]:
@@ -82,7 +82,6 @@ def _section(
     trajectories: dict[str, dict[str, list[float]]] = {}
     for t in ev.trajectories:
         trajectories.setdefault(t.metric, {})[t.module] = list(t.values)
-    lead = findings[0] if findings else None
     n = len(res.checkpoints)
     return {
         "run_dir": str(cfg.run_dir),

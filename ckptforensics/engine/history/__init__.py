@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 from ckptforensics.engine.history.batch import FixedBatch, fixed_batch
-from ckptforensics.engine.history.forward import CheckpointPass, Forward
 from ckptforensics.engine.history.follow import HistoryConfig, HistoryResult, evidence, select, walk
+from ckptforensics.engine.history.forward import CheckpointPass, Forward
 
 __all__ = [
     "CheckpointPass",

@@ -47,6 +47,8 @@ def loss_follows(
     nxt = float(z_level[i + 1]) if z_level is not None and i + 1 < len(z_level) else math.inf
     if seen[0] >= half or (len(seen) > 1 and seen[1] >= half and nxt >= half):
         return True
+    if settles and z_grad is not None and len(seen) > 1 and not z_grad[i + 1] >= half:
+        return False  # the excursion ended on the next step, and the loss did not answer it
     run = len(seen)
     if z_grad is not None:
         run = 2

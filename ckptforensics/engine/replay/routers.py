@@ -14,6 +14,7 @@ largest router logit, and the mean routing entropy; reduced on the device, read 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,14 +24,47 @@ from torch import nn
 __all__ = ["aux_term", "RouterFigures", "router_figures", "router_modules"]
 
 
-def aux_term(model: nn.Module, out: Any) -> torch.Tensor | None:
-    """`router_aux_loss_coef * aux_loss` as the model adds it to its loss, or None for a
-    model that returns no auxiliary loss (dense, or routers' logits not output)."""
+def aux_term(
+    model: nn.Module,
+    out: Any,
+    mask: torch.Tensor | None = None,
+    parts: list[tuple[int, int]] | None = None,
+    summed: bool = True,
+) -> torch.Tensor | None:
+    """`router_aux_loss_coef * aux_loss` as the trainer's loss holds it, or None for a model
+    that returns no auxiliary loss (dense, or routers' logits not output).
+
+    Under gradient accumulation the trainer calls the model once per micro-batch (`parts`: row
+    ranges), and each call adds its own micro-batch's load-balancing loss: the step's term is
+    their sum where the trainer sums the micro-batches' losses (`summed`: the HF Trainer with a
+    model that takes `num_items_in_batch`, its language-model losses then already normalised
+    by the step's tokens), else their mean (each loss divided by the accumulation steps). Each
+    part's loss is the model's own function (`load_balancing_loss_func` of its modeling
+    module) on that part's router logits."""
     aux = getattr(out, "aux_loss", None)
     coef = getattr(model, "router_aux_loss_coef", None)
     if not isinstance(aux, torch.Tensor) or coef is None:
         return None
-    return float(coef) * aux
+    if not parts or len(parts) <= 1:
+        return float(coef) * aux
+    fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    logits = getattr(out, "router_logits", None)
+    if fn is None or not logits:
+        return float(coef) * aux  # no way to split it: the whole batch's
+    rows = parts[-1][1]
+    per = [
+        fn(
+            tuple(
+                lg.reshape(rows, -1, lg.shape[-1])[lo:hi].reshape(-1, lg.shape[-1]) for lg in logits
+            ),
+            getattr(model, "num_experts", None),
+            getattr(model, "num_experts_per_tok", 2),
+            mask[lo:hi] if mask is not None else None,
+        )
+        for lo, hi in parts
+    ]
+    total = torch.stack([torch.as_tensor(x, device=aux.device) for x in per]).sum()
+    return float(coef) * (total if summed else total / len(parts))
 
 
 @dataclass(frozen=True, slots=True)

@@ -168,12 +168,26 @@ class Session:
             return out
         # A Mixture-of-Experts model's own auxiliary loss, added to the loss as it adds it
         # (`routers.aux_term`), and its routing when the probes are on (`routers`).
-        self.aux = aux_term(self.model, out)
+        self.aux = aux_term(
+            self.model,
+            out,
+            batch.get("attention_mask"),
+            self._micro_parts(batch["input_ids"].shape[0]),
+            summed=self.loss_norm.kind == "targets",
+        )
         if self.probe.enabled:
             self.router = router_figures(
                 self.model, out, batch.get("attention_mask"), self.router_modules
             )
         return out.logits if self.call.output == "object" else out[0]
+
+    def _micro_parts(self, rows: int) -> list[tuple[int, int]] | None:
+        """The row ranges of the step's micro-batches in this pass (`micro_batch_size`), where
+        the step had several: a MoE model's auxiliary loss is per micro-batch (`aux_term`)."""
+        mbs = self.micro_batch_size
+        if not mbs or mbs >= rows:
+            return None
+        return [(i, min(i + mbs, rows)) for i in range(0, rows, mbs)]
 
     def _loss(
         self, batch: dict[str, torch.Tensor], precision: str

@@ -92,6 +92,8 @@ def regress_cmd(
     dtype, bitwise equality); the verdict is bitwise identical, equivalent within A's
     noise, or parted at the first module (forward, then backward) past it. After --steps
     K: the loss, grad norm and parameters of both, and whether B leaves the run's log.
+    Under torchrun, as replay: each rank steps its rows on its FSDP2 shards, the figures
+    merge across ranks, rank 0 writes the report (--against-python: one process only).
 
     \b
     Example:
@@ -107,16 +109,19 @@ def regress_cmd(
         with output(out, [pa]):
             with progress(0, "regress", ctx.obj.quiet) as prog:
                 batch = opts.pop("batch")
-                rep = cf.regress(
-                    pa,
-                    against_model=against_model,
-                    against_python=against_python,
-                    against_env=against_env,
-                    steps=n_steps,
-                    batch=batch,
-                    options=ReplayOptions(**opts),
-                    progress=prog,
-                    command=command_line("regress"),
-                )
+                try:
+                    rep = cf.regress(
+                        pa,
+                        against_model=against_model,
+                        against_python=against_python,
+                        against_env=against_env,
+                        steps=n_steps,
+                        batch=batch,
+                        options=ReplayOptions(**opts),
+                        progress=prog,
+                        command=command_line("regress"),
+                    )
+                except cf.NotRankZero:  # a torchrun rank other than 0: rank 0 reports
+                    return
             written = rep.save(out) if out else []
     finish(ctx, rep.doc, rep.findings, as_json, written, strict, fail_on)

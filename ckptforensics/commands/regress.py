@@ -13,6 +13,7 @@ from ckptforensics.commands.common import (
     Progress,
     Report,
     number_findings,
+    rank_zero,
     replay_config,
 )
 from ckptforensics.core.errors import ForensicsError, doing
@@ -22,6 +23,7 @@ from ckptforensics.detectors.causes import lookup
 from ckptforensics.detectors.regress import regress_findings
 from ckptforensics.engine.regress import RegressOptions, RegressResult
 from ckptforensics.engine.regress import regress as regress_engine
+from ckptforensics.engine.replay import distributed
 from ckptforensics.report import build_report
 from ckptforensics.verdict import Verdict
 
@@ -44,7 +46,9 @@ def regress(
     path) under side A (the option `model`) twice and under side B (`against_model`, or A's
     model in the interpreter `against_python` with `against_env` set), and say where B parts
     from A: `report.doc["regress"]["status"]` is 'identical', 'equivalent' or 'parted', the
-    verdict's `first_anomalous_module` names where. Other options as for `replay`.
+    verdict's `first_anomalous_module` names where. Other options as for `replay`. Under
+    torchrun the ranks step the FSDP2-sharded model on their rows (`run_regress`); rank 0
+    returns the report, the others raise `NotRankZero`.
 
     Example:
         >>> rep = cf.regress(30, run_dir="runs/x", batch="runs/x/batches.h5",
@@ -60,17 +64,24 @@ def regress(
     if opts.against_python is not None and not opts.against_python.is_file():
         raise ForensicsError(f"--against-python {against_python}: no such interpreter")
     cfg = replay_config(step, None, batch, run_dir, replay_options(options, **option))
-    return Report(*run_regress(cfg, opts, command=command, progress=progress))
+    return Report(*rank_zero(run_regress(cfg, opts, command=command, progress=progress), "regress"))
 
 
 def run_regress(
     cfg: Any, opts: RegressOptions, *, command: str, progress: Progress | None = None
-) -> tuple[dict[str, Any], list[Finding]]:
-    """The regression, its findings, verdict and report document."""
+) -> tuple[dict[str, Any], list[Finding]] | None:
+    """The regression, its findings, verdict and report document.
+
+    Under torchrun (WORLD_SIZE > 1) the ranks run both sides together, each on its rows and
+    its FSDP2 shards (`engine.regress.run`), and reach the same figures; rank 0 returns the
+    report, the other ranks None (they write nothing).
+    """
     if cfg.after is not None:
         raise ForensicsError("regress steps forward from one checkpoint: pass --step, not --after")
-    with doing(f"regressing from {cfg.before}"):
+    with distributed.joined(cfg.device) as ranks, doing(f"regressing from {cfg.before}"):
         res = regress_engine(cfg, opts, progress)
+    if ranks is not None and ranks.rank != 0:
+        return None
     findings = number_findings(regress_findings(res))
     verdict = _verdict(res, str(cfg.before), findings)
     with open_checkpoint(cfg.before) as a:

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["COLUMNS", "TensorDelta", "table", "deltas"]
+from ckptforensics.core.errors import ForensicsError
+from ckptforensics.engine.replay.distributed import World
+
+__all__ = ["COLUMNS", "TensorDelta", "Across", "table", "deltas"]
 
 # The row of one pair (reference a, other b), in this order.
 COLUMNS = ("max_abs", "max_rel", "max_ulps", "differing", "numel", "nonfinite")
@@ -57,12 +60,20 @@ def _ordered(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, -mag, mag)
 
 
-def _row(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[len(COLUMNS)] float64 on a's device, no host read."""
+# The row each pair is reduced to on its device, before the ranks meet: the two maxima and
+# the scale reduce by their maximum over the ranks, the counts by their sum, and only then is
+# the relative difference formed (max |b - a| over every rank's elements against max |a| over
+# them: one process's figure, where a maximum of the ranks' ratios would overstate it).
+_RAW = ("max_abs", "scale", "max_ulps", "differing", "numel", "nonfinite", "misshaped")
+_MAXED = [0, 1, 2, 6]  # the columns of `_RAW` reduced by their maximum; the rest are summed
+
+
+def _raw(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[len(_RAW)] float64 on a's device, no host read."""
     n = a.numel()
     if a.shape != b.shape:
         inf = math.inf
-        return torch.tensor([inf, inf, inf, n, n, 0], dtype=torch.float64, device=a.device)
+        return torch.tensor([inf, inf, inf, n, n, 0, 1], dtype=torch.float64, device=a.device)
     b = b.to(a.device)
     same_dtype = a.dtype == b.dtype
     br = b if same_dtype else b.to(a.dtype)
@@ -76,7 +87,6 @@ def _row(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     d = torch.where(both, (fb - fa).abs(), zero)
     max_abs = d.amax() if n else zero
     scale = torch.where(ok_a, fa.abs(), zero).amax() if n else zero
-    max_rel = torch.where(scale > 0, max_abs / scale, torch.where(max_abs > 0, math.inf, 0.0))
     ulps = (_ordered(a) - _ordered(br)).abs().to(torch.float64)
     max_ulps = torch.where(both, ulps, 0.0).amax() if n else ulps.new_zeros(())
     bits_a = a.contiguous().view(_BITS[a.element_size()])
@@ -85,38 +95,105 @@ def _row(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if same_dtype
         else torch.tensor(n, device=a.device)
     )
-    bad = nonfinite.sum()
     return torch.stack(
         [
-            torch.where(bad > 0, math.inf, max_abs.to(torch.float64)),
-            max_rel.to(torch.float64),
+            max_abs.to(torch.float64),
+            scale.to(torch.float64),
             max_ulps,
             differing.to(torch.float64),
             torch.tensor(float(n), dtype=torch.float64, device=a.device),
-            bad.to(torch.float64),
+            nonfinite.sum().to(torch.float64),
+            torch.zeros((), dtype=torch.float64, device=a.device),
         ]
     )
 
 
-def table(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """[len(pairs), len(COLUMNS)] float64 on the host: each pair reduced where its reference
-    lives, the rows gathered and read to the host in one transfer per device."""
-    if not pairs:
-        return torch.zeros(0, len(COLUMNS), dtype=torch.float64)
-    with torch.no_grad():
-        rows = [_row(a, b) for a, b in pairs]
-        by_dev: dict[torch.device, list[int]] = {}
-        for i, r in enumerate(rows):
-            by_dev.setdefault(r.device, []).append(i)
-        out = torch.empty(len(rows), len(COLUMNS), dtype=torch.float64)
-        for idx in by_dev.values():
-            out[idx] = torch.stack([rows[i] for i in idx]).cpu()
+def _finish(raw: torch.Tensor) -> torch.Tensor:
+    """[n, len(_RAW)] -> [n, len(COLUMNS)] on the host: the relative difference formed, a
+    pair with a non-finite disagreement or mis-shaped given an infinite max_abs."""
+    max_abs, scale, ulps, differing, numel, bad, misshaped = raw.unbind(1)
+    rel = torch.where(
+        scale > 0,
+        max_abs / scale.clamp_min(torch.finfo(torch.float64).tiny),
+        torch.where(max_abs > 0, math.inf, 0.0),
+    )
+    rel = torch.where(misshaped > 0, math.inf, rel)
+    out = torch.stack([max_abs, rel, ulps, differing, numel, bad], dim=1)
+    out[:, 0] = torch.where((bad > 0) | (misshaped > 0), math.inf, max_abs)
     return out
 
 
-def deltas(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[TensorDelta]:
+@dataclass(frozen=True, slots=True)
+class Across:
+    """How a table's pairs merge across torchrun ranks.
+
+    Attributes:
+        world: the ranks (one process: nothing to merge).
+        keys: the pairs' names, in the same order on every rank (checked: see `_merge`).
+        split: per pair, whether each rank holds its own rows of it (a module's activations
+            on the rank's rows, a parameter's FSDP2 shard: counts summed over the ranks) or
+            a tensor whole (a position embedding's [T, C] output, and the gradient at it, each
+            rank's partial sum over its rows: counts are one rank's, the maximum). Empty: all
+            split.
+    """
+
+    world: World
+    keys: Sequence[str]
+    split: Sequence[bool] = ()
+
+
+def _merge(across: Across, raw: torch.Tensor) -> torch.Tensor:
+    """The ranks' raw rows of the same pairs as one process's (`_MAXED` by their maximum, the
+    counts summed where each rank holds its own rows), every rank's rows travelling in one
+    collective. Every rank must have compared the same pairs: a rank whose pass called other
+    modules (an expert its rows never reach) raises on every rank alike, so that none waits
+    on another. Rank 0's `split` rules on every rank, so that all merge alike."""
+    world, keys = across.world, list(across.keys)
+    if world.world == 1:
+        return raw
+    split = list(across.split) or [True] * len(keys)
+    got = world.objects((keys, split, raw.tolist()))
+    if any(k != got[0][0] for k, _, _ in got):
+        raise ForensicsError(
+            "regress under torchrun: the ranks captured different modules or parameters "
+            "(a data-dependent path, such as an expert no row of one rank reaches); "
+            "run it in one process"
+        )
+    rows = torch.tensor([r for _, _, r in got], dtype=torch.float64).reshape(
+        world.world, len(keys), len(_RAW)
+    )
+    summed = torch.tensor(got[0][1], dtype=torch.bool)
+    out = torch.where(summed[:, None], rows.sum(0), rows.amax(0))
+    out[:, _MAXED] = rows[:, :, _MAXED].amax(0)
+    return out
+
+
+def table(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], across: Across | None = None
+) -> torch.Tensor:
+    """[len(pairs), len(COLUMNS)] float64 on the host: each pair reduced where its reference
+    lives, the rows gathered and read to the host in one transfer per device. Under torchrun
+    (`across`) each rank holds its own rows of a pass's tensors and its shards of the
+    parameters: the ranks' rows merge into one process's figures (`_merge`)."""
+    raw = torch.zeros(len(pairs), len(_RAW), dtype=torch.float64)
+    if pairs:
+        with torch.no_grad():
+            rows = [_raw(a, b) for a, b in pairs]
+            by_dev: dict[torch.device, list[int]] = {}
+            for i, r in enumerate(rows):
+                by_dev.setdefault(r.device, []).append(i)
+            for idx in by_dev.values():
+                raw[idx] = torch.stack([rows[i] for i in idx]).cpu()
+    if across is not None:
+        raw = _merge(across, raw)
+    return _finish(raw)
+
+
+def deltas(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], across: Across | None = None
+) -> list[TensorDelta]:
     """`table` as records."""
     return [
         TensorDelta(r[0], r[1], r[2], int(r[3]), int(r[4]), int(r[5]))
-        for r in table(pairs).tolist()
+        for r in table(pairs, across).tolist()
     ]

@@ -16,11 +16,15 @@ No module parts but the parameters after K steps do: the update parts (the optim
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ckptforensics.engine.regress.capture import BACKWARD, FORWARD, Event
-from ckptforensics.engine.regress.compare import TensorDelta, deltas
+from ckptforensics.engine.regress.compare import Across, TensorDelta, deltas
 from ckptforensics.engine.regress.side import SideRun
+from ckptforensics.engine.replay.distributed import World
 from ckptforensics.engine.replay.records import StepRecord
 
 __all__ = [
@@ -49,7 +53,7 @@ class ModuleDiff:
 
     Attributes:
         event: where it was taken (`capture.Event`).
-        dtype, shape: side A's.
+        dtype, shape: side A's (under torchrun the whole batch's: its rows on every rank).
         delta: B against A (`compare.TensorDelta`).
         noise: A's second run against its first.
         exceeds: the difference is past `NOISE_FACTOR` times the noise (any difference where
@@ -161,35 +165,61 @@ class Noise:
     records: list[StepRecord]
 
 
-def noise_of(a: SideRun, a2: SideRun) -> Noise:
-    """A's run-to-run difference, tensor by tensor (one `compare.table` pass each)."""
+def _rows_of(a: SideRun, t: torch.Tensor) -> bool:
+    """Whether `t` is this rank's rows of a pass's tensor (its leading dimension the rows A
+    stepped), not one every rank holds whole (a position embedding's output; the gradient
+    at it, each rank's sum over its rows)."""
+    return t.dim() > 0 and t.shape[0] == a.rows
+
+
+def _shape(a: SideRun, t: torch.Tensor) -> tuple[int, ...]:
+    """The tensor's shape over the whole batch (under torchrun a rank holds its rows)."""
+    return (a.batch_rows, *t.shape[1:]) if _rows_of(a, t) else tuple(t.shape)
+
+
+def _across(world: World | None, keys: Sequence[str], split: Sequence[bool] = ()) -> Across | None:
+    return None if world is None else Across(world=world, keys=keys, split=split)
+
+
+def _events(a: SideRun, keys: list[str], world: World | None) -> Across | None:
+    """How a pass's tensors merge across the ranks: each rank's rows summed, whole ones not."""
+    return _across(world, keys, [_rows_of(a, a.tensors[k]) for k in keys])
+
+
+def noise_of(a: SideRun, a2: SideRun, world: World | None = None) -> Noise:
+    """A's run-to-run difference, tensor by tensor (one `compare.table` pass each; under
+    torchrun, `world`, each rank's rows and shards merged as `compare.table` merges them)."""
     keys = [e.key for e in a.events if e.key in a2.tensors]
     names = [n for n in a.params if n in a2.params]
-    ev = deltas([(a.tensors[k], a2.tensors[k]) for k in keys])
-    pa = deltas([(a.params[n], a2.params[n]) for n in names])
+    ev = deltas([(a.tensors[k], a2.tensors[k]) for k in keys], _events(a, keys, world))
+    pa = deltas([(a.params[n], a2.params[n]) for n in names], _across(world, names))
     return Noise(dict(zip(keys, ev, strict=True)), dict(zip(names, pa, strict=True)), a2.records)
 
 
 def compare_sides(
-    a: SideRun, noise: Noise, b: SideRun
+    a: SideRun, noise: Noise, b: SideRun, world: World | None = None
 ) -> tuple[list[ModuleDiff], list[ParamDiff], list[str], float]:
     """The first step's tensors (forward order, then backward) and the final parameters of B
     against A's, each judged against A's noise; the tensors one side lacks; the largest
-    relative noise of A."""
+    relative noise of A. Under torchrun (`world`) the differences are the ranks' merged, so
+    every rank judges the same figures and reaches the same verdict."""
     keys = [e for e in a.events if e.key in b.tensors and e.key in noise.events]
     order = [e for e in keys if e.phase == FORWARD] + [e for e in keys if e.phase == BACKWARD]
     unmatched = sorted({e.key for e in a.events} ^ {e.key for e in b.events})
     ref = [a.tensors[e.key] for e in order]
-    got_b = deltas([(r, b.tensors[e.key]) for r, e in zip(ref, order, strict=True)])
+    got_b = deltas(
+        [(r, b.tensors[e.key]) for r, e in zip(ref, order, strict=True)],
+        _events(a, [e.key for e in order], world),
+    )
     got_n = [noise.events[e.key] for e in order]
     past, floor = _judged(list(zip(got_b, got_n, strict=True)), 0.0)
     mods = [
-        ModuleDiff(e, str(r.dtype).removeprefix("torch."), tuple(r.shape), d, n, x)
+        ModuleDiff(e, str(r.dtype).removeprefix("torch."), _shape(a, r), d, n, x)
         for e, r, d, n, x in zip(order, ref, got_b, got_n, past, strict=True)
     ]
     names = [n for n in a.params if n in b.params and n in noise.params]
     unmatched += sorted(set(a.params) ^ set(b.params))
-    pb = deltas([(a.params[n], b.params[n]) for n in names])
+    pb = deltas([(a.params[n], b.params[n]) for n in names], _across(world, names))
     pn = [noise.params[n] for n in names]
     # the update mixes every parameter's noise (a clip by the total norm, tied weights):
     # each parameter is judged against the largest of all

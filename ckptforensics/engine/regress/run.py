@@ -6,6 +6,12 @@ on this device (zero on a CPU, atomics on a GPU), measured, not assumed; `judge`
 rules by which B parts from it. Memory: side A's captured pass is held while B runs (one
 pass's activations and gradients, twice at the peak); A's second run is reduced to its
 differences (`judge.Noise`) before B starts.
+
+Under torchrun each side steps as a replay does (`replay.distributed`): the model sharded with
+FSDP2, each rank its rows of the batch. A rank captures its own rows of the pass and keeps its
+own shards of the parameters; the comparison rows of each table (maxima, counts) merge across
+the ranks in one collective (`compare.table`), so every rank judges the same figures and
+reaches the same verdict, and no rank holds more than its share.
 """
 
 from __future__ import annotations
@@ -158,10 +164,13 @@ def regress(
     Raises:
         ForensicsError: bad checkpoints, batches or models, or a worker that failed.
     """
-    if distributed.current() is not None:
+    ranks = distributed.current()
+    if ranks is not None and opts.against_python is not None:
+        # The worker is one process: under torchrun B would need a worker per rank, joined
+        # to the ranks' process group, each sharding and stepping its rows.
         raise ForensicsError(
-            "regress runs in one process for now (each pass is kept whole to compare it): "
-            "run it without torchrun"
+            "--against-python runs side B in one worker process, not under torchrun: "
+            "run it without torchrun, or compare model factories with --against-model"
         )
     first = cfg.step if cfg.step is not None else _step_after(cfg.before)
     with doing(f"planning steps {first} to {first + opts.steps - 1} from {cfg.before}"):
@@ -171,10 +180,10 @@ def regress(
     say("side A")
     a = run_side(p, cfg.model, clip)
     say("side A again (its own noise)")
-    noise = noise_of(a, run_side(p, cfg.model, clip))  # its tensors dropped here
+    noise = noise_of(a, run_side(p, cfg.model, clip), ranks)  # its tensors dropped here
     say("side B")
     b = _side_b(cfg, opts, p, clip)
-    mods, params, unmatched, floor = compare_sides(a, noise, b)
+    mods, params, unmatched, floor = compare_sides(a, noise, b, ranks)
     steps = step_diffs(a, noise, b)
     parting = first_parting(mods, params)
     mbs = p.batches.micro_batch_size

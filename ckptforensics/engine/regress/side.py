@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from ckptforensics.core.errors import ForensicsError, doing
 from ckptforensics.engine.regress.capture import Event, PassCapture
+from ckptforensics.engine.replay import distributed
 from ckptforensics.engine.replay.records import StepRecord
 from ckptforensics.engine.replay.window import Plan
 
@@ -34,11 +35,16 @@ class SideRun:
 
     Attributes:
         events: the first step's pass, in the order it happened (`capture.Event`).
-        tensors: event key -> tensor (on the side's device; on the host when loaded).
+        tensors: event key -> tensor (on the side's device; on the host when loaded); under
+            torchrun this rank's rows of it.
         records: each stepped step's record (loss, pre-clip grad norm, ...).
-        params: parameter name (the model's own) -> its value after the last step.
+        params: parameter name (the model's own) -> its value after the last step; under
+            torchrun this rank's FSDP2 shard of it.
         model_source: how the model was built (`--model` and what the session added).
         environment: the interpreter's versions and numerics settings (`environment`).
+        rows, batch_rows: the first step's rows this process stepped, and the whole batch's
+            (equal but under torchrun, where a rank steps its block of the rows): a tensor
+            whose leading dimension is `rows` is this rank's rows of the pass's tensor.
     """
 
     events: list[Event]
@@ -47,6 +53,8 @@ class SideRun:
     params: dict[str, torch.Tensor]
     model_source: str = ""
     environment: dict[str, str] = field(default_factory=dict)
+    rows: int = 0
+    batch_rows: int = 0
 
 
 def environment() -> dict[str, str]:
@@ -78,21 +86,46 @@ def run_side(p: Plan, model: str | None, clip: float | None) -> SideRun:
     torch.manual_seed(0)
     sess = q.session()
     records: list[StepRecord] = []
+    rows = batch_rows = 0
     try:
         cap = PassCapture(sess.model)
         for i, s in enumerate(q.steps):
             batch = q.batches.batch(s)
             with doing(f"stepping step {s} under --model {model or 'the run recorded'}"):
                 if i == 0:
+                    batch_rows = next(iter(batch.values())).shape[0]
+                    rows = next(iter(sess.ranks.my_rows(batch).values())).shape[0]
                     with cap:
                         rec, _ = sess.step(s, batch, q.lrs[s], clip)
                 else:
                     rec, _ = sess.step(s, batch, q.lrs[s], clip)
             records.append(rec)
-        params = {n: t.detach().clone() for n, t in sess.model.named_parameters()}
+        params = _local_params(sess.model, sess.shards is not None)
     finally:
         sess.close()
-    return SideRun(cap.events, cap.tensors, records, params, sess.model_source, environment())
+    return SideRun(
+        cap.events,
+        cap.tensors,
+        records,
+        params,
+        sess.model_source,
+        environment(),
+        rows,
+        batch_rows,
+    )
+
+
+def _local_params(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
+    """Each parameter's value, by the model's own name. An FSDP2 rank (`sharded`) keeps its
+    own dim-0 shard (`to_local`): the ranks compare their shards and merge the figures, so
+    no rank gathers the model it could not hold. Its modules are resharded first: a module
+    FSDP2 left unsharded would hand back its gathered parameter."""
+    if sharded:
+        distributed.reshard(model)
+    return {
+        n: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+        for n, t in model.named_parameters()
+    }
 
 
 def save(side: SideRun, out: Path) -> None:
@@ -117,6 +150,8 @@ def save(side: SideRun, out: Path) -> None:
         "alias": alias,
         "model_source": side.model_source,
         "environment": side.environment,
+        "rows": side.rows,
+        "batch_rows": side.batch_rows,
     }
     (out / RECORD).write_text(json.dumps(record))
 
@@ -150,4 +185,6 @@ def load(out: Path) -> SideRun:
         {k[2:]: v for k, v in stored.items() if k.startswith("p:")},
         record.get("model_source", ""),
         record.get("environment", {}),
+        int(record.get("rows", 0)),
+        int(record.get("batch_rows", 0)),
     )

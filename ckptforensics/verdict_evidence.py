@@ -216,12 +216,18 @@ def replay_fields(findings: Sequence[Finding], state_steps: Sequence[int] = ()) 
         and (
             (f.metrics.get("status") == "matched" and f.metrics["first_checked"] <= min(onset))
             or (
-                # matched from the onset on (the replay starts from the run's own state) and
-                # past it, over the spike's first effect: an LR fault's loss answers the step
-                # after its update (tuning draw 1483: matched 31-34, the onset 31, left open)
+                # matched before the onset, or from the onset on (the replay starts from the
+                # run's own state) and past the spike's first effect: an LR fault's loss
+                # answers the step after its update (tuning draw 1483: matched 31-34, the
+                # onset 31, left open)
                 f.metrics.get("status") == "diverged_after_onset"
-                and f.metrics["first_checked"] <= min(onset)
-                and f.metrics.get("step", 0) > min(onset) + 1
+                and (
+                    f.metrics["first_checked"] < min(onset)
+                    or (
+                        f.metrics["first_checked"] <= min(onset)
+                        and f.metrics.get("step", 0) > min(onset) + 1
+                    )
+                )
             )
         )
     ]

@@ -90,7 +90,7 @@ def test_the_burst_stands_where_the_replay_spikes_misses_or_is_unchecked() -> No
     assert _verdict([_burst()]) == "gradient_explosion"  # the diff alone
 
 
-def _diverged(first_checked: int) -> list[Finding]:
+def _diverged(first_checked: int, parted: int = 42) -> list[Finding]:
     spike = Finding(
         "F1",
         "replay_spike",
@@ -113,7 +113,7 @@ def _diverged(first_checked: int) -> list[Finding]:
         "s",
         (),
     )
-    log = {"status": "diverged_after_onset", "first_checked": first_checked, "step": 42}
+    log = {"status": "diverged_after_onset", "first_checked": first_checked, "step": parted}
     agreement = Finding(
         "F3", "replay_log_agreement", "run", 1.0, "info", log, "diverges after the spike", "s", ()
     )
@@ -126,3 +126,6 @@ def test_a_replay_that_matches_the_log_up_to_its_spike_and_parts_after_it_reprod
     the spike): numerics or data, not hardware. Nothing checked before the spike: open."""
     assert replay_fields(_diverged(31))["reproducible"] is True
     assert replay_fields(_diverged(42))["reproducible"] is None
+    # Checked from the onset on and matched past the spike's first effect (tuning draw 1483).
+    assert replay_fields(_diverged(42, parted=45))["reproducible"] is True
+    assert replay_fields(_diverged(42, parted=43))["reproducible"] is None

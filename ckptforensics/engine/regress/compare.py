@@ -112,11 +112,7 @@ def _finish(raw: torch.Tensor) -> torch.Tensor:
     """[n, len(_RAW)] -> [n, len(COLUMNS)] on the host: the relative difference formed, a
     pair with a non-finite disagreement or mis-shaped given an infinite max_abs."""
     max_abs, scale, ulps, differing, numel, bad, misshaped = raw.unbind(1)
-    rel = torch.where(
-        scale > 0,
-        max_abs / scale.clamp_min(torch.finfo(torch.float64).tiny),
-        torch.where(max_abs > 0, math.inf, 0.0),
-    )
+    rel = torch.where(scale > 0, max_abs / scale, torch.where(max_abs > 0, math.inf, 0.0))
     rel = torch.where(misshaped > 0, math.inf, rel)
     out = torch.stack([max_abs, rel, ulps, differing, numel, bad], dim=1)
     out[:, 0] = torch.where((bad > 0) | (misshaped > 0), math.inf, max_abs)

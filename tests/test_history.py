@@ -78,6 +78,11 @@ def test_the_healthy_twins_raise_no_alarm(logit_runs: dict[str, Path], twin: str
     assert doc["findings"] == []
     assert doc["verdict"]["first_anomalous_module"] is None
     assert doc["history"]["onset_step"] is None
+    n = len(doc["history"]["checkpoints"])
+    assert (
+        doc["verdict"]["summary"].startswith(f"Over {n} checkpoints")
+        and "no module left" in doc["verdict"]["summary"]
+    )
 
 
 def test_json_report_files_and_evidence(logit_runs: dict[str, Path], tmp_path: Path) -> None:

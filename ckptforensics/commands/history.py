@@ -51,6 +51,12 @@ def run_history(
     before_i = max(0, steps.index(onset) - 1) if onset in steps else 0
     before, after = res.checkpoints[before_i][1], res.checkpoints[-1][1]
     verdict = decide(findings, before=str(before), after=str(after))
+    if lead is None:  # nothing left its trend: say what was followed, not a pair's diff
+        verdict.summary = (
+            f"Over {len(steps)} checkpoints (steps {steps[0]}-{steps[-1]}), no module left its own trend: "
+            "attention logits, log Z, activations and updates followed their trajectories "
+            "(docs/signatures.md#history-departure)."
+        )
     section = _section(cfg, res, lead, onset, th)
     with open_checkpoint(before) as b, open_checkpoint(after) as a:
         doc = build_report(

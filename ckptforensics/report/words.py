@@ -90,6 +90,9 @@ def headline(doc: dict[str, Any]) -> Text:
     if doc.get("regress"):  # two versions of the code compared; no incident, no rollback
         return regress_headline(doc["regress"], before)
     top = v["causes"][0]["cause"]
+    if top == "none" and doc.get("history"):  # every checkpoint followed, none left its trend
+        n = len(doc["history"].get("checkpoints") or [])
+        return ["No module left its trend from ", Code(before), " to ", Code(rel(inc["after"]["path"], root)), f" ({n} checkpoints)."]  # fmt: skip
     if top == "none":
         return ["No anomaly between ", Code(before), " and ", Code(rel(inc["after"]["path"], root)), "."]  # fmt: skip
     step = f" at step {fmt(v['first_bad_step'])}" if v.get("first_bad_step") is not None else ""

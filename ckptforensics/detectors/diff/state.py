@@ -56,24 +56,6 @@ def detect_skipped_steps(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     (),
                 )
             )
-        elif 0 <= k < g and not (p.loss_scale_a or p.loss_scale_b):
-            # No loss scaler in either checkpoint: no overflow skipped these steps. A loop that
-            # skips a step on non-finite gradients, or a counter that restarted (a resume that
-            # lost the optimizer: `detectors.resume`), leaves the same trail; neither is fp16's.
-            out.append(
-                Finding(
-                    "",
-                    "skipped_steps",
-                    "run",
-                    cap((g - k) / max(1, g) * 10),
-                    "warning",
-                    {"trainer_steps": g, "optimizer_steps": k},
-                    f"{g - k} of {g} steps left the optimizer's step counter unmoved, with no loss scaler in the run: "
-                    "steps skipped on non-finite gradients, or a counter that started over",
-                    "docs/signatures.md#skipped-steps",
-                    (),
-                )
-            )
         elif 0 <= k < g:
             # One skipped step per backoff (a single one even where the scaler state was not
             # saved, as nanoGPT does not) is the scaler's routine.
@@ -88,7 +70,15 @@ def detect_skipped_steps(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     cap((g - k) / max(1, g) * 10),
                     "info" if normal else "warning",
                     {"trainer_steps": g, "optimizer_steps": k},
-                    f"{g - k} of {g} steps skipped the optimizer update (overflowing gradients under a loss scaler)"
+                    f"{g - k} of {g} steps skipped the optimizer update ("
+                    + (
+                        "overflowing gradients under a loss scaler"
+                        if p.loss_scale_a or p.loss_scale_b
+                        # nanoGPT saves no scaler state: an fp16 run's backoffs, or a loop's
+                        # skip of non-finite gradients; neither checkpoint says which
+                        else "overflowing gradients under a loss scaler, or a skip of non-finite gradients: neither checkpoint records a scaler"
+                    )
+                    + ")"
                     + (
                         ": one per loss-scale backoff, dynamic loss scaling's normal operation"
                         if normal

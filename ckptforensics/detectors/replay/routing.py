@@ -23,6 +23,7 @@ an incident.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -54,6 +55,20 @@ def routing(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     return out
 
 
+def _departure(
+    x: np.ndarray, floor: float, th: Thresholds, far: Callable[[float, float], bool]
+) -> tuple[int | None, np.ndarray, float]:
+    """The first step past the window's first third where `x` stands more than `z` robust
+    spreads (at least `floor`) above that third's median and `far(x, median)` holds: a layer
+    judged against its own first steps. Returns (its index or None, every step's z, median)."""
+    head = max(2, len(x) // 3)
+    base = float(np.median(x[:head]))
+    spread = max(float(np.median(np.abs(x[:head] - base))) * MAD_TO_SIGMA, floor)
+    z = (x - base) / spread
+    hit = next((i for i in range(head, len(x)) if z[i] > th.z and far(float(x[i]), base)), None)
+    return hit, z, base
+
+
 def _top_share(load: tuple[float, ...], k: int) -> float:
     return float(sum(sorted(load, reverse=True)[:k]))
 
@@ -63,11 +78,7 @@ def _collapse(recs: list, layer: int, th: Thresholds) -> list[Finding]:
     experts = len(loads[0])
     k = min(recs[0].router.top_k, experts - 1)
     share = np.array([_top_share(x, k) for x in loads])
-    head = max(2, len(recs) // 3)
-    base = share[:head]
-    spread = max(float(np.median(np.abs(base - np.median(base)))) * MAD_TO_SIGMA, SHARE_FLOOR)
-    z = (share - float(np.median(base))) / spread
-    hit = next((i for i in range(head, len(recs)) if share[i] >= COLLAPSED and z[i] > th.z), None)
+    hit, z, base = _departure(share, SHARE_FLOOR, th, lambda x, _: x >= COLLAPSED)
     if hit is None:
         return []
     r = recs[hit]
@@ -88,11 +99,11 @@ def _collapse(recs: list, layer: int, th: Thresholds) -> list[Finding]:
                 "steps": [x.step for x in recs],
                 "busiest": busiest,
                 "idle": idle,
-                "base_share": float(np.median(base)),
+                "base_share": base,
                 "z": float(z[hit]),
             },
             f"step {r.step}: {r.router.modules[layer]} sends {share[hit]:.0%} of its routed slots to experts "
-            f"{', '.join(map(str, busiest))} (its first steps: {float(np.median(base)):.0%}; {z[hit]:.1f} spreads up)"
+            f"{', '.join(map(str, busiest))} (its first steps: {base:.0%}; {z[hit]:.1f} spreads up)"
             + (f"; experts {', '.join(map(str, idle))} get none" if idle else ""),
             _SOURCE,
             ("expert_collapse",),
@@ -148,14 +159,8 @@ def _logit_growth(recs: list, layer: int, th: Thresholds) -> list[Finding]:
     mx = np.array([r.router.logit_max[layer] for r in recs])
     if not np.all(np.isfinite(mx)) or np.any(mx <= 0):
         return []
-    head = max(2, len(recs) // 3)
-    lg = np.log(mx)
-    base = float(np.median(lg[:head]))
-    spread = max(float(np.median(np.abs(lg[:head] - base))) * MAD_TO_SIGMA, LOGIT_FLOOR)
-    z = (lg - base) / spread
-    hit = next(
-        (i for i in range(head, len(recs)) if lg[i] - base >= math.log(GROWTH) and z[i] > th.z),
-        None,
+    hit, z, base = _departure(
+        np.log(mx), LOGIT_FLOOR, th, lambda x, base: x - base >= math.log(GROWTH)
     )
     if hit is None:
         return []

@@ -250,7 +250,7 @@ class Session:
         kind = self.loss_norm.kind if self.loss_fn is None else "targets"
         if mbs is None or bp is None or mbs >= rows or kind not in ("targets", "micro"):
             return
-        bounds = self._micro_parts(rows) or []
+        bounds = [(i, min(i + mbs, rows)) for i in range(0, rows, mbs)]
         keep, probing = (self.row_tokens, self.logit_stats), self.probe.enabled
         total = self.row_tokens.sum().clamp_min(1)
         n = len(bounds)

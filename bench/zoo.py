@@ -495,9 +495,11 @@ def _shape(d: dict[str, Any]) -> str:
         )
         hf += " lm-collator" if d.get("collator") == "lm" else ""
     opt = f" {d['optimizer']}" if d.get("optimizer", "adamw") != "adamw" else ""
-    # issue #42's axes: a resume at the window's first checkpoint, a TensorBoard-only log
+    # issue #42's axes: a resume at the window's first checkpoint, a TensorBoard- or W&B-only
+    # log, a group's LR fault that ends in an fp16 overflow
     opt += f" resume-{d['resume']}" if d.get("resume", "none") != "none" else ""
-    opt += " tensorboard" if d.get("log", "jsonl") != "jsonl" else ""
+    opt += f" {d['log']}" if d.get("log", "jsonl") != "jsonl" else ""
+    opt += " group-lr" if d.get("group_fp16") else ""
     return f"{d['position']} {d['schedule']} L{d['n_layer']} d{d['n_embd']} T{d['seq']} {d['precision']} {d['fmt']}{hf}{opt}"
 
 
@@ -524,7 +526,15 @@ def main() -> None:
     ap.add_argument("--record", action="store_true", help="Write the table into bench/RESULTS.md.")
     ap.add_argument(
         "--draws",
-        choices=("tuning", "heldout", "heldout-misses", "families-tuning", "heldout-families"),
+        choices=(
+            "tuning",
+            "heldout",
+            "heldout-misses",
+            "families-tuning",
+            "heldout-families",
+            "resumes-tuning",
+            "heldout-resumes",
+        ),  # fmt: skip
         help="Score the drawn incidents of this split instead of the zoo.",
     )
     ap.add_argument("--draws-dir", type=Path, default=ROOT / "build" / "draws")

@@ -23,6 +23,7 @@ from ckptforensics.checkpoints import first_complete, list_checkpoints
 from ckptforensics.detectors.causes import figures, lookup
 from ckptforensics.engine.whatif import INVASIVENESS, parse_mitigation
 from ckptforensics.formats.base import Checkpoint
+from ckptforensics.planner_adam import EPS, OPTIMIZER_KEY, AdamRun, adam_change, adam_run
 from ckptforensics.trainers import Edit, planner_for
 from ckptforensics.trainers.settings import run_settings
 
@@ -185,7 +186,7 @@ def _whatif_changes(
 
 
 def _cause_changes(
-    doc: dict[str, Any], clip: Any
+    doc: dict[str, Any], clip: Any, adam: AdamRun | None = None
 ) -> list[tuple[str, Any, str, dict[str, Any] | None]]:
     """What the cause calls for where no what-if replayed a mitigation on track: the LR fix
     where the replay dates the jump that is its fault, else the first of its record's
@@ -200,6 +201,8 @@ def _cause_changes(
         "{half_clip}": _half(clip),
         "{onset}": int(v["first_bad_step"]) if v.get("first_bad_step") is not None else None,
         "{culprits}": "culprits" if v.get("anomalous_samples") or bis.get("rows") else None,
+        "{safe_beta2}": adam.safe_beta2 if adam is not None else None,
+        "{raised_eps}": adam.raised_eps if adam is not None else EPS,
     }
     for knob, raw in cause.changes:
         value = known[raw] if isinstance(raw, str) and raw in known else raw
@@ -340,6 +343,7 @@ def plan_section(doc: dict[str, Any], ck: Checkpoint) -> dict[str, Any]:
     )
     if clip is None:  # a diff's report: the clip the run recorded (else "half" is no change)
         clip = run_settings(ck).clip
+    adam = adam_run(doc, ck)
     chosen: list[tuple[str, Any, str, dict[str, Any] | None]]
     others: list[tuple[str, dict[str, Any]]] = []
     if w.get("outcomes"):
@@ -349,9 +353,9 @@ def plan_section(doc: dict[str, Any], ck: Checkpoint) -> dict[str, Any]:
             out["notes"].append(
                 "no mitigation the what-if tried kept the run on track: the changes below are what the cause calls for, not replayed"
             )
-            chosen = _cause_changes(doc, clip)
+            chosen = _cause_changes(doc, clip, adam)
     else:
-        chosen = _cause_changes(doc, clip)
+        chosen = _cause_changes(doc, clip, adam)
     # The per-group LR a replay names is the fault itself: fix it whatever else helps.
     jump = _lr_jump(doc.get("findings") or [])
     if jump is not None and lookup(cause).jump_tries and not any(k == "lr_fix" for k, *_ in chosen):
@@ -410,7 +414,10 @@ def plan_section(doc: dict[str, Any], ck: Checkpoint) -> dict[str, Any]:
             continue
         why = {"clip": "a lower clip bounds the bad steps' updates", "lr_scale": "a lower LR keeps the update within what the loss tolerates",
                "precision": "the overflow is the precision's", "eps": "a larger epsilon damps updates of a stale second moment"}.get(knob, "")  # fmt: skip
-        changes.append(Change(knob, value, _knob_edits(planner, knob, value, s), status, why, ev))
+        edits = _knob_edits(planner, knob, value, s)
+        if adam is not None and knob in ("eps", "beta2"):
+            why, edits = adam_change(knob, value, adam, why, edits)
+        changes.append(Change(knob, value, edits, status, why, ev))
     out["changes"] = [c.as_dict() for c in changes]
     skip_change = next((c for c in changes if c.knob in ("skip_samples", "skip_step")), None)
     if skip_change is not None:
@@ -427,7 +434,7 @@ def plan_section(doc: dict[str, Any], ck: Checkpoint) -> dict[str, Any]:
             "value": sk.value,
             "text": sk.text,
         }
-    edits = [e for c in changes for e in c.edits]
+    edits = [e for c in changes for e in c.edits if not e.key.startswith(OPTIMIZER_KEY)]
     resume = planner.resume(r_path, r_step, s)
     out["resume"] = [
         {"key": e.key, "before": e.before, "after": e.after, "note": e.note} for e in resume
@@ -435,7 +442,7 @@ def plan_section(doc: dict[str, Any], ck: Checkpoint) -> dict[str, Any]:
     out["config_diff"] = planner.render([*edits, *resume], s)
     out["alternatives"] = [{"mitigation": m, **ev} for m, ev in others]
     out["expect"] = _expect(doc, changes, r_step, steps, ids, onset, clip)
-    out["notes"] += _notes(changes, cause)
+    out["notes"] += _notes(changes, cause, v.get("first_anomalous_module"))
     return out
 
 
@@ -490,11 +497,11 @@ def _expect(
     }
 
 
-def _notes(changes: Sequence[Change], cause: str) -> list[str]:
+def _notes(changes: Sequence[Change], cause: str, layer: str | None = None) -> list[str]:
     out = []
     note = lookup(cause).plan_note
     if note is not None:
-        out.append(note.format(what=cause.replace("_", " ")))
+        out.append(note.format(what=cause.replace("_", " "), layer=layer or "the affected layers"))
     if not changes and note is None:
         out.append(
             f"no change is known to help with {cause.replace('_', ' ')}: resume from the rollback checkpoint and watch it with `ckptforensics recovery`"

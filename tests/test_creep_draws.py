@@ -1,6 +1,7 @@
 """The creep draws (`fixtures/creep_draws.py`): each planted mechanism really happened in
 training by the fixture's own measurement, each twin stayed under its danger level, a seed's
-twin shares its incident's data, and the onset rule reads as written."""
+twin shares its incident's data, and the onset rule reads as written. `history` names the
+Adam draw at its tensor and onset (docs/signatures.md#history-adam) and its twin nothing."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
+import ckptforensics as cf
 from fixtures.creep_draws import (
     CREEP_HELDOUT,
     CREEP_TUNING,
@@ -141,3 +143,27 @@ def test_splits_are_their_own_seeds() -> None:
     assert not taken & (set(CREEP_TUNING) | set(CREEP_HELDOUT))
     assert not set(CREEP_TUNING) & set(CREEP_HELDOUT)
     assert {draw_creep(s).kind for s in CREEP_TUNING[:3]} == set(DANGER)
+
+
+def test_history_names_the_adam_creep_at_its_tensor_and_onset_and_the_twin_nothing(
+    built: dict[str, Path],
+) -> None:
+    truth = _truth(built["adam"])
+    doc = cf.history(run_dir=built["adam"], model="fixtures/tinygpt.py:factory").doc
+    assert [c["cause"] for c in doc["verdict"]["causes"]] == ["adam_instability"]
+    assert doc["verdict"]["first_anomalous_module"] == truth["layers"][0]
+    (f,) = [f for f in doc["findings"] if "adam_instability" in f["supports"]]
+    assert f["kind"] == "adam_step_growth" and f["metrics"]["tensor"] == truth["tensors"][0]
+    lo, hi = truth["creep"]["onset_range"]
+    assert lo <= doc["history"]["onset_step"] <= hi, (doc["history"]["onset_step"], lo, hi)
+    assert f["metrics"]["max_step"][-1] > 2 and f["metrics"]["growth"] >= 4
+    # the plan raises the run's own beta2 (0.72 < 0.9^2), from the optimizer's saved groups
+    (c,) = doc["plan"]["changes"]
+    d = draw_creep(ADAM)
+    assert c["knob"] == "beta2" and c["value"] == 0.95
+    assert c["edits"][0]["before"] == [0.9, d.beta2] and c["edits"][0]["after"] == [0.9, 0.95]
+    twin = cf.history(run_dir=built["adam-twin"], model="fixtures/tinygpt.py:factory").doc
+    assert [c["cause"] for c in twin["verdict"]["causes"]] == ["none"]
+    assert twin["findings"] == [] and twin["history"]["onset_step"] is None
+    steps = twin["history"]["trajectories"]["max_step"]
+    assert max(v for vals in steps.values() for v in vals if v is not None and v == v) < 2

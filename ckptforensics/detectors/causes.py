@@ -24,8 +24,10 @@ __all__ = ["Cause", "CAUSES", "RESUME_CAUSES", "lookup", "figures", "registry"]
 # The figures a cause's texts may name, and who fills them in.
 ACTION_FIGURES = frozenset({"rollback", "after", "layer"})  # the verdict
 TRY_FIGURES = frozenset({"half_clip", "onset", "jump_scale"})  # the planner
-CHANGE_FIGURES = frozenset({"{half_clip}", "{onset}", "{culprits}"})  # the planner
-NOTE_FIGURES = frozenset({"what"})  # the planner
+CHANGE_FIGURES = frozenset(
+    {"{half_clip}", "{onset}", "{culprits}", "{safe_beta2}", "{raised_eps}"}
+)  # the planner
+NOTE_FIGURES = frozenset({"what", "layer"})  # the planner
 
 
 def figures(text: str) -> set[str]:
@@ -57,10 +59,13 @@ class Cause:
         changes: the plan's change where no what-if replayed one on track: the first of
             these `(knob, value)` the report has the figures for. A value `"{half_clip}"`
             or `"{onset}"` as in `tries`; `"{culprits}"`: the rows the replay or the
-            bisection names (none: the entry is passed over).
-        plan_note: the plan's note for this cause (a hardware fault, a resume to redo), with
-            `{what}` the cause in words; None: where the plan has no change, its note says no
-            change is known to help.
+            bisection names; `"{safe_beta2}"`: a beta2 of at least beta1^2 where the run's
+            optimizer groups hold one below it; `"{raised_eps}"`: the run's Adam epsilon
+            raised (none: the entry is passed over).
+        plan_note: the plan's note for this cause (a hardware fault, a resume to redo, a fix
+            no config key writes), with `{what}` the cause in words and `{layer}` the
+            verdict's first anomalous module ("the affected layers" without one); None: where
+            the plan has no change, its note says no change is known to help.
     """
 
     name: str
@@ -176,12 +181,18 @@ CAUSES: Mapping[str, Cause] = registry(
         name="adam_instability",
         meaning="a second moment far smaller than its gradient (Adam's epsilon and beta2 regime): updates go sign-like",
         actions=(
-            "Resume from {rollback} with a larger Adam epsilon or lower beta2 for the affected layers (Molybog 2304.09871).",
+            "Resume from {rollback} with Adam's second moment kept in step with its gradient in {layer}: beta2 >= beta1^2 "
+            "(0.95 at beta1 0.9) where it decays faster than the first moment (steps that grow where the gradient stops), "
+            "a lower beta2 (0.95) where it lags a growing gradient (beta2 0.999), and an epsilon of 1e-8 or more "
+            "(1e-6 damps a stale second moment, Molybog 2304.09871).",
         ),
+        layer_finding="adam_step_growth",
         # Molybog et al. 2023 (2304.09871): eps 1e-8 -> 1e-6 damps the sign-like updates of a
         # stale second moment.
         tries=("eps=1e-6", "clip={half_clip:g}"),
-        changes=(("eps", 1e-6),),
+        # The run's own beta2 raised where it is below beta1^2 (the planner reads the run's
+        # optimizer groups), else its eps raised.
+        changes=(("beta2", "{safe_beta2}"), ("eps", "{raised_eps}")),
     ),
     Cause(
         name="attention_logit_growth",
@@ -191,6 +202,13 @@ CAUSES: Mapping[str, Cause] = registry(
             "attention-logit soft-capping (Gemma 2: 50 tanh(x/50)) in {layer}, or a lower LR; `ckptforensics audit` checks the fix.",
         ),
         layer_finding="attention_logit_growth",
+        tries=("lr_scale=0.5", "clip={half_clip:g}"),
+        changes=(("lr_scale", 0.5),),
+        plan_note=(
+            "{what} in {layer}: the fix is the model's, which no config key writes: QK-norm on its queries and keys "
+            "(Dehghani et al. 2023) or attention-logit soft-capping (Gemma 2: 50 tanh(x/50)); short of it, a lower LR "
+            "for {layer}'s query and key projections (a per-module LR multiplier), or the whole LR as below"
+        ),
     ),
     Cause(
         name="output_logit_divergence",
@@ -202,6 +220,11 @@ CAUSES: Mapping[str, Cause] = registry(
         layer_finding="output_logit_drift",
         tries=("lr_scale=0.5", "clip={half_clip:g}"),
         changes=(("lr_scale", 0.5),),
+        plan_note=(
+            "{what} at {layer}: the fix is the loss's or the model's, which no config key writes: z-loss "
+            "(1e-4 log^2 Z, PaLM) or final-logit soft-capping (Gemma 2: 30 tanh(x/30)); short of it, a lower LR or "
+            "weight decay for {layer}, or the whole LR as below"
+        ),
     ),
     Cause(
         name="expert_collapse",

@@ -128,6 +128,7 @@ def test_resume_causes_and_layer_causes_come_from_their_records() -> None:
         "data_loader_restarted",
     )
     assert {n: c.layer_finding for n, c in CAUSES.items() if c.layer_finding} == {
+        "adam_instability": "adam_step_growth",
         "attention_logit_growth": "attention_logit_growth",
         "output_logit_divergence": "output_logit_drift",
         "expert_collapse": "expert_collapse",
@@ -160,7 +161,7 @@ def _doc(cause: str, onset: int | None = 17, jump: bool = False) -> dict[str, ob
         ("bf16_overflow", 17, False, 2.0, ["precision=fp32", "clip=1"]),
         ("adam_instability", 17, False, None, ["eps=1e-6", "clip=1"]),
         ("output_logit_divergence", 17, True, None, ["lr_scale=0.5", "clip=1"]),
-        ("attention_logit_growth", 17, False, None, []),
+        ("attention_logit_growth", 17, False, None, ["lr_scale=0.5", "clip=1"]),
         ("silent_corruption", 17, False, None, []),
         ("optimizer_state_lost", 17, False, None, []),
         ("none", None, False, None, []),

@@ -20,6 +20,7 @@ METRICS: dict[str, str] = {
     "max_abs_m": "up",
     "max_v": "up",
     "rho_share": "up",
+    "max_step": "up",
 }
 
 
@@ -31,7 +32,9 @@ class Trajectory:
         module: the model's own module name (a tensor's name for the diff's figures).
         metric: one of `METRICS` (`attn_max_logit` in logit units, `attn_entropy` as a share
             of uniform, `log_z` and `max_logit` in nats, `act_rms` in the activation's unit,
-            the diff's per-pair figures dimensionless, dated at the pair's later checkpoint).
+            the diff's per-pair figures dimensionless, dated at the pair's later checkpoint;
+            `max_step` the tensor's largest per-element step in units of the LR per optimizer
+            step, 1 a sign-like Adam step).
         steps: the checkpoints' steps, ascending.
         values: the figure at each step (NaN where not measured).
     """

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ckptforensics import optim
 from ckptforensics.checkpoints import list_checkpoints, open_checkpoint
 from ckptforensics.core.errors import CheckpointNotFound, ForensicsError, doing
 from ckptforensics.detectors.history import HistoryEvidence, Trajectory
@@ -30,7 +31,8 @@ Progress = Callable[[str], None]
 
 # The diff's per-tensor figures a history follows (`TensorDiff` field -> trajectory metric):
 # the update/weight ratio, the first and second moments' largest values, the implied
-# gradient energy and the share of sign-like updates.
+# gradient energy and the share of sign-like updates; and, derived, the largest element's step
+# in units of the LR (`_sign_steps`, metric `max_step`).
 _DIFF_FIGURES = {
     "update_ratio": "update_ratio",
     "r_v": "r_v",
@@ -38,6 +40,20 @@ _DIFF_FIGURES = {
     "max_v_b": "max_v",
     "rho_share_b": "rho_share",
 }
+
+
+def _sign_steps(t: TensorDiff) -> float:
+    """The tensor's largest per-element step over the pair in units of the LR, per optimizer
+    step: max|dw| / (lr k). A sign-like Adam step is 1 (bias-corrected Adam's first step is
+    exactly lr sign(g)); NaN where the step is not lr times Adam's normalised ratio (no
+    moments, or a family that scales it by the weight's norm, as LAMB's trust ratio) or the
+    pair records no LR or step count."""
+    fam = optim.FAMILIES.get(t.family)
+    if fam is None or not fam.moments or fam.weight_scale({}) or not t.has_moments:
+        return math.nan
+    if t.k <= 0 or not (t.lr > 0):
+        return math.nan
+    return t.dw_max_abs / (t.lr * t.k)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -202,6 +218,9 @@ def evidence(
             ]
             if any(math.isfinite(v) for v in vals):
                 out.append(Trajectory(name, metric, steps, tuple(vals)))
+        steps_lr = [nan] + [_sign_steps(bp[name]) if name in bp else nan for bp in by_pair]
+        if any(math.isfinite(v) for v in steps_lr):
+            out.append(Trajectory(name, "max_step", steps, tuple(steps_lr)))
     return HistoryEvidence(
         steps=steps, attn_modules=tuple(attn), head=head, trajectories=tuple(out)
     )

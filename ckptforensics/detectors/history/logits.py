@@ -1,6 +1,7 @@
 """The logit causes from a run's history: a layer's attention logits that grew past the cap
 (`attention_logit_growth`), the head's log Z drifting away from 0 (`output_logit_divergence`);
-each dated at the checkpoint where its module left its own trend (`trend`)."""
+each dated at the checkpoint where its module left its own trend (`trend`) on its climb to the
+cap (`onset_of`)."""
 
 from __future__ import annotations
 
@@ -25,24 +26,44 @@ def _first_past(t: Trajectory, limit: float) -> int | None:
     return None
 
 
+# The climb to the cap starts where the figure was last at most this share of it: a growth
+# of 4x or more, as Adam's steps' climb (`adam.CREEP`).
+CLIMB_FROM = 0.25
+
+
 def onset_of(t: Trajectory, limit: float, th: Thresholds) -> tuple[int | None, str]:
     """Since when a trajectory that ends past `limit` has been going wrong: the checkpoint
-    where it left its own trend, else the first from which it stayed past the limit."""
+    where it left its own trend on its climb to the limit, else the first from which it
+    stayed past the limit.
+
+    The climb runs from the last checkpoint at or under `CLIMB_FROM` of the limit to the
+    first past it for good. A departure before it is early learning (every layer's logits
+    rise from ~0 over the first checkpoints); one after it is a later turn of a growth that
+    had already passed the cap, not its onset."""
+    past = _first_past(t, limit)
     d = departure(t, th.attn_growth)
-    if d is not None:
-        return d.step, (
-            f"left its trend at step {d.step} (x{d.ratio:.2g} the {d.expected:.3g} its trend predicted)"
-        )
-    s = _first_past(t, limit)
-    return s, f"passed {limit:g} for good at step {s} (no departure from its own trend)"
+    if d is not None and past is not None:
+        low = [s for s, v in t.finite() if s < past and abs(v) <= CLIMB_FROM * limit]
+        start = low[-1] if low else t.finite()[0][0]
+        if start <= d.step <= past:
+            return d.step, (
+                f"left its trend at step {d.step} (x{d.ratio:.2g} the {d.expected:.3g} its trend predicted) "
+                f"on its climb to {limit:g}"
+            )
+    return (
+        past,
+        f"passed {limit:g} for good at step {past} (no departure from its own trend on its climb there)",
+    )
 
 
 def attention_growth(ev: HistoryEvidence, th: Thresholds) -> list[Finding]:
     """Each attention layer whose largest pre-softmax logit is past `attn_logit` at the run's
     last checkpoint (Gemma 2's attention soft-cap) and grew to it by `attn_growth` over its
-    own first judged level, dated at its onset (`onset_of`); earliest onset first, forward
-    order breaking ties (the layer that grew first is the one to fix)."""
-    out: list[tuple[int, int, Finding]] = []
+    own first judged level, dated at its onset (`onset_of`). The layer that passed the cap
+    for good first leads (the layer that grew first is the one to fix: a layer that left its
+    trend earlier but reached the cap later grew slower), then the earliest onset, forward
+    order breaking ties."""
+    out: list[tuple[int, int, int, Finding]] = []
     for order, mod in enumerate(ev.attn_modules):
         t = ev.of("attn_max_logit", mod)
         pts = t.finite() if t is not None else []
@@ -83,8 +104,12 @@ def attention_growth(ev: HistoryEvidence, th: Thresholds) -> list[Finding]:
             ("attention_logit_growth",),
             primary=True,
         )
-        out.append((onset if onset is not None else pts[-1][0], order, f))
-    return [f for *_, f in sorted(out, key=lambda x: (x[0], x[1]))]
+        past = _first_past(t, th.attn_logit)
+        last = pts[-1][0]
+        out.append(
+            (past if past is not None else last, onset if onset is not None else last, order, f)
+        )
+    return [f for *_, f in sorted(out, key=lambda x: (x[0], x[1], x[2]))]
 
 
 def output_drift(ev: HistoryEvidence, th: Thresholds) -> list[Finding]:

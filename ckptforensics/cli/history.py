@@ -79,8 +79,9 @@ def history_cmd(
     log Z and largest logit, every module's activation RMS), and each consecutive pair is
     diffed (update/weight ratio, moments, implied gradient energy). Every module's
     trajectory is judged against its own trend; the verdict names the layer whose
-    attention logits grew first (attention_logit_growth) or the head's log Z drifting
-    (output_logit_divergence), and the checkpoint since which it has.
+    attention logits grew first (attention_logit_growth), the head's log Z drifting
+    (output_logit_divergence) or a tensor whose Adam steps climb past a sign-like step
+    (adam_instability), and the checkpoint since which it has.
 
     \b
     Example:

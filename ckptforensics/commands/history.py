@@ -2,9 +2,9 @@
 
 `engine.history.walk` measures each checkpoint on one fixed batch of the run and diffs each
 consecutive pair with the diff's kernel, `detectors.history` dates every module's departure
-from its own trend and names the logit causes, `verdict.decide` ranks them, and the report
-carries the trajectories (`history`), the verdict's `first_anomalous_module` and
-`history.onset_step`.
+from its own trend and names the logit causes and Adam's instability, `verdict.decide` ranks
+them, and the report carries the trajectories (`history`), the verdict's
+`first_anomalous_module` and `history.onset_step`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The combiner (docs/signatures.md#log-onset): `log_onsets` runs the seed and onset
 detectors, keeps a seed only where the loss follows it, sets aside the log's routine blips
 (`blips.routine_reason`), moves a spike to the start of the excursion that persists, adds the
-held rise and the held shift, and lets an overflow dated only by its interval give way to a
-later onset of the same interval. The order of these steps is the contract; it reads on one
+held rise, the held shift and the creep, and lets an overflow dated only by its interval give
+way to a later onset of the same interval. The order of these steps is the contract; it reads on one
 page here."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ckptforensics.detectors.log.blips import (
     recovery_horizon,
     routine_reason,
 )
+from ckptforensics.detectors.log.creep import loss_creep
 from ckptforensics.detectors.log.evidence import (
     LogDetector,
     LogEvidence,
@@ -163,7 +164,10 @@ def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[On
     # A moved held start may still be the incident's first sign: kept as ignored with the step
     # it moved to (`Onset.yields_to`), so that the rollback goes before it (`triage`).
     ignored += [replace(o, yields_to=m.step) for o, m in zip(held, moved, strict=True) if m != o]
-    onsets = [_persisting_start(o, ev, cfg) for o in onsets if not why[id(o)]] + moved
+    # A creep (the loss leaving its trend for good, no step of it a spike) is judged over the
+    # whole log, as the held rules are; no blip of the tail excuses it.
+    creep = loss_creep(ev, cfg)
+    onsets = [_persisting_start(o, ev, cfg) for o in onsets if not why[id(o)]] + moved + creep
     yielded = {
         id(o): _overflow_yields(o, onsets, ev, cfg) or _yields_to_lr_jump(o, onsets, ev, cfg)
         for o in onsets
@@ -330,15 +334,15 @@ def _line_before_leads(o: Onset, ev: LogEvidence, confirms: Callable[[int], bool
 def _yields_to_lr_jump(
     o: Onset, onsets: list[Onset], ev: LogEvidence, cfg: TriageConfig
 ) -> tuple[str, int] | None:
-    """(why, the LR jump's step) where a held rise or shift, or a loss spike of the trend rule
-    the grad norm does not confirm (`blips._grad_confirms`), gives way to an LR jump the log
-    records within half a window after its start, or None. The log dates the jump exactly,
-    and a loss logged before it cannot be its effect: the steps between are the noise the
-    held estimate starts on (held-out log draw 10165: heavy-tailed noise lifting the loss on
-    230-231, the LR jump logged at 232), or a blip the jump's excursion overtakes before it
-    could be seen to recover (10510: a blip at 229, the grad norm quiet, still up when the
-    jump logged at 231 takes over). The rollback still goes before the start set aside."""
-    held = o.rule in HELD_RULES
+    """(why, the LR jump's step) where a held rise or shift, a creep, or a loss spike of the
+    trend rule the grad norm does not confirm (`blips._grad_confirms`), gives way to an LR
+    jump the log records within half a window after its start, or None. The log dates the
+    jump exactly, and a loss logged before it cannot be its effect: the steps between are the
+    noise the held estimate starts on (held-out log draw 10165: heavy-tailed noise lifting the
+    loss on 230-231, the LR jump logged at 232), or a blip the jump's excursion overtakes
+    before it could be seen to recover (10510: a blip at 229, the grad norm quiet, still up
+    when the jump logged at 231 takes over). The rollback still goes before the start set aside."""
+    held = o.rule in HELD_RULES or o.rule == "creep"
     if not held and not (
         o.rule == "trend" and o.signal == "loss" and not _grad_confirms(o.step, ev, cfg)[0]
     ):

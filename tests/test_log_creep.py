@@ -17,8 +17,11 @@ from fixtures.tinygpt import GPT, GPTConfig
 from fixtures.zoo import SEEN, batch_for_step, markov_table
 
 STEPS, PEAK, WARMUP = 220, 1e-2, 20
-MIX_FROM, MIX_TO, MIX_SHARE = 60, 100, 0.05  # a second text ramped in token by token, then held
-CREEP_AT = 130  # the loader's fault: from here a share (step - CREEP_AT) / 300 of tokens random
+# a second text ramped in token by token, then held: the loss lifts ~1.15x smoothly and settles
+MIX_FROM, MIX_TO, MIX_SHARE = 70, 130, 0.08
+# the loader's fault: after this step a share (step - CREEP_AT) / 300 of tokens is random, the
+# loss creeps to ~1.75x its floor by the end (no step of it a spike)
+CREEP_AT = 140
 
 
 def _train(out: Path, creep: bool) -> Path:
@@ -66,9 +69,10 @@ def test_triage_dates_a_creep_where_it_departs(logs: dict[str, Path]) -> None:
     # no step of it is a spike: the largest one-step ratio after the warm-up stays small
     assert max(b / a for a, b in zip(loss[WARMUP:], loss[WARMUP + 1 :], strict=False)) < 1.5
     # the rule that decides is the creep's, dated where the loss departs: the first corrupted
-    # step, to within the two-piece line's knee (before it the log has not moved)
+    # step, to within the knee of the two-piece line (the mixture's lift just before it tilts
+    # the line before the knee)
     assert res.rule == "creep", (res.first_bad_step, res.rule)
-    assert CREEP_AT + 1 - 2 <= res.first_bad_step <= CREEP_AT + 1 + 4
+    assert abs(res.first_bad_step - (CREEP_AT + 1)) <= 4
 
 
 def test_its_twin_with_warmup_cosine_and_a_mixture_shift_stays_quiet(

@@ -21,6 +21,11 @@ The rule, on log10 of the loss of a full log (an excerpt has no trend to leave):
    good (a creep under a descent has begun where the loss is lowest: never before the
    floor); it gives way to an LR jump the log records just after it, as a held start does
    (`onsets._yields_to_lr_jump`).
+
+Its limit: a creep that has settled at its new level before the log ends is not called (a
+settled lift is what a data-mixture shift looks like; the held rules may see its start), and
+neither is one that lives inside the weights and logits while the loss stays on its trend
+(the creep draws' attention logits, log Z and Adam's rare rows: `history` reads those).
 """
 
 from __future__ import annotations

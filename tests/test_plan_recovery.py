@@ -321,3 +321,22 @@ def test_plan_refuses_conflicting_inputs_before_any_work(tmp_path: Path) -> None
     assert r.exit_code == 2 and "not both" in r.output
     r = CliRunner().invoke(cli, ["plan", str(tmp_path / "rep")])  # a directory without a report
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "report.json" in r.output
+
+
+# ---------------------------------------------------------------- drawn resumes
+def test_recovery_right_on_drawn_resumes(tmp_path: Path) -> None:
+    """Three tuning draws of fixtures/recovery_draws.py (bench/recovery_draws.py scores them
+    all), each built and its truth checked by the generator: 1647 a full-batch run (near-zero
+    noise) resumed with the poisoned rows repaired, its leg the incident-free run's
+    (recovered at 36); 1641 sampled batches resumed as it was, the poisoned batch back at
+    step 40 (relapsed); 1629 a full-batch run resumed 100x under its LR schedule, further
+    behind the incident-free run every window (not recovered)."""
+    from fixtures.recovery_draws import build_recovery, draw_recovery
+
+    seeds = {1647: ("quiet", "fixed"), 1641: ("noisy", "none"), 1629: ("quiet", "stalled")}
+    for seed, kind in seeds.items():
+        assert (draw_recovery(seed).noise, draw_recovery(seed).variant) == kind
+        run = build_recovery(seed, tmp_path)
+        t = _truth(run)
+        rep = api.recovery(run, t["resumed_from"])
+        _expect_truth(rep.doc, t)

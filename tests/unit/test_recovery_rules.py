@@ -226,3 +226,167 @@ def test_one_leg_logging_past_the_resume_is_the_resumed_leg() -> None:
     leg = Leg("trainer_state.json", {s: {"loss": 1.0} for s in range(1, 61)})
     sp = split_legs([leg], 45)
     assert list(sp.resumed) == list(range(46, 61)) and not sp.incident and max(sp.pre) == 45
+
+
+# fixtures/recovery_draws.py draw 0 resumed as it was (`none`), its log as the loop wrote it
+# (rounded): a full batch at LR 1e-3, the grad norm rising and falling by half while the loss
+# stays smooth, the poisoned batch back at step 40 (the incident leg ran to 50, the resumed one
+# from 36 to 67, step for step the same run).
+_DRAW0_LOSS = [
+    4.1729,
+    4.1436,
+    4.0864,
+    4.0072,
+    3.9194,
+    3.8348,
+    3.7494,
+    3.6593,
+    3.5736,
+    3.4977,
+    3.4238,
+    3.3565,
+    3.2948,
+    3.236,
+    3.1792,
+    3.1242,
+    3.0703,
+    3.0169,
+    2.964,
+    2.9114,
+    2.859,
+    2.8065,
+    2.7537,
+    2.7013,
+    2.6487,
+    2.596,
+    2.5434,
+    2.4907,
+    2.4379,
+    2.3851,
+    2.3322,
+    2.2795,
+    2.2269,
+    2.1744,
+    2.1238,
+    2.0728,
+    2.0219,
+    1.9716,
+    1.9218,
+    3.3581,
+    1.8477,
+    1.8069,
+    1.7639,
+    1.7195,
+    1.6832,
+    1.6417,
+    1.6004,
+    1.5651,
+    1.5218,
+    1.4851,
+    1.4478,
+    1.4069,
+    1.372,
+    1.332,
+    1.2942,
+    1.2584,
+    1.2187,
+    1.1824,
+    1.1482,
+    1.1102,
+    1.0749,
+    1.0421,
+    1.0069,
+    0.9729,
+    0.9426,
+    0.9129,
+    0.8788,
+]
+_DRAW0_GRAD = [
+    2.087,
+    2.059,
+    1.936,
+    1.649,
+    1.373,
+    1.483,
+    1.662,
+    1.518,
+    1.243,
+    1.368,
+    1.369,
+    1.237,
+    1.229,
+    1.233,
+    1.2,
+    1.194,
+    1.194,
+    1.184,
+    1.165,
+    1.14,
+    1.131,
+    1.13,
+    1.119,
+    1.111,
+    1.117,
+    1.101,
+    1.102,
+    1.103,
+    1.083,
+    1.079,
+    1.066,
+    1.066,
+    1.081,
+    1.229,
+    1.757,
+    1.543,
+    1.213,
+    1.222,
+    1.476,
+    8.553,
+    2.932,
+    1.468,
+    2.723,
+    1.468,
+    2.781,
+    1.979,
+    2.194,
+    2.277,
+    1.183,
+    2.163,
+    1.392,
+    1.695,
+    1.586,
+    1.404,
+    1.816,
+    1.645,
+    1.126,
+    1.301,
+    1.763,
+    1.833,
+    1.418,
+    1.92,
+    1.338,
+    1.333,
+    1.765,
+    2.519,
+    1.026,
+]
+
+
+def test_a_grad_norm_rise_within_its_own_range_dates_no_relapse_the_loss_does(
+    tmp_path: Path,
+) -> None:
+    """The grad norm at step 39 (1.48) is an onset on its own narrow trend, but no higher than
+    it ran before the incident (1.76 at step 35): the relapse is the loss's, at step 40."""
+    from ckptforensics.engine.recovery import recovery
+
+    def row(s: int) -> str:
+        lr = 1e-3 * min(s, 10) / 10
+        return json.dumps(
+            {"step": s, "loss": _DRAW0_LOSS[s - 1], "grad_norm": _DRAW0_GRAD[s - 1], "lr": lr}
+        )
+
+    steps = [*range(1, 51), *range(36, 68)]
+    (tmp_path / "metrics.jsonl").write_text("".join(row(s) + "\n" for s in steps))
+    res = recovery(tmp_path, 35)
+    assert (res.status, res.step) == ("relapsed", 40), res.summary
+    assert "the grad norm's rise at step 39" in res.summary

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,48 @@ def relapse_steps(
                 out.add(s)
                 break
     return sorted(out)
+
+
+def _grad_in_range(
+    found: Sequence[Any], pre: Rows, resumed: Rows, loss_t: Trajectory, grad_t: Trajectory | None
+) -> list[Any]:
+    """triage's onsets, a grad-norm one inside the range its pre-incident history ran in (at
+    most the highest grad norm logged over its fit) dated to the loss's own departure: the
+    first step from it, within `LOSS_FOLLOW`, whose loss stands more than `Z_BAND` standard
+    errors above the trajectory (dropped where there is none). A grad norm that oscillates
+    (full-batch training: a near-zero-noise loss, a grad norm rising and falling by half)
+    meets its own trend's narrow band at a height it has already run at; when a poisoned
+    batch spikes the loss on the next step, triage reads a bad update followed by its effect
+    and dates it a step early (drawn run 0 of fixtures/recovery_draws.py, at 39 for 40).
+    docs/signatures.md#recovery."""
+    if grad_t is None:
+        return list(found)
+    first, last = grad_t.fitted_on
+    level = max(
+        (r["grad_norm"] for s, r in pre.items() if first <= s <= last and "grad_norm" in r),
+        default=math.inf,
+    )
+    out = []
+    for o in found:
+        if o.signal != "grad_norm" or not o.value <= level:
+            out.append(o)
+            continue
+        for s in (s for s in resumed if o.step <= s <= o.step + LOSS_FOLLOW):
+            if "loss" not in resumed[s]:
+                continue
+            v = resumed[s]["loss"]
+            ok = math.isfinite(v) and v > 0  # a loss not finite has left its band outright
+            x = math.log10(v) - math.log10(loss_t.expected(s)) if ok else math.inf
+            z = x / math.hypot(loss_t.sigma, loss_t.pred_se(s))
+            if z > Z_BAND:
+                msg = (
+                    f"loss {v:.4g} at step {s}, {10**x:.3g}x its trajectory (z {z:.1f}); the "
+                    f"grad norm's rise at step {o.step} ({o.value:.4g}) stays within its "
+                    f"pre-incident range (up to {level:.4g})"
+                )
+                out.append(replace(o, step=s, signal="loss", value=v, message=msg))
+                break
+    return out
 
 
 def _incident_onset(pre: Rows, incident: Rows, resumed_from: int) -> int | None:
@@ -218,6 +260,7 @@ def recovery(
     gsteps = [s for s in sp.pre if s <= fit_until and "grad_norm" in sp.pre[s]]
     grad_t = fit_trajectory(gsteps, [sp.pre[s]["grad_norm"] for s in gsteps], held=True)
     found = _onsets(sp.pre, sp.resumed, resumed_from)
+    found = _grad_in_range(found, sp.pre, sp.resumed, loss_t, grad_t)
     relapses = relapse_steps(found, sp.pre, sp.resumed)
     windows = judge(sp.resumed, loss_t, grad_t, relapses, width)
     status, step, trend = verdict_of(windows, relapses, sp.resumed, loss_t, width)

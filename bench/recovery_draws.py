@@ -82,7 +82,10 @@ def run_recovery(run: Path, resumed_from: int) -> tuple[dict[str, Any], float]:
         raise RuntimeError(
             f"recovery on {run} exited {res.returncode}: {res.stderr.strip()[-400:]}"
         )
-    return json.loads(res.stdout), took
+    try:
+        return json.loads(res.stdout), took
+    except json.JSONDecodeError as e:
+        raise RuntimeError(f"recovery on {run} wrote no JSON: {e}") from e
 
 
 def _label(status: str | None, step: int | None) -> str:
@@ -93,7 +96,12 @@ def score(seed: int, run: Path) -> Score:
     """Hold recovery on the resumed draw at `run` to its resume.json."""
     t = json.loads((run / "resume.json").read_text())
     d = draw_recovery(seed)
-    doc, took = run_recovery(run, t["resumed_from"])
+    try:
+        doc, took = run_recovery(run, t["resumed_from"])
+    except RuntimeError as e:  # the command failed on a run it should judge: wrong, not skipped
+        got = f"error: {str(e)[-120:]}".replace("|", "/").replace("\n", " ")
+        truth = _label(t["status"], t["step"])
+        return Score(seed, d.noise, d.schedule, d.incident, d.variant, truth, got, *[False] * 4)
     r = doc["recovery"]
     opt = next(c for c in r["checks"] if c["name"] == "optimizer_state")
     if t["optimizer_restarted_at"] is not None:
@@ -160,7 +168,7 @@ def table(scores: list[Score], split: str) -> str:
     for s in scores:
         if s.error is not None:
             got = f"build failed: {s.error}"
-        elif s.status_ok is False or s.step_ok is False:
+        elif s.status_ok is False or s.step_ok is False or s.optimizer_ok is False:
             got = s.got + " ✗"
         else:
             got = s.got

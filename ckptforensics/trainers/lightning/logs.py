@@ -37,9 +37,15 @@ def _steps(path: Path, fmt: str, cols: set[str]) -> tuple[str | None, int] | Non
 
 
 def _beside_checkpoints(run: RunFiles) -> list[Path]:
-    """Given version_N/checkpoints: the CSVLogger's metrics.csv beside it."""
+    """Given version_N/checkpoints: the CSVLogger's metrics.csv beside it and, inside
+    `lightning_logs/`, every version's: a job resumed with `fit(ckpt_path=...)` logs into a
+    version of its own, and each is a leg of the run's log (the later wins on a step both hold)."""
     csv = run.path.parent / "metrics.csv"
-    return [csv] if run.path.name == "checkpoints" and csv.is_file() else []
+    if run.path.name != "checkpoints" or not csv.is_file():
+        return []
+    if run.path.parent.parent.name == "lightning_logs":
+        return version_files(run.path.parent.parent.parent, "lightning_logs/version_*/metrics.csv")
+    return [csv]
 
 
 register_step_rule("lightning", _steps, order=20)

@@ -127,7 +127,8 @@ def decide(
     v = Verdict(summary="", causes=causes, rollback_checkpoint=rollback if top != "none" else None)
     layers: dict[str, float] = {}
     for f in findings:
-        if f.kind in ("gradient_burst", "nonfinite", "sign_like_updates", "vanished_v_burst"):
+        if f.kind in ("gradient_burst", "nonfinite", "sign_like_updates", "vanished_v_burst",
+                      "expert_update_outlier", "expert_return_sign_like"):  # fmt: skip
             mod = module_of(f.subject)
             layers[mod] = max(layers.get(mod, 0.0), f.score)
         if f.kind in ("lr_above_schedule", "lr_jump") and "gradient_explosion" in f.supports:

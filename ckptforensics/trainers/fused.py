@@ -32,6 +32,7 @@ __all__ = [
     "part_of",
     "computes",
     "heads_from_config",
+    "experts_from_config",
 ]
 
 
@@ -215,6 +216,13 @@ def _int(cfg: dict[str, Any], *keys: str) -> int | None:
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
     return None
+
+
+def experts_from_config(cfg: dict[str, Any] | None) -> int | None:
+    """The routed experts of a MoE layer as an HF `config.json` (`num_experts`: Qwen-MoE,
+    OLMoE; `num_local_experts`: Mixtral, gpt-oss; `n_routed_experts`: DeepSeek) or Megatron's
+    `args` (`num_experts`) state it; None for a dense model or a config that does not say."""
+    return _int(cfg, "num_experts", "num_local_experts", "n_routed_experts") if cfg else None
 
 
 def heads_from_config(cfg: dict[str, Any] | None) -> Heads | None:

@@ -2,8 +2,9 @@
 function `(DiffResult, Thresholds) -> list[Finding]`, registered in `DIFF_DETECTORS`.
 
 One module per kind of evidence: `elements` (elements past the optimizer's bound, non-finite,
-at their dtype's range), `magnitude` (how far the step moved each tensor), `state` (the
-optimizer's and trainer's state across the pair)."""
+at their dtype's range), `magnitude` (how far the step moved each tensor), `experts` (each
+expert of a fused MoE tensor: dead, standing out, back sign-like), `state` (the optimizer's and
+trainer's state across the pair)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ from ckptforensics.detectors.diff.elements import (
     detect_corruption,
     detect_dtype_range,
     detect_nonfinite,
+)
+from ckptforensics.detectors.diff.experts import (
+    detect_dead_experts,
+    detect_expert_return,
+    detect_expert_update_outlier,
 )
 from ckptforensics.detectors.diff.magnitude import (
     detect_gradient_burst,
@@ -68,6 +74,9 @@ DIFF_DETECTORS: tuple[DiffDetector, ...] = (
     detect_gradient_burst,
     detect_vanished_burst,
     detect_sign_like,
+    detect_dead_experts,
+    detect_expert_update_outlier,
+    detect_expert_return,
     detect_optimizer_state_lost,
     detect_scheduler_restart,
     detect_scaler_reset,

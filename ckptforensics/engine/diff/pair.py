@@ -32,7 +32,7 @@ from ckptforensics.formats.base import Checkpoint
 from ckptforensics.formats.optstate import FAMILIES
 from ckptforensics.optim import bnb
 from ckptforensics.trainers import skip_optimizer
-from ckptforensics.trainers.fused import heads_from_config
+from ckptforensics.trainers.fused import experts_from_config, heads_from_config
 
 __all__ = [
     "DiffConfig",
@@ -102,6 +102,7 @@ def _pair_info(a: Checkpoint, b: Checkpoint) -> PairInfo:
         scaler_a=_dict(a.scalars.get("scaler")),
         scaler_b=_dict(b.scalars.get("scaler")),
         heads=heads_from_config(b.config if isinstance(b.config, dict) else None),
+        n_experts=experts_from_config(b.config if isinstance(b.config, dict) else None),
     )
 
 

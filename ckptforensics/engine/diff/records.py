@@ -19,6 +19,7 @@ __all__ = [
     "DiffConfig",
     "Candidate",
     "TensorDiff",
+    "ExpertStats",
     "PairInfo",
     "DiffResult",
     "tensor_role",
@@ -84,6 +85,47 @@ class Candidate:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertStats:
+    """One fused expert tensor's statistics, one entry per expert (index = expert id).
+
+    Attributes:
+        experts: E, the tensor's leading dim (the model config's expert count).
+        numel: elements per expert.
+        w_norm_a: ||w_A|| of each expert's slice.
+        dw_norm: ||w_B - w_A|| of each slice.
+        update_ratio: ||dw|| / ||w_A|| / k (per step, dimensionless).
+        step_rms: RMS(dw) / (k lr): the mean step of an element in units of the LR; Adam's
+            sign-like regime moves every element by ~lr (1), a noisy stationary gradient by
+            ~sqrt((1 - beta1) / (1 + beta1)) (0.23 at beta1 0.9). NaN without an LR.
+        mean_v_a, mean_v_b: mean exp_avg_sq of the slice (gradient units squared); NaN weights-only.
+        r_v: implied mean g^2 over the window / bias-corrected v_A (1 = stationary, 0 = no gradient).
+        v_departed: elements whose v_B left beta2^k v_A beyond rounding (0: no gradient reached
+            any element of the expert in the window).
+        m_departed: the same for m_B against beta1^k m_A.
+        v_positive: elements with v_A > 0 (0: the expert never had a gradient before the window).
+        rho_share_b: share of elements with |m_B| > thr (sqrt(v_B) + eps) (Molybog 2304.09871).
+    """
+
+    experts: int
+    numel: int
+    w_norm_a: tuple[float, ...]
+    dw_norm: tuple[float, ...]
+    update_ratio: tuple[float, ...]
+    step_rms: tuple[float, ...]
+    mean_v_a: tuple[float, ...] = ()
+    mean_v_b: tuple[float, ...] = ()
+    r_v: tuple[float, ...] = ()
+    v_departed: tuple[int, ...] = ()
+    m_departed: tuple[int, ...] = ()
+    v_positive: tuple[int, ...] = ()
+    rho_share_b: tuple[float, ...] = ()
+
+    @property
+    def has_moments(self) -> bool:
+        return len(self.v_departed) == self.experts
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TensorDiff:
     """Statistics of one tensor between *before* (A) and *after* (B).
 
@@ -132,6 +174,8 @@ class TensorDiff:
     # moments restarted from zero (optimizer state lost at a resume).
     restart_share: float = math.nan
     candidates: tuple[Candidate, ...] = ()
+    # A fused Mixture-of-Experts tensor ([E, ...]): its statistics per expert (None otherwise).
+    experts: ExpertStats | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,6 +208,9 @@ class PairInfo:
     # The model's attention shape (its config): names the q/k/v or gate/up part of a fused
     # tensor an element finding points into (`trainers.fused.part_of`).
     heads: Heads | None = None
+    # The model's routed experts per MoE layer (its config's `num_experts` / `num_local_experts`):
+    # a tensor whose leading dim holds them is read per expert (`engine.diff.experts`).
+    n_experts: int | None = None
 
 
 @dataclass(slots=True)

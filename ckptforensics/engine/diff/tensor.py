@@ -36,6 +36,7 @@ from ckptforensics.engine.diff.chunks import (
     sqrt32,
     weight_stats,
 )
+from ckptforensics.engine.diff.experts import ExpertAcc, expert_dim
 from ckptforensics.engine.diff.records import (
     Candidate,
     DiffConfig,
@@ -190,6 +191,15 @@ def diff_tensor(
                     f"{name}: optimizer moment of shape {list(t.shape)} for a parameter of shape {list(meta.shape)}"
                 )
     is_float = lim is not None
+    # A fused MoE tensor ([E, ...]): its statistics per expert too, from the same chunks.
+    n_exp = expert_dim(name, meta.shape, pair.n_experts) if is_float else None
+    eacc = None
+    if n_exp is not None:
+        eacc = ExpertAcc(n_exp, meta.numel, thr=cfg.rho_threshold)
+        if moments:
+            assert hb is not None and hb.betas is not None
+            eacc = ExpertAcc(n_exp, meta.numel, k=k, betas=hb.betas, eps=hb.eps,
+                             thr=cfg.rho_threshold, store_eps=store_eps)  # fmt: skip
     kern = load_kernels(cfg)
     stage = Staging(cfg.device)
     moment_streams = [t.reshape(-1) for t in streams] if moments or restart else []
@@ -286,6 +296,8 @@ def diff_tensor(
                         sb["exp_avg"].dtype,
                         cfg,
                     )
+            if eacc is not None:
+                eacc.add(lo, w, mo)
             release_all(a, b, *raw)
         elif obound is not None and math.isfinite(obound.per_step) and obound.sharp:
             # The family's own per-element bound (Lion's exact lr, Muon's spectral norm).
@@ -311,6 +323,8 @@ def diff_tensor(
                 else None
             )
             isolated_chunk(w, dmax, lim.eps, bufs, o_k * o_lr, lo, meta.shape, cands, counts, cfg)  # type: ignore[arg-type]
+        if eacc is not None and not moments:
+            eacc.add(lo, w, None)
         release_all(a, b, wa, wb)
 
     if other and (o_floor is not None or o_restart_floor is not None):
@@ -368,6 +382,8 @@ def diff_tensor(
         k=kk if kk > 0 else 0,
         lr=o_lr if other else math.nan,
     )
+    if eacc is not None:
+        out["experts"] = eacc.result(steps=steps, lr=lr if moments else o_lr, step_a=step_a)
     if restart and s.get("restart_n", 0) > 0:
         out["restart_share"] = s["restart_low"] / s["restart_n"]
     if other and "restart_n" in s and s["restart_n"] > 0:

@@ -1,0 +1,221 @@
+"""Per-expert evidence of fused Mixture-of-Experts tensors (`TensorDiff.experts`): experts no
+gradient reached over the pair (dead), one expert's update standing out among the experts of its
+tensor, and a dead expert's return into Adam's sign-like regime.
+
+Every rule is relative to the tensor's own experts (their median) or exact (a decay no gradient
+leaves): a healthy MoE routes unevenly all along, and Adam's per-element normalisation keeps its
+experts' updates within a small factor of each other whatever their load."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from statistics import median
+
+from ckptforensics.detectors.base import Finding, Thresholds, cap, module_of
+from ckptforensics.engine.diff.pair import DiffResult, TensorDiff
+
+__all__ = [
+    "DEAD_MIN_STEPS",
+    "OUTLIER_FACTOR",
+    "RETURN_V_LEVEL",
+    "RETURN_STEP",
+    "detect_dead_experts",
+    "detect_expert_update_outlier",
+    "detect_expert_return",
+]
+
+# An expert idle for one step is routine load imbalance (a small batch, top-k routing): info.
+# Idle over two steps and more is the replay's idle run (`detectors/replay/routing.py`): warning.
+DEAD_MIN_STEPS = 2
+# Adam moves each element by ~lr·|m̂|/√v̂, between ~0.23 lr for a noisy stationary gradient
+# (√((1−β1)/(1+β1)) at β1 0.9) and lr when sign-like: a load difference alone moves an expert's
+# update/weight ratio by less than that 4.3x span (healthy tiny Qwen3-MoE, Mixtral, gpt-oss runs:
+# max/median 1.1-1.3x); 3x the median is an expert in the sign-like regime while its peers are not,
+# or one whose weights collapsed.
+OUTLIER_FACTOR = 3.0
+# A second moment two decades under its tensor's experts (√v 10x under): a gradient back at the
+# others' scale makes |m̂|/√v̂ ~ 1 on every element (Molybog et al. 2023, arXiv 2304.09871).
+RETURN_V_LEVEL = 1e-2
+# ... and the expert's step RMS at half the LR or more (over 2x the noisy regime's 0.23 lr).
+RETURN_STEP = 0.5
+
+_SOURCE = "docs/signatures.md"
+_LAYER = re.compile(r"\.(\d+)\.")
+
+
+def _experts(diff: DiffResult, moments: bool) -> list[TensorDiff]:
+    return [
+        t
+        for t in diff.tensors
+        if t.experts is not None
+        and t.experts.experts >= 3  # a median of two is their mean: nothing stands out
+        and (not moments or (t.experts.has_moments and t.k > 0))
+    ]
+
+
+def _layer(module: str) -> int | None:
+    m = _LAYER.findall(module)
+    return int(m[-1]) if m else None
+
+
+def detect_dead_experts(diff: DiffResult, th: Thresholds) -> list[Finding]:
+    """Experts whose moments decayed over the pair exactly as no gradient leaves them
+    (v_B = β2^k v_A, m_B = β1^k m_A on every element of every fused tensor of the layer):
+    no token was routed to them in the window. A layer whose experts all decayed had no
+    gradient at all (frozen, or cut off upstream): not an expert's evidence."""
+    mods: dict[str, list[TensorDiff]] = defaultdict(list)
+    for t in _experts(diff, moments=True):
+        mods[module_of(t.name)].append(t)
+    out = []
+    for mod, ts in mods.items():
+        n = min(t.experts.experts for t in ts)  # type: ignore[union-attr]
+        st = [t.experts for t in ts]
+        dead = [
+            e
+            for e in range(n)
+            if all(s.v_departed[e] == 0 and s.m_departed[e] == 0 for s in st)  # type: ignore[union-attr]
+        ]
+        if not dead or len(dead) == n:
+            continue
+        never = [e for e in dead if all(s.v_positive[e] == 0 for s in st)]  # type: ignore[union-attr]
+        k = max(t.k for t in ts)
+        # The dead experts' second moment against the layer's others (median over tensors).
+        level = {
+            e: median(
+                s.mean_v_b[e] / m if (m := median(s.mean_v_b)) > 0 else math.nan  # type: ignore[union-attr]
+                for s in st
+            )
+            for e in dead
+        }
+        ids = ", ".join(map(str, dead))
+        out.append(
+            Finding(
+                "",
+                "dead_expert",
+                mod,
+                cap(float(len(dead))),
+                "warning" if k >= DEAD_MIN_STEPS else "info",
+                {
+                    "layer": _layer(mod),
+                    "experts": dead,
+                    "never_trained": never,
+                    "n_experts": n,
+                    "steps": k,
+                    "min_steps": DEAD_MIN_STEPS,
+                    "v_level": {str(e): level[e] for e in dead},
+                    "tensors": [t.name for t in ts],
+                },
+                f"{mod}: expert{'s' if len(dead) > 1 else ''} {ids} of {n} got no gradient over the "
+                f"{k} step{'s' if k != 1 else ''}: "
+                "both Adam moments decayed exactly by beta^k on every element (no token routed to "
+                f"{'them' if len(dead) > 1 else 'it'})",
+                f"{_SOURCE}#dead-expert",
+                ("expert_collapse",),
+            )
+        )
+    return out
+
+
+def detect_expert_update_outlier(diff: DiffResult, th: Thresholds) -> list[Finding]:
+    """One expert's update/weight ratio past `OUTLIER_FACTOR` times the median of its tensor's
+    experts: that expert, not the layer, moved (its tensor leads the diff's exploding layers)."""
+    out = []
+    for t in _experts(diff, moments=False):
+        s = t.experts
+        assert s is not None
+        r = [x for x in s.update_ratio if math.isfinite(x)]
+        if len(r) < 3:
+            continue
+        med = median(r)
+        if med <= 0:
+            continue
+        hot = sorted(
+            (e for e, x in enumerate(s.update_ratio) if x > OUTLIER_FACTOR * med),
+            key=lambda e: -s.update_ratio[e],
+        )
+        if not hot:
+            continue
+        e = hot[0]
+        f = s.update_ratio[e] / med
+        out.append(
+            Finding(
+                "",
+                "expert_update_outlier",
+                t.name,
+                cap(f / OUTLIER_FACTOR),
+                "warning",
+                {
+                    "expert": e,
+                    "experts": hot,
+                    "layer": _layer(t.name),
+                    "update_ratio": s.update_ratio[e],
+                    "median_update_ratio": med,
+                    "factor": f,
+                    "threshold": OUTLIER_FACTOR,
+                    "step_rms": s.step_rms[e],
+                    "r_v": s.r_v[e] if s.has_moments else None,
+                },
+                f"{module_of(t.name)}: expert {e} moved {f:.1f}x the median of its {s.experts} experts "
+                f"(update/weight {s.update_ratio[e]:.3g} per step, median {med:.3g})",
+                f"{_SOURCE}#expert-update-outlier",
+                ("gradient_explosion",),
+            )
+        )
+    return out
+
+
+def detect_expert_return(diff: DiffResult, th: Thresholds) -> list[Finding]:
+    """An expert back from idling: its second moment at *before* `RETURN_V_LEVEL` under its
+    tensor's experts (decayed while it had no gradient), gradient reaching it in the window,
+    and its step sign-like (RMS ≥ `RETURN_STEP` lr, above its peers'): Adam's instability
+    on a single expert."""
+    out = []
+    for t in _experts(diff, moments=True):
+        s = t.experts
+        assert s is not None
+        va = [x for x in s.mean_v_a if math.isfinite(x)]
+        steps = [x for x in s.step_rms if math.isfinite(x)]
+        if len(va) < 3 or len(steps) < 3 or (med_v := median(va)) <= 0:
+            continue
+        med_step = median(steps)
+        back = [
+            e
+            for e in range(s.experts)
+            if s.v_departed[e] > 0
+            and s.mean_v_a[e] < RETURN_V_LEVEL * med_v
+            and s.step_rms[e] >= RETURN_STEP
+            and s.step_rms[e] > med_step
+        ]
+        if not back:
+            continue
+        e = min(back, key=lambda x: s.mean_v_a[x])
+        level = s.mean_v_a[e] / med_v
+        out.append(
+            Finding(
+                "",
+                "expert_return_sign_like",
+                t.name,
+                cap(s.step_rms[e] / RETURN_STEP),
+                "warning",
+                {
+                    "expert": e,
+                    "experts": back,
+                    "layer": _layer(t.name),
+                    "v_level_before": level,
+                    "v_level_threshold": RETURN_V_LEVEL,
+                    "step_rms": s.step_rms[e],
+                    "step_threshold": RETURN_STEP,
+                    "median_step_rms": med_step,
+                    "rho_share_after": s.rho_share_b[e],
+                    "r_v": s.r_v[e],
+                },
+                f"{module_of(t.name)}: expert {e} came back to a second moment {level:.2g}x its peers' "
+                f"and moved sign-like ({s.step_rms[e]:.2f} lr per element per step, peers {med_step:.2f})",
+                f"{_SOURCE}#expert-return",
+                ("adam_instability",),
+                primary=True,
+            )
+        )
+    return out

@@ -1,0 +1,151 @@
+"""The per-expert reduction of a fused MoE tensor (`engine.diff.experts`) on hand-made
+tensors: chunk boundaries that cut experts, against a reduction over every dim but the first;
+and the per-expert findings (`detectors.diff.experts`) on hand-made statistics."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ckptforensics.detectors.base import Thresholds
+from ckptforensics.detectors.diff import diff_findings
+from ckptforensics.detectors.diff.experts import (
+    OUTLIER_FACTOR,
+    detect_dead_experts,
+    detect_expert_return,
+    detect_expert_update_outlier,
+)
+from ckptforensics.engine.diff.chunks import Moments, Pair, Staging, flat_chunks
+from ckptforensics.engine.diff.experts import ExpertAcc, expert_dim
+from ckptforensics.engine.diff.records import DiffResult, ExpertStats, PairInfo, TensorDiff
+from ckptforensics.verdict import decide
+
+B1, B2, K = 0.9, 0.95, 5
+
+
+def _state(dead: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shape = (4, 6, 5)  # [E, out, in]
+    wa = torch.randn(shape, generator=g) * 0.02
+    ma = torch.randn(shape, generator=g) * 1e-3
+    va = torch.rand(shape, generator=g) * 1e-6 + 1e-8
+    grads = torch.randn((K, *shape), generator=g) * 1e-3
+    grads[:, dead] = 0.0  # the dead expert gets no gradient in the window
+    grads[:, 3] *= 30.0  # expert 3 gets a burst
+    mb, vb = ma.clone(), va.clone()
+    for gk in grads:  # torch's AdamW moment updates
+        mb.lerp_(gk, 1 - B1)
+        vb.mul_(B2).addcmul_(gk, gk, value=1 - B2)
+    wb = wa - 1e-2 * torch.sign(mb) * torch.rand(shape, generator=g)
+    return {"wa": wa, "wb": wb, "ma": ma, "mb": mb, "va": va, "vb": vb}
+
+
+def test_per_expert_reduction_matches_the_dense_one_across_chunk_cuts() -> None:
+    s = _state(dead=1)
+    acc = ExpertAcc(4, s["wa"].numel(), k=K, betas=(B1, B2), eps=1e-8)
+    stage = Staging("cpu")
+    flat = {n: t.reshape(-1) for n, t in s.items()}
+    for lo, wa in flat_chunks(s["wa"], 7):  # 30 elements per expert: chunks cut experts
+        hi = lo + wa.numel()
+        w = Pair(wa, flat["wb"][lo:hi], stage)
+        mo = Moments([flat[n][lo:hi] for n in ("ma", "mb", "va", "vb")], stage)
+        acc.add(lo, w, mo)
+    st = acc.result(steps=K, lr=1e-2, step_a=100)
+    per = lambda t: t.reshape(4, -1)  # noqa: E731
+    d = per(s["wb"] - s["wa"])
+    want_ratio = d.norm(dim=1) / per(s["wa"]).norm(dim=1) / K
+    assert torch.allclose(
+        torch.tensor(st.update_ratio, dtype=torch.float64), want_ratio.double(), rtol=1e-6
+    )
+    want_rms = d.pow(2).mean(dim=1).sqrt() / (K * 1e-2)
+    assert torch.allclose(
+        torch.tensor(st.step_rms, dtype=torch.float64), want_rms.double(), rtol=1e-6
+    )
+    assert torch.allclose(
+        torch.tensor(st.mean_v_b, dtype=torch.float64), per(s["vb"]).mean(dim=1).double(), rtol=1e-6
+    )
+    # No gradient: both moments decayed exactly (beta^k within rounding), every element.
+    assert st.v_departed[1] == st.m_departed[1] == 0
+    assert all(st.v_departed[e] == 30 for e in (0, 2, 3))
+    assert st.v_positive == (30, 30, 30, 30)
+    # The implied gradient energy: 0 for the dead expert, highest for the burst.
+    assert abs(st.r_v[1]) < 1e-4 and st.r_v[3] == max(st.r_v)
+    assert st.numel == 30 and st.experts == 4
+
+
+def test_weights_only_and_which_tensors_are_per_expert() -> None:
+    s = _state(dead=0)
+    acc = ExpertAcc(4, s["wa"].numel())
+    acc.add(0, Pair(s["wa"].reshape(-1), s["wb"].reshape(-1), Staging("cpu")), None)
+    st = acc.result(steps=1, lr=math.nan, step_a=0)
+    assert not st.has_moments and all(math.isnan(x) for x in st.step_rms)
+    assert expert_dim("model.layers.0.mlp.experts.gate_up_proj", (4, 8, 16), 4) == 4
+    assert expert_dim("model.layers.0.mlp.experts.down_proj_bias", (4, 16), 4) == 4
+    assert expert_dim("model.layers.0.mlp.experts.gate_up_proj", (8, 4, 16), 4) is None
+    assert expert_dim("model.layers.0.mlp.experts.3.w1.weight", (4, 16), 4) is None
+    assert expert_dim("model.layers.0.mlp.gate.weight", (4, 16), 4) is None
+    assert expert_dim("model.layers.0.mlp.experts.gate_up_proj", (4, 8, 16), None) is None
+
+
+def _tensor(name: str, st: ExpertStats, k: int = 10) -> TensorDiff:
+    return TensorDiff(
+        name=name, role="mlp", shape=(st.experts, 8, 4), dtype="float32", numel=st.experts * st.numel,
+        w_norm_a=1.0, dw_norm=0.1, dw_max_abs=0.01, update_ratio=0.01, max_abs_b=1.0, headroom_b=1e30,
+        nonfinite_a=0, nonfinite_b=0, has_moments=True, k=k, experts=st,
+    )  # fmt: skip
+
+
+def _diff(*ts: TensorDiff) -> DiffResult:
+    pair = PairInfo(
+        step_a=100, step_b=110, adam_step_a=100, adam_step_b=110, loss_scale_a=None, loss_scale_b=None,
+        lr_a=(1e-3,), lr_b=(1e-3,), base_lr=(1e-3,), optimizer="adamw", betas=(0.9, 0.95),
+        weights_only=False, n_experts=4,
+    )  # fmt: skip
+    return DiffResult(pair, list(ts))
+
+
+def _stats(**kw: Any) -> ExpertStats:
+    base: dict[str, Any] = dict(
+        experts=4, numel=32, w_norm_a=(1.0,) * 4, dw_norm=(0.1,) * 4,
+        update_ratio=(0.010, 0.012, 0.011, 0.009), step_rms=(0.3, 0.28, 0.32, 0.3),
+        mean_v_a=(1e-6, 2e-6, 5e-7, 1e-6), mean_v_b=(1e-6, 2e-6, 5e-7, 1e-6), r_v=(1.0, 2.0, 0.5, 1.0),
+        v_departed=(32,) * 4, m_departed=(32,) * 4, v_positive=(32,) * 4, rho_share_b=(0.0,) * 4,
+    )  # fmt: skip
+    return ExpertStats(**{**base, **kw})
+
+
+def test_expert_findings_on_hand_made_statistics() -> None:
+    gate, down = "model.layers.3.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.down_proj"
+    th = Thresholds()
+    # Routine imbalance: nothing.
+    quiet = _diff(_tensor(gate, _stats()), _tensor(down, _stats()))
+    assert not [f for f in diff_findings(quiet, th) if "expert" in f.kind]
+    # Expert 1 decayed exactly in both tensors; expert 0 only in one (not dead).
+    dead = _diff(
+        _tensor(gate, _stats(v_departed=(0, 0, 32, 32), m_departed=(0, 0, 32, 32))),
+        _tensor(down, _stats(v_departed=(32, 0, 32, 32), m_departed=(32, 0, 32, 32))),
+    )
+    (f,) = detect_dead_experts(dead, th)
+    assert f.subject == "model.layers.3.mlp.experts" and f.metrics["experts"] == [1]
+    assert f.metrics["layer"] == 3 and f.severity == "warning"
+    # Over one step only: info (routine imbalance can idle an expert a step).
+    one = _diff(_tensor(gate, _stats(v_departed=(32, 0, 32, 32), m_departed=(32, 0, 32, 32)), k=1))
+    assert detect_dead_experts(one, th)[0].severity == "info"
+    # All experts decayed: the layer had no gradient at all, not an expert's evidence.
+    frozen = _diff(_tensor(gate, _stats(v_departed=(0,) * 4, m_departed=(0,) * 4)))
+    assert detect_dead_experts(frozen, th) == []
+    # Expert 2 moves 4x its tensor's median: named, its module leads the exploding layers.
+    hot = _diff(_tensor(gate, _stats(update_ratio=(0.010, 0.012, 0.045, 0.009))))
+    (f,) = detect_expert_update_outlier(hot, th)
+    assert f.metrics["expert"] == 2 and f.metrics["threshold"] == OUTLIER_FACTOR
+    v = decide(diff_findings(hot, th), before="a", after="b")
+    assert v.exploding_layers[0] == "model.layers.3.mlp.experts"
+    # Expert 0 returns to a second moment 1e-4x its peers', moving lr per element.
+    back = _diff(
+        _tensor(gate, _stats(mean_v_a=(1e-10, 2e-6, 5e-7, 1e-6), step_rms=(0.95, 0.28, 0.32, 0.3)))
+    )
+    (f,) = detect_expert_return(back, th)
+    assert f.metrics["expert"] == 0 and f.supports == ("adam_instability",)
+    assert f.source == "docs/signatures.md#expert-return"

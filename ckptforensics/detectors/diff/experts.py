@@ -75,11 +75,11 @@ def detect_dead_experts(diff: DiffResult, th: Thresholds) -> list[Finding]:
         dead = [
             e
             for e in range(n)
-            if all(s.v_departed[e] == 0 and s.m_departed[e] == 0 for s in st)  # type: ignore[union-attr]
+            if all(s.decayed[e] for s in st)  # type: ignore[union-attr]
         ]
         if not dead or len(dead) == n:
             continue
-        never = [e for e in dead if all(s.v_positive[e] == 0 for s in st)]  # type: ignore[union-attr]
+        never = [e for e in dead if all(s.mean_v_a[e] == 0 for s in st)]  # type: ignore[union-attr]
         k = max(t.k for t in ts)
         # The dead experts' second moment against the layer's others (median over tensors).
         level = {
@@ -183,7 +183,7 @@ def detect_expert_return(diff: DiffResult, th: Thresholds) -> list[Finding]:
         back = [
             e
             for e in range(s.experts)
-            if s.v_departed[e] > 0
+            if not s.decayed[e]
             and s.mean_v_a[e] < RETURN_V_LEVEL * med_v
             and s.step_rms[e] >= RETURN_STEP
             and s.step_rms[e] > med_step
@@ -208,7 +208,6 @@ def detect_expert_return(diff: DiffResult, th: Thresholds) -> list[Finding]:
                     "step_rms": s.step_rms[e],
                     "step_threshold": RETURN_STEP,
                     "median_step_rms": med_step,
-                    "rho_share_after": s.rho_share_b[e],
                     "r_v": s.r_v[e],
                 },
                 f"{module_of(t.name)}: expert {e} came back to a second moment {level:.2g}x its peers' "

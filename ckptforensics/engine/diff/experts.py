@@ -9,7 +9,7 @@ gradient energy it implies (`r_v`), and how many elements of each moment left th
 without gradient leaves exactly (v_B = beta2^k v_A, m_B = beta1^k m_A up to rounding).
 
 Pure: the accumulator folds the chunks `diff_tensor` has already staged; it reads no file and
-adds O(E) memory plus one chunk-sized index per chunk.
+adds O(E) memory and a few chunk-sized temporaries, one at a time.
 """
 
 from __future__ import annotations
@@ -19,14 +19,11 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from ckptforensics.engine.diff.chunks import Moments, Pair, sqrt32
+from ckptforensics.engine.diff.chunks import Moments, Pair
 from ckptforensics.engine.diff.records import ExpertStats
 
 __all__ = ["ExpertAcc", "expert_dim", "expert_sums"]
 
-# The sums kept per expert (fp64): weights, then moments (absent from a weights-only pair).
-_W = ("wa2", "d2")
-_M = ("sum_va", "sum_vb", "v_dep", "m_dep", "rho_b", "v_pos")
 # Relative rounding a no-gradient step leaves on a moment: beta * x rounded once per step
 # (torch's `lerp_`/`mul_`: one or two roundings of fp32), 1e-6 (~8 ulps) per step plus 4, as the
 # diff's second-moment floor allows (`diff_tensor`'s floor_k).
@@ -47,28 +44,47 @@ def expert_dim(name: str, shape: tuple[int, ...], n_experts: int | None) -> int 
     return None if after.isdigit() else n_experts  # `experts.3.w1`: one tensor per expert
 
 
-def expert_sums(lo: int, per: int, n: int, rows: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Sums of each of `rows` (equal-length chunks [L] of flat tensors, starting at element
-    `lo`) per expert, each expert holding `per` consecutive elements; returns fp64
-    [len(rows), n] on the rows' device. Rows are taken one at a time (a generator keeps
-    one alive) and widened to fp64 one at a time: the peak stays near three chunks."""
+def expert_sums(
+    lo: int, per: int, n: int, rows: Iterable[torch.Tensor], *, square: bool = False
+) -> torch.Tensor:
+    """Sums (of squares with `square`) of each of `rows` (equal-length chunks [L] of flat
+    tensors, starting at element `lo`) per expert, each expert holding `per` consecutive
+    elements; returns fp64 [len(rows), n] on the rows' device.
+
+    A chunk is a contiguous range: the end of one expert (head), whole experts (viewed
+    [m, per] and reduced over dim 1), the start of another (tail): at most three reductions
+    a row, no index per element. Rows are taken one at a time (a generator keeps one alive)."""
+
+    def red(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+        if square:
+            return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64).square()
+        return x.sum(dim=dim, dtype=torch.float64)
+
     sums: list[torch.Tensor] = []
-    ids: torch.Tensor | None = None
-    e0 = lo // per
     for r in rows:
-        if ids is None:  # [L] each element's expert, from the chunk's first
-            ids = torch.div(torch.arange(lo, lo + r.numel(), device=r.device), per,
-                            rounding_mode="floor") - e0  # fmt: skip
         out = torch.zeros(n, dtype=torch.float64, device=r.device)
-        if r.numel():
-            seg = int(ids[-1]) + 1
-            out[e0 : e0 + seg].index_add_(0, ids, r.to(torch.float64))
+        hi = lo + r.numel()
+        head = min(hi, -(-lo // per) * per)  # the first expert boundary at or after lo
+        if head > lo:
+            out[lo // per] += red(r[: head - lo])
+        whole = (hi - head) // per
+        if whole > 0:
+            e = head // per
+            out[e : e + whole] += red(r[head - lo : head - lo + whole * per].view(whole, per), 1)
+        tail = head + whole * per
+        if hi > tail:
+            out[tail // per] += red(r[tail - lo :])
         sums.append(out)
     return torch.stack(sums)
 
 
 class ExpertAcc:
-    """Running per-expert sums of one fused expert tensor across the diff's chunks."""
+    """Running per-expert sums of one fused expert tensor across the diff's chunks.
+
+    The dead test is exact and elementwise, but run only where it can pass: a chunk's
+    per-expert sums of v already show the gradient of every expert that had one
+    (sum v_B - beta2^k sum v_A past the rounding of the sum), so the elementwise test
+    runs only on a chunk holding an expert whose sums stayed within it."""
 
     def __init__(
         self,
@@ -77,44 +93,53 @@ class ExpertAcc:
         *,
         k: int = 0,
         betas: tuple[float, float] | None = None,
-        eps: float = 0.0,
-        thr: float = 0.9,
         store_eps: float = 0.0,
     ) -> None:
         self.n, self.per = n, numel // n
-        self.k, self.betas, self.eps, self.thr = k, betas, eps, thr
+        self.k, self.betas = k, betas
         self.tol = _ROUND_PER_STEP * (k + 4) + (k + 1) * store_eps
-        self.w = torch.zeros(len(_W), n, dtype=torch.float64)
-        self.m = torch.zeros(len(_M), n, dtype=torch.float64)
+        self.w = torch.zeros(2, n, dtype=torch.float64)  # ||w_A||^2, ||dw||^2
+        self.v = torch.zeros(2, n, dtype=torch.float64)  # sum v_A, sum v_B
+        self.decayed = [True] * n
         self.moments = False
 
     def add(self, lo: int, w: Pair, mo: Moments | None) -> None:
         """Fold one chunk (its weights and, where the pair has them, its moments)."""
-        fa, d = w.fa, w.d
-        self.w += expert_sums(lo, self.per, self.n, (x * x for x in (fa, d))).cpu()
+        self.w += expert_sums(lo, self.per, self.n, (w.fa, w.d), square=True).cpu()
         if mo is None or self.betas is None or self.k <= 0:
             return
         self.moments = True
         b1k, b2k = self.betas[0] ** self.k, self.betas[1] ** self.k
         ma, mb, va, vb = mo.ma, mo.mb, mo.va, mo.vb
+        sv = expert_sums(lo, self.per, self.n, (va, vb)).cpu()  # [2, E]
+        self.v += sv
+        hi = lo + va.numel()
         floor = _TINY * (self.k + 4)
-        tol, thr, eps = self.tol, self.thr, self.eps
+        here = range(lo // self.per, (hi - 1) // self.per + 1)
+        # The elementwise allowance summed, plus one rounding of beta2^k v_A per element.
+        excess = sv[1] - b2k * sv[0]
+        allow = (self.tol + 1e-6) * b2k * sv[0] + floor * va.numel()
+        maybe = []
+        for e in here:
+            if self.decayed[e] and not bool(excess[e] <= allow[e]):  # NaN: departed
+                self.decayed[e] = False
+            elif self.decayed[e]:
+                maybe.append(e)
+        if not maybe:
+            return
 
-        def rows() -> Iterator[torch.Tensor]:
-            yield va
-            yield vb
-            # Departed: not within rounding of the decay no gradient leaves (a non-finite
-            # moment departs too).
+        def departed() -> Iterator[torch.Tensor]:
+            # Not within rounding of the decay no gradient leaves (non-finite departs too).
             v_dec = va * b2k  # [L]
-            yield (~((vb - v_dec).abs() <= v_dec * tol + floor)).float()
+            yield (~((vb - v_dec).abs() <= v_dec * self.tol + floor)).float()
             del v_dec
             m_dec = ma * b1k
-            yield (~((mb - m_dec).abs() <= m_dec.abs() * tol + floor)).float()
-            del m_dec
-            yield (mb.abs() > thr * (sqrt32(vb) + eps)).float()
-            yield (va > 0).float()
+            yield (~((mb - m_dec).abs() <= m_dec.abs() * self.tol + floor)).float()
 
-        self.m += expert_sums(lo, self.per, self.n, rows()).cpu()
+        dep = expert_sums(lo, self.per, self.n, departed()).cpu()
+        for e in maybe:
+            if float(dep[0, e]) > 0 or float(dep[1, e]) > 0:
+                self.decayed[e] = False
 
     def result(self, *, steps: int, lr: float, step_a: int) -> ExpertStats:
         """The statistics once every chunk is in; `steps` the window's update count, `lr` its
@@ -138,7 +163,7 @@ class ExpertAcc:
             ),
         )
         if self.moments and self.betas is not None:
-            sva, svb, vdep, mdep, rho, vpos = self.m.tolist()
+            sva, svb = self.v.tolist()
             b2 = self.betas[1]
             b2k = b2**self.k
             corr = 1 - b2**step_a if step_a > 0 else 0.0
@@ -150,9 +175,6 @@ class ExpertAcc:
                 mean_v_a=tuple(x / per for x in sva),
                 mean_v_b=tuple(x / per for x in svb),
                 r_v=tuple(r_v),
-                v_departed=tuple(int(x) for x in vdep),
-                m_departed=tuple(int(x) for x in mdep),
-                v_positive=tuple(int(x) for x in vpos),
-                rho_share_b=tuple(x / per for x in rho),
+                decayed=tuple(self.decayed),
             )
         return ExpertStats(**out)  # type: ignore[arg-type]

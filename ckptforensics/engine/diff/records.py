@@ -99,11 +99,8 @@ class ExpertStats:
             ~sqrt((1 - beta1) / (1 + beta1)) (0.23 at beta1 0.9). NaN without an LR.
         mean_v_a, mean_v_b: mean exp_avg_sq of the slice (gradient units squared); NaN weights-only.
         r_v: implied mean g^2 over the window / bias-corrected v_A (1 = stationary, 0 = no gradient).
-        v_departed: elements whose v_B left beta2^k v_A beyond rounding (0: no gradient reached
-            any element of the expert in the window).
-        m_departed: the same for m_B against beta1^k m_A.
-        v_positive: elements with v_A > 0 (0: the expert never had a gradient before the window).
-        rho_share_b: share of elements with |m_B| > thr (sqrt(v_B) + eps) (Molybog 2304.09871).
+        decayed: every element of both moments within rounding of the decay no gradient
+            leaves (v_B = beta2^k v_A, m_B = beta1^k m_A): no token reached the expert.
     """
 
     experts: int
@@ -115,14 +112,11 @@ class ExpertStats:
     mean_v_a: tuple[float, ...] = ()
     mean_v_b: tuple[float, ...] = ()
     r_v: tuple[float, ...] = ()
-    v_departed: tuple[int, ...] = ()
-    m_departed: tuple[int, ...] = ()
-    v_positive: tuple[int, ...] = ()
-    rho_share_b: tuple[float, ...] = ()
+    decayed: tuple[bool, ...] = ()
 
     @property
     def has_moments(self) -> bool:
-        return len(self.v_departed) == self.experts
+        return len(self.decayed) == self.experts
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -195,11 +195,10 @@ def diff_tensor(
     n_exp = expert_dim(name, meta.shape, pair.n_experts) if is_float else None
     eacc = None
     if n_exp is not None:
-        eacc = ExpertAcc(n_exp, meta.numel, thr=cfg.rho_threshold)
+        eacc = ExpertAcc(n_exp, meta.numel)
         if moments:
             assert hb is not None and hb.betas is not None
-            eacc = ExpertAcc(n_exp, meta.numel, k=k, betas=hb.betas, eps=hb.eps,
-                             thr=cfg.rho_threshold, store_eps=store_eps)  # fmt: skip
+            eacc = ExpertAcc(n_exp, meta.numel, k=k, betas=hb.betas, store_eps=store_eps)
     kern = load_kernels(cfg)
     stage = Staging(cfg.device)
     moment_streams = [t.reshape(-1) for t in streams] if moments or restart else []

@@ -214,10 +214,16 @@ def detect_vanished_burst(diff: DiffResult, th: Thresholds) -> list[Finding]:
     With v near zero, Adam turns any returning gradient into an update of size ~lr on
     every element at once (Molybog 2304.09871): the burst is the optimizer's doing,
     so this is direct evidence for adam_instability, not only for a gradient burst.
+
+    Not under LAMB: its trust ratio (||w|| / ||update||) rescales the layer's whole update to
+    a share of its weights' norm, so a collapsed v cannot make the layer's step near-maximal
+    (drawn run 1569: an LR jump under LAMB was dated to the window's first step by it).
     """
     out = []
     for t in diff.tensors:
         if not t.has_moments or not math.isfinite(t.vanished_share_a) or not math.isfinite(t.r_v):
+            continue
+        if t.family == "lamb":
             continue
         if t.vanished_share_a > th.rho_share and t.r_v > th.burst:
             out.append(

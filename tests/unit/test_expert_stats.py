@@ -12,6 +12,7 @@ import torch
 from ckptforensics.detectors.base import Thresholds
 from ckptforensics.detectors.diff import diff_findings
 from ckptforensics.detectors.diff.experts import (
+    ENERGY_FACTOR,
     OUTLIER_FACTOR,
     detect_dead_experts,
     detect_expert_return,
@@ -158,9 +159,17 @@ def test_expert_findings_on_hand_made_statistics() -> None:
     # Expert 2 moves 4x its tensor's median: named, its module leads the exploding layers.
     hot = _diff(_tensor(gate, _stats(update_ratio=(0.010, 0.012, 0.045, 0.009))))
     (f,) = detect_expert_update_outlier(hot, th)
-    assert f.metrics["expert"] == 2 and f.metrics["threshold"] == OUTLIER_FACTOR
+    assert f.metrics["expert"] == 2 and f.metrics["ratio_threshold"] == OUTLIER_FACTOR
     v = decide(diff_findings(hot, th), before="a", after="b")
     assert v.exploding_layers[0] == "model.layers.3.mlp.experts"
+    # Adam normalised the update, the moments show the energy: expert 2's gradient 20x (r_v 400x).
+    energy = _diff(_tensor(gate, _stats(r_v=(1.0, 2.0, 400.0, 1.0))))
+    (f,) = detect_expert_update_outlier(energy, th)
+    assert f.metrics["expert"] == 2 and f.metrics["ratio_factor"] is None
+    assert f.metrics["energy_factor"] > ENERGY_FACTOR
+    # An expert's load swinging between windows (healthy gpt-oss: 15x the median, r_v 8.2): quiet.
+    swing = _diff(_tensor(gate, _stats(r_v=(0.25, 8.2, 0.5, 0.59))))
+    assert detect_expert_update_outlier(swing, th) == []
     # Expert 0 returns to a second moment 1e-4x its peers', moving lr per element.
     back = _diff(
         _tensor(gate, _stats(mean_v_a=(1e-10, 2e-6, 5e-7, 1e-6), step_rms=(0.95, 0.28, 0.32, 0.3)))

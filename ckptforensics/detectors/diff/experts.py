@@ -19,6 +19,7 @@ from ckptforensics.engine.diff.pair import DiffResult, TensorDiff
 __all__ = [
     "DEAD_MIN_STEPS",
     "OUTLIER_FACTOR",
+    "ENERGY_FACTOR",
     "RETURN_V_LEVEL",
     "RETURN_STEP",
     "detect_dead_experts",
@@ -35,6 +36,10 @@ DEAD_MIN_STEPS = 2
 # max/median 1.1-1.3x); 3x the median is an expert in the sign-like regime while its peers are not,
 # or one whose weights collapsed.
 OUTLIER_FACTOR = 3.0
+# Gradient energy over the window against the expert's own running average (r_v): an expert's
+# load swings between windows (healthy tiny gpt-oss: one expert at 15x its tensor's median r_v,
+# 8.2 against 0.55); 30x, twice that, and past the diff's own burst level (`Thresholds.burst`).
+ENERGY_FACTOR = 30.0
 # A second moment two decades under its tensor's experts (√v 10x under): a gradient back at the
 # others' scale makes |m̂|/√v̂ ~ 1 on every element (Molybog et al. 2023, arXiv 2304.09871).
 RETURN_V_LEVEL = 1e-2
@@ -118,33 +123,52 @@ def detect_dead_experts(diff: DiffResult, th: Thresholds) -> list[Finding]:
     return out
 
 
+def _median(xs: tuple[float, ...]) -> float:
+    fin = [x for x in xs if math.isfinite(x)]
+    return median(fin) if len(fin) >= 3 else math.nan
+
+
 def detect_expert_update_outlier(diff: DiffResult, th: Thresholds) -> list[Finding]:
-    """One expert's update/weight ratio past `OUTLIER_FACTOR` times the median of its tensor's
-    experts: that expert, not the layer, moved (its tensor leads the diff's exploding layers)."""
+    """One expert standing out among its tensor's experts: its update/weight ratio past
+    `OUTLIER_FACTOR` times their median, or its gradient energy r_v past `burst` and
+    `ENERGY_FACTOR` times theirs (Adam normalises the update, so an expert's gradient growing
+    shows in its moments first). That expert, not the layer, moved: its tensor leads the diff's
+    exploding layers."""
     out = []
     for t in _experts(diff, moments=False):
         s = t.experts
         assert s is not None
-        r = [x for x in s.update_ratio if math.isfinite(x)]
-        if len(r) < 3:
+        med = _median(s.update_ratio)
+        med_rv = _median(s.r_v) if s.has_moments else math.nan
+        by_ratio = {
+            e: x / med for e, x in enumerate(s.update_ratio) if med > 0 and x > OUTLIER_FACTOR * med
+        }
+        by_energy = {
+            e: x / med_rv
+            for e, x in enumerate(s.r_v)
+            if med_rv > 0 and x > th.burst and x > ENERGY_FACTOR * med_rv
+        }
+        if not by_ratio and not by_energy:
             continue
-        med = median(r)
-        if med <= 0:
-            continue
-        hot = sorted(
-            (e for e, x in enumerate(s.update_ratio) if x > OUTLIER_FACTOR * med),
-            key=lambda e: -s.update_ratio[e],
-        )
-        if not hot:
-            continue
+        # The expert furthest past its threshold, in either statistic.
+        score = {e: f / OUTLIER_FACTOR for e, f in by_ratio.items()}
+        for e, f in by_energy.items():
+            score[e] = max(score.get(e, 0.0), f / ENERGY_FACTOR)
+        hot = sorted(score, key=lambda e: -score[e])
         e = hot[0]
-        f = s.update_ratio[e] / med
+        what = []
+        if e in by_ratio:
+            what.append(
+                f"moved {by_ratio[e]:.1f}x the median update/weight of its {s.experts} experts"
+            )
+        if e in by_energy:
+            what.append(f"took {by_energy[e]:.3g}x their gradient energy (r_v {s.r_v[e]:.3g})")
         out.append(
             Finding(
                 "",
                 "expert_update_outlier",
                 t.name,
-                cap(f / OUTLIER_FACTOR),
+                cap(score[e]),
                 "warning",
                 {
                     "expert": e,
@@ -152,13 +176,16 @@ def detect_expert_update_outlier(diff: DiffResult, th: Thresholds) -> list[Findi
                     "layer": _layer(t.name),
                     "update_ratio": s.update_ratio[e],
                     "median_update_ratio": med,
-                    "factor": f,
-                    "threshold": OUTLIER_FACTOR,
-                    "step_rms": s.step_rms[e],
+                    "ratio_factor": by_ratio.get(e),
+                    "ratio_threshold": OUTLIER_FACTOR,
                     "r_v": s.r_v[e] if s.has_moments else None,
+                    "median_r_v": med_rv,
+                    "energy_factor": by_energy.get(e),
+                    "energy_threshold": ENERGY_FACTOR,
+                    "burst": th.burst,
+                    "step_rms": s.step_rms[e],
                 },
-                f"{module_of(t.name)}: expert {e} moved {f:.1f}x the median of its {s.experts} experts "
-                f"(update/weight {s.update_ratio[e]:.3g} per step, median {med:.3g})",
+                f"{module_of(t.name)}: expert {e} " + " and ".join(what),
                 f"{_SOURCE}#expert-update-outlier",
                 ("gradient_explosion",),
             )

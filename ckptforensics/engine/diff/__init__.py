@@ -6,7 +6,8 @@ Every statistic is a sum, count or max that composes across chunks; element-leve
 (bound violations) keeps at most `max_candidates` per tensor.
 
 `records` holds the records, `chunks` the streaming and per-chunk statistics, `bounds` the
-element-level evidence, `tensor` the kernel itself (`diff_tensor`).
+element-level evidence, `experts` the per-expert statistics of a fused MoE tensor, `tensor` the
+kernel itself (`diff_tensor`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ckptforensics.engine.diff.records import (
     Candidate,
     DiffConfig,
     DiffResult,
+    ExpertStats,
     PairInfo,
     TensorDiff,
     adam_step,
@@ -31,6 +33,7 @@ __all__ = [
     "TensorDiff",
     "PairInfo",
     "DiffResult",
+    "ExpertStats",
     "tensor_role",
     "tensor_family",
     "diff_tensor",

@@ -215,3 +215,42 @@ def test_drawn_resumes_and_tensorboard_logs(seed: int, tmp_path: Path) -> None:
     if t["samples"]:
         assert sorted(x["index"] for x in v["anomalous_samples"]) == sorted(t["samples"])
     assert doc["replay"]["config"]["metrics"]["value"] is not None  # the TensorBoard log, found
+
+
+@pytest.mark.parametrize(
+    ("seed", "resume", "log"),
+    [
+        (1557, "scheduler_lost", "jsonl"),
+        (1543, "scaler_lost", "jsonl"),
+        (1540, "none", "wandb"),
+    ],
+    ids=["lightning-scheduler-lost", "fp16-scaler-lost", "wandb-only-log"],
+)
+def test_drawn_resumes_that_lost_a_scheduler_or_a_scaler_and_wandb_logs(
+    seed: int, resume: str, log: str, tmp_path: Path
+) -> None:
+    """Issue #42's second set of draw axes (fixtures/draws.py `_draw_resumes`): Lightning
+    restarted at the window's first checkpoint by `fit(ckpt_path=...)` with its schedulers'
+    state cleared, logging into a version of its own (its log is both versions' metrics.csv);
+    an fp16 loop that rebuilt its GradScaler at the resume; a healthy run whose log is only
+    W&B's offline run. The cause and first bad step as planted, the replay on the merged log,
+    never hardware."""
+    from fixtures.draws import draw
+
+    d = draw(seed)
+    assert (d.resume, d.log) == (resume, log)
+    run = build_draw(seed, tmp_path)
+    t = truth(run)
+    doc = _replay(draw_args(run))
+    v = doc["verdict"]
+    assert _causes(doc)[0] == t["cause"]
+    assert v["first_bad_step"] == t["first_bad_step"]
+    assert "silent_corruption" not in _causes(doc)
+    assert v["reproducible"] is True  # the replay lands on the run's own log
+    if log == "wandb":
+        assert not (run / "metrics.jsonl").exists() and (run / "wandb").is_dir()
+    if resume == "scheduler_lost":
+        # The resumed leg's LR (its warm-up run again) is only in version_1's metrics.csv: a
+        # replay that read version_0 alone misses the log from the window's second step.
+        assert (run / "lightning_logs" / "version_1" / "metrics.csv").is_file()
+        assert doc["replay"]["check"]["first_miss"] is None

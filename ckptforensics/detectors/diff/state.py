@@ -9,6 +9,7 @@ import numpy as np
 
 from ckptforensics.detectors.base import Finding, Thresholds, cap
 from ckptforensics.engine.diff.pair import DiffResult
+from ckptforensics.engine.replay.precision import DEFAULT_INIT_SCALE
 
 __all__ = [
     "detect_skipped_steps",
@@ -240,13 +241,40 @@ def detect_scheduler_restart(diff: DiffResult, th: Thresholds) -> list[Finding]:
     ]
 
 
+def scaler_after_clean_steps(
+    scale: float, tracker: int, clean: int, factor: float, interval: int
+) -> tuple[float, int]:
+    """GradScaler.update over `clean` steps without an overflow (torch's `_amp_update_scale_`):
+    the growth tracker counts them and, at growth_interval, the scale grows and it restarts."""
+    total = tracker + clean
+    return scale * factor ** (total // interval), total % interval
+
+
+def _scaler_resume(
+    step_a: int, step_b: int, lb: float, tb: int | None, factor: float, interval: int, clean: bool
+) -> int | None:
+    """The step a rebuilt scaler started at: with no step skipped, one built at GradScaler's
+    default init_scale (2^16) reaches `lb` and tracker `tb` after growth_interval steps per
+    growth plus `tb`; otherwise it counted `tb` clean steps since its last change at least."""
+    if tb is None:
+        return None
+    n = tb
+    growths = math.log(lb / DEFAULT_INIT_SCALE, factor) if lb >= DEFAULT_INIT_SCALE else -1.0
+    if clean and growths >= 0 and abs(growths - round(growths)) < 1e-9:
+        n += round(growths) * interval
+    return step_b - n if step_b - n >= step_a else None
+
+
 def detect_scaler_reset(diff: DiffResult, th: Thresholds) -> list[Finding]:
     """The loss scaler's state does not follow from *before*'s by any run of its own rule
     (torch.amp.GradScaler.update: x growth_factor after growth_interval clean steps, x
-    backoff_factor and a skipped step on an overflow): it was rebuilt at a resume.
+    backoff_factor and a skipped step on an overflow, the tracker back to 0): it was rebuilt
+    at a resume.
 
-    Impossible: a scale grown more than the clean steps allow; a scale that fell with no
-    skipped step; a scale unchanged whose growth tracker did not advance by the clean steps.
+    Impossible: a scale grown more than the clean steps allow; a scale fallen further than
+    the skipped steps halve it; with no step skipped, any scale or tracker other than the
+    one the clean steps leave (held-out draws 9948, 9972: a scaler rebuilt at 2^16 that grew
+    back to *before*'s scale, its tracker not *before*'s plus the steps).
     """
     p = diff.pair
     sa, sb = p.scaler_a or {}, p.scaler_b or {}
@@ -256,6 +284,7 @@ def detect_scaler_reset(diff: DiffResult, th: Thresholds) -> list[Finding]:
     g = p.step_b - p.step_a
     interval = _int(sa, "growth_interval") or 2000
     factor = float(sa.get("growth_factor") or 2.0)
+    backoff = float(sa.get("backoff_factor") or 0.5)
     ta, tb = _int(sa, "_growth_tracker"), _int(sb, "_growth_tracker")
     k = (
         p.adam_step_b - p.adam_step_a
@@ -268,21 +297,18 @@ def detect_scaler_reset(diff: DiffResult, th: Thresholds) -> list[Finding]:
     max_growth = factor ** (((ta if ta is not None else interval - 1) + g) // interval)
     if lb > la * max_growth * (1 + 1e-6):
         why = f"the scale grew from {la:g} to {lb:g} in {g} steps, more than growth_interval {interval} allows (x{max_growth:g})"
-    elif counter_ok and k == g and lb < la:
-        why = f"the scale fell from {la:g} to {lb:g} though no optimizer step was skipped (every backoff skips one)"
-    elif (
-        counter_ok
-        and k == g
-        and lb == la
-        and ta is not None
-        and tb is not None
-        and g < interval - ta
-        and tb != ta + g
-    ):
-        why = f"the scale stayed {lb:g} but its growth tracker went from {ta} to {tb} over {g} clean steps (it counts them)"
+    elif counter_ok and lb < la * backoff ** (g - k) * (1 - 1e-6):
+        why = f"the scale fell from {la:g} to {lb:g} though {g - k} step(s) were skipped (each backoff skips one, x{backoff:g})"
+    elif counter_ok and k == g and ta is not None:
+        want = scaler_after_clean_steps(la, ta, g, factor, interval)
+        if abs(lb - want[0]) > 1e-6 * want[0] or (tb is not None and tb != want[1]):
+            why = (
+                f"{g} clean steps (no optimizer step skipped) take the scale from {la:g} (tracker {ta}) "
+                f"to {want[0]:g} (tracker {want[1]}); the checkpoint holds {lb:g} (tracker {tb})"
+            )
     if why is None:
         return []
-    resume = p.step_b - tb if tb is not None and p.step_b - tb >= p.step_a else None
+    resume = _scaler_resume(p.step_a, p.step_b, lb, tb, factor, interval, k == g)
     return [
         Finding(
             "",

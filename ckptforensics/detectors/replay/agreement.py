@@ -193,6 +193,8 @@ def replay_variant(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     parted = (
         f"the replay as planned parts from the log at step {planned.first_miss}"
         if planned is not None and planned.first_miss is not None
+        else f"the replay as planned stays on the log but not on after ({planned.note.split('; ')[-1]})"
+        if planned is not None and planned.note
         else "the replay as planned parts from the log"
     )
     fresh = ev.rep.plan.fresh_from if ev.rep.plan is not None else None

@@ -27,7 +27,7 @@ from ckptforensics.engine.replay.records import ReplayResult
 from ckptforensics.engine.replay.window import Plan, run_window
 from ckptforensics.formats.base import Checkpoint
 
-__all__ = ["Variant", "Suspect", "suspects", "explain", "optimizer_count"]
+__all__ = ["AFTER_SHARE", "Variant", "Suspect", "after_share", "explain", "optimizer_count", "resume_step", "suspects"]
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,19 @@ def suspects(p: Plan) -> list[Suspect]:
     return out
 
 
+# The share of *after*'s elements a replay may miss and still reproduce it (the reproduction
+# rule's, `detectors.replay.state.reproduction`).
+AFTER_SHARE = 0.01
+
+
+def after_share(result: ReplayResult) -> float | None:
+    """The share of *after*'s elements the replay missed (None without *after*)."""
+    if not result.matches:
+        return None
+    total = sum(m.numel for m in result.matches) or 1
+    return sum(m.mismatched for m in result.matches) / total
+
+
 def _outcome(check: LogCheck, steps: list[int]) -> tuple[bool, int | None, int | None]:
     miss = check.first_miss
     if miss is None:
@@ -179,10 +192,15 @@ def explain(
     base: ReplayResult,
     clip: float | None,
     progress: Callable[[str], None] | None = None,
+    on_after: bool = False,
 ) -> tuple[list[Variant], ReplayResult | None]:
     """Replay each suspect (`suspects`) from the same state under the base replay's clip and
     check it against the log, in turn until one lands: (the variants tried, the result of the
-    one that landed, None where none did). A landed result carries its own plan."""
+    one that landed, None where none did). A landed result carries its own plan.
+
+    `on_after`: the base replay landed on the log but not on *after* (a log whose tolerance
+    a fresh optimizer's first steps stay within): a variant lands where it reproduces *after*
+    as well (`AFTER_SHARE`)."""
     tried: list[Variant] = []
     # The base's clip first; where the clip was calibrated, the other candidates too (the
     # base chose among them under the wrong explanation: a fresh optimizer's second step
@@ -200,6 +218,10 @@ def explain(
             )
             lands, upto, miss = _outcome(result.check, q.steps)
             note = f"clip {c if c is not None else 'none'}"
+            if on_after:
+                share = after_share(result)
+                lands = lands and share is not None and share <= AFTER_SHARE
+                note += f"; {share:.1%} of after's elements missed" if share is not None else ""
             v = Variant(sus.name, sus.why, sus.cause, lands, upto, miss, note)
             log.info(
                 "variant %s (%s): %s", sus.name, note, "lands" if lands else f"misses at {miss}"

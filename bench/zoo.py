@@ -534,6 +534,7 @@ def main() -> None:
             "heldout-families",
             "resumes-tuning",
             "heldout-resumes",
+            "heldout-resumes-2",
         ),  # fmt: skip
         help="Score the drawn incidents of this split instead of the zoo.",
     )

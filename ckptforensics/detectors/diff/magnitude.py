@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ckptforensics import optim
 from ckptforensics.core.tensors import lr_growth_limit, robust_z
 from ckptforensics.detectors.base import Finding, Thresholds, cap, module_of
 from ckptforensics.engine.diff.pair import DiffResult, TensorDiff
@@ -215,16 +216,17 @@ def detect_vanished_burst(diff: DiffResult, th: Thresholds) -> list[Finding]:
     every element at once (Molybog 2304.09871): the burst is the optimizer's doing,
     so this is direct evidence for adam_instability, not only for a gradient burst.
 
-    Not under LAMB: its trust ratio (||w|| / ||update||) rescales the layer's whole update to
-    a share of its weights' norm, so a collapsed v cannot make the layer's step near-maximal
+    Not under an optimizer whose step is scaled to the weight's norm (`Family.weight_scale`:
+    LAMB's trust ratio ||w|| / ||update||): a collapsed v cannot make the layer's step near-maximal
     (drawn run 1569: an LR jump under LAMB was dated to the window's first step by it).
     """
     out = []
     for t in diff.tensors:
         if not t.has_moments or not math.isfinite(t.vanished_share_a) or not math.isfinite(t.r_v):
             continue
-        if t.family == "lamb":
-            continue
+        fam = optim.find(t.family)
+        if fam is not None and fam.weight_scale({}):
+            continue  # its step is scaled to the weight's norm (LAMB's trust ratio)
         if t.vanished_share_a > th.rho_share and t.r_v > th.burst:
             out.append(
                 Finding(

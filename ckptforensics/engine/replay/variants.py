@@ -27,7 +27,16 @@ from ckptforensics.engine.replay.records import ReplayResult
 from ckptforensics.engine.replay.window import Plan, run_window
 from ckptforensics.formats.base import Checkpoint
 
-__all__ = ["AFTER_SHARE", "Variant", "Suspect", "after_share", "explain", "optimizer_count", "resume_step", "suspects"]
+__all__ = [
+    "AFTER_SHARE",
+    "Variant",
+    "Suspect",
+    "after_share",
+    "explain",
+    "optimizer_count",
+    "resume_step",
+    "suspects",
+]
 
 log = logging.getLogger(__name__)
 

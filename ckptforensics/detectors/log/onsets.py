@@ -166,8 +166,12 @@ def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[On
     ignored += [replace(o, yields_to=m.step) for o, m in zip(held, moved, strict=True) if m != o]
     # A creep (the loss leaving its trend for good, no step of it a spike) is judged over the
     # whole log, as the held rules are; no blip of the tail excuses it.
-    creep = loss_creep(ev, cfg)
-    onsets = [_persisting_start(o, ev, cfg) for o in onsets if not why[id(o)]] + moved + creep
+    # No step of a creep is a spike: where the log shows one at or after the creep's start, the
+    # spike is the onset and the rise its aftermath (tuning draw 1013: a module's LR fault at
+    # 371, its grad norm 18x at 372, the loss's rise dated by the creep's knee at 370).
+    spikes = [_persisting_start(o, ev, cfg) for o in onsets if not why[id(o)]]
+    creep = [c for c in loss_creep(ev, cfg) if not any(o.step >= c.step for o in spikes)]
+    onsets = spikes + moved + creep
     yielded = {
         id(o): _overflow_yields(o, onsets, ev, cfg) or _yields_to_lr_jump(o, onsets, ev, cfg)
         for o in onsets

@@ -162,7 +162,9 @@ def test_missing_step_lists_checkpoints(zoo: dict[str, Path]) -> None:
 
 def test_unknown_format(tmp_path: Path) -> None:
     f = tmp_path / "random.bin"
-    f.write_bytes(os.urandom(4096))
+    junk = bytearray(os.urandom(4096))
+    junk[8] = ord("x")  # a '{' after 8 random bytes reads as a safetensors header, cut short
+    f.write_bytes(bytes(junk))
     assert_bad_input(
         invoke("inspect", str(f)), "not a safetensors, torch.save or checkpoint directory"
     )

@@ -131,18 +131,21 @@ def test_loss_scale_backoff_and_skipped_steps(zoo: dict[str, Path], tmp_path: Pa
     import json
 
     src = zoo["hf-trainer"]
-    a, b = tmp_path / "checkpoint-20", tmp_path / "checkpoint-33"
+    a, b = tmp_path / "checkpoint-20", tmp_path / "checkpoint-36"
     shutil.copytree(src / "checkpoint-20", a)
     shutil.copytree(src / "checkpoint-30", b)
     torch.save(torch.amp.GradScaler("cpu", init_scale=65536.0).state_dict(), a / "scaler.pt")
     torch.save(torch.amp.GradScaler("cpu", init_scale=1024.0).state_dict(), b / "scaler.pt")
     state = json.loads((b / "trainer_state.json").read_text())
-    state["global_step"] = 33  # 13 trainer steps, 10 optimizer steps: 3 skipped on overflow
+    # 16 trainer steps, 10 optimizer steps: 6 skipped on overflow, each halving the scale once
+    # (GradScaler's rule: a scale that fell further than its skips is a scaler rebuilt instead)
+    state["global_step"] = 36
     (b / "trainer_state.json").write_text(json.dumps(state))
-    result, findings, verdict = run_diff(tmp_path, "20", "33")
+    result, findings, verdict = run_diff(tmp_path, "20", "36")
     assert (result.pair.loss_scale_a, result.pair.loss_scale_b) == (65536.0, 1024.0)
     kinds = {f.kind: f for f in findings}
-    assert kinds["skipped_steps"].metrics == {"trainer_steps": 13, "optimizer_steps": 10}
+    assert "loss_scaler_reset" not in kinds
+    assert kinds["skipped_steps"].metrics == {"trainer_steps": 16, "optimizer_steps": 10}
     assert kinds["loss_scale_backoff"].metrics["halvings"] == pytest.approx(6.0)
     assert verdict.causes[0]["cause"] == "fp16_overflow"
 

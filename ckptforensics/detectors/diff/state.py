@@ -4,6 +4,7 @@ optimizer state, a restarted scheduler, a reset loss scaler."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -201,6 +202,13 @@ def detect_optimizer_state_lost(diff: DiffResult, th: Thresholds) -> list[Findin
     ]
 
 
+def _applied(p: Any) -> int | None:
+    """Optimizer updates applied between the pair (its step counter's advance), None unknown."""
+    if p.adam_step_a is None or p.adam_step_b is None:
+        return None
+    return int(p.adam_step_b - p.adam_step_a)
+
+
 def _int(d: dict | None, key: str) -> int | None:
     v = (d or {}).get(key)
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
@@ -217,11 +225,7 @@ def detect_scheduler_restart(diff: DiffResult, th: Thresholds) -> list[Finding]:
     ea, eb = _int(p.scheduler_a, "last_epoch"), _int(p.scheduler_b, "last_epoch")
     if ea is None or eb is None:
         return []
-    k = (
-        p.adam_step_b - p.adam_step_a
-        if p.adam_step_a is not None and p.adam_step_b is not None
-        else None
-    )
+    k = _applied(p)
     # Stepped per step: behind by more than its applied steps allow (a loss scaler's skipped
     # steps skip the scheduler too in the HF Trainer, so only the applied ones count).
     lags = (
@@ -313,11 +317,7 @@ def detect_scaler_reset(diff: DiffResult, th: Thresholds) -> list[Finding]:
     factor = float(sa.get("growth_factor") or 2.0)
     backoff = float(sa.get("backoff_factor") or 0.5)
     ta, tb = _int(sa, "_growth_tracker"), _int(sb, "_growth_tracker")
-    k = (
-        p.adam_step_b - p.adam_step_a
-        if p.adam_step_a is not None and p.adam_step_b is not None
-        else None
-    )
+    k = _applied(p)
     counter_ok = k is not None and 0 <= k <= g
     why = None
     # At most one growth per growth_interval clean steps, counted from before's tracker.

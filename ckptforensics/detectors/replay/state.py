@@ -14,6 +14,7 @@ from ckptforensics.core.tensors import (
 from ckptforensics.detectors.base import Finding, Thresholds, cap, module_of
 from ckptforensics.detectors.replay.evidence import ReplayEvidence
 from ckptforensics.engine.diff.pair import tensor_role
+from ckptforensics.engine.replay.records import AFTER_SHARE, after_share
 from ckptforensics.trainers.fused import computes
 
 __all__ = ["output_logits", "reproduction", "rms_t"]
@@ -128,8 +129,7 @@ def reproduction(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
     rep = ev.rep
     if rep.matches is None:
         return []
-    total = sum(m.numel for m in rep.matches) or 1
-    mis = sum(m.mismatched for m in rep.matches)
+    share = after_share(rep) or 0.0
     imp = [m for m in rep.matches if m.impossible]
     confined = 0 < len(imp) <= th.confined_tensors and all(
         m.impossible <= max(8, th.confined_share * m.numel) for m in imp
@@ -154,7 +154,7 @@ def reproduction(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
                 primary=True,
             )
         ]
-    if not imp and mis / total <= 0.01:
+    if not imp and share <= AFTER_SHARE:
         return [
             Finding(
                 "",
@@ -162,8 +162,8 @@ def reproduction(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
                 "run",
                 1.0,
                 "info",
-                {"mismatched_share": mis / total},
-                f"the replay reproduces the after checkpoint ({1 - mis / total:.2%} of elements within tolerance): numerics or data, not hardware",
+                {"mismatched_share": share},
+                f"the replay reproduces the after checkpoint ({1 - share:.2%} of elements within tolerance): numerics or data, not hardware",
                 "docs/signatures.md#reproducibility",
                 (),
             )
@@ -182,8 +182,8 @@ def reproduction(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:
             worst.name,
             1.0,
             "info",
-            {"mismatched_share": mis / total, "impossible_tensors": len(imp), "worst": worst.name},
-            f"the replay deviates from after on {mis / total:.1%} of elements (worst: {worst.name} {worst.where}): {why}",
+            {"mismatched_share": share, "impossible_tensors": len(imp), "worst": worst.name},
+            f"the replay deviates from after on {share:.1%} of elements (worst: {worst.name} {worst.where}): {why}",
             "docs/signatures.md#reproducibility",
             (),
         )

@@ -16,6 +16,8 @@ from ckptforensics.engine.replay.routers import RouterFigures
 from ckptforensics.engine.replay.rowstats import RowStats
 
 __all__ = [
+    "AFTER_SHARE",
+    "after_share",
     "ReplayConfig",
     "StepRecord",
     "GradEvidence",
@@ -144,3 +146,16 @@ class ReplayResult:
     # plan as planned first; the one that landed, whose result this is, where one did
     variants: list[Any] = field(default_factory=list)
     explained_by: Any = None
+
+
+# The share of *after*'s elements a replay may miss and still reproduce it
+# (`detectors.replay.state.reproduction`, `engine.replay.variants`).
+AFTER_SHARE = 0.01
+
+
+def after_share(result: ReplayResult) -> float | None:
+    """The share of *after*'s elements the replay missed (None without *after*)."""
+    if not result.matches:
+        return None
+    total = sum(m.numel for m in result.matches) or 1
+    return sum(m.mismatched for m in result.matches) / total

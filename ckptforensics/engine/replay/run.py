@@ -12,16 +12,17 @@ import numpy as np
 import torch
 
 from ckptforensics.engine.replay.logcheck import check_against_log
-from ckptforensics.engine.replay.records import ReplayConfig, ReplayResult, StepRecord, TensorMatch
+from ckptforensics.engine.replay.records import (
+    AFTER_SHARE,
+    ReplayConfig,
+    ReplayResult,
+    StepRecord,
+    TensorMatch,
+    after_share,
+)
 from ckptforensics.engine.replay.session import Session
 from ckptforensics.engine.replay.settle import diagnose_miss, log_score, settle
-from ckptforensics.engine.replay.variants import (
-    AFTER_SHARE,
-    Variant,
-    after_share,
-    explain,
-    resume_step,
-)
+from ckptforensics.engine.replay.variants import Variant, explain, resume_step
 from ckptforensics.engine.replay.window import Plan, plan, run_window
 from ckptforensics.trainers import require_rebuilt_match
 

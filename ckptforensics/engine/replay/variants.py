@@ -23,15 +23,13 @@ from typing import Any
 
 from ckptforensics.engine.diff.records import optimizer_steps
 from ckptforensics.engine.replay.logcheck import LogCheck, check_against_log
-from ckptforensics.engine.replay.records import ReplayResult
+from ckptforensics.engine.replay.records import AFTER_SHARE, ReplayResult, after_share
 from ckptforensics.engine.replay.window import Plan, run_window
 from ckptforensics.formats.base import Checkpoint
 
 __all__ = [
-    "AFTER_SHARE",
     "Variant",
     "Suspect",
-    "after_share",
     "explain",
     "optimizer_count",
     "resume_step",
@@ -173,19 +171,6 @@ def suspects(p: Plan) -> list[Suspect]:
             )
         )
     return out
-
-
-# The share of *after*'s elements a replay may miss and still reproduce it (the reproduction
-# rule's, `detectors.replay.state.reproduction`).
-AFTER_SHARE = 0.01
-
-
-def after_share(result: ReplayResult) -> float | None:
-    """The share of *after*'s elements the replay missed (None without *after*)."""
-    if not result.matches:
-        return None
-    total = sum(m.numel for m in result.matches) or 1
-    return sum(m.mismatched for m in result.matches) / total
 
 
 def _outcome(check: LogCheck, steps: list[int]) -> tuple[bool, int | None, int | None]:

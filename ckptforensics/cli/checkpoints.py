@@ -10,7 +10,13 @@ import click
 import ckptforensics as cf
 from ckptforensics.cli.common import command_line, count_tensors, finish, output, progress, work
 from ckptforensics.cli.group import cli
-from ckptforensics.cli.params import format_option, out_option, run_dir_option, strict_options
+from ckptforensics.cli.params import (
+    device_option,
+    format_option,
+    out_option,
+    run_dir_option,
+    strict_options,
+)
 
 
 @cli.command("formats")
@@ -113,12 +119,8 @@ def inspect(
     default=None,
     help="Processes sharing the tensors, one thread each [default: one per CPU core, at most 8, for pairs of 512 MiB and more; else 1]. Under torchrun, per rank. The report does not depend on it.",
 )
-@click.option(
-    "--device",
-    type=click.Choice(["cpu", "cuda"]),
-    default="cpu",
-    show_default=True,
-    help="cuda: the statistics on the GPU, each chunk read on the host and staged through a pinned buffer; one process feeds it (--workers is ignored), under torchrun each rank its own GPU. The report does not depend on it.",
+@device_option(
+    "cuda: the statistics on the GPU, each chunk read on the host and staged through a pinned buffer; one process feeds it (--workers is ignored), under torchrun each rank its own GPU. The report does not depend on it."
 )
 @click.pass_context
 def diff(

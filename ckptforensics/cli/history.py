@@ -10,7 +10,7 @@ import click
 import ckptforensics as cf
 from ckptforensics.cli.common import command_line, finish, output, progress, work
 from ckptforensics.cli.group import cli
-from ckptforensics.cli.params import out_option, run_dir_option, strict_options
+from ckptforensics.cli.params import device_option, out_option, run_dir_option, strict_options
 
 
 @cli.command("history")
@@ -48,13 +48,7 @@ from ckptforensics.cli.params import out_option, run_dir_option, strict_options
     default=None,
     help="module:factory, path/file.py:factory, or a dir with a config.json (default: what the run recorded).",
 )
-@click.option(
-    "--device",
-    type=click.Choice(["cpu", "cuda"]),
-    default="cpu",
-    show_default=True,
-    help="Where the forward passes run (cuda: the first GPU).",
-)
+@device_option("Where the forward passes run (cuda: the first GPU).")
 @out_option(" (report.html with module x checkpoint heatmaps)")
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
 @strict_options("a finding")

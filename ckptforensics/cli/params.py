@@ -7,7 +7,14 @@ from typing import Any
 
 import click
 
-__all__ = ["format_option", "out_option", "replay_options", "run_dir_option", "strict_options"]
+__all__ = [
+    "device_option",
+    "format_option",
+    "out_option",
+    "replay_options",
+    "run_dir_option",
+    "strict_options",
+]
 
 
 def out_option(also: str = "", h5: bool = True) -> Any:
@@ -79,6 +86,13 @@ format_option = click.option(
 )
 
 
+def device_option(help: str) -> Any:
+    """--device: where the command's tensor work runs (cpu, or cuda: a GPU), as `help` says."""
+    return click.option(
+        "--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True, help=help
+    )
+
+
 def replay_options(f: Any) -> Any:
     """Options every replay-based command shares."""
     for opt in reversed(
@@ -123,12 +137,8 @@ def replay_options(f: Any) -> Any:
                 "bf16-params bf16 weights on fp32 master weights (as FSDP2's bf16 policy keeps them). "
                 "auto: read from the checkpoint and the run's config.",
             ),
-            click.option(
-                "--device",
-                type=click.Choice(["cpu", "cuda"]),
-                default="cpu",
-                show_default=True,
-                help="Where the replay runs; cuda: one GPU (under torchrun, one GPU a rank, NCCL).",
+            device_option(
+                "Where the replay runs; cuda: one GPU (under torchrun, one GPU a rank, NCCL)."
             ),
             click.option(
                 "--checkpoint-activations",

@@ -12,7 +12,7 @@ import click
 import ckptforensics as cf
 from ckptforensics.cli.common import command_line, echo_verdict, finish, output, progress, work
 from ckptforensics.cli.group import cli
-from ckptforensics.cli.params import out_option, run_dir_option, strict_options
+from ckptforensics.cli.params import device_option, out_option, run_dir_option, strict_options
 
 
 @cli.command("recovery")
@@ -147,13 +147,7 @@ def _fmt(x: Any) -> str:
     default=None,
     help="Training log (JSONL/CSV/...); discovered when absent.",
 )
-@click.option(
-    "--device",
-    type=click.Choice(["cpu", "cuda"]),
-    default="cpu",
-    show_default=True,
-    help="Where the probed forward and backward pass runs (cuda: the first GPU).",
-)
+@device_option("Where the probed forward and backward pass runs (cuda: the first GPU).")
 @out_option()
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
 @strict_options("a risk", " (a CI gate)")

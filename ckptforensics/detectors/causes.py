@@ -124,7 +124,7 @@ CAUSES: Mapping[str, Cause] = registry(
         name="gradient_explosion",
         meaning="one layer's gradient leaves its range first, the LR is right",
         actions=(
-            "Resume from {rollback} with gradient clipping (e.g. 1.0) and inspect the exploding layer's inputs with `ckptforensics replay`.",
+            "Resume from {rollback} with a tighter gradient clip (the plan tries half the run's own, 1.0 where it clipped at nothing) and inspect the exploding layer's inputs with `ckptforensics replay`.",
         ),
         tries=("clip={half_clip:g}", "lr_scale=0.5"),
         jump_tries=_LR_JUMP_TRIES,

@@ -336,6 +336,8 @@ def detect_scaler_reset(diff: DiffResult, th: Thresholds) -> list[Finding]:
     if why is None:
         return []
     resume = _scaler_resume(p.step_a, p.step_b, lb, tb, factor, interval, k == g)
+    # No step skipped since: the tracker counts the steps since the resume exactly.
+    when = "" if resume is None else f" (at step {resume}{'' if k == g else ' or before'})"
     return [
         Finding(
             "",
@@ -351,7 +353,7 @@ def detect_scaler_reset(diff: DiffResult, th: Thresholds) -> list[Finding]:
                 "growth_interval": interval,
                 "resume_step": resume,
             },
-            f"the loss scaler was rebuilt at a resume{f' (at step {resume} or before)' if resume is not None else ''}: {why}",
+            f"the loss scaler was rebuilt at a resume{when}: {why}",
             "docs/signatures.md#loss-scaler-reset",
             ("loss_scaler_reset",),
             primary=True,

@@ -144,12 +144,7 @@ def run_incident(run: Path, reports: Path) -> Row:
     hint = truth.get("replay")
     if hint:
         # replay runs the diff too and merges both into one verdict.
-        cmd += [
-            "replay",
-            *(["--model", model_spec(run, hint["model"])] if hint.get("model") else []),
-            "--batch",
-            str(run / hint["batch"]),
-        ]
+        cmd += ["replay", *replay_inputs(run, hint)]
         cmd += ["--precision", hint["precision"]] if hint.get("precision") else []
     else:
         cmd += ["diff"]
@@ -184,6 +179,16 @@ MENU = (
 )
 
 
+def replay_inputs(run: Path, hint: dict[str, Any]) -> list[str]:
+    """The model and batches a user would pass for the run (its truth's replay hint): a batch
+    log (`--batch`) or the run's own data (`--data`, e.g. Megatron's indexed dataset)."""
+    return [
+        *(["--model", model_spec(run, hint["model"])] if hint.get("model") else []),
+        *(["--data", str(run / hint["data"])] if hint.get("data") else []),
+        *(["--batch", str(run / hint["batch"])] if hint.get("batch") else []),
+    ]
+
+
 def model_spec(run: Path, spec: str) -> str:
     """A `--model` factory the run dir holds (a user's own training code) by its path there."""
     file = spec.split(":")[0]
@@ -195,13 +200,7 @@ def _cli(
 ) -> tuple[dict[str, Any] | None, str]:
     """Run a replay-based command on an incident as a user would: (report, "") or (None, error)."""
     cmd = [sys.executable, "-m", "ckptforensics.cli", "-q", command, "--run-dir", str(run), *args]
-    cmd += [
-        *(["--model", model_spec(run, hint["model"])] if hint.get("model") else []),
-        "--batch",
-        str(run / hint["batch"]),
-        "--out",
-        str(out),
-    ]
+    cmd += [*replay_inputs(run, hint), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         return None, (proc.stderr.strip().splitlines() or ["failed"])[-1]
@@ -535,6 +534,8 @@ def main() -> None:
             "resumes-tuning",
             "heldout-resumes",
             "heldout-resumes-2",
+            "megatron-tuning",
+            "heldout-resumes-3",
         ),  # fmt: skip
         help="Score the drawn incidents of this split instead of the zoo.",
     )

@@ -238,3 +238,34 @@ def test_paths_recorded_relative_to_the_launch_directory_are_found(
         pytest.raises(BatchError, match="0 GPTDataset train caches"),
     ):
         megatron_batches(given, ck.config, run)
+
+
+POISON = ROOT / "fixtures" / "data" / "megatron-core-0.19-poison"
+
+
+def test_rows_poisoned_in_megatrons_indexed_dataset_are_the_culprits(tmp_path: Path) -> None:
+    """megatron-core fed two poisoned rows of iteration 46 from its indexed dataset, crashed
+    after 48 and was relaunched from 40 (fixtures/megatron_poison_run.py). The replay rebuilds
+    the batches from the dataset, follows the printed log across the restart, and names the
+    rows and the step: poison_batch, reproducible, no hardware."""
+    import json
+
+    from click.testing import CliRunner
+
+    from ckptforensics.cli import cli
+
+    t = json.loads((POISON / "truth.json").read_text())
+    run = tmp_path / "run"
+    shutil.copytree(POISON, run)
+    args = ["replay", "--run-dir", str(run), "--before", str(t["before"]), "--after"]
+    args += [str(t["after"]), "--data", str(run / "data" / "text"), "--out", str(tmp_path / "rep")]
+    r = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output[-2000:]
+    doc = json.loads((tmp_path / "rep" / "report.json").read_text())
+    v = doc["verdict"]
+    causes = [c["cause"] for c in v["causes"]]
+    assert causes[0] == t["cause"] == "poison_batch" and "silent_corruption" not in causes
+    assert v["first_bad_step"] == t["first_bad_step"] and v["reproducible"] is True
+    assert sorted(s["index"] for s in v["anomalous_samples"]) == t["samples"]  # the culprits
+    assert v["replay_check"]["status"] == "matched"
+    assert Path(doc["replay"]["config"]["metrics"]["value"]).name == "train.log"

@@ -165,3 +165,23 @@ def test_the_flight_recorder_replays_as_the_batch_log_does(
     got = triage(run / "flight" / "metrics.jsonl", run).first_bad_step
     assert got == t["first_bad_step"]
     assert got <= triage(log, run).first_bad_step
+
+
+def test_megatron_draws_keep_their_window_restart_and_poison_in_shape() -> None:
+    """The Megatron axis (fixtures/draws_megatron.py) draws what its runs can be: the incident
+    inside a saved window, a restart that crashes inside it and relaunches from its first
+    checkpoint, poison a minority of the global batch, read from the indexed dataset."""
+    from fixtures.draws import HELDOUT_RESUMES_3, MEGATRON_TUNING
+    from fixtures.draws_megatron import GLOBAL_BATCH, _crash
+
+    drawn = [d for d in map(draw, MEGATRON_TUNING + HELDOUT_RESUMES_3) if d.trainer == "megatron"]
+    assert {d.cause for d in drawn} == {"none", "poison_batch", "lr_too_high"}
+    assert all(d.seed in MEGATRON_TUNING for d in drawn[: len(MEGATRON_TUNING)])
+    for d in drawn:
+        saves = range(d.save_every, d.steps + 1, d.save_every)
+        before = max(s for s in saves if s < d.at)
+        assert any(before < s for s in saves) and d.at <= d.steps, d.seed
+        crash = _crash(d)
+        assert crash is None or before < crash < before + d.save_every, d.seed
+        if d.cause == "poison_batch":
+            assert d.megatron_data and 0 < len(d.rows) <= GLOBAL_BATCH // 2, d.seed

@@ -531,6 +531,7 @@ def main() -> None:
             "heldout-misses",
             "families-tuning",
             "heldout-families",
+            "heldout-families-2",
             "resumes-tuning",
             "heldout-resumes",
             "heldout-resumes-2",

@@ -1,7 +1,8 @@
 """History's detectors: pure functions from a run's trajectories over its checkpoints
 (`HistoryEvidence`) to Findings, each dated at the checkpoint where its module left its own
-trend (`trend.departure`, docs/signatures.md#history-departure) or, for Adam's steps, began
-their climb (`adam`); where several causes are named, the one that went wrong first is the
+trend (`trend.departure`, docs/signatures.md#history-departure) or, for Adam's steps and a
+log Z that grew from the run's first checkpoints, began their climb (`adam`,
+`logits.early_growth`); where several causes are named, the one that went wrong first is the
 root (`history_findings`)."""
 
 from __future__ import annotations

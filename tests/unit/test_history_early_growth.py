@@ -55,4 +55,6 @@ def test_a_strong_drift_since_the_cap_keeps_its_rule() -> None:
     lz = [4.2, 4.4, 7.0, 14.0, 22.0, 28.0, 31.0, 29.0, 33.0, 36.0, 32.0, 37.0, 38.0, 36.0, 41.0]
     (f,) = _found(lz)
     assert f.metrics["drift_rule"] == "since_cap" and f.metrics["slope_z"] > 6
-    assert f.metrics["onset_step"] == 90  # passed 30 for good there, no departure on the climb
+    # no departure on the climb: dated where the climb began (after 7.0 at step 30), not at 90
+    # where it passed 30 for good
+    assert f.metrics["onset_step"] == 40

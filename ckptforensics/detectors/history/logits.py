@@ -57,6 +57,19 @@ def _climb_departure(t: Trajectory, limit: float, th: Thresholds) -> Departure |
     return d if start <= d.step <= past else None
 
 
+def _climb_start(t: Trajectory, limit: float) -> int | None:
+    """The climb's first checkpoint: the one after the last at or under `CLIMB_FROM` of
+    `limit` before the first past it for good; None where the range did not see it low."""
+    pts = t.finite()
+    past = _first_past(t, limit)
+    low = [
+        i
+        for i, (s, v) in enumerate(pts)
+        if past is not None and s < past and abs(v) <= CLIMB_FROM * limit
+    ]
+    return pts[low[-1] + 1][0] if low else None
+
+
 def onset_of(t: Trajectory, limit: float, th: Thresholds) -> tuple[int | None, str]:
     """Since when a trajectory that ends past `limit` has been going wrong: the checkpoint
     where it left its own trend on its climb to the limit, else the first from which it
@@ -217,6 +230,12 @@ def output_drift(ev: HistoryEvidence, th: Thresholds) -> list[Finding]:
     z = _slope_z(recs)[0] if len(recs) >= 3 else -math.inf
     if z > th.z:
         onset, how = onset_of(t, th.logit_max, th)
+        start = _climb_start(t, th.logit_max)
+        if _climb_departure(t, th.logit_max, th) is None and start is not None:
+            # No departure on the climb: the growth is its own trend from the climb's start,
+            # and where it passed the cap for good can come long after (issue #45's held-out
+            # draw 9919, dated at 100 for a climb that began by 60).
+            onset, how = start, f"began its climb at step {start} (no trend of its own to leave)"
         rule, bar = "since_cap", th.z
         since = f"since it passed the {th.logit_max:g} at which Gemma 2 caps its logits"
     else:

@@ -35,7 +35,7 @@ from fixtures.creep_draws import KINDS, SPLITS, build_creep, draw_creep  # noqa:
 MODEL = "fixtures/tinygpt.py:factory"
 # The console script beside this interpreter: what a user of the venv types.
 CLI = Path(sys.executable).with_name("ckptforensics")
-HELDOUT = "creep-heldout"
+HELDOUT = ("creep-heldout", "creep-heldout-2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,10 +171,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "creep")
     ap.add_argument("--rebuild", action="store_true", help="retrain draws already built")
     ap.add_argument("--record", action="store_true", help="keep the figures in bench/RESULTS.md")
-    ap.add_argument("--heldout", action="store_true", help=f"confirm scoring {HELDOUT} (once)")
+    ap.add_argument(
+        "--heldout", action="store_true", help=f"confirm scoring {' or '.join(HELDOUT)} (once)"
+    )
     args = ap.parse_args()
-    if args.split == HELDOUT and not args.heldout:
-        ap.error(f"{HELDOUT} is only scored, once: pass --heldout to score it")
+    if args.split in HELDOUT and not args.heldout:
+        ap.error(f"{args.split} is only scored, once: pass --heldout to score it")
     scores = []
     for seed in SPLITS[args.split]:
         run = args.out / draw_creep(seed).name

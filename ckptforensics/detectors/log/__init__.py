@@ -10,9 +10,10 @@ filters what a noisy log does routinely, and `log_noise` says how noisy it is.
 One module per seam: `evidence` (the settings, the onset record, the curves judged once),
 `signals` (the rules over a full log, one signal each), `short` (an excerpt's first lines),
 `blips` (the log's own tail of recovering blips), `held` and `shift` (a held rise, a held
-shift), `creep` (the loss leaving its trend for good), `onsets` (`log_onsets`, whose order of
-signals and filters is the contract) and `noise` (how noisy the log is; the last line an
-excerpt cannot decide).
+shift), `creep` (the loss leaving its trend for good), `settled` (a settled level shift: a
+departure that is the first step of the level the run then keeps), `onsets` (`log_onsets`,
+whose order of signals and filters is the contract) and `noise` (how noisy the log is; the
+last line an excerpt cannot decide).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The combiner (docs/signatures.md#log-onset): `log_onsets` runs the seed and onset
 detectors, keeps a seed only where the loss follows it, sets aside the log's routine blips
-(`blips.routine_reason`), moves a spike to the start of the excursion that persists, adds the
-held rise, the held shift and the creep, and lets an overflow dated only by its interval give
-way to a later onset of the same interval. The order of these steps is the contract; it reads on one
-page here."""
+(`blips.routine_reason`) and the first step of a settled level shift (`settled.settled_shift`),
+moves a spike to the start of the excursion that persists, adds the held rise, the held shift
+and the creep, and lets an overflow dated only by its interval give way to a later onset of the
+same interval. The order of these steps is the contract; it reads on one page here."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from ckptforensics.detectors.log.evidence import (
 )
 from ckptforensics.detectors.log.held import held_rise
 from ckptforensics.detectors.log.noise import NOISE_RULES
+from ckptforensics.detectors.log.settled import settled_shift
 from ckptforensics.detectors.log.shift import held_shift
 from ckptforensics.detectors.log.short import (
     SHORT_RULES,
@@ -151,7 +152,9 @@ def log_onsets(ev: LogEvidence, cfg: TriageConfig) -> tuple[list[Onset], list[On
     ignored = [o for o in seeds if o not in kept] + descent_pauses(ev, cfg)
     onsets = kept + found
     tail = blips(ev, cfg, cfg.z / 2)
-    why = {id(o): routine_reason(o, tail, ev, cfg) for o in onsets}
+    # A departure that is the first step of the level the run then keeps, no outlier of it and
+    # no instability after it, is a settled level shift (a data-mixture switch), not an onset.
+    why = {id(o): routine_reason(o, tail, ev, cfg) or settled_shift(o, ev, cfg) for o in onsets}
     ignored += [
         Onset(
             o.step, o.signal, o.value, o.baseline, o.robust_z, f"{o.message}; {why[id(o)]}", "tail"

@@ -11,10 +11,12 @@ from typing import Any
 import numpy as np
 
 from ckptforensics.core.tensors import (
+    CURVE_SHORT,
     loss_follows,
     lr_growth_limit,
 )
 from ckptforensics.detectors.base import Finding, Thresholds, cap
+from ckptforensics.detectors.log.settled import settled_level
 from ckptforensics.detectors.replay.evidence import ReplayEvidence, step_z
 from ckptforensics.logs import group_lrs
 
@@ -85,10 +87,47 @@ def _onset(
     zl = _z_on(losses, tail, history)
     above = _z_on(losses, tail, history, above_level=True)
     bad = [i for i, r in enumerate(recs) if _went_bad(r, i, zl, zg, th, above)]
+    g_history = [b["grad_norm"] for b in base if "grad_norm" in b]
+    bad = [i for i in bad if not _settled(recs, i, history, g_history, later, th, grads)]
     zl, zg = zl[:n], zg[:n]
     if not bad or (n <= 1 and len(base) < 5):
         return None, zl, zg
     return bad[0], zl, zg
+
+
+def _settled(
+    recs: Sequence[Any],
+    i: int,
+    history: list[float],
+    g_history: list[float],
+    later: Sequence[dict[str, float]],
+    th: Thresholds,
+    grads: bool,
+) -> str | None:
+    """Why step i, gone bad with its loss and grad norm finite, is the first step of a settled
+    level shift rather than a spike (`detectors.log.settled.settled_level`, as triage judges
+    the log): its loss steps up and stays there over the window's steps after it and the
+    run's logged steps after the window, it is no outlier of that level, and nothing after it
+    spikes. A data-mixture switch lifts the loss ~1.1x and keeps it there, the new source's
+    rows the highest of every batch from then on; a poisoned batch's loss falls back. None
+    where it is not one, or where the steps after it are too few to tell."""
+    r = recs[i]
+    if r.skipped or not math.isfinite(r.loss) or (grads and not math.isfinite(r.grad_norm)):
+        return None
+    losses = [*history, *(x.loss for x in recs)]
+    grads_before = [*g_history, *(x.grad_norm for x in recs)]
+    at = len(history) + i
+    after = [*(x.loss for x in recs[i + 1 :]), *(x["loss"] for x in later)]
+    g_after = [*(x.grad_norm for x in recs[i + 1 :]), *(x["grad_norm"] for x in later)]
+    return settled_level(
+        losses[max(0, at - 2 * CURVE_SHORT) : at],
+        [r.loss, *after[:1]],
+        after,
+        th.z,
+        [r.grad_norm, *g_after[:1]] if grads else [],
+        g_after if grads else [],
+        grads_before[max(0, len(g_history) + i - 2 * CURVE_SHORT) : len(g_history) + i],
+    )
 
 
 def spike(ev: ReplayEvidence, th: Thresholds) -> list[Finding]:

@@ -29,6 +29,13 @@ from ckptforensics.formats.inert import InertRecord, register_safe_globals
 from ckptforensics.formats.optstate import group_hyper, map_optimizer
 from ckptforensics.formats.statedict import add_state_dict, attach_optimizer, to_plain
 from ckptforensics.formats.torchfile import load_torch_file, torch_file_problem
+from ckptforensics.trainers.deepspeed.moe import (
+    EXPERT_FILE,
+    EXPP_FILE,
+    add_experts,
+    attach_stage0,
+    expert_problems,
+)
 
 __all__ = ["is_deepspeed_dir", "open_deepspeed", "deepspeed_completeness"]
 
@@ -70,7 +77,12 @@ def open_deepspeed(path: Path) -> Checkpoint:
     tag = _tag_dir(path)
     if tag is None:
         raise CorruptCheckpoint(f"{path}: no DeepSpeed model states (mp_rank_00_model_states.pt)")
-    model_files = sorted(tag.glob("*mp_rank_00_model_states.pt"))
+    # Not the experts' `layer_{L}_expert_{E}_mp_rank_00_model_states.pt` (DeepSpeed-MoE).
+    model_files = sorted(
+        f for f in tag.glob("*mp_rank_00_model_states.pt") if _MODEL_FILE.match(f.name)
+    )
+    if not model_files:
+        raise CorruptCheckpoint(f"{tag}: no DeepSpeed model states (mp_rank_00_model_states.pt)")
     ms, mapped = load_torch_file(model_files[0])
     if not isinstance(ms, dict) or "module" not in ms:
         raise CorruptCheckpoint(f"{model_files[0]}: not DeepSpeed model states (no module)")
@@ -85,10 +97,12 @@ def open_deepspeed(path: Path) -> Checkpoint:
     )
     optim = [load_torch_file(f)[0] for _, f in ranks]
     stage = _stage(optim)
+    moe = False
     if stage == 3:
         _stage3_weights(ckpt, shapes, optim, ms)
     else:
         add_state_dict(ckpt, ms.get("module") or {})
+        moe = add_experts(ckpt, tag)  # DeepSpeed-MoE: the experts' files (moe.py)
         if stage in (1, 2):
             _stage12_masters(ckpt, shapes, optim, str(tag))
     ckpt.scalars["global_step"] = int(ms.get("global_steps", 0))
@@ -115,6 +129,8 @@ def open_deepspeed(path: Path) -> Checkpoint:
     elif isinstance(ms.get("optimizer"), dict):
         if shapes:
             ckpt.optimizer = _stage0(ms["optimizer"], shapes, str(model_files[0]))
+        elif moe:
+            attach_stage0(ckpt, ms["optimizer"], f"{model_files[0]}:optimizer")
         else:
             attach_optimizer(ckpt, ms["optimizer"], f"{model_files[0]}:optimizer")
     else:
@@ -346,7 +362,8 @@ _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_sta
 _DS_RULE = (
     "a DeepSpeed checkpoint: the model states of every model-parallel rank (of every data-parallel rank "
     "under ZeRO-3) and the ZeRO optimizer states of every data-parallel rank for the dp_world_size its model "
-    "states record, each a whole torch.save file; `latest`, written once every rank has saved, naming this tag or a later one"
+    "states record, under DeepSpeed-MoE the file of every expert of every MoE layer its num_experts records, "
+    "each a whole torch.save file; `latest`, written once every rank has saved, naming this tag or a later one"
 )
 
 
@@ -395,9 +412,10 @@ def _tag_problems(tag: Path, top: Path) -> list[str]:
     optims = {(int(m.group(1)), int(m.group(2))): n for n in names if (m := _OPTIM_FILE.match(n))}
     if not models:
         return [f"{rel('mp_rank_00_model_states.pt')} missing"]
+    experts = {n for n in names if EXPERT_FILE.match(n) or EXPP_FILE.match(n)}
     problems = [
         b
-        for n in sorted(set(models.values()) | set(optims.values()))
+        for n in sorted(set(models.values()) | set(optims.values()) | experts)
         if (b := torch_file_problem(tag / n, top))
     ]
     if problems:
@@ -431,6 +449,8 @@ def _tag_problems(tag: Path, top: Path) -> list[str]:
                 if (r, m) not in optims:
                     want = f"zero_pp_rank_{r}_mp_rank_{m:02d}_optim_states.pt"
                     problems.append(f"{rel(want)} missing (dp_world_size {dp} in the model states)")
+    if not zero3:
+        problems += expert_problems(tag, ms, mp, rel)
     extra = sorted(r for r, _ in optims if r >= dp) + sorted(
         r for r, _ in models if zero3 and r >= dp
     )

@@ -1,4 +1,6 @@
-"""Per-expert evidence of fused Mixture-of-Experts tensors (`TensorDiff.experts`): experts no
+"""Per-expert evidence of Mixture-of-Experts tensors: fused ones (`TensorDiff.experts`), and those
+written one tensor per expert, stacked per module and parameter (`engine.diff.experts.split_groups`:
+a finding then names the expert's own tensor, `...deepspeed_experts.2.fc1.weight`): experts no
 gradient reached over the pair (dead), one expert's update standing out among the experts of its
 tensor, and a dead expert's return into Adam's sign-like regime.
 
@@ -14,6 +16,7 @@ from collections import defaultdict
 from statistics import median
 
 from ckptforensics.detectors.base import Finding, Thresholds, cap, module_of
+from ckptforensics.engine.diff.experts import SplitExperts, split_groups
 from ckptforensics.engine.diff.pair import DiffResult, TensorDiff
 
 __all__ = [
@@ -50,14 +53,21 @@ _SOURCE = "docs/signatures.md"
 _LAYER = re.compile(r"\.(\d+)\.")
 
 
-def _experts(diff: DiffResult, moments: bool) -> list[TensorDiff]:
+def _experts(diff: DiffResult, moments: bool) -> list[tuple[TensorDiff, SplitExperts | None]]:
+    """The fused expert tensors, then the one-tensor-per-expert groups (with their group)."""
+    split = split_groups(diff.tensors)
     return [
-        t
-        for t in diff.tensors
+        (t, g)
+        for t, g in [*((t, None) for t in diff.tensors), *((g.record, g) for g in split)]
         if t.experts is not None
         and t.experts.experts >= 3  # a median of two is their mean: nothing stands out
         and (not moments or (t.experts.has_moments and t.k > 0))
     ]
+
+
+def _id(g: SplitExperts | None, e: int) -> int:
+    """The expert's id as named: its position in a fused tensor, its index in a split group."""
+    return g.ids[e] if g is not None else e
 
 
 def _layer(module: str) -> int | None:
@@ -70,11 +80,14 @@ def detect_dead_experts(diff: DiffResult, th: Thresholds) -> list[Finding]:
     (v_B = β2^k v_A, m_B = β1^k m_A on every element of every fused tensor of the layer):
     no token was routed to them in the window. A layer whose experts all decayed had no
     gradient at all (frozen, or cut off upstream): not an expert's evidence."""
-    mods: dict[str, list[TensorDiff]] = defaultdict(list)
-    for t in _experts(diff, moments=True):
-        mods[module_of(t.name)].append(t)
+    mods: dict[tuple[str, tuple[int, ...]], list[tuple[TensorDiff, SplitExperts | None]]]
+    mods = defaultdict(list)
+    for t, g in _experts(diff, moments=True):
+        mods[(module_of(t.name), ()) if g is None else (g.module, g.ids)].append((t, g))
     out = []
-    for mod, ts in mods.items():
+    for (mod, _ids), tgs in mods.items():
+        ts = [t for t, _ in tgs]
+        g0 = tgs[0][1]
         n = min(t.experts.experts for t in ts)  # type: ignore[union-attr]
         st = [t.experts for t in ts]
         dead = [
@@ -94,25 +107,30 @@ def detect_dead_experts(diff: DiffResult, th: Thresholds) -> list[Finding]:
             )
             for e in dead
         }
-        ids = ", ".join(map(str, dead))
+        named = [_id(g0, e) for e in dead]
+        # Split experts: the dead expert's own tensors (and the expert as subject when one is).
+        tensors = (
+            [t.name for t in ts] if g0 is None else [g.members[e] for _, g in tgs for e in dead]  # type: ignore[union-attr]
+        )
+        subject = g0.expert(dead[0]) if g0 is not None and len(dead) == 1 else mod
         out.append(
             Finding(
                 "",
                 "dead_expert",
-                mod,
+                subject,
                 cap(float(len(dead))),
                 "warning" if k >= DEAD_MIN_STEPS else "info",
                 {
                     "layer": _layer(mod),
-                    "experts": dead,
-                    "never_trained": never,
+                    "experts": named,
+                    "never_trained": [_id(g0, e) for e in never],
                     "n_experts": n,
                     "steps": k,
                     "min_steps": DEAD_MIN_STEPS,
-                    "v_level": {str(e): level[e] for e in dead},
-                    "tensors": [t.name for t in ts],
+                    "v_level": {str(_id(g0, e)): level[e] for e in dead},
+                    "tensors": tensors,
                 },
-                f"{mod}: expert{'s' if len(dead) > 1 else ''} {ids} of {n} got no gradient over the "
+                f"{mod}: expert{'s' if len(dead) > 1 else ''} {', '.join(map(str, named))} of {n} got no gradient over the "
                 f"{k} step{'s' if k != 1 else ''}: "
                 "both Adam moments decayed exactly by beta^k on every element (no token routed to "
                 f"{'them' if len(dead) > 1 else 'it'})",
@@ -135,11 +153,13 @@ def detect_expert_update_outlier(diff: DiffResult, th: Thresholds) -> list[Findi
     shows in its moments first). That expert, not the layer, moved: its tensor leads the diff's
     exploding layers."""
     out = []
-    for t in _experts(diff, moments=False):
+    for t, g in _experts(diff, moments=False):
         s = t.experts
         assert s is not None
         med = _median(s.update_ratio)
-        med_rv = _median(s.r_v) if s.has_moments else math.nan
+        # r_v with or without the moments' levels (a split group stacks its records' own r_v).
+        has_rv = len(s.r_v) == s.experts
+        med_rv = _median(s.r_v) if has_rv else math.nan
         by_ratio = {
             e: x / med for e, x in enumerate(s.update_ratio) if med > 0 and x > OUTLIER_FACTOR * med
         }
@@ -163,31 +183,40 @@ def detect_expert_update_outlier(diff: DiffResult, th: Thresholds) -> list[Findi
             )
         if e in by_energy:
             what.append(f"took {by_energy[e]:.3g}x their gradient energy (r_v {s.r_v[e]:.3g})")
+        mod, subject = (module_of(t.name), t.name) if g is None else (g.module, g.members[e])
+        # An expert of its own tensor past Adam's update bound at its recorded LR moved at a
+        # higher LR than recorded (`#adam-update-bound`), not on a larger gradient: Adam's
+        # step does not grow with it. A fused tensor's bound count is not one expert's.
+        past = g.tensors[e].bound_violations if g is not None else 0
+        if past:
+            what.append(f"broke Adam's update bound at its recorded LR on {past} elements")
         out.append(
             Finding(
                 "",
                 "expert_update_outlier",
-                t.name,
+                subject,
                 cap(score[e]),
                 "warning",
                 {
-                    "expert": e,
-                    "experts": hot,
-                    "layer": _layer(t.name),
+                    "expert": _id(g, e),
+                    "experts": [_id(g, x) for x in hot],
+                    "layer": _layer(t.name if g is None else f"{mod}."),
                     "update_ratio": s.update_ratio[e],
                     "median_update_ratio": med,
                     "ratio_factor": by_ratio.get(e),
                     "ratio_threshold": OUTLIER_FACTOR,
-                    "r_v": s.r_v[e] if s.has_moments else None,
+                    "r_v": s.r_v[e] if has_rv else None,
                     "median_r_v": med_rv,
                     "energy_factor": by_energy.get(e),
                     "energy_threshold": ENERGY_FACTOR,
                     "burst": th.burst,
                     "step_rms": s.step_rms[e],
+                    **({"group": t.name, "bound_violations": past} if g is not None else {}),
                 },
-                f"{module_of(t.name)}: expert {e} " + " and ".join(what),
+                f"{mod}: expert {_id(g, e)}{f' ({g.param})' if g is not None else ''} "
+                + " and ".join(what),
                 f"{_SOURCE}#expert-update-outlier",
-                ("gradient_explosion",),
+                ("lr_too_high",) if past else ("gradient_explosion",),
             )
         )
     return out
@@ -199,7 +228,7 @@ def detect_expert_return(diff: DiffResult, th: Thresholds) -> list[Finding]:
     and its step sign-like (RMS ≥ `RETURN_STEP` lr, above its peers'): Adam's instability
     on a single expert."""
     out = []
-    for t in _experts(diff, moments=True):
+    for t, g in _experts(diff, moments=True):
         s = t.experts
         assert s is not None
         va = [x for x in s.mean_v_a if math.isfinite(x)]
@@ -219,25 +248,27 @@ def detect_expert_return(diff: DiffResult, th: Thresholds) -> list[Finding]:
             continue
         e = min(back, key=lambda x: s.mean_v_a[x])
         level = s.mean_v_a[e] / med_v
+        mod, subject = (module_of(t.name), t.name) if g is None else (g.module, g.members[e])
         out.append(
             Finding(
                 "",
                 "expert_return_sign_like",
-                t.name,
+                subject,
                 cap(s.step_rms[e] / RETURN_STEP),
                 "warning",
                 {
-                    "expert": e,
-                    "experts": back,
-                    "layer": _layer(t.name),
+                    "expert": _id(g, e),
+                    "experts": [_id(g, x) for x in back],
+                    "layer": _layer(t.name if g is None else f"{mod}."),
                     "v_level_before": level,
                     "v_level_threshold": RETURN_V_LEVEL,
                     "step_rms": s.step_rms[e],
                     "step_threshold": RETURN_STEP,
                     "median_step_rms": med_step,
                     "r_v": s.r_v[e],
+                    **({"group": t.name} if g is not None else {}),
                 },
-                f"{module_of(t.name)}: expert {e} came back to a second moment {level:.2g}x its peers' "
+                f"{mod}: expert {_id(g, e)}{f' ({g.param})' if g is not None else ''} came back to a second moment {level:.2g}x its peers' "
                 f"and moved sign-like ({s.step_rms[e]:.2f} lr per element per step, peers {med_step:.2f})",
                 f"{_SOURCE}#expert-return",
                 ("adam_instability",),

@@ -8,6 +8,12 @@ ratio, the step's RMS in units of the LR (1: sign-like), the second moment's lev
 gradient energy it implies (`r_v`), and how many elements of each moment left the decay a window
 without gradient leaves exactly (v_B = beta2^k v_A, m_B = beta1^k m_A up to rounding).
 
+Checkpoints that write one tensor per expert (DeepSpeed-MoE's `...deepspeed_experts.{E}.fc1.weight`,
+Megatron's SequentialMLP `...local_experts.{E}.linear_fc1.weight`, Mixtral-style
+`...experts.{E}.w1.weight`) are diffed tensor by tensor; `split_groups` stacks the records of one
+module's parameter across its experts into the same `ExpertStats` (`SplitExperts`), so the
+per-expert rules read both layouts alike.
+
 Pure: the accumulator folds the chunks `diff_tensor` has already staged; it reads no file and
 adds O(E) memory and a few chunk-sized temporaries, one at a time.
 """
@@ -15,14 +21,29 @@ adds O(E) memory and a few chunk-sized temporaries, one at a time.
 from __future__ import annotations
 
 import math
+import re
+from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from ckptforensics.engine.diff.chunks import Moments, Pair
-from ckptforensics.engine.diff.records import ExpertStats
+from ckptforensics.engine.diff.records import ExpertStats, TensorDiff
 
-__all__ = ["ExpertAcc", "expert_dim", "expert_sums"]
+__all__ = [
+    "ExpertAcc",
+    "SplitExperts",
+    "expert_dim",
+    "expert_slices",
+    "expert_sums",
+    "split_groups",
+    "split_key",
+]
+
+# One tensor per expert: `<module>.<container>.<E>.<param>`, the container `experts` or
+# `<word>_experts` (`local_experts`, and DeepSpeed-MoE's); greedy: the last container wins.
+SPLIT = re.compile(r"(.*\.(?:\w+_)?experts)\.(\d+)\.(.+)")
 
 # Relative rounding a no-gradient step leaves on a moment: beta * x rounded once per step
 # (torch's `lerp_`/`mul_`: one or two roundings of fp32), 1e-6 (~8 ulps) per step plus 4, as the
@@ -42,6 +63,24 @@ def expert_dim(name: str, shape: tuple[int, ...], n_experts: int | None) -> int 
         return None
     after = parts[parts.index("experts") + 1]
     return None if after.isdigit() else n_experts  # `experts.3.w1`: one tensor per expert
+
+
+def split_key(name: str) -> tuple[str, int, str] | None:
+    """(module, expert id, parameter) of a tensor written one per expert
+    (`h.1.mlp.moe.deepspeed_moe.experts.deepspeed_experts.2.fc1.weight` ->
+    (`h.1.mlp.moe.deepspeed_moe.experts.deepspeed_experts`, 2, `fc1.weight`)); None otherwise
+    (a fused `...experts.gate_up_proj`, a router, a dense MLP)."""
+    m = SPLIT.fullmatch(name)
+    return (m.group(1), int(m.group(2)), m.group(3)) if m else None
+
+
+def expert_slices(name: str, shape: tuple[int, ...], n_experts: int | None) -> int | None:
+    """How many expert slices `ExpertAcc` reads a tensor as: E for a fused expert tensor
+    (`expert_dim`), 1 for one expert's own tensor (`split_key`), None otherwise. A diff that
+    runs the accumulator on both gives `split_groups` the exact moment statistics to stack."""
+    if split_key(name) is not None:
+        return 1
+    return expert_dim(name, shape, n_experts)
 
 
 def expert_sums(
@@ -178,3 +217,122 @@ class ExpertAcc:
                 decayed=tuple(self.decayed),
             )
         return ExpertStats(**out)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class SplitExperts:
+    """One module's parameter written one tensor per expert, its records stacked.
+
+    Attributes:
+        module: the experts' container (`...deepspeed_experts`, `...local_experts`, `...experts`).
+        param: the parameter under each expert (`fc1.weight`, `linear_fc1.weight`, `w1.weight`).
+        ids: the experts' ids as named, ascending; position e of `record.experts` is `ids[e]`.
+        tensors: each expert's own record, in the same order.
+        record: a record named `<module>.*.<param>` whose `experts` holds the group's
+            statistics per expert (the other fields summarise the members).
+    """
+
+    module: str
+    param: str
+    ids: tuple[int, ...]
+    tensors: tuple[TensorDiff, ...]
+    record: TensorDiff
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """Each expert's tensor name, in the order of `ids`."""
+        return tuple(t.name for t in self.tensors)
+
+    def expert(self, e: int) -> str:
+        """The name of the expert at position `e` (`...deepspeed_experts.2`)."""
+        return f"{self.module}.{self.ids[e]}"
+
+
+def split_groups(tensors: Iterable[TensorDiff]) -> list[SplitExperts]:
+    """The diff's one-tensor-per-expert records grouped per module and parameter: names that
+    differ only in the expert id (`split_key`), two experts or more, every shape equal."""
+    groups: dict[tuple[str, str], list[tuple[int, TensorDiff]]] = defaultdict(list)
+    for t in tensors:
+        key = split_key(t.name)
+        if key is not None:
+            groups[(key[0], key[2])].append((key[1], t))
+    out = []
+    for (module, param), members in groups.items():
+        members.sort(key=lambda x: x[0])
+        ids = tuple(e for e, _ in members)
+        ts = [t for _, t in members]
+        if len(ts) < 2 or len(set(ids)) < len(ids) or len({t.shape for t in ts}) > 1:
+            continue
+        out.append(SplitExperts(module, param, ids, tuple(ts), _group_record(module, param, ts)))
+    return out
+
+
+def _stack(ts: list[TensorDiff]) -> ExpertStats:
+    """The members' statistics as one `ExpertStats`: their own single-expert accumulators
+    where the diff ran them (`expert_slices`), else what each record holds (weights, r_v)."""
+    own = [t.experts for t in ts]
+    if all(s is not None and s.experts == 1 for s in own):
+        st = [s for s in own if s is not None]
+        moments = all(s.has_moments for s in st)
+        return ExpertStats(
+            experts=len(st),
+            numel=st[0].numel,
+            w_norm_a=tuple(s.w_norm_a[0] for s in st),
+            dw_norm=tuple(s.dw_norm[0] for s in st),
+            update_ratio=tuple(s.update_ratio[0] for s in st),
+            step_rms=tuple(s.step_rms[0] for s in st),
+            mean_v_a=tuple(s.mean_v_a[0] for s in st) if moments else (),
+            mean_v_b=tuple(s.mean_v_b[0] for s in st) if moments else (),
+            r_v=tuple(s.r_v[0] for s in st) if moments else (),
+            decayed=tuple(s.decayed[0] for s in st) if moments else (),
+        )
+    per = max(ts[0].numel, 1)
+
+    def step_rms(t: TensorDiff) -> float:
+        # RMS(dw) per step in LR units, as `ExpertAcc.result` (the record's own step count).
+        if not (math.isfinite(t.lr) and t.lr > 0):
+            return math.nan
+        if t.w_norm_a > 0 and math.isfinite(t.update_ratio):
+            per_step = t.update_ratio * t.w_norm_a
+        else:
+            per_step = t.dw_norm / max(t.k, 1)
+        return per_step / math.sqrt(per) / t.lr
+
+    # The mean second moments and the exact decay test need the moments themselves: left out
+    # (the rules that read them skip the group), r_v is the record's own.
+    return ExpertStats(
+        experts=len(ts),
+        numel=ts[0].numel,
+        w_norm_a=tuple(t.w_norm_a for t in ts),
+        dw_norm=tuple(t.dw_norm for t in ts),
+        update_ratio=tuple(t.update_ratio for t in ts),
+        step_rms=tuple(step_rms(t) for t in ts),
+        r_v=tuple(t.r_v for t in ts) if all(t.has_moments for t in ts) else (),
+    )
+
+
+def _group_record(module: str, param: str, ts: list[TensorDiff]) -> TensorDiff:
+    w = math.sqrt(sum(t.w_norm_a**2 for t in ts))
+    d = math.sqrt(sum(t.dw_norm**2 for t in ts))
+    k = max(t.k for t in ts)
+    ratios = [t.update_ratio * t.w_norm_a for t in ts if math.isfinite(t.update_ratio)]
+    return TensorDiff(
+        name=f"{module}.*.{param}",
+        role=ts[0].role,
+        shape=(len(ts), *ts[0].shape),
+        dtype=ts[0].dtype,
+        numel=sum(t.numel for t in ts),
+        w_norm_a=w,
+        dw_norm=d,
+        dw_max_abs=max(t.dw_max_abs for t in ts),
+        update_ratio=math.sqrt(sum(x * x for x in ratios)) / w if w > 0 and ratios else math.nan,
+        max_abs_b=max(t.max_abs_b for t in ts),
+        headroom_b=min(t.headroom_b for t in ts),
+        nonfinite_a=sum(t.nonfinite_a for t in ts),
+        nonfinite_b=sum(t.nonfinite_b for t in ts),
+        has_moments=all(t.has_moments for t in ts),
+        k=k,
+        lr=max((t.lr for t in ts if math.isfinite(t.lr)), default=math.nan),
+        family=ts[0].family,
+        experts=_stack(ts),
+    )

@@ -16,7 +16,14 @@ from ckptforensics.formats.optstate import (
     trainable_order,
 )
 
-__all__ = ["add_state_dict", "attach_optimizer", "scaler_scalars", "scheduler_scalars", "to_plain"]
+__all__ = [
+    "add_state_dict",
+    "attach_optimizer",
+    "map_in_order",
+    "scaler_scalars",
+    "scheduler_scalars",
+    "to_plain",
+]
 
 
 def add_state_dict(ckpt: Checkpoint, sd: Mapping[str, Any], strip: str = "") -> None:
@@ -60,11 +67,14 @@ def attach_optimizer(ckpt: Checkpoint, osd: Any, source: str) -> None:
     if not isinstance(osd, Mapping):
         raise CorruptCheckpoint(f"{source}: optimizer state is not a state_dict")
     names = ckpt.names() + list(ckpt.aliases)
-    order = trainable_order(
-        [n for n in names if ckpt.has(n)],
-        lambda n: (ckpt.meta(n).shape, ckpt.meta(n).dtype),
-        {},
-    )
+    map_in_order(ckpt, osd, [n for n in names if ckpt.has(n)], source)
+
+
+def map_in_order(ckpt: Checkpoint, osd: Mapping[str, Any], names: list[str], source: str) -> None:
+    """Map an integer-id optimizer state_dict onto `names`, the parameters in the order the
+    trainer handed them to its optimizer; a mapping the shapes leave ambiguous is kept
+    pending (and said) for a model to settle."""
+    order = trainable_order(names, lambda n: (ckpt.meta(n).shape, ckpt.meta(n).dtype), {})
     try:
         ckpt.optimizer = map_optimizer(dict(osd), order, source)
     except AmbiguousMapping as e:

@@ -36,7 +36,7 @@ from ckptforensics.engine.diff.chunks import (
     sqrt32,
     weight_stats,
 )
-from ckptforensics.engine.diff.experts import ExpertAcc, expert_dim
+from ckptforensics.engine.diff.experts import ExpertAcc, expert_slices
 from ckptforensics.engine.diff.records import (
     Candidate,
     DiffConfig,
@@ -191,8 +191,9 @@ def diff_tensor(
                     f"{name}: optimizer moment of shape {list(t.shape)} for a parameter of shape {list(meta.shape)}"
                 )
     is_float = lim is not None
-    # A fused MoE tensor ([E, ...]): its statistics per expert too, from the same chunks.
-    n_exp = expert_dim(name, meta.shape, pair.n_experts) if is_float else None
+    # A fused MoE tensor ([E, ...]): its statistics per expert too, from the same chunks; one
+    # expert's own tensor (`experts.3.w1`) as one slice, stacked with its peers' afterwards.
+    n_exp = expert_slices(name, meta.shape, pair.n_experts) if is_float else None
     eacc = None
     if n_exp is not None:
         eacc = ExpertAcc(n_exp, meta.numel)

@@ -28,8 +28,7 @@ import torch
 
 from ckptforensics.core.errors import CorruptCheckpoint
 from ckptforensics.formats.base import Checkpoint
-from ckptforensics.formats.optstate import AmbiguousMapping, map_optimizer, trainable_order
-from ckptforensics.formats.statedict import add_state_dict
+from ckptforensics.formats.statedict import add_state_dict, map_in_order
 from ckptforensics.formats.torchfile import load_torch_file
 
 __all__ = [
@@ -111,16 +110,8 @@ def attach_stage0(ckpt: Checkpoint, osd: dict[str, Any], source: str) -> None:
             ):
                 tied[n] = prev
                 break
-    order = trainable_order(
-        [n for n in dense if n not in tied] + [n for n in ckpt.names() if n in experts],
-        lambda n: (ckpt.meta(n).shape, ckpt.meta(n).dtype),
-        {},
-    )
-    try:
-        ckpt.optimizer = map_optimizer(dict(osd), order, source)
-    except AmbiguousMapping as e:
-        ckpt.pending_optimizer = e.pending
-        ckpt.notes.append(f"{e}")
+    order = [n for n in dense if n not in tied] + [n for n in ckpt.names() if n in experts]
+    map_in_order(ckpt, osd, order, source)
 
 
 def _counts(ms: dict[str, Any]) -> list[int]:

@@ -27,7 +27,10 @@ CLASSES = {
     581: ("trend", "the fault's own five lines stretched the blip duration that excused it"),
     10165: ("lr-growth", "a held shift starting on noise one step before the logged LR jump"),
     10245: ("lr-growth", "a hard batch met twice at z 7 and 12, its later meetings weaker"),
-    10278: ("trend", "a held rise dated on noise one step before the fault, the grad norm quiet"),
+    # Since the settled level shift (docs/signatures.md#log-settled) the trend's onset at the
+    # fault is set aside on this log without a grad norm, and the held rise dates it, now inside
+    # the fault's window (270 of [269, 270]).
+    10278: ("held", "a held rise dated on noise one step before the fault, the grad norm quiet"),
     10379: (None, "a heavy tail's burst of blips read as a held shift that fell back"),
     10408: ("short-joint", "an excerpt's faulted loss easing back, still past every earlier line"),
     10417: ("held", "a held start a line late: the line before's grad norm led it"),

@@ -69,14 +69,19 @@ def test_inspect_lists_the_expert_tensors() -> None:
     assert "DeepSpeed-MoE: 32 expert tensors" in r.output
 
 
-def test_diff_names_the_expert_run_at_1000x_its_lr() -> None:
+@pytest.fixture(scope="module")
+def rep() -> dict:
+    """The diff's JSON report of the committed pair (steps 4 -> 8), run once for the module."""
     r = CliRunner().invoke(
         cli,
         ["diff", "--run-dir", str(RUN), "--before", "4", "--after", "8", "--workers", "1"]
         + ["--json"],
     )
     assert r.exit_code == 0, r.output
-    rep = json.loads(r.stdout)
+    return json.loads(r.stdout)
+
+
+def test_diff_names_the_expert_run_at_1000x_its_lr(rep: dict) -> None:
     causes = [c["cause"] for c in rep["verdict"]["causes"]]
     assert causes and causes[0] == "lr_too_high", rep["verdict"]
     tensors = {t["name"]: t for t in rep["diff"]["tensors"]}
@@ -91,17 +96,10 @@ def test_diff_names_the_expert_run_at_1000x_its_lr() -> None:
     assert min(tensors[n]["update_ratio"] for n in TRUTH["tensors"]) > 5 * rest
 
 
-def test_per_expert_evidence_names_expert_2_of_layer_1_alone() -> None:
+def test_per_expert_evidence_names_expert_2_of_layer_1_alone(rep: dict) -> None:
     """The split experts stacked per module and parameter: expert 2 of MoE layer 1 stands out
     in each of its 4 tensors (~800x its peers' update/weight), past Adam's bound at its
     recorded LR (so the finding supports lr_too_high); no other expert is named."""
-    r = CliRunner().invoke(
-        cli,
-        ["diff", "--run-dir", str(RUN), "--before", "4", "--after", "8", "--workers", "1"]
-        + ["--json"],
-    )
-    assert r.exit_code == 0, r.output
-    rep = json.loads(r.stdout)
     assert rep["verdict"]["causes"][0]["cause"] == "lr_too_high", rep["verdict"]
     expert = [f for f in rep["findings"] if "expert" in f["kind"]]
     assert {f["kind"] for f in expert} == {"expert_update_outlier"}, expert

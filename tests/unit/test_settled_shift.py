@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,7 @@ import pytest
 import ckptforensics.detectors.log.onsets as onsets
 from ckptforensics.detectors.base import Thresholds
 from ckptforensics.detectors.log.settled import SETTLE_AFTER, settled_level
-from ckptforensics.detectors.replay.onset import _onset
+from ckptforensics.detectors.replay.onset import _LoggedStep, _onset
 from ckptforensics.engine.triage import triage
 
 SWITCH = 220
@@ -153,21 +152,12 @@ def test_settled_level_needs_the_steps_after_it() -> None:
     assert settled_level(before, own, LOSS[i + 1 : i + SETTLE_AFTER], 6.0) is None  # too few
 
 
-@dataclass
-class _Rec:
-    step: int
-    loss: float
-    grad_norm: float
-    skipped: bool = False
-    loss_scale: float | None = None
-
-
 def _replay(rows: list[dict[str, float]], lo: int, hi: int) -> int | None:
     """The replay's onset over the window lo..hi (its steps replayed as logged), the log
     before it its history and the 16 logged steps after it its `following` rows (as
     `ReplayResult` holds them)."""
     by = {x["step"]: x for x in rows}
-    recs = [_Rec(s, by[s]["loss"], by[s]["grad_norm"]) for s in range(lo, hi + 1)]
+    recs = [_LoggedStep(s, by[s]["loss"], by[s]["grad_norm"]) for s in range(lo, hi + 1)]
     base = [by[s] for s in range(lo - 128, lo) if s in by]
     following = [by[s] for s in range(hi + 1, hi + 17) if s in by]
     i, _, _ = _onset(recs, base, Thresholds(), following=following)

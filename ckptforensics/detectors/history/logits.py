@@ -52,22 +52,28 @@ def _climb_departure(t: Trajectory, limit: float, th: Thresholds) -> Departure |
     d = departure(t, th.attn_growth)
     if d is None or past is None:
         return None
-    low = [s for s, v in t.finite() if s < past and abs(v) <= CLIMB_FROM * limit]
-    start = low[-1] if low else t.finite()[0][0]
+    low = _last_low(t, limit)
+    start = t.finite()[0 if low is None else low][0]
     return d if start <= d.step <= past else None
 
 
-def _climb_start(t: Trajectory, limit: float) -> int | None:
-    """The climb's first checkpoint: the one after the last at or under `CLIMB_FROM` of
-    `limit` before the first past it for good; None where the range did not see it low."""
-    pts = t.finite()
+def _last_low(t: Trajectory, limit: float) -> int | None:
+    """The index (in `t.finite()`) of the last checkpoint at or under `CLIMB_FROM` of `limit`
+    before the first past it for good, where the climb starts; None where the range did not
+    see it that low (or it never passed the limit for good)."""
     past = _first_past(t, limit)
     low = [
         i
-        for i, (s, v) in enumerate(pts)
+        for i, (s, v) in enumerate(t.finite())
         if past is not None and s < past and abs(v) <= CLIMB_FROM * limit
     ]
-    return pts[low[-1] + 1][0] if low else None
+    return low[-1] if low else None
+
+
+def _climb_start(t: Trajectory, limit: float) -> int | None:
+    """The climb's first checkpoint: the one after its start (`_last_low`)."""
+    low = _last_low(t, limit)
+    return None if low is None else t.finite()[low + 1][0]
 
 
 def onset_of(t: Trajectory, limit: float, th: Thresholds) -> tuple[int | None, str]:
@@ -175,15 +181,9 @@ def early_growth(
     starts with the run is its own trend, and the checkpoint where it passed the limit for
     good can come long after the growth began (issue #45's held-out draws)."""
     pts = [(s, abs(v)) for s, v in t.finite()]
-    past = _first_past(t, limit)
-    low = [
-        i
-        for i, (s, v) in enumerate(pts)
-        if past is not None and s < past and v <= CLIMB_FROM * limit
-    ]
-    if not low:
+    start = _last_low(t, limit)
+    if start is None:
         return None
-    start = low[-1]
     half = next(i for i in range(start + 1, len(pts)) if pts[i][1] >= CLIMB_HALF * limit)
     recs = pts[half:]
     if len(recs) < EARLY_MIN:

@@ -532,6 +532,8 @@ def main() -> None:
             "families-tuning",
             "heldout-families",
             "heldout-families-2",
+            "families-tuning-2",
+            "heldout-families-3",
             "resumes-tuning",
             "heldout-resumes",
             "heldout-resumes-2",

@@ -83,6 +83,33 @@ def test_a_spike_on_a_falling_loss_is_an_onset(draws: dict[int, Path]) -> None:
     assert triage(log, run).first_bad_step == at
 
 
+def test_scaler_backoffs_in_a_log_without_a_loss_scale_column_are_routine(
+    draws: dict[int, Path], tmp_path: Path
+) -> None:
+    """Draw 1015 trains in fp16 with routine backoffs, the last 6 steps before its log ends.
+    Written by TensorBoard's writer as the HF Trainer's tags (`draws._tensorboard_log`), the
+    log has no loss-scale column: its scaler shows only as non-finite grad norms whose next
+    loss is finite, and the last of them, too near the end for the loss to answer, is still
+    the scaler's routine, not an onset (held-out draw 12115's false alarm)."""
+    import shutil
+
+    from ckptforensics.detectors.log.evidence import SKIPS_FOR_SCALER, skipped_overflows
+    from fixtures.draws import _tensorboard_log
+
+    run = tmp_path / "tb"
+    shutil.copytree(draws[1015], run)
+    rows = read_metrics(run / "metrics.jsonl")
+    skips = [s for s, r in rows.items() if not math.isfinite(r.get("grad_norm", 0.0))]
+    assert len(skips) >= SKIPS_FOR_SCALER and max(rows) - skips[-1] < 8  # inside LOSS_FOLLOW // 2
+    _tensorboard_log(run)
+    log = find_metrics(run)
+    assert log is not None and "tfevents" in log.name
+    tb = read_metrics(log)
+    assert not any("loss_scale" in r for r in tb.values())
+    assert skipped_overflows(tb) == len(skips)
+    assert triage(log, run).first_bad_step is None
+
+
 def test_lightning_logs_and_checkpoints_are_found_where_lightning_puts_them(
     draws: dict[int, Path],
 ) -> None:

@@ -75,7 +75,8 @@ class Curve:
 @dataclass(frozen=True, slots=True)
 class LogEvidence:
     """What the log detectors read: the rows, the loss and grad-norm curves judged once,
-    and whether a loss scaler ran (its overflows are routine)."""
+    and whether a loss scaler ran (its overflows are routine): a loss-scale column, or updates
+    the log shows skipped (`skipped_overflows`)."""
 
     rows: Rows
     loss: Curve
@@ -104,6 +105,26 @@ def _constant_zero(rows: Rows, key: str) -> bool:
     return bool(vals) and all(v == 0 for v in vals)
 
 
+# Updates a log shows skipped before its loss scaler counts as running without a loss-scale
+# column: one is a single event (a trainer that skips a NaN step), two a scaler's routine.
+SKIPS_FOR_SCALER = 2
+
+
+def skipped_overflows(rows: Rows) -> int:
+    """Logged steps whose grad norm is non-finite and whose next logged loss is finite: updates
+    the trainer skipped, as a loss scaler does on an overflow (an applied non-finite update
+    leaves every later loss non-finite). An fp16 HF Trainer, or an own loop logging to
+    TensorBoard or W&B, records its scaler only this way: no loss-scale column (held-out draw
+    12115: twelve such steps, the last seven steps before the log's end and named an onset)."""
+    steps = sorted(rows)
+    return sum(
+        1
+        for a, b in zip(steps, steps[1:], strict=False)
+        if not math.isfinite(rows[a].get("grad_norm", 0.0))
+        and math.isfinite(rows[b].get("loss", math.nan))
+    )
+
+
 def log_evidence(rows: Rows, cfg: TriageConfig) -> LogEvidence:
     """The curves judged once. A column that is 0 on every row was never computed (a
     Megatron-DeepSpeed run prints "grad norm: 0.000" when its engine did not compute one):
@@ -111,7 +132,9 @@ def log_evidence(rows: Rows, cfg: TriageConfig) -> LogEvidence:
     zero = tuple(k for k in ("grad_norm", "loss_scale") if _constant_zero(rows, k))
     if zero:
         rows = {s: {k: v for k, v in r.items() if k not in zero} for s, r in rows.items()}
-    scaled = any("loss_scale" in r for r in rows.values())
+    scaled = (
+        any("loss_scale" in r for r in rows.values()) or skipped_overflows(rows) >= SKIPS_FOR_SCALER
+    )
     first = min(rows) if rows else 0
     return LogEvidence(
         rows,

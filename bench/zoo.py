@@ -88,11 +88,17 @@ def score_report(name: str, truth: dict[str, Any], doc: dict[str, Any], seconds:
         )
     samples = samples_ok = None
     if truth.get("samples") is not None:
-        got = {s["index"] for s in v.get("anomalous_samples") or []}
+        # The rows the verdict names: the culprits (the minimal set whose removal removes the
+        # spike, issue #42) and, apart, the flagged rows the spike does not need ("also
+        # unusual"): a planted row named either way is found, a clean one named either way is
+        # a false accusation.
+        culprits = {s["index"] for s in v.get("anomalous_samples") or []}
+        got = culprits | {s["index"] for s in v.get("unusual_samples") or []}
         want = set(truth["samples"])
-        if got:
+        if culprits:
             p, r = len(got & want) / len(got), len(got & want) / len(want)
-            samples, samples_ok = f"P {p:.2f} R {r:.2f}", p >= 0.9 and r >= 0.9
+            apart = f" ({len(got - culprits)} apart)" if got - culprits else ""
+            samples, samples_ok = f"P {p:.2f} R {r:.2f}{apart}", p >= 0.9 and r >= 0.9
         else:
             samples, samples_ok = "n/p", None if "samples" in blind else False
     element_ok = None
@@ -453,7 +459,7 @@ def score_draws(
     agg = {
         "cause top-1": rate("cause_ok"),
         "culprit layer": rate("layer_ok"),
-        "culprit rows P,R >= 0.9": rate("samples_ok"),
+        "rows named (culprits, and apart the unusual ones) P,R >= 0.9": rate("samples_ok"),
         "first bad step exact": rate("fbs_ok"),
         "reproducible (the verdict's flag vs the truth's)": rate("rep_ok"),
         "triage onset (exact; module-LR faults a log shows only through group 0: within its first sign)": rate(

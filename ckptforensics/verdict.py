@@ -45,6 +45,9 @@ class Verdict:
     exploding_layers: list[str] = field(default_factory=list)
     overflowing_tensors: list[dict[str, Any]] = field(default_factory=list)
     anomalous_samples: list[dict[str, Any]] = field(default_factory=list)
+    # Rows flagged in the spiking batch that the spike does not need (removing them one at a
+    # time changes nothing): unusual, named apart from the culprits (issue #42's minimal set).
+    unusual_samples: list[dict[str, Any]] = field(default_factory=list)
     corrupted_elements: list[dict[str, Any]] = field(default_factory=list)
     recommended_actions: list[str] = field(default_factory=list)
     rollback_checkpoint: str | None = None

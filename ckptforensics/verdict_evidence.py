@@ -244,6 +244,7 @@ def replay_fields(findings: Sequence[Finding], state_steps: Sequence[int] = ()) 
         out["replay_layers"] = list(by["first_backward_anomaly"][0].metrics.get("ranked", []))
     if by["anomalous_samples"]:
         out["anomalous_samples"] = list(by["anomalous_samples"][0].metrics["samples"])
+        out["unusual_samples"] = list(by["anomalous_samples"][0].metrics.get("unusual", []))
     for kind, value in _REPRODUCED.items():
         if by[kind]:
             out["reproducible"] = value

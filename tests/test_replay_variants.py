@@ -6,6 +6,7 @@ drawn own-loop incidents (fixtures/draws.py) whose log lost some of its LR colum
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -147,6 +148,7 @@ def test_culprit_rows_are_the_rows_the_spike_needs(poisoned: Path) -> None:
     from ckptforensics.detectors.replay.rows import confirmed
     from ckptforensics.engine.bisect import confirm_rows
     from ckptforensics.engine.replay.run import replay
+    from ckptforensics.verdict_evidence import replay_fields
 
     t = truth(poisoned)
     planted = sorted(t["samples"])
@@ -164,6 +166,18 @@ def test_culprit_rows_are_the_rows_the_spike_needs(poisoned: Path) -> None:
     g = confirmed(f, confirm_rows(rep, f.metrics["step"], planted))
     assert g.primary and g.severity == "critical" and g.supports == ("poison_batch",)
     assert sorted(g.metrics["rows"]) == planted and "removes the spike" in g.message
+    # Had the clean row been flagged too, the verdict names it apart from the culprits: unusual,
+    # not needed by the spike (the report's "Also unusual" table, what a scorer counts as found).
+    flagged = {**f.metrics["samples"][0], "index": clean, "why": "its loss stands out"}
+    h = confirmed(
+        dataclasses.replace(
+            f, metrics={**f.metrics, "samples": [*f.metrics["samples"], flagged], "rows": [*planted, clean]}
+        ),
+        check,
+    )  # fmt: skip
+    fields = replay_fields([h])
+    assert sorted(x["index"] for x in fields["anomalous_samples"]) == planted
+    assert [x["index"] for x in fields["unusual_samples"]] == [clean]
 
 
 @pytest.fixture(scope="module")

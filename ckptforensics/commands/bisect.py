@@ -113,6 +113,15 @@ def _bisect_report(
             }
             for k, i in enumerate(res.rows)
         ]
+        extra["unusual_samples"] = [
+            {
+                "index": i,
+                "sample_id": (res.unusual_ids[k] if res.unusual_ids else None),
+                "score": 0.0,
+                "why": res.evidence.get(i, "flagged") + "; the spike does not need it",
+            }
+            for k, i in enumerate(res.unusual)
+        ]
     before_ok = diff is None or not any(t.nonfinite_a for t in diff.tensors)
     verdict = decide(
         findings,

@@ -42,6 +42,7 @@ class BisectResult:
             at a time (`confirm_rows`): unusual, not culprits.
         presence_spikes: the minimal set alone, with healthy filler rows, still spikes.
         sample_ids: dataset ids of `rows` (batch log `/sample_id`), when recorded.
+        unusual_ids: dataset ids of `unusual`, likewise.
         replays: forward+backward evaluations spent on sample bisection; budget: 2 k log2(B) + 4.
         disagreements: steps where the replayed loss differs from the training log.
         trials: (rows kept or removed, loss, grad norm, spiked) per evaluation.
@@ -51,6 +52,7 @@ class BisectResult:
     rows: list[int] = field(default_factory=list)
     minimal_rows: list[int] = field(default_factory=list)
     unusual: list[int] = field(default_factory=list)
+    unusual_ids: list[int] = field(default_factory=list)
     presence_spikes: bool | None = None
     sample_ids: list[int] = field(default_factory=list)
     replays: int = 0
@@ -219,6 +221,7 @@ def bisect(
             res.rows = check.culprits
             ids = p.batches.sample_ids.get(s)
             res.sample_ids = [ids[i] for i in res.rows] if ids else []
+            res.unusual_ids = [ids[i] for i in res.unusual] if ids else []
             res.texts = {i: t for i, t in res.texts.items() if i in res.rows}
     return res, rep
 

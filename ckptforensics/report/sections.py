@@ -77,10 +77,10 @@ def _facts(doc: dict[str, Any]) -> Facts:
     return Facts(rows)
 
 
-def _samples(v: dict[str, Any]) -> Table:
-    """The anomalous rows; their score only where it ranks them (a bisection's rows are each
-    needed, all alike)."""
-    rows = v["anomalous_samples"][:16]
+def _samples(v: dict[str, Any], key: str = "anomalous_samples") -> Table:
+    """The anomalous rows (or the unusual ones the spike does not need); their score only where
+    it ranks them (a bisection's rows are each needed, all alike)."""
+    rows = v[key][:16]
     scored = len({s["score"] for s in rows}) > 1
     head = ["row", "sample id", *(["score"] if scored else []), "why"]
     return Table(
@@ -103,6 +103,10 @@ def _verdict_sections(v: dict[str, Any]) -> list[Section]:
              for e in v["corrupted_elements"][:10]],
         )] if v["corrupted_elements"] else []),
         Section("Anomalous samples", [_samples(v)] if v["anomalous_samples"] else []),
+        Section(
+            "Also unusual (the spike does not need them)",
+            [_samples(v, "unusual_samples")] if v.get("unusual_samples") else [],
+        ),
         Section("Tensors at their dtype's limit", [Table(
             ["tensor", "where", "dtype", "max abs", "limit"],
             [[Code(o["name"]), o["where"], o["dtype"], fmt(o["max_abs"]), fmt(o["limit"])]

@@ -161,6 +161,29 @@ def _doc(**sections: Any) -> dict[str, Any]:
     }
 
 
+def test_rows_the_spike_does_not_need_are_listed_apart() -> None:
+    """The culprits under "Anomalous samples"; flagged rows the spike does not need under a
+    table of their own, in Markdown and in HTML."""
+    row = {
+        "index": 3,
+        "sample_id": 17,
+        "score": 9.0,
+        "why": "its loss stands out; removing it removes the spike",
+    }
+    odd = {"index": 5, "sample_id": 19, "score": 7.0, "why": "its loss stands out"}
+    doc = _doc()
+    doc["verdict"] = {**doc["verdict"], "anomalous_samples": [row], "unusual_samples": [odd]}
+    md = render_markdown(doc)
+    culprits, apart = md.split("**Anomalous samples**")[1].split(
+        "**Also unusual (the spike does not need them)**"
+    )
+    assert "| 3 | 17 |" in culprits and "| 5 |" not in culprits
+    assert "| 5 | 19 |" in apart.split("**Recommended actions**")[0]
+    assert "<h2>Also unusual (the spike does not need them)</h2>" in render_html(doc)
+    doc["verdict"] = {**doc["verdict"], "unusual_samples": []}
+    assert "Also unusual" not in render_markdown(doc)
+
+
 def test_the_plan_reads_in_markdown_as_a_ticket_does() -> None:
     assert "\n".join(plan_lines(PLAN, "runs/x")) == PLAN_MD
     assert plan_lines({}) == []

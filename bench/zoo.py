@@ -383,6 +383,7 @@ def score_draw(seed: int, root: Path) -> dict[str, Any]:
         built is None
         or built.get("trainer", "own") != draw(seed).trainer
         or built.get("optimizer", "adamw") != draw(seed).optimizer
+        or built.get("layout", "") != draw(seed).layout
     ):
         shutil.rmtree(run, ignore_errors=True)
         try:

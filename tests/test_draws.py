@@ -212,3 +212,25 @@ def test_megatron_draws_keep_their_window_restart_and_poison_in_shape() -> None:
         assert crash is None or before < crash < before + d.save_every, d.seed
         if d.cause == "poison_batch":
             assert d.megatron_data and 0 < len(d.rows) <= GLOBAL_BATCH // 2, d.seed
+
+
+def test_own_loop_layouts_are_drawn_with_their_optimizers() -> None:
+    """Issue #44's own-loop layouts (`_draw_layout`) on the third families splits: a Muon run
+    saved as modded-nanogpt saves, a Lion run as lion-pytorch's loop, others as `ckpt_N.pt` /
+    `model_N.pt`; never on an fp16 or resumed run; and a poisoned batch there escalates to half
+    the batch at most."""
+    from fixtures.draws import FAMILY_TUNING_2, HELDOUT_FAMILIES_3, Draw, _stronger
+
+    drawn = [d for d in map(draw, FAMILY_TUNING_2 + HELDOUT_FAMILIES_3) if d.layout]
+    assert {d.layout for d in drawn} == {"modded", "lion", "ckpt", "model"}
+    for d in drawn:
+        assert d.trainer == "own" and d.precision != "fp16" and d.resume == "none", d.seed
+        assert d.optimizer == {"modded": "muon", "lion": "lion"}.get(d.layout, d.optimizer)
+        assert not (d.optimizer == "muon" and d.cause == "gradient_explosion"), d.seed
+    d = Draw(seed=HELDOUT_FAMILIES_3[0], cause="poison_batch", n_layer=1, n_embd=16, n_head=2,
+             tied=True, seq=32, batch=8, schedule="constant", warmup=5, peak=1e-3,
+             position="mid_descent", steps=40, at=30, save_every=10, fmt="torch",
+             precision="fp32", natural_runs=0.0, trap="none", rows=[2])  # fmt: skip
+    for _ in range(4):
+        _stronger(d)
+    assert len(d.rows) == d.batch // 2

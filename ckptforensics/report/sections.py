@@ -213,6 +213,8 @@ def _replay(rep: dict[str, Any]) -> Section:
     ]  # fmt: skip
     if rep.get("attention"):
         blocks += _attention(rep["attention"])
+    if any("dropped" in (r.get("router") or {}) for r in rep["steps"]):
+        blocks += _capacity(rep["steps"])
     blocks += _config(rep["config"])
     check = rep.get("check") or {}
     if check.get("checked_steps"):
@@ -251,6 +253,23 @@ def _attention(att: dict[str, Any]) -> list[Block]:
         Table(
             ["step", *[Code(mods[i]) for i in top]],
             [[s, *[f"{fmt(att[s]['max_logit'][i])} ({fmt(att[s]['entropy'][i])})" for i in top]] for s in steps],
+        ),
+    ]  # fmt: skip
+
+
+def _capacity(steps: list[dict[str, Any]]) -> list[Block]:
+    """The tokens each MoE layer's experts kept and those dropped past their capacity, per
+    replayed step (gates that route under a capacity: the router's `GateFigures`)."""
+    rows = [r for r in steps if "dropped" in (r.get("router") or {})]
+    mods = rows[0]["router"]["modules"]
+    return [
+        Para(["Tokens each expert kept per MoE layer, and the routes dropped past the expert's capacity:"]),
+        Table(
+            ["step", *[Code(m) for m in mods]],
+            [[r["step"], *[f"{' '.join(map(str, k))} kept; {d} of {sum(n)} dropped (capacity {c})"
+                           for k, n, d, c in zip(r["router"]["tokens"], r["router"]["routed"],
+                                                 r["router"]["dropped"], r["router"]["capacity"], strict=True)]]
+             for r in rows],
         ),
     ]  # fmt: skip
 

@@ -10,6 +10,13 @@ auxiliary term the same way, or no replayed step would match the log.
 The router logits the model returns (one [tokens, experts] tensor per MoE layer) give the
 routing evidence of each pass: each expert's share of the routed token slots (top-k), the
 largest router logit, and the mean routing entropy; reduced on the device, read once a step.
+
+A model whose MoE layers route under a capacity (DeepSpeed-MoE's `TopKGate`) returns its gates'
+load-balancing losses to the model's own code, which weights and adds them: its trainer's module
+hooks the gates (`router_gates`, asked of every trainer) and each gate call's figures give the
+aux term (`gate_aux`: `router_aux_loss_coef` x the summed `l_aux`, the weight HF models name
+so) and the same routing figures, with the tokens each expert kept and those dropped past its
+capacity (`gate_figures`, `GateFigures`).
 """
 
 from __future__ import annotations
@@ -21,7 +28,18 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["aux_term", "RouterFigures", "router_figures", "router_modules"]
+from ckptforensics.trainers import frameworks
+
+__all__ = [
+    "aux_term",
+    "RouterFigures",
+    "router_figures",
+    "router_modules",
+    "GateFigures",
+    "router_gates",
+    "gate_aux",
+    "gate_figures",
+]
 
 
 def aux_term(
@@ -135,4 +153,83 @@ def router_figures(
         modules=modules
         if len(modules) == len(table)
         else tuple(f"MoE layer {i}" for i in range(len(table))),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class GateFigures(RouterFigures):
+    """The routing of a pass whose gates route under a capacity, per MoE layer: the
+    `RouterFigures` (`load`: each expert's share of the routes the router picked, before the
+    cut) and what the capacity did.
+
+    Attributes:
+        routed: each expert's routes (tokens x top-k picks) before the capacity cut.
+        tokens: each expert's routes the cut kept (the tokens it processed).
+        dropped: the routes dropped past their expert's capacity (their tokens pass the layer
+            on the residual alone).
+        capacity: the routes an expert takes at most.
+    """
+
+    routed: tuple[tuple[int, ...], ...] = ()
+    tokens: tuple[tuple[int, ...], ...] = ()
+    dropped: tuple[int, ...] = ()
+    capacity: tuple[int, ...] = ()
+
+
+def router_gates(model: nn.Module) -> Any | None:
+    """Hooks on the model's capacity-routing gates, from the trainer whose MoE layers they
+    are (each trainer module's `router_gates(model)`, asked in turn), or None."""
+    for fw in frameworks():
+        fn = getattr(fw, "router_gates", None)
+        tap = fn(model) if fn is not None else None
+        if tap is not None:
+            return tap
+    return None
+
+
+def gate_aux(model: nn.Module, calls: list[tuple[str, Any]]) -> torch.Tensor | None:
+    """`router_aux_loss_coef` x the gates' summed load-balancing losses, as the model adds them
+    to its loss; None where the model names no weight (or no gate was called)."""
+    coef = getattr(model, "router_aux_loss_coef", None)
+    if coef is None or not calls:
+        return None
+    return float(coef) * torch.stack([c.l_aux.reshape(()) for _, c in calls]).sum()
+
+
+def gate_figures(calls: list[tuple[str, Any]]) -> GateFigures | None:
+    """The routing figures of a pass's gate calls (`logits` [S, E], `routed` and `kept` [E],
+    `capacity`, `top_k` each), reduced on the device and read once."""
+    if not calls:
+        return None
+    rows = []
+    for _, c in calls:
+        x, routed = c.logits.reshape(-1, c.logits.shape[-1]), c.routed
+        p = torch.softmax(x, dim=-1)
+        ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()
+        rows.append(
+            torch.cat(
+                [
+                    routed / routed.sum().clamp_min(1),
+                    routed,
+                    c.kept.to(routed.device),
+                    x.abs().amax().reshape(1),
+                    ent.reshape(1),
+                    c.capacity.to(routed.device).reshape(1),
+                ]
+            )
+        )
+    e = calls[0][1].routed.numel()
+    table = torch.stack(rows).tolist()  # the one host read of the pass's routing
+    routed_ = tuple(tuple(int(v) for v in r[e : 2 * e]) for r in table)
+    kept = tuple(tuple(int(v) for v in r[2 * e : 3 * e]) for r in table)
+    return GateFigures(
+        load=tuple(tuple(r[:e]) for r in table),
+        logit_max=tuple(r[3 * e] for r in table),
+        entropy=tuple(r[3 * e + 1] for r in table),
+        top_k=calls[0][1].top_k,
+        modules=tuple(n for n, _ in calls),
+        routed=routed_,
+        tokens=kept,
+        dropped=tuple(sum(a) - sum(b) for a, b in zip(routed_, kept, strict=True)),
+        capacity=tuple(int(r[3 * e + 2]) for r in table),
     )

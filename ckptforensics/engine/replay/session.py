@@ -48,7 +48,10 @@ from ckptforensics.engine.replay.records import (
 from ckptforensics.engine.replay.routers import (
     RouterFigures,
     aux_term,
+    gate_aux,
+    gate_figures,
     router_figures,
+    router_gates,
     router_modules,
 )
 from ckptforensics.engine.replay.samples import PerSampleGrad, per_token_loss
@@ -109,6 +112,12 @@ class Session:
         self.aux: torch.Tensor | None = None  # the last forward's auxiliary loss term (MoE)
         self.router: RouterFigures | None = None  # the last probed forward's routing (MoE)
         self.router_modules = router_modules(self.model)
+        # Gates that route under a capacity (a trainer's MoE layers, `routers.router_gates`):
+        # their tokens reach the experts in capacity buffers, not in the batch's rows, so the
+        # per-sample gradient (which reads each linear's input per row) is off for such a model.
+        self.gates = router_gates(self.model)
+        if self.gates is not None:
+            self.model_source += f"; {len(self.gates.names)} MoE gates routing under a capacity: their load-balancing losses x the model's router_aux_loss_coef added to the loss, no per-sample gradient"
         # bf16 parameters on fp32 masters in one process (FSDP2 casts them under torchrun).
         self.bf16_params = (
             mp.BF16Params([p for _, p in self.model.named_parameters() if p.requires_grad])
@@ -161,24 +170,34 @@ class Session:
     def _forward(self, batch: dict[str, torch.Tensor], precision: str) -> torch.Tensor:
         """The logits of every position [B, T, V], the model called as its trainer calls it."""
         assert self.call is not None
+        if self.gates is not None:
+            self.gates.reset()
         with self._compute(precision):
             out = call_model(self.model, self.call, batch, self.labels.shifted)
-        if isinstance(out, torch.Tensor):
+        if self.gates is not None:  # the gates' own losses and routing (`routers.gate_aux`)
+            calls = self.gates.calls()
+            self.aux = gate_aux(self.model, calls)
+            if self.probe.enabled:
+                self.router = gate_figures(calls)
+            if isinstance(out, torch.Tensor):
+                return out
+        elif isinstance(out, torch.Tensor):
             self.aux = None
             return out
-        # A Mixture-of-Experts model's own auxiliary loss, added to the loss as it adds it
-        # (`routers.aux_term`), and its routing when the probes are on (`routers`).
-        self.aux = aux_term(
-            self.model,
-            out,
-            batch.get("attention_mask"),
-            self._micro_parts(batch["input_ids"].shape[0]),
-            summed=self.loss_norm.kind == "targets",
-        )
-        if self.probe.enabled:
-            self.router = router_figures(
-                self.model, out, batch.get("attention_mask"), self.router_modules
+        else:
+            # A Mixture-of-Experts model's own auxiliary loss, added to the loss as it adds it
+            # (`routers.aux_term`), and its routing when the probes are on (`routers`).
+            self.aux = aux_term(
+                self.model,
+                out,
+                batch.get("attention_mask"),
+                self._micro_parts(batch["input_ids"].shape[0]),
+                summed=self.loss_norm.kind == "targets",
             )
+            if self.probe.enabled:
+                self.router = router_figures(
+                    self.model, out, batch.get("attention_mask"), self.router_modules
+                )
         return out.logits if self.call.output == "object" else out[0]
 
     def _micro_parts(self, rows: int) -> list[tuple[int, int]] | None:
@@ -358,7 +377,7 @@ class Session:
             scale = ls.begin(step) if ls is not None else None
             self.probe.reset()
             self.psg.reset()
-            self.psg.enabled = True
+            self.psg.enabled = self.gates is None
             self.opt.zero_grad(set_to_none=True)
             loss, per_sample = self._loss(batch, self.precision)
             self._backward(ls.scale(loss) if ls is not None else loss)
@@ -519,6 +538,8 @@ class Session:
     def close(self) -> None:
         self.probe.remove()
         self.psg.remove()
+        if self.gates is not None:
+            self.gates.remove()
 
 
 # Logits up to which the C kernel (one thread) measures them even where torch has several

@@ -5,6 +5,10 @@ The config is the one every checkpoint saves in its model states (`ds_config`). 
 `load_checkpoint` the engine restores the optimizer (unless `load_optimizer_states=False`,
 which loses it) and, with `load_lr_scheduler_states=True` (the default), the scheduler, whose
 state then wins over a new `optimizer.params.lr`.
+
+A replay of a model built with DeepSpeed-MoE asks this module for hooks on its gates
+(`router_gates`, `moe_gate.py`): the load-balancing losses the model adds to its loss, and
+the tokens each expert kept and dropped past its capacity.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from ckptforensics.trainers.base import (
     lr_fix_edit,
     skip_json,
 )
+
+# The replay asks every trainer module for `router_gates(model)` (`engine/replay/routers`).
+from ckptforensics.trainers.deepspeed.moe_gate import router_gates  # noqa: F401
 
 NAME = "deepspeed"
 TITLE = "DeepSpeed"

@@ -1,0 +1,162 @@
+"""The replay of a DeepSpeed-MoE own-loop run (`fixtures/deepspeed_moe_run.py`, committed under
+fixtures/data/deepspeed-moe): the model's own MoE layers (DeepSpeed's `TopKGate` routing under a
+capacity) replayed from global_step4 over steps 5-8 land on the loop's log (LM loss + 0.01 x the
+gates' `l_aux`), and the routing figures hold, per MoE layer and step, the tokens each expert kept
+and those dropped past its capacity: none at capacity factor 4.0 (the committed run), about half
+at 0.5 (the same run trained again with a tight capacity). The reference for the dropped tokens is
+DeepSpeed's own gate on the step's batch (its dense form: `dispatch_mask`, `exp_counts`), not the
+replay's reading of the sparse routes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptforensics.checkpoints import open_checkpoint
+from ckptforensics.cli import cli
+from ckptforensics.formats.batches import open_batches
+from tests.conftest import ROOT, free_port, validate_reports
+
+pytest.importorskip("deepspeed")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+RUN = ROOT / "fixtures" / "data" / "deepspeed-moe"
+SCRIPT = ROOT / "fixtures" / "deepspeed_moe_run.py"
+TIGHT = 0.5
+
+
+def _replay(run: Path, factory: str, out: Path) -> dict:
+    r = CliRunner().invoke(
+        cli,
+        ["-q", "replay", "--run-dir", str(run), "--before", "4", "--after", "8"]
+        + ["--model", f"{SCRIPT}:{factory}", "--batch", str(run / "batches.h5")]
+        + ["--out", str(out)],
+    )
+    assert r.exit_code == 0, r.output
+    return json.loads((out / "report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tight_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The committed run trained again with capacity factor 0.5 (DeepSpeed, one gloo process)."""
+    out = tmp_path_factory.mktemp("ds-moe") / "tight"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), "--capacity-factor", str(TIGHT)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reports(tight_run: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """capacity -> (run, its replay's report.json, the report's folder)."""
+    out = tmp_path_factory.mktemp("ds-moe-replay")
+    return {
+        "ample": (RUN, _replay(RUN, "factory", out / "ample"), out / "ample"),
+        "tight": (tight_run, _replay(tight_run, "tight_factory", out / "tight"), out / "tight"),
+    }
+
+
+def _log(run: Path) -> dict[int, dict]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {r["step"]: r for r in rows}
+
+
+@pytest.mark.parametrize("which", ["ample", "tight"])
+def test_the_replay_lands_on_the_loops_log(reports: dict, which: str) -> None:
+    """Every replayed step's loss (LM loss + the gates' weighted l_aux) and pre-clip grad norm
+    are the run's own, and the after checkpoint is reproduced."""
+    run, rep, _ = reports[which]
+    log = _log(run)
+    steps = rep["replay"]["steps"]
+    assert [s["step"] for s in steps] == [5, 6, 7, 8]
+    for s in steps:
+        assert s["loss"] == pytest.approx(log[s["step"]]["loss"], rel=1e-6), s["step"]
+        assert s["grad_norm"] == pytest.approx(log[s["step"]]["grad_norm"], rel=1e-5), s["step"]
+    kinds = {f["kind"] for f in rep["findings"]}
+    assert {"replay_log_agreement", "replay_reproduces"} <= kinds, kinds
+    assert "MoE gates routing under a capacity" in rep["replay"]["config"]["model"]["value"]
+
+
+@pytest.mark.parametrize("which", ["ample", "tight"])
+def test_routing_figures_per_moe_layer(reports: dict, which: str) -> None:
+    """Each step's figures name both gates and give each expert's tokens, kept and routed."""
+    run, rep, _ = reports[which]
+    truth = json.loads((run / "truth.json").read_text())
+    for s in rep["replay"]["steps"]:
+        r = s["router"]
+        assert r["modules"] == [
+            f"transformer.h.{i}.mlp.moe.deepspeed_moe.gate" for i in range(truth["moe_layers"])
+        ]
+        assert len(r["tokens"]) == len(r["routed"]) == truth["moe_layers"]
+        for kept, routed, dropped, cap in zip(
+            r["tokens"], r["routed"], r["dropped"], r["capacity"], strict=True
+        ):
+            assert len(kept) == truth["n_experts"] and sum(routed) == 4 * 16  # top-1, 64 tokens
+            assert all(k <= min(n, cap) for k, n in zip(kept, routed, strict=True))
+            assert dropped == sum(routed) - sum(kept)
+        assert r["load"][0] == pytest.approx([n / 64 for n in r["routed"][0]])
+    dropped = [d for s in rep["replay"]["steps"] for d in s["router"]["dropped"]]
+    if which == "ample":  # ceil(64 / 4 x 4.0) = 64 routes an expert: nothing dropped
+        assert set(dropped) == {0}
+        assert {c for s in rep["replay"]["steps"] for c in s["router"]["capacity"]} == {64}
+    else:  # ceil(64 / 4 x 0.5) = 8 routes an expert: at least half the tokens dropped
+        assert min(dropped) >= 32
+        assert {c for s in rep["replay"]["steps"] for c in s["router"]["capacity"]} == {8}
+
+
+def _deepspeed_reference(run: Path, factory: str) -> list[tuple[list[int], int]]:
+    """Each MoE layer's (kept tokens per expert, dropped) as DeepSpeed's own gate reports
+    them on step 5's batch from global_step4 (training mode): the gate's dense form,
+    `dispatch_mask` summed over tokens and slots, against `exp_counts` (before the cut)."""
+    sys.path.insert(0, str(ROOT))
+    from fixtures import deepspeed_moe_run as fx
+
+    model = getattr(fx, factory)()
+    ck = open_checkpoint(run / "global_step4")
+    sd = {k: ck.tensor(k) for k in model.state_dict() if ck.has(k)}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight", "transformer.wte.weight"}
+    model.train()
+    inputs: list[torch.Tensor] = []
+    gates = [b.mlp.moe.deepspeed_moe.gate for b in model.transformer.h]
+    hooks = [g.register_forward_pre_hook(lambda _m, a: inputs.append(a[0])) for g in gates]
+    batch = open_batches(str(run / "batches.h5")).batch(5)
+    with torch.no_grad():
+        model(batch["input_ids"])
+    for h in hooks:
+        h.remove()
+    out = []
+    with torch.no_grad():
+        for g, x in zip(gates, inputs, strict=True):
+            _l_aux, _combine, dispatch_mask, exp_counts = g(x)  # sparse_routes=False
+            kept = dispatch_mask.sum((0, 2))
+            out.append(([int(v) for v in kept], int(exp_counts.sum() - kept.sum())))
+    return out
+
+
+def test_the_report_shows_the_dropped_tokens(reports: dict) -> None:
+    """report.md's replay section lists them per layer and step; report.json validates."""
+    md = {k: (v[2] / "report.md").read_text() for k, v in reports.items()}
+    assert "8 8 8 8 kept; 32 of 64 dropped (capacity 8)" in md["tight"]
+    assert "; 0 of 64 dropped (capacity 64)" in md["ample"]
+    assert validate_reports(reports["tight"][2].parent) == 2
+
+
+@pytest.mark.parametrize(("which", "factory"), [("ample", "factory"), ("tight", "tight_factory")])
+def test_dropped_tokens_are_deepspeeds_own(reports: dict, which: str, factory: str) -> None:
+    run, rep, _ = reports[which]
+    ref = _deepspeed_reference(run, factory)
+    first = rep["replay"]["steps"][0]["router"]
+    assert [list(t) for t in first["tokens"]] == [k for k, _ in ref]
+    assert list(first["dropped"]) == [d for _, d in ref]
+    assert (sum(d for _, d in ref) > 0) == (which == "tight")

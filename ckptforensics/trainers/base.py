@@ -192,6 +192,12 @@ class Framework(Planner, Protocol):
         every trainer, not only the one that wrote `ck`: a file is evidence wherever it lies)."""
         ...
 
+    def router_gates(self, model: nn.Module) -> Any | None:
+        """Hooks on the model's own MoE gates where they are this trainer's (DeepSpeed's
+        `TopKGate`): each call's load-balancing loss and routing under its capacity (asked of
+        every trainer: the model's classes say whose they are)."""
+        ...
+
 
 # Each optional hook -> what the replay does where a framework has none (or it returns None).
 HOOKS: dict[str, str] = {
@@ -204,6 +210,8 @@ HOOKS: dict[str, str] = {
     "(replay calibrates where none records one)",
     "fp32_micro_batches": "replay.precision.fp32_micro_batches: None (one backward over the global batch)",
     "recorded": "trainers.settings.run_settings: the checkpoint's train_config and model config alone",
+    "router_gates": "replay.routers: the model's own aux loss and router logits where it returns "
+    "them (transformers' MoE models), else no aux term and no routing figures",
 }
 
 

@@ -31,7 +31,7 @@ from ckptforensics.trainers.base import (
     skip_json,
 )
 
-# The replay asks every trainer module for `router_gates(model)` (`engine/replay/routers`).
+# The replay asks every trainer module for `router_gates(model)` (a `HOOKS` entry).
 from ckptforensics.trainers.deepspeed.moe_gate import router_gates  # noqa: F401
 
 NAME = "deepspeed"

@@ -10,6 +10,7 @@ replay's reading of the sparse routes."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -85,6 +86,11 @@ def test_the_replay_lands_on_the_loops_log(reports: dict, which: str) -> None:
     kinds = {f["kind"] for f in rep["findings"]}
     assert {"replay_log_agreement", "replay_reproduces"} <= kinds, kinds
     assert "MoE gates routing under a capacity" in rep["replay"]["config"]["model"]["value"]
+    # Each row's share of the gradient (the row rules' evidence) from the linears the rows feed;
+    # the experts, fed capacity buffers, are left out of it.
+    for s in steps:
+        sq = s["sample_grad_sq"]
+        assert sq is not None and len(sq) == 4 and all(0 < v < math.inf for v in sq), s["step"]
 
 
 @pytest.mark.parametrize("which", ["ample", "tight"])

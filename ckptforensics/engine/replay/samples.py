@@ -99,6 +99,10 @@ class PerSampleGrad:
         self._normbuf: torch.Tensor | None = None
         self._nnorm = 0
         self.enabled = False
+        # The pass's batch rows: a linear whose input does not lead with them (a MoE layer's
+        # experts fed capacity buffers, DeepSpeed's [1, 1, C, d]) holds no row's gradient
+        # apart, and is left out of the per-sample figures (None: every linear counts).
+        self.rows: int | None = None
         # The last output a fused forward returned, with its linear and input: its gradient
         # hook forms the weight's gradient. `_ride` (the linear's forward hook) takes it;
         # one called without its hooks (`.forward` directly) is hooked on its own by the
@@ -162,6 +166,8 @@ class PerSampleGrad:
         if not self.enabled or not isinstance(out, torch.Tensor) or not out.requires_grad:
             return None
         src = args[0]
+        if self.rows is not None and src.shape[0] != self.rows:
+            return None
         entry = self._inputs.get(id(src))
         if entry is None or entry.src is not src:
             x = src.detach()
@@ -199,7 +205,12 @@ class PerSampleGrad:
         if self._fused_out is not None:
             self._settle()
         w, b = mod.weight, mod.bias
-        if not (self.enabled and _fusable(x, w, b) and _fuse_pays(x, w)):
+        if not (
+            self.enabled
+            and (self.rows is None or x.shape[0] == self.rows)
+            and _fusable(x, w, b)
+            and _fuse_pays(x, w)
+        ):
             return nn.functional.linear(x, w, b)
         out = nn.functional.linear(x, w.detach(), b)
         self._fused_out = (out, w, x.detach(), b is not None)

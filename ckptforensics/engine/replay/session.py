@@ -114,10 +114,10 @@ class Session:
         self.router_modules = router_modules(self.model)
         # Gates that route under a capacity (a trainer's MoE layers, `routers.router_gates`):
         # their tokens reach the experts in capacity buffers, not in the batch's rows, so the
-        # per-sample gradient (which reads each linear's input per row) is off for such a model.
+        # per-sample gradient (which reads each linear's input per row) leaves the experts out.
         self.gates = router_gates(self.model)
         if self.gates is not None:
-            self.model_source += f"; {len(self.gates.names)} MoE gates routing under a capacity: their load-balancing losses x the model's router_aux_loss_coef added to the loss, no per-sample gradient"
+            self.model_source += f"; {len(self.gates.names)} MoE gates routing under a capacity: their load-balancing losses x the model's router_aux_loss_coef added to the loss, the experts left out of the per-sample gradient (their inputs are capacity buffers)"
         # bf16 parameters on fp32 masters in one process (FSDP2 casts them under torchrun).
         self.bf16_params = (
             mp.BF16Params([p for _, p in self.model.named_parameters() if p.requires_grad])
@@ -377,7 +377,7 @@ class Session:
             scale = ls.begin(step) if ls is not None else None
             self.probe.reset()
             self.psg.reset()
-            self.psg.enabled = self.gates is None
+            self.psg.enabled, self.psg.rows = True, batch["input_ids"].shape[0]
             self.opt.zero_grad(set_to_none=True)
             loss, per_sample = self._loss(batch, self.precision)
             self._backward(ls.scale(loss) if ls is not None else loss)

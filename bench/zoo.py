@@ -506,6 +506,7 @@ def _shape(d: dict[str, Any]) -> str:
     opt += f" resume-{d['resume']}" if d.get("resume", "none") != "none" else ""
     opt += f" {d['log']}" if d.get("log", "jsonl") != "jsonl" else ""
     opt += " group-lr" if d.get("group_fp16") else ""
+    opt += f" layout-{d['layout']}" if d.get("layout") else ""  # issue #44's own-loop files
     return f"{d['position']} {d['schedule']} L{d['n_layer']} d{d['n_embd']} T{d['seq']} {d['precision']} {d['fmt']}{hf}{opt}"
 
 

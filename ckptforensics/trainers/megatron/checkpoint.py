@@ -1,5 +1,6 @@
 """Megatron-LM checkpoints: legacy `iter_NNNNNNN/mp_rank_XX[_YYY]/model_optim_rng.pt`,
-and torch_dist (`iter_NNNNNNN/` = a DCP directory + `metadata.json` + `common.pt`).
+and torch_dist (`iter_NNNNNNN/` = a DCP directory + `metadata.json` + `common.pt`; MoE
+experts one tensor per expert, `trainers/megatron/experts.py`).
 
 Over 400 lines: one format's reader, both its layouts (legacy and torch_dist) and their
 arguments; formats/ keeps one module per format.
@@ -8,6 +9,7 @@ arguments; formats/ keeps one module per format.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +37,12 @@ from ckptforensics.formats.statedict import (
     to_plain,
 )
 from ckptforensics.formats.torchfile import load_torch_file
+from ckptforensics.trainers.megatron.experts import (
+    EXPERTS,
+    expert_count,
+    experts_in_order,
+    split_experts,
+)
 
 __all__ = [
     "is_megatron_dir",
@@ -46,6 +54,8 @@ __all__ = [
 ]
 
 TRACKER = "latest_checkpointed_iteration.txt"
+
+log = logging.getLogger(__name__)
 
 
 # Enums in Megatron's `args` (every real save has them; `signal.Signals` is exit_signal),
@@ -178,7 +188,8 @@ _STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)")  # stacked: no layer index
 
 def open_megatron_dist(path: Path) -> Checkpoint:
     """Megatron-core torch_dist: tensors by their sharded keys (per-layer parameters
-    stacked on a leading num_layers dim), moments under `optimizer.state.<field>.<key>`.
+    stacked on a leading num_layers dim, MoE experts on the next: `trainers.megatron.experts`),
+    moments under `optimizer.state.<field>.<key>`.
 
     The distributed optimizer's bucket format (`optimizer.distributed...bucket_idx...`)
     stores moments as flat per-bucket buffers; mapping them back needs Megatron's bucket
@@ -190,24 +201,21 @@ def open_megatron_dist(path: Path) -> Checkpoint:
     ckpt = Checkpoint(path=path, format="megatron-dist")
     common = _common(path, store)
     layers = _stacked_layers(md, common)
+    experts = expert_count(md, getattr(common.get("args"), "num_experts", None), layers)
     stacked = _StackCache(store)
     state: dict[str, dict[str, Any]] = {}
     buckets: dict[tuple[str, int], dict[str, str]] = {}
     for key, meta in md.state_dict_metadata.items():
         if key.startswith("optimizer.state."):
             field, _, fqn = key[len("optimizer.state.") :].partition(".")
-            for name, get in _views(fqn, key, layers, stacked):
+            for name, get, _ in _views(fqn, key, layers, experts, stacked):
                 state.setdefault(name, {})[field] = get
         elif (m := _BUCKET.match(key)) is not None:
             buckets.setdefault((m.group("buf"), int(m.group("idx"))), {})[m.group("field")] = key
         elif hasattr(meta, "size") and not key.startswith(("optimizer.", "rng_state")):
             shape = tuple(meta.size)
-            for name, get in _views(key, key, layers, stacked):
-                ckpt.add_tensor(
-                    name,
-                    TensorMeta(shape[1:] if name != key else shape, meta.properties.dtype),
-                    get,
-                )
+            for name, get, lead in _views(key, key, layers, experts, stacked):
+                ckpt.add_tensor(name, TensorMeta(shape[lead:], meta.properties.dtype), get)
     dist_groups: list[dict[str, Any]] = []
     if buckets:
         state = _unflatten_buckets(path, md, ckpt, buckets, stacked, layers)
@@ -245,6 +253,13 @@ def open_megatron_dist(path: Path) -> Checkpoint:
     if layers:
         ckpt.notes.append(
             f"torch_dist: per-layer tensors are stacked on a leading dim of {layers} layers; read as decoder.layers.<i>.<name>"
+        )
+    if experts:
+        log.debug("%s: %d experts per MoE layer, read one tensor per expert", path, experts)
+        ckpt.scalars["moe_experts"] = experts
+        ckpt.notes.append(
+            f"torch_dist: MoE expert tensors (`<mlp>.experts.experts.<param>`) hold {experts} experts on the dim after the layers' "
+            "(their global index); read one per expert as <mlp>.experts.local_experts.<e>.<param>, SequentialMLP's names"
         )
     if state:
         ckpt.optimizer = _dist_optimizer(state, groups, ckpt.names())
@@ -381,16 +396,24 @@ class _StackCache:
         return self.cache[key]
 
 
-def _views(name: str, key: str, layers: int, stacked: _StackCache) -> list[tuple[str, Any]]:
-    """(name, getter) pairs: one per layer for a stacked `decoder.layers.*` tensor."""
+def _views(
+    name: str, key: str, layers: int, experts: int, stacked: _StackCache
+) -> list[tuple[str, Any, int]]:
+    """(name, getter, leading dims taken) triples: one per layer for a stacked
+    `decoder.layers.*` tensor, one per expert (its layer's slice at the expert's index) for
+    a MoE expert tensor `<mlp>.experts.experts.<param>`."""
 
     if layers and _STACKED.match(name):
         rest = name[len("decoder.layers.") :]
-        return [
-            (f"decoder.layers.{i}.{rest}", (lambda i=i: stacked.layer(key, i)))
+        out = [
+            (f"decoder.layers.{i}.{rest}", (lambda i=i: stacked.layer(key, i)), 1)
             for i in range(layers)
         ]
-    return [(name, getter(stacked.store, key))]
+    elif experts and EXPERTS.match(name):
+        out = [(name, (lambda: stacked.whole(key)), 0)]  # read once for all its experts
+    else:
+        out = [(name, getter(stacked.store, key), 0)]
+    return split_experts(out, experts) if experts else out
 
 
 def _common(path: Path, store: Any) -> dict[str, Any]:
@@ -420,7 +443,7 @@ def _model_order(ckpt: Checkpoint, layers: int) -> list[str]:
     parameters in module order (as the stacked keys list them), final norm, output layer."""
     names = ckpt.names()
     per_layer = [n for n in names if n.startswith("decoder.layers.0.")]
-    rest = [n[len("decoder.layers.0.") :] for n in per_layer]
+    rest = experts_in_order([n[len("decoder.layers.0.") :] for n in per_layer])
     head = [n for n in names if n.startswith("embedding.")]
     tail = [
         n for n in names if n.startswith("decoder.") and not n.startswith("decoder.layers.")

@@ -1,0 +1,185 @@
+"""A megatron-core 0.19 MoE run (`fixtures/megatron_moe_run.py`, committed under
+fixtures/data/megatron-core-0.19-moe): GPTModel with SequentialMLP experts (4, top-2, aux and
+z losses), torch_dist with the plain optimizer, expert 2 of layer 1 at 1000x its LR between
+the saves (4 -> 8), the LR restored before the second; DeepSpeed-MoE's twin
+(tests/test_deepspeed_moe.py).
+
+torch_dist keeps each layer's experts in one tensor, `decoder.layers.mlp.experts.experts.<param>`
+[layers, experts, ...] (the global expert index on its own dim); the reader gives each expert
+its own tensor under SequentialMLP's name (`...mlp.experts.local_experts.<e>.<param>`), and the
+diff's split-expert path names the planted expert alone, past Adam's bound: lr_too_high. No
+training here, no megatron-core needed."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptforensics.checkpoints import open_checkpoint
+from ckptforensics.cli import cli
+from ckptforensics.trainers.megatron.experts import experts_in_order, split_experts
+from tests.conftest import ROOT
+
+RUN = ROOT / "fixtures" / "data" / "megatron-core-0.19-moe"
+TRUTH = json.loads((RUN / "truth.json").read_text())
+BEFORE, AFTER = TRUTH["before"], TRUTH["after"]
+LOCAL = ".mlp.experts.local_experts."
+# The local spec's norms are saved under TransformerEngine's names in torch_dist (an MoE
+# layer's pre-MLP norm too, though its MLP has no linear_fc1).
+_TE_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def _dist_name(name: str) -> str:
+    for mod, te in _TE_NAMES.items():
+        if name.endswith(mod):
+            return name[: -len(mod)] + te
+    return name
+
+
+def _sums(t: torch.Tensor) -> tuple[float, float]:
+    t = t.detach().double()
+    return float(t.sum()), float(t.abs().sum())
+
+
+@pytest.mark.parametrize("step", [BEFORE, AFTER])
+def test_every_tensor_and_its_adam_state_is_read_per_expert(step: int) -> None:
+    """Every parameter the live model had, each expert's own slice of the stacked tensors,
+    with Adam's moments and step; the values are those of the live objects at the save."""
+    ck = open_checkpoint(RUN / f"iter_{step:07d}")
+    assert ck.format == "megatron-dist" and ck.step == step
+    assert ck.scalars["moe_experts"] == TRUTH["n_experts"]
+    live = TRUTH["saves"][str(step)]["params"]
+    assert sorted(ck.names()) == sorted(_dist_name(n) for n in live)
+    experts = [n for n in ck.names() if LOCAL in n]
+    assert len(experts) == TRUTH["moe_layers"] * TRUTH["n_experts"] * 2  # fc1, fc2
+    assert ck.optimizer is not None and ck.optimizer.kind == "adam"
+    for name, rec in live.items():
+        n = _dist_name(name)
+        w, st = ck.tensor(n), ck.optim_state(n)
+        assert list(w.shape) == rec["shape"] == list(ck.meta(n).shape), n
+        assert int(st["step"]) == int(rec["step"]) == step
+        for field, t in (
+            ("param", w),
+            ("exp_avg", st["exp_avg"]),
+            ("exp_avg_sq", st["exp_avg_sq"]),
+        ):
+            s, a = _sums(t)
+            assert s == pytest.approx(rec[field]["sum"], rel=1e-9, abs=1e-12), (n, field)
+            assert a == pytest.approx(rec[field]["abs_sum"], rel=1e-9, abs=1e-12), (n, field)
+    # The planted expert's group is Megatron's own, its LR as saved (restored before the save).
+    assert ck.hyper(TRUTH["tensors"][0]).lr == pytest.approx(TRUTH["lr"])
+    assert TRUTH["saves"][str(step)]["param_group_lr"][TRUTH["optimizer_group"]] == TRUTH["lr"]
+
+
+def test_inspect_reads_every_tensor_with_its_state() -> None:
+    r = CliRunner().invoke(cli, ["inspect", "--run-dir", str(RUN), str(AFTER)])
+    assert r.exit_code == 0, r.output
+    n = len(TRUTH["parameters"])
+    assert f"in {n} tensors" in r.output and f"{n} params with state" in r.output, r.output
+    assert "ids mapped by sharded key" in r.output
+    assert f"hold {TRUTH['n_experts']} experts" in r.output
+
+
+@pytest.fixture(scope="module")
+def rep() -> dict:
+    """The diff's JSON report of the committed pair (4 -> 8), run once for the module."""
+    r = CliRunner().invoke(
+        cli,
+        ["diff", "--run-dir", str(RUN), "--before", str(BEFORE), "--after", str(AFTER)]
+        + ["--workers", "1", "--json"],
+    )
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_diff_names_the_expert_run_at_1000x_its_lr_alone(rep: dict) -> None:
+    """Expert 2 of layer 1, in each of its tensors, ~700x its peers' update/weight and past
+    Adam's bound at its recorded LR on every element: lr_too_high; no other expert named."""
+    assert rep["verdict"]["causes"][0]["cause"] == TRUTH["cause"], rep["verdict"]
+    tensors = {t["name"]: t for t in rep["diff"]["tensors"]}
+    assert len(tensors) == len(TRUTH["parameters"])
+    past = {n for n, t in tensors.items() if t.get("bound_violations")}
+    assert past == set(TRUTH["tensors"]), past
+    for n in TRUTH["tensors"]:
+        assert tensors[n]["bound_violations"] == tensors[n]["numel"]
+    expert = [f for f in rep["findings"] if "expert" in f["kind"]]
+    assert {f["kind"] for f in expert} == {"expert_update_outlier"}, expert
+    assert {f["subject"] for f in expert} == set(TRUTH["tensors"])
+    for f in expert:
+        m = f["metrics"]
+        assert m["expert"] == TRUTH["expert"] and m["experts"] == [TRUTH["expert"]]
+        assert m["layer"] == TRUTH["moe_layer"] and m["ratio_factor"] > 100
+        assert m["bound_violations"] > 0 and f["supports"] == ["lr_too_high"]
+    hot = f"decoder.layers.{TRUTH['moe_layer']}{LOCAL}{TRUTH['expert']}."
+    assert rep["verdict"]["exploding_layers"][0].startswith(hot)
+    # No finding on any other expert's tensor.
+    named = {f["subject"] for f in rep["findings"] if LOCAL in str(f["subject"])}
+    assert all(s.startswith(hot) for s in named), named
+
+
+def test_diff_leaves_the_routers_untouched(rep: dict) -> None:
+    """The routers moved as the dense tensors did: within Adam's bound, at their peers'
+    update/weight, named by no finding."""
+    tensors = {t["name"]: t for t in rep["diff"]["tensors"]}
+    routers = [n for n in tensors if n.endswith(".mlp.router.weight")]
+    assert len(routers) == TRUTH["moe_layers"]
+    dense = statistics.median(
+        t["update_ratio"] for n, t in tensors.items() if n not in TRUTH["tensors"]
+    )
+    for n in routers:
+        assert not tensors[n]["bound_violations"]
+        assert tensors[n]["update_ratio"] < 3 * dense
+    assert not [f for f in rep["findings"] if "router" in str(f["subject"])]
+
+
+def test_audit_reads_the_routing_settings() -> None:
+    """The audit does not crash on the MoE checkpoint; its MoE rows read Megatron's args."""
+    r = CliRunner().invoke(
+        cli, ["audit", "--run-dir", str(RUN), str(AFTER), "--compare", "none", "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    rows = {row["id"]: row for row in json.loads(r.stdout)["audit"]["rows"]}
+    assert rows["load_balancing"]["status"] == "ok"
+    assert str(TRUTH["moe_aux_loss_coeff"]) in rows["load_balancing"]["message"]
+    assert rows["router_z_loss"]["status"] == "ok"
+    assert str(TRUTH["moe_z_loss_coeff"]) in rows["router_z_loss"]["message"]
+    assert rows["router_precision"]["status"] == "ok"
+
+
+def test_split_views_name_each_expert_and_keep_module_order() -> None:
+    stacked = torch.arange(2 * 3 * 4).reshape(2, 3, 4)
+    views = [
+        ("decoder.layers.1.mlp.experts.experts.linear_fc1.weight", lambda: stacked[1], 1),
+        ("decoder.layers.1.mlp.router.weight", lambda: stacked[0], 1),
+        ("decoder.layers.1.mlp.shared_experts.linear_fc1.weight", lambda: stacked[0], 1),
+    ]
+    out = split_experts(views, 3)
+    names = [n for n, _, _ in out]
+    assert names == [
+        *(f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight" for e in range(3)),
+        "decoder.layers.1.mlp.router.weight",
+        "decoder.layers.1.mlp.shared_experts.linear_fc1.weight",
+    ]
+    assert [lead for _, _, lead in out] == [2, 2, 2, 1, 1]
+    assert torch.equal(out[2][1](), stacked[1, 2])
+    rest = [
+        "mlp.router.weight",
+        *(f"mlp.experts.local_experts.{e}.linear_fc1.weight" for e in range(2)),
+        *(f"mlp.experts.local_experts.{e}.linear_fc2.weight" for e in range(2)),
+        "mlp.linear_fc1.layer_norm_weight",
+    ]
+    assert experts_in_order(rest) == [
+        "mlp.router.weight",
+        "mlp.experts.local_experts.0.linear_fc1.weight",
+        "mlp.experts.local_experts.0.linear_fc2.weight",
+        "mlp.experts.local_experts.1.linear_fc1.weight",
+        "mlp.experts.local_experts.1.linear_fc2.weight",
+        "mlp.linear_fc1.layer_norm_weight",
+    ]

@@ -3,7 +3,7 @@ fixtures/data/deepspeed-moe): the model's own MoE layers (DeepSpeed's `TopKGate`
 capacity) replayed from global_step4 over steps 5-8 land on the loop's log (LM loss + 0.01 x the
 gates' `l_aux`), and the routing figures hold, per MoE layer and step, the tokens each expert kept
 and those dropped past its capacity: none at capacity factor 4.0 (the committed run), about half
-at 0.5 (the same run trained again with a tight capacity). The reference for the dropped tokens is
+at 0.5 (the same run trained with a tight capacity, committed as fixtures/data/deepspeed-moe-tight). The reference for the dropped tokens is
 DeepSpeed's own gate on the step's batch (its dense form: `dispatch_mask`, `exp_counts`), not the
 replay's reading of the sparse routes."""
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,14 +22,15 @@ from click.testing import CliRunner
 from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.cli import cli
 from ckptforensics.formats.batches import open_batches
-from tests.conftest import ROOT, free_port, validate_reports
+from tests.conftest import ROOT, validate_reports
 
 pytest.importorskip("deepspeed")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 RUN = ROOT / "fixtures" / "data" / "deepspeed-moe"
+# The same run trained with capacity factor 0.5 (`deepspeed_moe_run.py OUT --capacity-factor 0.5`)
+TIGHT_RUN = ROOT / "fixtures" / "data" / "deepspeed-moe-tight"
 SCRIPT = ROOT / "fixtures" / "deepspeed_moe_run.py"
-TIGHT = 0.5
 
 
 def _replay(run: Path, factory: str, out: Path) -> dict:
@@ -45,25 +45,12 @@ def _replay(run: Path, factory: str, out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tight_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The committed run trained again with capacity factor 0.5 (DeepSpeed, one gloo process)."""
-    out = tmp_path_factory.mktemp("ds-moe") / "tight"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), "--capacity-factor", str(TIGHT)],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return out
-
-
-@pytest.fixture(scope="module")
-def reports(tight_run: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
     """capacity -> (run, its replay's report.json, the report's folder)."""
     out = tmp_path_factory.mktemp("ds-moe-replay")
     return {
         "ample": (RUN, _replay(RUN, "factory", out / "ample"), out / "ample"),
-        "tight": (tight_run, _replay(tight_run, "tight_factory", out / "tight"), out / "tight"),
+        "tight": (TIGHT_RUN, _replay(TIGHT_RUN, "tight_factory", out / "tight"), out / "tight"),
     }
 
 
@@ -98,6 +85,7 @@ def test_routing_figures_per_moe_layer(reports: dict, which: str) -> None:
     """Each step's figures name both gates and give each expert's tokens, kept and routed."""
     run, rep, _ = reports[which]
     truth = json.loads((run / "truth.json").read_text())
+    assert truth["capacity_factor"] == {"ample": 4.0, "tight": 0.5}[which]
     for s in rep["replay"]["steps"]:
         r = s["router"]
         assert r["modules"] == [

@@ -151,6 +151,8 @@ def test_audit_reads_the_routing_settings() -> None:
     assert rows["router_z_loss"]["status"] == "ok"
     assert str(TRUTH["moe_z_loss_coeff"]) in rows["router_z_loss"]["message"]
     assert rows["router_precision"]["status"] == "ok"
+    # The router's z-loss is no z-loss on the output logits.
+    assert "moe_z_loss_coeff" not in rows["logit_control"]["message"], rows["logit_control"]
 
 
 def test_split_views_name_each_expert_and_keep_module_order() -> None:

@@ -196,12 +196,14 @@ def _walk(d: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 def _z_loss(rc: dict[str, Any]) -> tuple[float | None, str | None]:
     """A z-loss coefficient anywhere in the recorded configuration (PaLM's name, OLMo-core's
-    `z_loss_multiplier`, the project's GPT's `z_loss`); a MoE router's z-loss is not this."""
+    `z_loss_multiplier`, the project's GPT's `z_loss`); a MoE router's z-loss is not this
+    (transformers' `router_z_loss_coef`, Megatron's `moe_z_loss_coeff`: `_MOE_KEYS`)."""
     for key, v in _walk(rc):
         leaf = key.rsplit(".", 1)[-1].lower()
         if (
             "z_loss" in leaf
             and "router" not in key.lower()
+            and leaf not in _MOE_KEYS["z"]
             and isinstance(v, (int, float))
             and not isinstance(v, bool)
             and v > 0

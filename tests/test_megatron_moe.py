@@ -7,21 +7,28 @@ the saves (4 -> 8), the LR restored before the second; DeepSpeed-MoE's twin
 torch_dist keeps each layer's experts in one tensor, `decoder.layers.mlp.experts.experts.<param>`
 [layers, experts, ...] (the global expert index on its own dim); the reader gives each expert
 its own tensor under SequentialMLP's name (`...mlp.experts.local_experts.<e>.<param>`), and the
-diff's split-expert path names the planted expert alone, past Adam's bound: lr_too_high. No
-training here, no megatron-core needed."""
+diff's split-expert path names the planted expert alone, past Adam's bound: lr_too_high.
+
+The replay rebuilds the model with the reference GPTModel's MoE layers
+(trainers/megatron/moe.py) from the checkpoint's args: Megatron-LM's printed `lm loss` is the LM
+loss alone, the routers' load-balancing and z-losses entering only the gradient (megatron-core's
+MoEAuxLossAutoScaler, at 1 / the micro-batches). No training here, no megatron-core needed."""
 
 from __future__ import annotations
 
 import json
 import statistics
 
+import h5py
 import pytest
 import torch
+import torch.nn.functional as F
 from click.testing import CliRunner
 
 from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.cli import cli
 from ckptforensics.trainers.megatron.experts import experts_in_order, split_experts
+from ckptforensics.trainers.megatron.model import megatron_gpt
 from tests.conftest import ROOT
 
 RUN = ROOT / "fixtures" / "data" / "megatron-core-0.19-moe"
@@ -185,3 +192,67 @@ def test_split_views_name_each_expert_and_keep_module_order() -> None:
         "mlp.experts.local_experts.1.linear_fc2.weight",
         "mlp.linear_fc1.layer_norm_weight",
     ]
+
+
+def _grad_norm(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> float:
+    model.zero_grad()
+    logits = model(ids)
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).backward()
+    return float(sum(p.grad.double().square().sum() for p in model.parameters()).sqrt())
+
+
+def test_reference_moe_model_is_megatrons_forward_and_gradient() -> None:
+    """The reference GPT built from the iteration-4 save's args, in training mode on iteration
+    5's batch: megatron-core's LM loss, each layer's load-balancing and z-loss (summed over
+    the 2 micro-batches, as its tracker holds them) and its pre-clip grad norm, which holds
+    the MoE losses' gradients at 1 / the micro-batches (none, or as a loss term: off by
+    ~3e-5 and ~5e-5)."""
+    ck = open_checkpoint(RUN / f"iter_{BEFORE:07d}")
+    model, _ = megatron_gpt(ck.config, ck.names())
+    assert sorted(n for n, _ in model.named_parameters()) == sorted(ck.names())
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(ck.tensor(n))
+    model.train()
+    with h5py.File(RUN / "batches.h5") as f:
+        row = list(f["step"][:]).index(BEFORE + 1)
+        ids, labels = torch.from_numpy(f["input_ids"][row]), torch.from_numpy(f["labels"][row])
+    it = TRUTH["iterations"][BEFORE]
+    assert it["step"] == BEFORE + 1
+    logits = model(ids)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    assert float(loss.detach()) == pytest.approx(it["loss"], rel=1e-6)
+    moe = [layer.mlp for layer in model.decoder.layers]
+    for name, per_layer in it["moe_losses"].items():
+        assert [m.last_losses[name] for m in moe] == pytest.approx(per_layer, rel=1e-6), name
+    assert _grad_norm(model, ids, labels) == pytest.approx(it["grad_norm"], rel=2e-6)
+    for m in moe:
+        m.grad_scale = 0.0  # the MoE losses out of the gradient
+    assert _grad_norm(model, ids, labels) != pytest.approx(it["grad_norm"], rel=1e-5)
+
+
+def test_replay_lands_on_the_log_until_the_experts_unrecorded_lr(tmp_path) -> None:
+    """`replay 4 -> 8` on the run's batch log and printed log: iteration 5 lands on the
+    logged loss and on the run's grad norm (the aux and z losses' gradients in it); from 6
+    on the replay leaves the log, as it must: expert 2 of layer 1 took iteration 5's update
+    at 1000x its group's LR, which neither the log (group 0's LR) nor torch_dist (no group
+    members) records, so the replay withholds itself; the diff names the expert."""
+    out = tmp_path / "rep"
+    args = ["replay", "--run-dir", str(RUN), "--before", str(BEFORE), "--after", str(AFTER)]
+    args += ["--batch", str(RUN / "batches.h5"), "--out", str(out)]
+    r = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output[-2000:]
+    doc = json.loads((out / "report.json").read_text())
+    check = doc["replay"]["check"]
+    assert check["checked_steps"] == TRUTH["steps"]
+    first = check["steps"][0]
+    live = TRUTH["iterations"][BEFORE]
+    assert first["step"] == BEFORE + 1 and first["loss_ok"] and first["grad_ok"], first
+    assert first["loss"] == pytest.approx(live["loss"], rel=1e-6)
+    assert first["grad_norm"] == pytest.approx(live["grad_norm"], rel=2e-6)
+    assert check["first_miss"] == BEFORE + 2, check
+    assert "mixture of experts" not in r.output
+    assert doc["verdict"]["causes"][0]["cause"] == TRUTH["cause"], doc["verdict"]
+    expert = [f for f in doc["findings"] if f["kind"] == "expert_update_outlier"]
+    assert {f["subject"] for f in expert} == set(TRUTH["tensors"]), expert
+    assert all(f["metrics"]["expert"] == TRUTH["expert"] for f in expert)

@@ -144,6 +144,10 @@ class Session:
         self.psg = PerSampleGrad(self.model, self.probe, fused=self.shards is None)
         self.params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._group_of = {id(p): g for g in self.opt.param_groups for p in g["params"]}
+        self._saved = {  # each parameter's saved param group: the index of its LR (`step`)
+            id(p): a.optimizer.hyper[a.aliases.get(k := self.to_ckpt(n), k)].index
+            for n, p in self.params
+        }
         self._grad_view: tuple | None = None  # `_with_grad`'s lookups, for one set of params
         self._counts = paramstats.StepCounts()  # the optimizer's step counts, read each step
         self._state_view: tuple | None = None  # `_states`' lookups
@@ -370,8 +374,8 @@ class Session:
         clip: float | None,
         update: bool = True,
     ) -> tuple[StepRecord, PassStats]:
-        for g, lr in zip(self.opt.param_groups, lrs, strict=True):
-            g["lr"] = lr
+        for g in self.opt.param_groups:  # a saved group no parameter is in is not rebuilt
+            g["lr"] = lrs[self._saved[id(g["params"][0])]]
         ls = self.loss_scaler
         while True:  # once, unless the loss scale must move and the step be redone (fp16)
             scale = ls.begin(step) if ls is not None else None

@@ -1,5 +1,6 @@
 """Megatron GPT (megatron.core.models.gpt.GPTModel): megatron-core 0.19's forward with its
-module names, the local or the Transformer-Engine (fused norm) layer spec."""
+module names, the local or the Transformer-Engine (fused norm) layer spec; MoE layers
+(`moe.py`: TopKRouter, SequentialMLP experts, the aux and z losses' gradients)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckptforensics.trainers.layers import Attn, ReferenceError, attend, norm, rotary
+from ckptforensics.trainers.megatron.moe import MegatronMoE
 
 
 def _attend_megatron(
@@ -42,7 +44,6 @@ def _attend_megatron(
 
 
 _MEGATRON_REFUSED = {
-    "num_experts": "mixture of experts",
     "multi_latent_attention": "multi-latent attention",
     "use_rope_scaling": "Llama-3.1 RoPE scaling",
     "mrope_section": "multimodal RoPE",
@@ -131,10 +132,10 @@ def _megatron_norm(args: dict[str, Any], dim: int) -> nn.Module:
 
 
 class _MegatronMLP(nn.Module):
-    def __init__(self, args: dict[str, Any], fused_norm: bool) -> None:
+    def __init__(self, args: dict[str, Any], fused_norm: bool, ffn: int | None = None) -> None:
         super().__init__()
         h, bias = args["hidden_size"], bool(args.get("add_bias_linear", True))
-        ffn = int(args.get("ffn_hidden_size") or 4 * h)
+        ffn = ffn or int(args.get("ffn_hidden_size") or 4 * h)
         self.glu = bool(args.get("swiglu"))
         out = 2 * ffn if self.glu else ffn
         if fused_norm:
@@ -146,7 +147,8 @@ class _MegatronMLP(nn.Module):
         # megatron's fused bias-GeLU kernel is the tanh approximation; F.gelu otherwise
         self.gelu_tanh = bool(args.get("bias_gelu_fusion")) and bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """`scale`: an expert's routing prob per token (MLP's `per_token_scale`)."""
         y = self.linear_fc1(x)
         if self.glu:
             a, b = y.chunk(2, dim=-1)
@@ -155,6 +157,8 @@ class _MegatronMLP(nn.Module):
             y = F.relu(y).pow(2)
         else:
             y = F.gelu(y, approximate="tanh" if self.gelu_tanh else "none")
+        if scale is not None:
+            y = (y * scale.unsqueeze(-1)).to(y.dtype)
         return self.linear_fc2(y)
 
 
@@ -165,7 +169,14 @@ class _MegatronLayer(nn.Module):
         self.input_layernorm = nn.Identity() if fused_norm else _megatron_norm(args, h)
         self.self_attention = _MegatronAttention(args, a, fused_norm)
         self.pre_mlp_layernorm = nn.Identity() if fused_norm else _megatron_norm(args, h)
-        self.mlp = _MegatronMLP(args, fused_norm)
+        if args.get("num_experts"):
+            self.mlp: nn.Module = MegatronMoE(
+                args,
+                _megatron_norm(args, h) if fused_norm else None,
+                lambda ffn: _MegatronMLP(args, False, ffn),
+            )
+        else:
+            self.mlp = _MegatronMLP(args, fused_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attention(self.input_layernorm(x))
@@ -248,11 +259,21 @@ class MegatronGPT(nn.Module):
 def megatron_gpt(args: dict[str, Any], names: list[str]) -> tuple[nn.Module, str]:
     """The Megatron GPT that `args` describe; TE-style fused norm names when the checkpoint has them."""
     fused = any(n.endswith("linear_qkv.layer_norm_weight") for n in names)
+    if args.get("num_experts") and not any(".mlp.experts.local_experts." in n for n in names):
+        # experts under other names (GroupedMLP's weight1/weight2, TEGroupedMLP's per-expert
+        # linear_fc1.weight<e> in a legacy save) or none: only SequentialMLP's are read
+        raise ReferenceError("the reference Megatron GPT does not implement mixture of experts")
     try:
         model = MegatronGPT(args, fused)
     except ReferenceError as e:
         raise ReferenceError(f"the reference Megatron GPT does not implement {e}") from None
     spec = "Transformer Engine names (fused layer norms)" if fused else "local spec names"
+    if args.get("num_experts"):
+        spec += (
+            f"; MoE layers of {args['num_experts']} experts, top-{args.get('moe_router_topk') or 2}: "
+            "the routers' load-balancing and z-losses in the gradient alone, as megatron-core's "
+            "MoEAuxLossAutoScaler adds them, not in the logged lm loss"
+        )
     return (
         model,
         f"reference Megatron GPT from the checkpoint's args ({spec}; megatron-core 0.19 GPTModel forward)",

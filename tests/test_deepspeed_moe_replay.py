@@ -154,3 +154,29 @@ def test_dropped_tokens_are_deepspeeds_own(reports: dict, which: str, factory: s
     assert [list(t) for t in first["tokens"]] == [k for k, _ in ref]
     assert list(first["dropped"]) == [d for _, d in ref]
     assert (sum(d for _, d in ref) > 0) == (which == "tight")
+
+
+def test_routing_drawn_from_the_rng_is_an_open_question_not_a_fault() -> None:
+    """DeepSpeed's default Random Token Selection draws which tokens a full expert keeps from
+    torch's RNG: the tight run replayed with it on parts from its log, and the replay names
+    the draw among what it cannot exclude (a spike it misses is then no hardware fault); the
+    run as trained (RTS off) names none."""
+    from ckptforensics.commands.common import replay_config
+    from ckptforensics.core.options import replay_options
+    from ckptforensics.detectors.replay.agreement import _unexcluded
+    from ckptforensics.engine.replay.run import replay
+
+    def run(factory: str) -> tuple[list[str], list]:
+        cfg = replay_config(
+            4, 8, str(TIGHT_RUN / "batches.h5"), TIGHT_RUN,
+            replay_options(None, model=f"{SCRIPT}:{factory}"), None,
+        )  # fmt: skip
+        rep = replay(cfg)
+        return _unexcluded(rep), [r.router for r in rep.records]
+
+    open_rts, routers = run("rts_factory")
+    assert all(r.drawn == ("random token selection in full experts",) * 2 for r in routers)
+    assert any("drew their routing from torch's RNG" in q for q in open_rts), open_rts
+    open_plain, routers = run("tight_factory")
+    assert all(r.drawn == ("", "") for r in routers)
+    assert not any("RNG" in q for q in open_plain), open_plain

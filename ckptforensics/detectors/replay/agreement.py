@@ -178,6 +178,20 @@ def _unexcluded(rep: Any) -> list[str]:
     lr_src = str((rep.config.get("lr") or {}).get("source", ""))
     if not lr_src.startswith(("batch log", "training log")):
         out.append(f"the LR of each step is not in the run's log (the replay used {lr_src})")
+    drawn = sorted(
+        {
+            part
+            for r in rep.records
+            for layer in getattr(getattr(r, "router", None), "drawn", ())
+            for part in layer.split(", ")
+            if part
+        }
+    )
+    if drawn:
+        # DeepSpeed-MoE's gates draw from torch's RNG by default (`trainers/deepspeed/moe_gate`).
+        out.append(
+            f"the MoE gates drew their routing from torch's RNG ({', '.join(drawn)}), which no replay redraws"
+        )
     return out
 
 

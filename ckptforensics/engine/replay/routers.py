@@ -168,12 +168,15 @@ class GateFigures(RouterFigures):
         dropped: the routes dropped past their expert's capacity (their tokens pass the layer
             on the residual alone).
         capacity: the routes an expert takes at most.
+        drawn: per layer, what its gate drew from torch's RNG this pass ("" where nothing):
+            a replay cannot redraw it, so its routing, and the loss, may part from the run's.
     """
 
     routed: tuple[tuple[int, ...], ...] = ()
     tokens: tuple[tuple[int, ...], ...] = ()
     dropped: tuple[int, ...] = ()
     capacity: tuple[int, ...] = ()
+    drawn: tuple[str, ...] = ()
 
 
 def router_gates(model: nn.Module) -> Any | None:
@@ -222,6 +225,11 @@ def gate_figures(calls: list[tuple[str, Any]]) -> GateFigures | None:
     table = torch.stack(rows).tolist()  # the one host read of the pass's routing
     routed_ = tuple(tuple(int(v) for v in r[e : 2 * e]) for r in table)
     kept = tuple(tuple(int(v) for v in r[2 * e : 3 * e]) for r in table)
+    dropped = tuple(sum(a) - sum(b) for a, b in zip(routed_, kept, strict=True))
+    drawn = tuple(
+        ", ".join(x for x in (c.drawn, c.drawn_if_full if n else "") if x)
+        for (_, c), n in zip(calls, dropped, strict=True)
+    )
     return GateFigures(
         load=tuple(tuple(r[:e]) for r in table),
         logit_max=tuple(r[3 * e] for r in table),
@@ -230,6 +238,7 @@ def gate_figures(calls: list[tuple[str, Any]]) -> GateFigures | None:
         modules=tuple(n for n, _ in calls),
         routed=routed_,
         tokens=kept,
-        dropped=tuple(sum(a) - sum(b) for a, b in zip(routed_, kept, strict=True)),
+        dropped=dropped,
         capacity=tuple(int(r[3 * e + 2]) for r in table),
+        drawn=drawn,
     )

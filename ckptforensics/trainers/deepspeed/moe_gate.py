@@ -41,6 +41,10 @@ class GateCall:
         kept: each expert's routes the cut kept [E].
         capacity: the routes an expert takes at most (scalar).
         top_k: the experts each token is routed to.
+        drawn: what the gate draws from torch's RNG in training, which no replay redraws
+            (`_drawn`); "" where nothing.
+        drawn_if_full: what it draws only when an expert is full (Random Token Selection picks
+            the tokens a full expert keeps); "" where nothing.
     """
 
     l_aux: torch.Tensor
@@ -49,6 +53,23 @@ class GateCall:
     kept: torch.Tensor
     capacity: torch.Tensor
     top_k: int
+    drawn: str = ""
+    drawn_if_full: str = ""
+
+
+def _drawn(mod: nn.Module) -> tuple[str, str]:
+    """The random parts of a `TopKGate`'s routing in training (deepspeed 0.19.8
+    `sharded_moe.py`): noisy gating (`noisy_gate_policy` "Jitter" / "RSample"), top-2's second
+    expert picked with Gumbel noise (`top2_2nd_expert_sampling`, on by default), and Random
+    Token Selection (`use_rts`, on by default), which only decides which tokens a full expert
+    keeps. Each is drawn from torch's global RNG."""
+    always = []
+    if getattr(mod, "noisy_gate_policy", None):
+        always.append(f"{mod.noisy_gate_policy} noise")
+    if getattr(mod, "k", 1) == 2 and getattr(mod, "top2_2nd_expert_sampling", False):
+        always.append("the second expert sampled with Gumbel noise")
+    full = "random token selection in full experts" if getattr(mod, "use_rts", False) else ""
+    return ", ".join(always), full
 
 
 class GateTap:
@@ -76,8 +97,9 @@ class GateTap:
                     capacity = torch.tensor(float(out[2].shape[-1]), device=logits.device)
                 routed = out[-1].to(logits.device).float()
             self._last[name] = GateCall(
-                out[0], logits, routed, kept, capacity.reshape(()), int(getattr(mod, "k", 1))
-            )
+                out[0], logits, routed, kept, capacity.reshape(()), int(getattr(mod, "k", 1)),
+                *_drawn(mod),
+            )  # fmt: skip
 
         return hook
 

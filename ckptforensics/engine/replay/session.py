@@ -220,7 +220,8 @@ class Session:
         one process: the loss), and each of its rows' mean token loss."""
         full = batch
         batch = self.ranks.my_rows(batch)
-        self.probe.rows = batch["input_ids"].shape[0]
+        # the rows this rank's forward sees (under torchrun, its share of the batch)
+        self.probe.rows = self.psg.rows = batch["input_ids"].shape[0]
         on = {k: v.to(self.device) for k, v in batch.items()}
         if self.call is None:
             self.call = self._detect_call(full)
@@ -381,7 +382,7 @@ class Session:
             scale = ls.begin(step) if ls is not None else None
             self.probe.reset()
             self.psg.reset()
-            self.psg.enabled, self.psg.rows = True, batch["input_ids"].shape[0]
+            self.psg.enabled = True
             self.opt.zero_grad(set_to_none=True)
             loss, per_sample = self._loss(batch, self.precision)
             self._backward(ls.scale(loss) if ls is not None else loss)

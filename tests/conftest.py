@@ -17,7 +17,10 @@ sys.path.insert(0, str(ROOT))
 
 from fixtures.zoo import build  # noqa: E402
 
-__all__ = ["ROOT", "SUBSET", "build", "draw_args", "free_port", "torchrun", "validate_reports"]
+__all__ = [
+    "ROOT", "SUBSET", "assert_one_expert_named", "build", "draw_args", "free_port",
+    "megatron_dist_name", "torchrun", "validate_reports",
+]  # fmt: skip
 
 
 # `make test` runs the suite on two workers (pytest-xdist): each module's tests run on one
@@ -234,3 +237,34 @@ def tree_hash(path: Path) -> str:
         h.update(str(f.relative_to(path.parent)).encode())
         h.update(f.read_bytes())
     return h.hexdigest()
+
+
+# megatron-core's local spec saves its norms under Transformer Engine's names in torch_dist (an
+# MoE layer's pre-MLP norm too, though its MLP has no linear_fc1).
+_TE_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def megatron_dist_name(name: str) -> str:
+    """A megatron-core model's parameter name as its torch_dist checkpoint holds it."""
+    for mod, te in _TE_NAMES.items():
+        if name.endswith(mod):
+            return name[: -len(mod)] + te
+    return name
+
+
+def assert_one_expert_named(rep: dict[str, Any], truth: dict[str, Any]) -> list[dict[str, Any]]:
+    """The diff's expert findings name the planted expert (`truth`: expert, moe_layer, tensors)
+    alone, on each of its tensors, past Adam's bound at its recorded LR (lr_too_high); returns
+    them."""
+    expert = [f for f in rep["findings"] if "expert" in f["kind"]]
+    assert {f["kind"] for f in expert} == {"expert_update_outlier"}, expert
+    assert {f["subject"] for f in expert} == set(truth["tensors"])
+    for f in expert:
+        m = f["metrics"]
+        assert m["expert"] == truth["expert"] and m["experts"] == [truth["expert"]]
+        assert m["layer"] == truth["moe_layer"] and m["ratio_factor"] > 100
+        assert m["bound_violations"] > 0 and f["supports"] == ["lr_too_high"]
+    return expert

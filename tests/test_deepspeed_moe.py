@@ -29,7 +29,7 @@ from ckptforensics.engine.diff.chunks import Moments, Pair, Staging
 from ckptforensics.engine.diff.experts import ExpertAcc, expert_slices, split_groups, split_key
 from ckptforensics.engine.diff.records import DiffResult, ExpertStats, PairInfo, TensorDiff
 from ckptforensics.formats.torchfile import load_torch_file
-from tests.conftest import ROOT
+from tests.conftest import ROOT, assert_one_expert_named
 from tests.test_cli import assert_bad_input
 
 RUN = ROOT / "fixtures" / "data" / "deepspeed-moe"
@@ -101,14 +101,7 @@ def test_per_expert_evidence_names_expert_2_of_layer_1_alone(rep: dict) -> None:
     in each of its 4 tensors (~800x its peers' update/weight), past Adam's bound at its
     recorded LR (so the finding supports lr_too_high); no other expert is named."""
     assert rep["verdict"]["causes"][0]["cause"] == "lr_too_high", rep["verdict"]
-    expert = [f for f in rep["findings"] if "expert" in f["kind"]]
-    assert {f["kind"] for f in expert} == {"expert_update_outlier"}, expert
-    assert {f["subject"] for f in expert} == set(TRUTH["tensors"])
-    for f in expert:
-        m = f["metrics"]
-        assert m["expert"] == TRUTH["expert"] and m["experts"] == [TRUTH["expert"]]
-        assert m["layer"] == TRUTH["moe_layer"] and m["ratio_factor"] > 100
-        assert m["bound_violations"] > 0 and f["supports"] == ["lr_too_high"]
+    for f in assert_one_expert_named(rep, TRUTH):
         assert f"deepspeed_experts.{TRUTH['expert']}." in f["subject"]
     # The expert's tensors lead the exploding layers.
     lead = rep["verdict"]["exploding_layers"][0]

@@ -29,25 +29,12 @@ from ckptforensics.checkpoints import open_checkpoint
 from ckptforensics.cli import cli
 from ckptforensics.trainers.megatron.experts import experts_in_order, split_experts
 from ckptforensics.trainers.megatron.model import megatron_gpt
-from tests.conftest import ROOT
+from tests.conftest import ROOT, assert_one_expert_named, megatron_dist_name
 
 RUN = ROOT / "fixtures" / "data" / "megatron-core-0.19-moe"
 TRUTH = json.loads((RUN / "truth.json").read_text())
 BEFORE, AFTER = TRUTH["before"], TRUTH["after"]
 LOCAL = ".mlp.experts.local_experts."
-# The local spec's norms are saved under TransformerEngine's names in torch_dist (an MoE
-# layer's pre-MLP norm too, though its MLP has no linear_fc1).
-_TE_NAMES = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-}
-
-
-def _dist_name(name: str) -> str:
-    for mod, te in _TE_NAMES.items():
-        if name.endswith(mod):
-            return name[: -len(mod)] + te
-    return name
 
 
 def _sums(t: torch.Tensor) -> tuple[float, float]:
@@ -63,12 +50,12 @@ def test_every_tensor_and_its_adam_state_is_read_per_expert(step: int) -> None:
     assert ck.format == "megatron-dist" and ck.step == step
     assert ck.scalars["moe_experts"] == TRUTH["n_experts"]
     live = TRUTH["saves"][str(step)]["params"]
-    assert sorted(ck.names()) == sorted(_dist_name(n) for n in live)
+    assert sorted(ck.names()) == sorted(megatron_dist_name(n) for n in live)
     experts = [n for n in ck.names() if LOCAL in n]
     assert len(experts) == TRUTH["moe_layers"] * TRUTH["n_experts"] * 2  # fc1, fc2
     assert ck.optimizer is not None and ck.optimizer.kind == "adam"
     for name, rec in live.items():
-        n = _dist_name(name)
+        n = megatron_dist_name(name)
         w, st = ck.tensor(n), ck.optim_state(n)
         assert list(w.shape) == rec["shape"] == list(ck.meta(n).shape), n
         assert int(st["step"]) == int(rec["step"]) == step
@@ -116,14 +103,7 @@ def test_diff_names_the_expert_run_at_1000x_its_lr_alone(rep: dict) -> None:
     assert past == set(TRUTH["tensors"]), past
     for n in TRUTH["tensors"]:
         assert tensors[n]["bound_violations"] == tensors[n]["numel"]
-    expert = [f for f in rep["findings"] if "expert" in f["kind"]]
-    assert {f["kind"] for f in expert} == {"expert_update_outlier"}, expert
-    assert {f["subject"] for f in expert} == set(TRUTH["tensors"])
-    for f in expert:
-        m = f["metrics"]
-        assert m["expert"] == TRUTH["expert"] and m["experts"] == [TRUTH["expert"]]
-        assert m["layer"] == TRUTH["moe_layer"] and m["ratio_factor"] > 100
-        assert m["bound_violations"] > 0 and f["supports"] == ["lr_too_high"]
+    assert_one_expert_named(rep, TRUTH)
     hot = f"decoder.layers.{TRUTH['moe_layer']}{LOCAL}{TRUTH['expert']}."
     assert rep["verdict"]["exploding_layers"][0].startswith(hot)
     # No finding on any other expert's tensor.

@@ -24,6 +24,7 @@ from ckptforensics.cli import cli
 from ckptforensics.core.errors import OptimizerMappingError
 from ckptforensics.formats.optstate import AmbiguousMapping, map_optimizer, settle_by_evidence
 from ckptforensics.formats.torchfile import load_torch_file
+from tests.conftest import megatron_dist_name
 from tests.test_cli import assert_bad_input
 
 
@@ -594,18 +595,6 @@ def test_litgpt_and_olmo_core_logs_are_found_and_keyed_by_the_checkpoints_step()
 
 
 MCORE = DATA / "megatron-core-0.19"
-# The local spec's norms are saved under TransformerEngine's names in torch_dist.
-_TE_NAMES = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-}
-
-
-def _dist_name(name: str) -> str:
-    for mod, te in _TE_NAMES.items():
-        if name.endswith(mod):
-            return name[: -len(mod)] + te
-    return name
 
 
 @pytest.mark.parametrize("variant", ["plain", "distopt", "legacy"])
@@ -715,7 +704,7 @@ def test_megatron_core_checkpoint_matches_what_megatron_recorded(variant: str, i
     want = json.loads((MCORE / "truth.json").read_text())["variants"][variant]["saves"][it]
     ck = open_checkpoint(MCORE / variant / f"iter_{int(it):07d}")
     assert ck.step == want["iteration"]
-    rename = (lambda n: n) if variant.endswith("legacy") else _dist_name
+    rename = (lambda n: n) if variant.endswith("legacy") else megatron_dist_name
     assert sorted(ck.names()) == sorted(rename(n) for n in want["params"])
     _assert_matches_truth(ck, want["params"], rename)
 
@@ -730,7 +719,7 @@ def test_megatron_bf16_weights_are_the_fp32_main_params_the_model_rounds(variant
         "params"
     ]
     ck = open_checkpoint(MCORE / variant / "iter_0000010")
-    rename = (lambda n: n) if variant.endswith("legacy") else _dist_name
+    rename = (lambda n: n) if variant.endswith("legacy") else megatron_dist_name
     assert ck.scalars["fp32_masters"] is True
     assert any("fp32 main params" in n for n in ck.notes)
     policy = ck.scalars["train_config"]["megatron_precision"]

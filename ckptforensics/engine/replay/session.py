@@ -183,11 +183,8 @@ class Session:
             self.aux = gate_aux(self.model, calls)
             if self.probe.enabled:
                 self.router = gate_figures(calls)
-            if isinstance(out, torch.Tensor):
-                return out
         elif isinstance(out, torch.Tensor):
             self.aux = None
-            return out
         else:
             # A Mixture-of-Experts model's own auxiliary loss, added to the loss as it adds it
             # (`routers.aux_term`), and its routing when the probes are on (`routers`).
@@ -202,6 +199,8 @@ class Session:
                 self.router = router_figures(
                     self.model, out, batch.get("attention_mask"), self.router_modules
                 )
+        if isinstance(out, torch.Tensor):
+            return out
         return out.logits if self.call.output == "object" else out[0]
 
     def _micro_parts(self, rows: int) -> list[tuple[int, int]] | None:
